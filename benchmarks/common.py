@@ -1,0 +1,65 @@
+"""Shared benchmark plumbing: device timing, the H200's ceilings, and result tables."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+
+# Measured on the H200 of this workplace (SPEC section 9): device-to-device copy and bf16 matmul.
+H200_COPY_GBPS = 4200.0
+H200_BF16_TFLOPS = 790.0
+
+
+def time_ms(fn, arg_sets, *, warmup=3, iters=20, repeats=5):
+  """Median milliseconds per call of `fn(*args)`.
+
+  Calls are queued back to back and the device is drained once per repeat, so the figure is device
+  time plus launch gaps, not host round trips. `arg_sets` rotates among several input sets so that
+  repeated calls do not find their inputs in the L2 cache.
+  """
+  out = None
+  for i in range(warmup):
+    out = fn(*arg_sets[i % len(arg_sets)])
+  jax.block_until_ready(out)
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    for i in range(iters):
+      out = fn(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - start) * 1e3 / iters)
+  return statistics.median(samples)
+
+
+def rates(ms, *, bytes_moved=None, flops=None):
+  """GB/s, TFLOP/s and their percentages of the H200's ceilings."""
+  out = {"ms": ms}
+  if bytes_moved is not None:
+    out["GB/s"] = bytes_moved / ms / 1e6
+    out["%copy"] = 100 * out["GB/s"] / H200_COPY_GBPS
+  if flops is not None:
+    out["TFLOP/s"] = flops / ms / 1e9
+    out["%bf16"] = 100 * out["TFLOP/s"] / H200_BF16_TFLOPS
+  return out
+
+
+def write_results(rows, name, out_dir):
+  """Writes `name`.json and `name`.md (a markdown table of the row dicts) under out_dir."""
+  out_dir = Path(out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  (out_dir / f"{name}.json").write_text(json.dumps(rows, indent=1))
+  table = markdown_table(rows)
+  (out_dir / f"{name}.md").write_text(table + "\n")
+  return table
+
+
+def markdown_table(rows):
+  cols = list(dict.fromkeys(k for r in rows for k in r))
+  fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
+  lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+  lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
+  return "\n".join(lines)

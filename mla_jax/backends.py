@@ -1,0 +1,96 @@
+"""The backend table: a backend name maps to a value of pure functions plus what they support.
+
+Contracts (every backend, same shapes and dtypes; see `mla_jax.reference` for the semantics):
+  decode(q [T,N,L+R], kv_cache [NB,BS,L+R], block_tables [T,MB], seq_lens [T], *, scale,
+         kv_lora_rank, k_scale=None, num_kv_splits=None) -> (o [T,N,L], lse [T,N] f32)
+  prefill(q [Tq,N,Dk], k [Tk,N,Dk], v [Tk,N,Dv], cu_seqlens_q [R+1], cu_seqlens_k [R+1], *, scale,
+          causal, max_seqlen_q) -> (o [Tq,N,Dv], lse [Tq,N] f32)
+  write_cache(kv_cache, kv_c_normed [T,L], k_pe [T,R], slot_mapping [T], k_scale=None) -> kv_cache
+  gather_cache(kv_cache, slots [W], k_scale=None) -> rows [W, L+R] f32
+Selection: an explicit name, else $MLA_JAX_BACKEND, else by platform (GPU -> Pallas, else the
+XLA reference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from mla_jax import reference
+
+ENV_VAR = "MLA_JAX_BACKEND"
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  name: str
+  decode: Callable
+  prefill: Callable
+  write_cache: Callable
+  gather_cache: Callable
+  cache_dtypes: frozenset[str]
+  block_size_multiple: int = 1
+  max_heads: int | None = None
+  platforms: frozenset[str] = frozenset({"cpu", "gpu"})
+
+  def check(self, *, cache_dtype, block_size: int, num_heads: int) -> None:
+    """Raises ValueError when this backend cannot run the combination."""
+    dtype_name = jnp.dtype(cache_dtype).name
+    if dtype_name not in self.cache_dtypes:
+      raise ValueError(f"backend {self.name!r} does not support cache dtype {dtype_name}; "
+                       f"supported: {sorted(self.cache_dtypes)}")
+    if block_size % self.block_size_multiple:
+      raise ValueError(f"backend {self.name!r} needs a block size that is a multiple of "
+                       f"{self.block_size_multiple}, got {block_size}")
+    if self.max_heads is not None and num_heads > self.max_heads:
+      raise ValueError(f"backend {self.name!r} supports at most {self.max_heads} heads, got {num_heads}")
+
+
+_CACHE_DTYPES = frozenset({"float32", "bfloat16", "float16", "float8_e4m3fn"})
+
+
+def _reference_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_seqlen_q=None):
+  del max_seqlen_q  # the reference walks query blocks of the packed rows, no per-request grid
+  return reference.mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal)
+
+
+def _reference_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank, k_scale=None,
+                      num_kv_splits=None):
+  del num_kv_splits  # one pass over the whole row: equal to any split count
+  return reference.latent_decode(q, kv_cache, block_tables, seq_lens, scale=scale,
+                                 kv_lora_rank=kv_lora_rank, k_scale=k_scale)
+
+
+REFERENCE = Backend(
+    name="reference",
+    decode=_reference_decode,
+    prefill=_reference_prefill,
+    write_cache=reference.write_latent_cache,
+    gather_cache=reference.gather_latent_cache,
+    cache_dtypes=_CACHE_DTYPES,
+)
+
+BACKENDS: types.MappingProxyType[str, Backend] = types.MappingProxyType({
+    REFERENCE.name: REFERENCE,
+})
+
+
+def default_backend_name(platform: str | None = None) -> str:
+  platform = platform or jax.default_backend()
+  for name in ("pallas_triton",):
+    if name in BACKENDS and platform == "gpu":
+      return name
+  return REFERENCE.name
+
+
+def get_backend(name: str | None = None) -> Backend:
+  """The backend called `name`, else $MLA_JAX_BACKEND, else the platform's default."""
+  name = name or os.environ.get(ENV_VAR) or default_backend_name()
+  if name not in BACKENDS:
+    raise ValueError(f"unknown MLA backend {name!r}; supported: {sorted(BACKENDS)}")
+  return BACKENDS[name]

@@ -1,0 +1,189 @@
+"""XLA reference of every kernel: the oracle for kernel tests and the CPU backend.
+
+All arithmetic is float32 at HIGHEST precision (no TF32 on GPUs); outputs come back in the
+query's dtype, log-sum-exps in float32 (natural log, -inf for rows that see nothing).
+Indices outside the cache (-1, past the end) are masked: never read, never written.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+F8 = jnp.float8_e4m3fn
+F8_MAX = 448.0
+HIGHEST = lax.Precision.HIGHEST
+
+
+def _einsum(spec, a, b):
+  return jnp.einsum(spec, a, b, precision=HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _dequant(x, k_scale):
+  x = x.astype(jnp.float32)
+  return x if k_scale is None else x * k_scale
+
+
+def is_fp8(dtype) -> bool:
+  return jnp.dtype(dtype) == jnp.dtype(F8)
+
+
+def quantize_fp8(x, scale):
+  """e4m3 of `x / scale`, saturated to +-448 (e4m3fn has no infinity: overflow would be NaN)."""
+  return jnp.clip(x.astype(jnp.float32) / scale, -F8_MAX, F8_MAX).astype(F8)
+
+
+# ----------------------------------------------------------------------------- cache
+
+def write_latent_cache(kv_cache, kv_c_normed, k_pe, slot_mapping, k_scale=None):
+  """Writes `[kv_c_normed | k_pe]` rows at `slot_mapping`; slots < 0 or past the cache are dropped.
+
+  kv_cache [NB, BS, L+R]; kv_c_normed [T, L]; k_pe [T, R]; slot_mapping [T] int32.
+  """
+  nb, bs, d = kv_cache.shape
+  rows = jnp.concatenate([kv_c_normed, k_pe], axis=-1)
+  rows = quantize_fp8(rows, k_scale) if is_fp8(kv_cache.dtype) else rows.astype(kv_cache.dtype)
+  valid = (slot_mapping >= 0) & (slot_mapping < nb * bs)
+  idx = jnp.where(valid, slot_mapping, nb * bs)  # nb*bs is out of range: mode='drop' skips it
+  flat = kv_cache.reshape(nb * bs, d).at[idx].set(rows, mode="drop")
+  return flat.reshape(nb, bs, d)
+
+
+def gather_latent_cache(kv_cache, slots, k_scale=None):
+  """Rows at `slots` [W] dequantized to float32 [W, L+R]; invalid slots read as zeros."""
+  nb, bs, d = kv_cache.shape
+  valid = (slots >= 0) & (slots < nb * bs)
+  rows = kv_cache.reshape(nb * bs, d)[jnp.where(valid, slots, 0)]
+  return jnp.where(valid[:, None], _dequant(rows, k_scale), 0.0)
+
+
+# ----------------------------------------------------------------------------- decode
+
+def _masked_softmax(logits, mask):
+  """(probabilities, lse) over the masked positions; rows with nothing visible give (0, -inf)."""
+  logits = jnp.where(mask, logits, -jnp.inf)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  p = jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
+  return p, lse
+
+
+def latent_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank=512, k_scale=None):
+  """Absorbed MQA decode over the paged latent cache, one query row per token.
+
+  q [T, N, D]; kv_cache [NB, BS, D]; block_tables [T, MB] int32 (the row's request's table);
+  seq_lens [T] int32 (tokens this row sees). Returns o [T, N, L] (q.dtype), lse [T, N] float32.
+  Values are the first `kv_lora_rank` columns of each cache row.
+  """
+  t, _, d = q.shape
+  nb, bs, _ = kv_cache.shape
+  mb = block_tables.shape[1]
+  block_ok = (block_tables >= 0) & (block_tables < nb)
+  k = kv_cache[jnp.where(block_ok, block_tables, 0)].reshape(t, mb * bs, d)
+  mask = (jnp.arange(mb * bs)[None, :] < seq_lens[:, None]) & jnp.repeat(block_ok, bs, axis=1)
+  # Zero what is masked: unused pages may hold NaN and 0 * NaN would leak into o.
+  k = jnp.where(mask[..., None], _dequant(k, k_scale), 0.0)
+  logits = _einsum("TND,TSD->TNS", q.astype(jnp.float32), k) * scale
+  p, lse = _masked_softmax(logits, mask[:, None, :])
+  o = _einsum("TNS,TSL->TNL", p, k[..., :kv_lora_rank])
+  return o.astype(q.dtype), lse
+
+
+# ----------------------------------------------------------------------------- prefill
+
+def segment_ids(cu_seqlens, total):
+  """Per-row request index [total] from cumulative lengths [R+1]; rows past the end get -1."""
+  rows = jnp.arange(total, dtype=jnp.int32)
+  seg = jnp.searchsorted(cu_seqlens, rows, side="right").astype(jnp.int32) - 1
+  return jnp.where(rows < cu_seqlens[-1], seg, -1)
+
+
+def _pad_rows(x, multiple):
+  pad = -x.shape[0] % multiple
+  return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x
+
+
+def mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, block_q=128, block_k=256):
+  """Variable-length multi-head attention, flash style: query blocks with a running LSE.
+
+  q [Tq, N, Dk]; k [Tk, N, Dk]; v [Tk, N, Dv]; cu_seqlens_q / cu_seqlens_k [R+1] int32 (request r's
+  queries are rows cu_q[r]:cu_q[r+1], its keys rows cu_k[r]:cu_k[r+1]). Causal masking is aligned
+  bottom-right (query i of a request sees keys j <= i + len_k - len_q). Memory is
+  O(block_q * block_k * N); each query block walks only the key blocks its requests can see.
+  Returns o [Tq, N, Dv] (q.dtype) and lse [Tq, N] float32; rows past cu_q[-1] give (0, -inf).
+  """
+  tq, n, _ = q.shape
+  tk, dv = k.shape[0], v.shape[-1]
+  cu_seqlens_q, cu_seqlens_k = jnp.asarray(cu_seqlens_q), jnp.asarray(cu_seqlens_k)
+  block_q, block_k = min(block_q, tq), min(block_k, max(tk, 1))
+  seg_q, seg_k = segment_ids(cu_seqlens_q, tq), segment_ids(cu_seqlens_k, tk)
+  len_q, len_k = jnp.diff(cu_seqlens_q), jnp.diff(cu_seqlens_k)
+  pos_q = jnp.arange(tq) - cu_seqlens_q[jnp.maximum(seg_q, 0)]
+  pos_k = jnp.arange(tk) - cu_seqlens_k[jnp.maximum(seg_k, 0)]
+  # Last key position (request-local) each query row may see.
+  limit = jnp.where(causal, pos_q + len_k[jnp.maximum(seg_q, 0)] - len_q[jnp.maximum(seg_q, 0)],
+                    jnp.iinfo(jnp.int32).max)
+  qs = _pad_rows(q.astype(jnp.float32), block_q)
+  seg_qs, limit_s = _pad_rows(seg_q + 1, block_q) - 1, _pad_rows(limit, block_q)
+  ks = _pad_rows(k.astype(jnp.float32), block_k)
+  vs = _pad_rows(v.astype(jnp.float32), block_k)
+  seg_ks, pos_ks = _pad_rows(seg_k + 1, block_k) - 1, _pad_rows(pos_k, block_k)
+  num_q_blocks = qs.shape[0] // block_q
+
+  def one_query_block(i):
+    start = i * block_q
+    qb = lax.dynamic_slice_in_dim(qs, start, block_q)
+    sq = lax.dynamic_slice_in_dim(seg_qs, start, block_q)
+    lim = lax.dynamic_slice_in_dim(limit_s, start, block_q)
+    valid = sq >= 0
+    first_seg = jnp.min(jnp.where(valid, sq, jnp.int32(2**30)))
+    last_seg = jnp.max(jnp.where(valid, sq, -1))
+    k_lo = cu_seqlens_k[jnp.clip(first_seg, 0, len_k.shape[0])]
+    k_hi_seg = cu_seqlens_k[jnp.clip(last_seg + 1, 0, len_k.shape[0])]
+    k_hi_causal = jnp.max(jnp.where(valid, cu_seqlens_k[jnp.maximum(sq, 0)] + lim + 1, 0))
+    k_hi = jnp.where(causal, jnp.minimum(k_hi_seg, k_hi_causal), k_hi_seg)
+    k_hi = jnp.where(last_seg >= 0, k_hi, k_lo)
+
+    def body(j, carry):
+      m, l, acc = carry
+      kb = lax.dynamic_slice_in_dim(ks, j * block_k, block_k)
+      vb = lax.dynamic_slice_in_dim(vs, j * block_k, block_k)
+      sk = lax.dynamic_slice_in_dim(seg_ks, j * block_k, block_k)
+      pk = lax.dynamic_slice_in_dim(pos_ks, j * block_k, block_k)
+      mask = (sq[:, None] == sk[None, :]) & valid[:, None] & (pk[None, :] <= lim[:, None])
+      s = jnp.where(mask[None], _einsum("qnd,knd->nqk", qb, kb) * scale, -jnp.inf)
+      m_new = jnp.maximum(m, s.max(-1))
+      m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+      p = jnp.exp(s - m_safe[..., None])
+      corr = jnp.exp(m - m_safe)
+      return (m_new, l * corr + p.sum(-1),
+              acc * corr[..., None] + _einsum("nqk,knd->nqd", p, jnp.where(mask.any(0)[:, None, None], vb, 0.0)))
+
+    init = (jnp.full((n, block_q), -jnp.inf), jnp.zeros((n, block_q)), jnp.zeros((n, block_q, dv)))
+    m, l, acc = lax.fori_loop(k_lo // block_k, -(-k_hi // block_k), body, init)
+    o = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    return o.transpose(1, 0, 2), lse.T
+
+  o, lse = lax.map(one_query_block, jnp.arange(num_q_blocks))
+  o = o.reshape(-1, n, dv)[:tq]
+  return o.astype(q.dtype), lse.reshape(-1, n)[:tq]
+
+
+def merge_attn_states(o_a, lse_a, o_b, lse_b):
+  """Combines two partial attentions over disjoint keys by their log-sum-exps (+inf counts as -inf).
+
+  o_* [T, N, V], lse_* [T, N]. Returns (o [T, N, V] in o_a.dtype, lse [T, N] float32).
+  """
+  lse_a = jnp.where(lse_a == jnp.inf, -jnp.inf, lse_a.astype(jnp.float32))
+  lse_b = jnp.where(lse_b == jnp.inf, -jnp.inf, lse_b.astype(jnp.float32))
+  m = jnp.maximum(lse_a, lse_b)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  w_a, w_b = jnp.exp(lse_a - m), jnp.exp(lse_b - m)
+  total = w_a + w_b
+  safe = jnp.where(total > 0, total, 1.0)
+  o = (w_a[..., None] * o_a.astype(jnp.float32) + w_b[..., None] * o_b.astype(jnp.float32)) / safe[..., None]
+  lse = jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
+  return o.astype(o_a.dtype), lse
+
