@@ -1,0 +1,113 @@
+"""The MLA attention layer: cache write, then decode rows (absorbed MQA) and prefill rows (MHA).
+
+Mirrors vLLM's MLA common implementation: decode rows attend in the 576-d latent space with the
+absorbed weights; prefill rows up-project the latents to per-head keys and values, attend causally
+over the new tokens and non-causally over the earlier context read back from the cache chunk by
+chunk, and merge the parts by their log-sum-exps.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from mla_jax import backends, reference
+from mla_jax.cache import LatentCache
+from mla_jax.config import MLAConfig
+from mla_jax.metadata import AttentionMetadata
+
+
+class AbsorbedWeight(nnx.Variable):
+  """A weight derived from the checkpoint's (kv_b_proj) at load time, not trained itself."""
+
+
+class MLAAttention(nnx.Module):
+  """Holds W_UK_T [N, P, L] and W_UV [N, L, V] and the backend; runs one step over a paged cache."""
+
+  def __init__(self, config: MLAConfig, *, backend: str | None = None, dtype=jnp.bfloat16):
+    c = config
+    self.config = config
+    self.dtype = dtype
+    self.backend_name = backends.get_backend(backend).name
+    self.W_UK_T = AbsorbedWeight(jnp.zeros((c.num_heads, c.qk_nope_head_dim, c.kv_lora_rank), dtype))
+    self.W_UV = AbsorbedWeight(jnp.zeros((c.num_heads, c.kv_lora_rank, c.v_head_dim), dtype))
+
+  @property
+  def backend(self) -> backends.Backend:
+    return backends.BACKENDS[self.backend_name]
+
+  def absorb(self, kv_b_kernel):
+    """Splits kv_b_proj's kernel [L, N*(P+V)] (per head `[k_nope P | v V]`) into W_UK_T and W_UV."""
+    c = self.config
+    expected = (c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim))
+    if kv_b_kernel.shape != expected:
+      raise ValueError(f"kv_b_proj kernel has shape {kv_b_kernel.shape}, expected {expected}")
+    w = kv_b_kernel.reshape(c.kv_lora_rank, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
+    self.W_UK_T.value = jnp.einsum("LNP->NPL", w[..., :c.qk_nope_head_dim]).astype(self.dtype)
+    self.W_UV.value = jnp.einsum("LNV->NLV", w[..., c.qk_nope_head_dim:]).astype(self.dtype)
+
+  def __call__(self, q, kv_c_normed, k_pe, cache: LatentCache, md: AttentionMetadata):
+    """q [T, N, P+R] and k_pe [T, R] after RoPE, kv_c_normed [T, L] -> (out [T, N*V], new cache)."""
+    c = self.config
+    t = md.num_rows
+    if q.shape != (t, c.num_heads, c.qk_head_dim):
+      raise ValueError(f"q has shape {q.shape}, expected {(t, c.num_heads, c.qk_head_dim)} "
+                       f"(rows from the metadata, heads, nope + rope dims)")
+    if kv_c_normed.shape != (t, c.kv_lora_rank) or k_pe.shape != (t, c.qk_rope_head_dim):
+      raise ValueError(f"kv_c_normed {kv_c_normed.shape} and k_pe {k_pe.shape} must be "
+                       f"{(t, c.kv_lora_rank)} and {(t, c.qk_rope_head_dim)}")
+    if cache.data.shape[-1] != c.latent_dim:
+      raise ValueError(f"cache rows are {cache.data.shape[-1]} wide, the config needs {c.latent_dim}")
+    be = self.backend
+    be.check(cache_dtype=cache.data.dtype, block_size=cache.block_size, num_heads=c.num_heads)
+
+    cache = cache.write(kv_c_normed, k_pe, md.slot_mapping, be.write_cache)
+    td = md.num_decode_rows
+    parts = []
+    if td:
+      parts.append(self._decode(q[:td], cache, md))
+    if t > td:
+      parts.append(self._prefill(q[td:], kv_c_normed[td:], k_pe[td:], cache, md))
+    out = jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+    return out.reshape(t, c.num_heads * c.v_head_dim), cache
+
+  def _decode(self, q, cache, md):
+    c = self.config
+    q_nope, q_pe = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
+    ql_nope = jnp.einsum("TNP,NPL->TNL", q_nope, self.W_UK_T.value,
+                         preferred_element_type=jnp.float32).astype(q.dtype)
+    o, _ = self.backend.decode(jnp.concatenate([ql_nope, q_pe], axis=-1), cache.data,
+                               md.decode_block_tables, md.decode_seq_lens, scale=c.softmax_scale,
+                               kv_lora_rank=c.kv_lora_rank, k_scale=cache.scale_or_none)
+    return jnp.einsum("TNL,NLV->TNV", o, self.W_UV.value,
+                      preferred_element_type=jnp.float32).astype(self.dtype)
+
+  def _up_project(self, kv_c, k_pe):
+    """Latents [T, L] and k_pe [T, R] -> per-head keys [T, N, P+R] and values [T, N, V]."""
+    kv_c = kv_c.astype(self.dtype)
+    k_nope = jnp.einsum("TL,NPL->TNP", kv_c, self.W_UK_T.value, preferred_element_type=jnp.float32)
+    v = jnp.einsum("TL,NLV->TNV", kv_c, self.W_UV.value, preferred_element_type=jnp.float32)
+    k_pe = jnp.broadcast_to(k_pe[:, None, :], k_nope.shape[:2] + k_pe.shape[-1:])
+    k = jnp.concatenate([k_nope.astype(self.dtype), k_pe.astype(self.dtype)], axis=-1)
+    return k, v.astype(self.dtype)
+
+  def _prefill(self, q, kv_c, k_pe, cache, md):
+    c = self.config
+    cu = md.prefill_query_start_loc
+    attend = lambda k, v, cu_k, causal: self.backend.prefill(
+        q, k, v, cu, cu_k, scale=c.softmax_scale, causal=causal,
+        max_seqlen_q=md.max_prefill_query_len)
+    k, v = self._up_project(kv_c, k_pe)
+    o, lse = attend(k, v, cu, True)
+
+    def context_chunk(carry, chunk):
+      slots, cu_k = chunk
+      rows = self.backend.gather_cache(cache.data, slots, cache.scale_or_none)
+      k_ctx, v_ctx = self._up_project(rows[:, :c.kv_lora_rank], rows[:, c.kv_lora_rank:])
+      return reference.merge_attn_states(*carry, *attend(k_ctx, v_ctx, cu_k, False)), None
+
+    if md.context_slots.shape[0]:
+      (o, lse), _ = lax.scan(context_chunk, (o, lse), (md.context_slots, md.context_cu_seqlens))
+    return o

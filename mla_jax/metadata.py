@@ -1,0 +1,163 @@
+"""Per-step attention metadata and its host-side builder.
+
+The builder orders requests decode-first (as vLLM does), lays their tokens out in rows, and pads
+every array to power-of-two buckets so that steps with the same buckets reuse one compiled step.
+All index validation happens here, on the host, before anything is traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestState:
+  """What the scheduler knows of one request for this step."""
+  context_len: int  # tokens already in the cache
+  query_len: int  # new tokens this step
+  block_table: Sequence[int]  # cache blocks holding the request's tokens, in order
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+  """Device arrays for one step. Rows are decode tokens (Td of them) then prefill tokens."""
+  positions: jax.Array  # [T] int32, request-local position of each row
+  slot_mapping: jax.Array  # [T] int32, cache slot each row writes (-1: padding)
+  decode_block_tables: jax.Array  # [Td, MB] int32, the row's request's table (-1 padded)
+  decode_seq_lens: jax.Array  # [Td] int32, cache tokens each decode row sees (0: padding)
+  prefill_query_start_loc: jax.Array  # [Rp+1] int32, prefill requests' rows, from row Td
+  context_slots: jax.Array  # [C, W] int32, earlier-context cache slots per workspace chunk
+  context_cu_seqlens: jax.Array  # [C, Rp+1] int32, each prefill request's rows in each chunk
+  max_prefill_query_len: int = dataclasses.field(metadata=dict(static=True), default=0)
+
+  @property
+  def num_rows(self) -> int:
+    return self.positions.shape[0]
+
+  @property
+  def num_decode_rows(self) -> int:
+    return self.decode_seq_lens.shape[0]
+
+  @property
+  def num_prefill_rows(self) -> int:
+    return self.num_rows - self.num_decode_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchLayout:
+  """Where each request's tokens sit in the step's padded rows (host side)."""
+  order: np.ndarray  # [R] original request indices, decode-first
+  rows: tuple[np.ndarray, ...]  # rows[i]: the rows of request i's tokens (original order)
+  num_rows: int
+  num_decode_requests: int
+
+  def pack(self, per_request: Sequence[np.ndarray], fill=0) -> np.ndarray:
+    """Lays per-request arrays [q_len_i, ...] (original order) into padded rows [T, ...]."""
+    first = np.asarray(per_request[0])
+    out = np.full((self.num_rows,) + first.shape[1:], fill, first.dtype)
+    for rows, values in zip(self.rows, per_request):
+      out[rows] = values
+    return out
+
+  def unpack(self, packed) -> list[np.ndarray]:
+    """The inverse of `pack`: per-request arrays, original order."""
+    packed = np.asarray(packed)
+    return [packed[rows] for rows in self.rows]
+
+
+def bucket(n: int, minimum: int) -> int:
+  """0 for 0, else the next power of two >= max(n, minimum)."""
+  return 0 if n == 0 else 1 << (max(n, minimum) - 1).bit_length()
+
+
+def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blocks: int,
+                   max_blocks_per_seq: int, decode_threshold: int = 1,
+                   context_workspace: int = 8192, min_bucket: int = 8
+                   ) -> tuple[AttentionMetadata, BatchLayout]:
+  """Builds one step's metadata. A request is a decode when query_len <= decode_threshold.
+
+  Earlier context of prefill requests is read back from the cache in chunks of at most
+  `context_workspace` tokens (the workspace bound of the prefill path).
+  """
+  if not requests:
+    raise ValueError("build_metadata needs at least one request")
+  if block_size <= 0 or num_blocks <= 0 or max_blocks_per_seq <= 0 or context_workspace <= 0:
+    raise ValueError("block_size, num_blocks, max_blocks_per_seq and context_workspace must be positive")
+  for i, r in enumerate(requests):
+    table = np.asarray(r.block_table, np.int64)
+    if r.query_len < 1 or r.context_len < 0:
+      raise ValueError(f"request {i}: need query_len >= 1 and context_len >= 0, got "
+                       f"{r.query_len} and {r.context_len}")
+    if table.ndim != 1 or len(table) > max_blocks_per_seq:
+      raise ValueError(f"request {i}: block table has {len(table)} entries, at most "
+                       f"max_blocks_per_seq={max_blocks_per_seq} allowed")
+    needed = -(-(r.context_len + r.query_len) // block_size)
+    if needed > len(table):
+      raise ValueError(f"request {i}: length {r.context_len + r.query_len} is past its block table "
+                       f"({len(table)} blocks of {block_size} tokens)")
+    bad = table[:needed][(table[:needed] < 0) | (table[:needed] >= num_blocks)]
+    if bad.size:
+      raise ValueError(f"request {i}: block index {int(bad[0])} is outside the cache "
+                       f"(num_blocks={num_blocks})")
+
+  is_decode = [r.query_len <= decode_threshold for r in requests]
+  order = np.array([i for i in range(len(requests)) if is_decode[i]] +
+                   [i for i in range(len(requests)) if not is_decode[i]], np.int64)
+  num_dec_req = sum(is_decode)
+  dec_tokens = sum(requests[i].query_len for i in order[:num_dec_req])
+  pre_tokens = sum(requests[i].query_len for i in order[num_dec_req:])
+  td, tp = bucket(dec_tokens, min_bucket), bucket(pre_tokens, min_bucket)
+  rp = bucket(len(requests) - num_dec_req, 1)
+
+  positions = np.zeros(td + tp, np.int32)
+  slots = np.full(td + tp, -1, np.int32)
+  dec_tables = np.full((td, max_blocks_per_seq), -1, np.int32)
+  dec_lens = np.zeros(td, np.int32)
+  cu_q = np.zeros(rp + 1, np.int32)
+  rows: list[np.ndarray] = [np.empty(0, np.int64)] * len(requests)
+  ctx_slots, ctx_req = [], []
+
+  row = 0
+  for k, i in enumerate(order):
+    r = requests[i]
+    table = np.asarray(r.block_table, np.int64)
+    pos = r.context_len + np.arange(r.query_len)
+    start = row if k < num_dec_req else td + row - dec_tokens
+    rows[i] = start + np.arange(r.query_len)
+    positions[rows[i]] = pos
+    slots[rows[i]] = table[pos // block_size] * block_size + pos % block_size
+    if k < num_dec_req:
+      dec_tables[rows[i], :len(table)] = table
+      dec_lens[rows[i]] = pos + 1
+    else:
+      p = k - num_dec_req
+      cu_q[p + 1:] = rows[i][-1] + 1 - td
+      ctx = np.arange(r.context_len)
+      ctx_slots.append(table[ctx // block_size] * block_size + ctx % block_size)
+      ctx_req.append(np.full(r.context_len, p))
+    row += r.query_len
+
+  # Context rows, request after request, cut into chunks of the workspace size.
+  all_ctx = np.concatenate(ctx_slots) if ctx_slots else np.empty(0, np.int64)
+  all_req = np.concatenate(ctx_req) if ctx_req else np.empty(0, np.int64)
+  w = min(context_workspace, bucket(len(all_ctx), min_bucket))
+  chunks = bucket(-(-len(all_ctx) // w) if w else 0, 1)
+  context_slots = np.full((chunks, w), -1, np.int32)
+  context_cu = np.zeros((chunks, rp + 1), np.int32)
+  for c in range(chunks):
+    sl, rq = all_ctx[c * w:(c + 1) * w], all_req[c * w:(c + 1) * w]
+    context_slots[c, :len(sl)] = sl
+    context_cu[c, 1:] = np.cumsum(np.bincount(rq, minlength=rp))[:rp]
+
+  max_q = max([requests[i].query_len for i in order[num_dec_req:]], default=0)
+  md = AttentionMetadata(
+      positions=positions, slot_mapping=slots, decode_block_tables=dec_tables,
+      decode_seq_lens=dec_lens, prefill_query_start_loc=cu_q, context_slots=context_slots,
+      context_cu_seqlens=context_cu, max_prefill_query_len=bucket(max_q, 16))
+  md = jax.tree.map(jax.numpy.asarray, md)
+  return md, BatchLayout(order=order, rows=tuple(rows), num_rows=td + tp, num_decode_requests=num_dec_req)
