@@ -45,8 +45,8 @@ class MLAAttention(nnx.Module):
     if kv_b_kernel.shape != expected:
       raise ValueError(f"kv_b_proj kernel has shape {kv_b_kernel.shape}, expected {expected}")
     w = kv_b_kernel.reshape(c.kv_lora_rank, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
-    self.W_UK_T.value = jnp.einsum("LNP->NPL", w[..., :c.qk_nope_head_dim]).astype(self.dtype)
-    self.W_UV.value = jnp.einsum("LNV->NLV", w[..., c.qk_nope_head_dim:]).astype(self.dtype)
+    self.W_UK_T[...] = jnp.einsum("LNP->NPL", w[..., :c.qk_nope_head_dim]).astype(self.dtype)
+    self.W_UV[...] = jnp.einsum("LNV->NLV", w[..., c.qk_nope_head_dim:]).astype(self.dtype)
 
   def __call__(self, q, kv_c_normed, k_pe, cache: LatentCache, md: AttentionMetadata):
     """q [T, N, P+R] and k_pe [T, R] after RoPE, kv_c_normed [T, L] -> (out [T, N*V], new cache)."""
@@ -76,22 +76,19 @@ class MLAAttention(nnx.Module):
   def _decode(self, q, cache, md):
     c = self.config
     q_nope, q_pe = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
-    ql_nope = jnp.einsum("TNP,NPL->TNL", q_nope, self.W_UK_T.value,
-                         preferred_element_type=jnp.float32).astype(q.dtype)
+    ql_nope = jnp.einsum("TNP,NPL->TNL", q_nope, self.W_UK_T[...])
     o, _ = self.backend.decode(jnp.concatenate([ql_nope, q_pe], axis=-1), cache.data,
                                md.decode_block_tables, md.decode_seq_lens, scale=c.softmax_scale,
                                kv_lora_rank=c.kv_lora_rank, k_scale=cache.scale_or_none)
-    return jnp.einsum("TNL,NLV->TNV", o, self.W_UV.value,
-                      preferred_element_type=jnp.float32).astype(self.dtype)
+    return jnp.einsum("TNL,NLV->TNV", o.astype(self.dtype), self.W_UV[...])
 
   def _up_project(self, kv_c, k_pe):
     """Latents [T, L] and k_pe [T, R] -> per-head keys [T, N, P+R] and values [T, N, V]."""
     kv_c = kv_c.astype(self.dtype)
-    k_nope = jnp.einsum("TL,NPL->TNP", kv_c, self.W_UK_T.value, preferred_element_type=jnp.float32)
-    v = jnp.einsum("TL,NLV->TNV", kv_c, self.W_UV.value, preferred_element_type=jnp.float32)
-    k_pe = jnp.broadcast_to(k_pe[:, None, :], k_nope.shape[:2] + k_pe.shape[-1:])
-    k = jnp.concatenate([k_nope.astype(self.dtype), k_pe.astype(self.dtype)], axis=-1)
-    return k, v.astype(self.dtype)
+    k_nope = jnp.einsum("TL,NPL->TNP", kv_c, self.W_UK_T[...])
+    v = jnp.einsum("TL,NLV->TNV", kv_c, self.W_UV[...])
+    k_pe = jnp.broadcast_to(k_pe[:, None, :], k_nope.shape[:2] + k_pe.shape[-1:]).astype(self.dtype)
+    return jnp.concatenate([k_nope, k_pe], axis=-1), v
 
   def _prefill(self, q, kv_c, k_pe, cache, md):
     c = self.config

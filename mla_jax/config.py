@@ -106,6 +106,8 @@ class MLAConfig:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     scaling = None
     if rope_type in ("yarn", "deepseek_yarn"):
+      if "factor" not in rope:
+        raise ValueError(f"{rope_type} rope scaling needs a 'factor', got {dict(rope)}")
       scaling = RopeScaling(
           factor=float(rope["factor"]),
           original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 4096)),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -48,7 +50,7 @@ class DeepseekV2MLAAttention(nnx.Module):
 
   def process_weights_after_loading(self):
     """Recomputes the absorbed weights from kv_b_proj; call after changing kv_b_proj's kernel."""
-    self.mla_attn.absorb(self.kv_b_proj.kernel.value)
+    self.mla_attn.absorb(self.kv_b_proj.kernel[...])
 
   def project(self, x, positions):
     """Steps 1-3 and 5 of the forward: x [T, hidden] -> q [T, N, P+R], kv_c_normed [T, L],
@@ -96,3 +98,20 @@ class DeepseekV2MLAAttention(nnx.Module):
     p = jax.nn.softmax(jnp.where(mask[None], s * c.softmax_scale, -jnp.inf), axis=-1)
     o = jnp.einsum("nqk,knv->qnv", p, v.astype(jnp.float32), precision=hi)
     return self.o_proj(o.reshape(x.shape[0], -1).astype(x.dtype))
+
+
+def jitted_step(module: nnx.Module, *, donate_cache: bool = True):
+  """`step(x, cache, md) -> (out, cache)`: the module's forward under `jax.jit`.
+
+  The module's state is taken now (make a new step after loading weights) and passed as an
+  argument rather than folded into the program as constants; the cache is
+  donated so XLA writes it in place, and steps whose metadata has the same padded shapes reuse
+  one compiled program.
+  """
+  graphdef, state = nnx.split(module)
+
+  @functools.partial(jax.jit, donate_argnums=(2,) if donate_cache else ())
+  def step(state, x, cache, md):
+    return nnx.merge(graphdef, state)(x, cache, md)
+
+  return lambda x, cache, md: step(state, x, cache, md)

@@ -1,0 +1,215 @@
+"""The MLA layer end to end on the reference backend: cache, absorbed decode, chunked prefill."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mla_jax.cache import LatentCache
+from mla_jax.config import Llama4Scaling, MLAConfig
+from mla_jax.metadata import RequestState, build_metadata
+from mla_jax.modules import DeepseekV2MLAAttention, jitted_step
+
+SMALL = MLAConfig.preset("DeepSeek-V3").replace(
+    hidden_size=64, num_heads=4, q_lora_rank=32, kv_lora_rank=64, qk_nope_head_dim=32,
+    qk_rope_head_dim=16, v_head_dim=32)
+BS, NB, MB = 8, 40, 6
+
+
+def make_layer(config=SMALL, dtype=jnp.float32, seed=0):
+  return DeepseekV2MLAAttention(config, backend="reference", dtype=dtype, param_dtype=dtype,
+                                rngs=nnx.Rngs(seed))
+
+
+_steps = {}
+
+
+def run_schedule(layer, inputs, schedule, tables, cache, *, workspace=8192, decode_threshold=1):
+  """Feeds `schedule` (per step, tokens per request; 0 = idle) and returns each request's outputs."""
+  if id(layer) not in _steps:  # one jitted step per layer, so repeated shapes reuse compilations
+    _steps[id(layer)] = (layer, jitted_step(layer, donate_cache=False))
+  step = _steps[id(layer)][1]
+  done = [0] * len(inputs)
+  outs = [[] for _ in inputs]
+  for q_lens in schedule:
+    live = [i for i, q in enumerate(q_lens) if q]
+    md, layout = build_metadata([RequestState(done[i], q_lens[i], tables[i]) for i in live],
+                                block_size=cache.block_size, num_blocks=cache.num_blocks,
+                                max_blocks_per_seq=MB, context_workspace=workspace,
+                                decode_threshold=decode_threshold)
+    x = layout.pack([inputs[i][done[i]:done[i] + q_lens[i]] for i in live])
+    out, cache = step(jnp.asarray(x, layer.mla_attn.dtype), cache, md)
+    for i, o in zip(live, layout.unpack(np.asarray(out, np.float32))):
+      outs[i].append(o)
+      done[i] += q_lens[i]
+  return [np.concatenate(o) for o in outs], cache
+
+
+def full_forward(layer, x):
+  return np.asarray(layer.unabsorbed_forward(jnp.asarray(x, layer.mla_attn.dtype),
+                                             jnp.arange(x.shape[0])), np.float32)
+
+
+def random_inputs(lengths, seed, hidden=SMALL.hidden_size):
+  rng = np.random.default_rng(seed)
+  return [rng.standard_normal((n, hidden)).astype(np.float32) for n in lengths]
+
+
+def inputs_for(schedule, seed):
+  """Random token inputs, as many per request as the schedule feeds it."""
+  return random_inputs(np.sum(schedule, axis=0), seed)
+
+
+def tables_for(n_requests, seed, shuffle=True):
+  order = np.random.default_rng(seed).permutation(NB) if shuffle else np.arange(NB)
+  return [order[i * MB:(i + 1) * MB] for i in range(n_requests)]
+
+
+@pytest.mark.parametrize("q_lora_rank", [32, None])
+def test_prefill_then_decode_equals_full_forward_fp32(q_lora_rank):
+  layer = make_layer(SMALL.replace(q_lora_rank=q_lora_rank))
+  # Prefill (one request in two chunks of prompt), then single-token decode steps.
+  schedule = [[10, 5, 25], [7, 1, 1], [0, 1, 1], [0, 1, 1], [0, 1, 1], [0, 0, 1], [0, 0, 1]]
+  inputs = inputs_for(schedule, seed=1)
+  outs, _ = run_schedule(layer, inputs, schedule, tables_for(3, 0),
+                         LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32))
+  for x, got in zip(inputs, outs):
+    np.testing.assert_allclose(got, full_forward(layer, x), rtol=1e-5, atol=1e-5)
+
+
+def test_absorbed_decode_rows_equal_unabsorbed_math():
+  """Only decode rows after the prompt: every output comes from the absorbed latent MQA."""
+  layer = make_layer()
+  x = random_inputs([24], seed=2)[0]
+  schedule = [[1]] * 24  # a one-token prompt is a decode row too (query_len <= threshold)
+  outs, _ = run_schedule(layer, [x], schedule, tables_for(1, 3),
+                         LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32))
+  np.testing.assert_allclose(outs[0], full_forward(layer, x), rtol=1e-5, atol=1e-5)
+
+
+def test_multi_token_decode_rows():
+  layer = make_layer()
+  x = random_inputs([23], seed=4)[0]
+  outs, _ = run_schedule(layer, [x], [[11], [4], [4], [4]], tables_for(1, 5),
+                         LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32), decode_threshold=4)
+  np.testing.assert_allclose(outs[0], full_forward(layer, x), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_layer_within_tolerance_of_fp32_math():
+  layer = make_layer(dtype=jnp.bfloat16)
+  schedule = [[14, 12], [6, 1], [0, 1], [0, 1]]
+  inputs = inputs_for(schedule, seed=6)
+  outs, _ = run_schedule(layer, inputs, schedule, tables_for(2, 7),
+                         LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.bfloat16))
+  f32 = make_layer(dtype=jnp.float32)
+  nnx.update(f32, jax.tree.map(lambda a: a.astype(jnp.float32), nnx.state(layer, nnx.Param)))
+  f32.process_weights_after_loading()
+  for x, got in zip(inputs, outs):
+    ref = full_forward(f32, x[:got.shape[0]])
+    cos_diff = 1 - 2 * np.sum(got * ref) / np.sum(got ** 2 + ref ** 2)
+    assert cos_diff < 1e-4
+    np.testing.assert_allclose(got, ref, atol=4 / 128 * np.abs(ref).max())
+
+
+def test_fp8_cache_close_to_bf16_cache():
+  layer = make_layer()
+  schedule = [[12, 7], [6, 1], [0, 1], [0, 1]]
+  inputs = inputs_for(schedule, seed=8)
+  ref, _ = run_schedule(layer, inputs, schedule, tables_for(2, 9),
+                        LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32))
+  got, cache = run_schedule(layer, inputs, schedule, tables_for(2, 9),
+                            LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float8_e4m3fn, k_scale=0.05))
+  assert cache.data.dtype == jnp.float8_e4m3fn
+  for g, r in zip(got, ref):  # e4m3 keeps 3 mantissa bits: about 6% per cached value
+    assert np.linalg.norm(g - r) / np.linalg.norm(r) < 0.03
+    np.testing.assert_allclose(g, r, atol=0.1)
+
+
+def test_shuffled_tables_and_nan_pages_equal_contiguous():
+  layer = make_layer()
+  schedule = [[8, 11], [11, 1], [0, 1]]
+  inputs = inputs_for(schedule, seed=10)
+  plain, _ = run_schedule(layer, inputs, schedule, tables_for(2, 0, shuffle=False),
+                          LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32), workspace=8)
+  poisoned = LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32)
+  poisoned = LatentCache(jnp.full_like(poisoned.data, jnp.nan), poisoned.k_scale)
+  shuffled, cache = run_schedule(layer, inputs, schedule, tables_for(2, 11), poisoned, workspace=8)
+  assert np.isnan(np.asarray(cache.data)).any()  # unused pages really held NaN
+  for a, b in zip(plain, shuffled):
+    assert np.isfinite(b).all()
+    np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6)
+
+
+def test_mixed_batch_equals_each_request_alone():
+  layer = make_layer()
+  schedule = [[9, 6, 16], [5, 1, 5], [0, 1, 1]]  # step 2 mixes decodes and prefills
+  inputs, tables = inputs_for(schedule, seed=12), tables_for(3, 13)
+  together, _ = run_schedule(layer, inputs, schedule, tables,
+                             LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32), workspace=16)
+  for i in range(3):
+    alone, _ = run_schedule(layer, [inputs[i]], [[s[i]] for s in schedule if s[i]], [tables[i]],
+                            LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32), workspace=16)
+    np.testing.assert_allclose(together[i], alone[0], rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_context_equals_unchunked():
+  layer = make_layer()
+  schedule = [[20, 13], [10, 13]]  # the second step reads 33 context tokens back from the cache
+  inputs = inputs_for(schedule, seed=14)
+  outs = {}
+  for workspace in (8, 8192):
+    outs[workspace], _ = run_schedule(layer, inputs, schedule, tables_for(2, 15),
+                                      LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32),
+                                      workspace=workspace)
+  reqs = [RequestState(20, 10, tables_for(2, 15)[0]), RequestState(13, 13, tables_for(2, 15)[1])]
+  md, _ = build_metadata(reqs, block_size=BS, num_blocks=NB, max_blocks_per_seq=MB, context_workspace=8)
+  assert md.context_slots.shape[0] >= 4  # really chunked
+  for a, b in zip(outs[8], outs[8192]):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_same_padded_shapes_trace_once(monkeypatch):
+  traces = []
+  original = DeepseekV2MLAAttention.__call__
+
+  def counting_call(self, *args):
+    traces.append(1)
+    return original(self, *args)
+
+  monkeypatch.setattr(DeepseekV2MLAAttention, "__call__", counting_call)
+  layer = make_layer()
+  # Decode steps with 3 and then 1 live requests pad to the same 8-row bucket.
+  schedule = [[4, 5, 7], [1, 1, 1], [1, 1, 1], [1, 0, 0], [1, 0, 0]]
+  run_schedule(layer, inputs_for(schedule, seed=16), schedule, tables_for(3, 17),
+               LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32))
+  assert len(traces) == 2  # one prefill shape, one decode shape
+
+
+def test_llama_4_scaling_scales_queries():
+  base = make_layer()
+  scaled = make_layer(SMALL.replace(llama_4_scaling=Llama4Scaling(beta=0.1, original_max_position_embeddings=8)))
+  nnx.update(scaled, nnx.state(base, nnx.Param))
+  x = jnp.asarray(random_inputs([5], seed=18)[0])
+  pos = jnp.array([0, 7, 8, 20, 100])
+  q0, kv0, kpe0 = base.project(x, pos)
+  q1, kv1, kpe1 = scaled.project(x, pos)
+  factor = 1 + 0.1 * np.log(1 + np.floor(np.array([0, 7, 8, 20, 100]) / 8))
+  np.testing.assert_allclose(np.asarray(q1), np.asarray(q0) * factor[:, None, None], rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(kv1), np.asarray(kv0))
+
+
+def test_bad_input_raises():
+  layer = make_layer()
+  cache = LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32)
+  md, _ = build_metadata([RequestState(0, 5, [0])], block_size=BS, num_blocks=NB, max_blocks_per_seq=MB)
+  with pytest.raises(ValueError, match="x must be"):
+    layer(jnp.zeros((md.num_rows, 65)), cache, md)
+  with pytest.raises(ValueError, match="positions must be"):
+    layer(jnp.zeros((md.num_rows + 1, 64)), cache, md)
+  with pytest.raises(ValueError, match="cache rows"):
+    layer(jnp.zeros((md.num_rows, 64)), LatentCache.allocate(NB, BS, 100, jnp.float32), md)
+  with pytest.raises(ValueError, match="kv_b_proj kernel"):
+    layer.mla_attn.absorb(jnp.zeros((3, 3)))
+  with pytest.raises(ValueError, match="unknown MLA backend"):
+    DeepseekV2MLAAttention(SMALL, backend="nope", rngs=nnx.Rngs(0))

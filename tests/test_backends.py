@@ -1,0 +1,110 @@
+"""Backend table: selection (name, env var, platform), capability checks, immutability."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import pytest
+
+from mla_jax import backends
+from mla_jax.backends import BACKENDS, ENV_VAR, default_backend_name, get_backend
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch):
+  monkeypatch.delenv(ENV_VAR, raising=False)
+
+
+def test_env_var_name():
+  assert ENV_VAR == "MLA_JAX_BACKEND"
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_get_by_name(name):
+  be = get_backend(name)
+  assert be is BACKENDS[name] and be.name == name
+  for fn in (be.decode, be.prefill, be.write_cache, be.gather_cache):
+    assert callable(fn)
+
+
+def test_reference_is_registered():
+  assert "reference" in BACKENDS and BACKENDS["reference"].name == "reference"
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_get_by_env_var(monkeypatch, name):
+  monkeypatch.setenv(ENV_VAR, name)
+  assert get_backend().name == name
+  assert get_backend(None).name == name
+
+
+def test_explicit_name_beats_env_var(monkeypatch):
+  monkeypatch.setenv(ENV_VAR, "no_such_backend")
+  assert get_backend("reference").name == "reference"
+
+
+def test_platform_default():
+  assert default_backend_name("cpu") == "reference"
+  assert default_backend_name("tpu") == "reference"
+  if "pallas_triton" in BACKENDS:
+    assert default_backend_name("gpu") == "pallas_triton"
+  else:
+    assert default_backend_name("gpu") == "reference"
+
+
+def test_no_name_no_env_uses_platform(monkeypatch):
+  monkeypatch.setattr(backends.jax, "default_backend", lambda: "cpu")
+  assert get_backend().name == "reference"
+  if "pallas_triton" in BACKENDS:
+    monkeypatch.setattr(backends.jax, "default_backend", lambda: "gpu")
+    assert get_backend().name == "pallas_triton"
+
+
+@pytest.mark.parametrize("via_env", [False, True])
+def test_unknown_name_lists_supported(monkeypatch, via_env):
+  if via_env:
+    monkeypatch.setenv(ENV_VAR, "flashmla_cuda")
+  with pytest.raises(ValueError, match="flashmla_cuda") as err:
+    get_backend(None if via_env else "flashmla_cuda")
+  for name in BACKENDS:
+    assert name in str(err.value)
+
+
+RESTRICTED = dataclasses.replace(BACKENDS["reference"], name="restricted",
+                                 cache_dtypes=frozenset({"bfloat16", "float8_e4m3fn"}),
+                                 block_size_multiple=16, max_heads=64)
+
+
+def test_check_accepts_supported():
+  RESTRICTED.check(cache_dtype=jnp.bfloat16, block_size=64, num_heads=64)
+  RESTRICTED.check(cache_dtype="float8_e4m3fn", block_size=16, num_heads=1)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(cache_dtype=jnp.float32), "float32"),
+    (dict(cache_dtype="float16"), "bfloat16"),  # the message names what is supported
+    (dict(block_size=8), "multiple of 16"),
+    (dict(block_size=24), "24"),
+    (dict(num_heads=65), "at most 64"),
+    (dict(num_heads=128), "128"),
+])
+def test_check_rejects_unsupported(kwargs, match):
+  args = dict(cache_dtype=jnp.bfloat16, block_size=64, num_heads=64)
+  with pytest.raises(ValueError, match=match):
+    RESTRICTED.check(**{**args, **kwargs})
+
+
+def test_reference_check_accepts_all_cache_dtypes():
+  for dtype in ("float32", "bfloat16", "float16", "float8_e4m3fn"):
+    BACKENDS["reference"].check(cache_dtype=dtype, block_size=1, num_heads=128)
+  with pytest.raises(ValueError):
+    BACKENDS["reference"].check(cache_dtype="int8", block_size=1, num_heads=128)
+
+
+def test_backends_table_is_immutable():
+  with pytest.raises(TypeError):
+    BACKENDS["mine"] = RESTRICTED
+  with pytest.raises(TypeError):
+    del BACKENDS["reference"]
+  assert "mine" not in BACKENDS
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    BACKENDS["reference"].max_heads = 1
