@@ -78,7 +78,8 @@ class MLAAttention(nnx.Module):
     q_nope, q_pe = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
     ql_nope = jnp.einsum("TNP,NPL->TNL", q_nope, self.W_UK_T[...])
     o, _ = self.backend.decode(jnp.concatenate([ql_nope, q_pe], axis=-1), cache.data,
-                               md.decode_block_tables, md.decode_seq_lens, scale=c.softmax_scale,
+                               md.row_block_tables(0, md.num_decode_rows),
+                               md.seq_lens[:md.num_decode_rows], scale=c.softmax_scale,
                                kv_lora_rank=c.kv_lora_rank, k_scale=cache.scale_or_none)
     return jnp.einsum("TNL,NLV->TNV", o.astype(self.dtype), self.W_UV[...])
 

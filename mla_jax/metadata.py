@@ -11,6 +11,7 @@ import dataclasses
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -28,20 +29,25 @@ class AttentionMetadata:
   """Device arrays for one step. Rows are decode tokens (Td of them) then prefill tokens."""
   positions: jax.Array  # [T] int32, request-local position of each row
   slot_mapping: jax.Array  # [T] int32, cache slot each row writes (-1: padding)
-  decode_block_tables: jax.Array  # [Td, MB] int32, the row's request's table (-1 padded)
-  decode_seq_lens: jax.Array  # [Td] int32, cache tokens each decode row sees (0: padding)
+  seq_lens: jax.Array  # [T] int32, cache tokens each row sees: position + 1 (0: padding)
+  row_request: jax.Array  # [T] int32, the row's request in block_tables (-1: padding)
+  block_tables: jax.Array  # [Rb, MB] int32, requests decode-first (-1 padded)
   prefill_query_start_loc: jax.Array  # [Rp+1] int32, prefill requests' rows, from row Td
   context_slots: jax.Array  # [C, W] int32, earlier-context cache slots per workspace chunk
   context_cu_seqlens: jax.Array  # [C, Rp+1] int32, each prefill request's rows in each chunk
+  num_decode_rows: int = dataclasses.field(metadata=dict(static=True), default=0)
   max_prefill_query_len: int = dataclasses.field(metadata=dict(static=True), default=0)
+  # V3.2: every row sees at most index_topk tokens, so top-k selection would keep them all.
+  within_topk: bool = dataclasses.field(metadata=dict(static=True), default=False)
 
   @property
   def num_rows(self) -> int:
     return self.positions.shape[0]
 
-  @property
-  def num_decode_rows(self) -> int:
-    return self.decode_seq_lens.shape[0]
+  def row_block_tables(self, start: int = 0, stop: int | None = None):
+    """[stop - start, MB] block table of each row's request (padding rows read request 0's,
+    harmless since they see no tokens)."""
+    return self.block_tables[jnp.maximum(self.row_request[start:stop], 0)]
 
   @property
   def num_prefill_rows(self) -> int:
@@ -77,10 +83,11 @@ def bucket(n: int, minimum: int) -> int:
 
 def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blocks: int,
                    max_blocks_per_seq: int, decode_threshold: int = 1,
-                   context_workspace: int = 8192, min_bucket: int = 8
-                   ) -> tuple[AttentionMetadata, BatchLayout]:
+                   context_workspace: int = 8192, min_bucket: int = 8,
+                   index_topk: int | None = None) -> tuple[AttentionMetadata, BatchLayout]:
   """Builds one step's metadata. A request is a decode when query_len <= decode_threshold.
 
+  `index_topk` (V3.2 models) sets `within_topk` when no row sees more tokens than top-k keeps.
   Earlier context of prefill requests is read back from the cache in chunks of at most
   `context_workspace` tokens (the workspace bound of the prefill path).
   """
@@ -116,8 +123,9 @@ def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blo
 
   positions = np.zeros(td + tp, np.int32)
   slots = np.full(td + tp, -1, np.int32)
-  dec_tables = np.full((td, max_blocks_per_seq), -1, np.int32)
-  dec_lens = np.zeros(td, np.int32)
+  seq_lens = np.zeros(td + tp, np.int32)
+  row_request = np.full(td + tp, -1, np.int32)
+  tables = np.full((bucket(len(requests), min_bucket), max_blocks_per_seq), -1, np.int32)
   cu_q = np.zeros(rp + 1, np.int32)
   rows: list[np.ndarray] = [np.empty(0, np.int64)] * len(requests)
   ctx_slots, ctx_req = [], []
@@ -131,10 +139,10 @@ def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blo
     rows[i] = start + np.arange(r.query_len)
     positions[rows[i]] = pos
     slots[rows[i]] = table[pos // block_size] * block_size + pos % block_size
-    if k < num_dec_req:
-      dec_tables[rows[i], :len(table)] = table
-      dec_lens[rows[i]] = pos + 1
-    else:
+    seq_lens[rows[i]] = pos + 1
+    row_request[rows[i]] = k
+    tables[k, :len(table)] = table
+    if k >= num_dec_req:
       p = k - num_dec_req
       cu_q[p + 1:] = rows[i][-1] + 1 - td
       ctx = np.arange(r.context_len)
@@ -156,8 +164,9 @@ def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blo
 
   max_q = max([requests[i].query_len for i in order[num_dec_req:]], default=0)
   md = AttentionMetadata(
-      positions=positions, slot_mapping=slots, decode_block_tables=dec_tables,
-      decode_seq_lens=dec_lens, prefill_query_start_loc=cu_q, context_slots=context_slots,
-      context_cu_seqlens=context_cu, max_prefill_query_len=bucket(max_q, 16))
+      positions=positions, slot_mapping=slots, seq_lens=seq_lens, row_request=row_request,
+      block_tables=tables, prefill_query_start_loc=cu_q, context_slots=context_slots,
+      context_cu_seqlens=context_cu, num_decode_rows=td, max_prefill_query_len=bucket(max_q, 16),
+      within_topk=index_topk is not None and int(seq_lens.max()) <= index_topk)
   md = jax.tree.map(jax.numpy.asarray, md)
   return md, BatchLayout(order=order, rows=tuple(rows), num_rows=td + tp, num_decode_requests=num_dec_req)

@@ -45,21 +45,32 @@ def test_mixed_batch_rows_positions_slots():
   np.testing.assert_array_equal(np.asarray(md.slot_mapping), want_slot)
   # spot values written out by hand: request 0's first token (pos 5) is block 3 offset 1 -> 13
   assert int(md.slot_mapping[8]) == 13 and int(md.slot_mapping[0]) == 9 * 4 + 2
-  for a in (md.positions, md.slot_mapping, md.decode_block_tables, md.decode_seq_lens,
+  for a in (md.positions, md.slot_mapping, md.seq_lens, md.row_request, md.block_tables,
             md.prefill_query_start_loc, md.context_slots, md.context_cu_seqlens):
     assert isinstance(a, jax.Array) and a.dtype == np.int32
 
 
-def test_mixed_batch_decode_tables_and_lens():
+def test_mixed_batch_tables_rows_and_lens():
   md, _ = _build(MIXED)
-  tables = np.asarray(md.decode_block_tables)
-  assert tables.shape == (8, MB)
+  tables = np.asarray(md.block_tables)
+  assert tables.shape == (8, MB)  # 5 requests, bucket 8 (min_bucket), decode-first
   want = np.full((8, MB), -1, np.int32)
-  want[0, :4] = [7, 8, 9, -1]
-  want[1:4, :3] = [60, 61, 2]
+  for k, i in enumerate([1, 3, 0, 2, 4]):
+    want[k, :len(MIXED[i].block_table)] = MIXED[i].block_table
   np.testing.assert_array_equal(tables, want)
+  want_req = np.full(24, -1)
+  want_req[[0, 1, 2, 3]] = [0, 1, 1, 1]
+  for k, i in enumerate([0, 2, 4]):
+    want_req[MIXED_ROWS[i]] = 2 + k
+  np.testing.assert_array_equal(np.asarray(md.row_request), want_req)
+  dec = np.asarray(md.row_block_tables(0, md.num_decode_rows))
+  np.testing.assert_array_equal(dec[:4], want[[0, 1, 1, 1]])
   # multi-token decode: row j of a request with q_len 3 and context 6 sees 6 + j + 1 tokens
-  np.testing.assert_array_equal(np.asarray(md.decode_seq_lens), [11, 7, 8, 9, 0, 0, 0, 0])
+  np.testing.assert_array_equal(np.asarray(md.seq_lens)[:8], [11, 7, 8, 9, 0, 0, 0, 0])
+  np.testing.assert_array_equal(np.asarray(md.seq_lens)[8:13], np.arange(6, 11))  # prefill rows
+  assert not md.within_topk  # no index_topk given: a dense model
+  assert _build(MIXED, index_topk=25)[0].within_topk  # longest row sees 25 tokens
+  assert not _build(MIXED, index_topk=24)[0].within_topk
 
 
 def test_mixed_batch_prefill_start_loc():
@@ -72,8 +83,8 @@ def test_mixed_batch_prefill_start_loc():
 def test_threshold_one_makes_multi_token_request_a_prefill():
   md, layout = _build(MIXED, decode_threshold=1)
   assert list(layout.order) == [1, 0, 2, 3, 4]
-  assert md.num_decode_rows == 8 and int(md.decode_seq_lens[0]) == 11
-  assert int(np.asarray(md.decode_seq_lens)[1:].max()) == 0
+  assert md.num_decode_rows == 8 and int(md.seq_lens[0]) == 11
+  assert int(np.asarray(md.seq_lens)[1:8].max()) == 0
   np.testing.assert_array_equal(np.asarray(md.prefill_query_start_loc)[:5], [0, 5, 10, 13, 18])
 
 
