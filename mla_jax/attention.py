@@ -73,15 +73,39 @@ class MLAAttention(nnx.Module):
     out = jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
     return out.reshape(t, c.num_heads * c.v_head_dim), cache
 
-  def _decode(self, q, cache, md):
+  def _absorb_query(self, q):
+    """q [T, N, P+R] -> the latent-space query [T, N, L+R] = [q_nope @ W_UK_T | q_pe]."""
     c = self.config
     q_nope, q_pe = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
-    ql_nope = jnp.einsum("TNP,NPL->TNL", q_nope, self.W_UK_T[...])
-    o, _ = self.backend.decode(jnp.concatenate([ql_nope, q_pe], axis=-1), cache.data,
+    return jnp.concatenate([jnp.einsum("TNP,NPL->TNL", q_nope, self.W_UK_T[...]), q_pe], axis=-1)
+
+  def _decode(self, q, cache, md):
+    c = self.config
+    o, _ = self.backend.decode(self._absorb_query(q), cache.data,
                                md.row_block_tables(0, md.num_decode_rows),
                                md.seq_lens[:md.num_decode_rows], scale=c.softmax_scale,
                                kv_lora_rank=c.kv_lora_rank, k_scale=cache.scale_or_none)
     return jnp.einsum("TNL,NLV->TNV", o.astype(self.dtype), self.W_UV[...])
+
+  def sparse(self, q, kv_c_normed, k_pe, cache, md: AttentionMetadata, positions):
+    """DSA: every row attends (absorbed, in latent space) to its selected request-local
+    `positions` [T, K] only (-1: none). cache is a LatentCache or a DSMLACache (fp8_ds_mla).
+    Returns (out [T, N*V], new cache)."""
+    c = self.config
+    t = md.num_rows
+    if q.shape != (t, c.num_heads, c.qk_head_dim) or positions.shape[0] != t or positions.ndim != 2:
+      raise ValueError(f"sparse attention: q {q.shape} must be {(t, c.num_heads, c.qk_head_dim)} and "
+                       f"positions {positions.shape} [{t}, topk]")
+    if not jnp.issubdtype(positions.dtype, jnp.integer):
+      raise ValueError(f"top-k positions must be integers, got {positions.dtype}")
+    be = self.backend
+    cache = cache.write(kv_c_normed, k_pe, md.slot_mapping)
+    slots = reference.positions_to_slots(positions, md.row_block_tables(), cache.block_size,
+                                         cache.num_blocks)
+    o, _ = be.sparse_attention(self._absorb_query(q), cache, slots, scale=c.softmax_scale,
+                               kv_lora_rank=c.kv_lora_rank)
+    out = jnp.einsum("TNL,NLV->TNV", o.astype(self.dtype), self.W_UV[...])
+    return out.reshape(t, c.num_heads * c.v_head_dim), cache
 
   def _up_project(self, kv_c, k_pe):
     """Latents [T, L] and k_pe [T, R] -> per-head keys [T, N, P+R] and values [T, N, V]."""

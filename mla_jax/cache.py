@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from mla_jax import reference
+from mla_jax.dsa_cache import DSMLACache, IndexerKCache
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
 
@@ -53,6 +54,10 @@ class LatentCache:
     """The scale the kernels take: only an fp8 cache is scaled."""
     return self.k_scale if self.is_fp8 else None
 
+  def dequantize_rows(self, slots):
+    """float32 rows [W, L+R] at `slots` [W]; zeros for invalid slots."""
+    return reference.gather_latent_cache(self.data, slots, self.scale_or_none)
+
   def write(self, kv_c_normed, k_pe, slot_mapping, write_fn=reference.write_latent_cache) -> "LatentCache":
     """Writes one row per token at `slot_mapping` [T]; negative or out-of-range slots are skipped."""
     t = slot_mapping.shape[0]
@@ -64,3 +69,12 @@ class LatentCache:
       raise ValueError(f"slot_mapping must be integer, got {slot_mapping.dtype}")
     return dataclasses.replace(self, data=write_fn(self.data, kv_c_normed, k_pe, slot_mapping,
                                                    self.scale_or_none))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DSACache:
+  """A V3.2 layer's caches: the latent cache (bf16/fp8 `LatentCache`, or `fp8_ds_mla`) and the
+  indexer's K cache, sharing one block table."""
+  latent: LatentCache | DSMLACache
+  indexer: IndexerKCache

@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from mla_jax.attention import MLAAttention
-from mla_jax.cache import LatentCache
+from mla_jax.cache import DSACache, LatentCache
 from mla_jax.config import MLAConfig
+from mla_jax.indexer import Indexer
 from mla_jax.metadata import AttentionMetadata
 from mla_jax.rope import RotaryEmbedding
+
+
+class Projections(NamedTuple):
+  q: jax.Array  # [T, N, P+R], RoPE applied
+  kv_c_normed: jax.Array  # [T, L]
+  k_pe: jax.Array  # [T, R], RoPE applied
+  q_c: jax.Array | None  # [T, Lq] after q_a_layernorm (what the V3.2 indexer reads); None without Lq
 
 
 def _linear(n_in, n_out, dtype, param_dtype, rngs):
@@ -24,10 +33,12 @@ class DeepseekV2MLAAttention(nnx.Module):
   """DeepSeek V2/V3 attention: projections, norms, RoPE, and the MLA attention layer.
 
   The cache is passed in and returned (a value, not module state), so a jitted step can donate it.
+  With `index_topk` in the config (V3.2) the layer owns an `Indexer`, takes a `DSACache`, and every
+  row attends only to the positions the indexer selects.
   """
 
   def __init__(self, config: MLAConfig, *, backend: str | None = None, dtype=jnp.bfloat16,
-               param_dtype=jnp.bfloat16, rngs: nnx.Rngs):
+               param_dtype=jnp.bfloat16, indexer_fp8: bool = True, rngs: nnx.Rngs):
     c = config
     self.config = config
     n, qk = c.num_heads, c.qk_head_dim
@@ -46,22 +57,25 @@ class DeepseekV2MLAAttention(nnx.Module):
     self.o_proj = _linear(n * c.v_head_dim, c.hidden_size, dtype, param_dtype, rngs)
     self.rotary_emb = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling, neox=False)
     self.mla_attn = MLAAttention(c, backend=backend, dtype=dtype)
+    if c.has_indexer:
+      self.indexer = Indexer(c, fp8=indexer_fp8, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.process_weights_after_loading()
 
   def process_weights_after_loading(self):
     """Recomputes the absorbed weights from kv_b_proj; call after changing kv_b_proj's kernel."""
     self.mla_attn.absorb(self.kv_b_proj.kernel[...])
 
-  def project(self, x, positions):
-    """Steps 1-3 and 5 of the forward: x [T, hidden] -> q [T, N, P+R], kv_c_normed [T, L],
-    k_pe [T, R], with RoPE applied and the optional llama-4 query scaling."""
+  def project(self, x, positions) -> Projections:
+    """Steps 1-3 and 5 of the forward (RoPE, the optional llama-4 query scaling)."""
     c = self.config
     if x.ndim != 2 or x.shape[-1] != c.hidden_size:
       raise ValueError(f"x must be [tokens, {c.hidden_size}], got shape {x.shape}")
     if positions.shape != x.shape[:1]:
       raise ValueError(f"positions must be [{x.shape[0]}], got shape {positions.shape}")
+    q_c = None
     if c.q_lora_rank is not None:
-      q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+      q_c = self.q_a_layernorm(self.q_a_proj(x))
+      q = self.q_b_proj(q_c)
     else:
       q = self.q_proj(x)
     q = q.reshape(x.shape[0], c.num_heads, c.qk_head_dim)
@@ -74,20 +88,42 @@ class DeepseekV2MLAAttention(nnx.Module):
       s = c.llama_4_scaling
       factor = 1 + s.beta * jnp.log1p(jnp.floor(positions / s.original_max_position_embeddings))
       q = (q.astype(jnp.float32) * factor[:, None, None]).astype(q.dtype)
-    return q, kv_c_normed, k_pe
+    return Projections(q, kv_c_normed, k_pe, q_c)
 
-  def __call__(self, x, cache: LatentCache, md: AttentionMetadata):
-    """One step over the rows of `md`: x [T, hidden] -> (out [T, hidden], new cache)."""
-    q, kv_c_normed, k_pe = self.project(x, md.positions)
-    attn, cache = self.mla_attn(q, kv_c_normed, k_pe, cache, md)
-    return self.o_proj(attn), cache
+  def __call__(self, x, cache: LatentCache | DSACache, md: AttentionMetadata, *,
+               topk_positions=None, return_topk: bool = False):
+    """One step over the rows of `md`: x [T, hidden] -> (out [T, hidden], new cache).
 
-  def unabsorbed_forward(self, x, positions, segment_ids=None):
+    V3.2 only: `topk_positions` [T, index_topk] (request-local, -1 padded) replaces this layer's
+    indexer (IndexCache-style reuse of an earlier layer's selection; this layer's indexer cache
+    is then left as it is), and `return_topk=True` appends the selection used to the result.
+    """
+    p = self.project(x, md.positions)
+    if not self.config.has_indexer:
+      if topk_positions is not None or return_topk:
+        raise ValueError("top-k positions exist only for V3.2 configs (index_topk set)")
+      attn, cache = self.mla_attn(p.q, p.kv_c_normed, p.k_pe, cache, md)
+      return self.o_proj(attn), cache
+    if not isinstance(cache, DSACache):
+      raise ValueError(f"a V3.2 layer needs a DSACache (latent + indexer caches), got {type(cache).__name__}")
+    indexer_cache = cache.indexer
+    if topk_positions is None:
+      topk_positions, indexer_cache = self.indexer(x, p.q_c, cache.indexer, md, self.mla_attn.backend)
+    if md.within_topk and isinstance(cache.latent, LatentCache):
+      # Every window fits in top-k, so the selection is everything: dense MLA is the same math.
+      attn, latent = self.mla_attn(p.q, p.kv_c_normed, p.k_pe, cache.latent, md)
+    else:
+      attn, latent = self.mla_attn.sparse(p.q, p.kv_c_normed, p.k_pe, cache.latent, md, topk_positions)
+    out, cache = self.o_proj(attn), DSACache(latent, indexer_cache)
+    return (out, cache, topk_positions) if return_topk else (out, cache)
+
+  def unabsorbed_forward(self, x, positions, segment_ids=None, key_mask=None):
     """The textbook math, no cache and no absorption: causal MHA with k = [k_nope | k_pe] and
-    v from kv_b_proj, within each segment (all one sequence when segment_ids is None). O(T^2)
-    memory: an oracle for tests and the demo, not a serving path."""
+    v from kv_b_proj, within each segment (all one sequence when segment_ids is None), further
+    restricted by `key_mask` [T, T] when given (e.g. a DSA selection). O(T^2) memory: an oracle
+    for tests and the demo, not a serving path."""
     c = self.config
-    q, kv_c_normed, k_pe = self.project(x, positions)
+    q, kv_c_normed, k_pe, _ = self.project(x, positions)
     kv = self.kv_b_proj(kv_c_normed).reshape(x.shape[0], c.num_heads, -1)
     k_nope, v = kv[..., :c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, None], k_nope.shape[:2] + k_pe.shape[-1:])], -1)
@@ -95,6 +131,8 @@ class DeepseekV2MLAAttention(nnx.Module):
     s = jnp.einsum("qnd,knd->nqk", q.astype(jnp.float32), k.astype(jnp.float32), precision=hi)
     seg = jnp.zeros_like(positions) if segment_ids is None else segment_ids
     mask = (positions[None, :] <= positions[:, None]) & (seg[None, :] == seg[:, None])
+    if key_mask is not None:
+      mask &= key_mask
     p = jax.nn.softmax(jnp.where(mask[None], s * c.softmax_scale, -jnp.inf), axis=-1)
     o = jnp.einsum("nqk,knv->qnv", p, v.astype(jnp.float32), precision=hi)
     return self.o_proj(o.reshape(x.shape[0], -1).astype(x.dtype))

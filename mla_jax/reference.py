@@ -187,3 +187,76 @@ def merge_attn_states(o_a, lse_a, o_b, lse_b):
   lse = jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
   return o.astype(o_a.dtype), lse
 
+
+
+# ----------------------------------------------------------------------------- DSA (V3.2)
+
+def indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens):
+  """Lightning-indexer scores `I[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])` over the paged K cache.
+
+  q [T, H, D] (e4m3 or floating; fp8 q scales belong in `weights`); weights [T, H] float32;
+  k_values [NB, BS, D] (e4m3 or floating); k_scales [NB, BS] float32 (per-token dequant scale);
+  block_tables [T, MB]; seq_lens [T] (causal window: row t sees positions s < seq_lens[t]).
+  Returns logits [T, MB*BS] float32, -inf outside the window and on unreadable blocks.
+  """
+  t = q.shape[0]
+  nb, bs, d = k_values.shape
+  mb = block_tables.shape[1]
+  block_ok = (block_tables >= 0) & (block_tables < nb)
+  safe = jnp.where(block_ok, block_tables, 0)
+  k = k_values[safe].astype(jnp.float32) * k_scales[safe][..., None]
+  k = k.reshape(t, mb * bs, d)
+  mask = (jnp.arange(mb * bs)[None, :] < seq_lens[:, None]) & jnp.repeat(block_ok, bs, axis=1)
+  k = jnp.where(mask[..., None], k, 0.0)
+  scores = jax.nn.relu(_einsum("THD,TSD->THS", q.astype(jnp.float32), k))
+  logits = _einsum("TH,THS->TS", weights.astype(jnp.float32), scores)
+  return jnp.where(mask, logits, -jnp.inf)
+
+
+def topk_positions(logits, seq_lens, topk):
+  """Top-`topk` positions of each row of `logits` [T, S] within its window (s < seq_lens[t]),
+  int32 [T, topk], padded with -1 when fewer are visible. Order is unspecified."""
+  t, s = logits.shape
+  masked = jnp.where(jnp.arange(s)[None, :] < seq_lens[:, None], logits, -jnp.inf)
+  vals, idx = lax.top_k(masked, min(topk, s))
+  idx = jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
+  return jnp.pad(idx, ((0, 0), (0, topk - idx.shape[1])), constant_values=-1)
+
+
+def positions_to_slots(positions, block_tables, block_size, num_blocks):
+  """Request-local positions [T, K] -> cache slots through each row's table [T, MB];
+  -1, a position past the table, or a -1 / out-of-cache block gives -1."""
+  mb = block_tables.shape[1]
+  blk = positions // block_size
+  ok = (positions >= 0) & (blk < mb)
+  b = jnp.take_along_axis(block_tables, jnp.clip(blk, 0, mb - 1), axis=1)
+  ok &= (b >= 0) & (b < num_blocks)
+  return jnp.where(ok, b * block_size + positions % block_size, -1).astype(jnp.int32)
+
+
+def sparse_attention(q, gather_rows, slots, num_slots, *, scale, kv_lora_rank, rows_per_chunk=16):
+  """Absorbed MQA per row over its selected cache slots only.
+
+  q [T, N, D]; gather_rows(flat_slots [W]) -> float32 [W, D] rows (zeros for invalid slots);
+  slots [T, K] int32 (-1 or >= num_slots: skipped). Returns o [T, N, L] (q.dtype) and
+  lse [T, N] float32; a row with no valid slot gives (0, -inf). Rows are processed
+  `rows_per_chunk` at a time so the gathered [chunk, K, D] block bounds the memory.
+  """
+  t, n, d = q.shape
+  k_sel = slots.shape[1]
+  chunk = min(rows_per_chunk, t)
+  pad = -t % chunk
+  qp = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
+  sp = jnp.pad(slots, ((0, pad), (0, 0)), constant_values=-1)
+
+  def one_chunk(args):
+    qc, sc = args
+    valid = (sc >= 0) & (sc < num_slots)
+    rows = gather_rows(jnp.where(valid, sc, -1).reshape(-1)).reshape(chunk, k_sel, d)
+    rows = jnp.where(valid[..., None], rows, 0.0)
+    logits = _einsum("TND,TKD->TNK", qc.astype(jnp.float32), rows) * scale
+    p, lse = _masked_softmax(logits, valid[:, None, :])
+    return _einsum("TNK,TKL->TNL", p, rows[..., :kv_lora_rank]), lse
+
+  o, lse = lax.map(one_chunk, (qp.reshape(-1, chunk, n, d), sp.reshape(-1, chunk, k_sel)))
+  return o.reshape(-1, n, kv_lora_rank)[:t].astype(q.dtype), lse.reshape(-1, n)[:t]

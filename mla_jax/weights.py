@@ -21,6 +21,13 @@ def _expected_shapes(module: DeepseekV2MLAAttention) -> dict[str, tuple[tuple[in
     if hasattr(module, attr):
       scale = getattr(module, attr).scale
       out[f"{attr}.weight"] = (scale[...].shape, scale)
+  if hasattr(module, "indexer"):  # V3.2
+    idx = module.indexer
+    for attr in ("wq_b", "wk", "weights_proj"):
+      kernel = getattr(idx, attr).kernel
+      out[f"indexer.{attr}.weight"] = (kernel[...].shape[::-1], kernel)
+    out["indexer.k_norm.weight"] = (idx.k_norm.scale[...].shape, idx.k_norm.scale)
+    out["indexer.k_norm.bias"] = (idx.k_norm.bias[...].shape, idx.k_norm.bias)
   return out
 
 

@@ -1,0 +1,126 @@
+"""Latent (MLA) decode: the Pallas-Triton kernel against the jitted XLA reference, on a GPU.
+
+  PYTHONPATH=. python -m benchmarks.bench_decode [--quick] [--sweep] [--out DIR]
+
+Every request sees the full S tokens through a shuffled 64-token page table, so the bytes that
+must move are exactly the cache rows (B*S*576*elem) plus q and o; FLOPs are 2*B*N*S*(576+512).
+Several input sets are rotated so the 60 MB L2 never holds a whole set. `--sweep` times the
+kernel's (block_h, num_warps, num_stages) variants and then split counts instead of the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.common import rates, time_ms, write_results
+from mla_jax import reference
+from pallas_kernels import latent_decode as kernel
+
+L, R = 512, 64
+SCALE = (128 + R) ** -0.5
+FP8_SCALE = 0.05
+DTYPES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
+# (block_h, block_n, num_warps, num_stages) variants per head count for --sweep.
+SWEEP = {
+    16: [(16, n, 4, s) for n, s in itertools.product((64, 32), (1, 2, 3))],
+    128: [(h, n, w, s) for h, n, w, s in itertools.product((32, 64), (64, 32), (4, 8), (1, 2))],
+}
+
+
+def input_sets(batch, heads, seq, page, dtype, num_sets):
+  """num_sets independent (q, cache, block_tables, seq_lens) on the device, random, no NaN."""
+  per_req = seq // page
+  sets = []
+  for i in range(num_sets):
+    kq, kc, kp = jax.random.split(jax.random.key(i), 3)
+    q = jax.random.normal(kq, (batch, heads, L + R), jnp.bfloat16)
+    cache = jax.random.normal(kc, (batch * per_req, page, L + R), jnp.float32) / 10
+    cache = (cache / FP8_SCALE if dtype == jnp.float8_e4m3fn else cache).astype(dtype)
+    tables = jax.random.permutation(kp, batch * per_req).astype(jnp.int32).reshape(batch, per_req)
+    sets.append((q, cache, tables, jnp.full((batch,), seq, jnp.int32)))
+  return sets
+
+
+def ref_fn(k_scale):
+  return jax.jit(lambda q, c, t, s: reference.latent_decode(q, c, t, s, scale=SCALE, k_scale=k_scale))
+
+
+def run_case(args, batch, heads, seq, dtype_name):
+  dtype = DTYPES[dtype_name]
+  elem = jnp.dtype(dtype).itemsize
+  case_bytes = batch * seq * (L + R) * elem + batch * heads * (L + R + L) * 2
+  flops = 2 * batch * heads * seq * (L + R + L)
+  # Enough sets that one pass over them is 4x the L2.
+  sets = input_sets(batch, heads, seq, args.page, dtype, max(2, math.ceil(4 * 60e6 / case_bytes)))
+  k_scale = jnp.float32(FP8_SCALE) if dtype == jnp.float8_e4m3fn else None
+  base = {"B": batch, "N": heads, "S": seq, "cache": dtype_name}
+
+  def kernel_fn(**cfg):
+    return lambda q, c, t, s: kernel.latent_decode(q, c, t, s, scale=SCALE, k_scale=k_scale, **cfg)
+
+  def timed(fn):
+    return time_ms(fn, sets, iters=args.iters, repeats=args.repeats)
+
+  if args.sweep:
+    ref_o = ref_fn(k_scale)(*sets[0])[0].astype(jnp.float32)
+
+    def variant(**cfg):
+      # A variant may not compile (shared memory, registers): record that and go on.
+      try:
+        fn = kernel_fn(**cfg)
+        err = float(jnp.abs(fn(*sets[0])[0].astype(jnp.float32) - ref_o).max())
+        row = {**base, **cfg, **rates(timed(fn), bytes_moved=case_bytes, flops=flops), "max err": err}
+      except Exception as e:  # noqa: BLE001
+        row = {**base, **cfg, "error": f"{type(e).__name__}: {str(e)[:80]}"}
+      print(row, flush=True)
+      return row
+
+    rows = [variant(block_h=h, block_n=n, num_warps=w, num_stages=st) for h, n, w, st in SWEEP[heads]]
+    best = min((r for r in rows if "ms" in r), key=lambda r: r["ms"])
+    cfg = {k: best[k] for k in ("block_h", "block_n", "num_warps", "num_stages")}
+    return rows + [variant(**cfg, num_kv_splits=k) for k in (1, 2, 4, 8, 16, 32)]
+
+  block_h, block_n, warps, stages = kernel.tuned_config(heads, args.page, dtype_name == "fp8")
+  splits = kernel.default_num_kv_splits(batch, -(-heads // block_h), seq, kernel.sm_count())
+  row = {**base, "config": f"h{block_h} n{block_n} w{warps} s{stages} k{splits}"}
+  try:
+    row.update(rates(timed(kernel_fn()), bytes_moved=case_bytes, flops=flops))
+  except ValueError as e:  # a case the kernel refuses (fp8 caches past 2**31 elements)
+    print({**row, "error": str(e)}, flush=True)
+    return [{**row, "error": str(e)[:60]}]
+  if not args.no_ref:
+    row["xla ms"] = time_ms(ref_fn(k_scale), sets, iters=max(2, args.iters // 4), repeats=3)
+    row["speedup"] = row["xla ms"] / row["ms"]
+  print(row, flush=True)
+  return [row]
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--batch", type=int, nargs="+", default=[32, 128])
+  parser.add_argument("--heads", type=int, nargs="+", default=[16, 128])
+  parser.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 32768])
+  parser.add_argument("--dtype", nargs="+", default=["bf16", "fp8"], choices=sorted(DTYPES))
+  parser.add_argument("--page", type=int, default=64)
+  parser.add_argument("--quick", action="store_true", help="B=128, S in {4096, 32768} only")
+  parser.add_argument("--sweep", action="store_true", help="time kernel variants, no reference")
+  parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference")
+  parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--out", default="benchmarks/out")
+  args = parser.parse_args()
+  if args.quick:
+    args.batch, args.seq = [128], [4096, 32768]
+  rows = []
+  for batch, heads, seq, dtype_name in itertools.product(args.batch, args.heads, args.seq, args.dtype):
+    rows += run_case(args, batch, heads, seq, dtype_name)
+  print(write_results(rows, "decode_sweep" if args.sweep else "decode", args.out))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,87 @@
+"""DeepSeek V3.2's lightning indexer (Flax NNX), shaped like vLLM's `Indexer`."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from mla_jax.config import MLAConfig
+from mla_jax.dsa_cache import IndexerKCache, quantize_indexer_q
+from mla_jax.metadata import AttentionMetadata
+from mla_jax.rope import RotaryEmbedding
+
+# Largest [rows, heads, positions] float32 score block one indexer chunk may build.
+SCORE_BYTES_BOUND = 512 * 2**20
+
+
+def causal_positions(seq_lens, topk):
+  """What top-k returns when a row's whole window fits: positions 0..len-1, then -1."""
+  pos = jnp.arange(topk, dtype=jnp.int32)[None, :]
+  return jnp.where(pos < seq_lens[:, None], pos, -1)
+
+
+class Indexer(nnx.Module):
+  """Scores every visible cache position per token and keeps the top `index_topk`.
+
+  q = wq_b(q_c) per head, k = k_norm(wk(x)) shared by heads, NeoX RoPE on the first R dims of
+  each (`[rope | nope]`), head weights `weights_proj(x) / sqrt(H * D)`. With `fp8`, q is quantized
+  per (token, head) and the K cache per token to e4m3 with power-of-two scales, as vLLM does.
+  """
+
+  def __init__(self, config: MLAConfig, *, fp8: bool = True, dtype=jnp.bfloat16,
+               param_dtype=jnp.bfloat16, rngs: nnx.Rngs):
+    if not config.has_indexer:
+      raise ValueError("the config has no indexer (index_n_heads / index_head_dim / index_topk)")
+    c = config
+    self.config = config
+    self.fp8 = fp8
+    h, d = c.index_n_heads, c.index_head_dim
+    linear = lambda n_in, n_out: nnx.Linear(n_in, n_out, use_bias=False, dtype=dtype,
+                                            param_dtype=param_dtype, rngs=rngs,
+                                            kernel_init=nnx.initializers.normal(n_in ** -0.5))
+    self.wq_b = linear(c.q_lora_rank, h * d)
+    self.wk = linear(c.hidden_size, d)
+    self.k_norm = nnx.LayerNorm(d, epsilon=1e-6, use_bias=True, dtype=dtype, param_dtype=param_dtype,
+                                rngs=rngs)
+    self.weights_proj = linear(c.hidden_size, h)
+    self.rotary_emb = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling, neox=True)
+
+  def project(self, x, q_c, positions):
+    """x [T, hidden], q_c [T, Lq] (after q_a_layernorm) -> q [T, H, D] (e4m3 with fp8),
+    head weights [T, H] float32 (times the q scales with fp8), k [T, D]."""
+    c = self.config
+    h, d, r = c.index_n_heads, c.index_head_dim, c.qk_rope_head_dim
+    q = self.wq_b(q_c).reshape(x.shape[0], h, d)
+    q = jnp.concatenate([self.rotary_emb(positions, q[..., :r]), q[..., r:]], axis=-1)
+    k = self.k_norm(self.wk(x))
+    k = jnp.concatenate([self.rotary_emb(positions, k[:, :r]), k[:, r:]], axis=-1)
+    weights = self.weights_proj(x).astype(jnp.float32) * (h ** -0.5 * d ** -0.5)
+    if self.fp8:
+      q, q_scale = quantize_indexer_q(q)
+      weights = weights * q_scale
+    return q, weights, k
+
+  def __call__(self, x, q_c, k_cache: IndexerKCache, md: AttentionMetadata, backend):
+    """Writes this step's keys, then returns (top-k request-local positions [T, topk], -1 padded;
+    the new K cache). Rows are scored a chunk at a time to bound the score buffer."""
+    c = self.config
+    q, weights, k = self.project(x, q_c, md.positions)
+    k_cache = k_cache.write(k, md.slot_mapping)
+    if md.within_topk:  # every window fits: the selection is the whole window, no scoring needed
+      return causal_positions(md.seq_lens, c.index_topk), k_cache
+
+    t = md.num_rows
+    span = md.block_tables.shape[1] * k_cache.block_size
+    rows = max(1, SCORE_BYTES_BOUND // (c.index_n_heads * span * 4))
+    rows = min(t, 1 << (rows.bit_length() - 1))  # a power of two, so it divides the bucketed T
+    tables = md.row_block_tables()
+
+    def one_chunk(args):
+      q_i, w_i, tab_i, len_i = args
+      logits = backend.indexer_logits(q_i, w_i, k_cache.values, k_cache.scales, tab_i, len_i)
+      return backend.topk(logits, len_i, c.index_topk)
+
+    split = lambda a: a.reshape(t // rows, rows, *a.shape[1:])
+    topk = lax.map(one_chunk, (split(q), split(weights), split(tables), split(md.seq_lens)))
+    return topk.reshape(t, c.index_topk), k_cache

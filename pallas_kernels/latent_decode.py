@@ -1,0 +1,272 @@
+"""Split-KV latent (MLA) decode for GPUs, in Pallas lowered through Triton.
+
+Absorbed MQA over a paged latent cache: every query head of a token attends to the same 576-wide
+cache rows `[kv_c (L) | k_pe (R)]`, and the values are their first L columns. Stage 1 gives each
+program one token, a block of heads and a contiguous range of that token's pages (one split); it
+walks the range one page (or block_n tokens of one) per step through the block table with an
+online softmax in float32 and writes a normalized partial output and its log-sum-exp. Stage 2
+merges the splits by their log-sum-exps. With one split stage 1 writes the final output, and every
+row's result depends only on that row's inputs (not on the batch it came in).
+
+Pure arrays in and out; no dependency on the rest of the project.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+# Running max before any visible key: finite, so exp2(m_old - m_new) stays 0 or 1, never NaN.
+_M_INIT = -1e30
+_H200_SMS = 132
+_Q_DTYPES = ("bfloat16", "float16", "float32")
+_CACHE_DTYPES = _Q_DTYPES + ("float8_e4m3fn",)
+
+# (block_h, block_n, num_warps, num_stages) by (largest head count it is for, page size, fp8 cache);
+# the first row whose head count covers N wins, the last row per page and dtype takes the rest.
+# block_n is the cache tokens per inner step (at most the page). Chosen on an H200 at B=128, S=8192,
+# page 64; the sweeps behind each row are in benchmarks/RESULTS.md ("Latent decode (pallas_triton)").
+_TUNING = (
+    (16, 64, False, (16, 64, 4, 2)),  # N=16: 0.33 ms, 3.6 TB/s; 8 warps or 3 stages >= 6% slower
+    (32, 64, False, (32, 64, 4, 2)),  # not swept at N=32: the best block_h 32 row at N=128
+    (None, 64, False, (64, 64, 8, 2)),  # N=128: 1.26-1.29 ms, 230 TFLOP/s; h32 w4 s2 1.40
+    # fp8 rows fit shared memory (the e4m3 tiles are widened to bf16 there: (64, 64, 8, 2) asks for
+    # 236 KB of 227 KB) and pass the GPU tests; their speed was not swept.
+    (16, 64, True, (16, 64, 4, 2)),
+    (None, 64, True, (32, 64, 4, 2)),
+)
+# Pallas-Triton (jax 0.11.2) picks 64-bit offsets only for arrays over 2**32 bytes, but offsets count
+# elements: a 1-byte cache of 2**31 elements or more would overflow int32 and read out of bounds.
+_MAX_FP8_CACHE_ELEMENTS = 2 ** 31 - 1
+
+
+def _is_pow2(x: int) -> bool:
+  return x > 0 and x & (x - 1) == 0
+
+
+def _next_pow2(x: int) -> int:
+  return 1 << max(0, x - 1).bit_length()
+
+
+def tuned_config(num_heads: int, page_size: int, fp8: bool = False):
+  """(block_h, block_n, num_warps, num_stages); pages absent from the table use page 64's rows."""
+  page_key = page_size if any(p == page_size for _, p, _, _ in _TUNING) else 64
+  for heads, page, is_fp8, config in _TUNING:
+    if page == page_key and is_fp8 == fp8 and (heads is None or num_heads <= heads):
+      return config
+  raise AssertionError("the tuning table ends with a catch-all row per page size")
+
+
+def sm_count() -> int:
+  device = jax.devices()[0]
+  if device.platform != "gpu":
+    return _H200_SMS  # interpret mode: pick what the H200 would
+  return getattr(device, "core_count", None) or _H200_SMS
+
+
+def default_num_kv_splits(num_tokens: int, num_head_blocks: int, max_len: int,
+                          sm_count: int = _H200_SMS) -> int:
+  """vLLM's rule on a static length bound, capped so the grid holds about 2 programs per SM.
+
+  vLLM's `min(next_pow2(max(1, max_len // 512)), 2 * SMs)` alone grows with the length even when
+  tokens x head blocks already fill the GPU, and every extra split costs a float32 partial output
+  write and read (measured at B=128, S=8192: N=16 fastest at 2-4 splits and 23% slower at 32, N=128
+  fastest at 1-2 and 46% slower at 32).
+  """
+  vllm = min(_next_pow2(max(1, max_len // 512)), 2 * sm_count)
+  fill = _next_pow2(-(-2 * sm_count // max(1, num_tokens * num_head_blocks)))
+  return max(1, min(vllm, fill))
+
+
+def _stage1_kernel(q_ref, kv_ref, bt_ref, len_ref, *rest, scale, lora, rope, step, num_splits,
+                   has_k_scale, compute_dtype):
+  # q_ref [block_h, L+R]; kv_ref [num_blocks, page, L+R]; bt_ref [T, max_blocks] int32;
+  # len_ref [T] int32; rest = (ks_ref [1] f32 when has_k_scale,) o_ref [block_h, L], lse_ref [block_h]
+  *ks_ref, o_ref, lse_ref = rest
+  split, t = pl.program_id(1), pl.program_id(2)
+  num_blocks, page, _ = kv_ref.shape
+  max_blocks = bt_ref.shape[1]
+  steps_per_page = page // step
+  precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
+  k_scale = ks_ref[0][0] if has_k_scale else 1.0
+  # Folding log2(e) in lets the softmax use exp2; the per-tensor fp8 scale is linear, so it scales
+  # the logits here and the output at the end instead of every cache element.
+  qk_scale = scale * _LOG2E * k_scale
+
+  length = jnp.clip(len_ref[t], 0, max_blocks * page)
+  num_steps = pl.cdiv(length, step)
+  per_split = pl.cdiv(num_steps, num_splits)
+  first = split * per_split
+  last = jnp.minimum(first + per_split, num_steps)
+
+  q_nope = q_ref[:, pl.ds(0, lora)].astype(compute_dtype)
+  q_pe = q_ref[:, pl.ds(lora, rope)].astype(compute_dtype)
+
+  def body(i, carry):
+    m, l, acc = carry
+    slot, offset = (i, 0) if steps_per_page == 1 else (i // steps_per_page, i % steps_per_page * step)
+    block = bt_ref[t, slot]
+    block_ok = (block >= 0) & (block < num_blocks)
+    block = jnp.where(block_ok, block, 0)
+    pos = slot * page + offset + jnp.arange(step)
+    valid = (pos < length) & block_ok
+    # Masked loads: positions past the length and pages behind bad table entries are never read
+    # (they may hold NaN); zeros there keep 0 * NaN out of the value product.
+    k_nope = plgpu.load(kv_ref.at[block, pl.ds(offset, step), pl.ds(0, lora)],
+                        mask=jnp.broadcast_to(valid[:, None], (step, lora)), other=0.0)
+    k_pe = plgpu.load(kv_ref.at[block, pl.ds(offset, step), pl.ds(lora, rope)],
+                      mask=jnp.broadcast_to(valid[:, None], (step, rope)), other=0.0)
+    k_nope, k_pe = k_nope.astype(compute_dtype), k_pe.astype(compute_dtype)
+    s = (plgpu.dot(q_nope, k_nope, trans_b=True, precision=precision)
+         + plgpu.dot(q_pe, k_pe, trans_b=True, precision=precision)) * qk_scale  # [block_h, step]
+    s = jnp.where(valid[None, :], s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    l = l * alpha + p.sum(axis=1)
+    acc = acc * alpha[:, None] + plgpu.dot(p.astype(compute_dtype), k_nope, precision=precision)
+    return m_new, l, acc
+
+  block_h = q_ref.shape[0]
+  init = (jnp.full((block_h,), _M_INIT, jnp.float32), jnp.zeros((block_h,), jnp.float32),
+          jnp.zeros((block_h, lora), jnp.float32))
+  m, l, acc = lax.fori_loop(first, last, body, init)
+  seen = l > 0
+  l_safe = jnp.where(seen, l, 1.0)
+  o_ref[...] = (acc * (k_scale / l_safe)[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+
+
+def _merge_splits(o_parts, lse_parts, out_dtype):
+  """Stage 2: o_parts [T, S, N, L] f32, lse_parts [T, S, N] -> (o [T, N, L], lse [T, N]).
+
+  Plain XLA, which fuses it into one reduction reading each partial once (a Pallas merge was not
+  timed against it). A split or row that saw nothing (lse -inf) gets weight 0.
+  """
+  m = lse_parts.max(axis=1)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  w = jnp.exp(lse_parts - m[:, None])
+  total = w.sum(axis=1)
+  safe = jnp.where(total > 0, total, 1.0)
+  o = (w[..., None] * o_parts).sum(axis=1) / safe[..., None]
+  return o.astype(out_dtype), jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
+
+
+def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits, block_h,
+           block_n, num_warps, num_stages):
+  if q.ndim != 3 or kv_cache.ndim != 3 or block_tables.ndim != 2 or seq_lens.ndim != 1:
+    raise ValueError(f"want q [T, N, D], kv_cache [num_blocks, page, D], block_tables [T, max_blocks], "
+                     f"seq_lens [T]; got {q.shape}, {kv_cache.shape}, {block_tables.shape}, "
+                     f"{seq_lens.shape}")
+  t, _, d = q.shape
+  page = kv_cache.shape[1]
+  if block_tables.shape[0] != t or seq_lens.shape[0] != t:
+    raise ValueError(f"block_tables and seq_lens need one row per query token ({t}); got "
+                     f"{block_tables.shape[0]} and {seq_lens.shape[0]}")
+  if kv_cache.shape[2] != d:
+    raise ValueError(f"q head dim {d} != cache row width {kv_cache.shape[2]}")
+  rope = d - kv_lora_rank
+  if not (_is_pow2(kv_lora_rank) and kv_lora_rank >= 16 and _is_pow2(rope) and rope >= 16):
+    raise ValueError(f"head dim {d} must be kv_lora_rank ({kv_lora_rank}) + a rope dim ({rope}), "
+                     "both powers of two >= 16 (Triton loads power-of-two blocks)")
+  if page % 16:
+    raise ValueError(f"page size must be a multiple of 16, got {page}")
+  if q.dtype.name not in _Q_DTYPES:
+    raise ValueError(f"q dtype must be one of {_Q_DTYPES}, got {q.dtype.name}")
+  if kv_cache.dtype.name not in _CACHE_DTYPES:
+    raise ValueError(f"cache dtype must be one of {_CACHE_DTYPES}, got {kv_cache.dtype.name}")
+  if block_tables.dtype != jnp.int32 or seq_lens.dtype != jnp.int32:
+    raise ValueError(f"block_tables and seq_lens must be int32, got {block_tables.dtype.name} and "
+                     f"{seq_lens.dtype.name}")
+  if kv_cache.dtype.name == "float8_e4m3fn" and k_scale is None:
+    raise ValueError("a float8_e4m3fn cache needs k_scale")
+  if kv_cache.dtype.name == "float8_e4m3fn" and kv_cache.size > _MAX_FP8_CACHE_ELEMENTS:
+    raise ValueError(f"a float8_e4m3fn cache of {kv_cache.size} elements is over the "
+                     f"{_MAX_FP8_CACHE_ELEMENTS} that int32 offsets reach (Pallas-Triton lowering)")
+  if k_scale is not None and jnp.ndim(k_scale) != 0:
+    raise ValueError(f"k_scale must be a scalar, got shape {jnp.shape(k_scale)}")
+  if num_kv_splits is not None and num_kv_splits < 1:
+    raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+  if block_h is not None and not (_is_pow2(block_h) and block_h >= 16):
+    raise ValueError(f"block_h must be a power of two >= 16, got {block_h}")
+  if block_n is not None and not (_is_pow2(block_n) and block_n >= 16 and page % block_n == 0):
+    raise ValueError(f"block_n must be a power of two >= 16 dividing the page ({page}), got {block_n}")
+  if num_warps is not None and not _is_pow2(num_warps):
+    raise ValueError(f"num_warps must be a power of two, got {num_warps}")
+  if num_stages is not None and num_stages < 1:
+    raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits", "block_h",
+                                             "block_n", "num_warps", "num_stages", "interpret"))
+def latent_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank=512, k_scale=None,
+                  num_kv_splits=None, block_h=None, block_n=None, num_warps=None, num_stages=None,
+                  interpret=False):
+  """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
+
+  q [T, N, L+R] bf16/f16/f32; kv_cache [num_blocks, page, L+R] bf16/f16/f32, or float8_e4m3fn
+  holding `x / k_scale` (k_scale a float32 scalar); block_tables [T, max_blocks] int32 (the row's
+  request's table; -1 or out-of-range entries are masked); seq_lens [T] int32 (0 gives o = 0,
+  lse = -inf). num_kv_splits=None picks a split count from static shapes; 1 makes each row's
+  result independent of the batch. block_h / block_n / num_warps / num_stages override the tuning
+  table (block_n: cache tokens per inner step, a power of two >= 16 dividing the page).
+  Returns o [T, N, L] in q.dtype and lse [T, N] float32 (natural log).
+  """
+  _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits, block_h,
+         block_n, num_warps, num_stages)
+  t, n, d = q.shape
+  _, page, _ = kv_cache.shape
+  lora, rope = kv_lora_rank, d - kv_lora_rank
+  cfg_h, cfg_n, cfg_warps, cfg_stages = tuned_config(n, page, kv_cache.dtype.name == "float8_e4m3fn")
+  block_h = block_h or cfg_h
+  num_warps = num_warps or cfg_warps
+  num_stages = num_stages or cfg_stages
+  num_head_blocks = pl.cdiv(n, block_h)
+  splits = num_kv_splits or default_num_kv_splits(t, num_head_blocks, block_tables.shape[1] * page,
+                                                  sm_count())
+  if n % block_h:
+    q = jnp.pad(q, ((0, 0), (0, num_head_blocks * block_h - n), (0, 0)))
+  if kv_cache.dtype.name == "float8_e4m3fn" or kv_cache.dtype == q.dtype:
+    compute_dtype = q.dtype  # fp8 -> bf16/f16/f32 is exact
+  else:
+    compute_dtype = jnp.promote_types(q.dtype, kv_cache.dtype)
+  # Triton blocks hold a power-of-two element count: a page that is not a power of two is walked in
+  # steps of its largest power-of-two divisor.
+  step = block_n or min(cfg_n, page & -page)
+  np_ = num_head_blocks * block_h
+  out_dtype = q.dtype if splits == 1 else jnp.float32
+  k_scale_args = () if k_scale is None else (jnp.asarray(k_scale, jnp.float32).reshape(1),)
+
+  kernel = functools.partial(_stage1_kernel, scale=scale, lora=lora, rope=rope, step=step,
+                             num_splits=splits, has_k_scale=k_scale is not None,
+                             compute_dtype=compute_dtype)
+  whole = lambda x: pl.BlockSpec(x.shape, lambda h, s, i: (0,) * x.ndim)
+  # Head blocks vary fastest so the programs reading the same pages run together and share L2.
+  o_parts, lse_parts = pl.pallas_call(
+      kernel,
+      grid=(num_head_blocks, splits, t),
+      in_specs=[pl.BlockSpec((None, block_h, d), lambda h, s, i: (i, h, 0)),
+                whole(kv_cache), whole(block_tables), whole(seq_lens)]
+               + [whole(a) for a in k_scale_args],
+      out_specs=[pl.BlockSpec((None, None, block_h, lora), lambda h, s, i: (i, s, h, 0)),
+                 pl.BlockSpec((None, None, block_h), lambda h, s, i: (i, s, h))],
+      out_shape=[jax.ShapeDtypeStruct((t, splits, np_, lora), out_dtype),
+                 jax.ShapeDtypeStruct((t, splits, np_), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name=f"latent_decode_h{block_h}_p{page}_s{splits}",
+  )(q, kv_cache, block_tables, seq_lens, *k_scale_args)
+
+  if splits == 1:
+    o, lse = o_parts[:, 0], lse_parts[:, 0]
+  else:
+    o, lse = _merge_splits(o_parts, lse_parts, q.dtype)
+  return o[:, :n], lse[:, :n]

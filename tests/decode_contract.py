@@ -1,0 +1,143 @@
+"""The decode contract every backend meets, checked against the float64 oracle on CPU-sized shapes.
+
+A subclass sets `backend`; tests reach the function through `mla_jax.backends.get_backend`.
+Inputs are fresh per case: NaN in every cache slot no row may read, shuffled block tables, lengths
+that include 0 and partial pages. Pallas interpret mode fills outputs with NaN before the kernel
+runs (jax's `hlo_interpreter._initialize_output_vals`), so "no NaN" below also proves that the
+kernel wrote every output element.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+from mla_jax import backends
+from oracles import attention_np, latent_decode_np
+
+L, R = 512, 64
+SCALE = (128 + R) ** -0.5
+FP8_SCALE = 0.05
+
+
+def cos_diff(x, y):
+  x, y = np.asarray(x, np.float64).ravel(), np.asarray(y, np.float64).ravel()
+  return 1 - 2 * np.sum(x * y) / max(np.sum(x * x + y * y), 1e-300)
+
+
+def assert_decode_close(o, lse, ref_o, ref_lse, *, tight=False):
+  """SPEC section 8: cosine difference < 1e-5 on out and lse, then per element abs 8e-4 or rel
+  2/128 (float32 runs: both 1e-5). The -inf pattern of lse must match exactly."""
+  o, lse = np.asarray(o, np.float64), np.asarray(lse, np.float64)
+  assert not np.isnan(o).any() and not np.isnan(lse).any(), "NaN in the outputs (unwritten or leaked)"
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+  seen = np.isfinite(ref_lse)
+  assert cos_diff(o, ref_o) < 1e-5
+  assert cos_diff(lse[seen], ref_lse[seen]) < 1e-5
+  atol, rtol = (1e-5, 1e-5) if tight else (8e-4, 2 / 128)
+  for got, want in ((o, ref_o), (lse[seen], ref_lse[seen])):
+    err = np.abs(got - want)
+    bad = (err > atol) & (err > rtol * np.abs(want))
+    assert not bad.any(), f"{bad.sum()} elements off; worst abs error {err.max():.3g}"
+
+
+def make_case(seed, *, n, page, req_lens, q_lens=None, q_dtype=jnp.bfloat16,
+              cache_dtype=jnp.bfloat16, spare_blocks=3, extra_table=2):
+  """Random decode inputs as numpy arrays, one request per entry of req_lens.
+
+  Request r contributes q_lens[r] rows (default 1); row j of it sees req_lens[r] - q_len + j + 1
+  tokens, all through the request's table. Cache values are randn / 10 as in FlashMLA's decode
+  test (the tolerances above come from there); q is unit normal. Blocks are dealt from a random
+  permutation; table slots past a request's pages hold -1 or some other request's (or a spare, NaN)
+  block, and every slot past a request's length is NaN, so a read past the length shows up.
+  """
+  rng = np.random.default_rng(seed)
+  q_lens = q_lens or [1] * len(req_lens)
+  pages = [-(-s // page) for s in req_lens]
+  max_blocks = max(pages) + extra_table
+  num_blocks = sum(pages) + spare_blocks
+  perm = rng.permutation(num_blocks).astype(np.int32)
+  fp8 = jnp.dtype(cache_dtype) == jnp.float8_e4m3fn
+  values = rng.standard_normal((num_blocks, page, L + R)).astype(np.float32) / 10
+  if fp8:
+    values /= FP8_SCALE
+  cache = np.full((num_blocks, page, L + R), np.nan, np.float32)
+  tables, lens, start = [], [], 0
+  for s, p, ql in zip(req_lens, pages, q_lens):
+    own = perm[start:start + p]
+    start += p
+    tail = np.where(rng.random(max_blocks - p) < 0.5, -1, rng.choice(perm, max_blocks - p))
+    tables += [np.concatenate([own, tail]).astype(np.int32)] * ql
+    lens += [max(s - ql + j + 1, 0) for j in range(ql)]
+    for pos in range(s):
+      cache[own[pos // page], pos % page] = values[own[pos // page], pos % page]
+  q = rng.standard_normal((len(lens), n, L + R)).astype(np.float32)
+  cache_dtype = ml_dtypes.float8_e4m3fn if fp8 else jnp.dtype(cache_dtype)
+  return (np.asarray(jnp.asarray(q, q_dtype)), cache.astype(cache_dtype), np.stack(tables),
+          np.asarray(lens, np.int32))
+
+
+class DecodeContract:
+  backend = None
+
+  def decode(self, *args, **kwargs):
+    return backends.get_backend(self.backend).decode(*args, scale=SCALE, kv_lora_rank=L, **kwargs)
+
+  def check(self, q, cache, tables, lens, *, k_scale=None, **kwargs):
+    o, lse = self.decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(tables), jnp.asarray(lens),
+                         k_scale=k_scale, **kwargs)
+    assert o.shape == q.shape[:2] + (L,) and o.dtype == q.dtype
+    assert lse.shape == q.shape[:2] and lse.dtype == jnp.float32
+    ref_o, ref_lse = latent_decode_np(q.astype(np.float32), cache, tables, lens, SCALE, L,
+                                      1.0 if k_scale is None else float(k_scale))
+    assert_decode_close(np.asarray(o.astype(jnp.float32)), lse, ref_o, ref_lse,
+                        tight=q.dtype == np.float32 and cache.dtype == np.float32)
+    return o, lse
+
+  @pytest.mark.parametrize("seed,n,page,splits,req_lens", [
+      (0, 16, 16, 1, [37, 0, 16, 200]),
+      (1, 16, 64, None, [130, 1, 64, 0, 65]),
+      (2, 32, 16, 7, [199, 3, 0, 48]),
+      (3, 20, 16, None, [90, 17]),
+      (4, 128, 64, 2, [150, 0]),
+      (5, 16, 48, 3, [100, 47, 0]),
+  ])
+  def test_bf16(self, seed, n, page, splits, req_lens):
+    self.check(*make_case(seed, n=n, page=page, req_lens=req_lens), num_kv_splits=splits)
+
+  @pytest.mark.parametrize("seed,n,page,splits,k_scale", [
+      (10, 16, 64, 4, FP8_SCALE),
+      (11, 32, 16, 1, jnp.float32(FP8_SCALE)),
+  ])
+  def test_fp8_cache(self, seed, n, page, splits, k_scale):
+    case = make_case(seed, n=n, page=page, req_lens=[150, 0, 33], cache_dtype=jnp.float8_e4m3fn)
+    self.check(*case, k_scale=k_scale, num_kv_splits=splits)
+
+  @pytest.mark.parametrize("seed,q_dtype,cache_dtype,splits", [
+      (20, jnp.float32, jnp.float32, None),
+      (21, jnp.float16, jnp.float16, 1),
+  ])
+  def test_other_dtypes(self, seed, q_dtype, cache_dtype, splits):
+    case = make_case(seed, n=16, page=16, req_lens=[70, 0, 5], q_dtype=q_dtype, cache_dtype=cache_dtype)
+    self.check(*case, num_kv_splits=splits)
+
+  def test_multi_token_rows(self):
+    # Speculative decode: 4 query rows per request share its table, row j sees len - 4 + j + 1.
+    case = make_case(30, n=16, page=16, req_lens=[61, 3], q_lens=[4, 4])
+    self.check(*case, num_kv_splits=2)
+
+  def test_bad_table_entries_inside_length_are_masked(self):
+    q, cache, tables, lens = make_case(40, n=16, page=16, req_lens=[80, 50], spare_blocks=0)
+    num_blocks = cache.shape[0]
+    tables[0, 1], tables[1, 2] = -1, num_blocks + 5
+    o, lse = self.decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(tables), jnp.asarray(lens),
+                         num_kv_splits=2)
+    # Oracle: attention over the positions whose table entry is a real block.
+    ref_o, ref_lse = np.zeros(o.shape), np.zeros(lse.shape)
+    for i, length in enumerate(lens):
+      rows = np.stack([cache[tables[i, p // 16], p % 16] for p in range(length)
+                       if 0 <= tables[i, p // 16] < num_blocks]).astype(np.float64)
+      out = attention_np(q[i:i + 1].astype(np.float32), rows, rows[:, :L], SCALE)
+      ref_o[i], ref_lse[i] = out[0][0], out[1][0]
+    assert_decode_close(np.asarray(o.astype(jnp.float32)), lse, ref_o, ref_lse)

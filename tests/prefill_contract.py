@@ -1,0 +1,95 @@
+"""Contract every backend's prefill must meet, checked against the float64 oracle on small shapes.
+
+A subclass sets `backend`; `prefill` can be overridden to test a kernel entry directly. Outputs of
+Pallas interpret mode start as NaN (jax fills uninitialized float outputs with NaN there), so the
+no-NaN check also proves every row was written.
+"""
+
+import zlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mla_jax.backends import get_backend
+from oracles import varlen_attention_np
+
+DK, DV = 192, 128
+SCALE = DK**-0.5
+
+# (heads, dtype, causal, query lengths, key lengths, padding rows past cu_q[-1])
+CASES = {
+    "causal_f32_n1": (1, jnp.float32, True, [0, 33, 7], [0, 33, 7], 5),
+    "causal_f32_n4_context": (4, jnp.float32, True, [19, 30, 6], [40, 12, 6], 3),
+    "noncausal_f32_n4": (4, jnp.float32, False, [19, 0, 40], [64, 5, 0], 4),
+    "causal_bf16_n16": (16, jnp.bfloat16, True, [24, 9, 0], [40, 9, 3], 2),
+    "noncausal_bf16_n16": (16, jnp.bfloat16, False, [7, 26], [30, 17], 0),
+    "causal_bf16_n4_all_padding": (4, jnp.bfloat16, True, [0], [5], 6),
+}
+
+
+def cosine_diff(x, y):
+  """1 - 2 sum(xy) / sum(x^2 + y^2) (SPEC section 8); 0 for two zero arrays."""
+  x, y = np.asarray(x, np.float64).ravel(), np.asarray(y, np.float64).ravel()
+  norms = np.sum(x * x + y * y)
+  return 1.0 - 2.0 * np.sum(x * y) / norms if norms > 0 else 0.0
+
+
+def assert_close(out, ref, dtype, magnitude=None):
+  """f32: 1e-5 relative. 16-bit (SPEC section 8): per element abs 8e-4 + rel 2/128, and cosine
+  difference < 1e-5. The relative part is taken of `magnitude` (default |ref|): for an attention
+  output, the same weighted sum over |v|. Flash kernels round the probabilities to 16 bits before
+  the p @ v product, an error relative to the summed terms, not to their possibly cancelled sum;
+  with the few keys of small tests (and the first rows of any causal request) |ref| alone is too
+  tight for any such kernel."""
+  out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+  assert not np.isnan(out).any()
+  finite = np.isfinite(ref)
+  np.testing.assert_array_equal(out[~finite], ref[~finite])  # -inf lse pattern exact
+  magnitude = np.abs(ref if magnitude is None else np.asarray(magnitude, np.float64))[finite]
+  out, ref = out[finite], ref[finite]
+  if jnp.dtype(dtype) == jnp.float32:
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    return
+  err = np.abs(out - ref)
+  bad = err > 8e-4 + 2 / 128 * magnitude
+  assert not bad.any(), f"{bad.sum()} elements off, worst {err.max():.3g}"
+  assert cosine_diff(out, ref) < 1e-5
+
+
+def cumulative(lengths):
+  return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+class PrefillContract:
+  backend = None
+
+  def prefill(self, *args, **kwargs):
+    return get_backend(self.backend).prefill(*args, **kwargs)
+
+  @pytest.fixture
+  def rng(self, request):
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+  @pytest.mark.parametrize("case", sorted(CASES))
+  def test_matches_oracle(self, case, rng):
+    n, dtype, causal, len_q, len_k, pad = CASES[case]
+    cu_q, cu_k = cumulative(len_q), cumulative(len_k)
+    tq, tk = int(cu_q[-1]) + pad, int(cu_k[-1]) + 1  # one stray key row past the last request
+    # Sharper-than-unit logits so that the softmax is not near uniform.
+    q = jnp.asarray(2 * rng.standard_normal((tq, n, DK)), dtype)
+    k = jnp.asarray(rng.standard_normal((tk, n, DK)), dtype)
+    v = jnp.asarray(rng.standard_normal((tk, n, DV)), dtype)
+    o, lse = self.prefill(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k), scale=SCALE,
+                          causal=causal, max_seqlen_q=max(len_q, default=0))
+    assert o.shape == (tq, n, DV) and o.dtype == dtype
+    assert lse.shape == (tq, n) and lse.dtype == jnp.float32
+    # The oracle sees the inputs as rounded to `dtype`, so only the kernel's own error remains.
+    f32 = lambda x: np.asarray(x.astype(jnp.float32))
+    ref_o, ref_lse = varlen_attention_np(f32(q), f32(k), f32(v), cu_q, cu_k, SCALE, causal)
+    magnitude, _ = varlen_attention_np(f32(q), f32(k), np.abs(f32(v)), cu_q, cu_k, SCALE, causal)
+    assert_close(o.astype(jnp.float32), ref_o, dtype, magnitude)
+    assert_close(lse, ref_lse, dtype)
+    tail = int(cu_q[-1])
+    assert (np.asarray(o[tail:], np.float32) == 0).all()
+    assert (np.asarray(lse[tail:]) == -np.inf).all()

@@ -1,0 +1,168 @@
+"""Shared tests of a backend's DSA functions: sparse attention, indexer logits, top-k.
+
+A backend's test class subclasses these and sets `backend`; oracles are float64 numpy.
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mla_jax import backends
+from mla_jax.cache import LatentCache
+from mla_jax.dsa_cache import DSMLACache
+from oracles import attention_np
+
+L, R = 128, 64  # one fp8_ds_mla tile keeps the shapes small; real models have L = 512
+
+
+def cosine_diff(x, y):
+  x, y = np.asarray(x, np.float64).ravel(), np.asarray(y, np.float64).ravel()
+  return 1 - 2 * np.sum(x * y) / np.sum(x * x + y * y)
+
+
+def random_slots(rng, t, k, num_slots, frac_invalid=0.2):
+  """[t, k] distinct slots per row, some -1 and some past the cache (both must be skipped)."""
+  slots = np.stack([rng.permutation(num_slots)[:k] for _ in range(t)]).astype(np.int32)
+  drop = rng.random((t, k)) < frac_invalid
+  slots[drop] = np.where(rng.random(drop.sum()) < 0.5, -1, num_slots + 7)
+  return slots
+
+
+def sparse_np(q, rows_of, slots, num_slots, scale, kv_lora_rank):
+  """Per row: attention over the rows of its valid slots only."""
+  t, n, _ = q.shape
+  o, lse = np.zeros((t, n, kv_lora_rank)), np.full((t, n), -np.inf)
+  for i in range(t):
+    ok = [s for s in slots[i] if 0 <= s < num_slots]
+    if ok:
+      k = rows_of(np.array(ok))
+      o[i], lse[i] = (a[0] for a in attention_np(q[i:i + 1], k, k[:, :kv_lora_rank], scale))
+  return o, lse
+
+
+class SparseAttentionContract:
+  backend = None
+  NB, BS = 12, 16
+
+  def fn(self):
+    return backends.get_backend(self.backend).sparse_attention
+
+  def _bf16_cache(self, rng, poison_rows=()):
+    data = rng.standard_normal((self.NB, self.BS, L + R)).astype(ml_dtypes.bfloat16)
+    data = data.astype(np.float32)
+    flat = data.reshape(-1, L + R)
+    flat[list(poison_rows)] = np.nan
+    return LatentCache(jnp.asarray(data, jnp.bfloat16), jnp.float32(1.0)), flat
+
+  @pytest.mark.parametrize("n,k", [(16, 64), (4, 32)])
+  def test_bf16_cache_matches_oracle(self, n, k):
+    rng = np.random.default_rng(100 + n)
+    num_slots = self.NB * self.BS
+    slots = random_slots(rng, 6, k, num_slots)
+    slots[2] = -1  # a row with nothing selected: 0 and -inf
+    unused = sorted(set(range(num_slots)) - set(slots[(slots >= 0) & (slots < num_slots)].tolist()))
+    cache, flat = self._bf16_cache(rng, poison_rows=unused)  # NaN wherever nothing selects
+    q = rng.standard_normal((6, n, L + R)).astype(np.float32)
+    o, lse = self.fn()(jnp.asarray(q), cache, jnp.asarray(slots), scale=0.05, kv_lora_rank=L)
+    o_ref, lse_ref = sparse_np(q, lambda s: flat[s], slots, num_slots, 0.05, L)
+    o, lse = np.asarray(o, np.float64), np.asarray(lse, np.float64)
+    assert np.isfinite(o).all()
+    np.testing.assert_array_equal(lse[2], -np.inf)
+    np.testing.assert_array_equal(o[2], 0.0)
+    np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse[lse_ref > -np.inf], lse_ref[lse_ref > -np.inf], rtol=1e-5, atol=1e-5)
+
+  def test_fp8_ds_mla_cache_matches_dequantized_oracle(self):
+    rng = np.random.default_rng(7)
+    num_slots = self.NB * self.BS
+    cache = DSMLACache.allocate(self.NB, self.BS, L, R)
+    kv = rng.standard_normal((num_slots, L)).astype(np.float32) * rng.uniform(0.1, 10, (num_slots, 1))
+    pe = rng.standard_normal((num_slots, R)).astype(np.float32)
+    cache = cache.write(jnp.asarray(kv), jnp.asarray(pe), jnp.arange(num_slots, dtype=jnp.int32))
+    deq = np.asarray(cache.dequantize_rows(jnp.arange(num_slots, dtype=jnp.int32)), np.float64)
+    slots = random_slots(rng, 5, 48, num_slots)
+    q = rng.standard_normal((5, 16, L + R)).astype(np.float32)
+    o, lse = self.fn()(jnp.asarray(q, jnp.bfloat16), cache, jnp.asarray(slots), scale=0.03, kv_lora_rank=L)
+    qb = np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32))
+    o_ref, lse_ref = sparse_np(qb, lambda s: deq[s], slots, num_slots, 0.03, L)
+    np.testing.assert_allclose(np.asarray(o, np.float32), o_ref, rtol=0.065, atol=0.05)
+    assert cosine_diff(o.astype(jnp.float32), o_ref) < 1e-3
+    np.testing.assert_allclose(np.asarray(lse), lse_ref, rtol=1e-3, atol=1e-3)
+
+  def test_topk_covering_the_window_equals_dense_decode(self):
+    rng = np.random.default_rng(9)
+    cache, _ = self._bf16_cache(rng)
+    t, n = 4, 16
+    tables = np.stack([rng.permutation(self.NB)[:4] for _ in range(t)]).astype(np.int32)
+    lens = np.array([40, 1, 17, 33], np.int32)
+    pos = np.where(np.arange(64)[None] < lens[:, None], np.arange(64)[None], -1)
+    slots = np.where(pos >= 0, np.take_along_axis(tables, np.maximum(pos, 0) // self.BS, 1) * self.BS
+                     + np.maximum(pos, 0) % self.BS, -1).astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((t, n, L + R)), jnp.float32)
+    o, lse = self.fn()(q, cache, jnp.asarray(slots), scale=0.05, kv_lora_rank=L)
+    o_d, lse_d = backends.REFERENCE.decode(q, cache.data, jnp.asarray(tables), jnp.asarray(lens),
+                                           scale=0.05, kv_lora_rank=L)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_d), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_d), rtol=1e-5, atol=1e-5)
+
+
+def indexer_logits_np(q, weights, k, k_scale, positions_visible):
+  """I[t, s] = sum_h w[t, h] relu(q[t, h] . k[s] * k_scale[s]) over visible s, else -inf."""
+  s = np.einsum("thd,sd->ths", q.astype(np.float64), k.astype(np.float64)) * k_scale[None, None, :]
+  out = np.einsum("th,ths->ts", weights.astype(np.float64), np.maximum(s, 0.0))
+  return np.where(positions_visible, out, -np.inf)
+
+
+class IndexerContract:
+  backend = None
+  NB, BS, H, D = 10, 16, 8, 32
+
+  def be(self):
+    return backends.get_backend(self.backend)
+
+  @pytest.mark.parametrize("fp8", [True, False])
+  def test_logits_match_oracle(self, fp8):
+    rng = np.random.default_rng(11 + fp8)
+    t, mb = 5, 4
+    dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+    k_vals = jnp.asarray(rng.standard_normal((self.NB, self.BS, self.D)) * 3, dtype)
+    k_scale = jnp.asarray(2.0 ** rng.integers(-3, 3, (self.NB, self.BS)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((t, self.H, self.D)) * 3, dtype)
+    w = jnp.asarray(rng.standard_normal((t, self.H)), jnp.float32)
+    tables = np.stack([rng.permutation(self.NB)[:mb] for _ in range(t)]).astype(np.int32)
+    tables[1, 3] = -1  # past row 1's length: must not be read
+    lens = np.array([64, 40, 1, 0, 37], np.int32)
+    got = np.asarray(self.be().indexer_logits(q, w, k_vals, k_scale, jnp.asarray(tables), jnp.asarray(lens)))
+    kf = np.asarray(k_vals.astype(jnp.float32))
+    ks = np.asarray(k_scale)
+    for i in range(t):
+      rows = np.concatenate([kf[b] if b >= 0 else np.zeros((self.BS, self.D)) for b in tables[i]])
+      sc = np.concatenate([ks[b] if b >= 0 else np.zeros(self.BS) for b in tables[i]])
+      want = indexer_logits_np(np.asarray(q[i:i + 1].astype(jnp.float32)), np.asarray(w[i:i + 1]),
+                               rows, sc, (np.arange(mb * self.BS) < lens[i])[None])[0]
+      np.testing.assert_array_equal(np.isinf(got[i]), np.isinf(want))  # the -inf pattern exactly
+      fin = np.isfinite(want)
+      if fin.any():
+        assert cosine_diff(got[i][fin], want[fin]) < 1e-3
+        np.testing.assert_allclose(got[i][fin], want[fin], rtol=1e-4, atol=1e-4)
+
+  @pytest.mark.parametrize("s,k", [(300, 64), (50, 64), (200, 200)])
+  def test_topk_sets_match_brute_force(self, s, k):
+    rng = np.random.default_rng(s + k)
+    t = 6
+    logits = rng.standard_normal((t, s)).astype(np.float32)
+    lens = np.array([s, 1, 0, s // 2, min(k, s), s - 3], np.int32)
+    got = np.asarray(self.be().topk(jnp.asarray(logits), jnp.asarray(lens), k))
+    assert got.shape == (t, k) and got.dtype == np.int32
+    for i in range(t):
+      sel = got[i][got[i] >= 0]
+      assert len(set(sel.tolist())) == len(sel)  # no duplicates
+      assert (got[i][len(sel):] == -1).all() or len(sel) == k
+      n_vis = int(lens[i])
+      assert len(sel) == min(k, n_vis)
+      assert (sel < n_vis).all()
+      if n_vis > k:  # every selected value >= every unselected visible value (ties within 1e-5)
+        rest = np.setdiff1d(np.arange(n_vis), sel)
+        assert logits[i, sel].min() >= logits[i, rest].max() - 1e-5

@@ -1,0 +1,76 @@
+"""The Pallas-Triton decode kernel at serving sizes on a GPU, against the XLA reference run there.
+
+Shapes too large for the numpy oracle: the reference (float32, HIGHEST precision) is the yardstick.
+"""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from decode_contract import assert_decode_close
+from mla_jax import reference
+from pallas_kernels.latent_decode import latent_decode
+
+pytestmark = pytest.mark.gpu
+
+L, PAGE = 512, 64
+SCALE = 192 ** -0.5
+FP8_SCALE = 0.05
+
+
+def serving_case(seed, *, batch, max_len, n, cache_dtype):
+  """Device-side inputs: each request owns max_len / PAGE blocks of a shuffled cache with 8 spare
+  blocks; lengths are random in [0, max_len] (some 0); every slot no row may read is NaN."""
+  keys = jax.random.split(jax.random.key(seed), 4)
+  per_req = max_len // PAGE
+  num_blocks = batch * per_req + 8
+  perm = jax.random.permutation(keys[0], num_blocks).astype(jnp.int32)
+  tables = perm[:batch * per_req].reshape(batch, per_req)
+  lens = jax.random.randint(keys[1], (batch,), 0, max_len + 1, jnp.int32)
+  lens = lens.at[::17].set(0).at[1].set(max_len)
+  owner = jnp.argsort(perm)  # position of each block in the dealt order
+  pos = (owner % per_req)[:, None] * PAGE + jnp.arange(PAGE)[None, :]
+  used = (owner[:, None] < batch * per_req) & (pos < lens[jnp.minimum(owner // per_req, batch - 1)][:, None])
+  values = jax.random.normal(keys[2], (num_blocks, PAGE, L + 64), jnp.float32) / 10
+  fp8 = jnp.dtype(cache_dtype) == jnp.float8_e4m3fn
+  cache = jnp.where(used[..., None], values / FP8_SCALE if fp8 else values, jnp.nan).astype(cache_dtype)
+  q = jax.random.normal(keys[3], (batch, n, L + 64), jnp.float32).astype(jnp.bfloat16)
+  return q, cache, tables, lens
+
+
+def poison_allocator():
+  """Fills and frees a large buffer so the kernel's outputs land on NaN-filled memory."""
+  jnp.full((2 ** 30,), jnp.nan, jnp.float32).block_until_ready()
+
+
+@pytest.mark.parametrize("seed,batch,max_len,n,cache_dtype,splits", [
+    (0, 128, 32768, 16, jnp.bfloat16, None),
+    (1, 128, 8192, 128, jnp.bfloat16, None),
+    (2, 128, 8192, 128, jnp.float8_e4m3fn, None),
+    (3, 128, 16384, 16, jnp.float8_e4m3fn, 1),  # 32768 tokens of fp8 are past the int32 offsets
+    (4, 32, 4096, 16, jnp.bfloat16, 16),
+])
+def test_matches_reference(seed, batch, max_len, n, cache_dtype, splits):
+  q, cache, tables, lens = serving_case(seed, batch=batch, max_len=max_len, n=n, cache_dtype=cache_dtype)
+  k_scale = jnp.float32(FP8_SCALE) if jnp.dtype(cache_dtype) == jnp.float8_e4m3fn else None
+  ref = jax.jit(reference.latent_decode, static_argnames=("scale", "kv_lora_rank"))
+  ref_o, ref_lse = (np.asarray(a, np.float64) for a in
+                    ref(q, cache, tables, lens, scale=SCALE, kv_lora_rank=L, k_scale=k_scale))
+  poison_allocator()
+  o, lse = latent_decode(q, cache, tables, lens, scale=SCALE, k_scale=k_scale, num_kv_splits=splits)
+  assert o.dtype == q.dtype
+  assert_decode_close(np.asarray(o.astype(jnp.float32)), np.asarray(lse), ref_o, ref_lse)
+
+
+def test_one_split_is_batch_independent():
+  q, cache, tables, lens = serving_case(5, batch=128, max_len=4096, n=16, cache_dtype=jnp.bfloat16)
+  run = lambda *a: jax.device_get(latent_decode(*a, scale=SCALE, num_kv_splits=1))
+  poison_allocator()
+  full = run(q, cache, tables, lens)
+  rev = run(q[::-1], cache, tables[::-1], lens[::-1])
+  few = run(q[3:8], cache, tables[3:8], lens[3:8])
+  for a, b, c in zip(full, rev, few):
+    np.testing.assert_array_equal(a, b[::-1])
+    np.testing.assert_array_equal(a[3:8], c)

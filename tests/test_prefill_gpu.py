@@ -1,0 +1,75 @@
+"""Prefill backends at real shapes on the GPU, against the XLA reference run there (f32, HIGHEST)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mla_jax import reference
+from mla_jax.backends import get_backend
+from pallas_kernels.mla_prefill import mla_prefill
+from prefill_contract import DK, DV, SCALE, assert_close, cumulative
+
+pytestmark = pytest.mark.gpu
+
+# (heads, causal, query lengths, key lengths): 16384 new tokens in several requests, and a
+# context chunk (non-causal, keys from another array, len_k != len_q).
+CASES = {
+    "n128_causal": (128, True, [8192, 4096, 3001, 1095], [8192, 4096, 3001, 1095]),
+    "n16_causal": (16, True, [9000, 5000, 2000, 384], [9000, 5000, 2000, 384]),
+    "n16_causal_one_request": (16, True, [4096], [4096]),
+    "n16_context": (16, False, [3000, 1000, 0, 200], [2048, 4096, 100, 0]),
+}
+# The backend takes cuDNN for large causal calls: test the kernel alone there too.
+PATHS = {"backend": lambda: get_backend("pallas_triton").prefill, "kernel": lambda: mla_prefill}
+
+
+def _poison_allocator():
+  """Fills and frees a large buffer so that the next allocations start out as NaN."""
+  jax.block_until_ready(jnp.full((1 << 30,), jnp.nan, jnp.float32)).delete()
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pallas_triton_prefill_matches_reference(case, path):
+  n, causal, len_q, len_k = CASES[case]
+  if path == "kernel" and not causal:
+    pytest.skip("the backend itself calls the kernel here")
+  cu_q, cu_k = cumulative(len_q), cumulative(len_k)
+  tq, tk = int(cu_q[-1]) + 37, int(cu_k[-1]) + 5  # padded rows and stray keys past the last request
+  keys = jax.random.split(jax.random.key(sum(len_q) + n), 3)
+  q = jax.random.normal(keys[0], (tq, n, DK), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (tk, n, DK), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (tk, n, DV), jnp.bfloat16)
+  cu_q, cu_k = jnp.asarray(cu_q), jnp.asarray(cu_k)
+  prefill = PATHS[path]()
+  _poison_allocator()
+  o, lse = prefill(q, k, v, cu_q, cu_k, scale=SCALE, causal=causal, max_seqlen_q=max(len_q))
+  ref = jax.jit(reference.mha_prefill, static_argnames=("scale", "causal"))
+  ref_o, ref_lse = ref(q, k, v, cu_q, cu_k, scale=SCALE, causal=causal)
+  magnitude, _ = ref(q, k, jnp.abs(v), cu_q, cu_k, scale=SCALE, causal=causal)
+  o, lse = np.asarray(o.astype(jnp.float32)), np.asarray(lse)
+  assert_close(o, np.asarray(ref_o.astype(jnp.float32)), jnp.bfloat16,
+               np.asarray(magnitude.astype(jnp.float32)))
+  assert_close(lse, np.asarray(ref_lse), jnp.bfloat16)
+  tail = int(cu_q[-1])
+  assert (o[tail:] == 0).all() and (lse[tail:] == -np.inf).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_other_dtypes_compile_and_match(dtype):
+  """f32 (IEEE dots, its own block table entry) and f16 at a small shape; CPU interpret mode
+  does not enforce Triton's rules, so only a GPU run proves they compile."""
+  cu = cumulative([300, 0, 129])
+  keys = jax.random.split(jax.random.key(3), 3)
+  q, k = (jax.random.normal(key, (440, 4, DK), dtype) for key in keys[:2])
+  v = jax.random.normal(keys[2], (440, 4, DV), dtype)
+  o, lse = get_backend("pallas_triton").prefill(q, k, v, jnp.asarray(cu), jnp.asarray(cu),
+                                                scale=SCALE, causal=True, max_seqlen_q=300)
+  ref_o, ref_lse = reference.mha_prefill(q, k, v, jnp.asarray(cu), jnp.asarray(cu), scale=SCALE,
+                                         causal=True)
+  magnitude, _ = reference.mha_prefill(q, k, jnp.abs(v), jnp.asarray(cu), jnp.asarray(cu),
+                                       scale=SCALE, causal=True)
+  f32 = lambda x: np.asarray(x.astype(jnp.float32))
+  assert_close(f32(o), f32(ref_o), dtype, f32(magnitude))
+  assert_close(lse, np.asarray(ref_lse), dtype)
