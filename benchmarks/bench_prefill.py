@@ -1,12 +1,11 @@
 """MLA prefill (causal, q/k 192, v 128, bf16): the Pallas-Triton kernel against XLA, cuDNN and SDPA.
 
   PYTHONPATH=. python -m benchmarks.bench_prefill [--tokens ...] [--heads ...] [--batched]
-      [--impls ...] [--sweep] [--out DIR]
+      [--rivals ...] [--sweep] [--out DIR]
 
 FLOPs count the causal half only: 2 * N * S*S/2 * (192 + 128) per request. Two input sets are
-rotated (each is 4-40x the 60 MB L2). The timed path is the pallas_triton backend's prefill (which
-takes cuDNN for large causal shapes); rivals, each timed as a backend would call it:
-  pallas the Pallas-Triton kernel alone, at its tuned configuration;
+rotated (each is 4-40x the 60 MB L2). The timed path is the pallas_triton backend's prefill (the
+kernel at its tuned configuration); rivals, each timed as a backend would call it:
   xla    mla_jax.reference.mha_prefill, jitted (f32 HIGHEST inside);
   cudnn  jax.nn.dot_product_attention(implementation='cudnn'), v zero-padded to 192 and o sliced
          back to 128 (cuDNN refuses Dv != Dk), requests as a [B, S] batch of equal lengths;
@@ -119,8 +118,7 @@ def run_case(args, batch, seq, heads):
 
   ms = {"backend": timed(backend_fn(seq))}
   row = {**base, **rates(ms["backend"], flops=flops)}
-  rivals = {"pallas": lambda: timed(pallas_fn(seq)),
-            "xla": lambda: time_ms(xla_fn(), sets, warmup=1, iters=2, repeats=3),
+  rivals = {"xla": lambda: time_ms(xla_fn(), sets, warmup=1, iters=2, repeats=3),
             "cudnn": lambda: timed(cudnn_fn(batch, seq)),
             "sdpa": lambda: sdpa_ms(sets, batch, seq, args.iters, args.repeats)}
   for name in args.rivals:
@@ -139,8 +137,8 @@ def main():
   parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384])
   parser.add_argument("--heads", type=int, nargs="+", default=[16, 128])
   parser.add_argument("--batched", action="store_true", help="also 4 requests of 4096 tokens")
-  parser.add_argument("--rivals", nargs="*", default=["pallas", "xla", "cudnn", "sdpa"],
-                      choices=["pallas", "xla", "cudnn", "sdpa"])
+  parser.add_argument("--rivals", nargs="*", default=["xla", "cudnn", "sdpa"],
+                      choices=["xla", "cudnn", "sdpa"])
   parser.add_argument("--sweep", action="store_true", help="time kernel variants, no rivals")
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=5)

@@ -19,15 +19,12 @@ XLA reference).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import types
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
 from mla_jax import reference
 from pallas_kernels import latent_decode as pallas_latent_decode
@@ -105,56 +102,10 @@ def _pallas_triton_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora
       num_kv_splits=num_kv_splits, interpret=jax.default_backend() != "gpu")
 
 
-# Measured on the H200 (benchmarks/RESULTS.md, MLA prefill): cuDNN's flash attention beats the
-# Pallas kernel from 32K query-token-heads on; below that its fixed costs dominate. Its LSE comes
-# back as [requests, N, Tq] f32, so many requests would cost more memory than o itself.
-_CUDNN_MIN_TOKEN_HEADS = 32768
-_CUDNN_MAX_REQUESTS = 64
-
-
-@functools.cache
-def _cudnn_mla_available() -> bool:
-  """jax's cuDNN binding takes Dv != Dk (and packed sequences) from cuDNN 9.10 on Hopper on."""
-  try:
-    return (cudnn_attention.check_cudnn_version() >= 91000
-            and cudnn_attention.check_compute_capability("9.0"))
-  except RuntimeError:  # no cuDNN
-    return False
-
-
-def _cudnn_causal_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale):
-  """Causal prefill of requests with len_q == len_k through cuDNN's packed-sequence attention.
-
-  Uses jax's private cuDNN binding: the public jax.nn.dot_product_attention refuses Dv != Dk and
-  rounds the LSE to the output dtype. cuDNN's causal mask is top-left aligned, which is the
-  contract's bottom-right one only when every request has as many keys as queries.
-  """
-  tq = q.shape[0]
-  packed = cu_seqlens_q.shape[0] > 2  # one request: a batch of one, its length as padding
-  lens = lambda cu: jnp.diff(cu)[None] if packed else jnp.diff(cu)
-  o, stats = cudnn_attention.dot_product_attention(
-      q[None], k[None], v[None], q_seqlen=lens(cu_seqlens_q), kv_seqlen=lens(cu_seqlens_k),
-      q_offsets=cu_seqlens_q[None] if packed else None,
-      kv_offsets=cu_seqlens_k[None] if packed else None, scale=scale,
-      mask_type=cudnn_attention.MaskType.PADDING_CAUSAL, return_residual=True)
-  seg = reference.segment_ids(cu_seqlens_q, tq)
-  valid, seg = seg >= 0, jnp.maximum(seg, 0)
-  lse = stats[seg, :, jnp.arange(tq) - cu_seqlens_q[seg]]  # stats [R, N, Tq]: request-local rows
-  return jnp.where(valid[:, None, None], o[0], 0), jnp.where(valid[:, None], lse, -jnp.inf)
-
-
 def _pallas_triton_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_seqlen_q):
-  pallas = functools.partial(pallas_mla_prefill.mla_prefill, scale=scale, causal=causal,
-                             max_seqlen_q=max_seqlen_q, interpret=jax.default_backend() != "gpu")
-  use_cudnn = (causal and jax.default_backend() == "gpu" and q.dtype.itemsize == 2
-               and q.shape[0] * q.shape[1] >= _CUDNN_MIN_TOKEN_HEADS
-               and cu_seqlens_q.shape[0] - 1 <= _CUDNN_MAX_REQUESTS and _cudnn_mla_available())
-  if not use_cudnn:
-    return pallas(q, k, v, cu_seqlens_q, cu_seqlens_k)
-  # The new-token call always has cu_q == cu_k; anything else takes the kernel, at run time.
-  same = jnp.all(cu_seqlens_q == cu_seqlens_k) & (cu_seqlens_q[0] == 0)
-  return lax.cond(same, functools.partial(_cudnn_causal_prefill, scale=scale), pallas,
-                  q, k, v, cu_seqlens_q, cu_seqlens_k)
+  return pallas_mla_prefill.mla_prefill(
+      q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal, max_seqlen_q=max_seqlen_q,
+      interpret=jax.default_backend() != "gpu")
 
 
 PALLAS_TRITON = Backend(

@@ -48,11 +48,11 @@ _TUNING = (
 _MAX_FP8_CACHE_ELEMENTS = 2 ** 31 - 1
 
 
-def _is_pow2(x: int) -> bool:
+def is_pow2(x: int) -> bool:
   return x > 0 and x & (x - 1) == 0
 
 
-def _next_pow2(x: int) -> int:
+def next_pow2(x: int) -> int:
   return 1 << max(0, x - 1).bit_length()
 
 
@@ -81,8 +81,8 @@ def default_num_kv_splits(num_tokens: int, num_head_blocks: int, max_len: int,
   write and read (measured at B=128, S=8192: N=16 fastest at 2-4 splits and 23% slower at 32, N=128
   fastest at 1-2 and 46% slower at 32).
   """
-  vllm = min(_next_pow2(max(1, max_len // 512)), 2 * sm_count)
-  fill = _next_pow2(-(-2 * sm_count // max(1, num_tokens * num_head_blocks)))
+  vllm = min(next_pow2(max(1, max_len // 512)), 2 * sm_count)
+  fill = next_pow2(-(-2 * sm_count // max(1, num_tokens * num_head_blocks)))
   return max(1, min(vllm, fill))
 
 
@@ -145,7 +145,7 @@ def _stage1_kernel(q_ref, kv_ref, bt_ref, len_ref, *rest, scale, lora, rope, ste
   lse_ref[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
 
 
-def _merge_splits(o_parts, lse_parts, out_dtype):
+def merge_splits(o_parts, lse_parts, out_dtype):
   """Stage 2: o_parts [T, S, N, L] f32, lse_parts [T, S, N] -> (o [T, N, L], lse [T, N]).
 
   Plain XLA, which fuses it into one reduction reading each partial once (a Pallas merge was not
@@ -174,7 +174,7 @@ def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_sp
   if kv_cache.shape[2] != d:
     raise ValueError(f"q head dim {d} != cache row width {kv_cache.shape[2]}")
   rope = d - kv_lora_rank
-  if not (_is_pow2(kv_lora_rank) and kv_lora_rank >= 16 and _is_pow2(rope) and rope >= 16):
+  if not (is_pow2(kv_lora_rank) and kv_lora_rank >= 16 and is_pow2(rope) and rope >= 16):
     raise ValueError(f"head dim {d} must be kv_lora_rank ({kv_lora_rank}) + a rope dim ({rope}), "
                      "both powers of two >= 16 (Triton loads power-of-two blocks)")
   if page % 16:
@@ -195,11 +195,11 @@ def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_sp
     raise ValueError(f"k_scale must be a scalar, got shape {jnp.shape(k_scale)}")
   if num_kv_splits is not None and num_kv_splits < 1:
     raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
-  if block_h is not None and not (_is_pow2(block_h) and block_h >= 16):
+  if block_h is not None and not (is_pow2(block_h) and block_h >= 16):
     raise ValueError(f"block_h must be a power of two >= 16, got {block_h}")
-  if block_n is not None and not (_is_pow2(block_n) and block_n >= 16 and page % block_n == 0):
+  if block_n is not None and not (is_pow2(block_n) and block_n >= 16 and page % block_n == 0):
     raise ValueError(f"block_n must be a power of two >= 16 dividing the page ({page}), got {block_n}")
-  if num_warps is not None and not _is_pow2(num_warps):
+  if num_warps is not None and not is_pow2(num_warps):
     raise ValueError(f"num_warps must be a power of two, got {num_warps}")
   if num_stages is not None and num_stages < 1:
     raise ValueError(f"num_stages must be >= 1, got {num_stages}")
@@ -268,5 +268,5 @@ def latent_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank=51
   if splits == 1:
     o, lse = o_parts[:, 0], lse_parts[:, 0]
   else:
-    o, lse = _merge_splits(o_parts, lse_parts, q.dtype)
+    o, lse = merge_splits(o_parts, lse_parts, q.dtype)
   return o[:, :n], lse[:, :n]

@@ -25,9 +25,9 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _DTYPES = ("bfloat16", "float16", "float32")
 
-# (Dk, Dv, itemsize) -> (block_q, block_k, num_warps, num_stages). 16-bit: fastest of 8 variants
-# on the H200 at N=128, 16384 tokens (benchmarks/RESULTS.md, MLA prefill): 353 TFLOP/s against
-# 299 with 2 stages and 330 with block_k 128 (3 stages of that do not fit in shared memory).
+# (Dk, Dv, itemsize) -> (block_q, block_k, num_warps, num_stages). 16-bit: fastest of 9 variants
+# on the H200 at N=128, 16384 tokens (benchmarks/RESULTS.md, MLA prefill): 353-355 TFLOP/s against
+# 299 with 2 stages, 338 with 4, 330 with block_k 128 (3 stages of that exceed shared memory).
 _TUNED = {
     (192, 128, 2): (128, 64, 8, 3),
     # f32 dots are IEEE FMA loops, not tensor-core ops: small tiles keep them out of local memory.
@@ -84,6 +84,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, 
       key_ok = cols < k_len
       # Keys past the request are zeroed, not just masked in s: p = 0 times a NaN v is NaN.
       load = functools.partial(plgpu.load, mask=key_ok[:, None], other=0.0) if masked else plgpu.load
+      # dot + dot (no sum() and its leading 0): Triton folds the add into one accumulator chain.
       s = functools.reduce(operator.add, [
           dot(qp, load(k_ref.at[k_rows, h, pl.ds(off, w)]), trans_b=True)
           for qp, (off, w) in zip(qs_parts, k_parts)])  # [block_q, block_k], unscaled

@@ -7,7 +7,6 @@ import pytest
 
 from mla_jax import reference
 from mla_jax.backends import get_backend
-from pallas_kernels.mla_prefill import mla_prefill
 from prefill_contract import DK, DV, SCALE, assert_close, cumulative
 
 pytestmark = pytest.mark.gpu
@@ -20,8 +19,6 @@ CASES = {
     "n16_causal_one_request": (16, True, [4096], [4096]),
     "n16_context": (16, False, [3000, 1000, 0, 200], [2048, 4096, 100, 0]),
 }
-# The backend takes cuDNN for large causal calls: test the kernel alone there too.
-PATHS = {"backend": lambda: get_backend("pallas_triton").prefill, "kernel": lambda: mla_prefill}
 
 
 def _poison_allocator():
@@ -29,12 +26,9 @@ def _poison_allocator():
   jax.block_until_ready(jnp.full((1 << 30,), jnp.nan, jnp.float32)).delete()
 
 
-@pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_pallas_triton_prefill_matches_reference(case, path):
+def test_pallas_triton_prefill_matches_reference(case):
   n, causal, len_q, len_k = CASES[case]
-  if path == "kernel" and not causal:
-    pytest.skip("the backend itself calls the kernel here")
   cu_q, cu_k = cumulative(len_q), cumulative(len_k)
   tq, tk = int(cu_q[-1]) + 37, int(cu_k[-1]) + 5  # padded rows and stray keys past the last request
   keys = jax.random.split(jax.random.key(sum(len_q) + n), 3)
@@ -42,7 +36,7 @@ def test_pallas_triton_prefill_matches_reference(case, path):
   k = jax.random.normal(keys[1], (tk, n, DK), jnp.bfloat16)
   v = jax.random.normal(keys[2], (tk, n, DV), jnp.bfloat16)
   cu_q, cu_k = jnp.asarray(cu_q), jnp.asarray(cu_k)
-  prefill = PATHS[path]()
+  prefill = get_backend("pallas_triton").prefill
   _poison_allocator()
   o, lse = prefill(q, k, v, cu_q, cu_k, scale=SCALE, causal=causal, max_seqlen_q=max(len_q))
   ref = jax.jit(reference.mha_prefill, static_argnames=("scale", "causal"))
