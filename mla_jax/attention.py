@@ -17,6 +17,7 @@ from mla_jax import backends, reference
 from mla_jax.cache import LatentCache
 from mla_jax.config import MLAConfig
 from mla_jax.metadata import AttentionMetadata
+from mla_jax.sharded_backend import shard_backend
 
 
 class AbsorbedWeight(nnx.Variable):
@@ -33,10 +34,13 @@ class MLAAttention(nnx.Module):
     self.backend_name = backends.get_backend(backend).name
     self.W_UK_T = AbsorbedWeight(jnp.zeros((c.num_heads, c.qk_nope_head_dim, c.kv_lora_rank), dtype))
     self.W_UV = AbsorbedWeight(jnp.zeros((c.num_heads, c.kv_lora_rank, c.v_head_dim), dtype))
+    # A jax.sharding.Mesh once `mla_jax.sharding.shard_layer` has run: the kernels then run per shard.
+    self.mesh = None
 
   @property
   def backend(self) -> backends.Backend:
-    return backends.BACKENDS[self.backend_name]
+    be = backends.BACKENDS[self.backend_name]
+    return be if self.mesh is None else shard_backend(be, self.mesh)
 
   def absorb(self, kv_b_kernel):
     """Splits kv_b_proj's kernel [L, N*(P+V)] (per head `[k_nope P | v V]`) into W_UK_T and W_UV."""

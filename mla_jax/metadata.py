@@ -170,3 +170,23 @@ def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blo
       within_topk=index_topk is not None and int(seq_lens.max()) <= index_topk)
   md = jax.tree.map(jax.numpy.asarray, md)
   return md, BatchLayout(order=order, rows=tuple(rows), num_rows=td + tp, num_decode_requests=num_dec_req)
+
+
+def dcp_local_view(block_tables, seq_lens, *, first_block, num_blocks: int, block_size: int):
+  """Rows' block tables [T, MB] and lengths [T] as seen by the decode-context-parallel device that
+  owns global cache blocks [first_block, first_block + num_blocks) (may be traced).
+
+  Owned entries holding visible tokens are renumbered into the device's cache shard and packed to
+  the front in table order (-1 after); the length counts their visible tokens. Only a row's last
+  visible block can be partial, and it comes last among its owner's, so the visible tokens are a
+  prefix of every device's packed table: the normal decode kernel runs on it unchanged, and the
+  devices' partial results over these disjoint token sets merge into the full one by their LSEs.
+  """
+  visible = jnp.clip(seq_lens[:, None] - jnp.arange(block_tables.shape[1]) * block_size, 0,
+                     block_size)
+  local = block_tables - first_block
+  owned = (local >= 0) & (local < num_blocks) & (visible > 0)
+  order = jnp.argsort(~owned, axis=1, stable=True)
+  tables = jnp.where(jnp.take_along_axis(owned, order, axis=1),
+                     jnp.take_along_axis(local, order, axis=1), -1)
+  return tables.astype(jnp.int32), jnp.sum(jnp.where(owned, visible, 0), axis=1, dtype=jnp.int32)

@@ -144,7 +144,8 @@ def jitted_step(module: nnx.Module, *, donate_cache: bool = True):
   The module's state is taken now (make a new step after loading weights) and passed as an
   argument rather than folded into the program as constants; the cache is
   donated so XLA writes it in place, and steps whose metadata has the same padded shapes reuse
-  one compiled program.
+  one compiled program. `step.lower(x, cache, md)` lowers that program without running it (e.g.
+  to read the compiled HLO).
   """
   graphdef, state = nnx.split(module)
 
@@ -152,4 +153,6 @@ def jitted_step(module: nnx.Module, *, donate_cache: bool = True):
   def step(state, x, cache, md):
     return nnx.merge(graphdef, state)(x, cache, md)
 
-  return lambda x, cache, md: step(state, x, cache, md)
+  run = lambda x, cache, md: step(state, x, cache, md)
+  run.lower = lambda x, cache, md: step.lower(state, x, cache, md)
+  return run

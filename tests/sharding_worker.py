@@ -1,0 +1,137 @@
+"""Runs the sharded layer on 8 host CPU devices and prints what it measured as one JSON line.
+
+test_sharding.py starts this in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8:
+the flag only counts if it is set before jax starts, and the other tests expect one device. The
+worker reports facts (differences from the single-device layer, compiled collectives, errors);
+the tests judge them.
+"""
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import test_attention as dense
+import test_dsa_layer as dsa
+from mla_jax import sharding
+from mla_jax.cache import LatentCache
+from mla_jax.metadata import RequestState, build_metadata
+from mla_jax.modules import jitted_step
+
+CFG = dense.SMALL.replace(num_heads=8)
+DENSE_CASES = [(1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (1, 4), (2, 4)]  # (tp, dcp)
+DSA_CASES = [(2, "latent"), (4, "ds_mla")]  # (tp, latent cache kind)
+# Prefill (request 0's prompt in two chunks, its context read back 8 rows at a time), then decodes.
+SCHEDULE = [[10, 5, 25], [7, 1, 1], [0, 1, 1], [0, 1, 1], [0, 0, 1], [0, 0, 1]]
+WORKSPACE = 8
+# One compiled collective: "%name = TYPE all-reduce(...)"; TYPE is a shape or a tuple of shapes.
+_COLLECTIVE = re.compile(r"= (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all|"
+                         r"collective-permute|collective-broadcast)(?:-start)?\(")
+_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+def collectives(hlo: str):
+  """[{"op": name, "shapes": [[dtype, dims], ...]}] of every collective in compiled HLO text."""
+  out = []
+  for types, op in _COLLECTIVE.findall(hlo):
+    shapes = [[dt, [int(d) for d in dims.split(",") if d]] for dt, dims in _SHAPE.findall(types)]
+    out.append({"op": op, "shapes": shapes})
+  return out
+
+
+def poisoned_cache():
+  """Every page NaN: a read of a page the step does not own or see would show in the outputs."""
+  cache = LatentCache.allocate(dense.NB, dense.BS, CFG.latent_dim, jnp.float32)
+  return LatentCache(jnp.full_like(cache.data, jnp.nan), cache.k_scale)
+
+
+def max_diff(a, b):
+  return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+
+
+def dense_case(tp, dcp, inputs, ref_outs, ref_cache):
+  mesh = sharding.make_mesh(tp=tp, dcp=dcp)
+  layer = sharding.shard_layer(dense.make_layer(CFG), mesh)
+  tables = dense.tables_for(3, 0)
+  outs, cache = dense.run_schedule(layer, inputs, SCHEDULE, tables,
+                                   sharding.shard_cache(poisoned_cache(), mesh), workspace=WORKSPACE)
+  # The mixed step (decode rows, then prefill rows with earlier context), compiled for its HLO.
+  md, _ = build_metadata([RequestState(10, 7, tables[0]), RequestState(5, 1, tables[1]),
+                          RequestState(25, 1, tables[2])], block_size=dense.BS,
+                         num_blocks=dense.NB, max_blocks_per_seq=dense.MB,
+                         context_workspace=WORKSPACE)
+  x = jnp.zeros((md.num_rows, CFG.hidden_size), jnp.float32)
+  hlo = jitted_step(layer).lower(x, cache, md).compile().as_text()
+  return {
+      "max_abs_diff": max_diff(outs, ref_outs),
+      "max_abs_ref": max(float(np.abs(o).max()) for o in ref_outs),
+      "cache_equal": bool(np.array_equal(np.asarray(cache.data), ref_cache, equal_nan=True)),
+      "cache_spec": str(cache.data.sharding.spec),
+      "cache_shard_elements": cache.data.addressable_shards[0].data.size,
+      "rows": md.num_rows,
+      "decode_rows": md.num_decode_rows,
+      "collectives": collectives(hlo),
+  }
+
+
+def jitted_dsa(layer):
+  """`layer` as test_dsa_layer.run calls it (always with return_topk=True there), under jit:
+  eager op-by-op dispatch over 8 devices is what would make this test slow."""
+  step = nnx.jit(lambda layer, x, cache, md: layer(x, cache, md, return_topk=True))
+  return lambda x, cache, md, return_topk: step(layer, x, cache, md)
+
+
+def dsa_case(tp, kind):
+  """V3.2: the indexer replicated, sparse attention split by heads."""
+  inputs, tables = dsa.inputs_for(dsa.SCHEDULE, 1), dsa.tables(2)
+  ref, ref_sels, _ = dsa.run(jitted_dsa(dsa.make_layer()), inputs, dsa.SCHEDULE, tables,
+                             dsa.make_cache(kind))
+  mesh = sharding.make_mesh(tp=tp)
+  got, sels, _ = dsa.run(jitted_dsa(sharding.shard_layer(dsa.make_layer(), mesh)), inputs,
+                         dsa.SCHEDULE, tables, sharding.shard_cache(dsa.make_cache(kind), mesh))
+  same = all(set(np.asarray(a[t]).tolist()) == set(np.asarray(b[t]).tolist())
+             for ra, rb in zip(sels, ref_sels) for a, b in zip(ra, rb) for t in range(len(a)))
+  return {"max_abs_diff": max_diff(got, ref), "same_selection": same}
+
+
+def errors():
+  """The ValueError message of each misuse (None: it was accepted)."""
+  misuse = {
+      "heads_over_tp3": lambda: sharding.shard_layer(dense.make_layer(CFG), sharding.make_mesh(tp=3)),
+      "blocks_over_dcp4": lambda: sharding.shard_cache(
+          LatentCache.allocate(42, dense.BS, CFG.latent_dim, jnp.float32), sharding.make_mesh(dcp=4)),
+      "dsa_cache_over_dcp2": lambda: sharding.shard_cache(dsa.make_cache("latent"),
+                                                          sharding.make_mesh(dcp=2)),
+      "explicit_mesh": lambda: sharding.shard_layer(dense.make_layer(CFG),
+                                                    jax.make_mesh((2,), (sharding.TP_AXIS,))),
+  }
+  out = {}
+  for name, call in misuse.items():
+    try:
+      call()
+      out[name] = None
+    except ValueError as e:
+      out[name] = str(e)
+  return out
+
+
+def main():
+  assert jax.device_count() == 8, f"need 8 host devices, got {jax.device_count()}"
+  inputs = dense.inputs_for(SCHEDULE, seed=1)
+  ref_outs, ref_cache = dense.run_schedule(dense.make_layer(CFG), inputs, SCHEDULE,
+                                           dense.tables_for(3, 0), poisoned_cache(),
+                                           workspace=WORKSPACE)
+  report = {
+      "dense": {f"{tp}x{dcp}": dense_case(tp, dcp, inputs, ref_outs, np.asarray(ref_cache.data))
+                for tp, dcp in DENSE_CASES},
+      "dsa": {f"{tp}-{kind}": dsa_case(tp, kind) for tp, kind in DSA_CASES},
+      "errors": errors(),
+  }
+  print(json.dumps(report))
+
+
+if __name__ == "__main__":
+  main()
