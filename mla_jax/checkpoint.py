@@ -1,0 +1,158 @@
+"""Reading DeepSeek checkpoints: `config.json` plus safetensors shards, a few tensors at a time.
+
+A checkpoint directory holds either `model.safetensors.index.json` (whose `weight_map` names the
+shard of every tensor) or a single `model.safetensors`. Only the shards that hold the requested
+tensors are opened, and only those tensors are read, so one layer of a 600 GB model loads alone.
+Block-quantized fp8 weights (DeepSeek V3's e4m3 `weight` with a float32 `weight_scale_inv`, one
+scale per 128x128 block) come back dequantized to float32.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import pathlib
+from typing import Iterable
+
+import ml_dtypes
+import numpy as np
+
+from mla_jax.modules import DeepseekV2MLAAttention
+from mla_jax.weights import load_attention_weights
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+SCALE_SUFFIX = "_scale_inv"
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def import_safetensors():
+  """The safetensors package: an optional dependency, only checkpoint files need it."""
+  try:
+    import safetensors
+    import safetensors.numpy
+  except ImportError as e:
+    raise ImportError("checkpoint files need safetensors: pip install 'mla-jax[checkpoints]'") from e
+  return safetensors
+
+
+def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray, block=(128, 128),
+                          name: str = "weight") -> np.ndarray:
+  """e4m3 `weight` [out, in] times its block scales [ceil(out/b0), ceil(in/b1)] -> float32.
+
+  Scale (i, j) covers rows i*b0:(i+1)*b0 and columns j*b1:(j+1)*b1; the last blocks may be
+  ragged. `name` (the weight's) goes into the errors.
+  """
+  if weight.dtype != FP8 or weight.ndim != 2:
+    raise ValueError(f"{name} has a {name}{SCALE_SUFFIX} but is {weight.dtype} of shape "
+                     f"{weight.shape}; block scales apply to 2-D float8_e4m3fn weights")
+  grid = tuple(-(-d // b) for d, b in zip(weight.shape, block))
+  scale = np.asarray(scale_inv).astype(np.float32)
+  if scale.shape != grid:
+    raise ValueError(f"{name}{SCALE_SUFFIX} has shape {scale.shape}; weight {weight.shape} in "
+                     f"{tuple(block)} blocks needs {grid}")
+  if not np.all(np.isfinite(scale) & (scale > 0)):
+    raise ValueError(f"{name}{SCALE_SUFFIX} holds non-finite or non-positive scales")
+  full = np.repeat(np.repeat(scale, block[0], axis=0), block[1], axis=1)
+  return weight.astype(np.float32) * full[:weight.shape[0], :weight.shape[1]]
+
+
+def _read_fp8(path: pathlib.Path, names: list[str]) -> dict[str, np.ndarray]:
+  """e4m3 tensors read at the offsets of the file's own header: safetensors' numpy framework has
+  no float8 dtype to give them (it raises; safetensors issue #682)."""
+  out = {}
+  with open(path, "rb") as f:
+    size = int.from_bytes(f.read(8), "little")
+    header = json.loads(f.read(size))
+    for name in names:
+      begin, end = header[name]["data_offsets"]
+      f.seek(8 + size + begin)
+      out[name] = np.frombuffer(f.read(end - begin), FP8).reshape(header[name]["shape"])
+  return out
+
+
+def _read_file(path: pathlib.Path, names: list[str]) -> dict[str, np.ndarray]:
+  """The tensors `names` of one safetensors file, as stored (numpy, ml_dtypes for bf16/fp8)."""
+  if not path.is_file():
+    raise ValueError(f"{path} (holding {names[0]}) does not exist")
+  out, fp8 = {}, []
+  with import_safetensors().safe_open(str(path), framework="numpy") as f:
+    keys = set(f.keys())
+    for name in names:
+      if name not in keys:
+        raise ValueError(f"tensor {name} is not in {path.name}, where the index puts it")
+      dtype = f.get_slice(name).get_dtype()
+      if dtype == "F8_E4M3":
+        fp8.append(name)
+      elif dtype.startswith("F8"):
+        raise ValueError(f"tensor {name} is {dtype}; of the fp8 formats only F8_E4M3 is supported")
+      else:
+        out[name] = f.get_tensor(name)
+  return out | (_read_fp8(path, fp8) if fp8 else {})
+
+
+class Checkpoint:
+  """A checkpoint directory, read lazily: nothing but the index (or one file's names) at first."""
+
+  def __init__(self, path):
+    self.path = pathlib.Path(path)
+    config = self.path / "config.json"
+    if not config.is_file():
+      raise ValueError(f"{config} not found: a checkpoint directory holds config.json and safetensors")
+    self.config = json.loads(config.read_text())
+    quant = self.config.get("quantization_config") or {}
+    if quant.get("quant_method", "fp8") != "fp8":
+      raise ValueError(f"quantization {quant['quant_method']!r} is not supported; supported: fp8 "
+                       f"with block scales")
+    self.block_size = tuple(quant.get("weight_block_size", (128, 128)))
+    if (self.path / INDEX_FILE).is_file():
+      self.weight_map: dict[str, str] = json.loads((self.path / INDEX_FILE).read_text())["weight_map"]
+    elif (self.path / SINGLE_FILE).is_file():
+      with import_safetensors().safe_open(str(self.path / SINGLE_FILE), framework="numpy") as f:
+        self.weight_map = {name: SINGLE_FILE for name in f.keys()}
+    else:
+      raise ValueError(f"{self.path} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+
+  def read(self, names: Iterable[str]) -> dict[str, np.ndarray]:
+    """The tensors `names` as stored, opening each shard that holds any of them once."""
+    names = list(names)
+    by_file = collections.defaultdict(list)
+    for name in names:
+      if name not in self.weight_map:
+        raise ValueError(f"tensor {name} is not in the checkpoint {self.path}")
+      by_file[self.weight_map[name]].append(name)
+    out = {}
+    for file, group in by_file.items():
+      out |= _read_file(self.path / file, group)
+    return {name: out[name] for name in names}
+
+  def load(self, names: Iterable[str]) -> dict[str, np.ndarray]:
+    """The tensors `names`, each fp8 one dequantized to float32 with its `_scale_inv`."""
+    names = list(names)
+    raw = self.read(names + [n + SCALE_SUFFIX for n in names if n + SCALE_SUFFIX in self.weight_map])
+    out = {}
+    for name in names:
+      value = raw[name]
+      if name + SCALE_SUFFIX in raw:
+        value = dequantize_fp8_blocks(value, raw[name + SCALE_SUFFIX], self.block_size, name)
+      elif value.dtype == FP8:
+        raise ValueError(f"fp8 tensor {name} has no {name}{SCALE_SUFFIX} to dequantize it with")
+      out[name] = value
+    return out
+
+  def tensors(self, prefix: str) -> dict[str, np.ndarray]:
+    """Every tensor whose name starts with `prefix` (fp8 ones dequantized, scales consumed)."""
+    return self.load(n for n in self.weight_map
+                     if n.startswith(prefix) and not n.endswith(SCALE_SUFFIX))
+
+
+def attention_prefix(layer: int) -> str:
+  return f"model.layers.{layer}.self_attn."
+
+
+def load_attention_layer(checkpoint: Checkpoint | str | pathlib.Path, module: DeepseekV2MLAAttention,
+                         layer: int) -> None:
+  """Fills `module` with layer `layer`'s attention (and V3.2 indexer) weights of a checkpoint."""
+  ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+  prefix = attention_prefix(layer)
+  load_attention_weights(module, ckpt.tensors(prefix), prefix)

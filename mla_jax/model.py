@@ -1,0 +1,285 @@
+"""A small DeepSeek-shaped decoder built from the library's layers, and greedy generation.
+
+Embedding, then per layer `x += attn(rmsnorm(x))`, `x += mlp(rmsnorm(x))` with MLA attention
+(V3) or MLA with the lightning indexer and sparse attention (V3.2) and a dense SwiGLU MLP, then a
+final norm and the LM head. DeepSeek's mixture-of-experts layers are not modelled: checkpoints
+whose config asks for them are refused. Every layer has its own paged cache; all layers share one
+block table, so one `AttentionMetadata` serves the whole step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mla_jax.cache import DSACache, LatentCache
+from mla_jax.checkpoint import Checkpoint
+from mla_jax.config import MLAConfig
+from mla_jax.dsa_cache import DSMLACache, IndexerKCache
+from mla_jax.metadata import RequestState, bucket, build_metadata
+from mla_jax.modules import DeepseekV2MLAAttention, _linear
+from mla_jax.weights import Target, attention_targets, linear_target, load_tensors, param_target
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+  attention: MLAConfig
+  vocab_size: int
+  num_layers: int
+  intermediate_size: int
+
+  @classmethod
+  def from_hf(cls, hf: Mapping[str, Any]) -> "DecoderConfig":
+    """Reads a DeepSeek V2/V3/V3.2 `config.json` whose layers all have dense MLPs."""
+    missing = [k for k in ("vocab_size", "num_hidden_layers", "intermediate_size") if k not in hf]
+    if missing:
+      raise ValueError(f"config.json lacks the decoder keys {missing}")
+    layers = hf["num_hidden_layers"]
+    if hf.get("n_routed_experts") and hf.get("first_k_dense_replace", 0) < layers:
+      raise ValueError(f"layers {hf.get('first_k_dense_replace', 0)}..{layers - 1} are mixture-of-experts "
+                       f"(n_routed_experts={hf['n_routed_experts']}); this decoder has dense MLPs only")
+    if hf.get("hidden_act", "silu") != "silu":
+      raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported; supported: silu")
+    if hf.get("tie_word_embeddings"):
+      raise ValueError("tied embeddings are not supported (DeepSeek checkpoints keep lm_head apart)")
+    return cls(MLAConfig.from_hf(hf), hf["vocab_size"], layers, hf["intermediate_size"])
+
+
+class MLP(nnx.Module):
+  """DeepSeek's dense feed-forward: `down(silu(gate(x)) * up(x))`."""
+
+  def __init__(self, hidden: int, intermediate: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+    self.gate_proj = _linear(hidden, intermediate, dtype, param_dtype, rngs)
+    self.up_proj = _linear(hidden, intermediate, dtype, param_dtype, rngs)
+    self.down_proj = _linear(intermediate, hidden, dtype, param_dtype, rngs)
+
+  def __call__(self, x):
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm attention and MLP blocks, each added to the residual stream."""
+
+  def __init__(self, config: DecoderConfig, *, backend, dtype, param_dtype, indexer_fp8, rngs):
+    c = config.attention
+    norm = lambda: nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, dtype=dtype,
+                               param_dtype=param_dtype, rngs=rngs)
+    self.input_layernorm = norm()
+    self.self_attn = DeepseekV2MLAAttention(c, backend=backend, dtype=dtype, param_dtype=param_dtype,
+                                            indexer_fp8=indexer_fp8, rngs=rngs)
+    self.post_attention_layernorm = norm()
+    self.mlp = MLP(c.hidden_size, config.intermediate_size, dtype=dtype, param_dtype=param_dtype,
+                   rngs=rngs)
+
+  def __call__(self, x, cache, md):
+    h, cache = self.self_attn(self.input_layernorm(x), cache, md)
+    x = x + h
+    return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+  def targets(self) -> dict[str, Target]:
+    """HF name under `model.layers.{i}.` -> the parameter it fills."""
+    out = {"input_layernorm.weight": param_target(self.input_layernorm.scale),
+           "post_attention_layernorm.weight": param_target(self.post_attention_layernorm.scale)}
+    out |= {f"self_attn.{k}": t for k, t in attention_targets(self.self_attn).items()}
+    out |= {f"mlp.{k}.weight": linear_target(getattr(self.mlp, k))
+            for k in ("gate_proj", "up_proj", "down_proj")}
+    return out
+
+
+class DeepseekForCausalLM(nnx.Module):
+  """tokens -> logits over the vocabulary, one step of paged attention per layer."""
+
+  def __init__(self, config: DecoderConfig, *, backend: str | None = None, dtype=jnp.bfloat16,
+               param_dtype=jnp.bfloat16, indexer_fp8: bool = True, rngs: nnx.Rngs):
+    c = config.attention
+    self.config = config
+    self.dtype = dtype
+    self.embed_tokens = nnx.Embed(config.vocab_size, c.hidden_size, dtype=dtype,
+                                  param_dtype=param_dtype, rngs=rngs)
+    self.layers = nnx.List([
+        DecoderLayer(config, backend=backend, dtype=dtype, param_dtype=param_dtype,
+                     indexer_fp8=indexer_fp8, rngs=rngs) for _ in range(config.num_layers)])
+    self.norm = nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, dtype=dtype,
+                            param_dtype=param_dtype, rngs=rngs)
+    self.lm_head = _linear(c.hidden_size, config.vocab_size, dtype, param_dtype, rngs)
+
+  def __call__(self, tokens, caches: Sequence, md, logit_rows=None):
+    """tokens [T] (the rows of `md`), one cache per layer -> (float32 logits [T, vocab], or only
+    at `logit_rows` [K]; the new caches, a tuple)."""
+    if len(caches) != len(self.layers):
+      raise ValueError(f"{len(caches)} caches for {len(self.layers)} layers")
+    x = self.embed_tokens(tokens)
+    new_caches = []
+    for layer, cache in zip(self.layers, caches):
+      x, cache = layer(x, cache, md)
+      new_caches.append(cache)
+    if logit_rows is not None:  # the LM head is a [hidden, vocab] matmul: skip the unread rows
+      x = x[logit_rows]
+    return self.lm_head(self.norm(x)).astype(jnp.float32), tuple(new_caches)
+
+  def allocate_caches(self, num_blocks: int, block_size: int, dtype=None) -> tuple:
+    """One cache per layer: `LatentCache` of `dtype` (default the model's), or for V3.2 a
+    `DSACache` whose latent part may also be "fp8_ds_mla"."""
+    c = self.config.attention
+    dtype = self.dtype if dtype is None else dtype
+    if c.has_indexer:
+      make = lambda: DSACache(
+          DSMLACache.allocate(num_blocks, block_size, c.kv_lora_rank, c.qk_rope_head_dim)
+          if isinstance(dtype, str) and dtype == "fp8_ds_mla" else LatentCache.allocate(num_blocks, block_size, c.latent_dim, dtype),
+          IndexerKCache.allocate(num_blocks, block_size, c.index_head_dim))
+    else:
+      make = lambda: LatentCache.allocate(num_blocks, block_size, c.latent_dim, dtype)
+    return tuple(make() for _ in self.layers)
+
+  def load_checkpoint(self, checkpoint: Checkpoint) -> None:
+    """Fills every parameter from a checkpoint, one layer's tensors in memory at a time."""
+    for i, layer in enumerate(self.layers):
+      prefix = f"model.layers.{i}."
+      load_tensors(layer.targets(), checkpoint.tensors(prefix), prefix, "decoder layer")
+      layer.self_attn.process_weights_after_loading()
+    top = {"model.embed_tokens.weight": param_target(self.embed_tokens.embedding),
+           "model.norm.weight": param_target(self.norm.scale),
+           "lm_head.weight": linear_target(self.lm_head)}
+    load_tensors(top, checkpoint.load(list(top)), "", "model")
+
+  @classmethod
+  def from_checkpoint(cls, path, *, backend: str | None = None, dtype=jnp.bfloat16,
+                      indexer_fp8: bool = True) -> "DeepseekForCausalLM":
+    """The model of a checkpoint directory's `config.json`, with its weights loaded."""
+    checkpoint = Checkpoint(path)
+    model = cls(DecoderConfig.from_hf(checkpoint.config), backend=backend, dtype=dtype,
+                param_dtype=dtype, indexer_fp8=indexer_fp8, rngs=nnx.Rngs(0))
+    model.load_checkpoint(checkpoint)
+    return model
+
+
+# The graph definition is static and hashable, so every model of one structure shares the
+# compiled programs (one per padded step shape) across `generate` and `forward` calls.
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+def _step(graphdef, state, tokens, caches, md, logit_rows):
+  return nnx.merge(graphdef, state)(tokens, caches, md, logit_rows)
+
+
+class _TextBar:
+  """A one-line progress bar on stderr, for when tqdm is not installed."""
+
+  def __init__(self, total: int, width: int = 30):
+    self.total, self.width, self.done = total, width, 0
+
+  def update(self, n: int = 1):
+    self.done += n
+    filled = self.width * self.done // self.total
+    print(f"\rgenerate [{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total}",
+          end="", file=sys.stderr, flush=True)
+
+  def close(self):
+    print(file=sys.stderr)
+
+
+def _progress_bar(total: int):
+  try:
+    from tqdm.auto import tqdm
+  except ImportError:
+    return _TextBar(total)
+  return tqdm(total=total, desc="generate", unit="step")
+
+
+@dataclasses.dataclass
+class _Paging:
+  """Contiguous blocks per request, enough for `capacity[i]` tokens, in a pool of `num_blocks`;
+  builds each step's metadata over them."""
+  tables: list[list[int]]
+  num_blocks: int
+  max_blocks: int
+  block_size: int
+  index_topk: int | None
+
+  @classmethod
+  def for_lengths(cls, model: DeepseekForCausalLM, capacity: Sequence[int], block_size: int,
+                  num_blocks: int | None = None) -> "_Paging":
+    blocks = [-(-n // block_size) for n in capacity]
+    starts = np.cumsum([0] + blocks)
+    if num_blocks is not None and num_blocks < starts[-1]:
+      raise ValueError(f"a pool of {num_blocks} blocks cannot hold these requests: they need "
+                       f"{starts[-1]} blocks of {block_size} tokens")
+    # The pool size and a power-of-two table width are shapes of the compiled step: fixing
+    # them lets runs of different batches share compilations.
+    return cls([list(range(starts[i], starts[i + 1])) for i in range(len(blocks))],
+               int(starts[-1]) if num_blocks is None else num_blocks, bucket(max(blocks), 1),
+               block_size, model.config.attention.index_topk)
+
+  def metadata(self, requests: Sequence[RequestState]):
+    return build_metadata(requests, block_size=self.block_size, num_blocks=self.num_blocks,
+                          max_blocks_per_seq=self.max_blocks, index_topk=self.index_topk)
+
+
+def forward(model: DeepseekForCausalLM, sequences: Sequence[Sequence[int]], *,
+            block_size: int = 16, cache_dtype=None) -> list[np.ndarray]:
+  """Logits [len_i, vocab] at every position of each sequence: one prefill step over whole
+  sequences with fresh caches, the path that step-by-step generation must agree with."""
+  paging = _Paging.for_lengths(model, [len(s) for s in sequences], block_size)
+  md, layout = paging.metadata([RequestState(0, len(s), paging.tables[i])
+                                for i, s in enumerate(sequences)])
+  tokens = layout.pack([np.asarray(s, np.int32) for s in sequences])
+  graphdef, state = nnx.split(model)
+  caches = model.allocate_caches(paging.num_blocks, block_size, cache_dtype)
+  logits, _ = _step(graphdef, state, jnp.asarray(tokens), caches, md, jnp.arange(layout.num_rows))
+  return layout.unpack(logits)
+
+
+def generate(model: DeepseekForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+             block_size: int = 16, num_blocks: int | None = None, cache_dtype=None,
+             stop_token_id: int | None = None, progress: bool = False, return_logits: bool = False):
+  """Greedy decoding of a batch of prompts (token id lists, any lengths).
+
+  One prefill step for every prompt, then one decode step per new token; each step is a jitted
+  call with the caches donated, and its metadata comes from `build_metadata`. A request stops
+  after `max_new_tokens` or after emitting `stop_token_id`. The caches hold `num_blocks` blocks
+  of `block_size` tokens (default: just enough for these requests); `cache_dtype` as in
+  `allocate_caches`. Returns the new token ids per prompt; with `return_logits`, also the
+  float32 logits [new tokens, vocab] that chose them.
+  """
+  if not prompts or any(len(p) == 0 for p in prompts) or max_new_tokens < 1:
+    raise ValueError("generate needs non-empty prompts and max_new_tokens >= 1")
+  paging = _Paging.for_lengths(model, [len(p) + max_new_tokens for p in prompts], block_size,
+                               num_blocks)
+  caches = model.allocate_caches(paging.num_blocks, block_size, cache_dtype)
+  graphdef, state = nnx.split(model)
+  feed = [np.asarray(p, np.int32) for p in prompts]  # what each request takes in the next step
+  cached = [0] * len(prompts)
+  tokens, logits_out = [[] for _ in prompts], [[] for _ in prompts]
+  live = list(range(len(prompts)))
+  bar = _progress_bar(max_new_tokens) if progress else None
+  for _ in range(max_new_tokens):
+    md, layout = paging.metadata([RequestState(cached[i], len(feed[i]), paging.tables[i])
+                                  for i in live])
+    # The LM head reads each request's last row; padded as the block tables are, so that a
+    # step's shapes depend only on its buckets.
+    last = np.zeros(md.block_tables.shape[0], np.int32)
+    last[:len(live)] = [rows[-1] for rows in layout.rows]
+    logits, caches = _step(graphdef, state, jnp.asarray(layout.pack([feed[i] for i in live])),
+                           caches, md, jnp.asarray(last))
+    logits = np.asarray(logits)
+    for k, i in enumerate(live):
+      token = int(logits[k].argmax())
+      tokens[i].append(token)
+      logits_out[i].append(logits[k])
+      cached[i] += len(feed[i])
+      feed[i] = np.array([token], np.int32)
+    live = [i for i in live if tokens[i][-1] != stop_token_id]
+    if bar is not None:
+      bar.update()
+    if not live:
+      break
+  if bar is not None:
+    bar.close()
+  if return_logits:
+    return tokens, [np.stack(l) for l in logits_out]
+  return tokens
