@@ -1,11 +1,14 @@
-"""Latent (MLA) decode: the Pallas-Triton kernel against the jitted XLA reference, on a GPU.
+"""Latent (MLA) decode: the Pallas-Triton kernel against the jitted XLA reference, on a GPU, with
+the Mosaic GPU kernel (pallas_mosaic) beside it on bf16 caches.
 
-  PYTHONPATH=. python -m benchmarks.bench_decode [--quick] [--sweep] [--out DIR]
+  PYTHONPATH=. python -m benchmarks.bench_decode [--quick] [--sweep] [--no-mosaic] [--out DIR]
 
 Every request sees the full S tokens through a shuffled 64-token page table, so the bytes that
 must move are exactly the cache rows (B*S*576*elem) plus q and o; FLOPs are 2*B*N*S*(576+512).
 Several input sets are rotated so the 60 MB L2 never holds a whole set. `--sweep` times the
-kernel's (block_h, num_warps, num_stages) variants and then split counts instead of the reference.
+Triton kernel's (block_h, num_warps, num_stages) variants and then split counts (and the Mosaic
+kernel's split counts) instead of the reference. Mosaic columns: "mosaic ms", "triton/mosaic"
+(> 1: Mosaic faster) and the largest difference between the two kernels' outputs.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import jax.numpy as jnp
 from benchmarks.common import rates, time_ms, write_results
 from mla_jax import reference
 from pallas_kernels import latent_decode as kernel
+from pallas_kernels import mosaic_decode as mosaic
 
 L, R = 512, 64
 SCALE = (128 + R) ** -0.5
@@ -60,8 +64,8 @@ def run_case(args, batch, heads, seq, dtype_name):
   k_scale = jnp.float32(FP8_SCALE) if dtype == jnp.float8_e4m3fn else None
   base = {"B": batch, "N": heads, "S": seq, "cache": dtype_name}
 
-  def kernel_fn(**cfg):
-    return lambda q, c, t, s: kernel.latent_decode(q, c, t, s, scale=SCALE, k_scale=k_scale, **cfg)
+  def kernel_fn(module=kernel, **cfg):
+    return lambda q, c, t, s: module.latent_decode(q, c, t, s, scale=SCALE, k_scale=k_scale, **cfg)
 
   def timed(fn):
     return time_ms(fn, sets, iters=args.iters, repeats=args.repeats)
@@ -69,21 +73,25 @@ def run_case(args, batch, heads, seq, dtype_name):
   if args.sweep:
     ref_o = ref_fn(k_scale)(*sets[0])[0].astype(jnp.float32)
 
-    def variant(**cfg):
+    def variant(module=kernel, **cfg):
       # A variant may not compile (shared memory, registers): record that and go on.
+      head = {**base, "kernel": "pallas_mosaic" if module is mosaic else "pallas_triton", **cfg}
       try:
-        fn = kernel_fn(**cfg)
+        fn = kernel_fn(module, **cfg)
         err = float(jnp.abs(fn(*sets[0])[0].astype(jnp.float32) - ref_o).max())
-        row = {**base, **cfg, **rates(timed(fn), bytes_moved=case_bytes, flops=flops), "max err": err}
+        row = {**head, **rates(timed(fn), bytes_moved=case_bytes, flops=flops), "max err": err}
       except Exception as e:  # noqa: BLE001
-        row = {**base, **cfg, "error": f"{type(e).__name__}: {str(e)[:80]}"}
+        row = {**head, "error": f"{type(e).__name__}: {str(e)[:80]}"}
       print(row, flush=True)
       return row
 
     rows = [variant(block_h=h, block_n=n, num_warps=w, num_stages=st) for h, n, w, st in SWEEP[heads]]
     best = min((r for r in rows if "ms" in r), key=lambda r: r["ms"])
     cfg = {k: best[k] for k in ("block_h", "block_n", "num_warps", "num_stages")}
-    return rows + [variant(**cfg, num_kv_splits=k) for k in (1, 2, 4, 8, 16, 32)]
+    rows += [variant(**cfg, num_kv_splits=k) for k in (1, 2, 4, 8, 16, 32)]
+    if dtype_name == "bf16" and not args.no_mosaic:
+      rows += [variant(mosaic, num_kv_splits=k) for k in (1, 2, 4, 8, 16)]
+    return rows
 
   block_h, block_n, warps, stages = kernel.tuned_config(heads, args.page, dtype_name == "fp8")
   splits = kernel.default_num_kv_splits(batch, -(-heads // block_h), seq, kernel.sm_count())
@@ -93,6 +101,17 @@ def run_case(args, batch, heads, seq, dtype_name):
   except ValueError as e:  # a case the kernel refuses (fp8 caches past 2**31 elements)
     print({**row, "error": str(e)}, flush=True)
     return [{**row, "error": str(e)[:60]}]
+  if dtype_name == "bf16" and not args.no_mosaic:
+    # The Mosaic kernel on the same inputs; one that does not compile is recorded, not fatal.
+    row["mosaic config"] = f"k{mosaic.num_kv_splits_for(batch, heads, seq)}"
+    try:
+      mosaic_fn = kernel_fn(mosaic)
+      outs = [fn(*sets[0])[0].astype(jnp.float32) for fn in (mosaic_fn, kernel_fn())]
+      row["mosaic ms"] = timed(mosaic_fn)
+      row["triton/mosaic"] = row["ms"] / row["mosaic ms"]
+      row["mosaic vs triton max diff"] = float(jnp.abs(outs[0] - outs[1]).max())
+    except Exception as e:  # noqa: BLE001
+      row["mosaic error"] = f"{type(e).__name__}: {str(e)[:80]}"
   if not args.no_ref:
     row["xla ms"] = time_ms(ref_fn(k_scale), sets, iters=max(2, args.iters // 4), repeats=3)
     row["speedup"] = row["xla ms"] / row["ms"]
@@ -110,6 +129,7 @@ def main():
   parser.add_argument("--quick", action="store_true", help="B=128, S in {4096, 32768} only")
   parser.add_argument("--sweep", action="store_true", help="time kernel variants, no reference")
   parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference")
+  parser.add_argument("--no-mosaic", action="store_true", help="skip the Mosaic GPU kernel")
   parser.add_argument("--iters", type=int, default=20)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--out", default="benchmarks/out")

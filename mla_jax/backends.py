@@ -27,8 +27,13 @@ import jax
 import jax.numpy as jnp
 
 from mla_jax import reference
+from mla_jax.dsa_cache import DSMLACache
+from pallas_kernels import indexer as pallas_indexer
 from pallas_kernels import latent_decode as pallas_latent_decode
 from pallas_kernels import mla_prefill as pallas_mla_prefill
+from pallas_kernels import mosaic_decode as pallas_mosaic_decode
+from pallas_kernels import sparse_attention as pallas_sparse
+from pallas_kernels import topk as pallas_topk
 
 ENV_VAR = "MLA_JAX_BACKEND"
 
@@ -108,28 +113,71 @@ def _pallas_triton_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal
       interpret=jax.default_backend() != "gpu")
 
 
+def _pallas_triton_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
+  interpret = jax.default_backend() != "gpu"
+  if isinstance(cache, DSMLACache):
+    if cache.kv_lora_rank != kv_lora_rank:
+      raise ValueError(f"kv_lora_rank {kv_lora_rank} != the fp8_ds_mla cache's {cache.kv_lora_rank}")
+    return pallas_sparse.sparse_attention_fp8_ds_mla(q, cache.nope, cache.tile_scales, cache.rope,
+                                                     slots, scale=scale, interpret=interpret)
+  return pallas_sparse.sparse_attention(q, cache.data, slots, scale=scale, kv_lora_rank=kv_lora_rank,
+                                        k_scale=cache.scale_or_none, interpret=interpret)
+
+
+def _pallas_triton_indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens):
+  return pallas_indexer.indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens,
+                                       interpret=jax.default_backend() != "gpu")
+
+
+def _pallas_triton_topk(logits, seq_lens, topk):
+  return pallas_topk.topk_positions(logits, seq_lens, topk, interpret=jax.default_backend() != "gpu")
+
+
 PALLAS_TRITON = Backend(
     name="pallas_triton",
     decode=_pallas_triton_decode,
     prefill=_pallas_triton_prefill,
     write_cache=reference.write_latent_cache,
     gather_cache=reference.gather_latent_cache,
-    # The DSA kernels (sparse attention, indexer logits, top-k) replace these references.
-    sparse_attention=_reference_sparse_attention,
-    indexer_logits=reference.indexer_logits,
-    topk=reference.topk_positions,
+    sparse_attention=_pallas_triton_sparse_attention,
+    indexer_logits=_pallas_triton_indexer_logits,
+    topk=_pallas_triton_topk,
     cache_dtypes=_CACHE_DTYPES,
     block_size_multiple=16,
+)
+
+
+def _pallas_mosaic_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank,
+                          k_scale=None, num_kv_splits=None):
+  # Off the GPU the same kernel runs in Mosaic GPU's interpreter, so CPU tests exercise it.
+  return pallas_mosaic_decode.latent_decode(
+      q, kv_cache, block_tables, seq_lens, scale=scale, kv_lora_rank=kv_lora_rank, k_scale=k_scale,
+      num_kv_splits=num_kv_splits, interpret=jax.default_backend() != "gpu")
+
+
+# The Mosaic GPU (Hopper wgmma) decode kernel; the other functions are pallas_triton's. The decode
+# kernel reads bf16 caches (and bf16 q) with pages of a multiple of 64 tokens only.
+PALLAS_MOSAIC = dataclasses.replace(
+    PALLAS_TRITON,
+    name="pallas_mosaic",
+    decode=_pallas_mosaic_decode,
+    # Fallback: Pallas-Triton's prefill, until the Mosaic prefill (the 2nd kernel) exists.
+    prefill=_pallas_triton_prefill,
+    cache_dtypes=frozenset({"bfloat16"}),
+    block_size_multiple=64,
 )
 
 BACKENDS: types.MappingProxyType[str, Backend] = types.MappingProxyType({
     REFERENCE.name: REFERENCE,
     PALLAS_TRITON.name: PALLAS_TRITON,
+    PALLAS_MOSAIC.name: PALLAS_MOSAIC,
 })
 
 
 def default_backend_name(platform: str | None = None) -> str:
   platform = platform or jax.default_backend()
+  # pallas_mosaic is chosen only by name until its decode is measured faster than pallas_triton's
+  # on the H200 (benchmarks/RESULTS.md, "Latent decode (pallas_mosaic)").
   for name in ("pallas_triton",):
     if name in BACKENDS and platform == "gpu":
       return name

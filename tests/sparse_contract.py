@@ -56,7 +56,8 @@ class SparseAttentionContract:
     flat[list(poison_rows)] = np.nan
     return LatentCache(jnp.asarray(data, jnp.bfloat16), jnp.float32(1.0)), flat
 
-  @pytest.mark.parametrize("n,k", [(16, 64), (4, 32)])
+  # Head counts below, at and above one head block; slot lists that are not whole blocks.
+  @pytest.mark.parametrize("n,k", [(16, 64), (4, 32), (128, 40)])
   def test_bf16_cache_matches_oracle(self, n, k):
     rng = np.random.default_rng(100 + n)
     num_slots = self.NB * self.BS
@@ -74,22 +75,42 @@ class SparseAttentionContract:
     np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(lse[lse_ref > -np.inf], lse_ref[lse_ref > -np.inf], rtol=1e-5, atol=1e-5)
 
-  def test_fp8_ds_mla_cache_matches_dequantized_oracle(self):
-    rng = np.random.default_rng(7)
-    num_slots = self.NB * self.BS
-    cache = DSMLACache.allocate(self.NB, self.BS, L, R)
-    kv = rng.standard_normal((num_slots, L)).astype(np.float32) * rng.uniform(0.1, 10, (num_slots, 1))
+  # One 128-wide tile (L=128) and V3.2's four (L=512, each with its own scale), pages 16 and 64.
+  @pytest.mark.parametrize("lora,nb,bs,n", [(L, 12, 16, 16), (512, 3, 64, 32)])
+  def test_fp8_ds_mla_cache_matches_dequantized_oracle(self, lora, nb, bs, n):
+    rng = np.random.default_rng(7 + lora)
+    num_slots = nb * bs
+    cache = DSMLACache.allocate(nb, bs, lora, R)
+    # Per-row and per-tile magnitudes 20x apart, so a scale applied to the wrong tile shows.
+    kv = (rng.standard_normal((num_slots, lora)).astype(np.float32)
+          * rng.uniform(0.1, 2, (num_slots, 1)) * np.repeat(rng.uniform(0.1, 2, (1, lora // 128)), 128, 1))
     pe = rng.standard_normal((num_slots, R)).astype(np.float32)
     cache = cache.write(jnp.asarray(kv), jnp.asarray(pe), jnp.arange(num_slots, dtype=jnp.int32))
     deq = np.asarray(cache.dequantize_rows(jnp.arange(num_slots, dtype=jnp.int32)), np.float64)
     slots = random_slots(rng, 5, 48, num_slots)
-    q = rng.standard_normal((5, 16, L + R)).astype(np.float32)
-    o, lse = self.fn()(jnp.asarray(q, jnp.bfloat16), cache, jnp.asarray(slots), scale=0.03, kv_lora_rank=L)
+    q = rng.standard_normal((5, n, lora + R)).astype(np.float32)
+    o, lse = self.fn()(jnp.asarray(q, jnp.bfloat16), cache, jnp.asarray(slots), scale=0.03,
+                       kv_lora_rank=lora)
     qb = np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32))
-    o_ref, lse_ref = sparse_np(qb, lambda s: deq[s], slots, num_slots, 0.03, L)
+    o_ref, lse_ref = sparse_np(qb, lambda s: deq[s], slots, num_slots, 0.03, lora)
     np.testing.assert_allclose(np.asarray(o, np.float32), o_ref, rtol=0.065, atol=0.05)
     assert cosine_diff(o.astype(jnp.float32), o_ref) < 1e-3
     np.testing.assert_allclose(np.asarray(lse), lse_ref, rtol=1e-3, atol=1e-3)
+
+  def test_fp8_per_tensor_cache_matches_dequantized_oracle(self):
+    rng = np.random.default_rng(8)
+    num_slots = self.NB * self.BS
+    values = rng.standard_normal((self.NB, self.BS, L + R)).astype(np.float32) / 10
+    cache = LatentCache(jnp.asarray(values / 0.05, jnp.float8_e4m3fn), jnp.float32(0.05))
+    deq = np.asarray(cache.data.astype(jnp.float32), np.float64).reshape(-1, L + R) * 0.05
+    slots = random_slots(rng, 4, 64, num_slots)
+    q = np.asarray(jnp.asarray(rng.standard_normal((4, 16, L + R)), jnp.bfloat16).astype(jnp.float32))
+    o, lse = self.fn()(jnp.asarray(q, jnp.bfloat16), cache, jnp.asarray(slots), scale=0.05,
+                       kv_lora_rank=L)
+    o_ref, lse_ref = sparse_np(q, lambda s: deq[s], slots, num_slots, 0.05, L)
+    assert cosine_diff(o.astype(jnp.float32), o_ref) < 1e-5
+    np.testing.assert_allclose(np.asarray(o, np.float32), o_ref, rtol=2 / 128, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(lse), lse_ref, rtol=1e-5, atol=1e-5)
 
   def test_topk_covering_the_window_equals_dense_decode(self):
     rng = np.random.default_rng(9)
@@ -117,31 +138,35 @@ def indexer_logits_np(q, weights, k, k_scale, positions_visible):
 
 class IndexerContract:
   backend = None
-  NB, BS, H, D = 10, 16, 8, 32
+  NB = 10
 
   def be(self):
     return backends.get_backend(self.backend)
 
+  # Small heads (padded by kernels) and V3.2's 64 x 128 with 64-token pages.
+  @pytest.mark.parametrize("h,d,bs", [(8, 32, 16), (64, 128, 64)])
   @pytest.mark.parametrize("fp8", [True, False])
-  def test_logits_match_oracle(self, fp8):
-    rng = np.random.default_rng(11 + fp8)
+  def test_logits_match_oracle(self, fp8, h, d, bs):
+    rng = np.random.default_rng(11 + fp8 + h)
     t, mb = 5, 4
     dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
-    k_vals = jnp.asarray(rng.standard_normal((self.NB, self.BS, self.D)) * 3, dtype)
-    k_scale = jnp.asarray(2.0 ** rng.integers(-3, 3, (self.NB, self.BS)), jnp.float32)
-    q = jnp.asarray(rng.standard_normal((t, self.H, self.D)) * 3, dtype)
-    w = jnp.asarray(rng.standard_normal((t, self.H)), jnp.float32)
+    k_vals = jnp.asarray(rng.standard_normal((self.NB, bs, d)) * 3, dtype)
+    k_scale = jnp.asarray(2.0 ** rng.integers(-3, 3, (self.NB, bs)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((t, h, d)) * 3, dtype)
+    w = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
     tables = np.stack([rng.permutation(self.NB)[:mb] for _ in range(t)]).astype(np.int32)
     tables[1, 3] = -1  # past row 1's length: must not be read
-    lens = np.array([64, 40, 1, 0, 37], np.int32)
-    got = np.asarray(self.be().indexer_logits(q, w, k_vals, k_scale, jnp.asarray(tables), jnp.asarray(lens)))
+    lens = np.array([mb * bs, 5 * bs // 2, 1, 0, 2 * bs + 5], np.int32)
+    got = np.asarray(self.be().indexer_logits(q, w, k_vals, k_scale, jnp.asarray(tables),
+                                              jnp.asarray(lens)))
+    assert got.shape == (t, mb * bs) and got.dtype == np.float32
     kf = np.asarray(k_vals.astype(jnp.float32))
     ks = np.asarray(k_scale)
     for i in range(t):
-      rows = np.concatenate([kf[b] if b >= 0 else np.zeros((self.BS, self.D)) for b in tables[i]])
-      sc = np.concatenate([ks[b] if b >= 0 else np.zeros(self.BS) for b in tables[i]])
+      rows = np.concatenate([kf[b] if b >= 0 else np.zeros((bs, d)) for b in tables[i]])
+      sc = np.concatenate([ks[b] if b >= 0 else np.zeros(bs) for b in tables[i]])
       want = indexer_logits_np(np.asarray(q[i:i + 1].astype(jnp.float32)), np.asarray(w[i:i + 1]),
-                               rows, sc, (np.arange(mb * self.BS) < lens[i])[None])[0]
+                               rows, sc, (np.arange(mb * bs) < lens[i])[None])[0]
       np.testing.assert_array_equal(np.isinf(got[i]), np.isinf(want))  # the -inf pattern exactly
       fin = np.isfinite(want)
       if fin.any():
@@ -165,4 +190,25 @@ class IndexerContract:
       assert (sel < n_vis).all()
       if n_vis > k:  # every selected value >= every unselected visible value (ties within 1e-5)
         rest = np.setdiff1d(np.arange(n_vis), sel)
+        assert logits[i, sel].min() >= logits[i, rest].max() - 1e-5
+
+  def test_topk_ties_and_neg_inf(self):
+    """Long rows (S >> k), heavy ties, -inf inside the window: every selectable position (in the
+    window, finite) counts; selected values dominate the unselected ones."""
+    rng = np.random.default_rng(5)
+    s, k = 4096, 64
+    logits = rng.standard_normal((5, s)).astype(np.float32)
+    logits[1] = 0.0  # one value everywhere
+    logits[2] = np.round(logits[2] * 2)  # a handful of values
+    logits[3, rng.random(s) < 0.99] = -np.inf  # fewer finite positions than k
+    logits[4, ::2] = -np.inf
+    lens = np.array([s, s, s - 100, s, 3000], np.int32)
+    got = np.asarray(self.be().topk(jnp.asarray(logits), jnp.asarray(lens), k))
+    for i in range(5):
+      sel = got[i][got[i] >= 0]
+      assert len(set(sel.tolist())) == len(sel) and (got[i][len(sel):] == -1).all()
+      selectable = np.flatnonzero(np.isfinite(logits[i, :lens[i]]))
+      assert len(sel) == min(k, len(selectable)) and np.isin(sel, selectable).all()
+      rest = np.setdiff1d(selectable, sel)
+      if len(rest):
         assert logits[i, sel].min() >= logits[i, rest].max() - 1e-5

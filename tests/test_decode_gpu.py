@@ -1,4 +1,5 @@
-"""The Pallas-Triton decode kernel at serving sizes on a GPU, against the XLA reference run there.
+"""The Pallas decode kernels (Pallas-Triton and Mosaic GPU) at serving sizes on a GPU, against the XLA
+reference run there.
 
 Shapes too large for the numpy oracle: the reference (float32, HIGHEST precision) is the yardstick.
 """
@@ -10,10 +11,14 @@ import jax
 import jax.numpy as jnp
 
 from decode_contract import assert_decode_close
+from gpu_utils import poison_allocator
 from mla_jax import reference
-from pallas_kernels.latent_decode import latent_decode
+from pallas_kernels import latent_decode, mosaic_decode
 
 pytestmark = pytest.mark.gpu
+
+KERNELS = {"pallas_triton": latent_decode.latent_decode,
+           "pallas_mosaic": mosaic_decode.latent_decode}
 
 L, PAGE = 512, 64
 SCALE = 192 ** -0.5
@@ -40,33 +45,34 @@ def serving_case(seed, *, batch, max_len, n, cache_dtype):
   return q, cache, tables, lens
 
 
-def poison_allocator():
-  """Fills and frees a large buffer so the kernel's outputs land on NaN-filled memory."""
-  jnp.full((2 ** 30,), jnp.nan, jnp.float32).block_until_ready()
-
-
 @pytest.mark.parametrize("seed,batch,max_len,n,cache_dtype,splits", [
     (0, 128, 32768, 16, jnp.bfloat16, None),
     (1, 128, 8192, 128, jnp.bfloat16, None),
     (2, 128, 8192, 128, jnp.float8_e4m3fn, None),
     (3, 128, 16384, 16, jnp.float8_e4m3fn, 1),  # 32768 tokens of fp8 are past the int32 offsets
     (4, 32, 4096, 16, jnp.bfloat16, 16),
+    (6, 64, 8192, 20, jnp.bfloat16, None),  # heads that fill no tile size
 ])
-def test_matches_reference(seed, batch, max_len, n, cache_dtype, splits):
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_matches_reference(kernel, seed, batch, max_len, n, cache_dtype, splits):
+  if kernel == "pallas_mosaic" and jnp.dtype(cache_dtype) != jnp.bfloat16:
+    pytest.skip("pallas_mosaic's decode kernel reads bfloat16 caches only")
   q, cache, tables, lens = serving_case(seed, batch=batch, max_len=max_len, n=n, cache_dtype=cache_dtype)
   k_scale = jnp.float32(FP8_SCALE) if jnp.dtype(cache_dtype) == jnp.float8_e4m3fn else None
   ref = jax.jit(reference.latent_decode, static_argnames=("scale", "kv_lora_rank"))
   ref_o, ref_lse = (np.asarray(a, np.float64) for a in
                     ref(q, cache, tables, lens, scale=SCALE, kv_lora_rank=L, k_scale=k_scale))
   poison_allocator()
-  o, lse = latent_decode(q, cache, tables, lens, scale=SCALE, k_scale=k_scale, num_kv_splits=splits)
+  o, lse = KERNELS[kernel](q, cache, tables, lens, scale=SCALE, k_scale=k_scale,
+                           num_kv_splits=splits)
   assert o.dtype == q.dtype
   assert_decode_close(np.asarray(o.astype(jnp.float32)), np.asarray(lse), ref_o, ref_lse)
 
 
-def test_one_split_is_batch_independent():
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_one_split_is_batch_independent(kernel):
   q, cache, tables, lens = serving_case(5, batch=128, max_len=4096, n=16, cache_dtype=jnp.bfloat16)
-  run = lambda *a: jax.device_get(latent_decode(*a, scale=SCALE, num_kv_splits=1))
+  run = lambda *a: jax.device_get(KERNELS[kernel](*a, scale=SCALE, num_kv_splits=1))
   poison_allocator()
   full = run(q, cache, tables, lens)
   rev = run(q[::-1], cache, tables[::-1], lens[::-1])

@@ -1,4 +1,18 @@
-from sparse_contract import IndexerContract, SparseAttentionContract
+"""Every backend's DSA functions against the float64 oracles; Pallas runs in interpret mode on CPUs."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mla_jax import backends, reference
+from mla_jax.cache import LatentCache
+from pallas_kernels import indexer as pallas_indexer
+from pallas_kernels import sparse_attention as pallas_sparse
+from pallas_kernels import topk as pallas_topk
+from sparse_contract import L, R, IndexerContract, SparseAttentionContract, random_slots
 
 
 class TestReferenceSparseAttention(SparseAttentionContract):
@@ -7,3 +21,130 @@ class TestReferenceSparseAttention(SparseAttentionContract):
 
 class TestReferenceIndexer(IndexerContract):
   backend = "reference"
+
+
+class TestPallasTritonSparseAttention(SparseAttentionContract):
+  backend = "pallas_triton"
+
+  def test_splits_and_small_steps_match_reference(self):
+    # Several splits of the slot axis (merged by LSE) and 16-slot steps; a row with nothing valid.
+    rng = np.random.default_rng(3)
+    num_slots = self.NB * self.BS
+    cache = LatentCache(jnp.asarray(rng.standard_normal((self.NB, self.BS, L + R)), jnp.float32),
+                        jnp.float32(1.0))
+    slots = random_slots(rng, 4, 100, num_slots)
+    slots[3] = -1
+    q = jnp.asarray(rng.standard_normal((4, 20, L + R)), jnp.float32)
+    o, lse = pallas_sparse.sparse_attention(q, cache.data, jnp.asarray(slots), scale=0.05,
+                                            kv_lora_rank=L, num_splits=3, block_k=16, interpret=True)
+    o_ref, lse_ref = backends.REFERENCE.sparse_attention(q, cache, jnp.asarray(slots), scale=0.05,
+                                                         kv_lora_rank=L)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), rtol=1e-5, atol=1e-5)
+    assert np.isneginf(np.asarray(lse)[3]).all() and (np.asarray(o)[3] == 0).all()
+
+  @pytest.mark.parametrize("change,message", [
+      (lambda a: {**a, "q": a["q"][0]}, "want q"),
+      (lambda a: {**a, "slots": a["slots"][:1]}, "want q"),
+      (lambda a: {**a, "kv_lora_rank": 96}, "powers of two"),
+      (lambda a: {**a, "q": a["q"].astype(jnp.int8)}, "q dtype"),
+      (lambda a: {**a, "slots": a["slots"].astype(jnp.int16)}, "int32"),
+      (lambda a: {**a, "kv_cache": a["kv_cache"][..., :-16]}, "kv_cache"),
+      (lambda a: {**a, "kv_cache": a["kv_cache"].astype(jnp.int8)}, "cache dtype"),
+      (lambda a: {**a, "kv_cache": a["kv_cache"].astype(jnp.float8_e4m3fn)}, "needs k_scale"),
+      (lambda a: {**a, "block_k": 24}, "block_k"),
+      (lambda a: {**a, "block_h": 8}, "block_h"),
+      (lambda a: {**a, "num_splits": 0}, "num_splits"),
+  ])
+  def test_bad_input_raises(self, change, message):
+    args = dict(q=jnp.zeros((2, 16, L + R), jnp.bfloat16),
+                kv_cache=jnp.zeros((4, 16, L + R), jnp.bfloat16), slots=jnp.zeros((2, 8), jnp.int32),
+                kv_lora_rank=L)
+    with pytest.raises(ValueError, match=message):
+      pallas_sparse.sparse_attention(**change(args), scale=0.1, interpret=True)
+
+  def test_bad_ds_mla_layout_raises(self):
+    q, slots = jnp.zeros((2, 16, L + R), jnp.bfloat16), jnp.zeros((2, 8), jnp.int32)
+    nope = jnp.zeros((4, 16, L), jnp.float8_e4m3fn)
+    rope = jnp.zeros((4, 16, R), jnp.bfloat16)
+    with pytest.raises(ValueError, match="tile_scales"):
+      pallas_sparse.sparse_attention_fp8_ds_mla(q, nope, jnp.zeros((4, 16, 2), jnp.float32), rope,
+                                                slots, scale=0.1, interpret=True)
+
+  def test_fp8_cache_past_int32_offsets_raises(self):
+    q = jax.ShapeDtypeStruct((1, 16, 576), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((2 ** 16, 64, 576), jnp.float8_e4m3fn)
+    slots = jax.ShapeDtypeStruct((1, 64), jnp.int32)
+    with pytest.raises(ValueError, match="int32 offsets"):
+      jax.eval_shape(functools.partial(pallas_sparse.sparse_attention, scale=0.1, k_scale=1.0), q,
+                     cache, slots)
+
+
+class TestPallasTritonIndexer(IndexerContract):
+  backend = "pallas_triton"
+
+  @pytest.mark.parametrize("dtype,widen_fp8", [(jnp.bfloat16, False), (jnp.float8_e4m3fn, True)])
+  def test_chunks_and_steps_match_reference(self, dtype, widen_fp8):
+    # Several programs per row and several steps per program, pages smaller than a step.
+    rng = np.random.default_rng(4)
+    nb, bs, t, mb = 12, 16, 3, 10
+    k_vals = jnp.asarray(rng.standard_normal((nb, bs, 32)), dtype)
+    k_scale = jnp.asarray(rng.uniform(0.5, 2, (nb, bs)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((t, 4, 32)), dtype)
+    w = jnp.asarray(rng.standard_normal((t, 4)), jnp.float32)
+    tables = jnp.asarray(np.stack([rng.permutation(nb)[:mb] for _ in range(t)]), jnp.int32)
+    lens = jnp.asarray([160, 70, 33], jnp.int32)
+    got = pallas_indexer.indexer_logits(q, w, k_vals, k_scale, tables, lens, block_n=16, chunk=64,
+                                        widen_fp8=widen_fp8, interpret=True)
+    want = reference.indexer_logits(q, w, k_vals, k_scale, tables, lens)
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    np.testing.assert_allclose(np.where(np.isinf(want), 0, got), np.where(np.isinf(want), 0, want),
+                               rtol=1e-4, atol=1e-4)
+
+  @pytest.mark.parametrize("change,message", [
+      (lambda a: {**a, "weights": a["weights"][:, :2]}, "want q"),
+      (lambda a: {**a, "q": a["q"][..., :24], "k_values": a["k_values"][..., :24]}, "power of two"),
+      (lambda a: {**a, "q": a["q"].astype(jnp.int8)}, "must be one of"),
+      (lambda a: {**a, "block_tables": a["block_tables"].astype(jnp.int16)}, "int32"),
+      (lambda a: {**a, "block_n": 12}, "block_n"),
+      (lambda a: {**a, "block_n": 64, "chunk": 32}, "must not exceed"),
+  ])
+  def test_bad_input_raises(self, change, message):
+    args = dict(q=jnp.zeros((2, 4, 32), jnp.bfloat16), weights=jnp.zeros((2, 4), jnp.float32),
+                k_values=jnp.zeros((3, 16, 32), jnp.bfloat16), k_scales=jnp.ones((3, 16), jnp.float32),
+                block_tables=jnp.zeros((2, 3), jnp.int32), seq_lens=jnp.ones((2,), jnp.int32))
+    with pytest.raises(ValueError, match=message):
+      pallas_indexer.indexer_logits(**change(args), interpret=True)
+
+  def test_topk_segments_and_overflow_match_reference(self):
+    # Small chunks split rows into several segments that claim candidate places concurrently;
+    # row 1's ties overflow the candidate list (the slow exact path).
+    rng = np.random.default_rng(6)
+    logits = rng.standard_normal((3, 5000)).astype(np.float32)
+    logits[1] = np.round(logits[1])
+    lens = jnp.asarray([5000, 4999, 1300], jnp.int32)
+    got = np.asarray(pallas_topk.topk_positions(jnp.asarray(logits), lens, 100, chunk=256,
+                                                interpret=True))
+    want = np.asarray(reference.topk_positions(jnp.asarray(logits), lens, 100))
+    for i in range(3):
+      g = got[i][got[i] >= 0]
+      assert len(set(g.tolist())) == len(g) == 100 and (g < lens[i]).all()
+      np.testing.assert_array_equal(np.sort(logits[i, g]), np.sort(logits[i, want[i]]))
+
+  def test_group_size(self):
+    # At least 4k strided groups, G a power of two; V3.2 at 128K and 32K context.
+    assert pallas_topk.group_size(131072, 2048) == 16
+    assert pallas_topk.group_size(32768, 2048) == 4
+    assert pallas_topk.group_size(12000, 2048) == 1
+    assert pallas_topk.group_size(300, 64) == 1
+
+  @pytest.mark.parametrize("change,message", [
+      (lambda a: {**a, "logits": a["logits"][0]}, "want logits"),
+      (lambda a: {**a, "logits": a["logits"].astype(jnp.bfloat16)}, "float32"),
+      (lambda a: {**a, "topk": 0}, "topk"),
+      (lambda a: {**a, "chunk": 100}, "chunk"),
+  ])
+  def test_topk_bad_input_raises(self, change, message):
+    args = dict(logits=jnp.zeros((2, 64), jnp.float32), seq_lens=jnp.ones((2,), jnp.int32), topk=8)
+    with pytest.raises(ValueError, match=message):
+      pallas_topk.topk_positions(**change(args), interpret=True)

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gpu_utils import poison_allocator
 from mla_jax import reference
 from mla_jax.backends import get_backend
 from prefill_contract import DK, DV, SCALE, assert_close, cumulative
@@ -21,11 +22,6 @@ CASES = {
 }
 
 
-def _poison_allocator():
-  """Fills and frees a large buffer so that the next allocations start out as NaN."""
-  jax.block_until_ready(jnp.full((1 << 30,), jnp.nan, jnp.float32)).delete()
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_pallas_triton_prefill_matches_reference(case):
   n, causal, len_q, len_k = CASES[case]
@@ -37,7 +33,7 @@ def test_pallas_triton_prefill_matches_reference(case):
   v = jax.random.normal(keys[2], (tk, n, DV), jnp.bfloat16)
   cu_q, cu_k = jnp.asarray(cu_q), jnp.asarray(cu_k)
   prefill = get_backend("pallas_triton").prefill
-  _poison_allocator()
+  poison_allocator()
   o, lse = prefill(q, k, v, cu_q, cu_k, scale=SCALE, causal=causal, max_seqlen_q=max(len_q))
   ref = jax.jit(reference.mha_prefill, static_argnames=("scale", "causal"))
   ref_o, ref_lse = ref(q, k, v, cu_q, cu_k, scale=SCALE, causal=causal)

@@ -1,0 +1,215 @@
+"""DSA (V3.2) kernels: the pallas_triton backend against the jitted XLA reference, on a GPU.
+
+  PYTHONPATH=. python -m benchmarks.bench_sparse [--quick] [--parts ...] [--no-ref] [--out DIR]
+
+Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 128, fp8 keys):
+  sparse   sparse attention, T in {64, 128, 4096}, N in {16, 128}, bf16 and fp8_ds_mla caches.
+           Decode rows (T <= 128) pick 2048 slots each, uniformly from a 1M-token cache (1.2 GB
+           bf16), so gathers do not hit L2; a 4096-row prefill chunk picks from one 32K-token
+           context (one request: rows share rows, and L2 helps). Bytes = T*2048*row bytes (1152
+           bf16, 656 fp8_ds_mla) + q + o, FLOPs = 2*T*N*2048*(576+512).
+  indexer  logits, T in {128, 2048} over 32K and 128K contexts. T=128: one row per request (decode),
+           each sees its whole context; T=2048: one request's last 2048 tokens (causal prefill).
+           Bytes = keys each distinct context holds (132 B a token) + the logits written;
+           FLOPs = 2*64*128 per visible (row, position). A second row times the kernel with
+           widen_fp8 (e4m3 multiplied as bf16: wgmma instead of f16 mma.sync), against the same XLA.
+  topk     top-2048 positions of 128 x 32K, 128 x 128K and 4096 x 32K float32 logits, every
+           position visible. Bytes = one read of the logits + the positions written.
+  step     one layer's DSA decode step: indexer logits + top-k + slots + sparse attention (N=128,
+           fp8_ds_mla latent cache), 128 decode rows at 32K context each.
+Columns: S is the context a row selects from or scores (positions). Two input sets are rotated
+per case. `--quick` (~3 minutes on the H200): T=128 for sparse and indexer, the two 128-row top-k
+cases and the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from benchmarks.common import rates, time_ms, write_results
+from mla_jax import reference
+from mla_jax.backends import REFERENCE, get_backend
+from mla_jax.cache import LatentCache
+from mla_jax.dsa_cache import DSMLACache, IndexerKCache, quantize_indexer_q
+from mla_jax.indexer import SCORE_BYTES_BOUND
+from pallas_kernels import indexer as pallas_indexer
+
+L, R, PAGE, TOPK, H, D = 512, 64, 64, 2048, 64, 128
+SCALE = (128 + R) ** -0.5
+ROW_BYTES = {"bf16": (L + R) * 2, "fp8_ds_mla": L + 4 * L // 128 + 2 * R}
+DECODE_CACHE_TOKENS = 1 << 20
+PREFILL_CONTEXT = 32768
+K_TOKEN_BYTES = D + 4
+
+
+def latent_cache(kind, tokens, key):
+  """A `tokens`-row latent cache of randn/10 rows (bf16 LatentCache or fp8_ds_mla DSMLACache)."""
+  rows = jax.random.normal(key, (tokens, L + R), jnp.float32) / 10
+  if kind == "bf16":
+    return LatentCache(rows.astype(jnp.bfloat16).reshape(-1, PAGE, L + R), jnp.float32(1.0))
+  cache = DSMLACache.allocate(tokens // PAGE, PAGE, L, R)
+  return cache.write(rows[:, :L], rows[:, L:], jnp.arange(tokens, dtype=jnp.int32))
+
+
+def indexer_inputs(t, context, decode, key):
+  """(q e4m3, weights, K values, K scales, block tables, seq lens) for t rows: one request per row
+  when decoding, else one request whose last t tokens are the rows."""
+  requests = t if decode else 1
+  pages = context // PAGE
+  keys = jax.random.split(key, 4)
+  perm = jax.random.permutation(keys[0], requests * pages).astype(jnp.int32)
+  tables = perm.reshape(requests, pages)
+  k = jax.random.normal(keys[1], (requests * context, D), jnp.float32)
+  k_cache = IndexerKCache.allocate(requests * pages, PAGE, D).write(
+      k, jnp.arange(requests * context, dtype=jnp.int32))
+  q, q_scale = quantize_indexer_q(jax.random.normal(keys[2], (t, H, D), jnp.float32))
+  weights = jax.random.normal(keys[3], (t, H), jnp.float32) * (H * D) ** -0.5 * q_scale
+  if decode:
+    lens = jnp.full((t,), context, jnp.int32)
+  else:
+    tables = jnp.broadcast_to(tables, (t, pages))
+    lens = context - t + 1 + jnp.arange(t, dtype=jnp.int32)
+  return q, weights, k_cache.values, k_cache.scales, tables, lens
+
+
+def chunked_reference_indexer(q, weights, k_values, k_scales, tables, lens):
+  """The XLA reference by row chunks, as `mla_jax.indexer.Indexer` calls it (bounded buffers)."""
+  t, span = q.shape[0], tables.shape[1] * PAGE
+  rows = max(1, SCORE_BYTES_BOUND // (H * span * 4))
+  rows = min(t, 1 << (rows.bit_length() - 1))
+  split = lambda a: a.reshape(t // rows, rows, *a.shape[1:])
+  out = lax.map(lambda a: reference.indexer_logits(a[0], a[1], k_values, k_scales, a[2], a[3]),
+                (split(q), split(weights), split(tables), split(lens)))
+  return out.reshape(t, span)
+
+
+def run_sparse(args, t, n, kind, cache):
+  decode = t <= 128
+  span = DECODE_CACHE_TOKENS if decode else PREFILL_CONTEXT
+  sets = []
+  for i in range(2):
+    kq, ks = jax.random.split(jax.random.key(100 + i))
+    # Duplicate picks (a few per row) are harmless here: they only attend to a row twice.
+    sets.append((jax.random.normal(kq, (t, n, L + R), jnp.bfloat16), cache,
+                 jax.random.randint(ks, (t, TOPK), 0, span, jnp.int32)))
+  case_bytes = t * TOPK * ROW_BYTES[kind] + t * n * (L + R + L) * 2
+  flops = 2 * t * n * TOPK * (L + R + L)
+  row = case_row("sparse", t, n=n, context=span, cache=kind)
+  # Caches are arguments, never closed over: jit would embed a closed-over array as a constant.
+  fn = lambda be: jax.jit(functools.partial(be.sparse_attention, scale=SCALE, kv_lora_rank=L))
+  return timed_row(args, row, fn, sets, case_bytes, flops)
+
+
+def run_indexer(args, t, context):
+  decode = t <= 128
+  sets = [indexer_inputs(t, context, decode, jax.random.key(200 + i)) for i in range(2)]
+  lens = sets[0][5]
+  visible = int(lens.sum())
+  distinct_tokens = t * context if decode else context
+  case_bytes = distinct_tokens * K_TOKEN_BYTES + t * context * 4
+  flops = 2 * H * D * visible
+  fn = lambda be: jax.jit(be.indexer_logits if be is not REFERENCE else chunked_reference_indexer)
+  rows = [timed_row(args, case_row("indexer", t, context=context, cache="fp8 x fp8"), fn, sets,
+                    case_bytes, flops)]
+  # The same kernel with the e4m3 inputs multiplied as bf16 (wgmma instead of mma.sync).
+  widened = lambda be: jax.jit(functools.partial(pallas_indexer.indexer_logits, widen_fp8=True,
+                                                 interpret=jax.default_backend() != "gpu"))
+  rows.append(timed_row(args, case_row("indexer", t, context=context, cache="fp8 as bf16"), widened,
+                        sets, case_bytes, flops, xla_ms=rows[0].get("xla ms")))
+  return rows
+
+
+def run_topk(args, t, s):
+  sets = [(jax.random.normal(jax.random.key(300 + i), (t, s), jnp.float32),
+           jnp.full((t,), s, jnp.int32)) for i in range(2)]
+  case_bytes = t * s * 4 + t * TOPK * 4
+  row = case_row("topk", t, context=s)
+  fn = lambda be: jax.jit(lambda x, lens: be.topk(x, lens, TOPK))
+  return timed_row(args, row, fn, sets, case_bytes, None)
+
+
+def run_step(args, t=128, context=32768):
+  """Indexer + top-k + slot mapping + sparse attention of one layer, 128 decode rows."""
+  latent = latent_cache("fp8_ds_mla", t * context, jax.random.key(400))
+  sets = []
+  for i in range(2):
+    q_idx, w, kv, ks, tables, lens = indexer_inputs(t, context, True, jax.random.key(410 + i))
+    q = jax.random.normal(jax.random.key(420 + i), (t, 128, L + R), jnp.bfloat16)
+    sets.append((q_idx, w, kv, ks, tables, lens, q, latent))
+  case_bytes = t * context * K_TOKEN_BYTES + 2 * t * context * 4 + t * TOPK * ROW_BYTES["fp8_ds_mla"]
+  flops = 2 * H * D * t * context + 2 * t * 128 * TOPK * (L + R + L)
+
+  def fn(be):
+    logits_fn = be.indexer_logits if be is not REFERENCE else chunked_reference_indexer
+
+    @jax.jit
+    def step(q_idx, w, kv, ks, tables, lens, q, latent):
+      positions = be.topk(logits_fn(q_idx, w, kv, ks, tables, lens), lens, TOPK)
+      slots = reference.positions_to_slots(positions, tables, PAGE, latent.num_blocks)
+      return be.sparse_attention(q, latent, slots, scale=SCALE, kv_lora_rank=L)
+    return step
+
+  row = case_row("step", t, n=128, context=context, cache="fp8_ds_mla")
+  return timed_row(args, row, fn, sets, case_bytes, flops)
+
+
+def case_row(part, t, *, n="", context="", cache=""):
+  """The leading columns of a result row, the same for every part."""
+  return {"part": part, "T": t, "N": n, "S": context, "cache": cache}
+
+
+def timed_row(args, row, fn, sets, case_bytes, flops, xla_ms=None):
+  """Times fn(pallas_triton backend) and, unless --no-ref or given `xla_ms`, fn(reference) on the
+  rotated sets."""
+  try:
+    row.update(rates(time_ms(fn(get_backend("pallas_triton")), sets, iters=args.iters,
+                             repeats=args.repeats), bytes_moved=case_bytes, flops=flops))
+    if xla_ms is None and not args.no_ref:
+      xla_ms = time_ms(fn(REFERENCE), sets, warmup=1, iters=max(2, args.iters // 4), repeats=3)
+    if xla_ms is not None:
+      row["xla ms"] = xla_ms
+      row["speedup"] = xla_ms / row["ms"]
+  except Exception as e:  # noqa: BLE001  (a case that does not compile or fit: record it, go on)
+    row["error"] = f"{type(e).__name__}: {str(e)[:80]}"
+  print(row, flush=True)
+  return row
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--parts", nargs="+", default=["sparse", "indexer", "topk", "step"],
+                      choices=["sparse", "indexer", "topk", "step"])
+  parser.add_argument("--quick", action="store_true", help="T=128 cases, 128-row top-k, the step")
+  parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference")
+  parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--out", default="benchmarks/out")
+  args = parser.parse_args()
+  sparse_t = [128] if args.quick else [64, 128, 4096]
+  indexer_t = [128] if args.quick else [128, 2048]
+  topk_shapes = [(128, 32768), (128, 131072)] + ([] if args.quick else [(4096, 32768)])
+  rows = []
+  if "sparse" in args.parts:
+    for kind in ("bf16", "fp8_ds_mla"):
+      decode_cache = latent_cache(kind, DECODE_CACHE_TOKENS, jax.random.key(1))
+      for t, n in itertools.product(sparse_t, (16, 128)):
+        rows.append(run_sparse(args, t, n, kind, decode_cache))
+      del decode_cache
+  if "indexer" in args.parts:
+    for t, ctx in itertools.product(indexer_t, (32768, 131072)):
+      rows += run_indexer(args, t, ctx)
+  if "topk" in args.parts:
+    rows += [run_topk(args, t, s) for t, s in topk_shapes]
+  if "step" in args.parts:
+    rows.append(run_step(args))
+  print(write_results(rows, "sparse", args.out))
+
+
+if __name__ == "__main__":
+  main()

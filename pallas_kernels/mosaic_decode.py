@@ -1,0 +1,352 @@
+"""Split-KV latent (MLA) decode for Hopper GPUs, in Pallas lowered through Mosaic GPU.
+
+The contract and semantics of `pallas_kernels.latent_decode.latent_decode` (the Pallas-Triton
+kernel), for bfloat16 q and cache with pages of a multiple of 64 tokens. One program (CTA) per
+(64-head tile, split, token) runs three warpgroups:
+- memory (warpgroup 2): one bulk copy of the token's 64 x 576 query tile, then the split's cache
+  rows 64 tokens per step, one bulk copy of `kv_cache.at[block, rows]` each (the block read from
+  the table per step), into a ring of 2 slots in shared memory;
+- scores (warpgroup 0): S = Q K^T on the tensor cores (wgmma, M = 64 heads, N = 64 tokens,
+  K = 576), the float32 online softmax, and P (bf16) plus the rows' rescale factors handed to
+  warpgroup 1 through shared memory; then O[:, :256] += P V[:, :256];
+- values (warpgroup 1): O[:, 256:] += P V[:, 256:].
+The 64 x 512 float32 accumulator would take 256 registers per thread of one warpgroup, past the 255
+a thread can have: that is why two warpgroups hold it, 256 columns each. Stage 2 merges the splits
+by their log-sum-exps (`merge_splits`). With one split stage 1 writes the final output, and a row's
+result depends only on that row's inputs.
+
+Shared memory: the query tile and the 2 page slots (3 x 72 KB) + P (8 KB) + 64 floats = 224.3 KB of
+the 227 KB a block may have; the output staging (two 64 x 256 tiles, 64 KB each in float32) reuses
+the query and page memory once every step is done.
+
+`interpret=True` (or an `InterpretGPUParams`) runs the same kernel on the CPU through Mosaic GPU's
+interpreter, which simulates the warpgroups, barriers, bulk copies and wgmma, but not registers,
+swizzles or timing.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.latent_decode import default_num_kv_splits, merge_splits, sm_count
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+# Running max before any visible key: finite, so exp2(m_old - m_new) stays 0 or 1, never NaN.
+_M_INIT = -1e30
+_TILE_H = 64  # heads per program: the M of every Hopper wgmma
+_STEP = 64  # cache rows per bulk copy and per step: N of S = Q K^T, K of P V (one swizzle tile)
+_STAGES = 2  # page slots: a third 72 KB slot does not fit beside the query tile
+_VALUE_WGS = 2  # warpgroups sharing the value columns; warpgroup 0 also computes the scores
+# Value columns per P V product: each lands in a fresh 64 x 128 float32 accumulator (64 registers a
+# thread) that is added to the running output (128), which keeps a warpgroup within its 232.
+_CHUNK = 128
+_SWIZZLE = 128  # bytes: the widest swizzle; wgmma operands and bulk copies use the same layout
+_CONSUMER_REGS = 232  # 2 x 232 + 40 (memory warpgroup) registers x 128 threads fit the 64K file
+_MEMORY_REGS = 40
+_MAX_HEAD_DIM = 576  # 3 x 64 rows x D bf16 + P must fit in shared memory
+
+
+def _swizzled(shape, dtype):
+  """A shared-memory buffer in the tiled, 128-byte-swizzled layout that wgmma reads."""
+  elems = _SWIZZLE // jnp.dtype(dtype).itemsize
+  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)),
+                                              plgpu.SwizzleTransform(_SWIZZLE)))
+
+
+def _row_broadcast(x, shape):
+  return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_smem, row_smem,
+                   q_bar, ready, consumed, p_ready, p_free, *, scale, lora, num_splits):
+  # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64); kv_ref [num_blocks, page, D] bf16;
+  # bt_ref [T, max_blocks] int32; len_ref [T] int32; o_ref [T, splits, Np, L]; lse_ref
+  # [T, splits, Np] f32. SMEM: buffers = union of (q_smem [64, D], kv_smem [STAGES, 64, D]) bf16,
+  # live while the steps run, and (o_smem [2, 64, L/2] o dtype, lse_smem [64] f32), live after;
+  # p_smem [64, 64] bf16 (this step's P); row_smem [64] f32 (this step's rescale factors, then l).
+  # Barriers: q_bar (query tile landed); ready [STAGES] (slot landed); consumed [STAGES] (both
+  # value warpgroups done with the slot); p_ready (P and row_smem written); p_free (warpgroup 1
+  # done reading them).
+  (q_smem, kv_smem), (o_smem, lse_smem) = buffers
+  h, split, t = lax.axis_index("heads"), lax.axis_index("splits"), lax.axis_index("tokens")
+  wg = lax.axis_index("wg")
+  num_blocks, page, _ = kv_ref.shape
+  max_blocks = bt_ref.shape[1]
+  steps_per_page = page // _STEP
+  half = lora // _VALUE_WGS
+  qk_scale = scale * _LOG2E  # log2(e) folded in: the softmax runs on exp2
+
+  length = jnp.minimum(jnp.maximum(len_ref[t], 0), max_blocks * page)
+  num_steps = lax.div(length + (_STEP - 1), _STEP)
+  per_split = lax.div(num_steps + (num_splits - 1), num_splits)
+  first = split * per_split
+  # Steps of this program; every warpgroup derives the same count, so their barrier phases agree.
+  n = jnp.maximum(jnp.minimum(first + per_split, num_steps) - first, 0)
+
+  def step_source(i):
+    """(block, first row in it, rows that count) of step i; a bad table entry counts no rows."""
+    step = first + i
+    block = bt_ref[t, lax.div(step, steps_per_page)]
+    block_ok = (block >= 0) & (block < num_blocks)
+    rows = jnp.minimum(jnp.maximum(length - step * _STEP, 0), _STEP)
+    return (jnp.where(block_ok, block, 0), lax.rem(step, steps_per_page) * _STEP,
+            jnp.where(block_ok, rows, 0))
+
+  def zero_acc():
+    return tuple(plgpu.layout_cast(jnp.zeros((_TILE_H, _CHUNK), jnp.float32), plgpu.Layout.WGMMA)
+                 for _ in range(half // _CHUNK))
+
+  def accumulate_values(acc, alpha, slot, w):
+    """acc * alpha + P V over warpgroup w's value columns, one _CHUNK-wide product at a time.
+
+    Each product goes to a fresh accumulator: Mosaic GPU's interpreter (jax 0.11.2) runs wgmma
+    only into run_scoped accumulators (not pl.run_state or stores to one), and the add costs what
+    rescaling an in-place accumulator would.
+    """
+    out = []
+    for c, part in enumerate(acc):
+      values = kv_smem.at[slot, :, pl.ds(w * half + c * _CHUNK, _CHUNK)]  # [64 rows, _CHUNK]
+
+      def product(acc_ref, values=values):  # acc_ref [64, _CHUNK] f32
+        plgpu.wgmma(acc_ref, p_smem, values)
+        return acc_ref[...]
+
+      pv = pl.run_scoped(product, plgpu.ACC((_TILE_H, _CHUNK), jnp.float32))
+      out.append(part * _row_broadcast(alpha, part.shape) + pv)
+    return tuple(out)
+
+  def zero_rows(slot, rows):
+    """Zeroes the slot's rows from `rows` on: rows past the length or behind a bad table entry may
+    hold NaN, and P = 0 there would still give 0 * NaN = NaN in P V."""
+    row_ids = plgpu.broadcasted_iota(jnp.int32, (_STEP, 64), 0, layout=plgpu.Layout.WGMMA)
+    for c in range(kv_smem.shape[-1] // 64):
+      cols = kv_smem.at[slot, :, pl.ds(c * 64, 64)]  # [64 rows, 64]
+      cols[...] = jnp.where(row_ids < rows, cols[...], 0)
+    plgpu.commit_smem()  # these plain stores are read next by wgmma (the async proxy)
+
+  def write_output(acc, l, w):
+    """Normalizes warpgroup w's columns and copies them out; rows that saw nothing give 0."""
+    inv = 1.0 / jnp.where(l > 0, l, 1.0)
+    for c, part in enumerate(acc):
+      o_smem[w, :, pl.ds(c * _CHUNK, _CHUNK)] = (
+          part * _row_broadcast(inv, part.shape)).astype(o_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem.at[w],
+                            o_ref.at[t, split, pl.ds(h * _TILE_H, _TILE_H), pl.ds(w * half, half)])
+
+  @pl.when(wg == 0)
+  def _scores():
+    plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+
+    @pl.when(n > 0)
+    def _():
+      plgpu.barrier_wait(q_bar)
+
+    def step(i, carry):
+      m, l, acc = carry
+      slot = lax.rem(i, _STAGES)
+      _, _, rows = step_source(i)
+      plgpu.barrier_wait(ready.at[slot])
+      # Only the last page of a row (and a bad table entry) has rows that do not count.
+      pl.when(rows < _STEP)(functools.partial(zero_rows, slot, rows))
+
+      def scores(acc_ref):  # acc_ref [64 heads, 64 rows] f32
+        plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
+        return acc_ref[...]
+
+      s = pl.run_scoped(scores, plgpu.ACC((_TILE_H, _STEP), jnp.float32))
+      # Made in the step, not carried: a 64 x 64 int32 iota is 32 registers a thread.
+      cols = plgpu.broadcasted_iota(jnp.int32, (_TILE_H, _STEP), 1, layout=plgpu.Layout.WGMMA)
+      s = jnp.where(cols < rows, s * qk_scale, -jnp.inf)
+      m_new = jnp.maximum(m, s.max(axis=1))
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(s - _row_broadcast(m_new, s.shape))
+      l = l * alpha + p.sum(axis=1)
+
+      @pl.when(i > 0)
+      def _():
+        plgpu.barrier_wait(p_free)  # warpgroup 1 is done with the previous P
+
+      p_smem[...] = p.astype(p_smem.dtype)
+      row_smem[...] = alpha
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(p_ready)
+      acc = accumulate_values(acc, alpha, slot, 0)
+      plgpu.barrier_arrive(consumed.at[slot])
+      return m_new, l, acc
+
+    rows_layout = plgpu.Layout.WGMMA.reduce(1)
+    init = (plgpu.layout_cast(jnp.full((_TILE_H,), _M_INIT, jnp.float32), rows_layout),
+            plgpu.layout_cast(jnp.zeros((_TILE_H,), jnp.float32), rows_layout), zero_acc())
+    m, l, acc = lax.fori_loop(0, n, step, init)
+
+    # Hand l to warpgroup 1. Once it has read the last P, every step of both warpgroups is done and
+    # the query and page memory is free for the output staging.
+    @pl.when(n > 0)
+    def _():
+      plgpu.barrier_wait(p_free)
+
+    row_smem[...] = l
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(p_ready)
+    write_output(acc, l, 0)
+    seen = l > 0
+    lse_smem[...] = jnp.where(seen, m * _LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[t, split, pl.ds(h * _TILE_H, _TILE_H)])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 1)
+  def _values():
+    plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+    rows_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def step(i, acc):
+      slot = lax.rem(i, _STAGES)
+      # p_ready already comes after warpgroup 0 saw the slot land; waiting on the copy's own
+      # barrier as well is the documented way for its bytes to be visible to this wgmma.
+      plgpu.barrier_wait(ready.at[slot])
+      plgpu.barrier_wait(p_ready)
+      alpha = plgpu.load(row_smem, layout=rows_layout)
+      acc = accumulate_values(acc, alpha, slot, 1)
+      plgpu.barrier_arrive(p_free)
+      plgpu.barrier_arrive(consumed.at[slot])
+      return acc
+
+    acc = lax.fori_loop(0, n, step, zero_acc())
+    plgpu.barrier_wait(p_ready)
+    write_output(acc, plgpu.load(row_smem, layout=rows_layout), 1)
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == _VALUE_WGS)
+  def _memory():
+    plgpu.set_max_registers(_MEMORY_REGS, action="decrease")
+
+    @pl.when(n > 0)
+    def _():
+      plgpu.copy_gmem_to_smem(q_ref.at[t, pl.ds(h * _TILE_H, _TILE_H)], q_smem, q_bar)
+
+    def fetch(i, slot):
+      block, offset, _ = step_source(i)
+      plgpu.copy_gmem_to_smem(kv_ref.at[block, pl.ds(offset, _STEP)], kv_smem.at[slot],
+                              ready.at[slot])
+
+    for i in range(_STAGES):
+      pl.when(i < n)(functools.partial(fetch, i, i))
+
+    @pl.loop(_STAGES, n)
+    def _(i):
+      slot = lax.rem(i, _STAGES)
+      plgpu.barrier_wait(consumed.at[slot])
+      fetch(i, slot)
+
+    # Sees the last uses of the slots out too: a warpgroup that waits on some phases of a barrier
+    # waits on all of them (the interpreter checks this when the barriers are freed).
+    @pl.loop(jnp.maximum(n - _STAGES, 0), n)
+    def _(i):
+      plgpu.barrier_wait(consumed.at[lax.rem(i, _STAGES)])
+
+
+def num_kv_splits_for(num_tokens: int, num_heads: int, max_len: int) -> int:
+  """The split count `latent_decode` picks when num_kv_splits is None (Triton kernel's rule)."""
+  return default_num_kv_splits(num_tokens, pl.cdiv(num_heads, _TILE_H), max_len, sm_count())
+
+
+def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits):
+  if q.ndim != 3 or kv_cache.ndim != 3 or block_tables.ndim != 2 or seq_lens.ndim != 1:
+    raise ValueError(f"want q [T, N, D], kv_cache [num_blocks, page, D], block_tables [T, max_blocks], "
+                     f"seq_lens [T]; got {q.shape}, {kv_cache.shape}, {block_tables.shape}, "
+                     f"{seq_lens.shape}")
+  t, _, d = q.shape
+  page = kv_cache.shape[1]
+  if block_tables.shape[0] != t or seq_lens.shape[0] != t:
+    raise ValueError(f"block_tables and seq_lens need one row per query token ({t}); got "
+                     f"{block_tables.shape[0]} and {seq_lens.shape[0]}")
+  if kv_cache.shape[2] != d:
+    raise ValueError(f"q head dim {d} != cache row width {kv_cache.shape[2]}")
+  if not (kv_lora_rank % (_VALUE_WGS * _CHUNK) == 0 and kv_lora_rank <= d <= _MAX_HEAD_DIM
+          and d % 64 == 0):
+    raise ValueError(f"head dim {d} must be kv_lora_rank ({kv_lora_rank}, a multiple of "
+                     f"{_VALUE_WGS * _CHUNK}) + a rope dim, a multiple of 64 and at most "
+                     f"{_MAX_HEAD_DIM} (the query tile and 2 pages fill shared memory)")
+  if page % _STEP:
+    raise ValueError(f"page size must be a multiple of {_STEP} (the bulk copy and wgmma tile), "
+                     f"got {page}")
+  if q.dtype != jnp.bfloat16 or kv_cache.dtype != jnp.bfloat16:
+    raise ValueError(f"q and cache must be bfloat16, got {q.dtype.name} and {kv_cache.dtype.name}")
+  if block_tables.dtype != jnp.int32 or seq_lens.dtype != jnp.int32:
+    raise ValueError(f"block_tables and seq_lens must be int32, got {block_tables.dtype.name} and "
+                     f"{seq_lens.dtype.name}")
+  if k_scale is not None:
+    raise ValueError("k_scale is for float8 caches, which this kernel does not read")
+  if num_kv_splits is not None and num_kv_splits < 1:
+    raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits", "interpret"))
+def latent_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank=512, k_scale=None,
+                  num_kv_splits=None, interpret=False):
+  """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
+
+  q [T, N, L+R] bf16 (any N: heads are padded to tiles of 64); kv_cache [num_blocks, page, L+R]
+  bf16, page a multiple of 64; block_tables [T, max_blocks] int32 (the row's request's table; -1 or
+  out-of-range entries are masked); seq_lens [T] int32 (0 gives o = 0, lse = -inf). k_scale must be
+  None (no float8 cache). num_kv_splits=None picks a split count from static shapes; 1 makes each
+  row's result independent of the batch. interpret: True or a `plgpu.InterpretGPUParams` runs
+  Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and lse [T, N] float32 (natural log).
+  """
+  _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits)
+  t, n, d = q.shape
+  page = kv_cache.shape[1]
+  head_tiles = pl.cdiv(n, _TILE_H)
+  splits = num_kv_splits or num_kv_splits_for(t, n, block_tables.shape[1] * page)
+  np_ = head_tiles * _TILE_H
+  if np_ != n:
+    q = jnp.pad(q, ((0, 0), (0, np_ - n), (0, 0)))  # zero heads: finite scores, sliced off below
+  out_dtype = q.dtype if splits == 1 else jnp.float32
+  if interpret is True:
+    interpret = plgpu.InterpretGPUParams()
+
+  kernel = functools.partial(_decode_kernel, scale=scale, lora=kv_lora_rank, num_splits=splits)
+  o_parts, lse_parts = plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct((t, splits, np_, kv_lora_rank), out_dtype),
+                jax.ShapeDtypeStruct((t, splits, np_), jnp.float32)),
+      scratch_types=(
+          plgpu.RefUnion(
+              (_swizzled((_TILE_H, d), q.dtype), _swizzled((_STAGES, _STEP, d), kv_cache.dtype)),
+              (_swizzled((_VALUE_WGS, _TILE_H, kv_lora_rank // _VALUE_WGS), out_dtype),
+               plgpu.SMEM((_TILE_H,), jnp.float32))),
+          _swizzled((_TILE_H, _STEP), q.dtype),
+          plgpu.SMEM((_TILE_H,), jnp.float32),
+          plgpu.Barrier(),
+          plgpu.Barrier(num_barriers=_STAGES),
+          plgpu.Barrier(num_arrivals=_VALUE_WGS, num_barriers=_STAGES),
+          plgpu.Barrier(),
+          plgpu.Barrier(),
+      ),
+      # Head tiles vary fastest so the programs reading the same pages run together and share L2.
+      grid=(head_tiles, splits, t),
+      grid_names=("heads", "splits", "tokens"),
+      num_threads=_VALUE_WGS + 1,
+      thread_name="wg",
+      # Row reductions of the WGMMA layout stay within a warp (shuffles), so the cross-warp
+      # reduction scratch (2 KB by default) is not needed, and it would not fit.
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+      interpret=interpret or None,
+      kernel_name=f"mosaic_latent_decode_p{page}_s{splits}",
+  )(q, kv_cache, block_tables, seq_lens)
+
+  if splits == 1:
+    o, lse = o_parts[:, 0], lse_parts[:, 0]
+  else:
+    o, lse = merge_splits(o_parts, lse_parts, q.dtype)
+  return o[:, :n], lse[:, :n]

@@ -1,0 +1,151 @@
+"""The Pallas-Triton DSA kernels at V3.2 sizes on a GPU, against the XLA reference run there.
+
+Sparse attention (T=128, top-k 2048 over a 32K-token cache), indexer logits (128 rows over 32K
+context) and top-k (128 x 32768, k=2048). Cache rows and pages that nothing may read hold NaN, and
+the allocator is poisoned before every kernel call, so a stray read or an unwritten output shows.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gpu_utils import poison_allocator
+from mla_jax import backends, reference
+from mla_jax.cache import LatentCache
+from mla_jax.dsa_cache import DSMLACache, IndexerKCache, quantize_indexer_q
+from sparse_contract import cosine_diff
+
+pytestmark = pytest.mark.gpu
+
+L, R, PAGE, TOPK = 512, 64, 64, 2048
+SCALE = 192 ** -0.5
+CACHE_TOKENS = 32768
+
+
+def selected_slots(seed, t):
+  """[t, TOPK] int32: distinct slots of the first 3/4 of the cache per row (the last quarter is
+  never selected), ~10% -1 and a few past the cache; row 0 selects nothing, row 1 a single slot."""
+  rng = np.random.default_rng(seed)
+  live = 3 * CACHE_TOKENS // 4
+  slots = np.stack([rng.permutation(live)[:TOPK] for _ in range(t)]).astype(np.int32)
+  drop = rng.random(slots.shape)
+  slots[drop < 0.1] = -1
+  slots[drop > 0.995] = CACHE_TOKENS + 5
+  slots[0] = -1
+  slots[1, 1:] = -1
+  return slots
+
+
+def unselected(slots):
+  rows = np.ones(CACHE_TOKENS, bool)
+  rows[slots[(slots >= 0) & (slots < CACHE_TOKENS)]] = False
+  return jnp.asarray(rows.reshape(CACHE_TOKENS // PAGE, PAGE))
+
+
+def sparse_case(seed, n, kind):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  slots = selected_slots(seed, 128)
+  poison = unselected(slots)[..., None]
+  nb = CACHE_TOKENS // PAGE
+  kv = jax.random.normal(keys[0], (nb, PAGE, L + R), jnp.float32) / 10
+  if kind == "bf16":
+    cache = LatentCache(jnp.where(poison, jnp.nan, kv).astype(jnp.bfloat16), jnp.float32(1.0))
+  else:
+    flat = kv.reshape(-1, L + R)
+    c = DSMLACache.allocate(nb, PAGE, L, R).write(flat[:, :L], flat[:, L:],
+                                                    jnp.arange(CACHE_TOKENS, dtype=jnp.int32))
+    cache = DSMLACache(jnp.where(poison, jnp.nan, c.nope.astype(jnp.float32)).astype(c.nope.dtype),
+                       jnp.where(poison, jnp.nan, c.tile_scales),
+                       jnp.where(poison, jnp.nan, c.rope.astype(jnp.float32)).astype(jnp.bfloat16))
+  q = jax.random.normal(keys[1], (128, n, L + R), jnp.float32).astype(jnp.bfloat16)
+  return q, cache, jnp.asarray(slots)
+
+
+@pytest.mark.parametrize("n", [128, 16])
+@pytest.mark.parametrize("kind", ["bf16", "fp8_ds_mla"])
+def test_sparse_attention_matches_reference(n, kind):
+  q, cache, slots = sparse_case(n + len(kind), n, kind)
+  ref = jax.jit(backends.REFERENCE.sparse_attention, static_argnames=("scale", "kv_lora_rank"))
+  ref_o, ref_lse = (np.asarray(a, np.float64)
+                    for a in ref(q, cache, slots, scale=SCALE, kv_lora_rank=L))
+  poison_allocator()
+  o, lse = backends.get_backend("pallas_triton").sparse_attention(q, cache, slots, scale=SCALE,
+                                                                  kv_lora_rank=L)
+  assert o.dtype == q.dtype and lse.dtype == jnp.float32
+  o, lse = np.asarray(o.astype(jnp.float32), np.float64), np.asarray(lse, np.float64)
+  assert not np.isnan(o).any() and not np.isnan(lse).any(), "NaN in the outputs (unwritten or leaked)"
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+  assert np.isneginf(lse[0]).all() and (o[0] == 0).all()  # the row that selects nothing
+  seen = np.isfinite(ref_lse)
+  if kind == "bf16":  # SPEC 8, sparse: cosine < 1e-5, then per element abs 1e-3 or rel 2/128
+    assert cosine_diff(o, ref_o) < 1e-5 and cosine_diff(lse[seen], ref_lse[seen]) < 1e-5
+    for got, want in ((o, ref_o), (lse[seen], ref_lse[seen])):
+      err = np.abs(got - want)
+      bad = (err > 1e-3) & (err > 2 / 128 * np.abs(want))
+      assert not bad.any(), f"{bad.sum()} elements off; worst abs error {err.max():.3g}"
+  else:  # vLLM's fp8 backend test, against the reference on the same DSMLACache
+    np.testing.assert_allclose(o, ref_o, rtol=0.065, atol=0.05)
+    np.testing.assert_allclose(lse[seen], ref_lse[seen], rtol=0.065, atol=0.05)
+
+
+def test_indexer_logits_fp8_match_reference():
+  """128 rows of 16 requests (8 each, like speculative decode) over 32K-token contexts."""
+  h, d, requests, per_req = 64, 128, 16, 8
+  rng = np.random.default_rng(0)
+  pages = CACHE_TOKENS // PAGE
+  nb = requests * pages + 8
+  perm = rng.permutation(nb).astype(np.int32)
+  tables = perm[:requests * pages].reshape(requests, pages)
+  req_lens = rng.integers(1, CACHE_TOKENS + 1, requests)
+  req_lens[0], req_lens[1] = CACHE_TOKENS, 1
+  # Table entries past a request's pages: -1 or a spare (NaN) page, neither inside the window.
+  for r, n_tok in enumerate(req_lens):
+    used = -(-n_tok // PAGE)
+    tables[r, used:] = np.where(rng.random(pages - used) < 0.5, -1, perm[-1])
+  row_tables = np.repeat(tables, per_req, axis=0)
+  lens = np.concatenate([np.maximum(n - per_req + 1 + np.arange(per_req), 0) for n in req_lens])
+  lens[5] = 0
+  visible = np.zeros((nb, PAGE), bool)
+  for r, n_tok in enumerate(req_lens):
+    for p in range(-(-n_tok // PAGE)):
+      visible[tables[r, p], :min(PAGE, n_tok - p * PAGE)] = True
+  keys = jax.random.split(jax.random.key(1), 3)
+  k = jax.random.normal(keys[0], (nb * PAGE, d), jnp.float32)
+  k_cache = IndexerKCache.allocate(nb, PAGE, d).write(k, jnp.arange(nb * PAGE, dtype=jnp.int32))
+  visible = jnp.asarray(visible)
+  k_values = jnp.where(visible[..., None], k_cache.values.astype(jnp.float32), jnp.nan)
+  k_values = k_values.astype(jnp.float8_e4m3fn)
+  k_scales = jnp.where(visible, k_cache.scales, jnp.nan)
+  q, q_scale = quantize_indexer_q(jax.random.normal(keys[1], (requests * per_req, h, d), jnp.float32))
+  weights = jax.random.normal(keys[2], (requests * per_req, h), jnp.float32) * q_scale / (h * d) ** 0.5
+  args = (q, weights, k_values, k_scales, jnp.asarray(row_tables), jnp.asarray(lens, jnp.int32))
+  want = np.asarray(jax.jit(reference.indexer_logits)(*args))
+  poison_allocator()
+  got = np.asarray(backends.get_backend("pallas_triton").indexer_logits(*args))
+  assert not np.isnan(got).any()
+  np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+  fin = np.isfinite(want)
+  assert cosine_diff(got[fin], want[fin]) < 1e-3
+  for i in np.flatnonzero(fin.any(axis=1)):
+    assert cosine_diff(got[i][fin[i]], want[i][fin[i]]) < 1e-3, i
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties"])
+def test_topk_sets_match_lax_top_k(kind):
+  t, s = 128, 32768
+  x = jax.random.normal(jax.random.key(2), (t, s), jnp.float32)
+  if kind == "ties":  # a few values only: the candidate list overflows on some rows
+    x = jnp.round(x * 4) / 4
+  lens = jnp.asarray(np.random.default_rng(3).integers(0, s + 1, t), jnp.int32).at[:4].set(
+      jnp.asarray([s, 0, 1, TOPK], jnp.int32))
+  want = np.asarray(jax.jit(reference.topk_positions, static_argnums=2)(x, lens, TOPK))
+  poison_allocator()
+  got = np.asarray(backends.get_backend("pallas_triton").topk(x, lens, TOPK))
+  xs = np.asarray(x)
+  for i in range(t):
+    g, w = got[i][got[i] >= 0], want[i][want[i] >= 0]
+    assert (got[i][len(g):] == -1).all() and len(set(g.tolist())) == len(g), i
+    assert len(g) == len(w) and (g < lens[i]).all(), i
+    # Sets equal up to ties: the selected values, sorted, are the same.
+    np.testing.assert_array_equal(np.sort(xs[i, g]), np.sort(xs[i, w]))
