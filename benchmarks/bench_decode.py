@@ -93,7 +93,7 @@ def run_case(args, batch, heads, seq, dtype_name):
       rows += [variant(mosaic, num_kv_splits=k) for k in (1, 2, 4, 8, 16)]
     return rows
 
-  block_h, block_n, warps, stages = kernel.tuned_config(heads, args.page, dtype_name == "fp8")
+  block_h, block_n, warps, stages = kernel.tuned_config(heads, args.page, kernel.operand_kind(jnp.bfloat16, dtype))
   splits = kernel.default_num_kv_splits(batch, -(-heads // block_h), seq, kernel.sm_count())
   row = {**base, "config": f"h{block_h} n{block_n} w{warps} s{stages} k{splits}"}
   try:

@@ -30,18 +30,22 @@ _H200_SMS = 132
 _Q_DTYPES = ("bfloat16", "float16", "float32")
 _CACHE_DTYPES = _Q_DTYPES + ("float8_e4m3fn",)
 
-# (block_h, block_n, num_warps, num_stages) by (largest head count it is for, page size, fp8 cache);
-# the first row whose head count covers N wins, the last row per page and dtype takes the rest.
+# (block_h, block_n, num_warps, num_stages) by (largest head count it is for, page size, operand
+# kind: "16bit", "fp8" cache, or "32bit" (float32 q or cache)); the first row whose head count covers
+# N wins, the last row per page and kind takes the rest.
 # block_n is the cache tokens per inner step (at most the page). Chosen on an H200 at B=128, S=8192,
 # page 64; the sweeps behind each row are in benchmarks/RESULTS.md ("Latent decode (pallas_triton)").
 _TUNING = (
-    (16, 64, False, (16, 64, 4, 2)),  # N=16: 0.33 ms, 3.6 TB/s; 8 warps or 3 stages >= 6% slower
-    (32, 64, False, (32, 64, 4, 2)),  # not swept at N=32: the best block_h 32 row at N=128
-    (None, 64, False, (64, 64, 8, 2)),  # N=128: 1.26-1.29 ms, 230 TFLOP/s; h32 w4 s2 1.40
+    (16, 64, "16bit", (16, 64, 4, 2)),  # N=16: 0.33 ms, 3.6 TB/s; 8 warps or 3 stages >= 6% slower
+    (32, 64, "16bit", (32, 64, 4, 2)),  # not swept at N=32: the best block_h 32 row at N=128
+    (None, 64, "16bit", (64, 64, 8, 2)),  # N=128: 1.26-1.29 ms, 230 TFLOP/s; h32 w4 s2 1.40
     # fp8 rows fit shared memory (the e4m3 tiles are widened to bf16 there: (64, 64, 8, 2) asks for
     # 236 KB of 227 KB) and pass the GPU tests; their speed was not swept.
-    (16, 64, True, (16, 64, 4, 2)),
-    (None, 64, True, (32, 64, 4, 2)),
+    (16, 64, "fp8", (16, 64, 4, 2)),
+    (None, 64, "fp8", (32, 64, 4, 2)),
+    # float32 tiles are twice as wide: (64, 64, 8, 2) asked for 304 KB on the H200 (bench_tp, TP=2
+    # of V3). Half pages and 16 heads: 2 x 74 KB + 37 KB. Correctness only, speed not swept.
+    (None, 64, "32bit", (16, 32, 4, 2)),
 )
 # Pallas-Triton (jax 0.11.2) picks 64-bit offsets only for arrays over 2**32 bytes, but offsets count
 # elements: a 1-byte cache of 2**31 elements or more would overflow int32 and read out of bounds.
@@ -56,11 +60,18 @@ def next_pow2(x: int) -> int:
   return 1 << max(0, x - 1).bit_length()
 
 
-def tuned_config(num_heads: int, page_size: int, fp8: bool = False):
+def operand_kind(q_dtype, cache_dtype) -> str:
+  """The tuning table's operand kind for these dtypes."""
+  if jnp.dtype(q_dtype).itemsize == 4 or jnp.dtype(cache_dtype).itemsize == 4:
+    return "32bit"
+  return "fp8" if jnp.dtype(cache_dtype).name == "float8_e4m3fn" else "16bit"
+
+
+def tuned_config(num_heads: int, page_size: int, kind: str = "16bit"):
   """(block_h, block_n, num_warps, num_stages); pages absent from the table use page 64's rows."""
   page_key = page_size if any(p == page_size for _, p, _, _ in _TUNING) else 64
-  for heads, page, is_fp8, config in _TUNING:
-    if page == page_key and is_fp8 == fp8 and (heads is None or num_heads <= heads):
+  for heads, page, row_kind, config in _TUNING:
+    if page == page_key and row_kind == kind and (heads is None or num_heads <= heads):
       return config
   raise AssertionError("the tuning table ends with a catch-all row per page size")
 
@@ -225,7 +236,7 @@ def latent_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank=51
   t, n, d = q.shape
   _, page, _ = kv_cache.shape
   lora, rope = kv_lora_rank, d - kv_lora_rank
-  cfg_h, cfg_n, cfg_warps, cfg_stages = tuned_config(n, page, kv_cache.dtype.name == "float8_e4m3fn")
+  cfg_h, cfg_n, cfg_warps, cfg_stages = tuned_config(n, page, operand_kind(q.dtype, kv_cache.dtype))
   block_h = block_h or cfg_h
   num_warps = num_warps or cfg_warps
   num_stages = num_stages or cfg_stages
