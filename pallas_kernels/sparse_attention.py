@@ -43,26 +43,30 @@ DS_MLA_TILE = 128  # fp8_ds_mla: one scale per 128 latent values
 # elements: int32 offsets reach 2**31 elements, so a larger 1-byte array would be read out of bounds.
 _MAX_FP8_ELEMENTS = 2 ** 31
 
-# (block_h, block_k, num_warps, num_stages) by (largest head count it is for, fp8 cache); the first
-# row whose head count covers N wins. Not timed yet. bf16: latent decode's H200 configs
+# (block_h, block_k, num_warps, num_stages) by (largest head count it is for, operand kind as in
+# latent_decode.operand_kind); the first row whose head count covers N wins. Not timed yet. bf16: latent decode's H200 configs
 # (benchmarks/RESULTS.md), whose per-step tiles (64 rows x 576 columns, one head block of q) are the
 # ones here. fp8 (e4m3 tiles widened in registers): chosen by compiling for sm_90 with Triton 3.9
 # on a CPU host: 8 warps keep h16/h32 free of register spills (h32 on 4 warps spills 1.3-1.6 KB),
 # and h64 takes wgmma products like bf16's (1 KB of spills there too, 185-190 KB of shared memory).
+# float32: twice the bytes per tile, so the dense decode's 4-byte row (16 heads, 32-row steps: about
+# 184 KB), untimed.
 _TUNING = (
-    (16, False, (16, 64, 4, 2)),
-    (32, False, (32, 64, 4, 2)),
-    (None, False, (64, 64, 8, 2)),
-    (16, True, (16, 64, 8, 2)),
-    (32, True, (32, 64, 8, 2)),
-    (None, True, (64, 64, 8, 2)),
+    (16, "16bit", (16, 64, 4, 2)),
+    (32, "16bit", (32, 64, 4, 2)),
+    (None, "16bit", (64, 64, 8, 2)),
+    (16, "fp8", (16, 64, 8, 2)),
+    (32, "fp8", (32, 64, 8, 2)),
+    (None, "fp8", (64, 64, 8, 2)),
+    (None, "32bit", (16, 32, 4, 2)),
 )
 
 
-def tuned_config(num_heads: int, fp8: bool):
-  """(block_h, block_k, num_warps, num_stages) for N heads and an e4m3 (either layout) cache."""
-  for heads, is_fp8, config in _TUNING:
-    if is_fp8 == fp8 and (heads is None or num_heads <= heads):
+def tuned_config(num_heads: int, kind: str):
+  """(block_h, block_k, num_warps, num_stages) for N heads and an operand kind ("16bit", "fp8" for
+  an e4m3 cache of either layout, "32bit")."""
+  for heads, row_kind, config in _TUNING:
+    if row_kind == kind and (heads is None or num_heads <= heads):
       return config
   raise AssertionError("the tuning table ends with a catch-all row per cache kind")
 
@@ -171,7 +175,8 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, rope_col, tile, fp8, comp
   lora_rope = d - lora
   if t == 0:  # Triton cannot take a zero-sized grid
     return jnp.zeros((0, n, lora), q.dtype), jnp.zeros((0, n), jnp.float32)
-  cfg_h, cfg_k, cfg_warps, cfg_stages = tuned_config(n, fp8)
+  kind = "32bit" if jnp.dtype(compute_dtype).itemsize == 4 else ("fp8" if fp8 else "16bit")
+  cfg_h, cfg_k, cfg_warps, cfg_stages = tuned_config(n, kind)
   block_h = block_h or cfg_h
   # Short slot lists (tests, tiny top-k) take one block of the next power of two >= 16.
   block_k = block_k or min(cfg_k, max(16, 1 << (slots.shape[1] - 1).bit_length()))
