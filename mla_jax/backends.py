@@ -133,16 +133,15 @@ def _pallas_triton_topk(logits, seq_lens, topk):
   return pallas_topk.topk_positions(logits, seq_lens, topk, interpret=jax.default_backend() != "gpu")
 
 
-PALLAS_TRITON = Backend(
+# Cache writes and gathers stay the reference's XLA scatter and gather.
+PALLAS_TRITON = dataclasses.replace(
+    REFERENCE,
     name="pallas_triton",
     decode=_pallas_triton_decode,
     prefill=_pallas_triton_prefill,
-    write_cache=reference.write_latent_cache,
-    gather_cache=reference.gather_latent_cache,
     sparse_attention=_pallas_triton_sparse_attention,
     indexer_logits=_pallas_triton_indexer_logits,
     topk=_pallas_triton_topk,
-    cache_dtypes=_CACHE_DTYPES,
     block_size_multiple=16,
 )
 
@@ -155,14 +154,13 @@ def _pallas_mosaic_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora
       num_kv_splits=num_kv_splits, interpret=jax.default_backend() != "gpu")
 
 
-# The Mosaic GPU (Hopper wgmma) decode kernel; the other functions are pallas_triton's. The decode
-# kernel reads bf16 caches (and bf16 q) with pages of a multiple of 64 tokens only.
+# The Mosaic GPU (Hopper wgmma) decode kernel; the other functions, prefill included until a Mosaic
+# prefill exists, are pallas_triton's. The decode kernel reads bf16 caches (and bf16 q) with pages
+# of a multiple of 64 tokens only.
 PALLAS_MOSAIC = dataclasses.replace(
     PALLAS_TRITON,
     name="pallas_mosaic",
     decode=_pallas_mosaic_decode,
-    # Fallback: Pallas-Triton's prefill, until the Mosaic prefill (the 2nd kernel) exists.
-    prefill=_pallas_triton_prefill,
     cache_dtypes=frozenset({"bfloat16"}),
     block_size_multiple=64,
 )
@@ -175,13 +173,9 @@ BACKENDS: types.MappingProxyType[str, Backend] = types.MappingProxyType({
 
 
 def default_backend_name(platform: str | None = None) -> str:
-  platform = platform or jax.default_backend()
   # pallas_mosaic is chosen only by name until its decode is measured faster than pallas_triton's
   # on the H200 (benchmarks/RESULTS.md, "Latent decode (pallas_mosaic)").
-  for name in ("pallas_triton",):
-    if name in BACKENDS and platform == "gpu":
-      return name
-  return REFERENCE.name
+  return PALLAS_TRITON.name if (platform or jax.default_backend()) == "gpu" else REFERENCE.name
 
 
 def get_backend(name: str | None = None) -> Backend:

@@ -9,6 +9,7 @@ from jax import lax
 from mla_jax.config import MLAConfig
 from mla_jax.dsa_cache import IndexerKCache, quantize_indexer_q
 from mla_jax.metadata import AttentionMetadata
+from mla_jax.nn import linear
 from mla_jax.rope import RotaryEmbedding
 
 # Largest [rows, heads, positions] float32 score block one indexer chunk may build.
@@ -37,14 +38,11 @@ class Indexer(nnx.Module):
     self.config = config
     self.fp8 = fp8
     h, d = c.index_n_heads, c.index_head_dim
-    linear = lambda n_in, n_out: nnx.Linear(n_in, n_out, use_bias=False, dtype=dtype,
-                                            param_dtype=param_dtype, rngs=rngs,
-                                            kernel_init=nnx.initializers.normal(n_in ** -0.5))
-    self.wq_b = linear(c.q_lora_rank, h * d)
-    self.wk = linear(c.hidden_size, d)
+    self.wq_b = linear(c.q_lora_rank, h * d, dtype, param_dtype, rngs)
+    self.wk = linear(c.hidden_size, d, dtype, param_dtype, rngs)
     self.k_norm = nnx.LayerNorm(d, epsilon=1e-6, use_bias=True, dtype=dtype, param_dtype=param_dtype,
                                 rngs=rngs)
-    self.weights_proj = linear(c.hidden_size, h)
+    self.weights_proj = linear(c.hidden_size, h, dtype, param_dtype, rngs)
     self.rotary_emb = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling, neox=True)
 
   def project(self, x, q_c, positions):

@@ -24,7 +24,8 @@ from mla_jax.checkpoint import Checkpoint
 from mla_jax.config import MLAConfig
 from mla_jax.dsa_cache import DSMLACache, IndexerKCache
 from mla_jax.metadata import RequestState, bucket, build_metadata
-from mla_jax.modules import DeepseekV2MLAAttention, _linear
+from mla_jax.modules import DeepseekV2MLAAttention
+from mla_jax.nn import linear
 from mla_jax.weights import Target, attention_targets, linear_target, load_tensors, param_target
 
 
@@ -56,9 +57,9 @@ class MLP(nnx.Module):
   """DeepSeek's dense feed-forward: `down(silu(gate(x)) * up(x))`."""
 
   def __init__(self, hidden: int, intermediate: int, *, dtype, param_dtype, rngs: nnx.Rngs):
-    self.gate_proj = _linear(hidden, intermediate, dtype, param_dtype, rngs)
-    self.up_proj = _linear(hidden, intermediate, dtype, param_dtype, rngs)
-    self.down_proj = _linear(intermediate, hidden, dtype, param_dtype, rngs)
+    self.gate_proj = linear(hidden, intermediate, dtype, param_dtype, rngs)
+    self.up_proj = linear(hidden, intermediate, dtype, param_dtype, rngs)
+    self.down_proj = linear(intermediate, hidden, dtype, param_dtype, rngs)
 
   def __call__(self, x):
     return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -108,7 +109,7 @@ class DeepseekForCausalLM(nnx.Module):
                      indexer_fp8=indexer_fp8, rngs=rngs) for _ in range(config.num_layers)])
     self.norm = nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, dtype=dtype,
                             param_dtype=param_dtype, rngs=rngs)
-    self.lm_head = _linear(c.hidden_size, config.vocab_size, dtype, param_dtype, rngs)
+    self.lm_head = linear(c.hidden_size, config.vocab_size, dtype, param_dtype, rngs)
 
   def __call__(self, tokens, caches: Sequence, md, logit_rows=None):
     """tokens [T] (the rows of `md`), one cache per layer -> (float32 logits [T, vocab], or only

@@ -14,6 +14,7 @@ from mla_jax.cache import DSACache, LatentCache
 from mla_jax.config import MLAConfig
 from mla_jax.indexer import Indexer
 from mla_jax.metadata import AttentionMetadata
+from mla_jax.nn import linear
 from mla_jax.rope import RotaryEmbedding
 
 
@@ -22,11 +23,6 @@ class Projections(NamedTuple):
   kv_c_normed: jax.Array  # [T, L]
   k_pe: jax.Array  # [T, R], RoPE applied
   q_c: jax.Array | None  # [T, Lq] after q_a_layernorm (what the V3.2 indexer reads); None without Lq
-
-
-def _linear(n_in, n_out, dtype, param_dtype, rngs):
-  return nnx.Linear(n_in, n_out, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-                    kernel_init=nnx.initializers.normal(n_in ** -0.5))
 
 
 class DeepseekV2MLAAttention(nnx.Module):
@@ -45,16 +41,16 @@ class DeepseekV2MLAAttention(nnx.Module):
     norm = lambda dim: nnx.RMSNorm(dim, epsilon=c.rms_norm_eps, dtype=dtype, param_dtype=param_dtype,
                                    rngs=rngs)
     if c.q_lora_rank is not None:
-      self.q_a_proj = _linear(c.hidden_size, c.q_lora_rank, dtype, param_dtype, rngs)
+      self.q_a_proj = linear(c.hidden_size, c.q_lora_rank, dtype, param_dtype, rngs)
       self.q_a_layernorm = norm(c.q_lora_rank)
-      self.q_b_proj = _linear(c.q_lora_rank, n * qk, dtype, param_dtype, rngs)
+      self.q_b_proj = linear(c.q_lora_rank, n * qk, dtype, param_dtype, rngs)
     else:
-      self.q_proj = _linear(c.hidden_size, n * qk, dtype, param_dtype, rngs)
-    self.kv_a_proj_with_mqa = _linear(c.hidden_size, c.latent_dim, dtype, param_dtype, rngs)
+      self.q_proj = linear(c.hidden_size, n * qk, dtype, param_dtype, rngs)
+    self.kv_a_proj_with_mqa = linear(c.hidden_size, c.latent_dim, dtype, param_dtype, rngs)
     self.kv_a_layernorm = norm(c.kv_lora_rank)
-    self.kv_b_proj = _linear(c.kv_lora_rank, n * (c.qk_nope_head_dim + c.v_head_dim), dtype,
+    self.kv_b_proj = linear(c.kv_lora_rank, n * (c.qk_nope_head_dim + c.v_head_dim), dtype,
                              param_dtype, rngs)
-    self.o_proj = _linear(n * c.v_head_dim, c.hidden_size, dtype, param_dtype, rngs)
+    self.o_proj = linear(n * c.v_head_dim, c.hidden_size, dtype, param_dtype, rngs)
     self.rotary_emb = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling, neox=False)
     self.mla_attn = MLAAttention(c, backend=backend, dtype=dtype)
     if c.has_indexer:

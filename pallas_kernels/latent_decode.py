@@ -171,19 +171,24 @@ def merge_splits(o_parts, lse_parts, out_dtype):
   return o.astype(out_dtype), jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
 
 
-def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits, block_h,
-           block_n, num_warps, num_stages):
+def check_decode_shapes(q, kv_cache, block_tables, seq_lens):
+  """The decode contract's shapes, shared by every decode kernel; returns (T, D, page)."""
   if q.ndim != 3 or kv_cache.ndim != 3 or block_tables.ndim != 2 or seq_lens.ndim != 1:
     raise ValueError(f"want q [T, N, D], kv_cache [num_blocks, page, D], block_tables [T, max_blocks], "
                      f"seq_lens [T]; got {q.shape}, {kv_cache.shape}, {block_tables.shape}, "
                      f"{seq_lens.shape}")
   t, _, d = q.shape
-  page = kv_cache.shape[1]
   if block_tables.shape[0] != t or seq_lens.shape[0] != t:
     raise ValueError(f"block_tables and seq_lens need one row per query token ({t}); got "
                      f"{block_tables.shape[0]} and {seq_lens.shape[0]}")
   if kv_cache.shape[2] != d:
     raise ValueError(f"q head dim {d} != cache row width {kv_cache.shape[2]}")
+  return t, d, kv_cache.shape[1]
+
+
+def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits, block_h,
+           block_n, num_warps, num_stages):
+  _, d, page = check_decode_shapes(q, kv_cache, block_tables, seq_lens)
   rope = d - kv_lora_rank
   if not (is_pow2(kv_lora_rank) and kv_lora_rank >= 16 and is_pow2(rope) and rope >= 16):
     raise ValueError(f"head dim {d} must be kv_lora_rank ({kv_lora_rank}) + a rope dim ({rope}), "

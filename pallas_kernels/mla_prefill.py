@@ -21,6 +21,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.latent_decode import is_pow2
+
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _DTYPES = ("bfloat16", "float16", "float32")
@@ -42,10 +44,6 @@ def _column_parts(d):
   if len(widths) > 2 or widths[-1] < 16:
     return None
   return tuple(zip((0, widths[0]), widths))
-
-
-def _is_pow2(x):
-  return x >= 16 and x & (x - 1) == 0
 
 
 def _cdiv(a, b):
@@ -142,7 +140,7 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_q, block_k):
     raise ValueError(f"need q [Tq,N,Dk], k [Tk,N,Dk], v [Tk,N,Dv]; got {q.shape}, {k.shape}, {v.shape}")
   if _column_parts(q.shape[2]) is None:
     raise ValueError(f"Dk must be a power of two >= 16 or a sum of two; got {q.shape[2]}")
-  if not _is_pow2(v.shape[2]):
+  if not (is_pow2(v.shape[2]) and v.shape[2] >= 16):
     raise ValueError(f"Dv must be a power of two >= 16; got {v.shape[2]}")
   for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
     if cu.ndim != 1 or cu.shape[0] < 1 or cu.dtype != jnp.int32:
@@ -156,7 +154,7 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_q, block_k):
     raise ValueError("arrays of 2**31 or more elements overflow the kernel's int32 offsets; split "
                      "the call")
   for name, b in (("block_q", block_q), ("block_k", block_k)):
-    if b is not None and not _is_pow2(b):
+    if b is not None and not (is_pow2(b) and b >= 16):
       raise ValueError(f"{name} must be a power of two >= 16; got {b}")
 
 

@@ -35,7 +35,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.latent_decode import default_num_kv_splits, merge_splits, sm_count
+from pallas_kernels.latent_decode import (check_decode_shapes, default_num_kv_splits, merge_splits,
+                                          sm_count)
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -261,17 +262,7 @@ def num_kv_splits_for(num_tokens: int, num_heads: int, max_len: int) -> int:
 
 
 def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits):
-  if q.ndim != 3 or kv_cache.ndim != 3 or block_tables.ndim != 2 or seq_lens.ndim != 1:
-    raise ValueError(f"want q [T, N, D], kv_cache [num_blocks, page, D], block_tables [T, max_blocks], "
-                     f"seq_lens [T]; got {q.shape}, {kv_cache.shape}, {block_tables.shape}, "
-                     f"{seq_lens.shape}")
-  t, _, d = q.shape
-  page = kv_cache.shape[1]
-  if block_tables.shape[0] != t or seq_lens.shape[0] != t:
-    raise ValueError(f"block_tables and seq_lens need one row per query token ({t}); got "
-                     f"{block_tables.shape[0]} and {seq_lens.shape[0]}")
-  if kv_cache.shape[2] != d:
-    raise ValueError(f"q head dim {d} != cache row width {kv_cache.shape[2]}")
+  _, d, page = check_decode_shapes(q, kv_cache, block_tables, seq_lens)
   if not (kv_lora_rank % (_VALUE_WGS * _CHUNK) == 0 and kv_lora_rank <= d <= _MAX_HEAD_DIM
           and d % 64 == 0):
     raise ValueError(f"head dim {d} must be kv_lora_rank ({kv_lora_rank}, a multiple of "
