@@ -1,7 +1,8 @@
-"""MLA prefill (causal, q/k 192, v 128, bf16): the Pallas-Triton kernel against XLA, cuDNN and SDPA.
+"""MLA prefill (causal, q/k 192, v 128, bf16): the Pallas-Triton kernel against XLA, cuDNN and SDPA,
+and the Mosaic GPU kernel (pallas_mosaic) beside it.
 
   PYTHONPATH=. python -m benchmarks.bench_prefill [--tokens ...] [--heads ...] [--batched]
-      [--rivals ...] [--sweep] [--out DIR]
+      [--rivals ...] [--no-mosaic] [--sweep] [--out DIR]
 
 FLOPs count the causal half only: 2 * N * S*S/2 * (192 + 128) per request. Two input sets are
 rotated (each is 4-40x the 60 MB L2). The timed path is the pallas_triton backend's prefill (the
@@ -11,6 +12,9 @@ kernel at its tuned configuration); rivals, each timed as a backend would call i
          back to 128 (cuDNN refuses Dv != Dk), requests as a [B, S] batch of equal lengths;
   sdpa   torch scaled_dot_product_attention (is_causal, bf16) on the same [T, N, D] memory layout,
          timed with CUDA events.
+Mosaic columns: "mosaic ms", "mosaic TFLOP/s", "triton/mosaic" (> 1: Mosaic is faster) and the
+largest difference of its output from the Triton kernel's; a compile or run failure is recorded in
+"mosaic error" and the row goes on.
 `--sweep` times the kernel's (block_q, block_k, num_warps, num_stages) variants instead.
 """
 
@@ -52,8 +56,8 @@ def pallas_fn(seq, **cfg):
                                                 max_seqlen_q=seq, **cfg)
 
 
-def backend_fn(seq):
-  prefill = get_backend("pallas_triton").prefill
+def backend_fn(seq, name="pallas_triton"):
+  prefill = get_backend(name).prefill
   return lambda q, k, v, cu: prefill(q, k, v, cu, cu, scale=SCALE, causal=True, max_seqlen_q=seq)
 
 
@@ -118,6 +122,16 @@ def run_case(args, batch, seq, heads):
 
   ms = {"backend": timed(backend_fn(seq))}
   row = {**base, **rates(ms["backend"], flops=flops)}
+  if not args.no_mosaic:
+    try:  # a first GPU run may not compile: record that and go on
+      mosaic_fn = backend_fn(seq, "pallas_mosaic")
+      outs = [fn(*sets[0])[0].astype(jnp.float32) for fn in (mosaic_fn, backend_fn(seq))]
+      row["mosaic ms"] = timed(mosaic_fn)
+      row["mosaic TFLOP/s"] = flops / row["mosaic ms"] / 1e9
+      row["triton/mosaic"] = ms["backend"] / row["mosaic ms"]
+      row["mosaic vs triton max diff"] = float(jnp.abs(outs[0] - outs[1]).max())
+    except Exception as e:  # noqa: BLE001
+      row["mosaic error"] = f"{type(e).__name__}: {str(e)[:80]}"
   rivals = {"xla": lambda: time_ms(xla_fn(), sets, warmup=1, iters=2, repeats=3),
             "cudnn": lambda: timed(cudnn_fn(batch, seq)),
             "sdpa": lambda: sdpa_ms(sets, batch, seq, args.iters, args.repeats)}
@@ -139,6 +153,7 @@ def main():
   parser.add_argument("--batched", action="store_true", help="also 4 requests of 4096 tokens")
   parser.add_argument("--rivals", nargs="*", default=["xla", "cudnn", "sdpa"],
                       choices=["xla", "cudnn", "sdpa"])
+  parser.add_argument("--no-mosaic", action="store_true", help="skip the Mosaic GPU kernel")
   parser.add_argument("--sweep", action="store_true", help="time kernel variants, no rivals")
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=5)

@@ -32,6 +32,7 @@ from pallas_kernels import indexer as pallas_indexer
 from pallas_kernels import latent_decode as pallas_latent_decode
 from pallas_kernels import mla_prefill as pallas_mla_prefill
 from pallas_kernels import mosaic_decode as pallas_mosaic_decode
+from pallas_kernels import mosaic_prefill as pallas_mosaic_prefill
 from pallas_kernels import sparse_attention as pallas_sparse
 from pallas_kernels import topk as pallas_topk
 
@@ -154,13 +155,20 @@ def _pallas_mosaic_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora
       num_kv_splits=num_kv_splits, interpret=jax.default_backend() != "gpu")
 
 
-# The Mosaic GPU (Hopper wgmma) decode kernel; the other functions, prefill included until a Mosaic
-# prefill exists, are pallas_triton's. The decode kernel reads bf16 caches (and bf16 q) with pages
-# of a multiple of 64 tokens only.
+def _pallas_mosaic_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_seqlen_q):
+  return pallas_mosaic_prefill.mla_prefill(
+      q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal, max_seqlen_q=max_seqlen_q,
+      interpret=jax.default_backend() != "gpu")
+
+
+# The Mosaic GPU (Hopper wgmma) decode and prefill kernels; the other functions are pallas_triton's.
+# The decode kernel reads bf16 caches (and bf16 q) with pages of a multiple of 64 tokens only; the
+# prefill kernel takes bf16 q, k, v only.
 PALLAS_MOSAIC = dataclasses.replace(
     PALLAS_TRITON,
     name="pallas_mosaic",
     decode=_pallas_mosaic_decode,
+    prefill=_pallas_mosaic_prefill,
     cache_dtypes=frozenset({"bfloat16"}),
     block_size_multiple=64,
 )

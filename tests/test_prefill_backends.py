@@ -1,9 +1,12 @@
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mosaic_prefill
 from pallas_kernels.mla_prefill import mla_prefill
 from prefill_contract import DK, DV, SCALE, PrefillContract, assert_close, cumulative
 from oracles import varlen_attention_np
@@ -52,3 +55,88 @@ def test_bad_arguments_raise(change, message):
   call = functools.partial(mla_prefill, scale=SCALE, causal=True, max_seqlen_q=8, interpret=True)
   with pytest.raises(ValueError, match=message):
     call(**args)
+
+
+class TestPallasMosaicPrefill(PrefillContract):
+  """The Mosaic GPU kernel, in Mosaic GPU's interpreter on CPUs. Contract cases of a dtype it does
+  not take (f32) skip, naming why; the cases below cover lengths of several blocks."""
+  backend = "pallas_mosaic"
+
+  def prefill(self, q, *args, **kwargs):
+    if q.dtype.name not in mosaic_prefill.DTYPES:
+      pytest.skip(f"pallas_mosaic's prefill kernel takes {mosaic_prefill.DTYPES} only, got {q.dtype}")
+    return super().prefill(q, *args, **kwargs)
+
+  # Requests starting off a multiple of 8 rows (bulk-copy boxes start aligned), of several 64-key
+  # steps and 128-row blocks, a tile past the end of the arrays, and more blocks than max_seqlen_q
+  # gives programs (each program then takes several).
+  @pytest.mark.parametrize("causal", [True, False])
+  @pytest.mark.parametrize("max_seqlen_q", [None, 64])
+  def test_multi_block(self, causal, max_seqlen_q):
+    rng = np.random.default_rng(11 + causal)
+    len_q, len_k = [200, 70, 0, 130], [260, 70, 5, 130]
+    cu_q, cu_k = cumulative(len_q), cumulative(len_k)
+    q = jnp.asarray(2 * rng.standard_normal((int(cu_q[-1]) + 3, 2, DK)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((int(cu_k[-1]) + 1, 2, DK)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((int(cu_k[-1]) + 1, 2, DV)), jnp.bfloat16)
+    o, lse = mosaic_prefill.mla_prefill(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k), scale=SCALE,
+                                        causal=causal, max_seqlen_q=max_seqlen_q or max(len_q),
+                                        interpret=True)
+    f32 = lambda x: np.asarray(x.astype(jnp.float32))
+    ref_o, ref_lse = varlen_attention_np(f32(q), f32(k), f32(v), cu_q, cu_k, SCALE, causal)
+    magnitude, _ = varlen_attention_np(f32(q), f32(k), np.abs(f32(v)), cu_q, cu_k, SCALE, causal)
+    assert_close(f32(o), ref_o, jnp.bfloat16, magnitude)
+    assert_close(lse, ref_lse, jnp.bfloat16)
+    assert (f32(o[int(cu_q[-1]):]) == 0).all() and (np.asarray(lse[int(cu_q[-1]):]) == -np.inf).all()
+
+  def test_no_races_in_the_interpreter(self):
+    # The race detector sees plain loads and stores and bulk copies (each warpgroup's P, the K/V
+    # ring refills, the output staging), not the operand reads of wgmma. jax 0.11.2 reports it
+    # only through a private module.
+    report = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
+    rng = np.random.default_rng(12)
+    cu_q, cu_k = cumulative([150, 3]), cumulative([170, 3])
+    q = jnp.asarray(rng.standard_normal((160, 1, DK)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((174, 1, DK)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((174, 1, DV)), jnp.bfloat16)
+    o, lse = mosaic_prefill.mla_prefill(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k), scale=SCALE,
+                                        causal=True, max_seqlen_q=64,
+                                        interpret=plgpu.InterpretGPUParams(detect_races=True))
+    jax.block_until_ready(o)
+    assert not report.get_races().races_found
+    f32 = lambda x: np.asarray(x.astype(jnp.float32))
+    ref_o, ref_lse = varlen_attention_np(f32(q), f32(k), f32(v), cu_q, cu_k, SCALE, True)
+    magnitude, _ = varlen_attention_np(f32(q), f32(k), np.abs(f32(v)), cu_q, cu_k, SCALE, True)
+    assert_close(f32(o), ref_o, jnp.bfloat16, magnitude)
+    assert_close(lse, ref_lse, jnp.bfloat16)
+
+  @pytest.mark.parametrize("tokens,n,requests,causal", [(16384, 128, 1, True), (16384, 16, 4, False),
+                                                        (45, 3, 2, True)])
+  def test_lowers_for_hopper(self, tokens, n, requests, causal):
+    # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
+    # shapes and layouts, bulk-copy boxes (8-aligned starts), and the 227 KB shared-memory bound.
+    q = jax.ShapeDtypeStruct((tokens, n, DK), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((tokens, n, DV), jnp.bfloat16)
+    cu = jax.ShapeDtypeStruct((requests + 1,), jnp.int32)
+    traced = mosaic_prefill.mla_prefill.trace(q, q, v, cu, cu, scale=SCALE, causal=causal,
+                                              max_seqlen_q=tokens // requests)
+    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+  @pytest.mark.parametrize("change, message", [
+      (dict(q=jnp.zeros((8, 2, DK), jnp.float32)), "dtype"),
+      (dict(k=jnp.zeros((8, 2, 96), jnp.bfloat16)), "Dk"),
+      (dict(q=jnp.zeros((8, 2, 160), jnp.bfloat16), k=jnp.zeros((8, 2, 160), jnp.bfloat16)),
+       "multiples of 64"),
+      (dict(v=jnp.zeros((8, 2, 320), jnp.bfloat16)), "at most 256"),
+      (dict(q=jnp.zeros((8, 2, 512), jnp.bfloat16), k=jnp.zeros((8, 2, 512), jnp.bfloat16)),
+       "shared memory"),
+      (dict(cu_seqlens_q=jnp.array([0.0, 8.0])), "int32"),
+      (dict(cu_seqlens_k=jnp.array([0, 4, 8], jnp.int32)), "differ in length"),
+  ])
+  def test_bad_arguments_raise(self, change, message):
+    args = dict(q=jnp.zeros((8, 2, DK), jnp.bfloat16), k=jnp.zeros((8, 2, DK), jnp.bfloat16),
+                v=jnp.zeros((8, 2, DV), jnp.bfloat16), cu_seqlens_q=jnp.array([0, 8], jnp.int32),
+                cu_seqlens_k=jnp.array([0, 8], jnp.int32))
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+      mosaic_prefill.mla_prefill(**args, scale=SCALE, causal=True, max_seqlen_q=8, interpret=True)
