@@ -19,6 +19,7 @@ XLA reference).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import types
 from typing import Callable
@@ -100,18 +101,13 @@ REFERENCE = Backend(
 )
 
 
-def _pallas_triton_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank,
-                          k_scale=None, num_kv_splits=None):
-  # Off the GPU the same kernel runs in Pallas interpret mode, so CPU tests exercise it.
-  return pallas_latent_decode.latent_decode(
-      q, kv_cache, block_tables, seq_lens, scale=scale, kv_lora_rank=kv_lora_rank, k_scale=k_scale,
-      num_kv_splits=num_kv_splits, interpret=jax.default_backend() != "gpu")
-
-
-def _pallas_triton_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_seqlen_q):
-  return pallas_mla_prefill.mla_prefill(
-      q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal, max_seqlen_q=max_seqlen_q,
-      interpret=jax.default_backend() != "gpu")
+def _off_gpu_interpreted(kernel):
+  """A kernel's jit entry as a backend function: off the GPU it runs in its interpreter (Pallas
+  interpret mode, Mosaic GPU's interpreter), so CPU tests exercise the same kernel."""
+  @functools.wraps(kernel)
+  def run(*args, **kwargs):
+    return kernel(*args, **kwargs, interpret=jax.default_backend() != "gpu")
+  return run
 
 
 def _pallas_triton_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
@@ -125,40 +121,17 @@ def _pallas_triton_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
                                         k_scale=cache.scale_or_none, interpret=interpret)
 
 
-def _pallas_triton_indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens):
-  return pallas_indexer.indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens,
-                                       interpret=jax.default_backend() != "gpu")
-
-
-def _pallas_triton_topk(logits, seq_lens, topk):
-  return pallas_topk.topk_positions(logits, seq_lens, topk, interpret=jax.default_backend() != "gpu")
-
-
 # Cache writes and gathers stay the reference's XLA scatter and gather.
 PALLAS_TRITON = dataclasses.replace(
     REFERENCE,
     name="pallas_triton",
-    decode=_pallas_triton_decode,
-    prefill=_pallas_triton_prefill,
+    decode=_off_gpu_interpreted(pallas_latent_decode.latent_decode),
+    prefill=_off_gpu_interpreted(pallas_mla_prefill.mla_prefill),
     sparse_attention=_pallas_triton_sparse_attention,
-    indexer_logits=_pallas_triton_indexer_logits,
-    topk=_pallas_triton_topk,
+    indexer_logits=_off_gpu_interpreted(pallas_indexer.indexer_logits),
+    topk=_off_gpu_interpreted(pallas_topk.topk_positions),
     block_size_multiple=16,
 )
-
-
-def _pallas_mosaic_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank,
-                          k_scale=None, num_kv_splits=None):
-  # Off the GPU the same kernel runs in Mosaic GPU's interpreter, so CPU tests exercise it.
-  return pallas_mosaic_decode.latent_decode(
-      q, kv_cache, block_tables, seq_lens, scale=scale, kv_lora_rank=kv_lora_rank, k_scale=k_scale,
-      num_kv_splits=num_kv_splits, interpret=jax.default_backend() != "gpu")
-
-
-def _pallas_mosaic_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_seqlen_q):
-  return pallas_mosaic_prefill.mla_prefill(
-      q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal, max_seqlen_q=max_seqlen_q,
-      interpret=jax.default_backend() != "gpu")
 
 
 # The Mosaic GPU (Hopper wgmma) decode and prefill kernels; the other functions are pallas_triton's.
@@ -167,8 +140,8 @@ def _pallas_mosaic_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal
 PALLAS_MOSAIC = dataclasses.replace(
     PALLAS_TRITON,
     name="pallas_mosaic",
-    decode=_pallas_mosaic_decode,
-    prefill=_pallas_mosaic_prefill,
+    decode=_off_gpu_interpreted(pallas_mosaic_decode.latent_decode),
+    prefill=_off_gpu_interpreted(pallas_mosaic_prefill.mla_prefill),
     cache_dtypes=frozenset({"bfloat16"}),
     block_size_multiple=64,
 )

@@ -131,17 +131,14 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, 
   lax.fori_loop(0, trips, q_block, 0)
 
 
-def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_q, block_k):
+def check_prefill_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dtypes):
+  """The prefill contract's shapes and dtypes, shared by every prefill kernel."""
   if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
     raise ValueError(f"q, k, v must be [T, N, D]; got {q.shape}, {k.shape}, {v.shape}")
-  if not (q.dtype == k.dtype == v.dtype) or q.dtype.name not in _DTYPES:
-    raise ValueError(f"q, k, v must share one dtype of {_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
+  if not (q.dtype == k.dtype == v.dtype) or q.dtype.name not in dtypes:
+    raise ValueError(f"q, k, v must share one dtype of {dtypes}; got {q.dtype}, {k.dtype}, {v.dtype}")
   if k.shape[:2] != v.shape[:2] or q.shape[1] != k.shape[1] or q.shape[2] != k.shape[2]:
     raise ValueError(f"need q [Tq,N,Dk], k [Tk,N,Dk], v [Tk,N,Dv]; got {q.shape}, {k.shape}, {v.shape}")
-  if _column_parts(q.shape[2]) is None:
-    raise ValueError(f"Dk must be a power of two >= 16 or a sum of two; got {q.shape[2]}")
-  if not (is_pow2(v.shape[2]) and v.shape[2] >= 16):
-    raise ValueError(f"Dv must be a power of two >= 16; got {v.shape[2]}")
   for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
     if cu.ndim != 1 or cu.shape[0] < 1 or cu.dtype != jnp.int32:
       raise ValueError(f"{name} must be int32 [R+1]; got {cu.dtype} {cu.shape}")
@@ -153,6 +150,14 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_q, block_k):
   if max(q.size, k.size, v.size) >= 2**31:
     raise ValueError("arrays of 2**31 or more elements overflow the kernel's int32 offsets; split "
                      "the call")
+
+
+def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_q, block_k):
+  check_prefill_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, _DTYPES)
+  if _column_parts(q.shape[2]) is None:
+    raise ValueError(f"Dk must be a power of two >= 16 or a sum of two; got {q.shape[2]}")
+  if not (is_pow2(v.shape[2]) and v.shape[2] >= 16):
+    raise ValueError(f"Dv must be a power of two >= 16; got {v.shape[2]}")
   for name, b in (("block_q", block_q), ("block_k", block_k)):
     if b is not None and not (is_pow2(b) and b >= 16):
       raise ValueError(f"{name} must be a power of two >= 16; got {b}")

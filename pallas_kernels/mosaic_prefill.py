@@ -46,6 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.mla_prefill import check_prefill_args
 from pallas_kernels.mosaic_decode import _row_broadcast, _swizzled
 
 DTYPES = ("bfloat16",)  # what q, k, v may be (the wgmma operands here are 16-bit, f16 untested)
@@ -257,27 +258,11 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
 
 
 def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
-  if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
-    raise ValueError(f"q, k, v must be [T, N, D]; got {q.shape}, {k.shape}, {v.shape}")
-  if not (q.dtype == k.dtype == v.dtype) or q.dtype.name not in DTYPES:
-    raise ValueError(f"q, k, v must share one dtype of {DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
-  if k.shape[:2] != v.shape[:2] or q.shape[1] != k.shape[1] or q.shape[2] != k.shape[2]:
-    raise ValueError(f"need q [Tq,N,Dk], k [Tk,N,Dk], v [Tk,N,Dv]; got {q.shape}, {k.shape}, {v.shape}")
+  check_prefill_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, DTYPES)
   dk, dv = q.shape[2], v.shape[2]
   if dk % 64 or dv % 64 or dv > _MAX_DV or not _stages_for(dk, dv):
     raise ValueError(f"Dk ({dk}) and Dv ({dv}) must be multiples of 64 (the swizzle tile), Dv at "
                      f"most {_MAX_DV}, and 2 stages of 64-key K/V blocks must fit in shared memory")
-  for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-    if cu.ndim != 1 or cu.shape[0] < 1 or cu.dtype != jnp.int32:
-      raise ValueError(f"{name} must be int32 [R+1]; got {cu.dtype} {cu.shape}")
-  if cu_seqlens_q.shape != cu_seqlens_k.shape:
-    raise ValueError(f"cu_seqlens_q and cu_seqlens_k differ in length: {cu_seqlens_q.shape} vs "
-                     f"{cu_seqlens_k.shape}")
-  if not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
-    raise ValueError(f"max_seqlen_q must be a static int >= 0; got {max_seqlen_q!r}")
-  if max(q.size, k.size, v.size) >= 2**31:
-    raise ValueError("arrays of 2**31 or more elements overflow the kernel's int32 offsets; split "
-                     "the call")
 
 
 def _padded_rows(t):
