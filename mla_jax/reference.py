@@ -69,6 +69,19 @@ def _masked_softmax(logits, mask):
   return p, lse
 
 
+def _paged_rows(cache, block_tables, seq_lens):
+  """Each row's pages read through its table: (cache rows [T, MB*BS, ...] float32, visible mask
+  [T, MB*BS]). Masked rows (past the length, -1 or out-of-cache blocks) are zeros, never the
+  cache's contents: unused pages may hold NaN, and 0 * NaN would leak through a product."""
+  nb, bs = cache.shape[:2]
+  t, mb = block_tables.shape
+  block_ok = (block_tables >= 0) & (block_tables < nb)
+  rows = cache[jnp.where(block_ok, block_tables, 0)].reshape(t, mb * bs, *cache.shape[2:])
+  mask = (jnp.arange(mb * bs)[None, :] < seq_lens[:, None]) & jnp.repeat(block_ok, bs, axis=1)
+  mask_rows = mask.reshape(mask.shape + (1,) * (rows.ndim - 2))
+  return jnp.where(mask_rows, rows.astype(jnp.float32), 0.0), mask
+
+
 def latent_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank=512, k_scale=None):
   """Absorbed MQA decode over the paged latent cache, one query row per token.
 
@@ -76,14 +89,8 @@ def latent_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank=51
   seq_lens [T] int32 (tokens this row sees). Returns o [T, N, L] (q.dtype), lse [T, N] float32.
   Values are the first `kv_lora_rank` columns of each cache row.
   """
-  t, _, d = q.shape
-  nb, bs, _ = kv_cache.shape
-  mb = block_tables.shape[1]
-  block_ok = (block_tables >= 0) & (block_tables < nb)
-  k = kv_cache[jnp.where(block_ok, block_tables, 0)].reshape(t, mb * bs, d)
-  mask = (jnp.arange(mb * bs)[None, :] < seq_lens[:, None]) & jnp.repeat(block_ok, bs, axis=1)
-  # Zero what is masked: unused pages may hold NaN and 0 * NaN would leak into o.
-  k = jnp.where(mask[..., None], _dequant(k, k_scale), 0.0)
+  k, mask = _paged_rows(kv_cache, block_tables, seq_lens)
+  k = _dequant(k, k_scale)
   logits = _einsum("TND,TSD->TNS", q.astype(jnp.float32), k) * scale
   p, lse = _masked_softmax(logits, mask[:, None, :])
   o = _einsum("TNS,TSL->TNL", p, k[..., :kv_lora_rank])
@@ -199,15 +206,8 @@ def indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens):
   block_tables [T, MB]; seq_lens [T] (causal window: row t sees positions s < seq_lens[t]).
   Returns logits [T, MB*BS] float32, -inf outside the window and on unreadable blocks.
   """
-  t = q.shape[0]
-  nb, bs, d = k_values.shape
-  mb = block_tables.shape[1]
-  block_ok = (block_tables >= 0) & (block_tables < nb)
-  safe = jnp.where(block_ok, block_tables, 0)
-  k = k_values[safe].astype(jnp.float32) * k_scales[safe][..., None]
-  k = k.reshape(t, mb * bs, d)
-  mask = (jnp.arange(mb * bs)[None, :] < seq_lens[:, None]) & jnp.repeat(block_ok, bs, axis=1)
-  k = jnp.where(mask[..., None], k, 0.0)
+  k, mask = _paged_rows(k_values, block_tables, seq_lens)
+  k = k * _paged_rows(k_scales, block_tables, seq_lens)[0][..., None]
   scores = jax.nn.relu(_einsum("THD,TSD->THS", q.astype(jnp.float32), k))
   logits = _einsum("TH,THS->TS", weights.astype(jnp.float32), scores)
   return jnp.where(mask, logits, -jnp.inf)
