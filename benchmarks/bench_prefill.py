@@ -15,7 +15,8 @@ kernel at its tuned configuration); rivals, each timed as a backend would call i
 Mosaic columns: "mosaic ms", "mosaic TFLOP/s", "triton/mosaic" (> 1: Mosaic is faster) and the
 largest difference of its output from the Triton kernel's; a compile or run failure is recorded in
 "mosaic error" and the row goes on.
-`--sweep` times the kernel's (block_q, block_k, num_warps, num_stages) variants instead.
+`--sweep` times the Triton kernel's (block_q, block_k, num_warps, num_stages) variants and the Mosaic
+kernel's (block_k, num_stages, ping_pong) ones instead.
 """
 
 from __future__ import annotations
@@ -32,10 +33,13 @@ from benchmarks.common import rates, time_ms, write_results
 from mla_jax import reference
 from mla_jax.backends import get_backend
 from pallas_kernels import mla_prefill as kernel
+from pallas_kernels import mosaic_prefill as mosaic_kernel
 
 DK, DV = 192, 128
 SCALE = DK**-0.5
 SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2)]
+# The Mosaic kernel's variants (block_k, num_stages, ping_pong), timed by --sweep unless --no-mosaic.
+MOSAIC_SWEEP = [(128, 2, True), (128, 2, False), (64, 4, True), (64, 3, True), (64, 4, False)]
 
 
 def input_sets(batch, seq, heads, num_sets=2):
@@ -116,6 +120,16 @@ def run_case(args, batch, seq, heads):
         row = {**base, **cfg, **rates(timed(pallas_fn(seq, **cfg)), flops=flops)}
       except Exception as e:  # noqa: BLE001
         row = {**base, **cfg, "error": f"{type(e).__name__}: {str(e)[:80]}"}
+      print(row, flush=True)
+      rows.append(row)
+    for bk, st, pp in [] if args.no_mosaic else MOSAIC_SWEEP:
+      cfg = dict(block_k=bk, num_stages=st, ping_pong=pp)
+      fn = lambda q, k, v, cu, cfg=cfg: mosaic_kernel.mla_prefill(
+          q, k, v, cu, cu, scale=SCALE, causal=True, max_seqlen_q=seq, **cfg)
+      try:
+        row = {**base, "kernel": "mosaic", **cfg, **rates(timed(fn), flops=flops)}
+      except Exception as e:  # noqa: BLE001
+        row = {**base, "kernel": "mosaic", **cfg, "error": f"{type(e).__name__}: {str(e)[:80]}"}
       print(row, flush=True)
       rows.append(row)
     return rows

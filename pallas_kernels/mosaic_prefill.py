@@ -2,21 +2,27 @@
 
 The contract of `pallas_kernels.mla_prefill.mla_prefill` (the Pallas-Triton kernel: packed
 variable-length requests, bottom-right causal alignment, Dk != Dv, f32 natural-log lse, rows past
-cu_q[-1] give 0 / -inf), for bfloat16 q, k, v. The structure is jax's FlashAttention-3 port
-(`jax.experimental.pallas.ops.gpu.attention_mgpu`): one program (CTA) per (query-block slot, head,
-request), 128 query rows a block, three warpgroups:
-- compute (warpgroups 0 and 1): each bulk-copies its own 64 x Dk query tile, then per 64-key step
-  S = Q K^T (wgmma, M = 64 rows, N = 64 keys, K = Dk), the float32 online softmax, P (bf16)
-  through shared memory, O += P V (wgmma, N = Dv);
-- memory (warpgroup 2): the request's K and V blocks, 64 keys a step, one bulk copy each into a
+cu_q[-1] give 0 / -inf), for bfloat16 q, k, v with Dv <= Dk. The structure is jax's
+FlashAttention-3 port (`jax.experimental.pallas.ops.gpu.attention_mgpu`): one program (CTA) per
+(query-block slot, head, request), 128 query rows a block, three warpgroups:
+- compute (warpgroups 0 and 1): each bulk-copies its own 64-row query tile (columns [0, Dv) and
+  [Dv, Dk) into two buffers: the first later stages the output), then per step of block_k keys
+  S = Q K^T (two wgmma, M = 64 rows, N = block_k keys), the float32 online softmax in exp2,
+  O = O * alpha + P V (wgmma with P in registers, accumulating in place); the two warpgroups take
+  turns on the tensor cores through a barrier (ping-pong: one's softmax overlaps the other's
+  products);
+- memory (warpgroup 2): the request's K and V blocks, block_k keys a step, one bulk copy each into a
   ring of slots, refilled as soon as both compute warpgroups are done with a slot's K (or V).
 Both compute warpgroups walk the same steps (those the block's last row needs), so they share every
 slot; the diagonal, ragged and misaligned steps are masked, the others are not.
+Programs launch heads fastest from 64 heads (blocks of equal causal work side by side), query slots
+fastest below (one head's K/V shared in L2).
 
-Bulk copies move whole 64-row boxes and cannot mask rows, so:
+Bulk copies move whole boxes and cannot mask rows, so:
 - Mosaic GPU copies (8, 64)-tiled buffers as whole tiles of the global array, so a box must start
   at a row it can prove a multiple of 8: a request's boxes start at its first row rounded down to
-  8, and q, k, v are zero-padded to a multiple of 8 rows, at least 64 (a copy only when needed);
+  8, and q, k, v are zero-padded to a multiple of 8 rows, at least one box (a copy only when
+  needed);
 - a box that would run past the end of q or k/v is moved back to end there (the row positions in
   the masks account for both shifts);
 - a 64-row output tile may run into the next request's rows, so each tile is written to its own slot
@@ -25,14 +31,16 @@ Bulk copies move whole 64-row boxes and cannot mask rows, so:
 Keys outside a request that a box reads get P = 0 exactly; they must be finite (0 * NaN = NaN),
 which the Triton kernel does not need (it zeroes them on load).
 
-Shared memory (Dk 192, Dv 128, 3 stages): 2 query tiles 48 KB + 3 x (24 + 16) KB K/V + 2 P tiles
-16 KB + output staging 32.5 KB = 216.5 KB of the 227 KB a block may have.
+Shared memory (Dk 192, Dv 128): query tiles 48 KB + the K/V ring (128-key steps: 2 x 80 KB;
+64-key steps: 4 x 40 KB) + lse staging 0.5 KB = 208.5 KB of the 227 KB a block may have.
 
 `interpret=True` (or an `InterpretGPUParams`) runs the same kernel on the CPU through Mosaic GPU's
-interpreter (see `pallas_kernels.mosaic_decode` for what it does and does not simulate). P goes
-through shared memory and each P V product into a fresh accumulator for the same reason as there:
-the interpreter (jax 0.11.2) runs wgmma only with shared-memory operands into run_scoped
-accumulators.
+interpreter (see `pallas_kernels.mosaic_decode` for what it does and does not simulate), with two
+differences forced by the interpreter (jax 0.11.2): it runs wgmma only with shared-memory operands
+into run_scoped accumulators, so there P goes through a shared-memory tile and each P V product into
+a fresh accumulator that is added; and it deadlocks on the turn-taking barrier, so there the
+warpgroups run without it (in lock-step). Lowering for CUDA, which also runs on a CPU, checks the
+GPU form (wgmma operand layouts, bulk-copy boxes, the shared-memory bound).
 """
 
 from __future__ import annotations
@@ -57,8 +65,13 @@ _M_INIT = -1e30
 _TILE = 64  # query rows per compute warpgroup: the M of every Hopper wgmma
 _COMPUTE_WGS = 2
 _BLOCK_Q = _COMPUTE_WGS * _TILE  # query rows per program
-_BLOCK_K = 64  # keys per step and bulk copy: N of S = Q K^T, K of P V (one swizzle tile)
-_MAX_STAGES = 3  # the Triton kernel's measured best depth; 2 where 3 does not fit
+# Keys per step and bulk copy (N of S = Q K^T, K of P V), from the H200 sweep in
+# benchmarks/RESULTS.md ("MLA prefill (pallas_mosaic)"); the K/V ring is as deep as fits.
+_BLOCK_K = 128
+_MAX_STAGES = 4
+# Head counts from which programs launch heads fastest (H200: faster at 64 and 128 heads, slower
+# at 16; see mla_prefill).
+_HEADS_FIRST_MIN = 64
 _SMEM_BYTES = 227 * 1024  # what one Hopper block may have
 _CONSUMER_REGS = 232  # 2 x 232 + 40 (memory warpgroup) registers x 128 threads fit the 64K file
 _MEMORY_REGS = 40
@@ -68,18 +81,17 @@ _MAX_DV = 256  # wgmma N limit; the 64 x Dv float32 accumulator is Dv / 2 regist
 _ALIGN = 8
 
 
-def _smem_bytes(dk, dv, stages):
-  """Shared memory of one program: q tiles, K/V ring, P tiles, output and lse staging."""
-  q = _COMPUTE_WGS * _TILE * dk * 2
-  kv = stages * _BLOCK_K * (dk + dv) * 2
-  p = _COMPUTE_WGS * _TILE * _BLOCK_K * 2
-  out = _COMPUTE_WGS * _TILE * (dv * 2 + 4)
-  return q + kv + p + out
+def _smem_bytes(dk, dv, block_k, stages):
+  """Shared memory of one program on the GPU: the query tiles (the output is staged in their
+  first Dv columns), the K/V ring and the lse staging. The interpreter's P tiles are left out: it
+  has no shared-memory bound."""
+  return (_COMPUTE_WGS * _TILE * dk + stages * block_k * (dk + dv)) * 2 + _COMPUTE_WGS * _TILE * 4
 
 
-def _stages_for(dk, dv):
+def _stages_for(dk, dv, block_k):
   """The deepest K/V ring (at most _MAX_STAGES, at least 2) that fits, or 0 if none does."""
-  return next((s for s in range(_MAX_STAGES, 1, -1) if _smem_bytes(dk, dv, s) <= _SMEM_BYTES), 0)
+  return next((s for s in range(_MAX_STAGES, 1, -1)
+               if _smem_bytes(dk, dv, block_k, s) <= _SMEM_BYTES), 0)
 
 
 def _aligned_rows(q_len, q_lead):
@@ -87,19 +99,28 @@ def _aligned_rows(q_len, q_lead):
   return jnp.where(q_len > 0, q_len + q_lead, 0)
 
 
-def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem,
-                    k_smem, v_smem, p_smem, o_smem, lse_smem, q_bar, k_ready, v_ready, k_consumed,
-                    v_consumed, *, scale, causal, num_q_programs):
+def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, qv_smem,
+                    *rest, scale, causal, num_q_programs, block_k, ping_pong, p_in_registers):
   # GMEM: cu_q_ref, cu_k_ref [R+1] int32; tile_ref [R] int32 (request's first output tile);
-  # q_ref [Tq, N, Dk], k_ref [Tk, N, Dk], v_ref [Tk, N, Dv] bf16 (Tq, Tk multiples of 8, >= 64);
+  # q_ref [Tq, N, Dk], k_ref [Tk, N, Dk], v_ref [Tk, N, Dv] bf16 (Tq, Tk multiples of 8, >= one box);
   # o_ref [tiles*64, N, Dv] bf16 and lse_ref [N, tiles*64] f32: one 64-row slot per output tile.
-  # SMEM: q_smem [2, 64, Dk] (a query tile per compute warpgroup); k_smem [stages, 64, Dk];
-  # v_smem [stages, 64, Dv]; p_smem [2, 64, 64] (each warpgroup's P); o_smem [2, 64, Dv] bf16,
-  # lse_smem [2, 64] f32 (output staging). Barriers: q_bar [2] (query tile landed); k_ready,
-  # v_ready [stages] (slot landed); k_consumed, v_consumed [stages] (both compute warpgroups done).
+  # SMEM: qv_smem [2, 64, Dv] (each compute warpgroup's query columns [0, Dv), then its output
+  # staging); qr_smem [2, 64, Dk-Dv] (columns [Dv, Dk); absent when Dk == Dv); k_smem
+  # [stages, block_k, Dk]; v_smem [stages, block_k, Dv]; p_smem [2, 64, block_k] (each warpgroup's
+  # P; only without p_in_registers); lse_smem [2, 64] f32. Barriers: q_bar [4] (query columns [0, Dv) and the rest landed);
+  # k_ready, v_ready [stages] (slot landed); k_consumed, v_consumed [stages] (both compute
+  # warpgroups done); schedule (the compute warpgroups' turns on the tensor cores).
+  if qv_smem.shape[2] < q_ref.shape[2]:
+    qr_smem, *rest = rest
+  else:
+    qr_smem = None
+  k_smem, v_smem, *rest = rest
+  p_smem = None if p_in_registers else rest.pop(0)
+  lse_smem, q_bar, k_ready, v_ready, k_consumed, v_consumed, schedule = rest
   prog, h, r = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("requests")
   wg = lax.axis_index("wg")
-  tq, tk = q_ref.shape[0], k_ref.shape[0]
+  tq, tk, dk = q_ref.shape[0], k_ref.shape[0], q_ref.shape[2]
+  dv = qv_smem.shape[2]
   stages = k_smem.shape[0]
   qk_scale = scale * _LOG2E  # log2(e) folded in: the softmax runs on exp2
   q_start, k_start = cu_q_ref[r], cu_k_ref[r]
@@ -121,18 +142,18 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
 
   def key_steps(qs):
     """Step bounds (lo, hi, end) of the block starting at qs: steps [lo, hi) need no mask, steps
-    [0, lo) and [hi, end) do. Step j holds the keys k_base + 64j on. Every warpgroup derives the
-    same bounds, so their barrier phases agree."""
+    [0, lo) and [hi, end) do. Step j holds the keys k_base + block_k * j on. Every warpgroup
+    derives the same bounds, so their barrier phases agree."""
     first_row = jnp.maximum(qs - q_lead, 0)  # request-local
     if causal:
       k_end = jnp.clip(jnp.minimum(qs + _BLOCK_Q - q_lead, q_len) + diag, 0, k_len)
       k_full = jnp.clip(first_row + 1 + diag, 0, k_len)  # keys the block's first row (hence all) sees
     else:
       k_end = k_full = k_len
-    end = jnp.where(k_end > 0, lax.div(k_end + k_lead + (_BLOCK_K - 1), _BLOCK_K), 0)
+    end = jnp.where(k_end > 0, lax.div(k_end + k_lead + (block_k - 1), block_k), 0)
     # Step 0 also holds the previous request's last k_lead keys.
     lo = jnp.minimum(jnp.where(k_lead > 0, 1, 0), end)
-    return lo, jnp.maximum(lax.div(k_full + k_lead, _BLOCK_K), lo), end
+    return lo, jnp.maximum(lax.div(k_full + k_lead, block_k), lo), end
 
   def box(start, rows, total):
     """A `rows`-row box beginning at `start`, moved back to end at `total`: (first row, shift).
@@ -140,27 +161,36 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
     first = jnp.minimum(start, total - rows)
     return first, start - first
 
+  def take_turn():
+    """Ping-pong (FA3): a compute warpgroup's softmax runs while the other's products do."""
+    if ping_pong:
+      plgpu.barrier_arrive(schedule)
+      plgpu.barrier_wait(schedule)
+
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
     plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
     rows_layout = plgpu.Layout.WGMMA.reduce(1)
 
-    def step(j, carry, qs, q_shift, masked):
+    def step(j, carry, qs, q_shift, end, masked):
       m, l, acc, count = carry
-      slot = lax.rem(count, stages)
-      plgpu.barrier_wait(k_ready.at[slot])
+      slot = lax.rem(count, stages)  # its K landed: waited for by the previous step or the block
 
-      def scores(acc_ref):  # acc_ref [64 rows, 64 keys] f32
-        plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+      def scores(acc_ref):  # acc_ref [64 rows, block_k keys] f32; nope then rope columns
+        plgpu.wgmma(acc_ref, qv_smem.at[wg], k_smem.at[slot, :, pl.ds(0, dv)].transpose((1, 0)))
+        if qr_smem is not None:
+          plgpu.wgmma(acc_ref, qr_smem.at[wg],
+                      k_smem.at[slot, :, pl.ds(dv, dk - dv)].transpose((1, 0)))
+        take_turn()
         return acc_ref[...]
 
-      s = pl.run_scoped(scores, plgpu.ACC((_TILE, _BLOCK_K), jnp.float32))
+      s = pl.run_scoped(scores, plgpu.ACC((_TILE, block_k), jnp.float32))
       plgpu.barrier_arrive(k_consumed.at[slot])
       if masked:
-        # Made in the step, not carried: a 64 x 64 int32 iota is 32 registers a thread.
+        # Made in the step, not carried: an int32 iota of the tile is block_k / 2 registers.
         cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-        _, k_shift = box(k_base + j * _BLOCK_K, _BLOCK_K, tk)
-        keys = cols + (j * _BLOCK_K - k_shift - k_lead)  # request-local key positions
+        _, k_shift = box(k_base + j * block_k, block_k, tk)
+        keys = cols + (j * block_k - k_shift - k_lead)  # request-local key positions
         # cols >= k_shift: keys before those were counted by the previous step.
         visible = (cols >= k_shift) & (keys >= 0) & (keys < k_len)
         if causal:
@@ -171,31 +201,64 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
       m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
       alpha = jnp.exp2(m - m_new)
       p = jnp.exp2(s * qk_scale - _row_broadcast(m_new, s.shape))
+      acc = acc * _row_broadcast(alpha, acc.shape)
       l = l * alpha + p.sum(axis=1)
-      p_smem.at[wg][...] = p.astype(p_smem.dtype)
-      plgpu.commit_smem()  # these plain stores are read next by wgmma (the async proxy)
+      p16 = p.astype(v_smem.dtype)
+      # jax's FA3 port measured this order (sums before the turn) faster for value widths <= 128.
+      acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+      if ping_pong:
+        plgpu.barrier_arrive(schedule)  # softmax done
       plgpu.barrier_wait(v_ready.at[slot])
+      if ping_pong:
+        plgpu.barrier_wait(schedule)  # the tensor cores are ours
 
-      def values(acc_ref):  # acc_ref [64 rows, Dv] f32
-        plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
-        return acc_ref[...]
+      def next_keys():  # waited for while P V runs
+        @pl.when(j + 1 < end)
+        def _():
+          plgpu.barrier_wait(k_ready.at[lax.rem(count + 1, stages)])
 
-      pv = pl.run_scoped(values, plgpu.ACC(acc.shape, jnp.float32))
+      if p_in_registers:
+        def values(acc_ref):  # acc_ref [64 rows, Dv] f32, the rescaled running sum
+          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+          next_keys()
+
+        acc = pl.run_state(values)(plgpu.ACC.init(acc))
+      else:
+        # The interpreter's form: wgmma with shared-memory operands into a fresh accumulator.
+        p_smem.at[wg][...] = p16
+        plgpu.commit_smem()  # these plain stores are read next by wgmma (the async proxy)
+
+        def values(acc_ref):
+          plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+          return acc_ref[...]
+
+        acc = acc + pl.run_scoped(values, plgpu.ACC(acc.shape, jnp.float32))
+        next_keys()
       plgpu.barrier_arrive(v_consumed.at[slot])
-      return m_new, l, acc * _row_broadcast(alpha, acc.shape) + pv, count + 1
+      return m_new, l, acc, count + 1
 
     def q_block(trip, count):
       qs = block_start(trip)
       tile_row = qs + wg * _TILE  # this warpgroup's first row, counted from q_base
       q_first, q_shift = box(q_base + tile_row, _TILE, tq)
-      plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_first, _TILE), h], q_smem.at[wg], q_bar.at[wg])
+      q_rows = pl.ds(q_first, _TILE)
+      plgpu.copy_gmem_to_smem(q_ref.at[q_rows, h, pl.ds(0, dv)], qv_smem.at[wg], q_bar.at[wg])
+      if qr_smem is not None:
+        plgpu.copy_gmem_to_smem(q_ref.at[q_rows, h, pl.ds(dv, dk - dv)], qr_smem.at[wg],
+                                q_bar.at[_COMPUTE_WGS + wg])
+        plgpu.barrier_wait(q_bar.at[_COMPUTE_WGS + wg])
       plgpu.barrier_wait(q_bar.at[wg])
       lo, hi, end = key_steps(qs)
+
+      @pl.when(end > 0)
+      def _():
+        plgpu.barrier_wait(k_ready.at[lax.rem(count, stages)])
+
       carry = (plgpu.layout_cast(jnp.full((_TILE,), _M_INIT, jnp.float32), rows_layout),
                plgpu.layout_cast(jnp.zeros((_TILE,), jnp.float32), rows_layout),
-               plgpu.layout_cast(jnp.zeros(o_smem.shape[1:], jnp.float32), plgpu.Layout.WGMMA),
+               plgpu.layout_cast(jnp.zeros((_TILE, dv), jnp.float32), plgpu.Layout.WGMMA),
                count)
-      run = functools.partial(step, qs=qs, q_shift=q_shift)
+      run = functools.partial(step, qs=qs, q_shift=q_shift, end=end)
       carry = lax.fori_loop(0, lo, functools.partial(run, masked=True), carry)
       carry = lax.fori_loop(lo, hi, functools.partial(run, masked=False), carry)
       m, l, acc, count = lax.fori_loop(hi, end, functools.partial(run, masked=True), carry)
@@ -206,18 +269,21 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
       def _():
         seen = l > 0
         l_safe = jnp.where(seen, l, 1.0)
-        o_smem.at[wg][...] = (acc * _row_broadcast(1.0 / l_safe, acc.shape)).astype(o_smem.dtype)
+        qv_smem.at[wg][...] = (acc * _row_broadcast(1.0 / l_safe, acc.shape)).astype(qv_smem.dtype)
         lse_smem.at[wg][...] = jnp.where(seen, m * _LN2 + jnp.log(l_safe), -jnp.inf)
         plgpu.commit_smem()
         out_row = (tile_ref[r] + lax.div(tile_row, _TILE)) * _TILE
-        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[pl.ds(out_row, _TILE), h])
+        plgpu.copy_smem_to_gmem(qv_smem.at[wg], o_ref.at[pl.ds(out_row, _TILE), h])
         plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[h, pl.ds(out_row, _TILE)])
-        # The staging is rewritten by the next block.
+        # The staging is the next block's query tile.
         plgpu.wait_smem_to_gmem(0)
 
       return count
 
+    # Warpgroup 1 starts a turn behind, so the two alternate; warpgroup 0 closes the last turn.
+    pl.when(wg == 1)(take_turn)
     lax.fori_loop(0, trips, q_block, jnp.int32(0))
+    pl.when(wg == 0)(take_turn)
 
   @pl.when(wg == _COMPUTE_WGS)
   def _memory():
@@ -230,8 +296,8 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
       def _(j):
         c = count + j
         slot = lax.rem(c, stages)
-        first, _ = box(k_base + j * _BLOCK_K, _BLOCK_K, tk)
-        rows = pl.ds(first, _BLOCK_K)
+        first, _ = box(k_base + j * block_k, block_k, tk)
+        rows = pl.ds(first, block_k)
 
         @pl.when(c >= stages)
         def _():
@@ -257,22 +323,31 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
       plgpu.barrier_wait(v_consumed.at[lax.rem(c, stages)])
 
 
-def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
+def head_sizes_fit(dk: int, dv: int, block_k: int = _BLOCK_K) -> bool:
+  """Whether the kernel takes q/k heads of dk and v heads of dv (at block_k keys a step)."""
+  return (dk % 64 == 0 and dv % 64 == 0 and dv <= min(dk, _MAX_DV)
+          and bool(_stages_for(dk, dv, block_k)))
+
+
+def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_k, num_stages):
   check_prefill_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, DTYPES)
   dk, dv = q.shape[2], v.shape[2]
-  if dk % 64 or dv % 64 or dv > _MAX_DV or not _stages_for(dk, dv):
+  if block_k not in (64, 128):
+    raise ValueError(f"block_k must be 64 or 128 (keys per step), got {block_k}")
+  if not head_sizes_fit(dk, dv, block_k):
     raise ValueError(f"Dk ({dk}) and Dv ({dv}) must be multiples of 64 (the swizzle tile), Dv at "
-                     f"most {_MAX_DV}, and 2 stages of 64-key K/V blocks must fit in shared memory")
+                     f"most Dk (the output is staged in the query tile) and at most {_MAX_DV}, and "
+                     f"2 stages of {block_k}-key K/V blocks must fit in shared memory")
+  if num_stages is not None and not 2 <= num_stages <= _stages_for(dk, dv, block_k):
+    raise ValueError(f"num_stages must be in [2, {_stages_for(dk, dv, block_k)}] (what fits in "
+                     f"shared memory at block_k {block_k}), got {num_stages}")
 
 
-def _padded_rows(t):
-  """Rows a bulk-copied array needs: a multiple of 8 (box starts are), at least one 64-row box."""
-  return max(-(-t // _ALIGN) * _ALIGN, _TILE)
-
-
-def _pad_rows(x):
-  rows = _padded_rows(x.shape[0])
-  return jnp.pad(x, ((0, rows - x.shape[0]), (0, 0), (0, 0))) if rows != x.shape[0] else x
+def _pad_rows(x, rows):
+  """x with at least `rows` rows and a multiple of 8 (bulk-copy boxes start 8-aligned and hold
+  `rows` rows)."""
+  padded = max(-(-x.shape[0] // _ALIGN) * _ALIGN, rows)
+  return jnp.pad(x, ((0, padded - x.shape[0]), (0, 0), (0, 0))) if padded != x.shape[0] else x
 
 
 def _tile_offsets(cu_q):
@@ -299,61 +374,83 @@ def _unpack(o_tiles, lse_tiles, cu_q, tile_offsets, tq_padded, tq):
   return o, lse
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "causal", "max_seqlen_q", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "causal", "max_seqlen_q", "block_k",
+                                             "num_stages", "ping_pong", "interpret"))
 def mla_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_seqlen_q,
-                interpret=False):
+                block_k=_BLOCK_K, num_stages=None, ping_pong=True, interpret=False):
   """Variable-length attention with a running LSE; see the module docstring for the layout.
 
-  q [Tq, N, Dk]; k [Tk, N, Dk]; v [Tk, N, Dv], all bfloat16, Dk and Dv multiples of 64;
+  q [Tq, N, Dk]; k [Tk, N, Dk]; v [Tk, N, Dv], all bfloat16, Dk and Dv multiples of 64, Dv <= Dk;
   cu_seqlens_q / cu_seqlens_k [R+1] int32. max_seqlen_q: static bound on any request's query count;
-  it sizes the grid (a request beyond it is still right, only slower). interpret: True or a
+  it sizes the grid (a request beyond it is still right, only slower). block_k (64 or 128 keys a
+  step), num_stages (K/V ring depth; default: the deepest that fits) and ping_pong (the two compute
+  warpgroups take turns on the tensor cores) are tuning knobs. interpret: True or a
   `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns o [Tq, N, Dv] bf16 and
   lse [Tq, N] float32 (natural log); rows past cu_q[-1], and rows that see no key, give (0, -inf).
   """
-  _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
+  _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_k, num_stages)
   tq, n, dk = q.shape
   tk, dv = k.shape[0], v.shape[2]
   num_requests = cu_seqlens_q.shape[0] - 1
   if tq == 0 or tk == 0 or num_requests == 0:  # nothing to attend
     return jnp.zeros((tq, n, dv), q.dtype), jnp.full((tq, n), -jnp.inf, jnp.float32)
-  q, k, v = _pad_rows(q), _pad_rows(k), _pad_rows(v)
+  q, k, v = _pad_rows(q, _TILE), _pad_rows(k, block_k), _pad_rows(v, block_k)
   tile_offsets = _tile_offsets(cu_seqlens_q)
   # Output slots of 64 rows, request after request: at most Tq/64 + one partial tile a request.
   num_tiles = tq // _TILE + num_requests
   # No request is longer than Tq, so more slots than that would only idle.
   num_q_programs = max(1, -(-min(max_seqlen_q, tq) // _BLOCK_Q))
-  stages = _stages_for(dk, dv)
+  stages = num_stages or _stages_for(dk, dv, block_k)
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
+  # Mosaic GPU's interpreter (jax 0.11.2) runs wgmma only with shared-memory operands into
+  # run_scoped accumulators, so there P goes through shared memory; on the GPU it stays in
+  # registers and P V accumulates in place.
+  p_in_registers = not interpret
+  # The interpreter deadlocks on the turn-taking barrier once the warpgroups are a turn apart (they
+  # run the same steps in lock-step without it, which gives the same results).
+  ping_pong = ping_pong and not interpret
+  p_tiles = [] if p_in_registers else [_swizzled((_COMPUTE_WGS, _TILE, block_k), q.dtype)]
+  q_rest = [_swizzled((_COMPUTE_WGS, _TILE, dk - dv), q.dtype)] if dk > dv else []
 
+  # Programs launch in grid order. With many heads, heads fastest: a wave then holds one query
+  # slot of many heads, blocks of equal causal work, so no heavy block starts last (H200, 16K
+  # tokens: +14% at N=64, +21-25% at N=128). With few, query slots fastest: a wave reads one or two
+  # heads' K/V, which stay in L2 (+2.5% at N=16).
+  if n >= _HEADS_FIRST_MIN:
+    grid, grid_names = (n, num_q_programs, num_requests), ("heads", "q", "requests")
+  else:
+    grid, grid_names = (num_q_programs, n, num_requests), ("q", "heads", "requests")
   kernel = functools.partial(_prefill_kernel, scale=scale, causal=causal,
-                             num_q_programs=num_q_programs)
+                             num_q_programs=num_q_programs, block_k=block_k, ping_pong=ping_pong,
+                             p_in_registers=p_in_registers)
   o_tiles, lse_tiles = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((num_tiles * _TILE, n, dv), q.dtype),
                 jax.ShapeDtypeStruct((n, num_tiles * _TILE), jnp.float32)),
       scratch_types=(
-          _swizzled((_COMPUTE_WGS, _TILE, dk), q.dtype),
-          _swizzled((stages, _BLOCK_K, dk), k.dtype),
-          _swizzled((stages, _BLOCK_K, dv), v.dtype),
-          _swizzled((_COMPUTE_WGS, _TILE, _BLOCK_K), q.dtype),
           _swizzled((_COMPUTE_WGS, _TILE, dv), q.dtype),
+          *q_rest,
+          _swizzled((stages, block_k, dk), k.dtype),
+          _swizzled((stages, block_k, dv), v.dtype),
+          *p_tiles,
           plgpu.SMEM((_COMPUTE_WGS, _TILE), jnp.float32),
-          plgpu.Barrier(num_barriers=_COMPUTE_WGS),
+          plgpu.Barrier(num_barriers=2 * _COMPUTE_WGS),
           plgpu.Barrier(num_barriers=stages),
           plgpu.Barrier(num_barriers=stages),
           plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
           plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
+          plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
       ),
-      # Query slots vary fastest: programs of one (head, request) read the same K/V from L2.
-      grid=(num_q_programs, n, num_requests),
-      grid_names=("q", "heads", "requests"),
+      grid=grid,
+      grid_names=grid_names,
       num_threads=_COMPUTE_WGS + 1,
       thread_name="wg",
       # Row reductions of the WGMMA layout stay within a warp (shuffles), so the cross-warp
       # reduction scratch (2 KB by default) is not needed.
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
       interpret=interpret or None,
-      kernel_name=f"mosaic_mla_prefill_{'causal' if causal else 'full'}_s{stages}",
+      kernel_name=(f"mosaic_mla_prefill_{'causal' if causal else 'full'}_k{block_k}_s{stages}"
+                   f"{'_pp' if ping_pong else ''}"),
   )(cu_seqlens_q, cu_seqlens_k, tile_offsets, q, k, v)
   return _unpack(o_tiles, lse_tiles, cu_seqlens_q, tile_offsets, q.shape[0], tq)
