@@ -146,17 +146,41 @@ PALLAS_MOSAIC = dataclasses.replace(
     block_size_multiple=64,
 )
 
+# Where the Mosaic GPU prefill measured faster than the Pallas-Triton one on the H200
+# (benchmarks/RESULTS.md, "MLA prefill (pallas_mosaic)"): bf16 batches of 4096 tokens or more
+# (1.4-1.9x); at 1024 tokens it is slower (0.49-0.9x). Its decode was nowhere faster.
+_MOSAIC_PREFILL_MIN_TOKENS = 4096
+
+
+def _on_hopper() -> bool:
+  device = jax.devices()[0]
+  return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
+
+
+def _fastest_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_seqlen_q):
+  """pallas_mosaic's prefill where it measured faster (a static choice on shapes and the device),
+  else pallas_triton's."""
+  mosaic = (q.dtype == k.dtype == v.dtype == jnp.bfloat16
+            and q.shape[0] >= _MOSAIC_PREFILL_MIN_TOKENS
+            and pallas_mosaic_prefill.head_sizes_fit(q.shape[2], v.shape[2]) and _on_hopper())
+  prefill = PALLAS_MOSAIC.prefill if mosaic else PALLAS_TRITON.prefill
+  return prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal,
+                 max_seqlen_q=max_seqlen_q)
+
+
+# The GPU default: per op and shape, the Pallas kernel that measured fastest on the H200.
+PALLAS = dataclasses.replace(PALLAS_TRITON, name="pallas", prefill=_fastest_prefill)
+
 BACKENDS: types.MappingProxyType[str, Backend] = types.MappingProxyType({
     REFERENCE.name: REFERENCE,
+    PALLAS.name: PALLAS,
     PALLAS_TRITON.name: PALLAS_TRITON,
     PALLAS_MOSAIC.name: PALLAS_MOSAIC,
 })
 
 
 def default_backend_name(platform: str | None = None) -> str:
-  # pallas_mosaic is chosen only by name until its decode is measured faster than pallas_triton's
-  # on the H200 (benchmarks/RESULTS.md, "Latent decode (pallas_mosaic)").
-  return PALLAS_TRITON.name if (platform or jax.default_backend()) == "gpu" else REFERENCE.name
+  return PALLAS.name if (platform or jax.default_backend()) == "gpu" else REFERENCE.name
 
 
 def get_backend(name: str | None = None) -> Backend:

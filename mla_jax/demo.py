@@ -1,6 +1,6 @@
 """Demo: a DeepSeek-V2-Lite-shaped MLA layer with random weights, batched prefill then decode.
 
-    python -m mla_jax.demo [--backend reference|pallas_triton] [--steps 8] [--dtype float32]
+    python -m mla_jax.demo [--backend reference|pallas|pallas_triton|pallas_mosaic] [--steps 8] [--dtype float32]
 """
 
 from __future__ import annotations

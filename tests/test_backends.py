@@ -45,18 +45,40 @@ def test_explicit_name_beats_env_var(monkeypatch):
 def test_platform_default():
   assert default_backend_name("cpu") == "reference"
   assert default_backend_name("tpu") == "reference"
-  if "pallas_triton" in BACKENDS:
-    assert default_backend_name("gpu") == "pallas_triton"
-  else:
-    assert default_backend_name("gpu") == "reference"
+  assert default_backend_name("gpu") == "pallas"
 
 
 def test_no_name_no_env_uses_platform(monkeypatch):
   monkeypatch.setattr(backends.jax, "default_backend", lambda: "cpu")
   assert get_backend().name == "reference"
-  if "pallas_triton" in BACKENDS:
-    monkeypatch.setattr(backends.jax, "default_backend", lambda: "gpu")
-    assert get_backend().name == "pallas_triton"
+  monkeypatch.setattr(backends.jax, "default_backend", lambda: "gpu")
+  assert get_backend().name == "pallas"
+
+
+@pytest.mark.parametrize("tokens,dtype,dv,hopper,want", [
+    (4096, jnp.bfloat16, 128, True, "pallas_mosaic"),
+    (4095, jnp.bfloat16, 128, True, "pallas_triton"),  # below the measured crossover
+    (4096, jnp.float16, 128, True, "pallas_triton"),  # a dtype the Mosaic kernel does not take
+    (4096, jnp.bfloat16, 256, True, "pallas_triton"),  # Dv > Dk: not a Mosaic shape
+    (4096, jnp.bfloat16, 128, False, "pallas_triton"),  # not a Hopper GPU
+])
+def test_pallas_prefill_takes_the_faster_kernel(monkeypatch, tokens, dtype, dv, hopper, want):
+  called = []
+
+  def recorder(name):
+    def prefill(q, k, v, cu_q, cu_k, *, scale, causal, max_seqlen_q):
+      called.append((name, max_seqlen_q))
+      return q
+    return dataclasses.replace(BACKENDS[name], prefill=prefill)
+
+  monkeypatch.setattr(backends, "PALLAS_MOSAIC", recorder("pallas_mosaic"))
+  monkeypatch.setattr(backends, "PALLAS_TRITON", recorder("pallas_triton"))
+  monkeypatch.setattr(backends, "_on_hopper", lambda: hopper)
+  q = jnp.zeros((tokens, 1, 192), dtype)
+  v = jnp.zeros((tokens, 1, dv), dtype)
+  cu = jnp.array([0, tokens], jnp.int32)
+  get_backend("pallas").prefill(q, q, v, cu, cu, scale=1.0, causal=True, max_seqlen_q=tokens)
+  assert called == [(want, tokens)]
 
 
 @pytest.mark.parametrize("via_env", [False, True])

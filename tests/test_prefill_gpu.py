@@ -26,7 +26,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("backend", ["pallas_triton", "pallas_mosaic"])
+@pytest.mark.parametrize("backend", ["pallas", "pallas_triton", "pallas_mosaic"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_prefill_matches_reference(case, backend):
   n, causal, len_q, len_k = CASES[case]
