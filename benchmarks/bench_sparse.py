@@ -1,6 +1,7 @@
 """DSA (V3.2) kernels: the pallas_triton backend against the jitted XLA reference, on a GPU.
 
-  PYTHONPATH=. python -m benchmarks.bench_sparse [--quick] [--parts ...] [--no-ref] [--out DIR]
+  PYTHONPATH=. python -m benchmarks.bench_sparse [--quick] [--sweep] [--parts ...] [--no-ref]
+      [--out DIR]
 
 Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 128, fp8 keys):
   sparse   sparse attention, T in {64, 128, 4096}, N in {16, 128}, bf16 and fp8_ds_mla caches.
@@ -19,7 +20,8 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            fp8_ds_mla latent cache), 128 decode rows at 32K context each.
 Columns: S is the context a row selects from or scores (positions). Two input sets are rotated
 per case. `--quick` (~3 minutes on the H200): T=128 for sparse and indexer, the two 128-row top-k
-cases and the step.
+cases and the step. `--sweep` times each kernel's tuning variants (SWEEPS) at one case a part
+instead: sparse at T=128, N=128 (both caches), indexer at T=2048 over 32K, top-k at 128 x 131072.
 """
 
 from __future__ import annotations
@@ -39,11 +41,24 @@ from mla_jax.cache import LatentCache
 from mla_jax.dsa_cache import DSMLACache, IndexerKCache, quantize_indexer_q
 from mla_jax.indexer import SCORE_BYTES_BOUND
 from pallas_kernels import indexer as pallas_indexer
+from pallas_kernels import sparse_attention as pallas_sparse
+from pallas_kernels import topk as pallas_topk
 
 L, R, PAGE, TOPK, H, D = 512, 64, 64, 2048, 64, 128
 SCALE = (128 + R) ** -0.5
 ROW_BYTES = {"bf16": (L + R) * 2, "fp8_ds_mla": L + 4 * L // 128 + 2 * R}
 DECODE_CACHE_TOKENS = 1 << 20
+# Variants --sweep times, as keyword arguments of the kernels' jit entries.
+SWEEPS = {
+    "sparse": [dict(block_h=h, block_k=k, num_warps=w, num_stages=s) for h, k, w, s in
+               [(64, 64, 8, 2), (64, 32, 8, 3), (64, 32, 4, 3), (32, 64, 4, 2), (32, 64, 8, 2),
+                (32, 32, 4, 3), (64, 64, 8, 1), (128, 32, 8, 2)]],
+    "indexer": [dict(block_n=n, chunk=c, num_warps=w, num_stages=s) for n, c, w, s in
+                [(128, 2048, 4, 2), (128, 2048, 4, 1), (128, 2048, 4, 3), (128, 2048, 8, 2),
+                 (64, 2048, 4, 2), (128, 4096, 4, 2), (128, 1024, 4, 2), (256, 2048, 8, 2)]],
+    "topk": [dict(chunk=c, num_warps=w, num_stages=s) for c, w, s in
+             [(2048, 8, 1), (1024, 8, 1), (4096, 8, 1), (2048, 4, 1), (2048, 16, 1), (2048, 8, 2)]],
+}
 PREFILL_CONTEXT = 32768
 K_TOKEN_BYTES = D + 4
 
@@ -159,6 +174,54 @@ def run_step(args, t=128, context=32768):
   return timed_row(args, row, fn, sets, case_bytes, flops)
 
 
+def run_sweep(args):
+  """Each kernel's SWEEPS variants at one case a part (no reference): config, ms, rates."""
+  rows = []
+
+  def timed(row, fn, sets, case_bytes, flops):
+    try:  # a variant may not compile (shared memory, registers): record that and go on
+      row.update(rates(time_ms(jax.jit(fn), sets, iters=args.iters, repeats=args.repeats),
+                       bytes_moved=case_bytes, flops=flops))
+    except Exception as e:  # noqa: BLE001
+      row["error"] = f"{type(e).__name__}: {str(e)[:80]}"
+    print(row, flush=True)
+    rows.append(row)
+
+  t, n = 128, 128
+  if "sparse" in args.parts:
+    for kind in ("bf16", "fp8_ds_mla"):
+      cache = latent_cache(kind, DECODE_CACHE_TOKENS, jax.random.key(1))
+      sets = [(jax.random.normal(jax.random.key(100 + i), (t, n, L + R), jnp.bfloat16), cache,
+               jax.random.randint(jax.random.key(110 + i), (t, TOPK), 0, DECODE_CACHE_TOKENS,
+                                  jnp.int32)) for i in range(2)]
+      for cfg in SWEEPS["sparse"]:
+        if kind == "bf16":
+          fn = lambda q, c, s, cfg=cfg: pallas_sparse.sparse_attention(
+              q, c.data, s, scale=SCALE, kv_lora_rank=L, **cfg)
+        else:
+          fn = lambda q, c, s, cfg=cfg: pallas_sparse.sparse_attention_fp8_ds_mla(
+              q, c.nope, c.tile_scales, c.rope, s, scale=SCALE, **cfg)
+        timed({**case_row("sparse", t, n=n, context=DECODE_CACHE_TOKENS, cache=kind), **cfg}, fn,
+              sets, t * TOPK * ROW_BYTES[kind] + t * n * (L + R + L) * 2, 2 * t * n * TOPK * (L + R + L))
+      del cache, sets
+  if "indexer" in args.parts:
+    t, context = 2048, 32768
+    sets = [indexer_inputs(t, context, False, jax.random.key(200 + i)) for i in range(2)]
+    for cfg in SWEEPS["indexer"]:
+      timed({**case_row("indexer", t, context=context, cache="fp8 x fp8"), **cfg},
+            functools.partial(pallas_indexer.indexer_logits, **cfg), sets,
+            context * K_TOKEN_BYTES + t * context * 4, 2 * H * D * int(sets[0][5].sum()))
+  if "topk" in args.parts:
+    t, s = 128, 131072
+    sets = [(jax.random.normal(jax.random.key(300 + i), (t, s), jnp.float32),
+             jnp.full((t,), s, jnp.int32)) for i in range(2)]
+    for cfg in SWEEPS["topk"]:
+      timed({**case_row("topk", t, context=s), **cfg},
+            lambda x, lens, cfg=cfg: pallas_topk.topk_positions(x, lens, TOPK, **cfg), sets,
+            t * s * 4 + t * TOPK * 4, None)
+  return rows
+
+
 def case_row(part, t, *, n="", context="", cache=""):
   """The leading columns of a result row, the same for every part."""
   return {"part": part, "T": t, "N": n, "S": context, "cache": cache}
@@ -186,11 +249,15 @@ def main():
   parser.add_argument("--parts", nargs="+", default=["sparse", "indexer", "topk", "step"],
                       choices=["sparse", "indexer", "topk", "step"])
   parser.add_argument("--quick", action="store_true", help="T=128 cases, 128-row top-k, the step")
+  parser.add_argument("--sweep", action="store_true", help="time each kernel's tuning variants")
   parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference")
   parser.add_argument("--iters", type=int, default=20)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--out", default="benchmarks/out")
   args = parser.parse_args()
+  if args.sweep:
+    print(write_results(run_sweep(args), "sparse_sweep", args.out))
+    return
   sparse_t = [128] if args.quick else [64, 128, 4096]
   indexer_t = [128] if args.quick else [128, 2048]
   topk_shapes = [(128, 32768), (128, 131072)] + ([] if args.quick else [(4096, 32768)])

@@ -32,11 +32,12 @@ _DTYPES = ("float8_e4m3fn", "bfloat16", "float16", "float32")
 # As in sparse attention: offsets are int32 up to 2**32 bytes, which reach 2**31 1-byte elements.
 _MAX_FP8_ELEMENTS = 2 ** 31
 
-# (block_n, chunk, num_warps, num_stages). Not timed yet: 128 keys per product keeps the [H, block_n]
-# float32 scores at 64 registers a thread for H=64 on 4 warps (compiled for sm_90: 183 registers,
-# no spills, 33 KB of shared memory); 2048 positions per program give T=128 at 32K context 2048
-# programs (~16 per SM) while amortizing the q load.
-_DEFAULT_CONFIG = (128, 2048, 4, 3)
+# (block_n, chunk, num_warps, num_stages). 128 keys per product keep the [H, block_n] float32
+# scores at 64 registers a thread for H=64 on 4 warps (sm_90: 183 registers, no spills); 2048
+# positions per program give T=128 at 32K context 2048 programs (~16 per SM) while amortizing the q
+# load. H200 sweep at T=2048 over 32K (benchmarks/RESULTS.md): 2 stages 282 TFLOP/s, 3 or 4 stages
+# 238-242, 8 warps 124, 64-key products 170, chunks of 1024-4096 within 2%.
+_DEFAULT_CONFIG = (128, 2048, 4, 2)
 
 
 def _kernel(q_ref, w_ref, k_ref, ks_ref, bt_ref, len_ref, o_ref, *, block_n, page, dot_dtype):

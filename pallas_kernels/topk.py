@@ -6,7 +6,8 @@ those as -1 too). The k-th largest key v of a row decides everything: positions 
 and enough of those with key == v to make k. Three steps:
 
 1. XLA: the maximum of each strided group {j, j+m, j+2m, ...} of G positions (G a power of two with
-   m = S/G between 4k and 8k groups); strided groups decorrelate neighbouring positions.
+   m = S/G between 4k and 8k groups); strided groups decorrelate neighbouring positions. (A Pallas
+   program per row streaming the G slices measured slower on the H200: benchmarks/RESULTS.md.)
 2. Pallas, a program per row segment (several per row when rows are few): theta = the k-th largest
    group maximum, by a 32-step bitwise bisection over the maxima held in registers. At least k
    groups reach theta, so v >= theta. The segment is streamed once and every position with
@@ -36,9 +37,11 @@ from pallas_kernels.latent_decode import is_pow2, next_pow2, sm_count
 
 _INT_MIN = -2 ** 31
 _CAP_PER_K = 4  # candidate slots per selected position
-# (chunk, num_warps, num_stages) of both kernels: positions per streamed step. Not swept yet: 8
-# warps spread the 8K-32K registers-resident keys (maxima, candidates) at 32-128 a thread.
-_DEFAULT_CONFIG = (4096, 8, 1)
+# (chunk, num_warps, num_stages) of both kernels: positions per streamed step. 8 warps spread the
+# 8K-32K register-resident keys (maxima, candidates) at 32-128 a thread. H200 sweep (128 x 131072,
+# benchmarks/RESULTS.md): 2048-position steps 0.171 ms, 4096 0.246, 8192 0.229; 4 or 16 warps, a
+# second stage, and resolving 2 or 4 bits per counting pass (independent counts) no better.
+_DEFAULT_CONFIG = (2048, 8, 1)
 
 
 def _keys(x, inside):

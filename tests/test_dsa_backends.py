@@ -118,15 +118,17 @@ class TestPallasTritonIndexer(IndexerContract):
 
   def test_topk_segments_and_overflow_match_reference(self):
     # Small chunks split rows into several segments that claim candidate places concurrently;
-    # row 1's ties overflow the candidate list (the slow exact path).
+    # row 1's ties overflow the candidate list (the slow exact path); row 3 mixes signs and
+    # magnitudes so every bit of the keys matters.
     rng = np.random.default_rng(6)
-    logits = rng.standard_normal((3, 5000)).astype(np.float32)
+    logits = rng.standard_normal((4, 5000)).astype(np.float32)
     logits[1] = np.round(logits[1])
-    lens = jnp.asarray([5000, 4999, 1300], jnp.int32)
+    logits[3] *= np.exp2(rng.integers(-60, 60, 5000)).astype(np.float32)
+    lens = jnp.asarray([5000, 4999, 1300, 5000], jnp.int32)
     got = np.asarray(pallas_topk.topk_positions(jnp.asarray(logits), lens, 100, chunk=256,
                                                 interpret=True))
     want = np.asarray(reference.topk_positions(jnp.asarray(logits), lens, 100))
-    for i in range(3):
+    for i in range(4):
       g = got[i][got[i] >= 0]
       assert len(set(g.tolist())) == len(g) == 100 and (g < lens[i]).all()
       np.testing.assert_array_equal(np.sort(logits[i, g]), np.sort(logits[i, want[i]]))
