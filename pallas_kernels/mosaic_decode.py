@@ -8,7 +8,8 @@ kernel), for bfloat16 q and cache with pages of a multiple of 64 tokens. One pro
   the table per step), into a ring of 2 slots in shared memory;
 - scores (warpgroup 0): S = Q K^T on the tensor cores (wgmma, M = 64 heads, N = 64 tokens,
   K = 576), the float32 online softmax, and P (bf16) plus the rows' rescale factors handed to
-  warpgroup 1 through shared memory; then O[:, :256] += P V[:, :256];
+  warpgroup 1 through shared memory; then O[:, :256] = O * alpha + P V[:, :256] (P from its
+  registers, accumulated in place);
 - values (warpgroup 1): O[:, 256:] += P V[:, 256:].
 The 64 x 512 float32 accumulator would take 256 registers per thread of one warpgroup, past the 255
 a thread can have: that is why two warpgroups hold it, 256 columns each. Stage 2 merges the splits
@@ -21,7 +22,10 @@ the query and page memory once every step is done.
 
 `interpret=True` (or an `InterpretGPUParams`) runs the same kernel on the CPU through Mosaic GPU's
 interpreter, which simulates the warpgroups, barriers, bulk copies and wgmma, but not registers,
-swizzles or timing.
+swizzles or timing. One difference: the interpreter (jax 0.11.2) runs wgmma only with
+shared-memory operands into run_scoped accumulators, so there both warpgroups read P from shared
+memory and add each P V product (128 columns at a time) to the rescaled sum; lowering for CUDA,
+which also runs on a CPU, checks the GPU form.
 """
 
 from __future__ import annotations
@@ -46,9 +50,12 @@ _TILE_H = 64  # heads per program: the M of every Hopper wgmma
 _STEP = 64  # cache rows per bulk copy and per step: N of S = Q K^T, K of P V (one swizzle tile)
 _STAGES = 2  # page slots: a third 72 KB slot does not fit beside the query tile
 _VALUE_WGS = 2  # warpgroups sharing the value columns; warpgroup 0 also computes the scores
-# Value columns per P V product: each lands in a fresh 64 x 128 float32 accumulator (64 registers a
-# thread) that is added to the running output (128), which keeps a warpgroup within its 232.
+# Value columns per P V product in the interpreter's form: each lands in a fresh 64 x 128 float32
+# accumulator (64 registers a thread) that is added to the running output (128), which keeps a
+# warpgroup within its 232.
 _CHUNK = 128
+_MAX_WGMMA_N = 256
+PAGE_MULTIPLE = 64  # pages hold whole 64-row steps
 _SWIZZLE = 128  # bytes: the widest swizzle; wgmma operands and bulk copies use the same layout
 _CONSUMER_REGS = 232  # 2 x 232 + 40 (memory warpgroup) registers x 128 threads fit the 64K file
 _MEMORY_REGS = 40
@@ -67,7 +74,7 @@ def _row_broadcast(x, shape):
 
 
 def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_smem, row_smem,
-                   q_bar, ready, consumed, p_ready, p_free, *, scale, lora, num_splits):
+                   q_bar, ready, consumed, p_ready, p_free, *, scale, lora, num_splits, in_place):
   # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64); kv_ref [num_blocks, page, D] bf16;
   # bt_ref [T, max_blocks] int32; len_ref [T] int32; o_ref [T, splits, Np, L]; lse_ref
   # [T, splits, Np] f32. SMEM: buffers = union of (q_smem [64, D], kv_smem [STAGES, 64, D]) bf16,
@@ -83,6 +90,9 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_sm
   max_blocks = bt_ref.shape[1]
   steps_per_page = page // _STEP
   half = lora // _VALUE_WGS
+  # Value columns per P V product: all of a warpgroup's when it accumulates in place (wgmma's N is
+  # at most 256), else _CHUNK-wide fresh accumulators.
+  width = half if in_place and half <= _MAX_WGMMA_N else _CHUNK
   qk_scale = scale * _LOG2E  # log2(e) folded in: the softmax runs on exp2
 
   length = jnp.minimum(jnp.maximum(len_ref[t], 0), max_blocks * page)
@@ -102,26 +112,32 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_sm
             jnp.where(block_ok, rows, 0))
 
   def zero_acc():
-    return tuple(plgpu.layout_cast(jnp.zeros((_TILE_H, _CHUNK), jnp.float32), plgpu.Layout.WGMMA)
-                 for _ in range(half // _CHUNK))
+    return tuple(plgpu.layout_cast(jnp.zeros((_TILE_H, width), jnp.float32), plgpu.Layout.WGMMA)
+                 for _ in range(half // width))
 
-  def accumulate_values(acc, alpha, slot, w):
-    """acc * alpha + P V over warpgroup w's value columns, one _CHUNK-wide product at a time.
+  def accumulate_values(acc, alpha, slot, w, p=None):
+    """acc * alpha + P V over warpgroup w's value columns, `width` columns a product; P from
+    registers when given (warpgroup 0's own), else from p_smem.
 
-    Each product goes to a fresh accumulator: Mosaic GPU's interpreter (jax 0.11.2) runs wgmma
-    only into run_scoped accumulators (not pl.run_state or stores to one), and the add costs what
-    rescaling an in-place accumulator would.
+    On the GPU each product accumulates in place into the rescaled running sum. Mosaic GPU's
+    interpreter (jax 0.11.2) runs wgmma only with shared-memory operands into run_scoped
+    accumulators, so there each product goes to a fresh accumulator that is added.
     """
     out = []
     for c, part in enumerate(acc):
-      values = kv_smem.at[slot, :, pl.ds(w * half + c * _CHUNK, _CHUNK)]  # [64 rows, _CHUNK]
+      values = kv_smem.at[slot, :, pl.ds(w * half + c * width, width)]  # [64 rows, width]
+      scaled = part * _row_broadcast(alpha, part.shape)
+      if in_place:
+        def product(acc_ref, values=values):  # acc_ref [64, width] f32, the running sum
+          plgpu.wgmma(acc_ref, p_smem if p is None else p, values)
 
-      def product(acc_ref, values=values):  # acc_ref [64, _CHUNK] f32
-        plgpu.wgmma(acc_ref, p_smem, values)
-        return acc_ref[...]
+        out.append(pl.run_state(product)(plgpu.ACC.init(scaled)))
+      else:
+        def product(acc_ref, values=values):  # acc_ref [64, width] f32
+          plgpu.wgmma(acc_ref, p_smem, values)
+          return acc_ref[...]
 
-      pv = pl.run_scoped(product, plgpu.ACC((_TILE_H, _CHUNK), jnp.float32))
-      out.append(part * _row_broadcast(alpha, part.shape) + pv)
+        out.append(scaled + pl.run_scoped(product, plgpu.ACC((_TILE_H, width), jnp.float32)))
     return tuple(out)
 
   def zero_rows(slot, rows):
@@ -137,7 +153,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_sm
     """Normalizes warpgroup w's columns and copies them out; rows that saw nothing give 0."""
     inv = 1.0 / jnp.where(l > 0, l, 1.0)
     for c, part in enumerate(acc):
-      o_smem[w, :, pl.ds(c * _CHUNK, _CHUNK)] = (
+      o_smem[w, :, pl.ds(c * width, width)] = (
           part * _row_broadcast(inv, part.shape)).astype(o_smem.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem.at[w],
@@ -176,11 +192,12 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_sm
       def _():
         plgpu.barrier_wait(p_free)  # warpgroup 1 is done with the previous P
 
-      p_smem[...] = p.astype(p_smem.dtype)
+      p16 = p.astype(p_smem.dtype)
+      p_smem[...] = p16
       row_smem[...] = alpha
       plgpu.commit_smem()
       plgpu.barrier_arrive(p_ready)
-      acc = accumulate_values(acc, alpha, slot, 0)
+      acc = accumulate_values(acc, alpha, slot, 0, p16 if in_place else None)
       plgpu.barrier_arrive(consumed.at[slot])
       return m_new, l, acc
 
@@ -261,15 +278,20 @@ def num_kv_splits_for(num_tokens: int, num_heads: int, max_len: int) -> int:
   return default_num_kv_splits(num_tokens, pl.cdiv(num_heads, _TILE_H), max_len, sm_count())
 
 
+def head_dims_fit(head_dim: int, kv_lora_rank: int) -> bool:
+  """Whether the kernel takes rows of head_dim = kv_lora_rank + rope columns."""
+  return (kv_lora_rank % (_VALUE_WGS * _CHUNK) == 0 and kv_lora_rank <= head_dim <= _MAX_HEAD_DIM
+          and head_dim % 64 == 0)
+
+
 def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits):
   _, d, page = check_decode_shapes(q, kv_cache, block_tables, seq_lens)
-  if not (kv_lora_rank % (_VALUE_WGS * _CHUNK) == 0 and kv_lora_rank <= d <= _MAX_HEAD_DIM
-          and d % 64 == 0):
+  if not head_dims_fit(d, kv_lora_rank):
     raise ValueError(f"head dim {d} must be kv_lora_rank ({kv_lora_rank}, a multiple of "
                      f"{_VALUE_WGS * _CHUNK}) + a rope dim, a multiple of 64 and at most "
                      f"{_MAX_HEAD_DIM} (the query tile and 2 pages fill shared memory)")
-  if page % _STEP:
-    raise ValueError(f"page size must be a multiple of {_STEP} (the bulk copy and wgmma tile), "
+  if page % PAGE_MULTIPLE:
+    raise ValueError(f"page size must be a multiple of {PAGE_MULTIPLE} (the bulk copy and wgmma tile), "
                      f"got {page}")
   if q.dtype != jnp.bfloat16 or kv_cache.dtype != jnp.bfloat16:
     raise ValueError(f"q and cache must be bfloat16, got {q.dtype.name} and {kv_cache.dtype.name}")
@@ -306,7 +328,9 @@ def latent_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank=51
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
 
-  kernel = functools.partial(_decode_kernel, scale=scale, lora=kv_lora_rank, num_splits=splits)
+  # Mosaic GPU's interpreter runs no in-place accumulation (see accumulate_values).
+  kernel = functools.partial(_decode_kernel, scale=scale, lora=kv_lora_rank, num_splits=splits,
+                             in_place=not interpret)
   o_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((t, splits, np_, kv_lora_rank), out_dtype),
