@@ -146,10 +146,12 @@ PALLAS_MOSAIC = dataclasses.replace(
     block_size_multiple=64,
 )
 
-# Where the Mosaic GPU prefill measured faster than the Pallas-Triton one on the H200
-# (benchmarks/RESULTS.md, "MLA prefill (pallas_mosaic)"): bf16 batches of 4096 tokens or more
-# (1.4-1.9x); at 1024 tokens it is slower (0.49-0.9x). Its decode was nowhere faster.
+# Where the Mosaic GPU kernels measured faster than the Pallas-Triton ones on the H200
+# (benchmarks/RESULTS.md, "pallas_mosaic" sections). Prefill: bf16 batches of 4096 tokens or more
+# (1.4-1.9x); at 1024 tokens it is slower (0.49-0.9x). Decode: 1.85-1.92x at 128 heads, 0.85-0.94x
+# at 16; 64 heads fill one 64-row tile as each half of 128 does.
 _MOSAIC_PREFILL_MIN_TOKENS = 4096
+_MOSAIC_DECODE_MIN_HEADS = 64
 
 
 def _on_hopper() -> bool:
@@ -168,8 +170,22 @@ def _fastest_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_
                  max_seqlen_q=max_seqlen_q)
 
 
+def _fastest_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank, k_scale=None,
+                    num_kv_splits=None):
+  """pallas_mosaic's decode where it measured faster (a static choice on shapes and the device),
+  else pallas_triton's."""
+  mosaic = (q.dtype == kv_cache.dtype == jnp.bfloat16 and k_scale is None
+            and q.shape[1] >= _MOSAIC_DECODE_MIN_HEADS
+            and kv_cache.shape[1] % pallas_mosaic_decode.PAGE_MULTIPLE == 0
+            and pallas_mosaic_decode.head_dims_fit(q.shape[2], kv_lora_rank) and _on_hopper())
+  decode = PALLAS_MOSAIC.decode if mosaic else PALLAS_TRITON.decode
+  return decode(q, kv_cache, block_tables, seq_lens, scale=scale, kv_lora_rank=kv_lora_rank,
+                k_scale=k_scale, num_kv_splits=num_kv_splits)
+
+
 # The GPU default: per op and shape, the Pallas kernel that measured fastest on the H200.
-PALLAS = dataclasses.replace(PALLAS_TRITON, name="pallas", prefill=_fastest_prefill)
+PALLAS = dataclasses.replace(PALLAS_TRITON, name="pallas", decode=_fastest_decode,
+                             prefill=_fastest_prefill)
 
 BACKENDS: types.MappingProxyType[str, Backend] = types.MappingProxyType({
     REFERENCE.name: REFERENCE,

@@ -130,3 +130,32 @@ def test_backends_table_is_immutable():
   assert "mine" not in BACKENDS
   with pytest.raises(dataclasses.FrozenInstanceError):
     BACKENDS["reference"].max_heads = 1
+
+
+@pytest.mark.parametrize("heads,cache_dtype,page,hopper,want", [
+    (128, jnp.bfloat16, 64, True, "pallas_mosaic"),
+    (64, jnp.bfloat16, 128, True, "pallas_mosaic"),
+    (32, jnp.bfloat16, 64, True, "pallas_triton"),  # few heads: the Triton kernel measured faster
+    (128, jnp.float8_e4m3fn, 64, True, "pallas_triton"),  # a cache the Mosaic kernel does not read
+    (128, jnp.bfloat16, 32, True, "pallas_triton"),  # pages of less than one 64-row step
+    (128, jnp.bfloat16, 64, False, "pallas_triton"),  # not a Hopper GPU
+])
+def test_pallas_decode_takes_the_faster_kernel(monkeypatch, heads, cache_dtype, page, hopper, want):
+  called = []
+
+  def recorder(name):
+    def decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank, k_scale=None,
+               num_kv_splits=None):
+      called.append((name, kv_lora_rank, num_kv_splits))
+      return q
+    return dataclasses.replace(BACKENDS[name], decode=decode)
+
+  monkeypatch.setattr(backends, "PALLAS_MOSAIC", recorder("pallas_mosaic"))
+  monkeypatch.setattr(backends, "PALLAS_TRITON", recorder("pallas_triton"))
+  monkeypatch.setattr(backends, "_on_hopper", lambda: hopper)
+  q = jnp.zeros((2, heads, 576), jnp.bfloat16)
+  cache = jnp.zeros((4, page, 576), cache_dtype)
+  k_scale = jnp.float32(1.0) if cache_dtype == jnp.float8_e4m3fn else None
+  get_backend("pallas").decode(q, cache, jnp.zeros((2, 2), jnp.int32), jnp.ones((2,), jnp.int32),
+                               scale=1.0, kv_lora_rank=512, k_scale=k_scale, num_kv_splits=3)
+  assert called == [(want, 512, 3)]

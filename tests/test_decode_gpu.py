@@ -4,6 +4,8 @@ reference run there.
 Shapes too large for the numpy oracle: the reference (float32, HIGHEST precision) is the yardstick.
 """
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -13,12 +15,15 @@ import jax.numpy as jnp
 from decode_contract import assert_decode_close
 from gpu_utils import poison_allocator
 from mla_jax import reference
+from mla_jax.backends import get_backend
 from pallas_kernels import latent_decode, mosaic_decode
 
 pytestmark = pytest.mark.gpu
 
 KERNELS = {"pallas_triton": latent_decode.latent_decode,
-           "pallas_mosaic": mosaic_decode.latent_decode}
+           "pallas_mosaic": mosaic_decode.latent_decode,
+           # The GPU default backend: Mosaic from 64 heads on a bf16 cache (on Hopper), else Triton.
+           "pallas": functools.partial(get_backend("pallas").decode, kv_lora_rank=512)}
 
 L, PAGE = 512, 64
 SCALE = 192 ** -0.5
