@@ -8,7 +8,6 @@ chunk, and merge the parts by their log-sum-exps.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax

@@ -3,7 +3,6 @@
 A backend's test class subclasses these and sets `backend`; oracles are float64 numpy.
 """
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
