@@ -143,7 +143,7 @@ PALLAS_MOSAIC = dataclasses.replace(
     decode=_off_gpu_interpreted(pallas_mosaic_decode.latent_decode),
     prefill=_off_gpu_interpreted(pallas_mosaic_prefill.mla_prefill),
     cache_dtypes=frozenset({"bfloat16"}),
-    block_size_multiple=64,
+    block_size_multiple=pallas_mosaic_decode.PAGE_MULTIPLE,
 )
 
 # Where the Mosaic GPU kernels measured faster than the Pallas-Triton ones on the H200

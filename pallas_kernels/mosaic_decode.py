@@ -55,7 +55,7 @@ _VALUE_WGS = 2  # warpgroups sharing the value columns; warpgroup 0 also compute
 # warpgroup within its 232.
 _CHUNK = 128
 _MAX_WGMMA_N = 256
-PAGE_MULTIPLE = 64  # pages hold whole 64-row steps
+PAGE_MULTIPLE = _STEP  # pages hold whole steps
 _SWIZZLE = 128  # bytes: the widest swizzle; wgmma operands and bulk copies use the same layout
 _CONSUMER_REGS = 232  # 2 x 232 + 40 (memory warpgroup) registers x 128 threads fit the 64K file
 _MEMORY_REGS = 40
@@ -291,8 +291,8 @@ def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_sp
                      f"{_VALUE_WGS * _CHUNK}) + a rope dim, a multiple of 64 and at most "
                      f"{_MAX_HEAD_DIM} (the query tile and 2 pages fill shared memory)")
   if page % PAGE_MULTIPLE:
-    raise ValueError(f"page size must be a multiple of {PAGE_MULTIPLE} (the bulk copy and wgmma tile), "
-                     f"got {page}")
+    raise ValueError(f"page size must be a multiple of {PAGE_MULTIPLE} (the bulk copy and wgmma "
+                     f"tile), got {page}")
   if q.dtype != jnp.bfloat16 or kv_cache.dtype != jnp.bfloat16:
     raise ValueError(f"q and cache must be bfloat16, got {q.dtype.name} and {kv_cache.dtype.name}")
   if block_tables.dtype != jnp.int32 or seq_lens.dtype != jnp.int32:

@@ -107,9 +107,10 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
   # SMEM: qv_smem [2, 64, Dv] (each compute warpgroup's query columns [0, Dv), then its output
   # staging); qr_smem [2, 64, Dk-Dv] (columns [Dv, Dk); absent when Dk == Dv); k_smem
   # [stages, block_k, Dk]; v_smem [stages, block_k, Dv]; p_smem [2, 64, block_k] (each warpgroup's
-  # P; only without p_in_registers); lse_smem [2, 64] f32. Barriers: q_bar [4] (query columns [0, Dv) and the rest landed);
-  # k_ready, v_ready [stages] (slot landed); k_consumed, v_consumed [stages] (both compute
-  # warpgroups done); schedule (the compute warpgroups' turns on the tensor cores).
+  # P; only without p_in_registers); lse_smem [2, 64] f32. Barriers: q_bar [4] (a warpgroup's
+  # query columns [0, Dv), then the rest, landed); k_ready, v_ready [stages] (slot landed);
+  # k_consumed, v_consumed [stages] (both compute warpgroups done); schedule (the compute
+  # warpgroups' turns on the tensor cores).
   if qv_smem.shape[2] < q_ref.shape[2]:
     qr_smem, *rest = rest
   else:

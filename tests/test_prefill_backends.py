@@ -110,16 +110,19 @@ class TestPallasMosaicPrefill(PrefillContract):
     assert_close(f32(o), ref_o, jnp.bfloat16, magnitude)
     assert_close(lse, ref_lse, jnp.bfloat16)
 
-  @pytest.mark.parametrize("tokens,n,requests,causal", [(16384, 128, 1, True), (16384, 16, 4, False),
-                                                        (45, 3, 2, True)])
-  def test_lowers_for_hopper(self, tokens, n, requests, causal):
+  @pytest.mark.parametrize("tokens,n,requests,causal,knobs", [
+      (16384, 128, 1, True, {}), (16384, 16, 4, False, {}), (45, 3, 2, True, {}),
+      # The variants the H200 sweep timed: 64-key steps with 4 stages, no turn-taking.
+      (4096, 64, 2, True, dict(block_k=64, num_stages=4, ping_pong=False)),
+  ])
+  def test_lowers_for_hopper(self, tokens, n, requests, causal, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # shapes and layouts, bulk-copy boxes (8-aligned starts), and the 227 KB shared-memory bound.
     q = jax.ShapeDtypeStruct((tokens, n, DK), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((tokens, n, DV), jnp.bfloat16)
     cu = jax.ShapeDtypeStruct((requests + 1,), jnp.int32)
     traced = mosaic_prefill.mla_prefill.trace(q, q, v, cu, cu, scale=SCALE, causal=causal,
-                                              max_seqlen_q=tokens // requests)
+                                              max_seqlen_q=tokens // requests, **knobs)
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
   @pytest.mark.parametrize("change, message", [
@@ -130,6 +133,8 @@ class TestPallasMosaicPrefill(PrefillContract):
       (dict(v=jnp.zeros((8, 2, 320), jnp.bfloat16)), "at most 256"),
       (dict(q=jnp.zeros((8, 2, 512), jnp.bfloat16), k=jnp.zeros((8, 2, 512), jnp.bfloat16)),
        "shared memory"),
+      (dict(block_k=96), "block_k must be 64 or 128"),
+      (dict(num_stages=3), r"num_stages must be in \[2, 2\]"),  # 128-key steps: 2 fit
       (dict(cu_seqlens_q=jnp.array([0.0, 8.0])), "int32"),
       (dict(cu_seqlens_k=jnp.array([0, 4, 8], jnp.int32)), "differ in length"),
   ])
