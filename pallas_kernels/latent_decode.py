@@ -8,6 +8,10 @@ online softmax in float32 and writes a normalized partial output and its log-sum
 merges the splits by their log-sum-exps. With one split stage 1 writes the final output, and every
 row's result depends only on that row's inputs (not on the batch it came in).
 
+An fp8 cache is read as uint16 words of two e4m3 values (a free bitcast): the kernel splits each
+word's bytes into two lanes, so q's columns are reordered lane-major outside the kernel, each
+lane has its own products and accumulator, and the output's columns are reordered back.
+
 Pure arrays in and out; no dependency on the rest of the project.
 """
 
@@ -39,17 +43,20 @@ _TUNING = (
     (16, 64, "16bit", (16, 64, 4, 2)),  # N=16: 0.33 ms, 3.6 TB/s; 8 warps or 3 stages >= 6% slower
     (32, 64, "16bit", (32, 64, 4, 2)),  # not swept at N=32: the best block_h 32 row at N=128
     (None, 64, "16bit", (64, 64, 8, 2)),  # N=128: 1.26-1.29 ms, 230 TFLOP/s; h32 w4 s2 1.40
-    # fp8 rows fit shared memory (the e4m3 tiles are widened to bf16 there: (64, 64, 8, 2) asks for
-    # 236 KB of 227 KB) and pass the GPU tests; their speed was not swept.
-    (16, 64, "fp8", (16, 64, 4, 2)),
-    (None, 64, "fp8", (32, 64, 4, 2)),
+    # fp8 (read as uint16 pairs), B=128 S=8192: N=16 0.435 ms (block_n 64: 0.453, 8 warps: 0.64);
+    # N=128 2.00 ms (4 stages 1.99, h64 n64 w8 s1 2.02, h64 n32 w8 s3 2.79).
+    (16, 64, "fp8", (16, 32, 4, 3)),
+    (None, 64, "fp8", (32, 32, 4, 3)),
     # float32 tiles are twice as wide: (64, 64, 8, 2) asked for 304 KB on the H200 (bench_tp, TP=2
     # of V3). Half pages and 16 heads: 2 x 74 KB + 37 KB. Correctness only, speed not swept.
     (None, 64, "32bit", (16, 32, 4, 2)),
 )
-# Pallas-Triton (jax 0.11.2) picks 64-bit offsets only for arrays over 2**32 bytes, but offsets count
-# elements: a 1-byte cache of 2**31 elements or more would overflow int32 and read out of bounds.
-_MAX_FP8_CACHE_ELEMENTS = 2 ** 31 - 1
+# e4m3 values per word when an fp8 cache is read as uint16. Measured at B=128 S=8192 (N=16 / 128):
+# e4m3 loads 0.68 / 3.58 ms, uint8 loads 0.61 / 2.95, uint16 pairs 0.435 / 2.00, uint32 quads
+# 0.61 / 2.01. Pallas-Triton (jax 0.11.2) also picks 64-bit offsets only for arrays over 2**32 bytes
+# while offsets count elements, so 1-byte elements would overflow int32 from 2**31 of them; 2-byte
+# words reach every size.
+_FP8_LANES = 2
 
 
 def is_pow2(x: int) -> bool:
@@ -98,9 +105,10 @@ def default_num_kv_splits(num_tokens: int, num_head_blocks: int, max_len: int,
 
 
 def _stage1_kernel(q_ref, kv_ref, bt_ref, len_ref, *rest, scale, lora, rope, step, num_splits,
-                   has_k_scale, compute_dtype):
-  # q_ref [block_h, L+R]; kv_ref [num_blocks, page, L+R]; bt_ref [T, max_blocks] int32;
-  # len_ref [T] int32; rest = (ks_ref [1] f32 when has_k_scale,) o_ref [block_h, L], lse_ref [block_h]
+                   has_k_scale, compute_dtype, lanes):
+  # q_ref [block_h, L+R] (lane-major columns when lanes > 1); kv_ref [num_blocks, page, (L+R)/lanes]
+  # (uint16 e4m3 pairs when lanes == 2); bt_ref [T, max_blocks] int32; len_ref [T] int32;
+  # rest = (ks_ref [1] f32 when has_k_scale,) o_ref [block_h, L], lse_ref [block_h]
   *ks_ref, o_ref, lse_ref = rest
   split, t = pl.program_id(1), pl.program_id(2)
   num_blocks, page, _ = kv_ref.shape
@@ -118,11 +126,19 @@ def _stage1_kernel(q_ref, kv_ref, bt_ref, len_ref, *rest, scale, lora, rope, ste
   first = split * per_split
   last = jnp.minimum(first + per_split, num_steps)
 
-  q_nope = q_ref[:, pl.ds(0, lora)].astype(compute_dtype)
-  q_pe = q_ref[:, pl.ds(lora, rope)].astype(compute_dtype)
+  lora_w, rope_w = lora // lanes, rope // lanes  # cache columns (words) per part
+  q_nope = [q_ref[:, pl.ds(j * lora_w, lora_w)].astype(compute_dtype) for j in range(lanes)]
+  q_pe = [q_ref[:, pl.ds(lora + j * rope_w, rope_w)].astype(compute_dtype) for j in range(lanes)]
+
+  def unpack(tile):
+    """A loaded cache tile -> one compute-dtype tile per lane (byte j of each word is lane j)."""
+    if lanes == 1:
+      return [tile.astype(compute_dtype)]
+    return [lax.bitcast_convert_type(((tile >> (8 * j)) & 0xFF).astype(jnp.uint8),
+                                     jnp.float8_e4m3fn).astype(compute_dtype) for j in range(lanes)]
 
   def body(i, carry):
-    m, l, acc = carry
+    m, l, *acc = carry
     slot, offset = (i, 0) if steps_per_page == 1 else (i // steps_per_page, i % steps_per_page * step)
     block = bt_ref[t, slot]
     block_ok = (block >= 0) & (block < num_blocks)
@@ -131,29 +147,35 @@ def _stage1_kernel(q_ref, kv_ref, bt_ref, len_ref, *rest, scale, lora, rope, ste
     valid = (pos < length) & block_ok
     # Masked loads: positions past the length and pages behind bad table entries are never read
     # (they may hold NaN); zeros there keep 0 * NaN out of the value product.
-    k_nope = plgpu.load(kv_ref.at[block, pl.ds(offset, step), pl.ds(0, lora)],
-                        mask=jnp.broadcast_to(valid[:, None], (step, lora)), other=0.0)
-    k_pe = plgpu.load(kv_ref.at[block, pl.ds(offset, step), pl.ds(lora, rope)],
-                      mask=jnp.broadcast_to(valid[:, None], (step, rope)), other=0.0)
-    k_nope, k_pe = k_nope.astype(compute_dtype), k_pe.astype(compute_dtype)
-    s = (plgpu.dot(q_nope, k_nope, trans_b=True, precision=precision)
-         + plgpu.dot(q_pe, k_pe, trans_b=True, precision=precision)) * qk_scale  # [block_h, step]
+    load = lambda start, width: unpack(plgpu.load(
+        kv_ref.at[block, pl.ds(offset, step), pl.ds(start, width)],
+        mask=jnp.broadcast_to(valid[:, None], (step, width)), other=0 if lanes > 1 else 0.0))
+    k_nope, k_pe = load(0, lora_w), load(lora_w, rope_w)
+    s = sum(plgpu.dot(a, b, trans_b=True, precision=precision)
+            for a, b in zip(q_nope + q_pe, k_nope + k_pe)) * qk_scale  # [block_h, step]
     s = jnp.where(valid[None, :], s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=1))
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new[:, None])
     l = l * alpha + p.sum(axis=1)
-    acc = acc * alpha[:, None] + plgpu.dot(p.astype(compute_dtype), k_nope, precision=precision)
-    return m_new, l, acc
+    p = p.astype(compute_dtype)
+    return (m_new, l, *[a * alpha[:, None] + plgpu.dot(p, k, precision=precision)
+                        for a, k in zip(acc, k_nope)])
 
   block_h = q_ref.shape[0]
   init = (jnp.full((block_h,), _M_INIT, jnp.float32), jnp.zeros((block_h,), jnp.float32),
-          jnp.zeros((block_h, lora), jnp.float32))
-  m, l, acc = lax.fori_loop(first, last, body, init)
+          *[jnp.zeros((block_h, lora_w), jnp.float32)] * lanes)
+  m, l, *acc = lax.fori_loop(first, last, body, init)
   seen = l > 0
   l_safe = jnp.where(seen, l, 1.0)
-  o_ref[...] = (acc * (k_scale / l_safe)[:, None]).astype(o_ref.dtype)
+  for j, a in enumerate(acc):
+    o_ref[:, pl.ds(j * lora_w, lora_w)] = (a * (k_scale / l_safe)[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+
+
+def _lane_major(x, lanes):
+  """Reorders the last axis from (words, lanes) to (lanes, words): column w*lanes+j -> j*words+w."""
+  return x.reshape(*x.shape[:-1], -1, lanes).swapaxes(-1, -2).reshape(x.shape)
 
 
 def merge_splits(o_parts, lse_parts, out_dtype):
@@ -204,9 +226,9 @@ def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_sp
                      f"{seq_lens.dtype.name}")
   if kv_cache.dtype.name == "float8_e4m3fn" and k_scale is None:
     raise ValueError("a float8_e4m3fn cache needs k_scale")
-  if kv_cache.dtype.name == "float8_e4m3fn" and kv_cache.size > _MAX_FP8_CACHE_ELEMENTS:
-    raise ValueError(f"a float8_e4m3fn cache of {kv_cache.size} elements is over the "
-                     f"{_MAX_FP8_CACHE_ELEMENTS} that int32 offsets reach (Pallas-Triton lowering)")
+  if kv_cache.dtype.name == "float8_e4m3fn" and min(kv_lora_rank, rope) < 16 * _FP8_LANES:
+    raise ValueError(f"an fp8 cache is read in pairs of values, so kv_lora_rank ({kv_lora_rank}) and "
+                     f"the rope dim ({rope}) must be >= {16 * _FP8_LANES}")
   if k_scale is not None and jnp.ndim(k_scale) != 0:
     raise ValueError(f"k_scale must be a scalar, got shape {jnp.shape(k_scale)}")
   if num_kv_splits is not None and num_kv_splits < 1:
@@ -250,10 +272,16 @@ def latent_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank=51
                                                   sm_count())
   if n % block_h:
     q = jnp.pad(q, ((0, 0), (0, num_head_blocks * block_h - n), (0, 0)))
+  lanes = 1
   if kv_cache.dtype.name == "float8_e4m3fn" or kv_cache.dtype == q.dtype:
     compute_dtype = q.dtype  # fp8 -> bf16/f16/f32 is exact
   else:
     compute_dtype = jnp.promote_types(q.dtype, kv_cache.dtype)
+  if kv_cache.dtype.name == "float8_e4m3fn":
+    lanes = _FP8_LANES
+    q = jnp.concatenate([_lane_major(q[..., :lora], lanes), _lane_major(q[..., lora:], lanes)], -1)
+    kv_cache = lax.bitcast_convert_type(
+        kv_cache.reshape(*kv_cache.shape[:2], d // lanes, lanes), jnp.uint16)
   # Triton blocks hold a power-of-two element count: a page that is not a power of two is walked in
   # steps of its largest power-of-two divisor.
   step = block_n or min(cfg_n, page & -page)
@@ -263,7 +291,7 @@ def latent_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank=51
 
   kernel = functools.partial(_stage1_kernel, scale=scale, lora=lora, rope=rope, step=step,
                              num_splits=splits, has_k_scale=k_scale is not None,
-                             compute_dtype=compute_dtype)
+                             compute_dtype=compute_dtype, lanes=lanes)
   whole = lambda x: pl.BlockSpec(x.shape, lambda h, s, i: (0,) * x.ndim)
   # Head blocks vary fastest so the programs reading the same pages run together and share L2.
   o_parts, lse_parts = pl.pallas_call(
@@ -285,4 +313,6 @@ def latent_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank=51
     o, lse = o_parts[:, 0], lse_parts[:, 0]
   else:
     o, lse = merge_splits(o_parts, lse_parts, q.dtype)
+  if lanes > 1:
+    o = _lane_major(o, lora // lanes)  # the inverse reorder: lanes x words -> words x lanes
   return o[:, :n], lse[:, :n]

@@ -1,7 +1,5 @@
 """Every decode backend against the float64 oracle; the Pallas ones run in interpret mode on CPUs."""
 
-import functools
-
 import numpy as np
 import pytest
 
@@ -44,6 +42,8 @@ class TestPallasTritonDecode(DecodeContract):
       (lambda a: {**a, "block_tables": a["block_tables"].astype(jnp.int16)}, "int32"),
       (lambda a: {**a, "seq_lens": a["seq_lens"].astype(jnp.uint32)}, "int32"),
       (lambda a: {**a, "kv_cache": a["kv_cache"].astype(jnp.float8_e4m3fn)}, "needs k_scale"),
+      (lambda a: {**a, "q": a["q"][..., :-48], "k_scale": 1.0,
+                  "kv_cache": a["kv_cache"][..., :-48].astype(jnp.float8_e4m3fn)}, "pairs"),
       (lambda a: {**a, "k_scale": jnp.ones(2)}, "scalar"),
       (lambda a: {**a, "num_kv_splits": 0}, "num_kv_splits"),
       (lambda a: {**a, "block_h": 24}, "block_h"),
@@ -57,12 +57,19 @@ class TestPallasTritonDecode(DecodeContract):
     with pytest.raises(ValueError, match=message):
       latent_decode(**change(args), scale=0.1, interpret=True)
 
-  def test_fp8_cache_past_int32_offsets_raises(self):
-    q = jax.ShapeDtypeStruct((1, 16, 576), jnp.bfloat16)
-    cache = jax.ShapeDtypeStruct((2 ** 16, 64, 576), jnp.float8_e4m3fn)
-    ints = jax.ShapeDtypeStruct((1, 8), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)
-    with pytest.raises(ValueError, match="int32 offsets"):
-      jax.eval_shape(functools.partial(latent_decode, scale=0.1, k_scale=1.0), q, cache, *ints)
+  def test_fp8_cache_every_value(self):
+    # Every finite e4m3 byte, each at even and odd columns (a 255-long cycle over 576-wide rows):
+    # the uint16-pair reading, the byte lanes and the column reorder are exact.
+    q, cache, tables, lens = make_case(12, n=16, page=16, req_lens=[64, 37],
+                                       cache_dtype=jnp.float8_e4m3fn)
+    codes = np.arange(256, dtype=np.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]
+    pattern = np.resize(np.concatenate([codes, codes[:1]]), cache.size).reshape(cache.shape)
+    cache = np.where(np.isnan(cache.astype(np.float32)), cache, pattern.view(cache.dtype))
+    k_scale = 1 / 448  # the largest e4m3 value dequantizes to 1
+    o, lse = latent_decode(q, cache, tables, lens, scale=SCALE, k_scale=k_scale, interpret=True)
+    assert_decode_close(np.asarray(o.astype(jnp.float32)), lse,
+                        *latent_decode_np(q.astype(np.float32), cache, tables, lens, SCALE, L, k_scale))
 
   def test_sub_page_steps(self):
     # block_n < page: several inner steps per page, starting mid-page.

@@ -54,7 +54,7 @@ def serving_case(seed, *, batch, max_len, n, cache_dtype):
     (0, 128, 32768, 16, jnp.bfloat16, None),
     (1, 128, 8192, 128, jnp.bfloat16, None),
     (2, 128, 8192, 128, jnp.float8_e4m3fn, None),
-    (3, 128, 16384, 16, jnp.float8_e4m3fn, 1),  # 32768 tokens of fp8 are past the int32 offsets
+    (3, 128, 32768, 16, jnp.float8_e4m3fn, 1),  # 2**31+ e4m3 values: past int32 byte offsets
     (4, 32, 4096, 16, jnp.bfloat16, 16),
     (6, 64, 8192, 20, jnp.bfloat16, None),  # heads that fill no tile size
 ])
