@@ -49,8 +49,10 @@ def sparse_case(seed, n, kind):
   poison = unselected(slots)[..., None]
   nb = CACHE_TOKENS // PAGE
   kv = jax.random.normal(keys[0], (nb, PAGE, L + R), jnp.float32) / 10
-  if kind == "bf16":
-    cache = LatentCache(jnp.where(poison, jnp.nan, kv).astype(jnp.bfloat16), jnp.float32(1.0))
+  if kind in ("bf16", "fp8"):  # fp8: e4m3 of x / 0.05, one per-tensor scale
+    scale = 0.05 if kind == "fp8" else 1.0
+    dtype = jnp.float8_e4m3fn if kind == "fp8" else jnp.bfloat16
+    cache = LatentCache(jnp.where(poison, jnp.nan, kv / scale).astype(dtype), jnp.float32(scale))
   else:
     flat = kv.reshape(-1, L + R)
     c = DSMLACache.allocate(nb, PAGE, L, R).write(flat[:, :L], flat[:, L:],
@@ -63,7 +65,7 @@ def sparse_case(seed, n, kind):
 
 
 @pytest.mark.parametrize("n", [128, 16])
-@pytest.mark.parametrize("kind", ["bf16", "fp8_ds_mla"])
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_ds_mla"])
 def test_sparse_attention_matches_reference(n, kind):
   q, cache, slots = sparse_case(n + len(kind), n, kind)
   ref = jax.jit(backends.REFERENCE.sparse_attention, static_argnames=("scale", "kv_lora_rank"))
@@ -78,7 +80,7 @@ def test_sparse_attention_matches_reference(n, kind):
   np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
   assert np.isneginf(lse[0]).all() and (o[0] == 0).all()  # the row that selects nothing
   seen = np.isfinite(ref_lse)
-  if kind == "bf16":  # SPEC 8, sparse: cosine < 1e-5, then per element abs 1e-3 or rel 2/128
+  if kind != "fp8_ds_mla":  # SPEC 8, sparse: cosine < 1e-5, then per element abs 1e-3 or rel 2/128
     assert cosine_diff(o, ref_o) < 1e-5 and cosine_diff(lse[seen], ref_lse[seen]) < 1e-5
     for got, want in ((o, ref_o), (lse[seen], ref_lse[seen])):
       err = np.abs(got - want)
