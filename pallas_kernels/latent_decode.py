@@ -56,7 +56,7 @@ _TUNING = (
 # 0.61 / 2.01. Pallas-Triton (jax 0.11.2) also picks 64-bit offsets only for arrays over 2**32 bytes
 # while offsets count elements, so 1-byte elements would overflow int32 from 2**31 of them; 2-byte
 # words reach every size.
-FP8_LANES = 2
+_FP8_LANES = 2
 
 
 def is_pow2(x: int) -> bool:
@@ -104,20 +104,6 @@ def default_num_kv_splits(num_tokens: int, num_head_blocks: int, max_len: int,
   return max(1, min(vllm, fill))
 
 
-def unpack_lanes(tile, *, lanes, dtype):
-  """A loaded cache tile -> `lanes` tiles in dtype: the tile itself when lanes == 1, else lane j
-  holds the e4m3 value in byte j of each (uint16) word."""
-  if lanes == 1:
-    return [tile.astype(dtype)]
-  return [lax.bitcast_convert_type(((tile >> (8 * j)) & 0xFF).astype(jnp.uint8),
-                                   jnp.float8_e4m3fn).astype(dtype) for j in range(lanes)]
-
-
-def e4m3_words(x):
-  """An e4m3 array [..., D] viewed as uint16 [..., D / FP8_LANES] (a free bitcast on GPUs)."""
-  return lax.bitcast_convert_type(x.reshape(*x.shape[:-1], -1, FP8_LANES), jnp.uint16)
-
-
 def _stage1_kernel(q_ref, kv_ref, bt_ref, len_ref, *rest, scale, lora, rope, step, num_splits,
                    has_k_scale, compute_dtype, lanes):
   # q_ref [block_h, L+R] (lane-major columns when lanes > 1); kv_ref [num_blocks, page, (L+R)/lanes]
@@ -144,7 +130,12 @@ def _stage1_kernel(q_ref, kv_ref, bt_ref, len_ref, *rest, scale, lora, rope, ste
   q_nope = [q_ref[:, pl.ds(j * lora_w, lora_w)].astype(compute_dtype) for j in range(lanes)]
   q_pe = [q_ref[:, pl.ds(lora + j * rope_w, rope_w)].astype(compute_dtype) for j in range(lanes)]
 
-  unpack = functools.partial(unpack_lanes, lanes=lanes, dtype=compute_dtype)
+  def unpack(tile):
+    """A loaded cache tile -> one compute-dtype tile per lane (byte j of each word is lane j)."""
+    if lanes == 1:
+      return [tile.astype(compute_dtype)]
+    return [lax.bitcast_convert_type(((tile >> (8 * j)) & 0xFF).astype(jnp.uint8),
+                                     jnp.float8_e4m3fn).astype(compute_dtype) for j in range(lanes)]
 
   def body(i, carry):
     m, l, *acc = carry
@@ -182,7 +173,7 @@ def _stage1_kernel(q_ref, kv_ref, bt_ref, len_ref, *rest, scale, lora, rope, ste
   lse_ref[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
 
 
-def lane_major(x, lanes):
+def _lane_major(x, lanes):
   """Reorders the last axis from (words, lanes) to (lanes, words): column w*lanes+j -> j*words+w."""
   return x.reshape(*x.shape[:-1], -1, lanes).swapaxes(-1, -2).reshape(x.shape)
 
@@ -235,9 +226,9 @@ def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_sp
                      f"{seq_lens.dtype.name}")
   if kv_cache.dtype.name == "float8_e4m3fn" and k_scale is None:
     raise ValueError("a float8_e4m3fn cache needs k_scale")
-  if kv_cache.dtype.name == "float8_e4m3fn" and min(kv_lora_rank, rope) < 16 * FP8_LANES:
+  if kv_cache.dtype.name == "float8_e4m3fn" and min(kv_lora_rank, rope) < 16 * _FP8_LANES:
     raise ValueError(f"an fp8 cache is read in pairs of values, so kv_lora_rank ({kv_lora_rank}) and "
-                     f"the rope dim ({rope}) must be >= {16 * FP8_LANES}")
+                     f"the rope dim ({rope}) must be >= {16 * _FP8_LANES}")
   if k_scale is not None and jnp.ndim(k_scale) != 0:
     raise ValueError(f"k_scale must be a scalar, got shape {jnp.shape(k_scale)}")
   if num_kv_splits is not None and num_kv_splits < 1:
@@ -287,9 +278,10 @@ def latent_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank=51
   else:
     compute_dtype = jnp.promote_types(q.dtype, kv_cache.dtype)
   if kv_cache.dtype.name == "float8_e4m3fn":
-    lanes = FP8_LANES
-    q = jnp.concatenate([lane_major(q[..., :lora], lanes), lane_major(q[..., lora:], lanes)], -1)
-    kv_cache = e4m3_words(kv_cache)
+    lanes = _FP8_LANES
+    q = jnp.concatenate([_lane_major(q[..., :lora], lanes), _lane_major(q[..., lora:], lanes)], -1)
+    kv_cache = lax.bitcast_convert_type(
+        kv_cache.reshape(*kv_cache.shape[:2], d // lanes, lanes), jnp.uint16)
   # Triton blocks hold a power-of-two element count: a page that is not a power of two is walked in
   # steps of its largest power-of-two divisor.
   step = block_n or min(cfg_n, page & -page)
@@ -322,5 +314,5 @@ def latent_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank=51
   else:
     o, lse = merge_splits(o_parts, lse_parts, q.dtype)
   if lanes > 1:
-    o = lane_major(o, lora // lanes)  # the inverse reorder: lanes x words -> words x lanes
+    o = _lane_major(o, lora // lanes)  # the inverse reorder: lanes x words -> words x lanes
   return o[:, :n], lse[:, :n]

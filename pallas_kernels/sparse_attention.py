@@ -14,9 +14,6 @@ Two cache layouts, both flattened to one row per slot:
   fp8_ds_mla  nope e4m3 [slots, L] with one float32 scale per 128-column tile, rope bf16 [slots, R].
               Dequantized in the kernel: each gathered 128-column tile times its rows' scales,
               then one product (and one accumulator) per tile.
-e4m3 columns are read as uint16 words of two values, as in latent decode (see there: 1-byte loads
-cost 1.5x): each word's bytes are two lanes with their own products and accumulators, q's columns
-are reordered lane-major per tile outside the kernel and the output's reordered back.
 
 Pure arrays in and out; no dependency on the rest of the project.
 """
@@ -32,8 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.latent_decode import (FP8_LANES, default_num_kv_splits, e4m3_words, is_pow2,
-                                          lane_major, merge_splits, sm_count, unpack_lanes)
+from pallas_kernels.latent_decode import default_num_kv_splits, is_pow2, merge_splits, sm_count
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -43,6 +39,9 @@ _Q_DTYPES = ("bfloat16", "float16", "float32")
 _LATENT_DTYPES = _Q_DTYPES + ("float8_e4m3fn",)
 _F8 = jnp.float8_e4m3fn
 DS_MLA_TILE = 128  # fp8_ds_mla: one scale per 128 latent values
+# Pallas-Triton (jax 0.11.2) picks 64-bit offsets only for arrays over 2**32 bytes, but offsets count
+# elements: int32 offsets reach 2**31 elements, so a larger 1-byte array would be read out of bounds.
+_MAX_FP8_ELEMENTS = 2 ** 31
 
 # (block_h, block_k, num_warps, num_stages) by (largest head count it is for, operand kind as in
 # latent_decode.operand_kind); the first row whose head count covers N wins. Not timed yet. bf16: latent decode's H200 configs
@@ -73,13 +72,10 @@ def tuned_config(num_heads: int, kind: str):
 
 
 def _kernel(q_ref, slots_ref, extent_ref, nope_ref, rope_ref, *rest, scale, lora, rope, rope_col,
-            tile, block_k, num_splits, has_tile_scales, has_k_scale, compute_dtype, lanes,
-            rope_lanes):
-  # q_ref [block_h, L+R] (lane-major per tile when lanes > 1); slots_ref [T, K] int32 (K a multiple
-  # of block_k); extent_ref [T] int32 (one past each row's last valid slot); nope_ref
-  # [num_slots, >= L/lanes] (nope in word columns [0, L/lanes)); rope_ref [num_slots,
-  # >= rope_col + R/rope_lanes] (latent: both are the same [num_slots, (L+R)/lanes] cache); columns
-  # are uint16 e4m3 pairs where lanes == 2.
+            tile, block_k, num_splits, has_tile_scales, has_k_scale, compute_dtype):
+  # q_ref [block_h, L+R]; slots_ref [T, K] int32 (K a multiple of block_k); extent_ref [T] int32
+  # (one past each row's last valid slot); nope_ref [num_slots, >= L] (nope in columns [0, L));
+  # rope_ref [num_slots, >= rope_col + R] (latent: both are the same [num_slots, L+R] cache).
   # rest = (scales_ref [num_slots, L/tile] f32 when has_tile_scales,) (ks_ref [1] f32 when
   # has_k_scale,) o_ref [block_h, L], lse_ref [block_h]
   *extra, o_ref, lse_ref = rest
@@ -99,13 +95,8 @@ def _kernel(q_ref, slots_ref, extent_ref, nope_ref, rope_ref, *rest, scale, lora
   first = split * per_split
   last = jnp.minimum(first + per_split, num_steps)
 
-  tile_w, rope_w = tile // lanes, rope // rope_lanes  # word columns per tile and of rope
-  # One q piece (and one key piece, one accumulator) per tile and lane: tile j lane c is q's columns
-  # [j*tile + c*tile_w, + tile_w).
-  q_tiles = [q_ref[:, pl.ds(c * tile_w, tile_w)].astype(compute_dtype)
-             for c in range(num_tiles * lanes)]
-  q_pe = [q_ref[:, pl.ds(lora + c * rope_w, rope_w)].astype(compute_dtype)
-          for c in range(rope_lanes)]
+  q_tiles = [q_ref[:, pl.ds(j * tile, tile)].astype(compute_dtype) for j in range(num_tiles)]
+  q_pe = q_ref[:, pl.ds(lora, rope)].astype(compute_dtype)
 
   def body(i, carry):
     m, l, accs = carry
@@ -116,21 +107,22 @@ def _kernel(q_ref, slots_ref, extent_ref, nope_ref, rope_ref, *rest, scale, lora
     def gather(ref, col, width):  # [block_k, width] rows of `ref`, zeros where the slot is invalid
       cols = col + jnp.arange(width, dtype=jnp.int32)
       return plgpu.load(ref.at[row[:, None], cols[None, :]],
-                        mask=jnp.broadcast_to(valid[:, None], (block_k, width)),
-                        other=0 if jnp.issubdtype(ref.dtype, jnp.integer) else 0.0)
+                        mask=jnp.broadcast_to(valid[:, None], (block_k, width)), other=0.0)
 
-    def nope_tile(j):  # lanes x [block_k, tile_w] in the compute dtype; fp8_ds_mla: times the scale
-      if not has_tile_scales:
-        return unpack_lanes(gather(nope_ref, j * tile_w, tile_w), lanes=lanes, dtype=compute_dtype)
-      # e4m3 times a power-of-two (ue8m0) scale is exact in bf16, so the products see the
-      # dequantized cache bit for bit.
-      scale_j = plgpu.load(scales_ref.at[row, j], mask=valid, other=0.0)[:, None]
-      return [(k * scale_j).astype(compute_dtype) for k in
-              unpack_lanes(gather(nope_ref, j * tile_w, tile_w), lanes=lanes, dtype=jnp.float32)]
+    def nope_tile(j):  # [block_k, tile] in the compute dtype; fp8_ds_mla tiles times their scale
+      k_j = gather(nope_ref, j * tile, tile)
+      if has_tile_scales:
+        # e4m3 times a power-of-two (ue8m0) scale is exact in bf16, so the products see the
+        # dequantized cache bit for bit.
+        scale_j = plgpu.load(scales_ref.at[row, j], mask=valid, other=0.0)
+        k_j = k_j.astype(jnp.float32) * scale_j[:, None]
+      return k_j.astype(compute_dtype)
 
-    k_tiles = [k for j in range(num_tiles) for k in nope_tile(j)]
-    k_pe = unpack_lanes(gather(rope_ref, rope_col, rope_w), lanes=rope_lanes, dtype=compute_dtype)
-    s = sum(dot(q_j, k_j, trans_b=True) for q_j, k_j in zip(q_pe + q_tiles, k_pe + k_tiles))
+    k_tiles = [nope_tile(j) for j in range(num_tiles)]
+    k_pe = gather(rope_ref, rope_col, rope).astype(compute_dtype)
+    s = dot(q_pe, k_pe, trans_b=True)  # [block_h, block_k]
+    for q_j, k_j in zip(q_tiles, k_tiles):
+      s = s + dot(q_j, k_j, trans_b=True)
     s = jnp.where(valid[None, :], s * qk_scale, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=1))
     alpha = jnp.exp2(m - m_new)
@@ -142,12 +134,12 @@ def _kernel(q_ref, slots_ref, extent_ref, nope_ref, rope_ref, *rest, scale, lora
 
   block_h = q_ref.shape[0]
   init = (jnp.full((block_h,), _M_INIT, jnp.float32), jnp.zeros((block_h,), jnp.float32),
-          tuple(jnp.zeros((block_h, tile_w), jnp.float32) for _ in range(num_tiles * lanes)))
+          tuple(jnp.zeros((block_h, tile), jnp.float32) for _ in range(num_tiles)))
   m, l, accs = lax.fori_loop(first, last, body, init)
   seen = l > 0
   l_safe = jnp.where(seen, l, 1.0)
-  for c, acc in enumerate(accs):
-    o_ref[:, pl.ds(c * tile_w, tile_w)] = (acc * (k_scale / l_safe)[:, None]).astype(o_ref.dtype)
+  for j, acc in enumerate(accs):
+    o_ref[:, pl.ds(j * tile, tile)] = (acc * (k_scale / l_safe)[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
 
 
@@ -174,12 +166,11 @@ def _check_common(q, slots, lora, rope, num_splits, block_h, block_k, num_warps,
     raise ValueError(f"num_stages must be >= 1, got {num_stages}")
 
 
-def _sparse_call(q, slots, cache_args, *, scale, lora, rope_col, tile, fp8, rope_lanes,
-                 compute_dtype, has_tile_scales, k_scale, num_splits, block_h, block_k, num_warps,
-                 num_stages, interpret, name):
+def _sparse_call(q, slots, cache_args, *, scale, lora, rope_col, tile, fp8, compute_dtype,
+                 has_tile_scales, k_scale, num_splits, block_h, block_k, num_warps, num_stages,
+                 interpret, name):
   """Pads heads and slots to whole blocks, runs the kernel, merges splits; cache_args are
-  (nope, rope[, tile_scales]) flattened to one row per slot, e4m3 columns as uint16 words (fp8:
-  the nope's, and the rope's where rope_lanes > 1; rope_col counts words then)."""
+  (nope, rope[, tile_scales]) flattened to one row per slot."""
   t, n, d = q.shape
   lora_rope = d - lora
   if t == 0:  # Triton cannot take a zero-sized grid
@@ -194,11 +185,6 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, rope_col, tile, fp8, rope
   np_ = num_head_blocks * block_h
   if np_ != n:
     q = jnp.pad(q, ((0, 0), (0, np_ - n), (0, 0)))
-  lanes = FP8_LANES if fp8 else 1
-  per_tile = lambda x, f: f(x.reshape(*x.shape[:-1], lora // tile, tile)).reshape(x.shape)
-  if fp8:
-    q = jnp.concatenate([per_tile(q[..., :lora], lambda x: lane_major(x, lanes)),
-                         lane_major(q[..., lora:], rope_lanes)], axis=-1)
   if slots.shape[1] % block_k or slots.shape[1] == 0:
     slots = jnp.pad(slots, ((0, 0), (0, block_k - slots.shape[1] % block_k)), constant_values=-1)
   k = slots.shape[1]
@@ -214,8 +200,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, rope_col, tile, fp8, rope
   kernel = functools.partial(
       _kernel, scale=scale, lora=lora, rope=lora_rope, rope_col=rope_col, tile=tile,
       block_k=block_k, num_splits=splits, has_tile_scales=has_tile_scales,
-      has_k_scale=k_scale is not None, compute_dtype=compute_dtype, lanes=lanes,
-      rope_lanes=rope_lanes)
+      has_k_scale=k_scale is not None, compute_dtype=compute_dtype)
   whole = lambda x: pl.BlockSpec(x.shape, lambda h, s, i: (0,) * x.ndim)
   nope, rope_src, *scales = cache_args
   inputs = (q, slots, extent, nope, rope_src, *scales, *k_scale_args)
@@ -238,8 +223,6 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, rope_col, tile, fp8, rope
     o, lse = o_parts[:, 0], lse_parts[:, 0]
   else:
     o, lse = merge_splits(o_parts, lse_parts, q.dtype)
-  if fp8:  # the inverse reorder, per tile: lanes x words -> words x lanes
-    o = per_tile(o, lambda x: lane_major(x, tile // lanes))
   return o[:, :n], lse[:, :n]
 
 
@@ -271,21 +254,17 @@ def sparse_attention(q, kv_cache, slots, *, scale, kv_lora_rank=512, k_scale=Non
     raise ValueError("a float8_e4m3fn cache needs k_scale")
   if k_scale is not None and jnp.ndim(k_scale) != 0:
     raise ValueError(f"k_scale must be a scalar, got shape {jnp.shape(k_scale)}")
-  if fp8 and min(lora, rope) < 16 * FP8_LANES:
-    raise ValueError(f"an fp8 cache is read in pairs of values, so kv_lora_rank ({lora}) and the "
-                     f"rope dim ({rope}) must be >= {16 * FP8_LANES}")
+  if fp8 and kv_cache.size > _MAX_FP8_ELEMENTS:
+    raise ValueError(f"a float8_e4m3fn cache of {kv_cache.size} elements is over the "
+                     f"{_MAX_FP8_ELEMENTS} that int32 offsets reach (Pallas-Triton lowering)")
   if fp8 or kv_cache.dtype == q.dtype:
     compute_dtype = q.dtype  # fp8 -> bf16/f16/f32 is exact
   else:
     compute_dtype = jnp.promote_types(q.dtype, kv_cache.dtype)
   flat = kv_cache.reshape(-1, kv_cache.shape[2])
-  lanes = FP8_LANES if fp8 else 1
-  if fp8:
-    flat = e4m3_words(flat)
   # The same array serves the nope columns [0, L) and the rope columns [L, L+R).
-  return _sparse_call(q, slots, (flat, flat), scale=scale, lora=lora, rope_col=lora // lanes,
-                      tile=lora, fp8=fp8, rope_lanes=lanes, compute_dtype=compute_dtype,
-                      has_tile_scales=False, k_scale=k_scale,
+  return _sparse_call(q, slots, (flat, flat), scale=scale, lora=lora, rope_col=lora, tile=lora,
+                      fp8=fp8, compute_dtype=compute_dtype, has_tile_scales=False, k_scale=k_scale,
                       num_splits=num_splits, block_h=block_h, block_k=block_k, num_warps=num_warps,
                       num_stages=num_stages, interpret=interpret, name="sparse_latent")
 
@@ -311,10 +290,12 @@ def sparse_attention_fp8_ds_mla(q, nope, tile_scales, rope, slots, *, scale, num
                      f"[NB, BS, L/{DS_MLA_TILE}] f32, rope [NB, BS, R] bf16 and q [T, N, L+R]; got "
                      f"{nope.dtype.name}{nope.shape}, {tile_scales.dtype.name}{tile_scales.shape}, "
                      f"{rope.dtype.name}{rope.shape}, q {q.shape}")
+  if nope.size > _MAX_FP8_ELEMENTS:
+    raise ValueError(f"an fp8 nope cache of {nope.size} elements is over the {_MAX_FP8_ELEMENTS} "
+                     "that int32 offsets reach (Pallas-Triton lowering)")
   flat = lambda x: x.reshape(nb * page, x.shape[-1])
-  return _sparse_call(q, slots, (e4m3_words(flat(nope)), flat(rope), flat(tile_scales)), scale=scale,
-                      lora=lora, rope_col=0, tile=DS_MLA_TILE, fp8=True, rope_lanes=1,
-                      compute_dtype=q.dtype,
+  return _sparse_call(q, slots, (flat(nope), flat(rope), flat(tile_scales)), scale=scale, lora=lora,
+                      rope_col=0, tile=DS_MLA_TILE, fp8=True, compute_dtype=q.dtype,
                       has_tile_scales=True, k_scale=None, num_splits=num_splits, block_h=block_h,
                       block_k=block_k, num_warps=num_warps, num_stages=num_stages,
                       interpret=interpret, name="sparse_ds_mla")

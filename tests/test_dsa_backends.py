@@ -1,5 +1,8 @@
 """Every backend's DSA functions against the float64 oracles; Pallas runs in interpret mode on CPUs."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -49,8 +52,6 @@ class TestPallasTritonSparseAttention(SparseAttentionContract):
       (lambda a: {**a, "kv_cache": a["kv_cache"][..., :-16]}, "kv_cache"),
       (lambda a: {**a, "kv_cache": a["kv_cache"].astype(jnp.int8)}, "cache dtype"),
       (lambda a: {**a, "kv_cache": a["kv_cache"].astype(jnp.float8_e4m3fn)}, "needs k_scale"),
-      (lambda a: {**a, "q": a["q"][..., :-48], "k_scale": 1.0,
-                  "kv_cache": a["kv_cache"][..., :-48].astype(jnp.float8_e4m3fn)}, "pairs"),
       (lambda a: {**a, "block_k": 24}, "block_k"),
       (lambda a: {**a, "block_h": 8}, "block_h"),
       (lambda a: {**a, "num_splits": 0}, "num_splits"),
@@ -69,6 +70,14 @@ class TestPallasTritonSparseAttention(SparseAttentionContract):
     with pytest.raises(ValueError, match="tile_scales"):
       pallas_sparse.sparse_attention_fp8_ds_mla(q, nope, jnp.zeros((4, 16, 2), jnp.float32), rope,
                                                 slots, scale=0.1, interpret=True)
+
+  def test_fp8_cache_past_int32_offsets_raises(self):
+    q = jax.ShapeDtypeStruct((1, 16, 576), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((2 ** 16, 64, 576), jnp.float8_e4m3fn)
+    slots = jax.ShapeDtypeStruct((1, 64), jnp.int32)
+    with pytest.raises(ValueError, match="int32 offsets"):
+      jax.eval_shape(functools.partial(pallas_sparse.sparse_attention, scale=0.1, k_scale=1.0), q,
+                     cache, slots)
 
 
 class TestPallasTritonIndexer(IndexerContract):
