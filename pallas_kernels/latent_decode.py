@@ -272,13 +272,13 @@ def latent_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank=51
                                                   sm_count())
   if n % block_h:
     q = jnp.pad(q, ((0, 0), (0, num_head_blocks * block_h - n), (0, 0)))
-  lanes = 1
-  if kv_cache.dtype.name == "float8_e4m3fn" or kv_cache.dtype == q.dtype:
+  fp8 = kv_cache.dtype.name == "float8_e4m3fn"
+  if fp8 or kv_cache.dtype == q.dtype:
     compute_dtype = q.dtype  # fp8 -> bf16/f16/f32 is exact
   else:
     compute_dtype = jnp.promote_types(q.dtype, kv_cache.dtype)
-  if kv_cache.dtype.name == "float8_e4m3fn":
-    lanes = _FP8_LANES
+  lanes = _FP8_LANES if fp8 else 1
+  if fp8:
     q = jnp.concatenate([_lane_major(q[..., :lora], lanes), _lane_major(q[..., lora:], lanes)], -1)
     kv_cache = lax.bitcast_convert_type(
         kv_cache.reshape(*kv_cache.shape[:2], d // lanes, lanes), jnp.uint16)
