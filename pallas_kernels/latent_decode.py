@@ -178,6 +178,35 @@ def _lane_major(x, lanes):
   return x.reshape(*x.shape[:-1], -1, lanes).swapaxes(-1, -2).reshape(x.shape)
 
 
+def split_kv_call(kernel, q, others, *, block_h, splits, lora, num_warps, num_stages, interpret,
+                  name):
+  """Stage 1 over the grid (head blocks, splits, tokens), then stage 2; shared by the split-KV kernels.
+
+  kernel(q_ref [block_h, D], *refs of `others` whole, o_ref [block_h, lora], lse_ref [block_h]);
+  q [T, Np, D] with Np a multiple of block_h. Returns o [T, Np, lora] in q.dtype and lse [T, Np].
+  """
+  t, np_, d = q.shape
+  out_dtype = q.dtype if splits == 1 else jnp.float32
+  whole = lambda x: pl.BlockSpec(x.shape, lambda h, s, i: (0,) * x.ndim)
+  # Head blocks vary fastest so the programs reading the same cache rows run together and share L2.
+  o_parts, lse_parts = pl.pallas_call(
+      kernel,
+      grid=(np_ // block_h, splits, t),
+      in_specs=[pl.BlockSpec((None, block_h, d), lambda h, s, i: (i, h, 0))]
+               + [whole(x) for x in others],
+      out_specs=[pl.BlockSpec((None, None, block_h, lora), lambda h, s, i: (i, s, h, 0)),
+                 pl.BlockSpec((None, None, block_h), lambda h, s, i: (i, s, h))],
+      out_shape=[jax.ShapeDtypeStruct((t, splits, np_, lora), out_dtype),
+                 jax.ShapeDtypeStruct((t, splits, np_), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name=name,
+  )(q, *others)
+  if splits == 1:
+    return o_parts[:, 0], lse_parts[:, 0]
+  return merge_splits(o_parts, lse_parts, q.dtype)
+
+
 def merge_splits(o_parts, lse_parts, out_dtype):
   """Stage 2: o_parts [T, S, N, L] f32, lse_parts [T, S, N] -> (o [T, N, L], lse [T, N]).
 
@@ -285,34 +314,15 @@ def latent_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank=51
   # Triton blocks hold a power-of-two element count: a page that is not a power of two is walked in
   # steps of its largest power-of-two divisor.
   step = block_n or min(cfg_n, page & -page)
-  np_ = num_head_blocks * block_h
-  out_dtype = q.dtype if splits == 1 else jnp.float32
   k_scale_args = () if k_scale is None else (jnp.asarray(k_scale, jnp.float32).reshape(1),)
 
   kernel = functools.partial(_stage1_kernel, scale=scale, lora=lora, rope=rope, step=step,
                              num_splits=splits, has_k_scale=k_scale is not None,
                              compute_dtype=compute_dtype, lanes=lanes)
-  whole = lambda x: pl.BlockSpec(x.shape, lambda h, s, i: (0,) * x.ndim)
-  # Head blocks vary fastest so the programs reading the same pages run together and share L2.
-  o_parts, lse_parts = pl.pallas_call(
-      kernel,
-      grid=(num_head_blocks, splits, t),
-      in_specs=[pl.BlockSpec((None, block_h, d), lambda h, s, i: (i, h, 0)),
-                whole(kv_cache), whole(block_tables), whole(seq_lens)]
-               + [whole(a) for a in k_scale_args],
-      out_specs=[pl.BlockSpec((None, None, block_h, lora), lambda h, s, i: (i, s, h, 0)),
-                 pl.BlockSpec((None, None, block_h), lambda h, s, i: (i, s, h))],
-      out_shape=[jax.ShapeDtypeStruct((t, splits, np_, lora), out_dtype),
-                 jax.ShapeDtypeStruct((t, splits, np_), jnp.float32)],
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-      interpret=interpret,
-      name=f"latent_decode_h{block_h}_p{page}_s{splits}",
-  )(q, kv_cache, block_tables, seq_lens, *k_scale_args)
-
-  if splits == 1:
-    o, lse = o_parts[:, 0], lse_parts[:, 0]
-  else:
-    o, lse = merge_splits(o_parts, lse_parts, q.dtype)
+  o, lse = split_kv_call(kernel, q, (kv_cache, block_tables, seq_lens, *k_scale_args),
+                         block_h=block_h, splits=splits, lora=lora, num_warps=num_warps,
+                         num_stages=num_stages, interpret=interpret,
+                         name=f"latent_decode_h{block_h}_p{page}_s{splits}")
   if lanes > 1:
     o = _lane_major(o, lora // lanes)  # the inverse reorder: lanes x words -> words x lanes
   return o[:, :n], lse[:, :n]

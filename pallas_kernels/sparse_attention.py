@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.latent_decode import default_num_kv_splits, is_pow2, merge_splits, sm_count
+from pallas_kernels.latent_decode import default_num_kv_splits, is_pow2, sm_count, split_kv_call
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -202,35 +202,16 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, rope_col, tile, fp8, comp
   extent = jnp.max(jnp.where(valid, jnp.arange(1, k + 1, dtype=jnp.int32), 0), axis=1)
   splits = num_splits or default_num_kv_splits(t, num_head_blocks, k, sm_count())
   splits = min(splits, k // block_k)
-  out_dtype = q.dtype if splits == 1 else jnp.float32
   k_scale_args = () if k_scale is None else (jnp.asarray(k_scale, jnp.float32).reshape(1),)
 
   kernel = functools.partial(
       _kernel, scale=scale, lora=lora, rope=lora_rope, rope_col=rope_col, tile=tile,
       block_k=block_k, num_splits=splits, has_tile_scales=has_tile_scales,
       has_k_scale=k_scale is not None, compute_dtype=compute_dtype)
-  whole = lambda x: pl.BlockSpec(x.shape, lambda h, s, i: (0,) * x.ndim)
-  nope, rope_src, *scales = cache_args
-  inputs = (q, slots, extent, nope, rope_src, *scales, *k_scale_args)
-  # Head blocks vary fastest so the programs gathering the same rows run together and share L2.
-  o_parts, lse_parts = pl.pallas_call(
-      kernel,
-      grid=(num_head_blocks, splits, t),
-      in_specs=[pl.BlockSpec((None, block_h, d), lambda h, s, i: (i, h, 0))]
-               + [whole(x) for x in inputs[1:]],
-      out_specs=[pl.BlockSpec((None, None, block_h, lora), lambda h, s, i: (i, s, h, 0)),
-                 pl.BlockSpec((None, None, block_h), lambda h, s, i: (i, s, h))],
-      out_shape=[jax.ShapeDtypeStruct((t, splits, np_, lora), out_dtype),
-                 jax.ShapeDtypeStruct((t, splits, np_), jnp.float32)],
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-      interpret=interpret,
-      name=f"{name}_h{block_h}_k{block_k}_s{splits}",
-  )(*inputs)
-
-  if splits == 1:
-    o, lse = o_parts[:, 0], lse_parts[:, 0]
-  else:
-    o, lse = merge_splits(o_parts, lse_parts, q.dtype)
+  o, lse = split_kv_call(kernel, q, (slots, extent, *cache_args, *k_scale_args),
+                         block_h=block_h, splits=splits, lora=lora, num_warps=num_warps,
+                         num_stages=num_stages, interpret=interpret,
+                         name=f"{name}_h{block_h}_k{block_k}_s{splits}")
   return o[:, :n], lse[:, :n]
 
 
