@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from benchmarks.common import rates, time_ms, write_results
 from mla_jax import reference
+from pallas_kernels import common as kernel_common
 from pallas_kernels import latent_decode as kernel
 from pallas_kernels import mosaic_decode as mosaic
 
@@ -94,7 +95,8 @@ def run_case(args, batch, heads, seq, dtype_name):
     return rows
 
   block_h, block_n, warps, stages = kernel.tuned_config(heads, args.page, kernel.operand_kind(jnp.bfloat16, dtype))
-  splits = kernel.default_num_kv_splits(batch, -(-heads // block_h), seq, kernel.sm_count())
+  splits = kernel_common.default_num_kv_splits(batch, -(-heads // block_h), seq,
+                                               kernel_common.sm_count())
   row = {**base, "config": f"h{block_h} n{block_n} w{warps} s{stages} k{splits}",
          **rates(timed(kernel_fn()), bytes_moved=case_bytes, flops=flops)}
   if dtype_name == "bf16" and not args.no_mosaic:

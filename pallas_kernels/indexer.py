@@ -25,12 +25,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.latent_decode import is_pow2, next_pow2
+from pallas_kernels.common import F8, MAX_FP8_ELEMENTS, is_pow2, next_pow2
 
-_F8 = jnp.float8_e4m3fn
 _DTYPES = ("float8_e4m3fn", "bfloat16", "float16", "float32")
-# As in sparse attention: offsets are int32 up to 2**32 bytes, which reach 2**31 1-byte elements.
-_MAX_FP8_ELEMENTS = 2 ** 31
 
 # (block_n, chunk, num_warps, num_stages). 128 keys per product keep the [H, block_n] float32
 # scores at 64 registers a thread for H=64 on 4 warps (sm_90: 183 registers, no spills); 2048
@@ -111,8 +108,8 @@ def indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens, *, bl
     raise ValueError(f"weights and k_scales must be float32, block_tables and seq_lens int32; got "
                      f"{weights.dtype.name}, {k_scales.dtype.name}, {block_tables.dtype.name}, "
                      f"{seq_lens.dtype.name}")
-  if k_values.dtype == _F8 and k_values.size > _MAX_FP8_ELEMENTS:
-    raise ValueError(f"an fp8 K cache of {k_values.size} elements is over the {_MAX_FP8_ELEMENTS} "
+  if k_values.dtype == F8 and k_values.size > MAX_FP8_ELEMENTS:
+    raise ValueError(f"an fp8 K cache of {k_values.size} elements is over the {MAX_FP8_ELEMENTS} "
                      "that int32 offsets reach (Pallas-Triton lowering)")
   for name, v in (("block_n", block_n), ("chunk", chunk)):
     if v is not None and not (is_pow2(v) and v >= 16):
@@ -126,10 +123,10 @@ def indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens, *, bl
   if t == 0 or span == 0:  # Triton cannot take a zero-sized grid
     return jnp.full((t, span), -jnp.inf, jnp.float32)
 
-  if q.dtype == _F8 and k_values.dtype == _F8 and not widen_fp8:
-    dot_dtype = _F8
+  if q.dtype == F8 and k_values.dtype == F8 and not widen_fp8:
+    dot_dtype = F8
   else:  # widen fp8 (exactly) to the other side's type
-    widen = lambda x: jnp.bfloat16 if x == _F8 else x
+    widen = lambda x: jnp.bfloat16 if x == F8 else x
     dot_dtype = jnp.promote_types(widen(q.dtype), widen(k_values.dtype))
   # Zero q rows and weights for the padded heads: relu(0) * 0 adds nothing.
   hp = max(16, next_pow2(h))

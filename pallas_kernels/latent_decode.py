@@ -18,7 +18,6 @@ Pure arrays in and out; no dependency on the rest of the project.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -26,13 +25,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
-# Running max before any visible key: finite, so exp2(m_old - m_new) stays 0 or 1, never NaN.
-_M_INIT = -1e30
-_H200_SMS = 132
-_Q_DTYPES = ("bfloat16", "float16", "float32")
-_CACHE_DTYPES = _Q_DTYPES + ("float8_e4m3fn",)
+from pallas_kernels.common import (FLOAT_DTYPES, LATENT_CACHE_DTYPES, LN2, LOG2E, M_INIT,
+                                   check_decode_shapes, default_num_kv_splits, is_pow2, sm_count,
+                                   split_kv_call)
 
 # (block_h, block_n, num_warps, num_stages) by (largest head count it is for, page size, operand
 # kind: "16bit", "fp8" cache, or "32bit" (float32 q or cache)); the first row whose head count covers
@@ -59,14 +54,6 @@ _TUNING = (
 _FP8_LANES = 2
 
 
-def is_pow2(x: int) -> bool:
-  return x > 0 and x & (x - 1) == 0
-
-
-def next_pow2(x: int) -> int:
-  return 1 << max(0, x - 1).bit_length()
-
-
 def operand_kind(q_dtype, cache_dtype) -> str:
   """The tuning table's operand kind for these dtypes."""
   if jnp.dtype(q_dtype).itemsize == 4 or jnp.dtype(cache_dtype).itemsize == 4:
@@ -83,27 +70,6 @@ def tuned_config(num_heads: int, page_size: int, kind: str = "16bit"):
   raise AssertionError("the tuning table ends with a catch-all row per page size")
 
 
-def sm_count() -> int:
-  device = jax.devices()[0]
-  if device.platform != "gpu":
-    return _H200_SMS  # interpret mode: pick what the H200 would
-  return getattr(device, "core_count", None) or _H200_SMS
-
-
-def default_num_kv_splits(num_tokens: int, num_head_blocks: int, max_len: int,
-                          sm_count: int = _H200_SMS) -> int:
-  """vLLM's rule on a static length bound, capped so the grid holds about 2 programs per SM.
-
-  vLLM's `min(next_pow2(max(1, max_len // 512)), 2 * SMs)` alone grows with the length even when
-  tokens x head blocks already fill the GPU, and every extra split costs a float32 partial output
-  write and read (measured at B=128, S=8192: N=16 fastest at 2-4 splits and 23% slower at 32, N=128
-  fastest at 1-2 and 46% slower at 32).
-  """
-  vllm = min(next_pow2(max(1, max_len // 512)), 2 * sm_count)
-  fill = next_pow2(-(-2 * sm_count // max(1, num_tokens * num_head_blocks)))
-  return max(1, min(vllm, fill))
-
-
 def _stage1_kernel(q_ref, kv_ref, bt_ref, len_ref, *rest, scale, lora, rope, step, num_splits,
                    has_k_scale, compute_dtype, lanes):
   # q_ref [block_h, L+R] (lane-major columns when lanes > 1); kv_ref [num_blocks, page, (L+R)/lanes]
@@ -118,7 +84,7 @@ def _stage1_kernel(q_ref, kv_ref, bt_ref, len_ref, *rest, scale, lora, rope, ste
   k_scale = ks_ref[0][0] if has_k_scale else 1.0
   # Folding log2(e) in lets the softmax use exp2; the per-tensor fp8 scale is linear, so it scales
   # the logits here and the output at the end instead of every cache element.
-  qk_scale = scale * _LOG2E * k_scale
+  qk_scale = scale * LOG2E * k_scale
 
   length = jnp.clip(len_ref[t], 0, max_blocks * page)
   num_steps = pl.cdiv(length, step)
@@ -163,78 +129,19 @@ def _stage1_kernel(q_ref, kv_ref, bt_ref, len_ref, *rest, scale, lora, rope, ste
                         for a, k in zip(acc, k_nope)])
 
   block_h = q_ref.shape[0]
-  init = (jnp.full((block_h,), _M_INIT, jnp.float32), jnp.zeros((block_h,), jnp.float32),
+  init = (jnp.full((block_h,), M_INIT, jnp.float32), jnp.zeros((block_h,), jnp.float32),
           *[jnp.zeros((block_h, lora_w), jnp.float32)] * lanes)
   m, l, *acc = lax.fori_loop(first, last, body, init)
   seen = l > 0
   l_safe = jnp.where(seen, l, 1.0)
   for j, a in enumerate(acc):
     o_ref[:, pl.ds(j * lora_w, lora_w)] = (a * (k_scale / l_safe)[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+  lse_ref[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
 
 
 def _lane_major(x, lanes):
   """Reorders the last axis from (words, lanes) to (lanes, words): column w*lanes+j -> j*words+w."""
   return x.reshape(*x.shape[:-1], -1, lanes).swapaxes(-1, -2).reshape(x.shape)
-
-
-def split_kv_call(kernel, q, others, *, block_h, splits, lora, num_warps, num_stages, interpret,
-                  name):
-  """Stage 1 over the grid (head blocks, splits, tokens), then stage 2; shared by the split-KV kernels.
-
-  kernel(q_ref [block_h, D], *refs of `others` whole, o_ref [block_h, lora], lse_ref [block_h]);
-  q [T, Np, D] with Np a multiple of block_h. Returns o [T, Np, lora] in q.dtype and lse [T, Np].
-  """
-  t, np_, d = q.shape
-  out_dtype = q.dtype if splits == 1 else jnp.float32
-  whole = lambda x: pl.BlockSpec(x.shape, lambda h, s, i: (0,) * x.ndim)
-  # Head blocks vary fastest so the programs reading the same cache rows run together and share L2.
-  o_parts, lse_parts = pl.pallas_call(
-      kernel,
-      grid=(np_ // block_h, splits, t),
-      in_specs=[pl.BlockSpec((None, block_h, d), lambda h, s, i: (i, h, 0))]
-               + [whole(x) for x in others],
-      out_specs=[pl.BlockSpec((None, None, block_h, lora), lambda h, s, i: (i, s, h, 0)),
-                 pl.BlockSpec((None, None, block_h), lambda h, s, i: (i, s, h))],
-      out_shape=[jax.ShapeDtypeStruct((t, splits, np_, lora), out_dtype),
-                 jax.ShapeDtypeStruct((t, splits, np_), jnp.float32)],
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-      interpret=interpret,
-      name=name,
-  )(q, *others)
-  if splits == 1:
-    return o_parts[:, 0], lse_parts[:, 0]
-  return merge_splits(o_parts, lse_parts, q.dtype)
-
-
-def merge_splits(o_parts, lse_parts, out_dtype):
-  """Stage 2: o_parts [T, S, N, L] f32, lse_parts [T, S, N] -> (o [T, N, L], lse [T, N]).
-
-  Plain XLA, which fuses it into one reduction reading each partial once (a Pallas merge was not
-  timed against it). A split or row that saw nothing (lse -inf) gets weight 0.
-  """
-  m = lse_parts.max(axis=1)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  w = jnp.exp(lse_parts - m[:, None])
-  total = w.sum(axis=1)
-  safe = jnp.where(total > 0, total, 1.0)
-  o = (w[..., None] * o_parts).sum(axis=1) / safe[..., None]
-  return o.astype(out_dtype), jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
-
-
-def check_decode_shapes(q, kv_cache, block_tables, seq_lens):
-  """The decode contract's shapes, shared by every decode kernel; returns (T, D, page)."""
-  if q.ndim != 3 or kv_cache.ndim != 3 or block_tables.ndim != 2 or seq_lens.ndim != 1:
-    raise ValueError(f"want q [T, N, D], kv_cache [num_blocks, page, D], block_tables [T, max_blocks], "
-                     f"seq_lens [T]; got {q.shape}, {kv_cache.shape}, {block_tables.shape}, "
-                     f"{seq_lens.shape}")
-  t, _, d = q.shape
-  if block_tables.shape[0] != t or seq_lens.shape[0] != t:
-    raise ValueError(f"block_tables and seq_lens need one row per query token ({t}); got "
-                     f"{block_tables.shape[0]} and {seq_lens.shape[0]}")
-  if kv_cache.shape[2] != d:
-    raise ValueError(f"q head dim {d} != cache row width {kv_cache.shape[2]}")
-  return t, d, kv_cache.shape[1]
 
 
 def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits, block_h,
@@ -246,10 +153,10 @@ def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_sp
                      "both powers of two >= 16 (Triton loads power-of-two blocks)")
   if page % 16:
     raise ValueError(f"page size must be a multiple of 16, got {page}")
-  if q.dtype.name not in _Q_DTYPES:
-    raise ValueError(f"q dtype must be one of {_Q_DTYPES}, got {q.dtype.name}")
-  if kv_cache.dtype.name not in _CACHE_DTYPES:
-    raise ValueError(f"cache dtype must be one of {_CACHE_DTYPES}, got {kv_cache.dtype.name}")
+  if q.dtype.name not in FLOAT_DTYPES:
+    raise ValueError(f"q dtype must be one of {FLOAT_DTYPES}, got {q.dtype.name}")
+  if kv_cache.dtype.name not in LATENT_CACHE_DTYPES:
+    raise ValueError(f"cache dtype must be one of {LATENT_CACHE_DTYPES}, got {kv_cache.dtype.name}")
   if block_tables.dtype != jnp.int32 or seq_lens.dtype != jnp.int32:
     raise ValueError(f"block_tables and seq_lens must be int32, got {block_tables.dtype.name} and "
                      f"{seq_lens.dtype.name}")

@@ -12,7 +12,6 @@ Pure arrays in and out: no dependency on the rest of the project.
 from __future__ import annotations
 
 import functools
-import math
 import operator
 
 import jax
@@ -21,11 +20,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.latent_decode import is_pow2
+from pallas_kernels.common import FLOAT_DTYPES, LN2, LOG2E, check_prefill_args, is_pow2
 
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
-_DTYPES = ("bfloat16", "float16", "float32")
 
 # (Dk, Dv, itemsize) -> (block_q, block_k, num_warps, num_stages). 16-bit: fastest of 9 variants
 # on the H200 at N=128, 16384 tokens (benchmarks/RESULTS.md, MLA prefill): 353-355 TFLOP/s against
@@ -64,7 +60,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, 
   q_len = jnp.where(pad, q_ref.shape[0], cu_q_ref[nxt]) - q_start
   k_len = jnp.where(pad, 0, cu_k_ref[nxt] - k_start)
   diag = k_len - q_len  # row i sees keys j <= i + diag when causal
-  qk_scale = scale * _LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
+  qk_scale = scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
   dot = functools.partial(plgpu.dot, precision=lax.Precision.HIGHEST)  # IEEE for f32, not TF32
 
   def attend(qs):
@@ -115,7 +111,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, 
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
     o = acc / l_safe[:, None]
-    lse = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+    lse = jnp.where(seen, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
     plgpu.store(o_ref.at[q_rows, h, :], o.astype(o_ref.dtype), mask=row_ok[:, None])
     plgpu.store(lse_ref.at[q_rows, h], lse, mask=row_ok)
 
@@ -131,29 +127,8 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, 
   lax.fori_loop(0, trips, q_block, 0)
 
 
-def check_prefill_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dtypes):
-  """The prefill contract's shapes and dtypes, shared by every prefill kernel."""
-  if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
-    raise ValueError(f"q, k, v must be [T, N, D]; got {q.shape}, {k.shape}, {v.shape}")
-  if not (q.dtype == k.dtype == v.dtype) or q.dtype.name not in dtypes:
-    raise ValueError(f"q, k, v must share one dtype of {dtypes}; got {q.dtype}, {k.dtype}, {v.dtype}")
-  if k.shape[:2] != v.shape[:2] or q.shape[1] != k.shape[1] or q.shape[2] != k.shape[2]:
-    raise ValueError(f"need q [Tq,N,Dk], k [Tk,N,Dk], v [Tk,N,Dv]; got {q.shape}, {k.shape}, {v.shape}")
-  for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-    if cu.ndim != 1 or cu.shape[0] < 1 or cu.dtype != jnp.int32:
-      raise ValueError(f"{name} must be int32 [R+1]; got {cu.dtype} {cu.shape}")
-  if cu_seqlens_q.shape != cu_seqlens_k.shape:
-    raise ValueError(f"cu_seqlens_q and cu_seqlens_k differ in length: {cu_seqlens_q.shape} vs "
-                     f"{cu_seqlens_k.shape}")
-  if not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
-    raise ValueError(f"max_seqlen_q must be a static int >= 0; got {max_seqlen_q!r}")
-  if max(q.size, k.size, v.size) >= 2**31:
-    raise ValueError("arrays of 2**31 or more elements overflow the kernel's int32 offsets; split "
-                     "the call")
-
-
 def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_q, block_k):
-  check_prefill_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, _DTYPES)
+  check_prefill_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, FLOAT_DTYPES)
   if _column_parts(q.shape[2]) is None:
     raise ValueError(f"Dk must be a power of two >= 16 or a sum of two; got {q.shape[2]}")
   if not (is_pow2(v.shape[2]) and v.shape[2] >= 16):

@@ -31,7 +31,6 @@ which also runs on a CPU, checks the GPU form.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -39,13 +38,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.latent_decode import (check_decode_shapes, default_num_kv_splits, merge_splits,
-                                          sm_count)
+from pallas_kernels.common import (LN2, LOG2E, M_INIT, check_decode_shapes, default_num_kv_splits,
+                                   merge_splits, row_broadcast, sm_count, swizzled)
 
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
-# Running max before any visible key: finite, so exp2(m_old - m_new) stays 0 or 1, never NaN.
-_M_INIT = -1e30
 _TILE_H = 64  # heads per program: the M of every Hopper wgmma
 _STEP = 64  # cache rows per bulk copy and per step: N of S = Q K^T, K of P V (one swizzle tile)
 _STAGES = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -56,21 +51,9 @@ _VALUE_WGS = 2  # warpgroups sharing the value columns; warpgroup 0 also compute
 _CHUNK = 128
 _MAX_WGMMA_N = 256
 PAGE_MULTIPLE = _STEP  # pages hold whole steps
-_SWIZZLE = 128  # bytes: the widest swizzle; wgmma operands and bulk copies use the same layout
 _CONSUMER_REGS = 232  # 2 x 232 + 40 (memory warpgroup) registers x 128 threads fit the 64K file
 _MEMORY_REGS = 40
 _MAX_HEAD_DIM = 576  # 3 x 64 rows x D bf16 + P must fit in shared memory
-
-
-def _swizzled(shape, dtype):
-  """A shared-memory buffer in the tiled, 128-byte-swizzled layout that wgmma reads."""
-  elems = _SWIZZLE // jnp.dtype(dtype).itemsize
-  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)),
-                                              plgpu.SwizzleTransform(_SWIZZLE)))
-
-
-def _row_broadcast(x, shape):
-  return lax.broadcast_in_dim(x, shape, [0])
 
 
 def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_smem, row_smem,
@@ -93,7 +76,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_sm
   # Value columns per P V product: all of a warpgroup's when it accumulates in place (wgmma's N is
   # at most 256), else _CHUNK-wide fresh accumulators.
   width = half if in_place and half <= _MAX_WGMMA_N else _CHUNK
-  qk_scale = scale * _LOG2E  # log2(e) folded in: the softmax runs on exp2
+  qk_scale = scale * LOG2E  # log2(e) folded in: the softmax runs on exp2
 
   length = jnp.minimum(jnp.maximum(len_ref[t], 0), max_blocks * page)
   num_steps = lax.div(length + (_STEP - 1), _STEP)
@@ -126,7 +109,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_sm
     out = []
     for c, part in enumerate(acc):
       values = kv_smem.at[slot, :, pl.ds(w * half + c * width, width)]  # [64 rows, width]
-      scaled = part * _row_broadcast(alpha, part.shape)
+      scaled = part * row_broadcast(alpha, part.shape)
       if in_place:
         def product(acc_ref, values=values):  # acc_ref [64, width] f32, the running sum
           plgpu.wgmma(acc_ref, p_smem if p is None else p, values)
@@ -154,7 +137,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_sm
     inv = 1.0 / jnp.where(l > 0, l, 1.0)
     for c, part in enumerate(acc):
       o_smem[w, :, pl.ds(c * width, width)] = (
-          part * _row_broadcast(inv, part.shape)).astype(o_smem.dtype)
+          part * row_broadcast(inv, part.shape)).astype(o_smem.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem.at[w],
                             o_ref.at[t, split, pl.ds(h * _TILE_H, _TILE_H), pl.ds(w * half, half)])
@@ -185,7 +168,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_sm
       s = jnp.where(cols < rows, s * qk_scale, -jnp.inf)
       m_new = jnp.maximum(m, s.max(axis=1))
       alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(s - _row_broadcast(m_new, s.shape))
+      p = jnp.exp2(s - row_broadcast(m_new, s.shape))
       l = l * alpha + p.sum(axis=1)
 
       @pl.when(i > 0)
@@ -202,7 +185,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_sm
       return m_new, l, acc
 
     rows_layout = plgpu.Layout.WGMMA.reduce(1)
-    init = (plgpu.layout_cast(jnp.full((_TILE_H,), _M_INIT, jnp.float32), rows_layout),
+    init = (plgpu.layout_cast(jnp.full((_TILE_H,), M_INIT, jnp.float32), rows_layout),
             plgpu.layout_cast(jnp.zeros((_TILE_H,), jnp.float32), rows_layout), zero_acc())
     m, l, acc = lax.fori_loop(0, n, step, init)
 
@@ -217,7 +200,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_sm
     plgpu.barrier_arrive(p_ready)
     write_output(acc, l, 0)
     seen = l > 0
-    lse_smem[...] = jnp.where(seen, m * _LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+    lse_smem[...] = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[t, split, pl.ds(h * _TILE_H, _TILE_H)])
     plgpu.wait_smem_to_gmem(0)
@@ -337,10 +320,10 @@ def latent_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank=51
                 jax.ShapeDtypeStruct((t, splits, np_), jnp.float32)),
       scratch_types=(
           plgpu.RefUnion(
-              (_swizzled((_TILE_H, d), q.dtype), _swizzled((_STAGES, _STEP, d), kv_cache.dtype)),
-              (_swizzled((_VALUE_WGS, _TILE_H, kv_lora_rank // _VALUE_WGS), out_dtype),
+              (swizzled((_TILE_H, d), q.dtype), swizzled((_STAGES, _STEP, d), kv_cache.dtype)),
+              (swizzled((_VALUE_WGS, _TILE_H, kv_lora_rank // _VALUE_WGS), out_dtype),
                plgpu.SMEM((_TILE_H,), jnp.float32))),
-          _swizzled((_TILE_H, _STEP), q.dtype),
+          swizzled((_TILE_H, _STEP), q.dtype),
           plgpu.SMEM((_TILE_H,), jnp.float32),
           plgpu.Barrier(),
           plgpu.Barrier(num_barriers=_STAGES),

@@ -46,7 +46,6 @@ GPU form (wgmma operand layouts, bulk-copy boxes, the shared-memory bound).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -54,14 +53,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mla_prefill import check_prefill_args
-from pallas_kernels.mosaic_decode import _row_broadcast, _swizzled
+from pallas_kernels.common import LN2, LOG2E, M_INIT, check_prefill_args, row_broadcast, swizzled
 
 DTYPES = ("bfloat16",)  # what q, k, v may be (the wgmma operands here are 16-bit, f16 untested)
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
-# Running max before any visible key: finite, so exp2(m_old - m_new) stays 0 or 1, never NaN.
-_M_INIT = -1e30
 _TILE = 64  # query rows per compute warpgroup: the M of every Hopper wgmma
 _COMPUTE_WGS = 2
 _BLOCK_Q = _COMPUTE_WGS * _TILE  # query rows per program
@@ -123,7 +117,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
   tq, tk, dk = q_ref.shape[0], k_ref.shape[0], q_ref.shape[2]
   dv = qv_smem.shape[2]
   stages = k_smem.shape[0]
-  qk_scale = scale * _LOG2E  # log2(e) folded in: the softmax runs on exp2
+  qk_scale = scale * LOG2E  # log2(e) folded in: the softmax runs on exp2
   q_start, k_start = cu_q_ref[r], cu_k_ref[r]
   q_len = cu_q_ref[r + 1] - q_start
   k_len = cu_k_ref[r + 1] - k_start
@@ -201,8 +195,8 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
       # Scale the row max, not s: then s * qk_scale - m below is one FMA per element.
       m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
       alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(s * qk_scale - _row_broadcast(m_new, s.shape))
-      acc = acc * _row_broadcast(alpha, acc.shape)
+      p = jnp.exp2(s * qk_scale - row_broadcast(m_new, s.shape))
+      acc = acc * row_broadcast(alpha, acc.shape)
       l = l * alpha + p.sum(axis=1)
       p16 = p.astype(v_smem.dtype)
       # jax's FA3 port measured this order (sums before the turn) faster for value widths <= 128.
@@ -255,7 +249,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
       def _():
         plgpu.barrier_wait(k_ready.at[lax.rem(count, stages)])
 
-      carry = (plgpu.layout_cast(jnp.full((_TILE,), _M_INIT, jnp.float32), rows_layout),
+      carry = (plgpu.layout_cast(jnp.full((_TILE,), M_INIT, jnp.float32), rows_layout),
                plgpu.layout_cast(jnp.zeros((_TILE,), jnp.float32), rows_layout),
                plgpu.layout_cast(jnp.zeros((_TILE, dv), jnp.float32), plgpu.Layout.WGMMA),
                count)
@@ -270,8 +264,8 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
       def _():
         seen = l > 0
         l_safe = jnp.where(seen, l, 1.0)
-        qv_smem.at[wg][...] = (acc * _row_broadcast(1.0 / l_safe, acc.shape)).astype(qv_smem.dtype)
-        lse_smem.at[wg][...] = jnp.where(seen, m * _LN2 + jnp.log(l_safe), -jnp.inf)
+        qv_smem.at[wg][...] = (acc * row_broadcast(1.0 / l_safe, acc.shape)).astype(qv_smem.dtype)
+        lse_smem.at[wg][...] = jnp.where(seen, m * LN2 + jnp.log(l_safe), -jnp.inf)
         plgpu.commit_smem()
         out_row = (tile_ref[r] + lax.div(tile_row, _TILE)) * _TILE
         plgpu.copy_smem_to_gmem(qv_smem.at[wg], o_ref.at[pl.ds(out_row, _TILE), h])
@@ -411,8 +405,8 @@ def mla_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_seqle
   # The interpreter deadlocks on the turn-taking barrier once the warpgroups are a turn apart (they
   # run the same steps in lock-step without it, which gives the same results).
   ping_pong = ping_pong and not interpret
-  p_tiles = [] if p_in_registers else [_swizzled((_COMPUTE_WGS, _TILE, block_k), q.dtype)]
-  q_rest = [_swizzled((_COMPUTE_WGS, _TILE, dk - dv), q.dtype)] if dk > dv else []
+  p_tiles = [] if p_in_registers else [swizzled((_COMPUTE_WGS, _TILE, block_k), q.dtype)]
+  q_rest = [swizzled((_COMPUTE_WGS, _TILE, dk - dv), q.dtype)] if dk > dv else []
 
   # Programs launch in grid order. With many heads, heads fastest: a wave then holds one query
   # slot of many heads, blocks of equal causal work, so no heavy block starts last (H200, 16K
@@ -430,10 +424,10 @@ def mla_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_seqle
       out_type=(jax.ShapeDtypeStruct((num_tiles * _TILE, n, dv), q.dtype),
                 jax.ShapeDtypeStruct((n, num_tiles * _TILE), jnp.float32)),
       scratch_types=(
-          _swizzled((_COMPUTE_WGS, _TILE, dv), q.dtype),
+          swizzled((_COMPUTE_WGS, _TILE, dv), q.dtype),
           *q_rest,
-          _swizzled((stages, block_k, dk), k.dtype),
-          _swizzled((stages, block_k, dv), v.dtype),
+          swizzled((stages, block_k, dk), k.dtype),
+          swizzled((stages, block_k, dv), v.dtype),
           *p_tiles,
           plgpu.SMEM((_COMPUTE_WGS, _TILE), jnp.float32),
           plgpu.Barrier(num_barriers=2 * _COMPUTE_WGS),

@@ -21,7 +21,6 @@ Pure arrays in and out; no dependency on the rest of the project.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -29,19 +28,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.latent_decode import default_num_kv_splits, is_pow2, sm_count, split_kv_call
+from pallas_kernels.common import (F8, FLOAT_DTYPES, LATENT_CACHE_DTYPES, LN2, LOG2E, M_INIT,
+                                   MAX_FP8_ELEMENTS, default_num_kv_splits, is_pow2, sm_count, split_kv_call)
 
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
-# Running max before any valid slot: finite, so exp2(m_old - m_new) stays 0 or 1, never NaN.
-_M_INIT = -1e30
-_Q_DTYPES = ("bfloat16", "float16", "float32")
-_LATENT_DTYPES = _Q_DTYPES + ("float8_e4m3fn",)
-_F8 = jnp.float8_e4m3fn
 DS_MLA_TILE = 128  # fp8_ds_mla: one scale per 128 latent values
-# Pallas-Triton (jax 0.11.2) picks 64-bit offsets only for arrays over 2**32 bytes, but offsets count
-# elements: int32 offsets reach 2**31 elements, so a larger 1-byte array would be read out of bounds.
-_MAX_FP8_ELEMENTS = 2 ** 31
 
 # (block_h, block_k, num_warps, num_stages) by (largest head count it is for, operand kind as in
 # latent_decode.operand_kind); the first row whose head count covers N wins. Not timed yet. bf16: latent decode's H200 configs
@@ -94,7 +84,7 @@ def _kernel(q_ref, slots_ref, extent_ref, nope_ref, rope_ref, *rest, scale, lora
   dot = functools.partial(plgpu.dot, precision=precision)
   # exp2 softmax with log2(e) folded in; a per-tensor fp8 scale is linear, so it scales the logits
   # here and the output at the end instead of every cache element.
-  qk_scale = scale * _LOG2E * k_scale
+  qk_scale = scale * LOG2E * k_scale
 
   num_steps = pl.cdiv(extent_ref[t], block_k)
   per_split = pl.cdiv(num_steps, num_splits)
@@ -139,14 +129,14 @@ def _kernel(q_ref, slots_ref, extent_ref, nope_ref, rope_ref, *rest, scale, lora
     return m_new, l, accs
 
   block_h = q_ref.shape[0]
-  init = (jnp.full((block_h,), _M_INIT, jnp.float32), jnp.zeros((block_h,), jnp.float32),
+  init = (jnp.full((block_h,), M_INIT, jnp.float32), jnp.zeros((block_h,), jnp.float32),
           tuple(jnp.zeros((block_h, tile), jnp.float32) for _ in range(num_tiles)))
   m, l, accs = lax.fori_loop(first, last, body, init)
   seen = l > 0
   l_safe = jnp.where(seen, l, 1.0)
   for j, acc in enumerate(accs):
     o_ref[:, pl.ds(j * tile, tile)] = (acc * (k_scale / l_safe)[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+  lse_ref[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
 
 
 def _check_common(q, slots, lora, rope, num_splits, block_h, block_k, num_warps, num_stages):
@@ -156,8 +146,8 @@ def _check_common(q, slots, lora, rope, num_splits, block_h, block_k, num_warps,
   if not (is_pow2(lora) and lora >= 16 and is_pow2(rope) and rope >= 16):
     raise ValueError(f"head dim {q.shape[2]} must be kv_lora_rank ({lora}) + a rope dim ({rope}), "
                      "both powers of two >= 16 (Triton loads power-of-two blocks)")
-  if q.dtype.name not in _Q_DTYPES:
-    raise ValueError(f"q dtype must be one of {_Q_DTYPES}, got {q.dtype.name}")
+  if q.dtype.name not in FLOAT_DTYPES:
+    raise ValueError(f"q dtype must be one of {FLOAT_DTYPES}, got {q.dtype.name}")
   if slots.dtype != jnp.int32:
     raise ValueError(f"slots must be int32, got {slots.dtype.name}")
   if num_splits is not None and num_splits < 1:
@@ -236,16 +226,16 @@ def sparse_attention(q, kv_cache, slots, *, scale, kv_lora_rank=512, k_scale=Non
   if kv_cache.ndim != 3 or kv_cache.shape[2] != q.shape[2]:
     raise ValueError(f"want kv_cache [num_blocks, page, {q.shape[2]}] (q's head dim), got "
                      f"{kv_cache.shape}")
-  if kv_cache.dtype.name not in _LATENT_DTYPES:
-    raise ValueError(f"cache dtype must be one of {_LATENT_DTYPES}, got {kv_cache.dtype.name}")
-  fp8 = kv_cache.dtype == _F8
+  if kv_cache.dtype.name not in LATENT_CACHE_DTYPES:
+    raise ValueError(f"cache dtype must be one of {LATENT_CACHE_DTYPES}, got {kv_cache.dtype.name}")
+  fp8 = kv_cache.dtype == F8
   if fp8 and k_scale is None:
     raise ValueError("a float8_e4m3fn cache needs k_scale")
   if k_scale is not None and jnp.ndim(k_scale) != 0:
     raise ValueError(f"k_scale must be a scalar, got shape {jnp.shape(k_scale)}")
-  if fp8 and kv_cache.size > _MAX_FP8_ELEMENTS:
+  if fp8 and kv_cache.size > MAX_FP8_ELEMENTS:
     raise ValueError(f"a float8_e4m3fn cache of {kv_cache.size} elements is over the "
-                     f"{_MAX_FP8_ELEMENTS} that int32 offsets reach (Pallas-Triton lowering)")
+                     f"{MAX_FP8_ELEMENTS} that int32 offsets reach (Pallas-Triton lowering)")
   if fp8 or kv_cache.dtype == q.dtype:
     compute_dtype = q.dtype  # fp8 -> bf16/f16/f32 is exact
   else:
@@ -272,15 +262,15 @@ def sparse_attention_fp8_ds_mla(q, nope, tile_scales, rope, slots, *, scale, num
   nb, page, lora = nope.shape
   rope_dim = rope.shape[-1]
   _check_common(q, slots, lora, rope_dim, num_splits, block_h, block_k, num_warps, num_stages)
-  if (nope.dtype != _F8 or tile_scales.dtype != jnp.float32 or rope.dtype != jnp.bfloat16
+  if (nope.dtype != F8 or tile_scales.dtype != jnp.float32 or rope.dtype != jnp.bfloat16
       or tile_scales.shape != (nb, page, lora // DS_MLA_TILE) or rope.shape[:2] != (nb, page)
       or lora % DS_MLA_TILE or q.shape[2] != lora + rope_dim):
     raise ValueError(f"want nope [NB, BS, L] e4m3 (L a multiple of {DS_MLA_TILE}), tile_scales "
                      f"[NB, BS, L/{DS_MLA_TILE}] f32, rope [NB, BS, R] bf16 and q [T, N, L+R]; got "
                      f"{nope.dtype.name}{nope.shape}, {tile_scales.dtype.name}{tile_scales.shape}, "
                      f"{rope.dtype.name}{rope.shape}, q {q.shape}")
-  if nope.size > _MAX_FP8_ELEMENTS:
-    raise ValueError(f"an fp8 nope cache of {nope.size} elements is over the {_MAX_FP8_ELEMENTS} "
+  if nope.size > MAX_FP8_ELEMENTS:
+    raise ValueError(f"an fp8 nope cache of {nope.size} elements is over the {MAX_FP8_ELEMENTS} "
                      "that int32 offsets reach (Pallas-Triton lowering)")
   flat = lambda x: x.reshape(nb * page, x.shape[-1])
   return _sparse_call(q, slots, (flat(nope), flat(rope), flat(tile_scales)), scale=scale, lora=lora,

@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.latent_decode import is_pow2, next_pow2, sm_count
+from pallas_kernels.common import is_pow2, next_pow2, sm_count
 
 _INT_MIN = -2 ** 31
 _CAP_PER_K = 4  # candidate slots per selected position

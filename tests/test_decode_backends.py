@@ -11,7 +11,8 @@ from decode_contract import L, SCALE, DecodeContract, assert_decode_close, make_
 from mla_jax import backends
 from oracles import latent_decode_np
 from pallas_kernels import mosaic_decode
-from pallas_kernels.latent_decode import default_num_kv_splits, latent_decode
+from pallas_kernels.common import default_num_kv_splits
+from pallas_kernels.latent_decode import latent_decode
 
 
 class TestReferenceDecode(DecodeContract):

@@ -1,0 +1,150 @@
+"""What several kernels share: softmax constants, dtype lists, the split-KV launch and merge, the
+decode and prefill contracts' argument checks, and Mosaic GPU shared-memory helpers.
+
+Pure arrays in and out; no dependency on the rest of the project.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plmgpu
+from jax.experimental.pallas import triton as pltriton
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# Running max before any visible key: finite, so exp2(m_old - m_new) stays 0 or 1, never NaN.
+M_INIT = -1e30
+H200_SMS = 132
+FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+LATENT_CACHE_DTYPES = FLOAT_DTYPES + ("float8_e4m3fn",)  # what the latent-cache kernels read
+F8 = jnp.float8_e4m3fn
+# Pallas-Triton (jax 0.11.2) picks 64-bit offsets only for arrays over 2**32 bytes, but offsets
+# count elements: int32 offsets reach 2**31 elements, so a larger 1-byte array would be read out of
+# bounds.
+MAX_FP8_ELEMENTS = 2 ** 31
+SWIZZLE = 128  # bytes: the widest swizzle; wgmma operands and bulk copies use the same layout
+
+
+def is_pow2(x: int) -> bool:
+  return x > 0 and x & (x - 1) == 0
+
+
+def next_pow2(x: int) -> int:
+  return 1 << max(0, x - 1).bit_length()
+
+
+def sm_count() -> int:
+  device = jax.devices()[0]
+  if device.platform != "gpu":
+    return H200_SMS  # interpret mode: pick what the H200 would
+  return getattr(device, "core_count", None) or H200_SMS
+
+
+def default_num_kv_splits(num_tokens: int, num_head_blocks: int, max_len: int,
+                          sm_count: int = H200_SMS) -> int:
+  """vLLM's rule on a static length bound, capped so the grid holds about 2 programs per SM.
+
+  vLLM's `min(next_pow2(max(1, max_len // 512)), 2 * SMs)` alone grows with the length even when
+  tokens x head blocks already fill the GPU, and every extra split costs a float32 partial output
+  write and read (measured at B=128, S=8192: N=16 fastest at 2-4 splits and 23% slower at 32, N=128
+  fastest at 1-2 and 46% slower at 32).
+  """
+  vllm = min(next_pow2(max(1, max_len // 512)), 2 * sm_count)
+  fill = next_pow2(-(-2 * sm_count // max(1, num_tokens * num_head_blocks)))
+  return max(1, min(vllm, fill))
+
+
+def split_kv_call(kernel, q, others, *, block_h, splits, lora, num_warps, num_stages, interpret,
+                  name):
+  """Stage 1 over the grid (head blocks, splits, tokens), then stage 2; shared by the split-KV kernels.
+
+  kernel(q_ref [block_h, D], *refs of `others` whole, o_ref [block_h, lora], lse_ref [block_h]);
+  q [T, Np, D] with Np a multiple of block_h. Returns o [T, Np, lora] in q.dtype and lse [T, Np].
+  """
+  t, np_, d = q.shape
+  out_dtype = q.dtype if splits == 1 else jnp.float32
+  whole = lambda x: pl.BlockSpec(x.shape, lambda h, s, i: (0,) * x.ndim)
+  # Head blocks vary fastest so the programs reading the same cache rows run together and share L2.
+  o_parts, lse_parts = pl.pallas_call(
+      kernel,
+      grid=(np_ // block_h, splits, t),
+      in_specs=[pl.BlockSpec((None, block_h, d), lambda h, s, i: (i, h, 0))]
+               + [whole(x) for x in others],
+      out_specs=[pl.BlockSpec((None, None, block_h, lora), lambda h, s, i: (i, s, h, 0)),
+                 pl.BlockSpec((None, None, block_h), lambda h, s, i: (i, s, h))],
+      out_shape=[jax.ShapeDtypeStruct((t, splits, np_, lora), out_dtype),
+                 jax.ShapeDtypeStruct((t, splits, np_), jnp.float32)],
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name=name,
+  )(q, *others)
+  if splits == 1:
+    return o_parts[:, 0], lse_parts[:, 0]
+  return merge_splits(o_parts, lse_parts, q.dtype)
+
+
+def merge_splits(o_parts, lse_parts, out_dtype):
+  """Stage 2: o_parts [T, S, N, L] f32, lse_parts [T, S, N] -> (o [T, N, L], lse [T, N]).
+
+  Plain XLA, which fuses it into one reduction reading each partial once (a Pallas merge was not
+  timed against it). A split or row that saw nothing (lse -inf) gets weight 0.
+  """
+  m = lse_parts.max(axis=1)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  w = jnp.exp(lse_parts - m[:, None])
+  total = w.sum(axis=1)
+  safe = jnp.where(total > 0, total, 1.0)
+  o = (w[..., None] * o_parts).sum(axis=1) / safe[..., None]
+  return o.astype(out_dtype), jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
+
+
+def check_decode_shapes(q, kv_cache, block_tables, seq_lens):
+  """The decode contract's shapes, shared by every decode kernel; returns (T, D, page)."""
+  if q.ndim != 3 or kv_cache.ndim != 3 or block_tables.ndim != 2 or seq_lens.ndim != 1:
+    raise ValueError(f"want q [T, N, D], kv_cache [num_blocks, page, D], block_tables [T, max_blocks], "
+                     f"seq_lens [T]; got {q.shape}, {kv_cache.shape}, {block_tables.shape}, "
+                     f"{seq_lens.shape}")
+  t, _, d = q.shape
+  if block_tables.shape[0] != t or seq_lens.shape[0] != t:
+    raise ValueError(f"block_tables and seq_lens need one row per query token ({t}); got "
+                     f"{block_tables.shape[0]} and {seq_lens.shape[0]}")
+  if kv_cache.shape[2] != d:
+    raise ValueError(f"q head dim {d} != cache row width {kv_cache.shape[2]}")
+  return t, d, kv_cache.shape[1]
+
+
+def check_prefill_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dtypes):
+  """The prefill contract's shapes and dtypes, shared by every prefill kernel."""
+  if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+    raise ValueError(f"q, k, v must be [T, N, D]; got {q.shape}, {k.shape}, {v.shape}")
+  if not (q.dtype == k.dtype == v.dtype) or q.dtype.name not in dtypes:
+    raise ValueError(f"q, k, v must share one dtype of {dtypes}; got {q.dtype}, {k.dtype}, {v.dtype}")
+  if k.shape[:2] != v.shape[:2] or q.shape[1] != k.shape[1] or q.shape[2] != k.shape[2]:
+    raise ValueError(f"need q [Tq,N,Dk], k [Tk,N,Dk], v [Tk,N,Dv]; got {q.shape}, {k.shape}, {v.shape}")
+  for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+    if cu.ndim != 1 or cu.shape[0] < 1 or cu.dtype != jnp.int32:
+      raise ValueError(f"{name} must be int32 [R+1]; got {cu.dtype} {cu.shape}")
+  if cu_seqlens_q.shape != cu_seqlens_k.shape:
+    raise ValueError(f"cu_seqlens_q and cu_seqlens_k differ in length: {cu_seqlens_q.shape} vs "
+                     f"{cu_seqlens_k.shape}")
+  if not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
+    raise ValueError(f"max_seqlen_q must be a static int >= 0; got {max_seqlen_q!r}")
+  if max(q.size, k.size, v.size) >= 2**31:
+    raise ValueError("arrays of 2**31 or more elements overflow the kernel's int32 offsets; split "
+                     "the call")
+
+
+def swizzled(shape, dtype):
+  """A shared-memory buffer in the tiled, 128-byte-swizzled layout that wgmma reads."""
+  elems = SWIZZLE // jnp.dtype(dtype).itemsize
+  return plmgpu.SMEM(shape, dtype, transforms=(plmgpu.TilingTransform((8, elems)),
+                                               plmgpu.SwizzleTransform(SWIZZLE)))
+
+
+def row_broadcast(x, shape):
+  return lax.broadcast_in_dim(x, shape, [0])
