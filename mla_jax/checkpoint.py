@@ -14,16 +14,15 @@ import json
 import pathlib
 from typing import Iterable
 
-import ml_dtypes
 import numpy as np
 
 from mla_jax.modules import DeepseekV2MLAAttention
+from mla_jax.quant import F8, block_grid, expand_block_scales, is_fp8
 from mla_jax.weights import load_attention_weights
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 SCALE_SUFFIX = "_scale_inv"
-FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
 def import_safetensors():
@@ -43,18 +42,17 @@ def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray, block=(128,
   Scale (i, j) covers rows i*b0:(i+1)*b0 and columns j*b1:(j+1)*b1; the last blocks may be
   ragged. `name` (the weight's) goes into the errors.
   """
-  if weight.dtype != FP8 or weight.ndim != 2:
+  if not is_fp8(weight.dtype) or weight.ndim != 2:
     raise ValueError(f"{name} has a {name}{SCALE_SUFFIX} but is {weight.dtype} of shape "
                      f"{weight.shape}; block scales apply to 2-D float8_e4m3fn weights")
-  grid = tuple(-(-d // b) for d, b in zip(weight.shape, block))
+  grid = block_grid(weight.shape, block)
   scale = np.asarray(scale_inv).astype(np.float32)
   if scale.shape != grid:
     raise ValueError(f"{name}{SCALE_SUFFIX} has shape {scale.shape}; weight {weight.shape} in "
                      f"{tuple(block)} blocks needs {grid}")
   if not np.all(np.isfinite(scale) & (scale > 0)):
     raise ValueError(f"{name}{SCALE_SUFFIX} holds non-finite or non-positive scales")
-  full = np.repeat(np.repeat(scale, block[0], axis=0), block[1], axis=1)
-  return weight.astype(np.float32) * full[:weight.shape[0], :weight.shape[1]]
+  return weight.astype(np.float32) * expand_block_scales(scale, block, weight.shape)
 
 
 def _read_fp8(path: pathlib.Path, names: list[str]) -> dict[str, np.ndarray]:
@@ -67,7 +65,7 @@ def _read_fp8(path: pathlib.Path, names: list[str]) -> dict[str, np.ndarray]:
     for name in names:
       begin, end = header[name]["data_offsets"]
       f.seek(8 + size + begin)
-      out[name] = np.frombuffer(f.read(end - begin), FP8).reshape(header[name]["shape"])
+      out[name] = np.frombuffer(f.read(end - begin), F8).reshape(header[name]["shape"])
   return out
 
 
@@ -135,7 +133,7 @@ class Checkpoint:
       value = raw[name]
       if name + SCALE_SUFFIX in raw:
         value = dequantize_fp8_blocks(value, raw[name + SCALE_SUFFIX], self.block_size, name)
-      elif value.dtype == FP8:
+      elif is_fp8(value.dtype):
         raise ValueError(f"fp8 tensor {name} has no {name}{SCALE_SUFFIX} to dequantize it with")
       out[name] = value
     return out

@@ -18,10 +18,10 @@ import pathlib
 import ml_dtypes
 import numpy as np
 
-from mla_jax.checkpoint import FP8, INDEX_FILE, SCALE_SUFFIX, import_safetensors
+from mla_jax.checkpoint import INDEX_FILE, SCALE_SUFFIX, import_safetensors
+from mla_jax.quant import quantize_fp8_blocks
 
 BLOCK = (128, 128)
-E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 
 
 def tiny_config(variant: str = "v3", *, num_layers: int = 2, index_topk: int = 8) -> dict:
@@ -92,18 +92,6 @@ def _shapes(c: dict) -> dict[str, tuple[tuple[int, ...], bool]]:
   return out
 
 
-def quantize_fp8_blocks(w: np.ndarray, block=BLOCK) -> tuple[np.ndarray, np.ndarray]:
-  """float32 [out, in] -> (e4m3 weight, float32 scale_inv [ceil(out/b0), ceil(in/b1)]), each
-  block scaled so that its largest magnitude lands on e4m3's largest finite value."""
-  grid = tuple(-(-d // b) for d, b in zip(w.shape, block))
-  padded = np.zeros((grid[0] * block[0], grid[1] * block[1]), np.float32)
-  padded[:w.shape[0], :w.shape[1]] = np.abs(w)
-  amax = padded.reshape(grid[0], block[0], grid[1], block[1]).max(axis=(1, 3))
-  scale = np.maximum(amax, 1e-12).astype(np.float32) / E4M3_MAX  # an all-zero block keeps scale > 0
-  full = np.repeat(np.repeat(scale, block[0], axis=0), block[1], axis=1)[:w.shape[0], :w.shape[1]]
-  return (w / full).astype(FP8), scale
-
-
 def write_tiny_checkpoint(path, variant: str = "v3", *, num_layers: int = 2, index_topk: int = 8,
                           num_shards: int = 2, seed: int = 0) -> dict[str, np.ndarray]:
   """Writes the checkpoint into directory `path`; returns every weight as float32, as it was
@@ -122,7 +110,7 @@ def write_tiny_checkpoint(path, variant: str = "v3", *, num_layers: int = 2, ind
       w = rng.standard_normal(shape) * shape[1] ** -0.5
     w = w.astype(np.float32)
     if quantized:
-      stored[name], stored[name + SCALE_SUFFIX] = quantize_fp8_blocks(w)
+      stored[name], stored[name + SCALE_SUFFIX] = quantize_fp8_blocks(w, BLOCK)
       originals[name] = w
     else:
       stored[name] = w.astype(ml_dtypes.bfloat16)

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mla_jax import checkpoint
+from mla_jax import checkpoint, quant
 from mla_jax.checkpoint import Checkpoint, dequantize_fp8_blocks, load_attention_layer
 from mla_jax.config import MLAConfig
 from mla_jax.modules import DeepseekV2MLAAttention
-from mla_jax.tiny_checkpoint import quantize_fp8_blocks, write_tiny_checkpoint
+from mla_jax.quant import quantize_fp8_blocks
+from mla_jax.tiny_checkpoint import write_tiny_checkpoint
 
 safetensors = pytest.importorskip("safetensors")
 from safetensors.numpy import save_file  # noqa: E402
@@ -79,7 +80,7 @@ def test_dequantized_weights_are_fp8_times_block_scale_and_close_to_originals(ti
   for name in scaled:
     raw = ckpt.read([name, name + "_scale_inv"])
     w8, scale = raw[name], raw[name + "_scale_inv"]
-    assert w8.dtype == checkpoint.FP8 and scale.dtype == np.float32
+    assert w8.dtype == quant.F8 and scale.dtype == np.float32
     np.testing.assert_array_equal(loaded[name], dequantize_by_blocks(w8, scale))
     # e4m3 keeps 3 mantissa bits (relative error <= 2**-4); subnormals step by 2**-9 of the scale
     full = np.kron(scale, np.ones((128, 128)))[:w8.shape[0], :w8.shape[1]]
