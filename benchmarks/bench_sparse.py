@@ -37,9 +37,9 @@ from jax import lax
 from benchmarks.common import rates, time_ms, write_results
 from mla_jax import reference
 from mla_jax.backends import REFERENCE, get_backend
-from mla_jax.cache import LatentCache
-from mla_jax.dsa_cache import DSMLACache, IndexerKCache, quantize_indexer_q
+from mla_jax.cache import DSMLACache, IndexerKCache, LatentCache, positions_to_slots
 from mla_jax.indexer import SCORE_BYTES_BOUND
+from mla_jax.quant import quantize_indexer_q
 from pallas_kernels import indexer as pallas_indexer
 from pallas_kernels import sparse_attention as pallas_sparse
 from pallas_kernels import topk as pallas_topk
@@ -166,7 +166,7 @@ def run_step(args, t=128, context=32768):
     @jax.jit
     def step(q_idx, w, kv, ks, tables, lens, q, latent):
       positions = be.topk(logits_fn(q_idx, w, kv, ks, tables, lens), lens, TOPK)
-      slots = reference.positions_to_slots(positions, tables, PAGE, latent.num_blocks)
+      slots = positions_to_slots(positions, tables, PAGE, latent.num_blocks)
       return be.sparse_attention(q, latent, slots, scale=SCALE, kv_lora_rank=L)
     return step
 

@@ -12,11 +12,29 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from mla_jax import backends, reference
+from mla_jax import backends
+from mla_jax import cache as caches
 from mla_jax.cache import LatentCache
 from mla_jax.config import MLAConfig
 from mla_jax.metadata import AttentionMetadata
 from mla_jax.sharded_backend import shard_backend
+
+
+def merge_attn_states(o_a, lse_a, o_b, lse_b):
+  """Combines two partial attentions over disjoint keys by their log-sum-exps (+inf counts as -inf).
+
+  o_* [T, N, V], lse_* [T, N]. Returns (o [T, N, V] in o_a.dtype, lse [T, N] float32).
+  """
+  lse_a = jnp.where(lse_a == jnp.inf, -jnp.inf, lse_a.astype(jnp.float32))
+  lse_b = jnp.where(lse_b == jnp.inf, -jnp.inf, lse_b.astype(jnp.float32))
+  m = jnp.maximum(lse_a, lse_b)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  w_a, w_b = jnp.exp(lse_a - m), jnp.exp(lse_b - m)
+  total = w_a + w_b
+  safe = jnp.where(total > 0, total, 1.0)
+  o = (w_a[..., None] * o_a.astype(jnp.float32) + w_b[..., None] * o_b.astype(jnp.float32)) / safe[..., None]
+  lse = jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
+  return o.astype(o_a.dtype), lse
 
 
 class AbsorbedWeight(nnx.Variable):
@@ -103,7 +121,7 @@ class MLAAttention(nnx.Module):
       raise ValueError(f"top-k positions must be integers, got {positions.dtype}")
     be = self.backend
     cache = cache.write(kv_c_normed, k_pe, md.slot_mapping)
-    slots = reference.positions_to_slots(positions, md.row_block_tables(), cache.block_size,
+    slots = caches.positions_to_slots(positions, md.row_block_tables(), cache.block_size,
                                          cache.num_blocks)
     o, _ = be.sparse_attention(self._absorb_query(q), cache, slots, scale=c.softmax_scale,
                                kv_lora_rank=c.kv_lora_rank)
@@ -131,7 +149,7 @@ class MLAAttention(nnx.Module):
       slots, cu_k = chunk
       rows = self.backend.gather_cache(cache.data, slots, cache.scale_or_none)
       k_ctx, v_ctx = self._up_project(rows[:, :c.kv_lora_rank], rows[:, c.kv_lora_rank:])
-      return reference.merge_attn_states(*carry, *attend(k_ctx, v_ctx, cu_k, False)), None
+      return merge_attn_states(*carry, *attend(k_ctx, v_ctx, cu_k, False)), None
 
     if md.context_slots.shape[0]:
       (o, lse), _ = lax.scan(context_chunk, (o, lse), (md.context_slots, md.context_cu_seqlens))

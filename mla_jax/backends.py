@@ -27,8 +27,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from mla_jax import cache as caches
 from mla_jax import reference
-from mla_jax.dsa_cache import DSMLACache
 from pallas_kernels import indexer as pallas_indexer
 from pallas_kernels import latent_decode as pallas_latent_decode
 from pallas_kernels import mla_prefill as pallas_mla_prefill
@@ -68,9 +68,6 @@ class Backend:
       raise ValueError(f"backend {self.name!r} supports at most {self.max_heads} heads, got {num_heads}")
 
 
-_CACHE_DTYPES = frozenset({"float32", "bfloat16", "float16", "float8_e4m3fn"})
-
-
 def _reference_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_seqlen_q=None):
   del max_seqlen_q  # the reference walks query blocks of the packed rows, no per-request grid
   return reference.mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal)
@@ -92,12 +89,12 @@ REFERENCE = Backend(
     name="reference",
     decode=_reference_decode,
     prefill=_reference_prefill,
-    write_cache=reference.write_latent_cache,
-    gather_cache=reference.gather_latent_cache,
+    write_cache=caches.write_latent_cache,
+    gather_cache=caches.gather_latent_cache,
     sparse_attention=_reference_sparse_attention,
     indexer_logits=reference.indexer_logits,
     topk=reference.topk_positions,
-    cache_dtypes=_CACHE_DTYPES,
+    cache_dtypes=frozenset(caches.LATENT_CACHE_DTYPES),
 )
 
 
@@ -112,7 +109,7 @@ def _off_gpu_interpreted(kernel):
 
 def _pallas_triton_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
   interpret = jax.default_backend() != "gpu"
-  if isinstance(cache, DSMLACache):
+  if cache.dtype_name == caches.FP8_DS_MLA:
     if cache.kv_lora_rank != kv_lora_rank:
       raise ValueError(f"kv_lora_rank {kv_lora_rank} != the fp8_ds_mla cache's {cache.kv_lora_rank}")
     return pallas_sparse.sparse_attention_fp8_ds_mla(q, cache.nope, cache.tile_scales, cache.rope,
@@ -121,7 +118,7 @@ def _pallas_triton_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
                                         k_scale=cache.scale_or_none, interpret=interpret)
 
 
-# Cache writes and gathers stay the reference's XLA scatter and gather.
+# Cache writes and gathers stay the cache module's XLA scatter and gather.
 PALLAS_TRITON = dataclasses.replace(
     REFERENCE,
     name="pallas_triton",

@@ -1,21 +1,164 @@
-"""Paged latent KV cache: `[num_blocks, block_size, L+R]` rows of `[kv_c_normed | k_pe]`.
+"""The KV caches, one home for every kind: the paged latent cache (`LatentCache`), DeepSeek V3.2's
+`fp8_ds_mla` latent cache (`DSMLACache`) and indexer K cache (`IndexerKCache`), and a V3.2 layer's
+pair of them (`DSACache`).
 
-The cache is a value (a pytree): writes return a new cache, so a jitted step can donate the old
-one and XLA updates it in place.
+Every cache is a value (a pytree): writes return a new cache, so a jitted step can donate the old
+one and XLA updates it in place. The latent kinds implement `LatentCacheKind` (dtype name, block
+size, block count, bytes per token, `write`, `dequantize_rows`, and what the layer asks of them);
+the V3.2 kinds convert to and from vLLM's packed uint8 cache, bit for bit:
+
+- `LatentCache`: `[num_blocks, block_size, L+R]` rows of `[kv_c_normed | k_pe]` in one of
+  `LATENT_CACHE_DTYPES` (an fp8 cache has one per-tensor scale).
+- `DSMLACache` row, 656 bytes per token (L=512, R=64; vLLM `concat_and_cache_ds_mla_kernel` in
+  csrc/cache_kernels.cu): bytes [0, L) the e4m3 NoPE values (4 tiles of 128), [L, L + 4*L/128) one
+  little-endian float32 scale per tile, then R little-endian bfloat16 RoPE values (not quantized).
+  vLLM's tensor is [num_blocks, block_size, 656] uint8.
+- `IndexerKCache`, D+4 bytes per token (vLLM `indexer_k_quant_and_cache_kernel` and
+  `cp_gather_indexer_k_quant_cache_kernel`): vLLM's tensor is [num_blocks, block_size, D+4] uint8
+  (`DeepseekV32IndexerBackend.get_kv_cache_shape`), but each block's BS*(D+4) bytes are block-major,
+  not per token: all BS*D e4m3 values (token-major), then all BS float32 scales (little-endian).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
-from mla_jax import reference
-from mla_jax.dsa_cache import DSMLACache, IndexerKCache
+from mla_jax.quant import (DS_MLA_SCALE_FLOOR, F8, INDEXER_K_SCALE_FLOOR, dequantize, is_fp8,
+                           quantize_fp8, quantize_ue8m0)
 
-SUPPORTED_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
+LATENT_CACHE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
+FP8_DS_MLA = "fp8_ds_mla"  # the latent cache dtype name of `DSMLACache`
 
+TILE = 128  # fp8_ds_mla NoPE tile: one scale per 128 latent values
+INDEXER_DTYPES = ("float8_e4m3fn", "bfloat16")
+
+
+# ----------------------------------------------------------------------------- shared helpers
+
+def _check_sizes(**sizes):
+  for name, value in sizes.items():
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+      raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_rows(name, x, t, width):
+  if x.ndim != 2 or x.shape != (t, width):
+    raise ValueError(f"{name} must be [T, {width}] with T = len(slot_mapping) = {t}, got {x.shape}")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"{name} must be floating point, got {x.dtype}")
+
+
+def _check_slots(slots):
+  if slots.ndim != 1:
+    raise ValueError(f"slots must be 1-D, got shape {slots.shape}")
+  if not jnp.issubdtype(slots.dtype, jnp.integer):
+    raise ValueError(f"slots must be integer, got {slots.dtype}")
+
+
+def _slot_index(slots, num_slots):
+  """(index, valid): invalid slots (< 0 or >= num_slots) map to num_slots, which mode='drop'
+  skips on writes; reads clamp them to 0 and zero the result."""
+  valid = (slots >= 0) & (slots < num_slots)
+  return jnp.where(valid, slots, num_slots), valid
+
+
+def _scatter(arr, rows, idx):
+  """arr [NB, BS, ...] with rows [T, ...] written at flat slots idx [T] (out of range: dropped)."""
+  nb, bs = arr.shape[:2]
+  flat = arr.reshape(nb * bs, *arr.shape[2:]).at[idx].set(rows.astype(arr.dtype), mode="drop")
+  return flat.reshape(arr.shape)
+
+
+def _gather(arr, idx, valid):
+  nb, bs = arr.shape[:2]
+  rows = arr.reshape(nb * bs, *arr.shape[2:])[jnp.where(valid, idx, 0)]
+  mask = valid.reshape(valid.shape + (1,) * (rows.ndim - 1))
+  return jnp.where(mask, rows, jnp.zeros((), arr.dtype))
+
+
+_UINT = {2: jnp.uint16, 4: jnp.uint32}
+
+
+def _to_le_bytes(x):
+  """[..., n] 16/32-bit floats -> uint8 [..., n * itemsize], each value's bytes little-endian
+  (shifts, not a byte-order-dependent bitcast to uint8)."""
+  width = x.dtype.itemsize
+  bits = lax.bitcast_convert_type(x, _UINT[width])
+  b = jnp.stack([((bits >> (8 * i)) & 0xFF).astype(jnp.uint8) for i in range(width)], axis=-1)
+  return b.reshape(*x.shape[:-1], x.shape[-1] * width)
+
+
+def _from_le_bytes(b, dtype):
+  """uint8 [..., n * itemsize] little-endian -> dtype [..., n] (bit for bit)."""
+  width = jnp.dtype(dtype).itemsize
+  uint = _UINT[width]
+  b = b.reshape(*b.shape[:-1], b.shape[-1] // width, width).astype(uint)
+  bits = b[..., 0]
+  for i in range(1, width):
+    bits = bits | (b[..., i] << (8 * i))
+  return lax.bitcast_convert_type(bits, dtype)
+
+
+def _check_bytes(data, ndim, what):
+  data = jnp.asarray(data)
+  if data.dtype != jnp.uint8 or data.ndim != ndim:
+    raise ValueError(f"{what} must be a {ndim}-D uint8 array, got {data.dtype} {data.shape}")
+  return data
+
+
+
+# ----------------------------------------------------------------------------- paged addressing
+
+def positions_to_slots(positions, block_tables, block_size, num_blocks):
+  """Request-local positions [T, K] -> cache slots through each row's table [T, MB];
+  -1, a position past the table, or a -1 / out-of-cache block gives -1."""
+  mb = block_tables.shape[1]
+  blk = positions // block_size
+  ok = (positions >= 0) & (blk < mb)
+  b = jnp.take_along_axis(block_tables, jnp.clip(blk, 0, mb - 1), axis=1)
+  ok &= (b >= 0) & (b < num_blocks)
+  return jnp.where(ok, b * block_size + positions % block_size, -1).astype(jnp.int32)
+
+
+def write_latent_cache(kv_cache, kv_c_normed, k_pe, slot_mapping, k_scale=None):
+  """Writes `[kv_c_normed | k_pe]` rows at `slot_mapping`; slots < 0 or past the cache are dropped.
+
+  kv_cache [NB, BS, L+R]; kv_c_normed [T, L]; k_pe [T, R]; slot_mapping [T] int32.
+  """
+  rows = jnp.concatenate([kv_c_normed, k_pe], axis=-1)
+  rows = quantize_fp8(rows, k_scale) if is_fp8(kv_cache.dtype) else rows.astype(kv_cache.dtype)
+  idx, _ = _slot_index(slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
+  return _scatter(kv_cache, rows, idx)
+
+
+def gather_latent_cache(kv_cache, slots, k_scale=None):
+  """Rows at `slots` [W] dequantized to float32 [W, L+R]; invalid slots read as zeros."""
+  nb, bs, d = kv_cache.shape
+  valid = (slots >= 0) & (slots < nb * bs)
+  rows = kv_cache.reshape(nb * bs, d)[jnp.where(valid, slots, 0)]
+  return jnp.where(valid[:, None], dequantize(rows, k_scale), 0.0)
+
+
+class LatentCacheKind(Protocol):
+  """What the attention layer, the backends and sharding ask of a latent cache."""
+  dtype_name: str  # a `LATENT_CACHE_DTYPES` name or FP8_DS_MLA
+  block_size: int
+  num_blocks: int
+  bytes_per_token: int
+  dense_attention: bool  # whether dense MLA (decode / prefill kernels) reads it
+
+  def write(self, kv_c_normed, k_pe, slot_mapping): ...
+  def dequantize_rows(self, slots): ...
+  def dcp_shardings(self, blocks, replicated): ...
+
+
+# ----------------------------------------------------------------------------- latent cache
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +171,8 @@ class LatentCache:
   def allocate(cls, num_blocks: int, block_size: int, latent_dim: int = 576, dtype="bfloat16",
                k_scale: float = 1.0) -> "LatentCache":
     dtype = jnp.dtype(dtype)
-    if dtype.name not in SUPPORTED_DTYPES:
-      raise ValueError(f"latent cache dtype {dtype.name} is not supported; supported: {SUPPORTED_DTYPES}")
+    if dtype.name not in LATENT_CACHE_DTYPES:
+      raise ValueError(f"latent cache dtype {dtype.name} is not supported; supported: {LATENT_CACHE_DTYPES}")
     if num_blocks <= 0 or block_size <= 0 or latent_dim <= 0:
       raise ValueError(f"cache sizes must be positive, got num_blocks={num_blocks}, "
                        f"block_size={block_size}, latent_dim={latent_dim}")
@@ -47,7 +190,21 @@ class LatentCache:
 
   @property
   def is_fp8(self) -> bool:
-    return reference.is_fp8(self.data.dtype)
+    return is_fp8(self.data.dtype)
+
+  @property
+  def dtype_name(self) -> str:
+    return self.data.dtype.name
+
+  @property
+  def bytes_per_token(self) -> int:
+    return self.data.shape[2] * self.data.dtype.itemsize
+
+  dense_attention = True
+
+  def dcp_shardings(self, blocks, replicated) -> "LatentCache":
+    """Blocks split over dcp (`blocks`), the scale `replicated`."""
+    return LatentCache(blocks, replicated)
 
   @property
   def scale_or_none(self):
@@ -56,9 +213,9 @@ class LatentCache:
 
   def dequantize_rows(self, slots):
     """float32 rows [W, L+R] at `slots` [W]; zeros for invalid slots."""
-    return reference.gather_latent_cache(self.data, slots, self.scale_or_none)
+    return gather_latent_cache(self.data, slots, self.scale_or_none)
 
-  def write(self, kv_c_normed, k_pe, slot_mapping, write_fn=reference.write_latent_cache) -> "LatentCache":
+  def write(self, kv_c_normed, k_pe, slot_mapping, write_fn=write_latent_cache) -> "LatentCache":
     """Writes one row per token at `slot_mapping` [T]; negative or out-of-range slots are skipped."""
     t = slot_mapping.shape[0]
     width = kv_c_normed.shape[-1] + k_pe.shape[-1]
@@ -71,6 +228,197 @@ class LatentCache:
                                                    self.scale_or_none))
 
 
+# ----------------------------------------------------------------------------- fp8_ds_mla latent cache
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DSMLACache:
+  """fp8_ds_mla latent cache, kept as three arrays with the same bytes per token as vLLM's row.
+
+  nope [NB, BS, L] float8_e4m3fn; tile_scales [NB, BS, L/128] float32; rope [NB, BS, R] bfloat16.
+  A row dequantizes to `[nope * tile scale | rope]` (576 wide for V3.2).
+  """
+  nope: jax.Array
+  tile_scales: jax.Array
+  rope: jax.Array
+
+  @classmethod
+  def allocate(cls, num_blocks: int, block_size: int, kv_lora_rank: int = 512,
+               rope_dim: int = 64) -> "DSMLACache":
+    _check_sizes(num_blocks=num_blocks, block_size=block_size, kv_lora_rank=kv_lora_rank,
+                 rope_dim=rope_dim)
+    if kv_lora_rank % TILE:
+      raise ValueError(f"kv_lora_rank {kv_lora_rank} must be a multiple of the {TILE}-wide tile")
+    # Zeros, like a zero-filled vLLM cache: the packed bytes of a fresh cache are all 0.
+    return cls(jnp.zeros((num_blocks, block_size, kv_lora_rank), F8),
+               jnp.zeros((num_blocks, block_size, kv_lora_rank // TILE), jnp.float32),
+               jnp.zeros((num_blocks, block_size, rope_dim), jnp.bfloat16))
+
+  @property
+  def num_blocks(self) -> int:
+    return self.nope.shape[0]
+
+  @property
+  def block_size(self) -> int:
+    return self.nope.shape[1]
+
+  @property
+  def kv_lora_rank(self) -> int:
+    return self.nope.shape[2]
+
+  @property
+  def rope_dim(self) -> int:
+    return self.rope.shape[2]
+
+  @property
+  def bytes_per_token(self) -> int:
+    return self.kv_lora_rank + 4 * (self.kv_lora_rank // TILE) + 2 * self.rope_dim
+
+  dtype_name = FP8_DS_MLA
+  dense_attention = False  # only sparse attention reads the tiled layout
+
+  def dcp_shardings(self, blocks, replicated) -> None:
+    """None: decode context parallelism shards the dense latent cache only."""
+    del blocks, replicated
+
+  def write(self, kv_c_normed, k_pe, slot_mapping) -> "DSMLACache":
+    """Quantizes and writes one token per slot; negative or out-of-range slots are skipped.
+
+    kv_c_normed [T, L], k_pe [T, R] (rope applied), slot_mapping [T] integer.
+    """
+    kv_c_normed, k_pe, slot_mapping = map(jnp.asarray, (kv_c_normed, k_pe, slot_mapping))
+    _check_slots(slot_mapping)
+    t = slot_mapping.shape[0]
+    _check_rows("kv_c_normed", kv_c_normed, t, self.kv_lora_rank)
+    _check_rows("k_pe", k_pe, t, self.rope_dim)
+    nope, scales = quantize_ue8m0(kv_c_normed, TILE, DS_MLA_SCALE_FLOOR)
+    idx, _ = _slot_index(slot_mapping, self.num_blocks * self.block_size)
+    return DSMLACache(_scatter(self.nope, nope, idx), _scatter(self.tile_scales, scales, idx),
+                      _scatter(self.rope, k_pe.astype(jnp.bfloat16), idx))
+
+  def _dequant(self, nope, scales, rope):
+    tiles = nope.astype(jnp.float32).reshape(*nope.shape[:-1], -1, TILE) * scales[..., None]
+    return jnp.concatenate([tiles.reshape(nope.shape), rope.astype(jnp.float32)], axis=-1)
+
+  def dequantize_rows(self, slots):
+    """float32 [W, L+R] rows at `slots` [W]; invalid slots read as zeros."""
+    slots = jnp.asarray(slots)
+    _check_slots(slots)
+    idx, valid = _slot_index(slots, self.num_blocks * self.block_size)
+    # Gathering zeros for invalid slots (scale 0 too) makes their rows exactly 0.
+    return self._dequant(_gather(self.nope, idx, valid), _gather(self.tile_scales, idx, valid),
+                         _gather(self.rope, idx, valid))
+
+  def dequantize(self):
+    """The whole cache as float32 [NB, BS, L+R] (for references)."""
+    return self._dequant(self.nope, self.tile_scales, self.rope)
+
+  def to_vllm_bytes(self):
+    """uint8 [NB, BS, bytes_per_token]: vLLM's packed rows (656 bytes for V3.2)."""
+    return jnp.concatenate([lax.bitcast_convert_type(self.nope, jnp.uint8),
+                            _to_le_bytes(self.tile_scales), _to_le_bytes(self.rope)], axis=-1)
+
+  @classmethod
+  def from_vllm_bytes(cls, data, kv_lora_rank: int = 512, rope_dim: int = 64) -> "DSMLACache":
+    """Inverse of `to_vllm_bytes`, bit for bit (any float32 tile scale is kept as stored)."""
+    data = _check_bytes(data, 3, "fp8_ds_mla cache bytes")
+    _check_sizes(kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
+    if kv_lora_rank % TILE:
+      raise ValueError(f"kv_lora_rank {kv_lora_rank} must be a multiple of the {TILE}-wide tile")
+    n_scale = 4 * (kv_lora_rank // TILE)
+    if data.shape[-1] != kv_lora_rank + n_scale + 2 * rope_dim:
+      raise ValueError(f"a row of kv_lora_rank={kv_lora_rank}, rope_dim={rope_dim} is "
+                       f"{kv_lora_rank + n_scale + 2 * rope_dim} bytes, got {data.shape[-1]}")
+    return cls(lax.bitcast_convert_type(data[..., :kv_lora_rank], F8),
+               _from_le_bytes(data[..., kv_lora_rank:kv_lora_rank + n_scale], jnp.float32),
+               _from_le_bytes(data[..., kv_lora_rank + n_scale:], jnp.bfloat16))
+
+
+# ----------------------------------------------------------------------------- indexer K cache
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class IndexerKCache:
+  """Indexer keys: values [NB, BS, D] float8_e4m3fn (or bfloat16), scales [NB, BS] float32
+  (one ue8m0 scale per token; all ones for bfloat16). A key is `values * scale`."""
+  values: jax.Array
+  scales: jax.Array
+
+  @classmethod
+  def allocate(cls, num_blocks: int, block_size: int, head_dim: int = 128,
+               dtype="float8_e4m3fn") -> "IndexerKCache":
+    _check_sizes(num_blocks=num_blocks, block_size=block_size, head_dim=head_dim)
+    try:
+      dtype = jnp.dtype(dtype)
+    except TypeError as e:
+      raise ValueError(f"unknown dtype {dtype!r}") from e
+    if dtype.name not in INDEXER_DTYPES:
+      raise ValueError(f"indexer cache dtype {dtype.name} is not supported; supported: {INDEXER_DTYPES}")
+    scales = (jnp.zeros if is_fp8(dtype) else jnp.ones)((num_blocks, block_size), jnp.float32)
+    return cls(jnp.zeros((num_blocks, block_size, head_dim), dtype), scales)
+
+  @property
+  def num_blocks(self) -> int:
+    return self.values.shape[0]
+
+  @property
+  def block_size(self) -> int:
+    return self.values.shape[1]
+
+  @property
+  def head_dim(self) -> int:
+    return self.values.shape[2]
+
+  @property
+  def is_fp8(self) -> bool:
+    return is_fp8(self.values.dtype)
+
+  def write(self, k, slot_mapping) -> "IndexerKCache":
+    """Writes k [T, D] at slot_mapping [T]; negative or out-of-range slots are skipped.
+    fp8: per-token ue8m0 quantization (vLLM's amax floor); bfloat16: stored as is, scale 1."""
+    k, slot_mapping = jnp.asarray(k), jnp.asarray(slot_mapping)
+    _check_slots(slot_mapping)
+    _check_rows("k", k, slot_mapping.shape[0], self.head_dim)
+    if self.is_fp8:
+      values, scales = quantize_ue8m0(k, self.head_dim, INDEXER_K_SCALE_FLOOR)
+      scales = scales[:, 0]
+    else:
+      values, scales = k, jnp.ones(k.shape[:1], jnp.float32)
+    idx, _ = _slot_index(slot_mapping, self.num_blocks * self.block_size)
+    return IndexerKCache(_scatter(self.values, values, idx), _scatter(self.scales, scales, idx))
+
+  def gather(self, slots):
+    """(values [W, D] in the cache dtype, scales [W] float32) at slots [W]; zeros where invalid."""
+    slots = jnp.asarray(slots)
+    _check_slots(slots)
+    idx, valid = _slot_index(slots, self.num_blocks * self.block_size)
+    return _gather(self.values, idx, valid), _gather(self.scales, idx, valid)
+
+  def to_vllm_bytes(self):
+    """uint8 [NB, BS, D+4], vLLM's tensor shape; each block's bytes are all BS*D values
+    (token-major) followed by all BS little-endian float32 scales. fp8 caches only."""
+    if not self.is_fp8:
+      raise ValueError("only an fp8 indexer cache has a vLLM byte layout")
+    nb, bs, d = self.values.shape
+    values = lax.bitcast_convert_type(self.values, jnp.uint8).reshape(nb, bs * d)
+    flat = jnp.concatenate([values, _to_le_bytes(self.scales)], axis=-1)
+    return flat.reshape(nb, bs, d + 4)
+
+  @classmethod
+  def from_vllm_bytes(cls, data) -> "IndexerKCache":
+    """Inverse of `to_vllm_bytes`, bit for bit: uint8 [NB, BS, D+4] -> fp8 cache with head_dim D."""
+    data = _check_bytes(data, 3, "indexer cache bytes")
+    nb, bs, width = data.shape
+    if width <= 4:
+      raise ValueError(f"an indexer cache row is head_dim + 4 bytes, got {width}")
+    d = width - 4
+    flat = data.reshape(nb, bs * width)
+    values = lax.bitcast_convert_type(flat[:, :bs * d], F8).reshape(nb, bs, d)
+    return cls(values, _from_le_bytes(flat[:, bs * d:], jnp.float32))
+
+
+# ----------------------------------------------------------------------------- a V3.2 layer's caches
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DSACache:
@@ -78,3 +426,15 @@ class DSACache:
   indexer's K cache, sharing one block table."""
   latent: LatentCache | DSMLACache
   indexer: IndexerKCache
+
+  def dcp_shardings(self, blocks, replicated) -> None:
+    """None: decode context parallelism shards the dense latent cache only."""
+    del blocks, replicated
+
+
+def allocate_latent_cache(num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int,
+                          dtype) -> LatentCache | DSMLACache:
+  """A latent cache of a `LATENT_CACHE_DTYPES` dtype, or FP8_DS_MLA's tiled one."""
+  if isinstance(dtype, str) and dtype == FP8_DS_MLA:
+    return DSMLACache.allocate(num_blocks, block_size, kv_lora_rank, rope_dim)
+  return LatentCache.allocate(num_blocks, block_size, kv_lora_rank + rope_dim, dtype)

@@ -7,7 +7,8 @@ from flax import nnx
 from jax import lax
 
 from mla_jax.config import MLAConfig
-from mla_jax.dsa_cache import IndexerKCache, quantize_indexer_q
+from mla_jax.cache import IndexerKCache
+from mla_jax.quant import quantize_indexer_q
 from mla_jax.metadata import AttentionMetadata
 from mla_jax.nn import linear
 from mla_jax.rope import RotaryEmbedding

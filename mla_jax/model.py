@@ -19,10 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mla_jax.cache import DSACache, LatentCache
+from mla_jax.cache import DSACache, IndexerKCache, LatentCache, allocate_latent_cache
 from mla_jax.checkpoint import Checkpoint
 from mla_jax.config import MLAConfig
-from mla_jax.dsa_cache import DSMLACache, IndexerKCache
 from mla_jax.metadata import RequestState, bucket, build_metadata
 from mla_jax.modules import DeepseekV2MLAAttention
 from mla_jax.nn import linear
@@ -132,8 +131,7 @@ class DeepseekForCausalLM(nnx.Module):
     dtype = self.dtype if dtype is None else dtype
     if c.has_indexer:
       make = lambda: DSACache(
-          DSMLACache.allocate(num_blocks, block_size, c.kv_lora_rank, c.qk_rope_head_dim)
-          if isinstance(dtype, str) and dtype == "fp8_ds_mla" else LatentCache.allocate(num_blocks, block_size, c.latent_dim, dtype),
+          allocate_latent_cache(num_blocks, block_size, c.kv_lora_rank, c.qk_rope_head_dim, dtype),
           IndexerKCache.allocate(num_blocks, block_size, c.index_head_dim))
     else:
       make = lambda: LatentCache.allocate(num_blocks, block_size, c.latent_dim, dtype)

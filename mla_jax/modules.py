@@ -105,7 +105,7 @@ class DeepseekV2MLAAttention(nnx.Module):
     indexer_cache = cache.indexer
     if topk_positions is None:
       topk_positions, indexer_cache = self.indexer(x, p.q_c, cache.indexer, md, self.mla_attn.backend)
-    if md.within_topk and isinstance(cache.latent, LatentCache):
+    if md.within_topk and cache.latent.dense_attention:
       # Every window fits in top-k, so the selection is everything: dense MLA is the same math.
       attn, latent = self.mla_attn(p.q, p.kv_c_normed, p.k_pe, cache.latent, md)
     else:

@@ -11,51 +11,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-F8 = jnp.float8_e4m3fn
-F8_MAX = 448.0
+from mla_jax.quant import dequantize
+
 HIGHEST = lax.Precision.HIGHEST
 
 
 def _einsum(spec, a, b):
   return jnp.einsum(spec, a, b, precision=HIGHEST, preferred_element_type=jnp.float32)
-
-
-def _dequant(x, k_scale):
-  x = x.astype(jnp.float32)
-  return x if k_scale is None else x * k_scale
-
-
-def is_fp8(dtype) -> bool:
-  return jnp.dtype(dtype) == jnp.dtype(F8)
-
-
-def quantize_fp8(x, scale):
-  """e4m3 of `x / scale`, saturated to +-448 (e4m3fn has no infinity: overflow would be NaN)."""
-  return jnp.clip(x.astype(jnp.float32) / scale, -F8_MAX, F8_MAX).astype(F8)
-
-
-# ----------------------------------------------------------------------------- cache
-
-def write_latent_cache(kv_cache, kv_c_normed, k_pe, slot_mapping, k_scale=None):
-  """Writes `[kv_c_normed | k_pe]` rows at `slot_mapping`; slots < 0 or past the cache are dropped.
-
-  kv_cache [NB, BS, L+R]; kv_c_normed [T, L]; k_pe [T, R]; slot_mapping [T] int32.
-  """
-  nb, bs, d = kv_cache.shape
-  rows = jnp.concatenate([kv_c_normed, k_pe], axis=-1)
-  rows = quantize_fp8(rows, k_scale) if is_fp8(kv_cache.dtype) else rows.astype(kv_cache.dtype)
-  valid = (slot_mapping >= 0) & (slot_mapping < nb * bs)
-  idx = jnp.where(valid, slot_mapping, nb * bs)  # nb*bs is out of range: mode='drop' skips it
-  flat = kv_cache.reshape(nb * bs, d).at[idx].set(rows, mode="drop")
-  return flat.reshape(nb, bs, d)
-
-
-def gather_latent_cache(kv_cache, slots, k_scale=None):
-  """Rows at `slots` [W] dequantized to float32 [W, L+R]; invalid slots read as zeros."""
-  nb, bs, d = kv_cache.shape
-  valid = (slots >= 0) & (slots < nb * bs)
-  rows = kv_cache.reshape(nb * bs, d)[jnp.where(valid, slots, 0)]
-  return jnp.where(valid[:, None], _dequant(rows, k_scale), 0.0)
 
 
 # ----------------------------------------------------------------------------- decode
@@ -89,7 +51,7 @@ def latent_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank=51
   Values are the first `kv_lora_rank` columns of each cache row.
   """
   k, mask = _paged_rows(kv_cache, block_tables, seq_lens)
-  k = _dequant(k, k_scale)
+  k = dequantize(k, k_scale)
   logits = _einsum("TND,TSD->TNS", q.astype(jnp.float32), k) * scale
   p, lse = _masked_softmax(logits, mask[:, None, :])
   o = _einsum("TNS,TSL->TNL", p, k[..., :kv_lora_rank])
@@ -177,24 +139,6 @@ def mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, block_q=1
   return o.astype(q.dtype), lse.reshape(-1, n)[:tq]
 
 
-def merge_attn_states(o_a, lse_a, o_b, lse_b):
-  """Combines two partial attentions over disjoint keys by their log-sum-exps (+inf counts as -inf).
-
-  o_* [T, N, V], lse_* [T, N]. Returns (o [T, N, V] in o_a.dtype, lse [T, N] float32).
-  """
-  lse_a = jnp.where(lse_a == jnp.inf, -jnp.inf, lse_a.astype(jnp.float32))
-  lse_b = jnp.where(lse_b == jnp.inf, -jnp.inf, lse_b.astype(jnp.float32))
-  m = jnp.maximum(lse_a, lse_b)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  w_a, w_b = jnp.exp(lse_a - m), jnp.exp(lse_b - m)
-  total = w_a + w_b
-  safe = jnp.where(total > 0, total, 1.0)
-  o = (w_a[..., None] * o_a.astype(jnp.float32) + w_b[..., None] * o_b.astype(jnp.float32)) / safe[..., None]
-  lse = jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
-  return o.astype(o_a.dtype), lse
-
-
-
 # ----------------------------------------------------------------------------- DSA (V3.2)
 
 def indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens):
@@ -220,17 +164,6 @@ def topk_positions(logits, seq_lens, topk):
   vals, idx = lax.top_k(masked, min(topk, s))
   idx = jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
   return jnp.pad(idx, ((0, 0), (0, topk - idx.shape[1])), constant_values=-1)
-
-
-def positions_to_slots(positions, block_tables, block_size, num_blocks):
-  """Request-local positions [T, K] -> cache slots through each row's table [T, MB];
-  -1, a position past the table, or a -1 / out-of-cache block gives -1."""
-  mb = block_tables.shape[1]
-  blk = positions // block_size
-  ok = (positions >= 0) & (blk < mb)
-  b = jnp.take_along_axis(block_tables, jnp.clip(blk, 0, mb - 1), axis=1)
-  ok &= (b >= 0) & (b < num_blocks)
-  return jnp.where(ok, b * block_size + positions % block_size, -1).astype(jnp.int32)
 
 
 def sparse_attention(q, gather_rows, slots, num_slots, *, scale, kv_lora_rank, rows_per_chunk=16):

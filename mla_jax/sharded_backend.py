@@ -41,7 +41,8 @@ def mesh_axis(mesh: Mesh, name: str) -> str | None:
 
 def _merge_across(axis, o, lse):
   """Merges partial attentions over disjoint keys, one per device of `axis`, by their LSEs: the
-  all-reduce form of `reference.merge_attn_states` (max-shifted weights, +inf lse counts as -inf)."""
+  all-reduce form of `attention.merge_attn_states` (max-shifted weights, +inf lse counts as
+  -inf)."""
   lse = jnp.where(lse == jnp.inf, -jnp.inf, lse)
   m = lax.pmax(lse, axis)
   m = jnp.where(jnp.isfinite(m), m, 0.0)

@@ -20,7 +20,6 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from mla_jax.attention import MLAAttention
-from mla_jax.cache import LatentCache
 from mla_jax.sharded_backend import DCP_AXIS, TP_AXIS, mesh_axis
 
 # Parameter path suffix -> its split. Per-head weights are head-major along the split axis, so
@@ -90,11 +89,11 @@ def shard_cache(cache, mesh: Mesh):
   _check_mesh(mesh)
   dcp = mesh.shape.get(DCP_AXIS, 1)
   replicated = NamedSharding(mesh, P())
-  if isinstance(cache, LatentCache):
+  shardings = cache.dcp_shardings(NamedSharding(mesh, P(mesh_axis(mesh, DCP_AXIS))), replicated)
+  if shardings is not None:
     if cache.num_blocks % dcp:
       raise ValueError(f"the cache's {cache.num_blocks} blocks do not divide over dcp={dcp}")
-    blocks = NamedSharding(mesh, P(mesh_axis(mesh, DCP_AXIS)))
-    return jax.device_put(cache, LatentCache(blocks, replicated))
+    return jax.device_put(cache, shardings)
   if dcp > 1:
     raise ValueError(f"decode context parallelism shards a LatentCache only, got "
                      f"{type(cache).__name__} under dcp={dcp}")

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from mla_jax import backends
-from mla_jax.cache import LatentCache
-from mla_jax.dsa_cache import DSMLACache
+from mla_jax.cache import DSMLACache, LatentCache
 from oracles import attention_np
 
 L, R = 128, 64  # one fp8_ds_mla tile keeps the shapes small; real models have L = 512

@@ -8,8 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mla_jax import reference
-from mla_jax.cache import LatentCache
+from mla_jax.cache import LatentCache, gather_latent_cache
 
 NB, BS, L, R = 6, 4, 24, 8
 
@@ -131,7 +130,7 @@ def test_gather_dequantizes_and_zeros_invalid(dtype, k_scale):
   raw = np.random.default_rng(5).standard_normal((NB, BS, L + R)).astype(np.float32) * 50
   data = jnp.asarray(raw, dtype)
   slots = np.array([0, 23, -1, 24, 7, 1000, 7], np.int32)
-  got = np.asarray(reference.gather_latent_cache(data, jnp.asarray(slots), k_scale))
+  got = np.asarray(gather_latent_cache(data, jnp.asarray(slots), k_scale))
   as_f32 = np.asarray(data).astype(np.float32) * (1.0 if k_scale is None else k_scale)
   assert got.dtype == np.float32 and got.shape == (len(slots), L + R)
   for i, s in enumerate(slots):
@@ -144,7 +143,7 @@ def test_fp8_roundtrip_through_gather():
   cache = LatentCache.allocate(NB, BS, L + R, dtype="float8_e4m3fn", k_scale=k_scale)
   kv_c, k_pe = _rows(2, seed=6, scale=10.0)
   cache = cache.write(jnp.asarray(kv_c), jnp.asarray(k_pe), jnp.asarray([4, 13], jnp.int32))
-  got = np.asarray(reference.gather_latent_cache(cache.data, jnp.asarray([4, 13], jnp.int32),
+  got = np.asarray(gather_latent_cache(cache.data, jnp.asarray([4, 13], jnp.int32),
                                                  cache.scale_or_none))
   want = np.concatenate([kv_c, k_pe], -1)
   # e4m3 keeps 3 mantissa bits: relative error <= 2**-4 (plus subnormal spacing near 0)

@@ -9,8 +9,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mla_jax import dsa_cache
-from mla_jax.dsa_cache import DSMLACache, IndexerKCache
+from mla_jax import quant
+from mla_jax.cache import DSMLACache, IndexerKCache
 
 E4M3, BF16 = ml_dtypes.float8_e4m3fn, ml_dtypes.bfloat16
 NB, BS, L, R = 3, 4, 512, 64
@@ -71,47 +71,47 @@ def _indexer_bytes_np(values, scales):
 
 # ----------------------------------------------------------------------------- ue8m0 scales
 
-@pytest.mark.parametrize("floor", [dsa_cache.DS_MLA_SCALE_FLOOR, dsa_cache.INDEXER_K_SCALE_FLOOR,
-                                   dsa_cache.INDEXER_Q_SCALE_FLOOR])
+@pytest.mark.parametrize("floor", [quant.DS_MLA_SCALE_FLOOR, quant.INDEXER_K_SCALE_FLOOR,
+                                   quant.INDEXER_Q_SCALE_FLOOR])
 def test_ue8m0_scale_matches_float64_rule(floor):
   rng = np.random.default_rng(0)
   exact = 448.0 * 2.0 ** np.arange(-30, 30)  # amax/448 exactly a power of two: no rounding up
   amax = np.concatenate([exact, exact * (1 + 2.0 ** -20), exact * (1 - 2.0 ** -20),
                          10.0 ** rng.uniform(-12, 30, 500), [0.0, 1e-30]]).astype(np.float32)
-  got = np.asarray(dsa_cache.ue8m0_scale(jnp.asarray(amax), floor))
+  got = np.asarray(quant.ue8m0_scale(jnp.asarray(amax), floor))
   assert got.dtype == np.float32 and _is_pow2(got)
   np.testing.assert_array_equal(got, _scale_np(amax, floor))
 
 
 def test_ue8m0_scale_without_floor():
   amax = np.array([448 * 2.0 ** -13, 448 * 2.0 ** -13 * 1.001, 3.0, 448.0, 1e20], np.float32)
-  np.testing.assert_array_equal(np.asarray(dsa_cache.ue8m0_scale(jnp.asarray(amax))),
+  np.testing.assert_array_equal(np.asarray(quant.ue8m0_scale(jnp.asarray(amax))),
                                 [2.0 ** -13, 2.0 ** -12, 2.0 ** -7, 1.0, 2.0 ** 58])
   # amax == 0 still gives a usable (normal, positive) scale, never 0 -> NaN
-  assert float(dsa_cache.ue8m0_scale(jnp.float32(0.0))) == 2.0 ** -126
+  assert float(quant.ue8m0_scale(jnp.float32(0.0))) == 2.0 ** -126
   with pytest.raises(ValueError):
-    dsa_cache.ue8m0_scale(jnp.float32(1.0), floor=0.0)
+    quant.ue8m0_scale(jnp.float32(1.0), floor=0.0)
 
 
 def test_quantize_ue8m0_groups():
   rng = np.random.default_rng(1)
   x = (rng.standard_normal((3, 5, 64)) * 10.0 ** rng.uniform(-3, 3, (3, 5, 1))).astype(np.float32)
   x[1, 2, 16:32] = 0  # one all-zero group
-  values, scales = dsa_cache.quantize_ue8m0(jnp.asarray(x), 16, floor=1e-4)
+  values, scales = quant.quantize_ue8m0(jnp.asarray(x), 16, floor=1e-4)
   want_scales = _scale_np(np.abs(x.reshape(3, 5, 4, 16)).max(-1), 1e-4)
   np.testing.assert_array_equal(np.asarray(scales), want_scales)
   assert float(scales[1, 2, 1]) == 2.0 ** -13
   want = _e4m3_np(x.reshape(3, 5, 4, 16), want_scales[..., None]).reshape(x.shape)
   np.testing.assert_array_equal(_bits(values), _bits(want))
   with pytest.raises(ValueError):
-    dsa_cache.quantize_ue8m0(jnp.asarray(x), 24)
+    quant.quantize_ue8m0(jnp.asarray(x), 24)
 
 
 def test_quantize_indexer_q_per_token_head():
   rng = np.random.default_rng(2)
   q = (rng.standard_normal((4, 3, 128)) * 10.0 ** rng.uniform(-2, 2, (4, 3, 1))).astype(np.float32)
   q[2, 1] = 0
-  values, scales = dsa_cache.quantize_indexer_q(jnp.asarray(q))
+  values, scales = quant.quantize_indexer_q(jnp.asarray(q))
   assert values.shape == q.shape and values.dtype == jnp.float8_e4m3fn and scales.shape == (4, 3)
   # vLLM per_token_group_quant_fp8: max(amax, eps=1e-10) / 448, rounded up to a power of two
   want = 2.0 ** np.ceil(np.log2(np.maximum(np.abs(q).max(-1), 1e-10) / 448.0))

@@ -12,8 +12,8 @@ import pytest
 
 from gpu_utils import poison_allocator
 from mla_jax import backends, reference
-from mla_jax.cache import LatentCache
-from mla_jax.dsa_cache import DSMLACache, IndexerKCache, quantize_indexer_q
+from mla_jax.cache import DSMLACache, IndexerKCache, LatentCache
+from mla_jax.quant import quantize_indexer_q
 from sparse_contract import cosine_diff
 
 pytestmark = pytest.mark.gpu

@@ -6,9 +6,8 @@ import pytest
 from flax import nnx
 
 from mla_jax import indexer
-from mla_jax.cache import DSACache, LatentCache
+from mla_jax.cache import DSACache, DSMLACache, IndexerKCache, LatentCache
 from mla_jax.config import MLAConfig
-from mla_jax.dsa_cache import DSMLACache, IndexerKCache
 from mla_jax.metadata import RequestState, build_metadata
 from mla_jax.modules import DeepseekV2MLAAttention
 from mla_jax.weights import load_attention_weights
