@@ -10,6 +10,7 @@ scale per 128x128 block) come back dequantized to float32.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import pathlib
 from typing import Iterable
@@ -65,16 +66,31 @@ def _read_fp8(path: pathlib.Path, names: list[str]) -> dict[str, np.ndarray]:
     for name in names:
       begin, end = header[name]["data_offsets"]
       f.seek(8 + size + begin)
-      out[name] = np.frombuffer(f.read(end - begin), F8).reshape(header[name]["shape"])
+      data = f.read(end - begin)
+      if len(data) != end - begin:
+        raise ValueError(f"{path}: tensor {name} is cut short ({len(data)} of {end - begin} bytes)")
+      out[name] = np.frombuffer(data, F8).reshape(header[name]["shape"])
   return out
+
+
+@contextlib.contextmanager
+def _file_errors(path: pathlib.Path):
+  """safetensors' own errors (truncated, empty, corrupt header) as a ValueError naming the file."""
+  try:
+    yield
+  except (ValueError, ImportError):
+    raise
+  except Exception as e:
+    raise ValueError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from e
 
 
 def _read_file(path: pathlib.Path, names: list[str]) -> dict[str, np.ndarray]:
   """The tensors `names` of one safetensors file, as stored (numpy, ml_dtypes for bf16/fp8)."""
   if not path.is_file():
     raise ValueError(f"{path} (holding {names[0]}) does not exist")
+  safetensors = import_safetensors()
   out, fp8 = {}, []
-  with import_safetensors().safe_open(str(path), framework="numpy") as f:
+  with _file_errors(path), safetensors.safe_open(str(path), framework="numpy") as f:
     keys = set(f.keys())
     for name in names:
       if name not in keys:
@@ -89,6 +105,41 @@ def _read_file(path: pathlib.Path, names: list[str]) -> dict[str, np.ndarray]:
   return out | (_read_fp8(path, fp8) if fp8 else {})
 
 
+def _read_json(path: pathlib.Path) -> dict:
+  """A JSON object file, or a ValueError naming the file and what is wrong with it."""
+  try:
+    value = json.loads(path.read_text())
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"{path} is not valid JSON: {e}") from e
+  if not isinstance(value, dict):
+    raise ValueError(f"{path} holds a {type(value).__name__}, expected a JSON object")
+  return value
+
+
+def _block_size(quant: dict, config: pathlib.Path) -> tuple[int, int]:
+  block = quant.get("weight_block_size", (128, 128))
+  if (not isinstance(block, (list, tuple)) or len(block) != 2
+      or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+    raise ValueError(f"{config}: quantization_config.weight_block_size is {block!r}, expected two "
+                     f"positive integers")
+  return tuple(block)
+
+
+def _weight_map(path: pathlib.Path) -> dict[str, str]:
+  """The index's tensor -> shard map, every shard a file name inside the checkpoint folder."""
+  index = path / INDEX_FILE
+  weight_map = _read_json(index).get("weight_map")
+  if not isinstance(weight_map, dict):
+    raise ValueError(f"{index} has no weight_map object (tensor name -> shard file)")
+  root = path.resolve()
+  for name, file in weight_map.items():
+    if not isinstance(file, str) or not file:
+      raise ValueError(f"{index}: weight_map[{name!r}] is {file!r}, expected a shard file name")
+    if not (root / file).resolve().is_relative_to(root):
+      raise ValueError(f"{index}: weight_map[{name!r}] = {file!r} leaves the checkpoint folder")
+  return weight_map
+
+
 class Checkpoint:
   """A checkpoint directory, read lazily: nothing but the index (or one file's names) at first."""
 
@@ -97,16 +148,20 @@ class Checkpoint:
     config = self.path / "config.json"
     if not config.is_file():
       raise ValueError(f"{config} not found: a checkpoint directory holds config.json and safetensors")
-    self.config = json.loads(config.read_text())
+    self.config = _read_json(config)
     quant = self.config.get("quantization_config") or {}
+    if not isinstance(quant, dict):
+      raise ValueError(f"{config}: quantization_config is {quant!r}, expected an object")
     if quant.get("quant_method", "fp8") != "fp8":
       raise ValueError(f"quantization {quant['quant_method']!r} is not supported; supported: fp8 "
                        f"with block scales")
-    self.block_size = tuple(quant.get("weight_block_size", (128, 128)))
+    self.block_size = _block_size(quant, config)
     if (self.path / INDEX_FILE).is_file():
-      self.weight_map: dict[str, str] = json.loads((self.path / INDEX_FILE).read_text())["weight_map"]
+      self.weight_map: dict[str, str] = _weight_map(self.path)
     elif (self.path / SINGLE_FILE).is_file():
-      with import_safetensors().safe_open(str(self.path / SINGLE_FILE), framework="numpy") as f:
+      safetensors = import_safetensors()
+      with (_file_errors(self.path / SINGLE_FILE),
+            safetensors.safe_open(str(self.path / SINGLE_FILE), framework="numpy") as f):
         self.weight_map = {name: SINGLE_FILE for name in f.keys()}
     else:
       raise ValueError(f"{self.path} holds neither {INDEX_FILE} nor {SINGLE_FILE}")

@@ -25,7 +25,8 @@ from mla_jax.config import MLAConfig
 from mla_jax.metadata import RequestState, bucket, build_metadata
 from mla_jax.modules import DeepseekV2MLAAttention
 from mla_jax.nn import linear
-from mla_jax.weights import Target, attention_targets, linear_target, load_tensors, param_target
+from mla_jax.weights import (Target, assign, attention_targets, check_tensors, linear_target,
+                             param_target)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +116,8 @@ class DeepseekForCausalLM(nnx.Module):
     at `logit_rows` [K]; the new caches, a tuple)."""
     if len(caches) != len(self.layers):
       raise ValueError(f"{len(caches)} caches for {len(self.layers)} layers")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):  # values are checked by generate / forward
+      raise ValueError(f"tokens must be integer ids, got {tokens.dtype}")
     x = self.embed_tokens(tokens)
     new_caches = []
     for layer, cache in zip(self.layers, caches):
@@ -138,15 +141,21 @@ class DeepseekForCausalLM(nnx.Module):
     return tuple(make() for _ in self.layers)
 
   def load_checkpoint(self, checkpoint: Checkpoint) -> None:
-    """Fills every parameter from a checkpoint, one layer's tensors in memory at a time."""
+    """Fills every parameter from a checkpoint, all or nothing: each layer's tensors are read
+    (one layer's in host memory at a time), checked and converted to device arrays first; the
+    parameters change only once every tensor of the model has passed, so a bad tensor anywhere
+    leaves the model as it was. The staged arrays make the peak device memory twice the model's."""
+    staged = []
     for i, layer in enumerate(self.layers):
       prefix = f"model.layers.{i}."
-      load_tensors(layer.targets(), checkpoint.tensors(prefix), prefix, "decoder layer")
-      layer.self_attn.process_weights_after_loading()
+      staged += check_tensors(layer.targets(), checkpoint.tensors(prefix), prefix, "decoder layer")
     top = {"model.embed_tokens.weight": param_target(self.embed_tokens.embedding),
            "model.norm.weight": param_target(self.norm.scale),
            "lm_head.weight": linear_target(self.lm_head)}
-    load_tensors(top, checkpoint.load(list(top)), "", "model")
+    staged += check_tensors(top, checkpoint.load(list(top)), "", "model")
+    assign(staged)
+    for layer in self.layers:
+      layer.self_attn.process_weights_after_loading()
 
   @classmethod
   def from_checkpoint(cls, path, *, backend: str | None = None, dtype=jnp.bfloat16,
@@ -219,14 +228,50 @@ class _Paging:
                           max_blocks_per_seq=self.max_blocks, index_topk=self.index_topk)
 
 
+def check_token_ids(config: DecoderConfig, sequences: Sequence[Sequence[int]], *, what: str,
+                    new_tokens: int = 0) -> list[np.ndarray]:
+  """`sequences` of token ids as int32 arrays, each checked on the host: a 1-D, non-empty run of
+  integers (Python or numpy, not bool) in [0, vocab_size), whose positions, with `new_tokens`
+  more to be generated (the last one never fed back), stay below max_position_embeddings.
+  A ValueError names the `what` ("prompt", "sequence"), its index and the position."""
+  if isinstance(sequences, (str, bytes)) or not isinstance(sequences, Sequence) or not sequences:
+    raise ValueError(f"need a non-empty list of {what}s (token id lists), got {sequences!r:.80}")
+  vocab, max_pos = config.vocab_size, config.attention.max_position_embeddings
+  out = []
+  for i, seq in enumerate(sequences):
+    if hasattr(seq, "dtype"):  # a numpy or jax array: its dtype says it all
+      if seq.dtype.kind not in "iu":
+        raise ValueError(f"{what} {i} has dtype {seq.dtype}, expected integer token ids")
+    else:
+      bad = next((k for k, t in enumerate(seq) if isinstance(t, (bool, np.bool_))
+                  or not isinstance(t, (int, np.integer))), None)
+      if bad is not None:
+        raise ValueError(f"{what} {i}, position {bad}: token id {seq[bad]!r} is not an integer")
+    ids = np.asarray(seq)
+    if ids.ndim != 1 or ids.size == 0:
+      raise ValueError(f"{what} {i} must be a non-empty 1-D list of token ids, got shape {ids.shape}")
+    outside = np.flatnonzero((ids < 0) | (ids >= vocab))
+    if outside.size:
+      k = int(outside[0])
+      raise ValueError(f"{what} {i}, position {k}: token id {ids[k]} is outside the vocabulary "
+                       f"[0, {vocab})")
+    needed = len(ids) + max(new_tokens - 1, 0)
+    if needed > max_pos:
+      raise ValueError(f"{what} {i} needs {needed} positions ({len(ids)} tokens, {new_tokens} new), "
+                       f"more than max_position_embeddings={max_pos}")
+    out.append(ids.astype(np.int32))
+  return out
+
+
 def forward(model: DeepseekForCausalLM, sequences: Sequence[Sequence[int]], *,
             block_size: int = 16, cache_dtype=None) -> list[np.ndarray]:
   """Logits [len_i, vocab] at every position of each sequence: one prefill step over whole
   sequences with fresh caches, the path that step-by-step generation must agree with."""
+  sequences = check_token_ids(model.config, sequences, what="sequence")
   paging = _Paging.for_lengths(model, [len(s) for s in sequences], block_size)
   md, layout = paging.metadata([RequestState(0, len(s), paging.tables[i])
                                 for i, s in enumerate(sequences)])
-  tokens = layout.pack([np.asarray(s, np.int32) for s in sequences])
+  tokens = layout.pack(sequences)
   graphdef, state = nnx.split(model)
   caches = model.allocate_caches(paging.num_blocks, block_size, cache_dtype)
   logits, _ = _step(graphdef, state, jnp.asarray(tokens), caches, md, jnp.arange(layout.num_rows))
@@ -245,13 +290,16 @@ def generate(model: DeepseekForCausalLM, prompts: Sequence[Sequence[int]], max_n
   `allocate_caches`. Returns the new token ids per prompt; with `return_logits`, also the
   float32 logits [new tokens, vocab] that chose them.
   """
-  if not prompts or any(len(p) == 0 for p in prompts) or max_new_tokens < 1:
-    raise ValueError("generate needs non-empty prompts and max_new_tokens >= 1")
+  if isinstance(max_new_tokens, (bool, np.bool_)) or not isinstance(max_new_tokens, (int, np.integer)) \
+      or max_new_tokens < 1:
+    raise ValueError(f"generate needs an integer max_new_tokens >= 1, got {max_new_tokens!r}")
+  max_new_tokens = int(max_new_tokens)
+  prompts = check_token_ids(model.config, prompts, what="prompt", new_tokens=max_new_tokens)
   paging = _Paging.for_lengths(model, [len(p) + max_new_tokens for p in prompts], block_size,
                                num_blocks)
   caches = model.allocate_caches(paging.num_blocks, block_size, cache_dtype)
   graphdef, state = nnx.split(model)
-  feed = [np.asarray(p, np.int32) for p in prompts]  # what each request takes in the next step
+  feed = list(prompts)  # what each request takes in the next step
   cached = [0] * len(prompts)
   tokens, logits_out = [[] for _ in prompts], [[] for _ in prompts]
   live = list(range(len(prompts)))

@@ -44,13 +44,12 @@ def attention_targets(module: DeepseekV2MLAAttention) -> dict[str, Target]:
   return out
 
 
-def load_tensors(targets: Mapping[str, Target], tensors: Mapping[str, object], prefix: str,
-                 what: str) -> None:
-  """Fills every target from `tensors[prefix + name]`.
+def check_tensors(targets: Mapping[str, Target], tensors: Mapping[str, object], prefix: str,
+                  what: str) -> list[tuple[Target, jnp.ndarray]]:
+  """Every target's new value from `tensors[prefix + name]`, converted, nothing assigned yet.
 
   Every target must be present with its exact shape and finite values, and no other name under
-  `prefix` may be left over; all of it is checked before any parameter changes. `what` names the
-  part being loaded in the errors.
+  `prefix` may be left over. `what` names the part being loaded in the errors.
   """
   names = {k[len(prefix):]: k for k in tensors if k.startswith(prefix)}
   missing = sorted(set(targets) - set(names))
@@ -60,22 +59,27 @@ def load_tensors(targets: Mapping[str, Target], tensors: Mapping[str, object], p
   if unexpected:
     raise ValueError(f"unexpected {what} tensors: {[prefix + u for u in unexpected]}; "
                      f"expected {sorted(targets)}")
-  values = {}
+  staged = []
   for name, target in targets.items():
     value = np.asarray(tensors[names[name]])
     if value.shape != target.shape:
       raise ValueError(f"tensor {prefix + name} has shape {value.shape}, expected {target.shape}")
     if not np.all(np.isfinite(value.astype(np.float32))):
       raise ValueError(f"tensor {prefix + name} holds non-finite values")
-    values[name] = value
-  for name, target in targets.items():
-    value = values[name].T if target.transpose else values[name]
-    target.param[...] = jnp.asarray(value, target.param[...].dtype)
+    staged.append((target, jnp.asarray(value.T if target.transpose else value,
+                                       target.param[...].dtype)))
+  return staged
+
+
+def assign(staged: list[tuple[Target, jnp.ndarray]]) -> None:
+  """Writes values that `check_tensors` accepted into their parameters."""
+  for target, value in staged:
+    target.param[...] = value
 
 
 def load_attention_weights(module: DeepseekV2MLAAttention, tensors: Mapping[str, object],
                            prefix: str = "") -> None:
   """Fills `module` from `tensors` (names as in `model.layers.{i}.self_attn.` minus `prefix`),
   then recomputes the absorbed weights. Tensors outside `prefix` are ignored."""
-  load_tensors(attention_targets(module), tensors, prefix, "attention")
+  assign(check_tensors(attention_targets(module), tensors, prefix, "attention"))
   module.process_weights_after_loading()

@@ -205,3 +205,66 @@ def test_missing_safetensors_gives_an_install_hint(tiny, monkeypatch):
   monkeypatch.setitem(sys.modules, "safetensors", None)
   with pytest.raises(ImportError, match=r"mla-jax\[checkpoints\]"):
     Checkpoint(tiny[0]).tensors(ATTN)
+
+
+@pytest.mark.parametrize("entry", ["../elsewhere/model.safetensors", "/tmp/model.safetensors",
+                                   "sub/../../model.safetensors"])
+def test_index_entries_leaving_the_folder_are_refused(tiny_copy, entry):
+  index = json.loads((tiny_copy / checkpoint.INDEX_FILE).read_text())
+  index["weight_map"][ATTN + "o_proj.weight"] = entry
+  (tiny_copy / checkpoint.INDEX_FILE).write_text(json.dumps(index))
+  with pytest.raises(ValueError, match=f"{ATTN}o_proj.weight.*leaves the checkpoint folder"):
+    Checkpoint(tiny_copy)
+
+
+def shard_of(path, name):
+  return path / json.loads((path / checkpoint.INDEX_FILE).read_text())["weight_map"][name]
+
+
+def truncate(path):
+  shard = shard_of(path, ATTN + "o_proj.weight")
+  shard.write_bytes(shard.read_bytes()[:-100])
+  return shard.name, "not a readable safetensors file"
+
+
+def empty(path):
+  shard_of(path, ATTN + "o_proj.weight").write_bytes(b"")
+  return shard_of(path, ATTN + "o_proj.weight").name, "not a readable safetensors file"
+
+
+def corrupt_header(path):
+  shard = shard_of(path, ATTN + "o_proj.weight")
+  data = bytearray(shard.read_bytes())
+  data[8:12] = b"]]]]"
+  shard.write_bytes(bytes(data))
+  return shard.name, "not a readable safetensors file"
+
+
+def bad_index_json(path):
+  (path / checkpoint.INDEX_FILE).write_text('{"weight_map": {')
+  return checkpoint.INDEX_FILE, "not valid JSON"
+
+
+def bad_config_json(path):
+  (path / "config.json").write_text("{'vocab_size': 1}")
+  return "config.json", "not valid JSON"
+
+
+def no_weight_map(path):
+  (path / checkpoint.INDEX_FILE).write_text('{"metadata": {}}')
+  return checkpoint.INDEX_FILE, "no weight_map"
+
+
+def zero_block(path):
+  config = json.loads((path / "config.json").read_text())
+  config["quantization_config"]["weight_block_size"] = [128, 0]
+  (path / "config.json").write_text(json.dumps(config))
+  return "config.json", "weight_block_size"
+
+
+@pytest.mark.parametrize("damage", [truncate, empty, corrupt_header, bad_index_json, bad_config_json,
+                                    no_weight_map, zero_block])
+def test_file_level_failures_name_the_file_and_the_problem(tiny_copy, damage):
+  file, problem = damage(tiny_copy)
+  with pytest.raises(ValueError, match=f"{file}.*{problem}"):
+    load_layer(tiny_copy)

@@ -1,7 +1,10 @@
 """The small decoder: checkpoint loading, greedy generation batched and alone, full-forward logits."""
 
+import dataclasses
+import shutil
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ from mla_jax.model import DecoderConfig, DeepseekForCausalLM, forward, generate
 from mla_jax.tiny_checkpoint import tiny_config, write_tiny_checkpoint
 
 pytest.importorskip("safetensors")
+from safetensors.numpy import save_file  # noqa: E402
 
 PROMPTS = [[5, 6, 7], list(range(2, 15)), [9], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
 NEW_TOKENS = 10
@@ -110,3 +114,56 @@ def test_bad_generate_arguments(tiny):
     generate(tiny[1], PROMPTS, 4, block_size=32, num_blocks=1)
   with pytest.raises(ValueError, match="caches"):
     tiny[1](jnp.zeros(8, jnp.int32), (), None)
+
+
+@pytest.mark.parametrize("prompts, match", [
+    ([[5, 6], [7, 320, 8]], "prompt 1, position 1: token id 320 is outside the vocabulary"),
+    ([[5, -1]], "prompt 0, position 1: token id -1 is outside"),
+    ([[5, 6.0]], "prompt 0, position 1: token id 6.0 is not an integer"),
+    ([[5, True]], "prompt 0, position 1: token id True is not an integer"),
+    ([np.array([5.0, 6.0])], "prompt 0 has dtype float64"),
+    ([[5], []], "prompt 1 must be a non-empty"),
+    ([], "non-empty list of prompts"),
+    ("abc", "non-empty list of prompts"),
+])
+def test_bad_token_ids_are_refused_by_generate_and_forward(tiny, prompts, match):
+  with pytest.raises(ValueError, match=match):
+    generate(tiny[1], prompts, 2, **POOL)
+  with pytest.raises(ValueError, match=match.replace("prompt", "sequence")):
+    forward(tiny[1], prompts)
+
+
+def test_numpy_integer_prompts_are_accepted(tiny):
+  want = generate(tiny[1], [PROMPTS[0]], 3, **POOL)
+  assert generate(tiny[1], [np.array(PROMPTS[0], np.int64)], np.int32(3), **POOL) == want
+  assert generate(tiny[1], [[np.uint16(t) for t in PROMPTS[0]]], 3, **POOL) == want
+
+
+def test_prompts_past_max_position_embeddings_are_refused(tiny):
+  short = dataclasses.replace(tiny[1].config, attention=tiny[1].config.attention.replace(
+      max_position_embeddings=12))
+  model = DeepseekForCausalLM(short, backend="reference", dtype=jnp.float32,
+                              param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="prompt 0 needs 13 positions .10 tokens, 4 new.*=12"):
+    generate(model, [list(range(10))], 4)
+  with pytest.raises(ValueError, match="sequence 1 needs 13 positions"):
+    forward(model, [[1], list(range(13))])
+  with pytest.raises(ValueError, match="tokens must be integer ids"):
+    model(jnp.zeros(8, jnp.float32), model.allocate_caches(1, 8), None)
+
+
+def test_a_bad_tensor_in_a_later_layer_leaves_the_whole_model_unchanged(tiny, tmp_path):
+  path = tmp_path / "ckpt"
+  shutil.copytree(tiny[0], path)
+  name = "model.layers.1.mlp.down_proj.weight"
+  ckpt = Checkpoint(path)
+  file = ckpt.weight_map[name]
+  tensors = ckpt.read([n for n, f in ckpt.weight_map.items() if f == file])
+  tensors[name + "_scale_inv"] = np.full_like(tensors[name + "_scale_inv"], np.nan)
+  save_file(tensors, str(path / file))
+  model = DeepseekForCausalLM(tiny[1].config, backend="reference", dtype=jnp.float32,
+                              param_dtype=jnp.float32, rngs=nnx.Rngs(3))
+  before = jax.tree.map(np.asarray, nnx.state(model))
+  with pytest.raises(ValueError, match="down_proj.weight_scale_inv"):
+    model.load_checkpoint(Checkpoint(path))
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, nnx.state(model)), before)
