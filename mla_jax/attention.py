@@ -32,7 +32,9 @@ def merge_attn_states(o_a, lse_a, o_b, lse_b):
   w_a, w_b = jnp.exp(lse_a - m), jnp.exp(lse_b - m)
   total = w_a + w_b
   safe = jnp.where(total > 0, total, 1.0)
-  o = (w_a[..., None] * o_a.astype(jnp.float32) + w_b[..., None] * o_b.astype(jnp.float32)) / safe[..., None]
+  # Selected, not multiplied by a zero weight: an empty part's o may hold anything.
+  part = lambda w, o: jnp.where(w[..., None] > 0, w[..., None] * o.astype(jnp.float32), 0.0)
+  o = (part(w_a, o_a) + part(w_b, o_b)) / safe[..., None]
   lse = jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
   return o.astype(o_a.dtype), lse
 

@@ -8,6 +8,7 @@ All index validation happens here, on the host, before anything is traced.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Sequence
 
 import jax
@@ -81,6 +82,75 @@ def bucket(n: int, minimum: int) -> int:
   return 0 if n == 0 else 1 << (max(n, minimum) - 1).bit_length()
 
 
+def _integer(value, name: str) -> int:
+  """`value` as a Python int: any Python or numpy integer (not a bool); anything else refused."""
+  if not isinstance(value, (bool, np.bool_)):
+    try:
+      return operator.index(value)
+    except TypeError:
+      pass
+  raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+
+
+def _checked_request(i: int, r, block_size: int, num_blocks: int,
+                     max_blocks_per_seq: int) -> RequestState:
+  """Request `i` with Python int lengths and an int64 block table, or a ValueError naming it."""
+  if not isinstance(r, RequestState):
+    raise ValueError(f"request {i} is a {type(r).__name__}, expected a RequestState")
+  context_len = _integer(r.context_len, f"request {i}: context_len")
+  query_len = _integer(r.query_len, f"request {i}: query_len")
+  table = np.asarray(r.block_table)
+  if table.size and table.dtype.kind not in "iu":
+    raise ValueError(f"request {i}: block_table holds {table.dtype} entries, expected integer "
+                     f"block ids")
+  table = table.astype(np.int64)
+  if query_len < 1 or context_len < 0:
+    raise ValueError(f"request {i}: need query_len >= 1 and context_len >= 0, got "
+                     f"{query_len} and {context_len}")
+  if table.ndim != 1 or len(table) > max_blocks_per_seq:
+    raise ValueError(f"request {i}: block table has {len(table)} entries, at most "
+                     f"max_blocks_per_seq={max_blocks_per_seq} allowed")
+  needed = -(-(context_len + query_len) // block_size)
+  if needed > len(table):
+    raise ValueError(f"request {i}: length {context_len + query_len} is past its block table "
+                     f"({len(table)} blocks of {block_size} tokens)")
+  bad = table[:needed][(table[:needed] < 0) | (table[:needed] >= num_blocks)]
+  if bad.size:
+    raise ValueError(f"request {i}: block index {int(bad[0])} is outside the cache "
+                     f"(num_blocks={num_blocks})")
+  return RequestState(context_len, query_len, table)
+
+
+def _check_writes(requests: Sequence[RequestState], block_size: int) -> None:
+  """Every new token's cache slot must be written once, and by no request read as earlier
+  context in the same step: two writers would leave one's row for the other to read. Blocks
+  shared only for reading (a common prefix) are fine."""
+  slots, owner = [], []
+  for i, r in enumerate(requests):
+    pos = r.context_len + np.arange(r.query_len)
+    slots.append(r.block_table[pos // block_size] * block_size + pos % block_size)
+    owner.append(np.full(r.query_len, i))
+  slots, owner = np.concatenate(slots), np.concatenate(owner)
+  order = np.argsort(slots, kind="stable")
+  same = np.flatnonzero(np.diff(slots[order]) == 0)
+  if same.size:
+    a, b = owner[order[same[0]]], owner[order[same[0] + 1]]
+    slot = slots[order[same[0]]]
+    who = f"requests {a} and {b} both write" if a != b else f"request {a} writes twice to"
+    raise ValueError(f"{who} cache slot {slot} (block {slot // block_size}); a block written in a "
+                     f"step must belong to one request and appear once in its table")
+  written_blocks = np.unique(slots // block_size)
+  for j, r in enumerate(requests):
+    read = r.block_table[:-(-r.context_len // block_size)]
+    for k in np.flatnonzero(np.isin(read, written_blocks)):
+      readable = min(block_size, r.context_len - k * block_size)  # offsets holding its context
+      hit = (slots // block_size == read[k]) & (slots % block_size < readable)
+      if hit.any():
+        w = int(np.argmax(hit))
+        raise ValueError(f"request {owner[w]} writes cache slot {slots[w]}, which request {j} reads "
+                         f"as context (block {read[k]}): shared blocks must be read-only")
+
+
 def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blocks: int,
                    max_blocks_per_seq: int, decode_threshold: int = 1,
                    context_workspace: int = 8192, min_bucket: int = 8,
@@ -91,26 +161,19 @@ def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blo
   Earlier context of prefill requests is read back from the cache in chunks of at most
   `context_workspace` tokens (the workspace bound of the prefill path).
   """
-  if not requests:
+  if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence) or not requests:
     raise ValueError("build_metadata needs at least one request")
+  block_size, num_blocks, max_blocks_per_seq, decode_threshold, context_workspace, min_bucket = (
+      _integer(v, name) for v, name in (
+          (block_size, "block_size"), (num_blocks, "num_blocks"),
+          (max_blocks_per_seq, "max_blocks_per_seq"), (decode_threshold, "decode_threshold"),
+          (context_workspace, "context_workspace"), (min_bucket, "min_bucket")))
+  index_topk = None if index_topk is None else _integer(index_topk, "index_topk")
   if block_size <= 0 or num_blocks <= 0 or max_blocks_per_seq <= 0 or context_workspace <= 0:
     raise ValueError("block_size, num_blocks, max_blocks_per_seq and context_workspace must be positive")
-  for i, r in enumerate(requests):
-    table = np.asarray(r.block_table, np.int64)
-    if r.query_len < 1 or r.context_len < 0:
-      raise ValueError(f"request {i}: need query_len >= 1 and context_len >= 0, got "
-                       f"{r.query_len} and {r.context_len}")
-    if table.ndim != 1 or len(table) > max_blocks_per_seq:
-      raise ValueError(f"request {i}: block table has {len(table)} entries, at most "
-                       f"max_blocks_per_seq={max_blocks_per_seq} allowed")
-    needed = -(-(r.context_len + r.query_len) // block_size)
-    if needed > len(table):
-      raise ValueError(f"request {i}: length {r.context_len + r.query_len} is past its block table "
-                       f"({len(table)} blocks of {block_size} tokens)")
-    bad = table[:needed][(table[:needed] < 0) | (table[:needed] >= num_blocks)]
-    if bad.size:
-      raise ValueError(f"request {i}: block index {int(bad[0])} is outside the cache "
-                       f"(num_blocks={num_blocks})")
+  requests = [_checked_request(i, r, block_size, num_blocks, max_blocks_per_seq)
+              for i, r in enumerate(requests)]
+  _check_writes(requests, block_size)
 
   is_decode = [r.query_len <= decode_threshold for r in requests]
   order = np.array([i for i in range(len(requests)) if is_decode[i]] +
@@ -133,7 +196,7 @@ def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blo
   row = 0
   for k, i in enumerate(order):
     r = requests[i]
-    table = np.asarray(r.block_table, np.int64)
+    table = r.block_table
     pos = r.context_len + np.arange(r.query_len)
     start = row if k < num_dec_req else td + row - dec_tokens
     rows[i] = start + np.arange(r.query_len)

@@ -72,6 +72,20 @@ def _pad_rows(x, multiple):
   return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x
 
 
+def _masked_pv(p, v, mask):
+  """sum_k p[n, q, k] v[k, n, :] over the keys each row sees (mask [q, k]), exactly: a hidden key
+  contributes nothing even when its value is NaN or inf (p = 0 there, but 0 * NaN is NaN).
+
+  One matmul over the keys any row sees, once those values are finite; otherwise (a non-finite
+  value some rows of the block see and others do not: another request's, or a causally later
+  one) the rare slow way, each row's own keys selected before its product.
+  """
+  v_seen = jnp.where(mask.any(0)[:, None, None], v, 0.0)
+  one_row = lambda args: _einsum("nk,knd->nd", args[0], jnp.where(args[1][:, None, None], v, 0.0))
+  per_row = lambda: lax.map(one_row, (p.transpose(1, 0, 2), mask)).transpose(1, 0, 2)
+  return lax.cond(jnp.isfinite(v_seen).all(), lambda: _einsum("nqk,knd->nqd", p, v_seen), per_row)
+
+
 def mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, block_q=128, block_k=256):
   """Variable-length multi-head attention, flash style: query blocks with a running LSE.
 
@@ -125,8 +139,7 @@ def mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, block_q=1
       m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
       p = jnp.exp(s - m_safe[..., None])
       corr = jnp.exp(m - m_safe)
-      return (m_new, l * corr + p.sum(-1),
-              acc * corr[..., None] + _einsum("nqk,knd->nqd", p, jnp.where(mask.any(0)[:, None, None], vb, 0.0)))
+      return m_new, l * corr + p.sum(-1), acc * corr[..., None] + _masked_pv(p, vb, mask)
 
     init = (jnp.full((n, block_q), -jnp.inf), jnp.zeros((n, block_q)), jnp.zeros((n, block_q, dv)))
     m, l, acc = lax.fori_loop(k_lo // block_k, -(-k_hi // block_k), body, init)

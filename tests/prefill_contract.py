@@ -93,3 +93,24 @@ class PrefillContract:
     tail = int(cu_q[-1])
     assert (np.asarray(o[tail:], np.float32) == 0).all()
     assert (np.asarray(lse[tail:]) == -np.inf).all()
+
+  def test_a_poisoned_request_leaves_the_others_exact(self, rng):
+    # Request 1's queries, keys and values hold NaN, inf and -inf; query and key blocks of any
+    # size straddle it and its neighbours (37 and 30 rows are no multiple of a block). Its keys
+    # outnumber its queries: a causal diagonal past the block edges.
+    len_q, len_k = [37, 21, 30], [37, 29, 30]
+    cu_q, cu_k = cumulative(len_q), cumulative(len_k)
+    q = 2 * rng.standard_normal((int(cu_q[-1]), 1, DK))
+    k = rng.standard_normal((int(cu_k[-1]), 1, DK))
+    v = rng.standard_normal((int(cu_k[-1]), 1, DV))
+    for x, (lo, hi) in ((q, cu_q[1:3]), (k, cu_k[1:3]), (v, cu_k[1:3])):
+      x[lo:hi:3], x[lo + 1:hi:3], x[lo + 2:hi:3] = np.nan, np.inf, -np.inf
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    o, lse = self.prefill(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k), scale=SCALE, causal=True,
+                          max_seqlen_q=max(len_q))
+    f32 = lambda x: np.asarray(x.astype(jnp.float32))
+    ref_o, ref_lse = varlen_attention_np(f32(q), f32(k), f32(v), cu_q, cu_k, SCALE, True)
+    magnitude, _ = varlen_attention_np(f32(q), f32(k), np.abs(f32(v)), cu_q, cu_k, SCALE, True)
+    others = np.r_[0:cu_q[1], cu_q[2]:cu_q[3]]
+    assert_close(f32(o)[others], ref_o[others], jnp.bfloat16, magnitude[others])
+    assert_close(np.asarray(lse)[others], ref_lse[others], jnp.bfloat16)

@@ -153,6 +153,24 @@ def test_mixed_batch_equals_each_request_alone():
     np.testing.assert_allclose(together[i], alone[0], rtol=1e-5, atol=1e-5)
 
 
+def test_a_poisoned_request_leaves_the_others_exact():
+  # Request 1's hidden states hold NaN and inf in both prefill steps; the second step reads every
+  # request's context back from the cache in chunks of 8 tokens, chunks and query blocks mixing
+  # requests.
+  layer = make_layer()
+  schedule = [[9, 6, 16], [5, 7, 5]]
+  inputs, tables = inputs_for(schedule, seed=16), tables_for(3, 17)
+  clean, _ = run_schedule(layer, inputs, schedule, tables,
+                          LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32), workspace=8)
+  inputs[1][::2], inputs[1][1::4] = np.nan, np.inf
+  poisoned, _ = run_schedule(layer, inputs, schedule, tables,
+                             LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32), workspace=8)
+  assert np.isnan(poisoned[1]).any()  # the poison got in
+  for i in (0, 2):
+    assert np.isfinite(poisoned[i]).all()
+    np.testing.assert_allclose(poisoned[i], clean[i], rtol=1e-5, atol=1e-5)
+
+
 def test_chunked_context_equals_unchunked():
   layer = make_layer()
   schedule = [[20, 13], [10, 13]]  # the second step reads 33 context tokens back from the cache

@@ -153,7 +153,7 @@ def test_same_buckets_same_shapes_and_structure():
 
 def test_different_buckets_different_shapes():
   md_a, _ = _build(MIXED)
-  md_c, _ = _build(MIXED + [RequestState(0, 1, [5])] * 5)  # 9 decode tokens -> bucket 16
+  md_c, _ = _build(MIXED + [RequestState(0, 1, [20 + k]) for k in range(5)])  # 9 decode -> bucket 16
   assert md_c.num_decode_rows == 16 and md_a.num_decode_rows == 8
 
 
@@ -192,3 +192,47 @@ def test_bad_blocks_past_the_length_are_allowed():
   # only the blocks the request's tokens occupy are checked
   md, _ = _build([RequestState(3, 1, [5, -1, NB + 7])])
   assert int(md.slot_mapping[0]) == 5 * BS + 3
+
+
+@pytest.mark.parametrize("requests, match", [
+    ([RequestState(0, 2, [1]), RequestState(1, 1, [1])], "requests 0 and 1 both write cache slot 5"),
+    ([RequestState(0, 1, [3]), RequestState(0, 1, [3])], "requests 0 and 1 both write cache slot 12"),
+    ([RequestState(0, 8, [6, 6])], "request 0 writes twice to cache slot 2[4-7]"),
+    ([RequestState(6, 1, [2, 9]), RequestState(0, 2, [9])], "request 1 writes cache slot 36, which "
+     "request 0 reads"),
+    ([RequestState(5, 1, [7, 7])], "request 0 writes cache slot 29, which request 0 reads"),
+], ids=["across", "same-slot", "within", "write-into-read", "own-context"])
+def test_conflicting_writes_are_refused(requests, match):
+  with pytest.raises(ValueError, match=match):
+    _build(requests)
+
+
+def test_blocks_shared_for_reading_are_allowed():
+  prefix = [30, 31]  # 8 tokens of a common prefix, read by both requests
+  md, layout = _build([RequestState(8, 3, prefix + [40]), RequestState(8, 1, prefix + [41])])
+  assert sorted(np.asarray(md.slot_mapping)[np.asarray(md.slot_mapping) >= 0]) == [
+      40 * BS, 40 * BS + 1, 40 * BS + 2, 41 * BS]
+
+
+@pytest.mark.parametrize("kw, request_, match", [
+    ({"block_size": 4.0}, None, "block_size must be an integer, got 4.0"),
+    ({"num_blocks": "64"}, None, "num_blocks must be an integer, got '64'"),
+    ({"max_blocks_per_seq": True}, None, "max_blocks_per_seq must be an integer"),
+    ({"index_topk": 2.5}, None, "index_topk must be an integer"),
+    ({}, RequestState(1.0, 1, [1]), "request 0: context_len must be an integer, got 1.0"),
+    ({}, RequestState(0, "2", [1]), "request 0: query_len must be an integer"),
+    ({}, RequestState(0, 2, [1.0]), "request 0: block_table holds float64"),
+    ({}, (0, 2, [1]), "request 0 is a tuple"),
+])
+def test_non_integer_fields_are_refused_by_name(kw, request_, match):
+  with pytest.raises(ValueError, match=match):
+    _build([request_ or RequestState(0, 2, [1])], **kw)
+
+
+def test_numpy_integers_are_accepted_everywhere():
+  want, _ = _build(MIXED)
+  np_requests = [RequestState(np.int64(r.context_len), np.int32(r.query_len),
+                              np.asarray(r.block_table, np.int16)) for r in MIXED]
+  got, _ = _build(np_requests, block_size=np.int64(BS), num_blocks=np.uint32(NB),
+                  max_blocks_per_seq=np.int8(MB), decode_threshold=np.int64(4), index_topk=np.int32(8))
+  jax.tree.map(np.testing.assert_array_equal, got, want)

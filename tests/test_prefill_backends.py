@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from mla_jax.backends import get_backend
 from pallas_kernels import mosaic_prefill
 from pallas_kernels.mla_prefill import mla_prefill
 from prefill_contract import DK, DV, SCALE, PrefillContract, assert_close, cumulative
@@ -14,6 +15,24 @@ from oracles import varlen_attention_np
 
 class TestReferencePrefill(PrefillContract):
   backend = "reference"
+
+
+def test_reference_hides_later_positions_of_a_request_exactly():
+  # Keys 20 and 21 of the first request hold NaN and inf: its rows 0..19 do not see them, and its
+  # later rows (20..36, in the same query block) do.
+  rng = np.random.default_rng(8)
+  cu = cumulative([37, 11])
+  q, k = (rng.standard_normal((48, 2, DK)) for _ in range(2))
+  v = rng.standard_normal((48, 2, DV))
+  ref_o, ref_lse = varlen_attention_np(q, k, v, cu, cu, SCALE, True)  # before the poison
+  k[20], v[20], k[21], v[21] = np.nan, np.nan, np.inf, np.inf
+  o, lse = get_backend("reference").prefill(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)),
+                                            jnp.asarray(cu), jnp.asarray(cu), scale=SCALE,
+                                            causal=True, max_seqlen_q=37)
+  hidden = np.r_[0:20, 37:48]
+  assert_close(o[hidden], ref_o[hidden], jnp.float32)
+  assert_close(lse[hidden], ref_lse[hidden], jnp.float32)
+  assert np.isnan(np.asarray(o[20:37])).all()
 
 
 class TestPallasTritonPrefill(PrefillContract):
@@ -66,6 +85,13 @@ class TestPallasMosaicPrefill(PrefillContract):
     if q.dtype.name not in mosaic_prefill.DTYPES:
       pytest.skip(f"pallas_mosaic's prefill kernel takes {mosaic_prefill.DTYPES} only, got {q.dtype}")
     return super().prefill(q, *args, **kwargs)
+
+  # Known gap (issue 17): bulk copies read whole 8-row-aligned boxes, so a request's first and
+  # last key steps hold its neighbours' rows, and P = 0 times their NaN values is NaN. Strict: a
+  # fix must remove this mark.
+  @pytest.mark.xfail(strict=True, reason="Mosaic prefill needs finite keys/values next to a request")
+  def test_a_poisoned_request_leaves_the_others_exact(self, rng):
+    super().test_a_poisoned_request_leaves_the_others_exact(rng)
 
   # Requests starting off a multiple of 8 rows (bulk-copy boxes start aligned), of several 64-key
   # steps and 128-row blocks, a tile past the end of the arrays, and more blocks than max_seqlen_q
