@@ -9,6 +9,34 @@ from typing import Any, Mapping
 from mla_jax.rope import RopeScaling, yarn_get_mscale
 
 
+_REQUIRED = object()
+
+
+def _hf_typed(hf: Mapping[str, Any], key: str, default, within: str | None, types, what: str):
+  """`hf[key]` checked against `types` (bool never passes), `default` when absent or null."""
+  where = f"{within}.{key}" if within else key
+  value = hf.get(key)
+  if value is None:
+    if default is _REQUIRED:
+      raise ValueError(f"config.json lacks {where}")
+    return default
+  if isinstance(value, bool) or not isinstance(value, types):
+    raise ValueError(f"config.json: {where} is {value!r} ({type(value).__name__}), expected {what}")
+  return value
+
+
+def hf_int(hf: Mapping[str, Any], key: str, default=_REQUIRED, within: str | None = None):
+  """`hf[key]` (`within`: the config.json object holding it, for the error) as an int; a
+  string, float or bool is refused naming the key."""
+  return _hf_typed(hf, key, default, within, int, "an integer")
+
+
+def hf_number(hf: Mapping[str, Any], key: str, default=_REQUIRED, within: str | None = None):
+  """`hf[key]` as a float; anything but an int or a float is refused naming the key."""
+  value = _hf_typed(hf, key, default, within, (int, float), "a number")
+  return value if value is None else float(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class Llama4Scaling:
   """Position-dependent query scaling `1 + beta * log(1 + floor(pos / original_max_position))`."""
@@ -102,42 +130,48 @@ class MLAConfig:
     if missing:
       raise ValueError(f"config.json lacks the MLA keys {missing}; is this a DeepSeek V2/V3 config?")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    if not isinstance(rope, Mapping):
+      raise ValueError(f"config.json: {rope_key} is {rope!r}, expected an object")
+    theta = hf_number(rope, "rope_theta", hf_number(hf, "rope_theta", 10000.0), rope_key)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     scaling = None
     if rope_type in ("yarn", "deepseek_yarn"):
       if "factor" not in rope:
         raise ValueError(f"{rope_type} rope scaling needs a 'factor', got {dict(rope)}")
+      num = lambda key, default=None: hf_number(rope, key, default, rope_key)
       scaling = RopeScaling(
-          factor=float(rope["factor"]),
-          original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 4096)),
-          beta_fast=float(rope.get("beta_fast", 32)),
-          beta_slow=float(rope.get("beta_slow", 1)),
-          mscale=float(rope.get("mscale", 1.0)),
-          mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)),
-          attn_factor=float(rope.get("attn_factor", 1.0)),
+          factor=num("factor"),
+          original_max_position_embeddings=hf_int(rope, "original_max_position_embeddings", 4096,
+                                                  rope_key),
+          beta_fast=num("beta_fast", 32.0), beta_slow=num("beta_slow", 1.0),
+          mscale=num("mscale", 1.0), mscale_all_dim=num("mscale_all_dim", 0.0),
+          attn_factor=num("attn_factor", 1.0),
       )
     elif rope_type != "default":
       raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, yarn, deepseek_yarn")
     l4 = hf.get("llama_4_scaling")
+    if l4 is not None and not isinstance(l4, Mapping):
+      raise ValueError(f"config.json: llama_4_scaling is {l4!r}, expected an object")
     return cls(
-        hidden_size=hf["hidden_size"],
-        num_heads=hf["num_attention_heads"],
-        q_lora_rank=hf.get("q_lora_rank"),
-        kv_lora_rank=hf["kv_lora_rank"],
-        qk_nope_head_dim=hf["qk_nope_head_dim"],
-        qk_rope_head_dim=hf["qk_rope_head_dim"],
-        v_head_dim=hf["v_head_dim"],
-        rope_theta=float(theta),
-        max_position_embeddings=hf.get("max_position_embeddings", 163840),
+        hidden_size=hf_int(hf, "hidden_size"),
+        num_heads=hf_int(hf, "num_attention_heads"),
+        q_lora_rank=hf_int(hf, "q_lora_rank", None),
+        kv_lora_rank=hf_int(hf, "kv_lora_rank"),
+        qk_nope_head_dim=hf_int(hf, "qk_nope_head_dim"),
+        qk_rope_head_dim=hf_int(hf, "qk_rope_head_dim"),
+        v_head_dim=hf_int(hf, "v_head_dim"),
+        rope_theta=theta,
+        max_position_embeddings=hf_int(hf, "max_position_embeddings", 163840),
         rope_scaling=scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        index_n_heads=hf.get("index_n_heads"),
-        index_head_dim=hf.get("index_head_dim"),
-        index_topk=hf.get("index_topk"),
+        rms_norm_eps=hf_number(hf, "rms_norm_eps", 1e-6),
+        index_n_heads=hf_int(hf, "index_n_heads", None),
+        index_head_dim=hf_int(hf, "index_head_dim", None),
+        index_topk=hf_int(hf, "index_topk", None),
         llama_4_scaling=None if l4 is None else Llama4Scaling(
-            beta=float(l4["beta"]),
-            original_max_position_embeddings=int(l4["original_max_position_embeddings"])),
+            beta=hf_number(l4, "beta", None, "llama_4_scaling"),
+            original_max_position_embeddings=hf_int(l4, "original_max_position_embeddings", None,
+                                                    "llama_4_scaling")),
     )
 
   @classmethod

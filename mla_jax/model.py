@@ -21,7 +21,7 @@ from flax import nnx
 
 from mla_jax.cache import DSACache, IndexerKCache, LatentCache, allocate_latent_cache
 from mla_jax.checkpoint import Checkpoint
-from mla_jax.config import MLAConfig
+from mla_jax.config import MLAConfig, hf_int
 from mla_jax.metadata import RequestState, bucket, build_metadata
 from mla_jax.modules import DeepseekV2MLAAttention
 from mla_jax.nn import linear
@@ -36,21 +36,29 @@ class DecoderConfig:
   num_layers: int
   intermediate_size: int
 
+  def __post_init__(self):
+    for name in ("vocab_size", "num_layers", "intermediate_size"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"DecoderConfig.{name} must be a positive int, got {value!r}")
+
   @classmethod
   def from_hf(cls, hf: Mapping[str, Any]) -> "DecoderConfig":
     """Reads a DeepSeek V2/V3/V3.2 `config.json` whose layers all have dense MLPs."""
     missing = [k for k in ("vocab_size", "num_hidden_layers", "intermediate_size") if k not in hf]
     if missing:
       raise ValueError(f"config.json lacks the decoder keys {missing}")
-    layers = hf["num_hidden_layers"]
-    if hf.get("n_routed_experts") and hf.get("first_k_dense_replace", 0) < layers:
-      raise ValueError(f"layers {hf.get('first_k_dense_replace', 0)}..{layers - 1} are mixture-of-experts "
-                       f"(n_routed_experts={hf['n_routed_experts']}); this decoder has dense MLPs only")
+    layers = hf_int(hf, "num_hidden_layers")
+    experts, dense = hf_int(hf, "n_routed_experts", 0), hf_int(hf, "first_k_dense_replace", 0)
+    if experts and dense < layers:
+      raise ValueError(f"layers {dense}..{layers - 1} are mixture-of-experts "
+                       f"(n_routed_experts={experts}); this decoder has dense MLPs only")
     if hf.get("hidden_act", "silu") != "silu":
       raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported; supported: silu")
     if hf.get("tie_word_embeddings"):
       raise ValueError("tied embeddings are not supported (DeepSeek checkpoints keep lm_head apart)")
-    return cls(MLAConfig.from_hf(hf), hf["vocab_size"], layers, hf["intermediate_size"])
+    return cls(MLAConfig.from_hf(hf), hf_int(hf, "vocab_size"), layers,
+               hf_int(hf, "intermediate_size"))
 
 
 class MLP(nnx.Module):

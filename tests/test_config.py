@@ -298,3 +298,29 @@ def test_num_local_heads_not_dividing(tp):
 def test_unknown_preset():
   with pytest.raises(ValueError, match="DeepSeek-V3"):  # the message lists the known presets
     MLAConfig.preset("DeepSeek-V4")
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("hidden_size", "7168", "hidden_size is '7168' .str., expected an integer"),
+    ("num_attention_heads", 128.0, "num_attention_heads is 128.0 .float., expected an integer"),
+    ("rms_norm_eps", "1e-6", "rms_norm_eps is '1e-6' .str., expected a number"),
+    ("rope_theta", "abc", "rope_theta is 'abc'"),
+    ("max_position_embeddings", True, "max_position_embeddings is True"),
+    ("index_topk", "2048", "index_topk is '2048'"),
+    ("rope_scaling", {"type": "yarn", "factor": "40"}, r"rope_scaling\.factor is '40'"),
+    ("rope_scaling", "yarn", "rope_scaling is 'yarn', expected an object"),
+    ("llama_4_scaling", {"beta": "0.1", "original_max_position_embeddings": 8192},
+     r"llama_4_scaling\.beta is '0.1'"),
+], ids=lambda x: x if isinstance(x, str) and len(x) < 25 else "")
+def test_string_and_float_numbers_name_their_key(key, value, match):
+  with pytest.raises(ValueError, match=f"config.json: {match}"):
+    MLAConfig.from_hf({**V32_EXP_JSON, key: value})
+
+
+@pytest.mark.parametrize("key, value", [("vocab_size", "129280"), ("num_hidden_layers", 61.0),
+                                        ("intermediate_size", None), ("vocab_size", 0)])
+def test_decoder_numbers_name_their_key(key, value):
+  from mla_jax.model import DecoderConfig
+  from mla_jax.tiny_checkpoint import tiny_config
+  with pytest.raises(ValueError, match=key):
+    DecoderConfig.from_hf(tiny_config("v3") | {key: value})
