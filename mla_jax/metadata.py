@@ -40,6 +40,11 @@ class AttentionMetadata:
   max_prefill_query_len: int = dataclasses.field(metadata=dict(static=True), default=0)
   # V3.2: every row sees at most index_topk tokens, so top-k selection would keep them all.
   within_topk: bool = dataclasses.field(metadata=dict(static=True), default=False)
+  # What the step was built for (None: not recorded, e.g. metadata made by hand); the layers check
+  # them against their cache and config at trace time (`check_cache`, `check_topk`).
+  block_size: int | None = dataclasses.field(metadata=dict(static=True), default=None)
+  num_blocks: int | None = dataclasses.field(metadata=dict(static=True), default=None)
+  index_topk: int | None = dataclasses.field(metadata=dict(static=True), default=None)
 
   @property
   def num_rows(self) -> int:
@@ -53,6 +58,22 @@ class AttentionMetadata:
   @property
   def num_prefill_rows(self) -> int:
     return self.num_rows - self.num_decode_rows
+
+  def check_cache(self, what: str, block_size: int, num_blocks: int) -> None:
+    """Trace time: the cache `what` must have the block size and block count the metadata was
+    built for (its slots and block ids mean nothing in another cache)."""
+    for name, built, got in (("block_size", self.block_size, block_size),
+                             ("num_blocks", self.num_blocks, num_blocks)):
+      if built is not None and built != got:
+        raise ValueError(f"metadata built for {name}={built}, but the {what} has {name}={got}")
+
+  def check_topk(self, index_topk: int | None) -> None:
+    """Trace time: metadata built for a top-k (whose `within_topk` says whether every window fits
+    in it) must meet a V3.2 layer with that top-k. Metadata built without one fits any layer: it
+    never takes the V3.2 dense shortcut."""
+    if self.index_topk is not None and self.index_topk != index_topk:
+      layer = "a V2/V3 layer" if index_topk is None else f"a layer with index_topk={index_topk}"
+      raise ValueError(f"metadata built for index_topk={self.index_topk} is used by {layer}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +251,8 @@ def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blo
       positions=positions, slot_mapping=slots, seq_lens=seq_lens, row_request=row_request,
       block_tables=tables, prefill_query_start_loc=cu_q, context_slots=context_slots,
       context_cu_seqlens=context_cu, num_decode_rows=td, max_prefill_query_len=bucket(max_q, 16),
-      within_topk=index_topk is not None and int(seq_lens.max()) <= index_topk)
+      within_topk=index_topk is not None and int(seq_lens.max()) <= index_topk,
+      block_size=block_size, num_blocks=num_blocks, index_topk=index_topk)
   md = jax.tree.map(jax.numpy.asarray, md)
   return md, BatchLayout(order=order, rows=tuple(rows), num_rows=td + tp, num_decode_requests=num_dec_req)
 

@@ -68,3 +68,30 @@ def test_other_dtypes_compile_and_match(dtype):
   f32 = lambda x: np.asarray(x.astype(jnp.float32))
   assert_close(f32(o), f32(ref_o), dtype, f32(magnitude))
   assert_close(lse, np.asarray(ref_lse), dtype)
+
+
+@pytest.mark.parametrize("backend", [
+    "reference", "pallas_triton",
+    pytest.param("pallas_mosaic", marks=pytest.mark.xfail(
+        strict=True, reason="Mosaic prefill's 8-row-aligned boxes read the neighbours' keys"))])
+def test_a_poisoned_request_leaves_the_others_exact(backend):
+  # Request 1's queries, keys and values are NaN, inf and -inf in turn: the other requests' rows
+  # must come out as they do when request 1 is clean.
+  len_q, len_k = [3001, 1000, 2500], [3001, 1500, 2500]
+  cu_q, cu_k = jnp.asarray(cumulative(len_q)), jnp.asarray(cumulative(len_k))
+  keys = jax.random.split(jax.random.key(5), 3)
+  q = jax.random.normal(keys[0], (int(cu_q[-1]), 16, DK), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (int(cu_k[-1]), 16, DK), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (int(cu_k[-1]), 16, DV), jnp.bfloat16)
+  poison = lambda x, lo, hi: x.at[lo:hi:3].set(jnp.nan).at[lo + 1:hi:3].set(jnp.inf).at[
+      lo + 2:hi:3].set(-jnp.inf)
+  bad = (poison(q, int(cu_q[1]), int(cu_q[2])), poison(k, int(cu_k[1]), int(cu_k[2])),
+         poison(v, int(cu_k[1]), int(cu_k[2])))
+  prefill = get_backend(backend).prefill
+  run = lambda q, k, v: prefill(q, k, v, cu_q, cu_k, scale=SCALE, causal=True,
+                                max_seqlen_q=max(len_q))
+  (o, lse), (want_o, want_lse) = run(*bad), run(q, k, v)
+  others = np.r_[0:int(cu_q[1]), int(cu_q[2]):int(cu_q[3])]
+  f32 = lambda x: np.asarray(x.astype(jnp.float32))[others]
+  assert_close(f32(o), f32(want_o), jnp.bfloat16)
+  assert_close(f32(lse), f32(want_lse), jnp.bfloat16)
