@@ -65,6 +65,7 @@ class Indexer(nnx.Module):
     """Writes this step's keys, then returns (top-k request-local positions [T, topk], -1 padded;
     the new K cache). Rows are scored a chunk at a time to bound the score buffer."""
     c = self.config
+    md.check_cache("indexer cache", k_cache.block_size, k_cache.num_blocks)
     q, weights, k = self.project(x, q_c, md.positions)
     k_cache = k_cache.write(k, md.slot_mapping)
     if md.within_topk:  # every window fits: the selection is the whole window, no scoring needed

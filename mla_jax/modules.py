@@ -94,6 +94,7 @@ class DeepseekV2MLAAttention(nnx.Module):
     indexer (IndexCache-style reuse of an earlier layer's selection; this layer's indexer cache
     is then left as it is), and `return_topk=True` appends the selection used to the result.
     """
+    md.check_topk(self.config.index_topk)
     p = self.project(x, md.positions)
     if not self.config.has_indexer:
       if topk_positions is not None or return_topk:

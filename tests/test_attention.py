@@ -217,6 +217,20 @@ def test_llama_4_scaling_scales_queries():
   np.testing.assert_array_equal(np.asarray(kv1), np.asarray(kv0))
 
 
+@pytest.mark.parametrize("built, match", [
+    (dict(block_size=4), "metadata built for block_size=4, but the latent cache has block_size=8"),
+    (dict(num_blocks=64), "metadata built for num_blocks=64, but the latent cache has num_blocks=40"),
+    (dict(index_topk=8), "metadata built for index_topk=8 is used by a V2/V3 layer"),
+])
+def test_metadata_built_for_another_cache_or_layer_is_refused(built, match):
+  layer = make_layer()
+  md, _ = build_metadata([RequestState(0, 5, [0, 1])], **{
+      "block_size": BS, "num_blocks": NB, "max_blocks_per_seq": MB, **built})
+  with pytest.raises(ValueError, match=match):
+    layer(jnp.zeros((md.num_rows, 64)), LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32),
+          md)
+
+
 def test_bad_input_raises():
   layer = make_layer()
   cache = LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32)

@@ -200,6 +200,18 @@ def test_bad_input():
     dense(x, LatentCache.allocate(NB, BS, CFG.latent_dim, jnp.float32), md, return_topk=True)
 
 
+@pytest.mark.parametrize("built, match", [
+    (dict(index_topk=2 * TOPK), "metadata built for index_topk=16 is used by a layer with index_topk=8"),
+    (dict(block_size=4), "metadata built for block_size=4, but the indexer cache has block_size=8"),
+    (dict(num_blocks=2 * NB), "metadata built for num_blocks=48, but the indexer cache has num_blocks=24"),
+])
+def test_metadata_built_for_another_cache_or_top_k_is_refused(built, match):
+  md, _ = build_metadata([RequestState(0, 4, [0])], **{
+      "block_size": BS, "num_blocks": NB, "max_blocks_per_seq": MB, "index_topk": TOPK, **built})
+  with pytest.raises(ValueError, match=match):
+    make_layer()(jnp.zeros((md.num_rows, CFG.hidden_size)), make_cache("latent"), md)
+
+
 def test_slots_past_the_cache_are_masked_not_read():
   """Selections pointing past the block table or the cache select nothing; NaN elsewhere stays out."""
   layer = make_layer()
