@@ -30,7 +30,7 @@ import numpy as np
 from jax import lax
 
 from mla_jax.quant import (DS_MLA_SCALE_FLOOR, F8, INDEXER_K_SCALE_FLOOR, dequantize, is_fp8,
-                           quantize_fp8, quantize_ue8m0)
+                           quantize_fp8, quantize_ue8m0, saturate)
 
 LATENT_CACHE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
 FP8_DS_MLA = "fp8_ds_mla"  # the latent cache dtype name of `DSMLACache`
@@ -132,7 +132,7 @@ def write_latent_cache(kv_cache, kv_c_normed, k_pe, slot_mapping, k_scale=None):
   kv_cache [NB, BS, L+R]; kv_c_normed [T, L]; k_pe [T, R]; slot_mapping [T] int32.
   """
   rows = jnp.concatenate([kv_c_normed, k_pe], axis=-1)
-  rows = quantize_fp8(rows, k_scale) if is_fp8(kv_cache.dtype) else rows.astype(kv_cache.dtype)
+  rows = quantize_fp8(rows, k_scale) if is_fp8(kv_cache.dtype) else saturate(rows, kv_cache.dtype)
   idx, _ = _slot_index(slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
   return _scatter(kv_cache, rows, idx)
 
@@ -176,8 +176,8 @@ class LatentCache:
     if num_blocks <= 0 or block_size <= 0 or latent_dim <= 0:
       raise ValueError(f"cache sizes must be positive, got num_blocks={num_blocks}, "
                        f"block_size={block_size}, latent_dim={latent_dim}")
-    if not k_scale > 0:
-      raise ValueError(f"k_scale must be positive, got {k_scale}")
+    if not (np.isfinite(k_scale) and k_scale > 0):
+      raise ValueError(f"k_scale must be finite and positive, got {k_scale}")
     return cls(jnp.zeros((num_blocks, block_size, latent_dim), dtype), jnp.float32(k_scale))
 
   @property

@@ -39,6 +39,15 @@ def quantize_fp8(x, scale):
   return jnp.clip(x.astype(jnp.float32) / scale, -F8_MAX, F8_MAX).astype(F8)
 
 
+def saturate(x, dtype):
+  """`x` in the float `dtype`, values past its largest finite one clipped to it (float16's
+  65504), as `quantize_fp8` saturates: an inf cache row would make every row that sees it NaN."""
+  if jnp.dtype(dtype) == jnp.float16:
+    big = float(jnp.finfo(jnp.float16).max)
+    x = jnp.clip(x.astype(jnp.float32), -big, big)
+  return x.astype(dtype)
+
+
 def dequantize(x, scale=None):
   """x in float32, times `scale` when given (an unscaled cache passes None)."""
   x = x.astype(jnp.float32)

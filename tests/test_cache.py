@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from mla_jax import reference
 from mla_jax.cache import LatentCache, gather_latent_cache
 
 NB, BS, L, R = 6, 4, 24, 8
@@ -148,3 +149,23 @@ def test_fp8_roundtrip_through_gather():
   want = np.concatenate([kv_c, k_pe], -1)
   # e4m3 keeps 3 mantissa bits: relative error <= 2**-4 (plus subnormal spacing near 0)
   np.testing.assert_allclose(got, want, rtol=2 ** -4, atol=2 ** -9 * k_scale)
+
+
+@pytest.mark.parametrize("k_scale", [np.inf, -np.inf, np.nan, 0.0, -0.5])
+def test_non_finite_or_non_positive_scales_are_refused(k_scale):
+  with pytest.raises(ValueError, match="k_scale must be finite and positive"):
+    LatentCache.allocate(NB, BS, L + R, dtype="float8_e4m3fn", k_scale=k_scale)
+
+
+def test_float16_cache_saturates_like_fp8():
+  # 1e6 overflows float16 (max 65504): stored as inf, every decode row seeing it would be NaN.
+  kv_c, k_pe = _rows(3, scale=1e6)
+  cache = LatentCache.allocate(NB, BS, L + R, "float16").write(
+      jnp.asarray(kv_c), jnp.asarray(k_pe), jnp.array([0, 5, 6], jnp.int32))
+  rows = np.asarray(cache.data, np.float32).reshape(NB * BS, L + R)[[0, 5, 6]]
+  want = np.clip(np.concatenate([kv_c, k_pe], -1), -65504, 65504).astype(np.float16)
+  np.testing.assert_array_equal(rows, want)
+  o, lse = reference.latent_decode(jnp.ones((1, 2, L + R), jnp.float16) * 1e-4, cache.data,
+                                   jnp.array([[1, 0]], jnp.int32), jnp.array([7], jnp.int32),
+                                   scale=1e-6, kv_lora_rank=L)
+  assert np.isfinite(np.asarray(o, np.float32)).all() and np.isfinite(np.asarray(lse)).all()
