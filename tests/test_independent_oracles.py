@@ -11,11 +11,12 @@ import pytest
 from flax import nnx
 
 from mla_jax import reference
+from mla_jax.attention import merge_attn_states
+from mla_jax.cache import IndexerKCache
 from mla_jax.config import MLAConfig
-from mla_jax.dsa_cache import IndexerKCache
 from mla_jax.modules import DeepseekV2MLAAttention
 from mla_jax.sharded_backend import _merge_across
-from pallas_kernels.latent_decode import merge_splits
+from pallas_kernels.common import merge_splits
 
 CONFIG = MLAConfig(hidden_size=64, num_heads=4, q_lora_rank=32, kv_lora_rank=64,
                    qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, rope_theta=500.0,
@@ -128,17 +129,15 @@ def check(got_o, got_lse, o, lse):
 def test_merge_attn_states_against_float64(parts):
   o, lse = plus_inf(*parts)
   f32 = lambda x: jnp.asarray(x, jnp.float32)
-  got_o, got_lse = reference.merge_attn_states(f32(o[:, 0]), f32(lse[:, 0]), f32(o[:, 1]),
-                                               f32(lse[:, 1]))
+  got_o, got_lse = merge_attn_states(f32(o[:, 0]), f32(lse[:, 0]), f32(o[:, 1]), f32(lse[:, 1]))
   check(got_o, got_lse, o[:, :2], lse[:, :2])
-  got_o, got_lse = reference.merge_attn_states(got_o, got_lse, f32(o[:, 2]), f32(lse[:, 2]))
+  got_o, got_lse = merge_attn_states(got_o, got_lse, f32(o[:, 2]), f32(lse[:, 2]))
   check(got_o, got_lse, o, lse)
 
 
 def test_merge_attn_states_ignores_an_empty_part_whatever_its_o():
   o_a, lse_a = jnp.ones((1, 1, 4)), jnp.full((1, 1), 2.0)
-  o, lse = reference.merge_attn_states(o_a, lse_a, jnp.full((1, 1, 4), jnp.nan),
-                                       jnp.full((1, 1), -jnp.inf))
+  o, lse = merge_attn_states(o_a, lse_a, jnp.full((1, 1, 4), jnp.nan), jnp.full((1, 1), -jnp.inf))
   np.testing.assert_array_equal(o, o_a)
   np.testing.assert_array_equal(lse, lse_a)
 

@@ -230,7 +230,7 @@ def test_non_integer_fields_are_refused_by_name(kw, request_, match):
 
 
 def test_numpy_integers_are_accepted_everywhere():
-  want, _ = _build(MIXED)
+  want, _ = _build(MIXED, index_topk=8)
   np_requests = [RequestState(np.int64(r.context_len), np.int32(r.query_len),
                               np.asarray(r.block_table, np.int16)) for r in MIXED]
   got, _ = _build(np_requests, block_size=np.int64(BS), num_blocks=np.uint32(NB),
