@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mla_jax.attention import MLAAttention
@@ -94,6 +95,10 @@ class DeepseekV2MLAAttention(nnx.Module):
     indexer (IndexCache-style reuse of an earlier layer's selection; this layer's indexer cache
     is then left as it is), and `return_topk=True` appends the selection used to the result.
     """
+    if x.ndim == 2 and x.shape[0] != md.num_rows:
+      raise ValueError(f"x has {x.shape[0]} rows but the step's metadata has {md.num_rows} (tokens "
+                       "padded to a power-of-two bucket, decode rows first): lay the requests' "
+                       "inputs out with layout.pack([...]), layout from build_metadata")
     p = self.project(x, md.positions)
     if not self.config.has_indexer:
       if topk_positions is not None or return_topk:
@@ -135,20 +140,33 @@ class DeepseekV2MLAAttention(nnx.Module):
 
 
 def jitted_step(module: nnx.Module, *, donate_cache: bool = True):
-  """`step(x, cache, md) -> (out, cache)`: the module's forward under `jax.jit`.
+  """`step(x, cache, md, **options) -> module(x, cache, md, **options)` under `jax.jit`.
 
   The module's state is taken now (make a new step after loading weights) and passed as an
-  argument rather than folded into the program as constants; the cache is
-  donated so XLA writes it in place, and steps whose metadata has the same padded shapes reuse
-  one compiled program. `step.lower(x, cache, md)` lowers that program without running it (e.g.
-  to read the compiled HLO).
+  argument rather than folded into the program as constants; the cache is donated so XLA writes it
+  in place, and steps whose metadata has the same padded shapes reuse one compiled program.
+  Keyword options reach the module's call: arrays as traced arguments (V3.2 `topk_positions`,
+  the model's `logit_rows`), anything else as a static one, one program per value (V3.2
+  `return_topk=True`). `step.lower(x, cache, md, **options)` lowers that program without running
+  it (e.g. to read the compiled HLO).
   """
   graphdef, state = nnx.split(module)
 
-  @functools.partial(jax.jit, donate_argnums=(2,) if donate_cache else ())
-  def step(state, x, cache, md):
-    return nnx.merge(graphdef, state)(x, cache, md)
+  @functools.partial(jax.jit, static_argnums=(5,), donate_argnums=(2,) if donate_cache else ())
+  def step(state, x, cache, md, traced, static):
+    return nnx.merge(graphdef, state)(x, cache, md, **traced, **dict(static))
 
-  run = lambda x, cache, md: step(state, x, cache, md)
-  run.lower = lambda x, cache, md: step.lower(state, x, cache, md)
+  def arguments(x, cache, md, options):
+    traced = {k: v for k, v in options.items() if isinstance(v, (jax.Array, np.ndarray))}
+    static = tuple(sorted((k, v) for k, v in options.items() if k not in traced))
+    for name, value in static:
+      try:
+        hash(value)
+      except TypeError:
+        raise ValueError(f"step option {name}={value!r}: pass an array (traced) or a hashable "
+                         f"value (static), not a {type(value).__name__}") from None
+    return state, x, cache, md, traced, static
+
+  run = lambda x, cache, md, **options: step(*arguments(x, cache, md, options))
+  run.lower = lambda x, cache, md, **options: step.lower(*arguments(x, cache, md, options))
   return run

@@ -62,5 +62,6 @@ def test_demo_runs_and_matches_the_unabsorbed_math(capsys):
   demo.main(["--prompts", "5", "19", "--steps", "2", "--backend", "reference"])
   out = capsys.readouterr().out
   assert "backend: reference" in out
+  assert " prefill   24 tokens in   32 rows (decode 0 + prefill 32, power-of-two buckets)" in out
   error = float(out.strip().splitlines()[-1].split()[-1])
   assert error < 1e-5
