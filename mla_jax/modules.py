@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from mla_jax.attention import MLAAttention
-from mla_jax.cache import DSACache, LatentCache
+from mla_jax.cache import FP8_DS_MLA, DSACache, IndexerKCache, LatentCache, allocate_latent_cache
 from mla_jax.config import MLAConfig
 from mla_jax.indexer import Indexer
 from mla_jax.metadata import AttentionMetadata
@@ -62,6 +62,50 @@ class DeepseekV2MLAAttention(nnx.Module):
     """Recomputes the absorbed weights from kv_b_proj; call after changing kv_b_proj's kernel."""
     self.mla_attn.absorb(self.kv_b_proj.kernel[...])
 
+  def allocate_cache(self, num_blocks: int, block_size: int, dtype=None, *,
+                     k_scale: float = 1.0) -> LatentCache | DSACache:
+    """A zeroed paged cache of the kind this layer takes, `num_blocks` pages of `block_size` tokens.
+
+    `dtype`, the latent cache's: float32, bfloat16, float16 (default: the layer's compute dtype),
+    float8_e4m3fn (or "fp8": per-tensor scale `k_scale`), or for V3.2 "fp8_ds_mla". A V3.2 layer
+    gets a `DSACache` whose indexer K cache is in the dtype its indexer reads (e4m3 with per-token
+    scales when built with `indexer_fp8=True`, else bfloat16).
+    """
+    c = self.config
+    dtype = self.mla_attn.dtype if dtype is None else dtype
+    if isinstance(dtype, str) and dtype == FP8_DS_MLA and not c.has_indexer:
+      raise ValueError("fp8_ds_mla is the V3.2 (index_topk) latent layout, read by sparse attention "
+                       "only; for this config use fp8 (per-tensor scale) or a float dtype")
+    latent = allocate_latent_cache(num_blocks, block_size, c.kv_lora_rank, c.qk_rope_head_dim,
+                                   dtype, k_scale)
+    if not c.has_indexer:
+      return latent
+    return DSACache(latent, IndexerKCache.allocate(num_blocks, block_size, c.index_head_dim,
+                                                   self.indexer.cache_dtype))
+
+  def check_cache(self, cache):
+    """ValueError unless `cache` is what this layer reads and writes (as `allocate_cache` makes)."""
+    c = self.config
+    if not c.has_indexer:
+      if isinstance(cache, DSACache) or not getattr(cache, "dense_attention", False):
+        raise ValueError(f"this layer (no indexer) needs a LatentCache, got {type(cache).__name__}; "
+                         "layer.allocate_cache(num_blocks, block_size) makes one")
+      return
+    if not isinstance(cache, DSACache):
+      raise ValueError(f"a V3.2 layer needs a DSACache (latent + indexer caches), got "
+                       f"{type(cache).__name__}; layer.allocate_cache(num_blocks, block_size) makes one")
+    k = cache.indexer
+    want = jnp.dtype(self.indexer.cache_dtype)
+    if k.values.dtype != want or k.head_dim != c.index_head_dim:
+      raise ValueError(
+          f"the indexer cache holds {k.values.dtype} keys of {k.head_dim}, this layer's indexer "
+          f"reads {want.name} keys of {c.index_head_dim} (indexer_fp8={self.indexer.fp8}); "
+          "layer.allocate_cache(num_blocks, block_size) allocates the matching one")
+    if (k.num_blocks, k.block_size) != (cache.latent.num_blocks, cache.latent.block_size):
+      raise ValueError(f"the latent cache has {cache.latent.num_blocks} pages of "
+                       f"{cache.latent.block_size} tokens, the indexer cache {k.num_blocks} of "
+                       f"{k.block_size}: they share one block table")
+
   def project(self, x, positions) -> Projections:
     """Steps 1-3 and 5 of the forward (RoPE, the optional llama-4 query scaling)."""
     c = self.config
@@ -99,14 +143,13 @@ class DeepseekV2MLAAttention(nnx.Module):
       raise ValueError(f"x has {x.shape[0]} rows but the step's metadata has {md.num_rows} (tokens "
                        "padded to a power-of-two bucket, decode rows first): lay the requests' "
                        "inputs out with layout.pack([...]), layout from build_metadata")
+    if not self.config.has_indexer and (topk_positions is not None or return_topk):
+      raise ValueError("top-k positions exist only for V3.2 configs (index_topk set)")
+    self.check_cache(cache)
     p = self.project(x, md.positions)
     if not self.config.has_indexer:
-      if topk_positions is not None or return_topk:
-        raise ValueError("top-k positions exist only for V3.2 configs (index_topk set)")
       attn, cache = self.mla_attn(p.q, p.kv_c_normed, p.k_pe, cache, md)
       return self.o_proj(attn), cache
-    if not isinstance(cache, DSACache):
-      raise ValueError(f"a V3.2 layer needs a DSACache (latent + indexer caches), got {type(cache).__name__}")
     indexer_cache = cache.indexer
     if topk_positions is None:
       topk_positions, indexer_cache = self.indexer(x, p.q_c, cache.indexer, md, self.mla_attn.backend)

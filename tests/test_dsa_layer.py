@@ -80,7 +80,7 @@ def tables(seed, n=2):
 def test_layer_equals_dense_attention_masked_by_its_selection(fp8):
   layer = make_layer(fp8=fp8)
   inputs = inputs_for(SCHEDULE, 1)
-  outs, sels, _ = run(layer, inputs, SCHEDULE, tables(2), make_cache("latent"))
+  outs, sels, _ = run(layer, inputs, SCHEDULE, tables(2), layer.allocate_cache(NB, BS))
   for x, got, sel in zip(inputs, outs, sels):
     n = x.shape[0]
     mask = selection_mask(sel, n)
