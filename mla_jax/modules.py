@@ -88,12 +88,14 @@ class DeepseekV2MLAAttention(nnx.Module):
     c = self.config
     if not c.has_indexer:
       if isinstance(cache, DSACache) or not getattr(cache, "dense_attention", False):
-        raise ValueError(f"this layer (no indexer) needs a LatentCache, got {type(cache).__name__}; "
-                         "layer.allocate_cache(num_blocks, block_size) makes one")
+        raise ValueError(f"this layer (no indexer) needs a LatentCache, got "
+                         f"{type(cache).__name__}; layer.allocate_cache(num_blocks, block_size) "
+                         "makes one")
       return
     if not isinstance(cache, DSACache):
       raise ValueError(f"a V3.2 layer needs a DSACache (latent + indexer caches), got "
-                       f"{type(cache).__name__}; layer.allocate_cache(num_blocks, block_size) makes one")
+                       f"{type(cache).__name__}; layer.allocate_cache(num_blocks, block_size) "
+                       "makes one")
     k = cache.indexer
     want = jnp.dtype(self.indexer.cache_dtype)
     if k.values.dtype != want or k.head_dim != c.index_head_dim:

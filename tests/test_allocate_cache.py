@@ -123,7 +123,7 @@ def test_hand_made_caches_are_checked_against_the_layer():
   with pytest.raises(ValueError, match="needs a DSACache.*allocate_cache"):
     sparse(x, latent, md)
   fp8_keys = DSACache(latent, IndexerKCache.allocate(NB, BS, 32))  # the layer's indexer is bf16
-  with pytest.raises(ValueError, match="float8_e4m3fn keys of 32.*reads bfloat16.*indexer_fp8=False"):
+  with pytest.raises(ValueError, match="float8_e4m3fn keys of 32.*bfloat16.*indexer_fp8=False"):
     sparse(x, fp8_keys, md)
   fewer_pages = DSACache(latent, IndexerKCache.allocate(NB - 1, BS, 32, "bfloat16"))
   with pytest.raises(ValueError, match="share one block table"):

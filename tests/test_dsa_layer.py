@@ -258,6 +258,7 @@ def test_jitted_step_forwards_return_topk_and_traced_topk_positions():
 
 def test_forgetting_layout_pack_names_it():
   layer = make_layer()
-  md, _ = build_metadata([RequestState(0, 5, [0])], block_size=BS, num_blocks=NB, max_blocks_per_seq=MB)
+  md, _ = build_metadata([RequestState(0, 5, [0])], block_size=BS, num_blocks=NB,
+                         max_blocks_per_seq=MB)
   with pytest.raises(ValueError, match=r"x has 5 rows but the step's metadata has 8 .*layout.pack"):
     layer(jnp.zeros((5, CFG.hidden_size)), make_cache("latent"), md)

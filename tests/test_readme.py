@@ -54,8 +54,8 @@ def test_version_check_passes_on_this_python():
 def test_version_check_names_the_problem_on_an_older_python(tmp_path):
   # A Python that reports 3.11, as python3 does on pyenv machines where 3.12 is not the default.
   old = tmp_path / "python3"
-  old.write_text(f'#!/bin/sh\nexec "{sys.executable}" -c "import sys; sys.version_info = (3, 11, 7); '
-                 'exec(sys.argv[1])" "$2"\n')
+  old.write_text(f'#!/bin/sh\nexec "{sys.executable}" -c '
+                 '"import sys; sys.version_info = (3, 11, 7); exec(sys.argv[1])" "$2"\n')
   old.chmod(old.stat().st_mode | stat.S_IEXEC)
   done = run_check(str(old))
   assert done.returncode == 1
@@ -92,7 +92,8 @@ def test_readme_code_blocks_run_as_written(tmp_path):
 
 def mla_jax_imports(code):
   """(module, name) of every import of mla_jax in `code` (IPython magics skipped)."""
-  tree = ast.parse("\n".join(line for line in code.splitlines() if not line.lstrip().startswith("%")))
+  lines = [line for line in code.splitlines() if not line.lstrip().startswith("%")]
+  tree = ast.parse("\n".join(lines))
   found = []
   for node in ast.walk(tree):
     if isinstance(node, ast.ImportFrom) and node.module.split(".")[0] == "mla_jax":
