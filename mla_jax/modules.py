@@ -74,8 +74,9 @@ class DeepseekV2MLAAttention(nnx.Module):
     c = self.config
     dtype = self.mla_attn.dtype if dtype is None else dtype
     if isinstance(dtype, str) and dtype == FP8_DS_MLA and not c.has_indexer:
-      raise ValueError("fp8_ds_mla is the V3.2 (index_topk) latent layout, read by sparse attention "
-                       "only; for this config use fp8 (per-tensor scale) or a float dtype")
+      raise ValueError("fp8_ds_mla is the V3.2 (index_topk) latent layout, which only sparse "
+                       "attention reads; for this config use fp8 (per-tensor scale) or a float "
+                       "dtype")
     latent = allocate_latent_cache(num_blocks, block_size, c.kv_lora_rank, c.qk_rope_head_dim,
                                    dtype, k_scale)
     if not c.has_indexer:
