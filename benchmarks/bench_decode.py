@@ -1,8 +1,6 @@
 """Latent (MLA) decode: the Pallas-Triton kernel against the jitted XLA reference, on a GPU, with
 the Mosaic GPU kernel (pallas_mosaic) beside it on bf16 caches.
 
-  PYTHONPATH=. python -m benchmarks.bench_decode [--quick] [--sweep] [--no-mosaic] [--out DIR]
-
 Every request sees the full S tokens through a shuffled 64-token page table, so the bytes that
 must move are exactly the cache rows (B*S*576*elem) plus q and o; FLOPs are 2*B*N*S*(576+512).
 Several input sets are rotated so the 60 MB L2 never holds a whole set. `--sweep` times the
@@ -20,7 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import rates, time_ms, write_results
+from benchmarks.common import make_parser, rates, require_gpu, time_ms, write_results
 from mla_jax import reference
 from pallas_kernels import common as kernel_common
 from pallas_kernels import latent_decode as kernel
@@ -117,21 +115,25 @@ def run_case(args, batch, heads, seq, dtype_name):
   return [row]
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--batch", type=int, nargs="+", default=[32, 128])
-  parser.add_argument("--heads", type=int, nargs="+", default=[16, 128])
-  parser.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 32768])
-  parser.add_argument("--dtype", nargs="+", default=["bf16", "fp8"], choices=sorted(DTYPES))
-  parser.add_argument("--page", type=int, default=64)
+def main(argv=None):
+  parser = make_parser("benchmarks.bench_decode", __doc__)
+  parser.add_argument("--batch", type=int, nargs="+", default=[32, 128], help="requests B")
+  parser.add_argument("--heads", type=int, nargs="+", default=[16, 128], help="query heads N")
+  parser.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 32768],
+                      help="cached tokens S of every request")
+  parser.add_argument("--dtype", nargs="+", default=["bf16", "fp8"], choices=sorted(DTYPES),
+                      help="latent cache dtypes (fp8: e4m3 with a per-tensor scale)")
+  parser.add_argument("--page", type=int, default=64, help="tokens per cache page (block size)")
   parser.add_argument("--quick", action="store_true", help="B=128, S in {4096, 32768} only")
-  parser.add_argument("--sweep", action="store_true", help="time kernel variants, no reference")
+  parser.add_argument("--sweep", action="store_true",
+                      help="time the kernels' tuning variants and split counts, no reference")
   parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference")
   parser.add_argument("--no-mosaic", action="store_true", help="skip the Mosaic GPU kernel")
-  parser.add_argument("--iters", type=int, default=20)
-  parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--out", default="benchmarks/out")
-  args = parser.parse_args()
+  parser.add_argument("--iters", type=int, default=20, help="back-to-back calls per timing")
+  parser.add_argument("--repeats", type=int, default=5, help="timings; the median is reported")
+  parser.add_argument("--out", default="benchmarks/out", help="directory for the result tables")
+  args = parser.parse_args(argv)
+  require_gpu("benchmarks.bench_decode")
   if args.quick:
     args.batch, args.seq = [128], [4096, 32768]
   rows = []

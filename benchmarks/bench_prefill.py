@@ -1,9 +1,6 @@
 """MLA prefill (causal, q/k 192, v 128, bf16): the Pallas-Triton kernel against XLA, cuDNN and SDPA,
 and the Mosaic GPU kernel (pallas_mosaic) beside it.
 
-  PYTHONPATH=. python -m benchmarks.bench_prefill [--tokens ...] [--heads ...] [--batched]
-      [--rivals ...] [--no-mosaic] [--sweep] [--out DIR]
-
 FLOPs count the causal half only: 2 * N * S*S/2 * (192 + 128) per request. Two input sets are
 rotated (each is 4-40x the 60 MB L2). The timed path is the pallas_triton backend's prefill (the
 kernel at its tuned configuration); rivals, each timed as a backend would call it:
@@ -29,7 +26,7 @@ import statistics
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import rates, time_ms, write_results
+from benchmarks.common import make_parser, rates, require_gpu, time_ms, write_results
 from mla_jax import reference
 from mla_jax.backends import get_backend
 from pallas_kernels import mla_prefill as kernel
@@ -160,19 +157,21 @@ def run_case(args, batch, seq, heads):
   return [row]
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384])
-  parser.add_argument("--heads", type=int, nargs="+", default=[16, 128])
+def main(argv=None):
+  parser = make_parser("benchmarks.bench_prefill", __doc__)
+  parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384],
+                      help="prompt lengths S (one request each)")
+  parser.add_argument("--heads", type=int, nargs="+", default=[16, 128], help="heads N")
   parser.add_argument("--batched", action="store_true", help="also 4 requests of 4096 tokens")
   parser.add_argument("--rivals", nargs="*", default=["xla", "cudnn", "sdpa"],
-                      choices=["xla", "cudnn", "sdpa"])
+                      choices=["xla", "cudnn", "sdpa"], help="implementations timed beside ours")
   parser.add_argument("--no-mosaic", action="store_true", help="skip the Mosaic GPU kernel")
   parser.add_argument("--sweep", action="store_true", help="time kernel variants, no rivals")
-  parser.add_argument("--iters", type=int, default=10)
-  parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--out", default="benchmarks/out")
-  args = parser.parse_args()
+  parser.add_argument("--iters", type=int, default=10, help="back-to-back calls per timing")
+  parser.add_argument("--repeats", type=int, default=5, help="timings; the median is reported")
+  parser.add_argument("--out", default="benchmarks/out", help="directory for the result tables")
+  args = parser.parse_args(argv)
+  require_gpu("benchmarks.bench_prefill")
   shapes = [(1, s) for s in args.tokens] + ([(4, 4096)] if args.batched else [])
   rows = []
   for (batch, seq), heads in itertools.product(shapes, args.heads):

@@ -1,8 +1,5 @@
 """DSA (V3.2) kernels: the pallas_triton backend against the jitted XLA reference, on a GPU.
 
-  PYTHONPATH=. python -m benchmarks.bench_sparse [--quick] [--sweep] [--parts ...] [--no-ref]
-      [--out DIR]
-
 Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 128, fp8 keys):
   sparse   sparse attention, T in {64, 128, 4096}, N in {16, 128}, bf16 and fp8_ds_mla caches.
            Decode rows (T <= 128) pick 2048 slots each, uniformly from a 1M-token cache (1.2 GB
@@ -34,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from benchmarks.common import rates, time_ms, write_results
+from benchmarks.common import make_parser, rates, require_gpu, time_ms, write_results
 from mla_jax import reference
 from mla_jax.backends import REFERENCE, get_backend
 from mla_jax.cache import DSMLACache, IndexerKCache, LatentCache, positions_to_slots
@@ -244,17 +241,18 @@ def timed_row(args, row, fn, sets, case_bytes, flops, xla_ms=None):
   return row
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None):
+  parser = make_parser("benchmarks.bench_sparse", __doc__)
   parser.add_argument("--parts", nargs="+", default=["sparse", "indexer", "topk", "step"],
-                      choices=["sparse", "indexer", "topk", "step"])
+                      choices=["sparse", "indexer", "topk", "step"], help="what to time (above)")
   parser.add_argument("--quick", action="store_true", help="T=128 cases, 128-row top-k, the step")
   parser.add_argument("--sweep", action="store_true", help="time each kernel's tuning variants")
   parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference")
-  parser.add_argument("--iters", type=int, default=20)
-  parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--out", default="benchmarks/out")
-  args = parser.parse_args()
+  parser.add_argument("--iters", type=int, default=20, help="back-to-back calls per timing")
+  parser.add_argument("--repeats", type=int, default=5, help="timings; the median is reported")
+  parser.add_argument("--out", default="benchmarks/out", help="directory for the result tables")
+  args = parser.parse_args(argv)
+  require_gpu("benchmarks.bench_sparse")
   if args.sweep:
     print(write_results(run_sweep(args), "sparse_sweep", args.out))
     return

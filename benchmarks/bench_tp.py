@@ -1,7 +1,5 @@
 """The MLA layer over 2 GPUs: equality with one GPU, then decode throughput of TP=2 (and DCP=2) vs 1.
 
-  PYTHONPATH=. python -m benchmarks.bench_tp [--batch 64] [--seq 8192] [--backend NAME] [--out DIR]
-
 For the 2-GPU machine (kind nvidia-h200-x2). DeepSeek-V3 layer shapes (hidden 7168, N=128,
 Lq 1536, L 512, R 64), page 64; the backend is pallas_triton when registered, else the reference.
 Meshes: "1 GPU" is the plain layer (no mesh); "tp=2" splits heads, "dcp=2" the cache's blocks.
@@ -31,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.common import write_results
+from benchmarks.common import make_parser, require_gpu, write_results
 from mla_jax import backends, sharding
 from mla_jax.cache import LatentCache
 from mla_jax.config import MLAConfig
@@ -118,18 +116,18 @@ def time_steps(step, x, cache, md, *, iters, repeats, warmup=3):
   return statistics.median(samples)
 
 
-def main():
+def main(argv=None):
   default = "pallas_triton" if "pallas_triton" in backends.BACKENDS else "reference"
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--batch", type=int, default=64)
-  parser.add_argument("--seq", type=int, default=8192)
-  parser.add_argument("--backend", default=default, choices=sorted(backends.BACKENDS))
-  parser.add_argument("--iters", type=int, default=20)
-  parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--out", default="benchmarks/out")
-  args = parser.parse_args()
-  if jax.device_count() < 2:
-    sys.exit(f"needs 2 devices, found {jax.devices()}")
+  parser = make_parser("benchmarks.bench_tp", __doc__)
+  parser.add_argument("--batch", type=int, default=64, help="decode requests B")
+  parser.add_argument("--seq", type=int, default=8192, help="cached tokens S of every request")
+  parser.add_argument("--backend", default=default, choices=sorted(backends.BACKENDS),
+                      help="the layer's backend (checks 1 also run the reference)")
+  parser.add_argument("--iters", type=int, default=20, help="back-to-back steps per timing")
+  parser.add_argument("--repeats", type=int, default=5, help="timings; the median is reported")
+  parser.add_argument("--out", default="benchmarks/out", help="directory for the result table")
+  args = parser.parse_args(argv)
+  require_gpu("benchmarks.bench_tp", min_devices=2)
   print(f"devices: {jax.devices()[:2]}; backend {args.backend}; B={args.batch} S={args.seq} "
         f"page {PAGE}", flush=True)
   failures = []

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -12,6 +14,35 @@ import jax
 # Measured on the H200 of this workplace (SPEC section 9): device-to-device copy and bf16 matmul.
 H200_COPY_GBPS = 4200.0
 H200_BF16_TFLOPS = 790.0
+
+
+def make_parser(module_name: str, doc: str) -> argparse.ArgumentParser:
+  """The parser of `python -m <module_name>`: the module's whole docstring as its description,
+  each option's default (where it has one) after its help."""
+  class Formatter(argparse.RawDescriptionHelpFormatter):
+    def _get_help_string(self, action):
+      shown = action.default not in (None, False, argparse.SUPPRESS)
+      return (action.help or "") + (" (default: %(default)s)" if shown else "")
+
+  epilog = ("Run from the repository root, in an environment with a GPU jax\n"
+            "(pip install -e \".[cuda13]\" or \".[cuda12]\"). Tables go to --out as NAME.json and\n"
+            "NAME.md; log every measurement in benchmarks/RESULTS.md.")
+  return argparse.ArgumentParser(prog=f"python -m {module_name}", description=doc, epilog=epilog,
+                                 formatter_class=Formatter)
+
+
+def require_gpu(module_name: str, min_devices: int = 1):
+  """Exits with a message (not a Pallas traceback) unless jax sees `min_devices` CUDA GPUs."""
+  try:
+    gpus = jax.devices("gpu")
+  except RuntimeError:  # no GPU backend in this jax, or no GPU visible
+    gpus = []
+  if len(gpus) < min_devices:
+    need = "a CUDA GPU" if min_devices == 1 else f"{min_devices} CUDA GPUs"
+    seen = ", ".join(sorted({d.device_kind for d in jax.devices()}))
+    sys.exit(f"python -m {module_name} needs {need} (it times GPU kernels); jax sees {len(gpus)} "
+             f"GPU(s) (devices: {seen}). Install a GPU jax with pip install -e \".[cuda13]\" (or "
+             "\".[cuda12]\"); on a CPU the test suite checks the same kernels in interpret mode.")
 
 
 def time_ms(fn, arg_sets, *, warmup=3, iters=20, repeats=5):

@@ -34,12 +34,28 @@ from mla_jax.quant import (DS_MLA_SCALE_FLOOR, F8, INDEXER_K_SCALE_FLOOR, dequan
 
 LATENT_CACHE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
 FP8_DS_MLA = "fp8_ds_mla"  # the latent cache dtype name of `DSMLACache`
+# vLLM's kv_cache_dtype names and the usual short ones.
+DTYPE_ALIASES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "bf16": "bfloat16",
+                 "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 
 TILE = 128  # fp8_ds_mla NoPE tile: one scale per 128 latent values
 INDEXER_DTYPES = ("float8_e4m3fn", "bfloat16")
 
 
 # ----------------------------------------------------------------------------- shared helpers
+
+def cache_dtype(dtype, supported, what):
+  """`dtype` (a dtype, its name, or an alias such as "fp8") as a numpy dtype, or a ValueError
+  naming the supported ones."""
+  try:
+    resolved = jnp.dtype(DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
+  except TypeError:
+    resolved = None
+  if resolved is None or resolved.name not in supported:
+    raise ValueError(f"{what} dtype {dtype!r} is not supported; supported: {', '.join(supported)} "
+                     f"(aliases: {', '.join(f'{a}={n}' for a, n in DTYPE_ALIASES.items())})")
+  return resolved
+
 
 def _check_sizes(**sizes):
   for name, value in sizes.items():
@@ -170,9 +186,7 @@ class LatentCache:
   @classmethod
   def allocate(cls, num_blocks: int, block_size: int, latent_dim: int = 576, dtype="bfloat16",
                k_scale: float = 1.0) -> "LatentCache":
-    dtype = jnp.dtype(dtype)
-    if dtype.name not in LATENT_CACHE_DTYPES:
-      raise ValueError(f"latent cache dtype {dtype.name} is not supported; supported: {LATENT_CACHE_DTYPES}")
+    dtype = cache_dtype(dtype, LATENT_CACHE_DTYPES, "latent cache")
     if num_blocks <= 0 or block_size <= 0 or latent_dim <= 0:
       raise ValueError(f"cache sizes must be positive, got num_blocks={num_blocks}, "
                        f"block_size={block_size}, latent_dim={latent_dim}")
@@ -348,12 +362,7 @@ class IndexerKCache:
   def allocate(cls, num_blocks: int, block_size: int, head_dim: int = 128,
                dtype="float8_e4m3fn") -> "IndexerKCache":
     _check_sizes(num_blocks=num_blocks, block_size=block_size, head_dim=head_dim)
-    try:
-      dtype = jnp.dtype(dtype)
-    except TypeError as e:
-      raise ValueError(f"unknown dtype {dtype!r}") from e
-    if dtype.name not in INDEXER_DTYPES:
-      raise ValueError(f"indexer cache dtype {dtype.name} is not supported; supported: {INDEXER_DTYPES}")
+    dtype = cache_dtype(dtype, INDEXER_DTYPES, "indexer cache")
     scales = (jnp.zeros if is_fp8(dtype) else jnp.ones)((num_blocks, block_size), jnp.float32)
     return cls(jnp.zeros((num_blocks, block_size, head_dim), dtype), scales)
 
@@ -433,8 +442,9 @@ class DSACache:
 
 
 def allocate_latent_cache(num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int,
-                          dtype) -> LatentCache | DSMLACache:
-  """A latent cache of a `LATENT_CACHE_DTYPES` dtype, or FP8_DS_MLA's tiled one."""
+                          dtype, k_scale: float = 1.0) -> LatentCache | DSMLACache:
+  """A latent cache of a `LATENT_CACHE_DTYPES` dtype (or an alias; fp8 with the per-tensor
+  `k_scale`), or FP8_DS_MLA's tiled one."""
   if isinstance(dtype, str) and dtype == FP8_DS_MLA:
     return DSMLACache.allocate(num_blocks, block_size, kv_lora_rank, rope_dim)
-  return LatentCache.allocate(num_blocks, block_size, kv_lora_rank + rope_dim, dtype)
+  return LatentCache.allocate(num_blocks, block_size, kv_lora_rank + rope_dim, dtype, k_scale)

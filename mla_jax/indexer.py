@@ -46,6 +46,11 @@ class Indexer(nnx.Module):
     self.weights_proj = linear(c.hidden_size, h, dtype, param_dtype, rngs)
     self.rotary_emb = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling, neox=True)
 
+  @property
+  def cache_dtype(self) -> str:
+    """The K cache dtype this indexer reads: e4m3 (per-token scales) with fp8, else bfloat16."""
+    return "float8_e4m3fn" if self.fp8 else "bfloat16"
+
   def project(self, x, q_c, positions):
     """x [T, hidden], q_c [T, Lq] (after q_a_layernorm) -> q [T, H, D] (e4m3 with fp8),
     head weights [T, H] float32 (times the q scales with fp8), k [T, D]."""

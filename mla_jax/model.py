@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mla_jax.cache import DSACache, IndexerKCache, LatentCache, allocate_latent_cache
 from mla_jax.checkpoint import Checkpoint
 from mla_jax.config import MLAConfig, hf_int
 from mla_jax.metadata import RequestState, bucket, build_metadata
@@ -135,18 +134,12 @@ class DeepseekForCausalLM(nnx.Module):
       x = x[logit_rows]
     return self.lm_head(self.norm(x)).astype(jnp.float32), tuple(new_caches)
 
-  def allocate_caches(self, num_blocks: int, block_size: int, dtype=None) -> tuple:
-    """One cache per layer: `LatentCache` of `dtype` (default the model's), or for V3.2 a
-    `DSACache` whose latent part may also be "fp8_ds_mla"."""
-    c = self.config.attention
+  def allocate_caches(self, num_blocks: int, block_size: int, dtype=None, **kwargs) -> tuple:
+    """One cache per layer (a tuple), as each layer's `allocate_cache` makes it (V3.2: the indexer
+    cache in the dtype of the model's indexers); `dtype` defaults to the model's."""
     dtype = self.dtype if dtype is None else dtype
-    if c.has_indexer:
-      make = lambda: DSACache(
-          allocate_latent_cache(num_blocks, block_size, c.kv_lora_rank, c.qk_rope_head_dim, dtype),
-          IndexerKCache.allocate(num_blocks, block_size, c.index_head_dim))
-    else:
-      make = lambda: LatentCache.allocate(num_blocks, block_size, c.latent_dim, dtype)
-    return tuple(make() for _ in self.layers)
+    return tuple(layer.self_attn.allocate_cache(num_blocks, block_size, dtype, **kwargs)
+                 for layer in self.layers)
 
   def load_checkpoint(self, checkpoint: Checkpoint) -> None:
     """Fills every parameter from a checkpoint, all or nothing: each layer's tensors are read

@@ -7,10 +7,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mla_jax.attention import MLAAttention
-from mla_jax.cache import DSACache, LatentCache
+from mla_jax.cache import FP8_DS_MLA, DSACache, IndexerKCache, LatentCache, allocate_latent_cache
 from mla_jax.config import MLAConfig
 from mla_jax.indexer import Indexer
 from mla_jax.metadata import AttentionMetadata
@@ -61,6 +62,53 @@ class DeepseekV2MLAAttention(nnx.Module):
     """Recomputes the absorbed weights from kv_b_proj; call after changing kv_b_proj's kernel."""
     self.mla_attn.absorb(self.kv_b_proj.kernel[...])
 
+  def allocate_cache(self, num_blocks: int, block_size: int, dtype=None, *,
+                     k_scale: float = 1.0) -> LatentCache | DSACache:
+    """A zeroed paged cache of the kind this layer takes, `num_blocks` pages of `block_size` tokens.
+
+    `dtype`, the latent cache's: float32, bfloat16, float16 (default: the layer's compute dtype),
+    float8_e4m3fn (or "fp8": per-tensor scale `k_scale`), or for V3.2 "fp8_ds_mla". A V3.2 layer
+    gets a `DSACache` whose indexer K cache is in the dtype its indexer reads (e4m3 with per-token
+    scales when built with `indexer_fp8=True`, else bfloat16).
+    """
+    c = self.config
+    dtype = self.mla_attn.dtype if dtype is None else dtype
+    if isinstance(dtype, str) and dtype == FP8_DS_MLA and not c.has_indexer:
+      raise ValueError("fp8_ds_mla is the V3.2 (index_topk) latent layout, which only sparse "
+                       "attention reads; for this config use fp8 (per-tensor scale) or a float "
+                       "dtype")
+    latent = allocate_latent_cache(num_blocks, block_size, c.kv_lora_rank, c.qk_rope_head_dim,
+                                   dtype, k_scale)
+    if not c.has_indexer:
+      return latent
+    return DSACache(latent, IndexerKCache.allocate(num_blocks, block_size, c.index_head_dim,
+                                                   self.indexer.cache_dtype))
+
+  def check_cache(self, cache):
+    """ValueError unless `cache` is what this layer reads and writes (as `allocate_cache` makes)."""
+    c = self.config
+    if not c.has_indexer:
+      if isinstance(cache, DSACache) or not getattr(cache, "dense_attention", False):
+        raise ValueError(f"this layer (no indexer) needs a LatentCache, got "
+                         f"{type(cache).__name__}; layer.allocate_cache(num_blocks, block_size) "
+                         "makes one")
+      return
+    if not isinstance(cache, DSACache):
+      raise ValueError(f"a V3.2 layer needs a DSACache (latent + indexer caches), got "
+                       f"{type(cache).__name__}; layer.allocate_cache(num_blocks, block_size) "
+                       "makes one")
+    k = cache.indexer
+    want = jnp.dtype(self.indexer.cache_dtype)
+    if k.values.dtype != want or k.head_dim != c.index_head_dim:
+      raise ValueError(
+          f"the indexer cache holds {k.values.dtype} keys of {k.head_dim}, this layer's indexer "
+          f"reads {want.name} keys of {c.index_head_dim} (indexer_fp8={self.indexer.fp8}); "
+          "layer.allocate_cache(num_blocks, block_size) allocates the matching one")
+    if (k.num_blocks, k.block_size) != (cache.latent.num_blocks, cache.latent.block_size):
+      raise ValueError(f"the latent cache has {cache.latent.num_blocks} pages of "
+                       f"{cache.latent.block_size} tokens, the indexer cache {k.num_blocks} of "
+                       f"{k.block_size}: they share one block table")
+
   def project(self, x, positions) -> Projections:
     """Steps 1-3 and 5 of the forward (RoPE, the optional llama-4 query scaling)."""
     c = self.config
@@ -94,15 +142,18 @@ class DeepseekV2MLAAttention(nnx.Module):
     indexer (IndexCache-style reuse of an earlier layer's selection; this layer's indexer cache
     is then left as it is), and `return_topk=True` appends the selection used to the result.
     """
+    if x.ndim == 2 and x.shape[0] != md.num_rows:
+      raise ValueError(f"x has {x.shape[0]} rows but the step's metadata has {md.num_rows} (tokens "
+                       "padded to a power-of-two bucket, decode rows first): lay the requests' "
+                       "inputs out with layout.pack([...]), layout from build_metadata")
+    if not self.config.has_indexer and (topk_positions is not None or return_topk):
+      raise ValueError("top-k positions exist only for V3.2 configs (index_topk set)")
+    self.check_cache(cache)
     md.check_topk(self.config.index_topk)
     p = self.project(x, md.positions)
     if not self.config.has_indexer:
-      if topk_positions is not None or return_topk:
-        raise ValueError("top-k positions exist only for V3.2 configs (index_topk set)")
       attn, cache = self.mla_attn(p.q, p.kv_c_normed, p.k_pe, cache, md)
       return self.o_proj(attn), cache
-    if not isinstance(cache, DSACache):
-      raise ValueError(f"a V3.2 layer needs a DSACache (latent + indexer caches), got {type(cache).__name__}")
     indexer_cache = cache.indexer
     if topk_positions is None:
       topk_positions, indexer_cache = self.indexer(x, p.q_c, cache.indexer, md, self.mla_attn.backend)
@@ -136,20 +187,33 @@ class DeepseekV2MLAAttention(nnx.Module):
 
 
 def jitted_step(module: nnx.Module, *, donate_cache: bool = True):
-  """`step(x, cache, md) -> (out, cache)`: the module's forward under `jax.jit`.
+  """`step(x, cache, md, **options) -> module(x, cache, md, **options)` under `jax.jit`.
 
   The module's state is taken now (make a new step after loading weights) and passed as an
-  argument rather than folded into the program as constants; the cache is
-  donated so XLA writes it in place, and steps whose metadata has the same padded shapes reuse
-  one compiled program. `step.lower(x, cache, md)` lowers that program without running it (e.g.
-  to read the compiled HLO).
+  argument rather than folded into the program as constants; the cache is donated so XLA writes it
+  in place, and steps whose metadata has the same padded shapes reuse one compiled program.
+  Keyword options reach the module's call: arrays as traced arguments (V3.2 `topk_positions`,
+  the model's `logit_rows`), anything else as a static one, one program per value (V3.2
+  `return_topk=True`). `step.lower(x, cache, md, **options)` lowers that program without running
+  it (e.g. to read the compiled HLO).
   """
   graphdef, state = nnx.split(module)
 
-  @functools.partial(jax.jit, donate_argnums=(2,) if donate_cache else ())
-  def step(state, x, cache, md):
-    return nnx.merge(graphdef, state)(x, cache, md)
+  @functools.partial(jax.jit, static_argnums=(5,), donate_argnums=(2,) if donate_cache else ())
+  def step(state, x, cache, md, traced, static):
+    return nnx.merge(graphdef, state)(x, cache, md, **traced, **dict(static))
 
-  run = lambda x, cache, md: step(state, x, cache, md)
-  run.lower = lambda x, cache, md: step.lower(state, x, cache, md)
+  def arguments(x, cache, md, options):
+    traced = {k: v for k, v in options.items() if isinstance(v, (jax.Array, np.ndarray))}
+    static = tuple(sorted((k, v) for k, v in options.items() if k not in traced))
+    for name, value in static:
+      try:
+        hash(value)
+      except TypeError:
+        raise ValueError(f"step option {name}={value!r}: pass an array (traced) or a hashable "
+                         f"value (static), not a {type(value).__name__}") from None
+    return state, x, cache, md, traced, static
+
+  run = lambda x, cache, md, **options: step(*arguments(x, cache, md, options))
+  run.lower = lambda x, cache, md, **options: step.lower(*arguments(x, cache, md, options))
   return run

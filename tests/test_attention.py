@@ -237,8 +237,10 @@ def test_bad_input_raises():
   md, _ = build_metadata([RequestState(0, 5, [0])], block_size=BS, num_blocks=NB, max_blocks_per_seq=MB)
   with pytest.raises(ValueError, match="x must be"):
     layer(jnp.zeros((md.num_rows, 65)), cache, md)
-  with pytest.raises(ValueError, match="positions must be"):
+  with pytest.raises(ValueError, match="x has 9 rows but the step's metadata has 8 .*layout.pack"):
     layer(jnp.zeros((md.num_rows + 1, 64)), cache, md)
+  with pytest.raises(ValueError, match="positions must be"):
+    layer.project(jnp.zeros((md.num_rows + 1, 64)), md.positions)
   with pytest.raises(ValueError, match="cache rows"):
     layer(jnp.zeros((md.num_rows, 64)), LatentCache.allocate(NB, BS, 100, jnp.float32), md)
   with pytest.raises(ValueError, match="kv_b_proj kernel"):

@@ -45,6 +45,18 @@ def test_allocate_default_is_576_bf16():
   assert c.data.shape == (2, 16, 576) and c.data.dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize("alias, name", [("fp8", "float8_e4m3fn"), ("bf16", "bfloat16"),
+                                         ("fp16", "float16"), ("fp32", "float32")])
+def test_allocate_takes_vllm_dtype_names(alias, name):
+  assert LatentCache.allocate(2, 16, dtype=alias).data.dtype == jnp.dtype(name)
+
+
+def test_unknown_dtype_names_the_supported_ones():
+  with pytest.raises(ValueError, match="latent cache dtype 'fp9' is not supported; supported: "
+                                       "float32, bfloat16, float16, float8_e4m3fn .*fp8="):
+    LatentCache.allocate(2, 16, dtype="fp9")
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(dtype="int8"), dict(dtype="float8_e5m2"), dict(dtype="float64"),
     dict(num_blocks=0), dict(block_size=0), dict(latent_dim=-1),

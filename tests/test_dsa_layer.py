@@ -9,7 +9,7 @@ from mla_jax import indexer
 from mla_jax.cache import DSACache, DSMLACache, IndexerKCache, LatentCache
 from mla_jax.config import MLAConfig
 from mla_jax.metadata import RequestState, build_metadata
-from mla_jax.modules import DeepseekV2MLAAttention
+from mla_jax.modules import DeepseekV2MLAAttention, jitted_step
 from mla_jax.weights import load_attention_weights
 from sparse_contract import indexer_logits_np
 
@@ -80,7 +80,7 @@ def tables(seed, n=2):
 def test_layer_equals_dense_attention_masked_by_its_selection(fp8):
   layer = make_layer(fp8=fp8)
   inputs = inputs_for(SCHEDULE, 1)
-  outs, sels, _ = run(layer, inputs, SCHEDULE, tables(2), make_cache("latent"))
+  outs, sels, _ = run(layer, inputs, SCHEDULE, tables(2), layer.allocate_cache(NB, BS))
   for x, got, sel in zip(inputs, outs, sels):
     n = x.shape[0]
     mask = selection_mask(sel, n)
@@ -243,3 +243,34 @@ def test_weight_loader_takes_the_indexer_tensors():
   del tensors["indexer.k_norm.bias"]
   with pytest.raises(ValueError, match="indexer.k_norm.bias"):
     load_attention_weights(layer, tensors)
+
+
+def test_jitted_step_forwards_return_topk_and_traced_topk_positions():
+  layer = make_layer()
+  step = jitted_step(layer, donate_cache=False)
+  md, lay = build_metadata([RequestState(0, 14, tables(3)[0]), RequestState(0, 9, tables(3)[1])],
+                           block_size=BS, num_blocks=NB, max_blocks_per_seq=MB, index_topk=TOPK)
+  x = jnp.asarray(lay.pack(inputs_for([[14, 9]], 4)))
+  want = layer(x, make_cache("latent"), md, return_topk=True)
+  got = step(x, make_cache("latent"), md, return_topk=True)
+  assert len(got) == 3
+  np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))
+  np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
+  assert len(step(x, make_cache("latent"), md)) == 2  # the default stays (out, cache)
+  # Selections are traced: two different ones through one step, each as the eager layer gives.
+  first = np.asarray(want[2])
+  for given in (first, np.where(np.arange(TOPK) < 2, first, -1).astype(np.int32)):
+    eager, _ = layer(x, make_cache("latent"), md, topk_positions=jnp.asarray(given))
+    jitted, _ = step(x, make_cache("latent"), md, topk_positions=jnp.asarray(given))
+    np.testing.assert_allclose(np.asarray(jitted), np.asarray(eager), rtol=1e-5, atol=1e-5)
+  assert not np.allclose(np.asarray(jitted), np.asarray(want[0]), atol=1e-3)
+  with pytest.raises(ValueError, match="return_topk=\\[True\\].*hashable"):
+    step(x, make_cache("latent"), md, return_topk=[True])
+
+
+def test_forgetting_layout_pack_names_it():
+  layer = make_layer()
+  md, _ = build_metadata([RequestState(0, 5, [0])], block_size=BS, num_blocks=NB,
+                         max_blocks_per_seq=MB)
+  with pytest.raises(ValueError, match=r"x has 5 rows but the step's metadata has 8 .*layout.pack"):
+    layer(jnp.zeros((5, CFG.hidden_size)), make_cache("latent"), md)

@@ -11,7 +11,9 @@ import pytest
 from flax import nnx
 
 from mla_jax.checkpoint import Checkpoint
+from mla_jax.metadata import RequestState, build_metadata
 from mla_jax.model import DecoderConfig, DeepseekForCausalLM, forward, generate
+from mla_jax.modules import jitted_step
 from mla_jax.tiny_checkpoint import tiny_config, write_tiny_checkpoint
 
 pytest.importorskip("safetensors")
@@ -67,6 +69,19 @@ def test_step_by_step_logits_equal_one_full_forward(tiny, batched):
     # position len(prompt) - 1 predicts the first new token, and so on
     np.testing.assert_allclose(got, ref[len(prompt) - 1:], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got.argmax(-1), ref[len(prompt) - 1:].argmax(-1))
+
+
+def test_jitted_step_forwards_the_models_logit_rows(tiny):
+  model = tiny[1]
+  md, layout = build_metadata([RequestState(0, 5, [0])], max_blocks_per_seq=1, **POOL)
+  tokens = jnp.asarray(layout.pack([np.array([5, 6, 7, 8, 9], np.int32)]))
+  rows = jnp.asarray([4, 2], jnp.int32)
+  caches = model.allocate_caches(POOL["num_blocks"], POOL["block_size"])
+  want, _ = model(tokens, caches, md, logit_rows=rows)
+  got, _ = jitted_step(model)(tokens, model.allocate_caches(POOL["num_blocks"], POOL["block_size"]),
+                              md, logit_rows=rows)
+  assert got.shape == (2, model.config.vocab_size)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def test_stop_token_ends_only_its_request(tiny, batched):
