@@ -15,6 +15,7 @@ from mla_jax.metadata import RequestState, build_metadata
 from mla_jax.model import DecoderConfig, DeepseekForCausalLM, forward, generate
 from mla_jax.sampling import SamplingParams, sample
 from mla_jax.tiny_checkpoint import tiny_config, write_tiny_checkpoint
+from sharding_worker import run_with_host_devices
 
 PROMPTS = [[5, 6, 7], list(range(2, 15)), [9], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
 NEW_TOKENS = 10
@@ -207,3 +208,19 @@ def test_no_retrace_between_dispatches_of_the_same_shapes(tiny):
   generate(model, others, 15, steps_per_dispatch=4, stop_token_id=7, **POOL)
   generate(model, PROMPTS[:1] + others[:1], 6, steps_per_dispatch=4, **POOL)
   assert decode_steps._cache_size() == compiled
+
+
+# --- on a mesh ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mesh_report():
+  return run_with_host_devices("generate_mesh_worker.py")
+
+
+@pytest.mark.parametrize("case", ["v3-2x2", "v3.2-2x1"])
+def test_generation_on_a_mesh_equals_one_device(mesh_report, case):
+  """TP x DCP (V3) and TP (V3.2, whose caches dcp does not shard), 4 steps per dispatch: the same
+  greedy, stopped and sampled tokens; logits differ only by o_proj's summation order."""
+  r = mesh_report[case]
+  assert r["tokens"] and r["stopped"] and r["sampled"], r
+  assert r["max_logit_diff"] <= 1e-6 * r["max_abs_logit"] + 1e-5, r
