@@ -49,7 +49,8 @@ def decode_metadata(state: DecodeState, *, block_size: int, within_topk: bool = 
   r = pos.shape[0]
   zeros = lambda *shape: jnp.zeros(shape, jnp.int32)
   return AttentionMetadata(
-      positions=jnp.where(live, pos, 0), slot_mapping=jnp.where(live, block * block_size + pos % block_size, -1),
+      positions=jnp.where(live, pos, 0),
+      slot_mapping=jnp.where(live, block * block_size + pos % block_size, -1),
       seq_lens=jnp.where(live, pos + 1, 0),
       row_request=jnp.where(live, jnp.arange(r, dtype=jnp.int32), -1),
       block_tables=state.block_tables, prefill_query_start_loc=zeros(1),

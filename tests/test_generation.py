@@ -12,8 +12,8 @@ from flax import nnx
 
 from mla_jax.decoding import DecodeState, advance, decode_metadata, decode_steps
 from mla_jax.metadata import RequestState, build_metadata
-from mla_jax.model import DecoderConfig, DeepseekForCausalLM, forward, generate
-from mla_jax.sampling import SamplingParams, sample
+from mla_jax.model import DecoderConfig, DeepseekForCausalLM, forward, generate, prefill
+from mla_jax.sampling import GREEDY, SamplingParams, sample
 from mla_jax.tiny_checkpoint import tiny_config, write_tiny_checkpoint
 from sharding_worker import run_with_host_devices
 
@@ -140,6 +140,26 @@ def test_advance_stops_on_the_stop_token_and_the_length_limit():
   assert np.asarray(after.active).tolist() == [False, False, True, False]
   assert np.asarray(after.positions).tolist() == [4, 5, 6, 0]  # the finished rows fed their last
   assert np.asarray(after.tokens).tolist() == [9, 5, 6, 0] and int(after.step) == 3
+
+
+def test_finished_rows_write_nothing_and_emit_nothing(tiny):
+  _, model = tiny
+  batch = prefill(model, PROMPTS, 6, **POOL)
+  state = dataclasses.replace(batch.state, active=batch.state.active.at[1].set(False))
+  before = [np.asarray(x) for x in jax.tree.leaves(batch.caches)]
+  graphdef, params = nnx.split(model)
+  tokens, _, caches, after = decode_steps(graphdef, params, batch.caches, state, 3, max_steps=4,
+                                          block_size=POOL["block_size"], sampling=GREEDY)
+  tokens = np.asarray(tokens)
+  assert (tokens[3:] == -1).all() and (tokens[:3, 1] == -1).all() and (tokens[:3, 0] >= 0).all()
+  assert int(after.positions[1]) == len(PROMPTS[1]) and int(after.positions[0]) == 3 + 3
+  blocks = batch.paging.tables
+  for old, new in zip(before, jax.tree.leaves(caches)):
+    if old.ndim < 2:  # a scale
+      continue
+    new = np.asarray(new)
+    np.testing.assert_array_equal(new[blocks[1]], old[blocks[1]])  # the finished row's blocks
+    assert not np.array_equal(new[blocks[0]], old[blocks[0]])
 
 
 # --- generate on the tiny checkpoints -------------------------------------------------------
