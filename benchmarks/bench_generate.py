@@ -10,7 +10,8 @@ weights: hidden 7168, 128 heads, q_lora 1536, kv_lora 512 + rope 64, dense MLP 1
 tokens and `--new` new tokens (greedy, no stop token):
   prefill tok/s   `prefill` (one step over every prompt, first token chosen), second run timed.
   gen tok/s       `decode` of the prefilled batch to the end: B*(new-1) tokens over its wall
-                  time, host work and syncs included (median of `--repeats`), per steps-per-dispatch.
+                  time, host work and syncs included (median of `--repeats`), per
+                  steps-per-dispatch value.
   step tok/s      the model's jitted decode step (`jitted_step`, no sampling) dispatched `--iters`
                   times back to back on fixed metadata (every request at prompt + new/2 tokens),
                   the cache donated and threaded through, the device drained once: B / step ms.
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.common import rates, write_results
+from benchmarks.common import rates, time_steps, write_results
 from mla_jax.config import MLAConfig
 from mla_jax.metadata import RequestState, build_metadata
 from mla_jax.model import (DEFAULT_STEPS_PER_DISPATCH, DecoderConfig, DeepseekForCausalLM, decode,
@@ -68,18 +69,8 @@ def step_ms(model, batch, seq, iters, repeats):
                           for i in range(batch.num_requests)],
                          block_size=PAGE, num_blocks=batch.paging.num_blocks,
                          max_blocks_per_seq=tables.shape[1])
-  step, tokens = jitted_step(model), jnp.zeros(md.num_rows, jnp.int32)
-  caches = jax.tree.map(jnp.copy, batch.caches)
-  logits, caches = step(tokens, caches, md)  # compiles
-  jax.block_until_ready(caches)
-  samples = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    for _ in range(iters):
-      logits, caches = step(tokens, caches, md)
-    jax.block_until_ready((logits, caches))
-    samples.append((time.perf_counter() - start) * 1e3 / iters)
-  return statistics.median(samples)
+  tokens, caches = jnp.zeros(md.num_rows, jnp.int32), jax.tree.map(jnp.copy, batch.caches)
+  return time_steps(jitted_step(model), tokens, caches, md, iters=iters, repeats=repeats)
 
 
 def step_bytes(model, batch_size, seq):
