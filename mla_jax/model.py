@@ -261,6 +261,7 @@ class PrefilledBatch:
   prompt_lens: list[int]
   max_new_tokens: int
   sampling: SamplingParams
+  stop_token_id: int | None
   first_logits: jax.Array | None  # [rows, vocab] float32 when logits were asked for
 
   @property
@@ -308,7 +309,7 @@ def prefill(model: DeepseekForCausalLM, prompts: Sequence[Sequence[int]], max_ne
       remaining=jnp.asarray(remaining), block_tables=jnp.asarray(tables), step=jnp.int32(1),
       stop_token=stop, key=key)
   return PrefilledBatch(caches, decode_state, paging, prompt_lens[:n].tolist(), max_new_tokens,
-                        sampling, logits if return_logits else None)
+                        sampling, stop_token_id, logits if return_logits else None)
 
 
 def decode(model: DeepseekForCausalLM, batch: PrefilledBatch, *,
@@ -320,14 +321,11 @@ def decode(model: DeepseekForCausalLM, batch: PrefilledBatch, *,
     raise ValueError(f"steps_per_dispatch must be >= 1, got {steps_per_dispatch}")
   n, max_new = batch.num_requests, batch.max_new_tokens
   graphdef, params = nnx.split(model)
-  tokens = [[t] for t in np.asarray(batch.state.tokens[:n]).tolist()]
-  logits = (None if batch.first_logits is None
-            else [[row] for row in np.asarray(batch.first_logits[:n])])
-  stop = int(batch.state.stop_token)
-  finished = lambda i: len(tokens[i]) == max_new or tokens[i][-1] == stop
+  tokens = [[] for _ in range(n)]
+  logits = None if batch.first_logits is None else [[] for _ in range(n)]
+  stop = batch.stop_token_id
+  finished = lambda i: len(tokens[i]) == max_new or (tokens[i] and tokens[i][-1] == stop)
   bar = _progress_bar(max_new) if progress else None
-  if bar is not None:
-    bar.update()
 
   def collect(step_tokens, step_logits) -> bool:
     """Appends one dispatch's emitted tokens; True while some request is unfinished."""
@@ -346,9 +344,12 @@ def decode(model: DeepseekForCausalLM, batch: PrefilledBatch, *,
   # which the longest request's window outgrows top-k; the step-by-step rule is kept exactly.
   topk = model.config.attention.index_topk
   longest = max(batch.prompt_lens)
-  caches, state, pending = batch.caches, batch.state, []
-  t = 1  # the token the next step emits
-  live = not all(finished(i) for i in range(n))
+  caches, state = batch.caches, batch.state
+  # Device results not read yet, oldest first: the prefill's first tokens [1, R], then one
+  # [steps_per_dispatch, R] per dispatch.
+  first_logits = None if logits is None else batch.first_logits[None]
+  pending = [(state.tokens[None], first_logits)]
+  t, live = 1, True  # t: the token the next step emits
   while live and t < max_new:
     num_steps = min(steps_per_dispatch, max_new - t)
     within = topk is not None and longest + t <= topk
