@@ -19,9 +19,7 @@ Prints every measurement, then exits 1 if any check failed.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 import traceback
 
 import jax
@@ -29,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.common import make_parser, require_gpu, write_results
+from benchmarks.common import make_parser, require_gpu, time_steps, write_results
 from mla_jax import backends, sharding
 from mla_jax.cache import LatentCache
 from mla_jax.config import MLAConfig
@@ -99,21 +97,6 @@ def decode_inputs(batch, seq):
   x = jax.random.normal(kx, (md.num_rows, CONFIG.hidden_size), jnp.bfloat16)
   data = (jax.random.normal(kc, (batch * per_req, PAGE, CONFIG.latent_dim), jnp.float32) / 10)
   return x, LatentCache(data.astype(jnp.bfloat16), jnp.float32(1)), md
-
-
-def time_steps(step, x, cache, md, *, iters, repeats, warmup=3):
-  """Median ms per step; each step takes the cache the previous one returned (it is donated)."""
-  for _ in range(warmup):
-    out, cache = step(x, cache, md)
-  jax.block_until_ready((out, cache))
-  samples = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    for _ in range(iters):
-      out, cache = step(x, cache, md)
-    jax.block_until_ready((out, cache))
-    samples.append((time.perf_counter() - start) * 1e3 / iters)
-  return statistics.median(samples)
 
 
 def main(argv=None):

@@ -66,6 +66,22 @@ def time_ms(fn, arg_sets, *, warmup=3, iters=20, repeats=5):
   return statistics.median(samples)
 
 
+def time_steps(step, x, cache, md, *, iters, repeats, warmup=3):
+  """Median ms per call of `step(x, cache, md) -> (out, cache)` with the cache donated: each call
+  takes the cache the previous one returned, calls queued back to back, drained once per repeat."""
+  for _ in range(warmup):
+    out, cache = step(x, cache, md)
+  jax.block_until_ready((out, cache))
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    for _ in range(iters):
+      out, cache = step(x, cache, md)
+    jax.block_until_ready((out, cache))
+    samples.append((time.perf_counter() - start) * 1e3 / iters)
+  return statistics.median(samples)
+
+
 def rates(ms, *, bytes_moved=None, flops=None):
   """GB/s, TFLOP/s and their percentages of the H200's ceilings."""
   out = {"ms": ms}

@@ -1,10 +1,14 @@
-"""A small DeepSeek-shaped decoder built from the library's layers, and greedy generation.
+"""A small DeepSeek-shaped decoder built from the library's layers, and generation with it.
 
 Embedding, then per layer `x += attn(rmsnorm(x))`, `x += mlp(rmsnorm(x))` with MLA attention
 (V3) or MLA with the lightning indexer and sparse attention (V3.2) and a dense SwiGLU MLP, then a
 final norm and the LM head. DeepSeek's mixture-of-experts layers are not modelled: checkpoints
 whose config asks for them are refused. Every layer has its own paged cache; all layers share one
 block table, so one `AttentionMetadata` serves the whole step.
+
+Generation is a prefill step on the host-built metadata, then decode steps that run on the device
+(`mla_jax.decoding`): sampling, metadata and stop checks inside the jitted program, several steps
+per dispatch.
 """
 
 from __future__ import annotations
@@ -21,9 +25,12 @@ from flax import nnx
 
 from mla_jax.checkpoint import Checkpoint
 from mla_jax.config import MLAConfig, hf_int
+from mla_jax.decoding import DecodeState, decode_steps
 from mla_jax.metadata import RequestState, bucket, build_metadata
 from mla_jax.modules import DeepseekV2MLAAttention
 from mla_jax.nn import linear
+from mla_jax.sampling import GREEDY, SamplingParams, sample
+from mla_jax.sharding import shard_cache
 from mla_jax.weights import (Target, assign, attention_targets, check_tensors, linear_target,
                              param_target)
 
@@ -136,10 +143,13 @@ class DeepseekForCausalLM(nnx.Module):
 
   def allocate_caches(self, num_blocks: int, block_size: int, dtype=None, **kwargs) -> tuple:
     """One cache per layer (a tuple), as each layer's `allocate_cache` makes it (V3.2: the indexer
-    cache in the dtype of the model's indexers); `dtype` defaults to the model's."""
+    cache in the dtype of the model's indexers); `dtype` defaults to the model's. On the model's
+    mesh when `sharding.shard_layer` has placed it on one."""
     dtype = self.dtype if dtype is None else dtype
-    return tuple(layer.self_attn.allocate_cache(num_blocks, block_size, dtype, **kwargs)
-                 for layer in self.layers)
+    caches = tuple(layer.self_attn.allocate_cache(num_blocks, block_size, dtype, **kwargs)
+                   for layer in self.layers)
+    mesh = self.layers[0].self_attn.mla_attn.mesh  # set by sharding.shard_layer
+    return caches if mesh is None else tuple(shard_cache(c, mesh) for c in caches)
 
   def load_checkpoint(self, checkpoint: Checkpoint) -> None:
     """Fills every parameter from a checkpoint, all or nothing: each layer's tensors are read
@@ -279,55 +289,154 @@ def forward(model: DeepseekForCausalLM, sequences: Sequence[Sequence[int]], *,
   return layout.unpack(logits)
 
 
-def generate(model: DeepseekForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-             block_size: int = 16, num_blocks: int | None = None, cache_dtype=None,
-             stop_token_id: int | None = None, progress: bool = False, return_logits: bool = False):
-  """Greedy decoding of a batch of prompts (token id lists, any lengths).
+# Decode steps per dispatch unless the caller says: enough that the host's per-dispatch work (one
+# token copy, the next call) hides behind the device's, few enough that a batch whose requests all
+# stop early wastes little.
+DEFAULT_STEPS_PER_DISPATCH = 16
 
-  One prefill step for every prompt, then one decode step per new token; each step is a jitted
-  call with the caches donated, and its metadata comes from `build_metadata`. A request stops
-  after `max_new_tokens` or after emitting `stop_token_id`. The caches hold `num_blocks` blocks
-  of `block_size` tokens (default: just enough for these requests); `cache_dtype` as in
-  `allocate_caches`. Returns the new token ids per prompt; with `return_logits`, also the
-  float32 logits [new tokens, vocab] that chose them.
-  """
+_sample = jax.jit(sample, static_argnames="params")
+
+
+@dataclasses.dataclass
+class PrefilledBatch:
+  """Requests after their prefill step, ready for `decode`: the caches hold the prompts and each
+  request's first new token was chosen on the device (`state.tokens`)."""
+  caches: tuple
+  state: DecodeState  # rows: the requests in order, padded to a power-of-two bucket
+  paging: _Paging
+  prompt_lens: list[int]
+  max_new_tokens: int
+  sampling: SamplingParams
+  stop_token_id: int | None
+  first_logits: jax.Array | None  # [rows, vocab] float32 when logits were asked for
+
+  @property
+  def num_requests(self) -> int:
+    return len(self.prompt_lens)
+
+
+def prefill(model: DeepseekForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+            block_size: int = 16, num_blocks: int | None = None, cache_dtype=None,
+            stop_token_id: int | None = None, sampling: SamplingParams | None = None, key=None,
+            return_logits: bool = False) -> PrefilledBatch:
+  """One prefill step over every prompt, with fresh caches sized for `max_new_tokens` more tokens
+  per request, and the first new token chosen. Arguments as in `generate`."""
+  sampling = GREEDY if sampling is None else sampling
   if isinstance(max_new_tokens, (bool, np.bool_)) or not isinstance(max_new_tokens, (int, np.integer)) \
       or max_new_tokens < 1:
     raise ValueError(f"generate needs an integer max_new_tokens >= 1, got {max_new_tokens!r}")
   max_new_tokens = int(max_new_tokens)
   prompts = check_token_ids(model.config, prompts, what="prompt", new_tokens=max_new_tokens)
+  if not sampling.greedy and key is None:
+    raise ValueError(f"sampling with {sampling} needs a key (jax.random.key(seed))")
+  key = None if sampling.greedy else key
   paging = _Paging.for_lengths(model, [len(p) + max_new_tokens for p in prompts], block_size,
                                num_blocks)
   caches = model.allocate_caches(paging.num_blocks, block_size, cache_dtype)
   graphdef, state = nnx.split(model)
-  feed = list(prompts)  # what each request takes in the next step
-  cached = [0] * len(prompts)
-  tokens, logits_out = [[] for _ in prompts], [[] for _ in prompts]
-  live = list(range(len(prompts)))
-  bar = _progress_bar(max_new_tokens) if progress else None
-  for _ in range(max_new_tokens):
-    md, layout = paging.metadata([RequestState(cached[i], len(feed[i]), paging.tables[i])
-                                  for i in live])
-    # The LM head reads each request's last row; padded as the block tables are, so that a
-    # step's shapes depend only on its buckets.
-    last = np.zeros(md.block_tables.shape[0], np.int32)
-    last[:len(live)] = [rows[-1] for rows in layout.rows]
-    logits, caches = _step(graphdef, state, jnp.asarray(layout.pack([feed[i] for i in live])),
-                           caches, md, jnp.asarray(last))
-    logits = np.asarray(logits)
-    for k, i in enumerate(live):
-      token = int(logits[k].argmax())
-      tokens[i].append(token)
-      logits_out[i].append(logits[k])
-      cached[i] += len(feed[i])
-      feed[i] = np.array([token], np.int32)
-    live = [i for i in live if tokens[i][-1] != stop_token_id]
+  n = len(prompts)
+  md, layout = paging.metadata([RequestState(0, len(p), paging.tables[i])
+                                for i, p in enumerate(prompts)])
+  # The LM head reads each request's last row; padded as the block tables are, so that a step's
+  # shapes depend only on its buckets. The decode rows are the same padded requests in order.
+  rows = md.block_tables.shape[0]
+  last = np.zeros(rows, np.int32)
+  last[:n] = [r[-1] for r in layout.rows]
+  logits, caches = _step(graphdef, state, jnp.asarray(layout.pack([np.asarray(p, np.int32)
+                                                                   for p in prompts])),
+                         caches, md, jnp.asarray(last))
+  first = _sample(logits, sampling, key, 0)
+  tables = np.full((rows, paging.max_blocks), -1, np.int32)
+  for i, table in enumerate(paging.tables):
+    tables[i, :len(table)] = table
+  prompt_lens = np.zeros(rows, np.int32)
+  prompt_lens[:n] = [len(p) for p in prompts]
+  remaining = np.where(np.arange(rows) < n, max_new_tokens - 1, 0).astype(np.int32)
+  stop = jnp.int32(-1 if stop_token_id is None else stop_token_id)
+  decode_state = DecodeState(
+      tokens=first, positions=jnp.asarray(prompt_lens), active=(first != stop) & (remaining > 0),
+      remaining=jnp.asarray(remaining), block_tables=jnp.asarray(tables), step=jnp.int32(1),
+      stop_token=stop, key=key)
+  return PrefilledBatch(caches, decode_state, paging, prompt_lens[:n].tolist(), max_new_tokens,
+                        sampling, stop_token_id, logits if return_logits else None)
+
+
+def decode(model: DeepseekForCausalLM, batch: PrefilledBatch, *,
+           steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH, progress: bool = False):
+  """Generates a prefilled batch to the end (consuming its caches): `steps_per_dispatch` decode
+  steps per jitted call, their metadata advanced on the device, the host reading the chosen ids
+  of one call while the device runs the next. Returns as `generate` does."""
+  if steps_per_dispatch < 1:
+    raise ValueError(f"steps_per_dispatch must be >= 1, got {steps_per_dispatch}")
+  n, max_new = batch.num_requests, batch.max_new_tokens
+  graphdef, params = nnx.split(model)
+  tokens = [[] for _ in range(n)]
+  logits = None if batch.first_logits is None else [[] for _ in range(n)]
+  stop = batch.stop_token_id
+  finished = lambda i: len(tokens[i]) == max_new or (tokens[i] and tokens[i][-1] == stop)
+  bar = _progress_bar(max_new) if progress else None
+
+  def collect(step_tokens, step_logits) -> bool:
+    """Appends one dispatch's emitted tokens; True while some request is unfinished."""
+    step_tokens = np.asarray(step_tokens)[:, :n]  # the one host sync per dispatch
+    step_logits = None if step_logits is None else np.asarray(step_logits)[:, :n]
+    for i in range(n):
+      emitted = np.flatnonzero(step_tokens[:, i] >= 0)
+      tokens[i].extend(step_tokens[emitted, i].tolist())
+      if logits is not None:
+        logits[i].extend(step_logits[emitted, i])
     if bar is not None:
-      bar.update()
-    if not live:
-      break
+      bar.update(int(np.any(step_tokens >= 0, axis=1).sum()))
+    return not all(finished(i) for i in range(n))
+
+  # V3.2: a dispatch's steps share `within_topk` (static), so none straddles the step after
+  # which the longest request's window outgrows top-k; the step-by-step rule is kept exactly.
+  topk = model.config.attention.index_topk
+  longest = max(batch.prompt_lens)
+  caches, state = batch.caches, batch.state
+  # Device results not read yet, oldest first: the prefill's first tokens [1, R], then one
+  # [steps_per_dispatch, R] per dispatch.
+  first_logits = None if logits is None else batch.first_logits[None]
+  pending = [(state.tokens[None], first_logits)]
+  t, live = 1, True  # t: the token the next step emits
+  while live and t < max_new:
+    num_steps = min(steps_per_dispatch, max_new - t)
+    within = topk is not None and longest + t <= topk
+    if within:
+      num_steps = min(num_steps, topk - longest - t + 1)
+    *out, caches, state = decode_steps(
+        graphdef, params, caches, state, num_steps, max_steps=steps_per_dispatch,
+        block_size=batch.paging.block_size, sampling=batch.sampling, within_topk=within,
+        return_logits=logits is not None)
+    t += num_steps
+    pending.append(out)
+    if len(pending) > 1:  # read the previous dispatch while this one runs
+      live = collect(*pending.pop(0))
+  for out in pending:
+    collect(*out)
   if bar is not None:
     bar.close()
-  if return_logits:
-    return tokens, [np.stack(l) for l in logits_out]
+  if logits is not None:
+    return tokens, [np.stack(l) for l in logits]
   return tokens
+
+
+def generate(model: DeepseekForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+             block_size: int = 16, num_blocks: int | None = None, cache_dtype=None,
+             stop_token_id: int | None = None, progress: bool = False, return_logits: bool = False,
+             sampling: SamplingParams | None = None, key=None,
+             steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH):
+  """Generates from a batch of prompts (token id lists, any lengths): `prefill`, then `decode`.
+
+  One prefill step for every prompt, then decode steps that run on the device,
+  `steps_per_dispatch` per jitted call, each choosing its tokens there (greedy by default, else by
+  `sampling` with the jax.random `key`: the same key gives the same tokens). A request stops
+  after `max_new_tokens` or after emitting `stop_token_id`. The caches hold `num_blocks` blocks
+  of `block_size` tokens (default: just enough for these requests), placed on the model's mesh
+  when it is sharded; `cache_dtype` as in `allocate_caches`. Returns the new token ids per
+  prompt; with `return_logits`, also the float32 logits [new tokens, vocab] that chose them.
+  """
+  batch = prefill(model, prompts, max_new_tokens, block_size=block_size, num_blocks=num_blocks,
+                  cache_dtype=cache_dtype, stop_token_id=stop_token_id, sampling=sampling, key=key,
+                  return_logits=return_logits)
+  return decode(model, batch, steps_per_dispatch=steps_per_dispatch, progress=progress)

@@ -7,7 +7,11 @@ the tests judge them.
 """
 
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +35,19 @@ WORKSPACE = 8
 _COLLECTIVE = re.compile(r"= (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all|"
                          r"collective-permute|collective-broadcast)(?:-start)?\(")
 _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+def run_with_host_devices(script: str) -> dict:
+  """Runs tests/`script` in a subprocess that sees 8 host CPU devices; returns the JSON of its
+  last output line."""
+  tests = Path(__file__).parent
+  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  path = os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")])
+  env = {**os.environ, "XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
+  proc = subprocess.run([sys.executable, str(tests / script)], cwd=tests, env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-6000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def collectives(hlo: str):

@@ -6,33 +6,20 @@ one device, so sharding_worker.py runs every sharded case in one subprocess and 
 measured; the tests here judge the report.
 """
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from mla_jax import backends
 from mla_jax.metadata import dcp_local_view
-from sharding_worker import CFG, DENSE_CASES, DSA_CASES, WORKSPACE
+from sharding_worker import CFG, DENSE_CASES, DSA_CASES, WORKSPACE, run_with_host_devices
 from test_attention import make_layer
-
-TESTS = Path(__file__).parent
 
 
 @pytest.fixture(scope="module")
 def report():
-  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  path = os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")])
-  env = {**os.environ, "XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
-  proc = subprocess.run([sys.executable, str(TESTS / "sharding_worker.py")], cwd=TESTS, env=env,
-                        capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-6000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  return run_with_host_devices("sharding_worker.py")
 
 
 def test_single_device_layer_calls_the_kernels_directly():

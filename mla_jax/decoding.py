@@ -1,0 +1,98 @@
+"""Decode steps that stay on the device: several per dispatch, metadata advanced in the program.
+
+For a decode-only batch (one new token per request), step t+1's metadata follows from step t's:
+each active row's position moves one on, its slot comes from its block table (allocated up front
+for the requested lengths), and the token it feeds is the one just sampled. `decode_steps` runs up
+to `max_steps` such steps in one `lax.while_loop`: rows that emit the stop token or reach their
+length limit turn inactive (no cache writes, nothing seen, their outputs masked), and the loop ends
+early once every row is. Only the chosen token ids (and the logits when asked for) come back.
+
+Rows are requests in order, padded to the same power-of-two bucket as `build_metadata`'s, so the
+metadata equals what it would build for the active rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from mla_jax.metadata import AttentionMetadata
+from mla_jax.sampling import SamplingParams, sample
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+  """Where every row of a decode batch stands before the next step (device arrays)."""
+  tokens: jax.Array  # [R] int32, the token each row feeds next
+  positions: jax.Array  # [R] int32, its position (tokens already in the cache)
+  active: jax.Array  # [R] bool, still generating (false for padding rows)
+  remaining: jax.Array  # [R] int32, tokens the row may still emit
+  block_tables: jax.Array  # [R, MB] int32, -1 padded, enough blocks for the row's whole length
+  step: jax.Array  # int32 scalar, which token of the requests the next step emits (sampling keys)
+  stop_token: jax.Array  # int32 scalar, the id that ends a request (-1: none)
+  key: jax.Array | None  # the sampling key (None for greedy)
+
+
+def decode_metadata(state: DecodeState, *, block_size: int, within_topk: bool = False):
+  """The `AttentionMetadata` of the next step, computed from `state` (traceable). Inactive rows
+  are padding: slot -1 (nothing written) and 0 tokens seen."""
+  live = state.active
+  pos = state.positions
+  block = jnp.take_along_axis(state.block_tables, (pos // block_size)[:, None], axis=1,
+                              mode="clip")[:, 0]
+  r = pos.shape[0]
+  zeros = lambda *shape: jnp.zeros(shape, jnp.int32)
+  return AttentionMetadata(
+      positions=jnp.where(live, pos, 0),
+      slot_mapping=jnp.where(live, block * block_size + pos % block_size, -1),
+      seq_lens=jnp.where(live, pos + 1, 0),
+      row_request=jnp.where(live, jnp.arange(r, dtype=jnp.int32), -1),
+      block_tables=state.block_tables, prefill_query_start_loc=zeros(1),
+      context_slots=zeros(0, 0), context_cu_seqlens=zeros(0, 1), num_decode_rows=r,
+      within_topk=within_topk)
+
+
+def advance(state: DecodeState, new_tokens) -> DecodeState:
+  """The state after the active rows emitted `new_tokens` [R]."""
+  live = state.active
+  finished = (new_tokens == state.stop_token) | (state.remaining <= 1)
+  return dataclasses.replace(
+      state, tokens=jnp.where(live, new_tokens, state.tokens), positions=state.positions + live,
+      active=live & ~finished, remaining=state.remaining - live, step=state.step + 1)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2,
+                   static_argnames=("max_steps", "block_size", "sampling", "within_topk",
+                                    "return_logits"))
+def decode_steps(graphdef, params, caches, state: DecodeState, num_steps, *, max_steps: int,
+                 block_size: int, sampling: SamplingParams, within_topk: bool = False,
+                 return_logits: bool = False):
+  """Up to `num_steps` (traced, <= max_steps) decode steps of the model `nnx.merge(graphdef,
+  params)`, fewer when every row finishes. Returns (tokens [max_steps, R] int32, -1 where a row
+  emitted nothing; float32 logits [max_steps, R, vocab] or None; the caches; the state)."""
+  model = nnx.merge(graphdef, params)
+  r = state.tokens.shape[0]
+
+  def step(carry):
+    i, caches, state, tokens, logits = carry
+    md = decode_metadata(state, block_size=block_size, within_topk=within_topk)
+    step_logits, caches = model(state.tokens, caches, md)
+    new = jnp.where(state.active, sample(step_logits, sampling, state.key, state.step), -1)
+    tokens = tokens.at[i].set(new)
+    if return_logits:
+      logits = logits.at[i].set(step_logits)
+    return i + 1, caches, advance(state, new), tokens, logits
+
+  more = lambda carry: (carry[0] < num_steps) & jnp.any(carry[2].active)
+  logits = (jnp.zeros((max_steps, r, model.config.vocab_size), jnp.float32) if return_logits
+            else None)
+  init = (jnp.int32(0), caches, state, jnp.full((max_steps, r), -1, jnp.int32), logits)
+  _, caches, state, tokens, logits = lax.while_loop(more, step, init)
+  return tokens, logits, caches, state
+
