@@ -106,6 +106,13 @@ def _kernel(q_ref, w_ref, k_ref, ks_ref, bt_ref, len_ref, o_ref, q_smem, w_smem,
 
       @pl.when(i < n)
       def _():
+        # The table reads (global memory) are issued before the wait, which hides their latency.
+        key = plgpu.broadcasted_iota(jnp.int32, (block_k,), 0, layout=row_layout)
+        readable = None
+        for tile in range(tiles):
+          ok = tile_source(i, tile)[2]
+          in_tile = (key >= tile * _TILE) & (key < (tile + 1) * _TILE) & ok
+          readable = in_tile if readable is None else readable | in_tile
         plgpu.barrier_wait(ready.at[slot])
 
         def scores(acc_ref):  # acc_ref [block_k keys, rows * 64 heads] f32
@@ -115,12 +122,6 @@ def _kernel(q_ref, w_ref, k_ref, ks_ref, bt_ref, len_ref, o_ref, q_smem, w_smem,
         s = pl.run_scoped(scores, plgpu.ACC((block_k, rows * HEADS), jnp.float32))
         scale = plgpu.load(ks_smem.at[slot], layout=row_layout)
         plgpu.barrier_arrive(consumed.at[slot])
-        key = plgpu.broadcasted_iota(jnp.int32, (block_k,), 0, layout=row_layout)
-        readable = None
-        for tile in range(tiles):
-          ok = tile_source(i, tile)[2]
-          in_tile = (key >= tile * _TILE) & (key < (tile + 1) * _TILE) & ok
-          readable = in_tile if readable is None else readable | in_tile
         for j in range(rows):
           w = plgpu.load(w_smem.at[j], layout=col_layout)
           part = s[:, j * HEADS:(j + 1) * HEADS]
