@@ -19,7 +19,8 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            position visible. Bytes = one read of the logits + the positions written. A second row
            times the kernel with theta computed in every segment program (its old form).
   step     one layer's DSA decode step: indexer logits + top-k + slots + sparse attention (N=128,
-           fp8_ds_mla latent cache), 128 decode rows at 32K context each.
+           fp8_ds_mla latent cache), 128 decode rows at 32K context each; pallas_triton's and the
+           `pallas` default's.
 Columns: S is the context a row selects from or scores (positions). Two input sets are rotated
 per case. `--quick` (~3 minutes on the H200): T=128 for sparse and indexer, the two 128-row top-k
 cases and the step. `--sweep` times each kernel's tuning variants (SWEEPS) at one case a part
@@ -60,10 +61,11 @@ SWEEPS = {
     "indexer": [dict(block_n=n, chunk=c, num_warps=w, num_stages=s) for n, c, w, s in
                 [(128, 2048, 4, 2), (128, 2048, 4, 1), (128, 2048, 4, 3), (128, 2048, 8, 2),
                  (64, 2048, 4, 2), (128, 4096, 4, 2), (128, 1024, 4, 2), (256, 2048, 8, 2)]],
-    # pallas_mosaic's indexer: rows per program and positions per program, at T=2048 over 32K
+    # pallas_mosaic's indexer: rows, positions and ring slots per program, at T=2048 over 32K
     # (rows=4, one request) and at T=128 over 128K (rows=1, a request per row).
-    "mosaic_indexer": [dict(rows=4, chunk=c) for c in (1024, 2048, 4096, 8192)]
-                      + [dict(rows=1, chunk=c) for c in (2048, 4096, 8192, 16384)],
+    "mosaic_indexer": [dict(rows=4, chunk=c, stages=s) for c, s in
+                       [(2048, 4), (4096, 4), (2048, 2), (2048, 8), (4096, 8)]]
+                      + [dict(rows=1, chunk=4096, stages=s) for s in (4, 2, 6)],
     "topk": [dict(chunk=c, num_warps=w, num_stages=s) for c, w, s in
              [(2048, 8, 1), (1024, 8, 1), (4096, 8, 1), (2048, 4, 1), (2048, 16, 1), (2048, 8, 2)]],
 }
@@ -192,8 +194,8 @@ def run_step(args, t=128, context=32768):
   row = case_row("step", t, n=128, context=context, cache="fp8_ds_mla")
   rows = [timed_row(args, row, fn, sets, case_bytes, flops)]
   # The same step through the `pallas` default (its indexer: pallas_mosaic's where faster).
-  rows.append(timed_row(args, case_row("step", t, n=128, context=context, cache="fp8_ds_mla pallas"),
-                        lambda be: fn(get_backend("pallas")), sets, case_bytes, flops,
+  row = case_row("step", t, n=128, context=context, cache="fp8_ds_mla pallas")
+  rows.append(timed_row(args, row, lambda be: fn(get_backend("pallas")), sets, case_bytes, flops,
                         xla_ms=rows[0].get("xla ms")))
   return rows
 
@@ -237,7 +239,8 @@ def run_sweep(args):
             context * K_TOKEN_BYTES + t * context * 4, 2 * H * D * int(sets[0][5].sum()))
     for cfg in SWEEPS["mosaic_indexer"]:
       t, context = (2048, 32768) if cfg["rows"] == 4 else (128, 131072)
-      sets = [indexer_inputs(t, context, cfg["rows"] == 1, jax.random.key(200 + i)) for i in range(2)]
+      sets = [indexer_inputs(t, context, cfg["rows"] == 1, jax.random.key(200 + i))
+              for i in range(2)]
       distinct = context if cfg["rows"] == 4 else t * context
       timed({**case_row("indexer", t, context=context, cache="fp8 pallas_mosaic"), **cfg},
             functools.partial(pallas_mosaic_indexer.indexer_logits, **cfg), sets,

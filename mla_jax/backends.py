@@ -194,8 +194,9 @@ def _fastest_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank,
 
 
 def _fastest_indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens):
-  """pallas_mosaic's indexer (fp8 wgmma) where it measured faster: e4m3 operands it takes, on
-  Hopper; else pallas_triton's."""
+  """pallas_mosaic's indexer (fp8 wgmma) where it measured faster: the e4m3 operands it takes, on
+  Hopper (H200, benchmarks/RESULTS.md "DSA selection": 2.4-2.5x at T=2048, 1.8-1.9x at T=128);
+  else pallas_triton's."""
   mosaic = pallas_mosaic_indexer.fits(q, k_values) and _on_hopper()
   logits = PALLAS_MOSAIC.indexer_logits if mosaic else PALLAS_TRITON.indexer_logits
   return logits(q, weights, k_values, k_scales, block_tables, seq_lens)

@@ -10,7 +10,7 @@ key after the sum over heads.
 One program (CTA) per (group of `rows` rows, chunk of positions), three warpgroups:
 - memory (warpgroup 2): one bulk copy of the group's queries ([rows * 64, 128] e4m3) and weights,
   then the chunk's keys block_k positions a step: per 64-position tile the page read from the
-  table, one bulk copy of its values and one of its scales, into a ring of _STAGES slots;
+  table, one bulk copy of its values and one of its scales, into a ring of `stages` slots;
 - compute (warpgroups 0 and 1, taking alternate steps; slot s always goes to warpgroup s % 2): the
   transposed score tile S^T = K Q^T on the tensor cores (fp8 wgmma, float32 accumulation, M =
   block_k keys, N = rows * 64 heads, K = 128), so that the weighted sum over heads is a per-row
@@ -49,24 +49,27 @@ HEAD_DIM = 128  # one 128-byte swizzle row of e4m3: the K of every wgmma
 PAGE_MULTIPLE = 64  # positions per bulk copy; pages hold whole tiles
 _TILE = 64
 _COMPUTE_WGS = 2
-# Slots in the ring; even, so that slot s is always consumed by warpgroup s % 2.
-_STAGES = 4
 _CONSUMER_REGS = 232  # 2 x 232 + 40 (memory warpgroup) registers x 128 threads fit the 64K file
 _MEMORY_REGS = 40
 _ACC_ELEMS = 256 * HEADS  # block_k * rows * 64: a [block_k, rows * 64] f32 accumulator is 128 regs
-# rows -> (block_k, chunk): positions per step and per program.
-_CONFIGS = {4: (64, 2048), 1: (256, 4096)}
+# rows -> (block_k, chunk, stages): positions per step and per program, slots in the ring (even,
+# so that slot s is always consumed by warpgroup s % 2). H200 sweeps (benchmarks/RESULTS.md,
+# "DSA selection (pallas_mosaic)"): rows=4 at T=2048 over 32K is flat in chunk (2048-8192) and
+# stages (2-8), 1.51-1.53 ms: bound by the products and epilogues, not by key loads; rows=1 at
+# T=128 over 128K, which streams keys from HBM, wants the deepest ring that fits (2 slots 0.660
+# ms, 4 slots 0.600, 6 slots 0.562: 4.06 TB/s).
+_CONFIGS = {4: (64, 2048, 4), 1: (256, 4096, 6)}
 _GROUP_ROWS = 4  # rows per group when they share tables
 
 
 def _kernel(q_ref, w_ref, k_ref, ks_ref, bt_ref, len_ref, o_ref, q_smem, w_smem, k_smem, ks_smem,
-            o_smem, q_bar, ready, consumed, *, rows, block_k, chunk):
+            o_smem, q_bar, ready, consumed, *, rows, block_k, chunk, stages):
   # GMEM: q_ref [Tp * 64, 128] e4m3 (row t's heads at t * 64); w_ref [Tp, 64] f32; k_ref
   # [num_blocks, page, 128] e4m3; ks_ref [num_blocks, page] f32; bt_ref [Tp, max_blocks] int32;
   # len_ref [Tp] int32; o_ref [Tp, width] f32. SMEM: q_smem [rows * 64, 128] e4m3; w_smem [rows,
-  # 64] f32; k_smem [STAGES, block_k, 128] e4m3; ks_smem [STAGES, block_k] f32; o_smem [2 wgs, 2,
+  # 64] f32; k_smem [stages, block_k, 128] e4m3; ks_smem [stages, block_k] f32; o_smem [2 wgs, 2,
   # rows, block_k] f32 (each warpgroup's output staging, double-buffered). Barriers: q_bar (queries
-  # and weights landed); ready [STAGES] (slot landed); consumed [STAGES] (its warpgroup is done).
+  # and weights landed); ready [stages] (slot landed); consumed [stages] (its warpgroup is done).
   g, c = lax.axis_index("groups"), lax.axis_index("chunks")
   wg = lax.axis_index("wg")
   t0 = g * rows
@@ -99,7 +102,7 @@ def _kernel(q_ref, w_ref, k_ref, ks_ref, bt_ref, len_ref, o_ref, q_smem, w_smem,
 
     def step(k, carry):
       i = k * _COMPUTE_WGS + wg
-      slot, buf = lax.rem(i, _STAGES), lax.rem(k, 2)
+      slot, buf = lax.rem(i, stages), lax.rem(k, 2)
       pos0 = start + i * block_k
       out = o_smem.at[wg, buf]  # [rows, block_k]
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # buf's previous copy has read it
@@ -158,20 +161,20 @@ def _kernel(q_ref, w_ref, k_ref, ks_ref, bt_ref, len_ref, o_ref, q_smem, w_smem,
         plgpu.copy_gmem_to_smem(ks_ref.at[block, pl.ds(offset, _TILE)], ks_smem.at[slot, rows_in],
                                 ready.at[slot])
 
-    for i in range(_STAGES):
+    for i in range(stages):
       pl.when(i < n)(functools.partial(fetch, i, i))
 
-    @pl.loop(_STAGES, n)
+    @pl.loop(stages, n)
     def _(i):
-      slot = lax.rem(i, _STAGES)
+      slot = lax.rem(i, stages)
       plgpu.barrier_wait(consumed.at[slot])
       fetch(i, slot)
 
     # Sees the last uses of the slots out too: a warpgroup that waits on some phases of a barrier
     # waits on all of them (the interpreter checks this when the barriers are freed).
-    @pl.loop(jnp.maximum(n - _STAGES, 0), n)
+    @pl.loop(jnp.maximum(n - stages, 0), n)
     def _(i):
-      plgpu.barrier_wait(consumed.at[lax.rem(i, _STAGES)])
+      plgpu.barrier_wait(consumed.at[lax.rem(i, stages)])
 
 
 def fits(q, k_values) -> bool:
@@ -181,7 +184,7 @@ def fits(q, k_values) -> bool:
           and k_values.shape[1] % PAGE_MULTIPLE == 0)
 
 
-def _check(q, weights, k_values, k_scales, block_tables, seq_lens, rows, chunk):
+def _check(q, weights, k_values, k_scales, block_tables, seq_lens, rows, chunk, stages):
   if (q.ndim != 3 or weights.shape != q.shape[:2] or k_values.ndim != 3
       or k_scales.shape != k_values.shape[:2] or block_tables.ndim != 2
       or block_tables.shape[0] != q.shape[0] or seq_lens.shape != q.shape[:1]
@@ -207,14 +210,18 @@ def _check(q, weights, k_values, k_scales, block_tables, seq_lens, rows, chunk):
     raise ValueError(f"rows must be one of {sorted(_CONFIGS)} or None, got {rows}")
   if chunk is not None and not (is_pow2(chunk) and chunk >= 256):
     raise ValueError(f"chunk must be a power of two >= 256, got {chunk}")
+  if stages is not None and not (stages >= 2 and stages % 2 == 0):
+    raise ValueError(f"stages must be even and >= 2, got {stages}")
 
 
-def _call(q, weights, k_values, k_scales, block_tables, seq_lens, *, rows, chunk, interpret):
+def _call(q, weights, k_values, k_scales, block_tables, seq_lens, *, rows, chunk, stages,
+          interpret):
   """The kernel over rows padded to a multiple of `rows` -> logits [Tp, width] f32."""
   t = q.shape[0]
   nb, page, d = k_values.shape
   span = block_tables.shape[1] * page
-  block_k, cfg_chunk = _CONFIGS[rows]
+  block_k, cfg_chunk, cfg_stages = _CONFIGS[rows]
+  stages = stages or cfg_stages
   chunk = max(block_k, min(chunk or cfg_chunk, next_pow2(span)))
   width = pl.cdiv(span, chunk) * chunk
   tp = pl.cdiv(t, rows) * rows
@@ -224,19 +231,19 @@ def _call(q, weights, k_values, k_scales, block_tables, seq_lens, *, rows, chunk
     weights = jnp.pad(weights, ((0, pad), (0, 0)))
     block_tables = jnp.concatenate([block_tables, jnp.repeat(block_tables[-1:], pad, 0)])
     seq_lens = jnp.pad(seq_lens, (0, pad))
-  kernel = functools.partial(_kernel, rows=rows, block_k=block_k, chunk=chunk)
+  kernel = functools.partial(_kernel, rows=rows, block_k=block_k, chunk=chunk, stages=stages)
   return plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((tp, width), jnp.float32),
       scratch_types=(
           _swizzled((rows * HEADS, d), _F8),
           plgpu.SMEM((rows, HEADS), jnp.float32),
-          _swizzled((_STAGES, block_k, d), _F8),
-          plgpu.SMEM((_STAGES, block_k), jnp.float32),
+          _swizzled((stages, block_k, d), _F8),
+          plgpu.SMEM((stages, block_k), jnp.float32),
           plgpu.SMEM((_COMPUTE_WGS, 2, rows, block_k), jnp.float32),
           plgpu.Barrier(num_arrivals=2),
-          plgpu.Barrier(num_arrivals=2 * (block_k // _TILE), num_barriers=_STAGES),
-          plgpu.Barrier(num_barriers=_STAGES),
+          plgpu.Barrier(num_arrivals=2 * (block_k // _TILE), num_barriers=stages),
+          plgpu.Barrier(num_barriers=stages),
       ),
       # Groups vary fastest: the groups of one request read the same chunk of keys together (L2).
       grid=(tp // rows, width // chunk),
@@ -246,7 +253,7 @@ def _call(q, weights, k_values, k_scales, block_tables, seq_lens, *, rows, chunk
       # Row reductions of the WGMMA layout stay within a warp (shuffles): no cross-warp scratch.
       compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
       interpret=interpret or None,
-      kernel_name=f"mosaic_indexer_logits_r{rows}_c{chunk}",
+      kernel_name=f"mosaic_indexer_logits_r{rows}_c{chunk}_s{stages}",
   )(q.reshape(tp * HEADS, d), weights, k_values, k_scales, block_tables, seq_lens)
 
 
@@ -260,9 +267,9 @@ def groups_share_tables(block_tables, rows=_GROUP_ROWS):
   return jnp.all(groups == groups[:, :1])
 
 
-@functools.partial(jax.jit, static_argnames=("rows", "chunk", "interpret"))
+@functools.partial(jax.jit, static_argnames=("rows", "chunk", "stages", "interpret"))
 def indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens, *, rows=None,
-                   chunk=None, interpret=False):
+                   chunk=None, stages=None, interpret=False):
   """Indexer logits over a paged fp8 K cache (semantics of `mla_jax.reference.indexer_logits`).
 
   q [T, H, 128] e4m3 with H <= 64 (fp8 q scales belong in `weights`); weights [T, H] float32;
@@ -270,11 +277,11 @@ def indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens, *, ro
   dequant scale); block_tables [T, MB] int32 (the row's request's table); seq_lens [T] int32 (row t
   sees positions s < seq_lens[t]). rows: rows per program (4: groups of 4 rows must share a table;
   1: any tables; None: 4 where every group shares one, else 1, decided on the device). chunk:
-  positions per program, a power of two >= 256. interpret: True or a `plgpu.InterpretGPUParams`
-  runs Mosaic GPU's CPU interpreter. Returns logits [T, MB*BS] float32, -inf outside the window and
-  on -1 / out-of-range blocks.
+  positions per program, a power of two >= 256. stages: slots in the key ring, even and >= 2.
+  interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
+  logits [T, MB*BS] float32, -inf outside the window and on -1 / out-of-range blocks.
   """
-  _check(q, weights, k_values, k_scales, block_tables, seq_lens, rows, chunk)
+  _check(q, weights, k_values, k_scales, block_tables, seq_lens, rows, chunk, stages)
   t, h, _ = q.shape
   span = block_tables.shape[1] * k_values.shape[1]
   if t == 0 or span == 0:
@@ -285,7 +292,7 @@ def indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens, *, ro
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
   run = lambda r: _call(q, weights, k_values, k_scales, block_tables, seq_lens, rows=r, chunk=chunk,
-                        interpret=interpret)[:t, :span]
+                        stages=stages, interpret=interpret)[:t, :span]
   if rows is not None:
     return run(rows)
   if t < _GROUP_ROWS:

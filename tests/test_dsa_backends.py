@@ -155,7 +155,8 @@ class TestPallasTritonIndexer(IndexerContract):
 
 
 def mosaic_indexer_case(seed, t, nb=12, mb=8, shared=False):
-  """e4m3 q, weights, keys, ue8m0-like scales, tables (row 0's for all when shared; one column -1)."""
+  """e4m3 q, weights, keys, ue8m0-like scales, tables (row 0's for all when shared; one column
+  -1)."""
   rng = np.random.default_rng(seed)
   k_vals = jnp.asarray(rng.standard_normal((nb, 64, 128)) * 3, jnp.float8_e4m3fn)
   k_scale = jnp.asarray(2.0 ** rng.integers(-3, 3, (nb, 64)), jnp.float32)
@@ -230,7 +231,8 @@ class TestPallasMosaicIndexer(IndexerContract):
       (lambda a: {**a, "chunk": 100}, "chunk"),
   ])
   def test_bad_input_raises(self, change, message):
-    args = dict(q=jnp.zeros((2, 64, 128), jnp.float8_e4m3fn), weights=jnp.zeros((2, 64), jnp.float32),
+    args = dict(q=jnp.zeros((2, 64, 128), jnp.float8_e4m3fn),
+                weights=jnp.zeros((2, 64), jnp.float32),
                 k_values=jnp.zeros((3, 64, 128), jnp.float8_e4m3fn),
                 k_scales=jnp.ones((3, 64), jnp.float32), block_tables=jnp.zeros((2, 3), jnp.int32),
                 seq_lens=jnp.ones((2,), jnp.int32))
