@@ -41,7 +41,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.latent_decode import is_pow2, next_pow2
-from pallas_kernels.mosaic_decode import _swizzled
+from pallas_kernels.indexer import check_indexer_args
+from pallas_kernels.mosaic_decode import _swizzled, feed_ring
 
 _F8 = jnp.float8_e4m3fn
 HEADS = 64  # heads per row a group's product holds (fewer are padded with zero weights)
@@ -161,20 +162,7 @@ def _kernel(q_ref, w_ref, k_ref, ks_ref, bt_ref, len_ref, o_ref, q_smem, w_smem,
         plgpu.copy_gmem_to_smem(ks_ref.at[block, pl.ds(offset, _TILE)], ks_smem.at[slot, rows_in],
                                 ready.at[slot])
 
-    for i in range(stages):
-      pl.when(i < n)(functools.partial(fetch, i, i))
-
-    @pl.loop(stages, n)
-    def _(i):
-      slot = lax.rem(i, stages)
-      plgpu.barrier_wait(consumed.at[slot])
-      fetch(i, slot)
-
-    # Sees the last uses of the slots out too: a warpgroup that waits on some phases of a barrier
-    # waits on all of them (the interpreter checks this when the barriers are freed).
-    @pl.loop(jnp.maximum(n - stages, 0), n)
-    def _(i):
-      plgpu.barrier_wait(consumed.at[lax.rem(i, stages)])
+    feed_ring(n, stages, consumed, fetch)
 
 
 def fits(q, k_values) -> bool:
@@ -185,13 +173,7 @@ def fits(q, k_values) -> bool:
 
 
 def _check(q, weights, k_values, k_scales, block_tables, seq_lens, rows, chunk, stages):
-  if (q.ndim != 3 or weights.shape != q.shape[:2] or k_values.ndim != 3
-      or k_scales.shape != k_values.shape[:2] or block_tables.ndim != 2
-      or block_tables.shape[0] != q.shape[0] or seq_lens.shape != q.shape[:1]
-      or k_values.shape[2] != q.shape[2]):
-    raise ValueError(f"want q [T, H, D], weights [T, H], k_values [NB, BS, D], k_scales [NB, BS], "
-                     f"block_tables [T, MB], seq_lens [T]; got {q.shape}, {weights.shape}, "
-                     f"{k_values.shape}, {k_scales.shape}, {block_tables.shape}, {seq_lens.shape}")
+  check_indexer_args(q, weights, k_values, k_scales, block_tables, seq_lens)
   if q.dtype != _F8 or k_values.dtype != _F8:
     raise ValueError(f"q and k_values must be float8_e4m3fn (fp8 wgmma), got {q.dtype.name} and "
                      f"{k_values.dtype.name}")
@@ -201,11 +183,6 @@ def _check(q, weights, k_values, k_scales, block_tables, seq_lens, rows, chunk, 
   if k_values.shape[1] % PAGE_MULTIPLE:
     raise ValueError(f"page size must be a multiple of {PAGE_MULTIPLE} (the bulk-copy tile), got "
                      f"{k_values.shape[1]}")
-  if (weights.dtype != jnp.float32 or k_scales.dtype != jnp.float32
-      or block_tables.dtype != jnp.int32 or seq_lens.dtype != jnp.int32):
-    raise ValueError(f"weights and k_scales must be float32, block_tables and seq_lens int32; got "
-                     f"{weights.dtype.name}, {k_scales.dtype.name}, {block_tables.dtype.name}, "
-                     f"{seq_lens.dtype.name}")
   if rows is not None and rows not in _CONFIGS:
     raise ValueError(f"rows must be one of {sorted(_CONFIGS)} or None, got {rows}")
   if chunk is not None and not (is_pow2(chunk) and chunk >= 256):
