@@ -40,8 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.latent_decode import is_pow2, next_pow2
 from pallas_kernels.indexer import check_indexer_args
+from pallas_kernels.latent_decode import is_pow2, next_pow2
 from pallas_kernels.mosaic_decode import _swizzled, feed_ring
 
 _F8 = jnp.float8_e4m3fn
@@ -52,9 +52,9 @@ _TILE = 64
 _COMPUTE_WGS = 2
 _CONSUMER_REGS = 232  # 2 x 232 + 40 (memory warpgroup) registers x 128 threads fit the 64K file
 _MEMORY_REGS = 40
-_ACC_ELEMS = 256 * HEADS  # block_k * rows * 64: a [block_k, rows * 64] f32 accumulator is 128 regs
 # rows -> (block_k, chunk, stages): positions per step and per program, slots in the ring (even,
-# so that slot s is always consumed by warpgroup s % 2). H200 sweeps (benchmarks/RESULTS.md,
+# so that slot s is always consumed by warpgroup s % 2). block_k * rows = 256: the [block_k,
+# rows * 64] float32 accumulator is 128 registers a thread. H200 sweeps (benchmarks/RESULTS.md,
 # "DSA selection (pallas_mosaic)"): rows=4 at T=2048 over 32K is flat in chunk (2048-8192) and
 # stages (2-8), 1.51-1.53 ms: bound by the products and epilogues, not by key loads; rows=1 at
 # T=128 over 128K, which streams keys from HBM, wants the deepest ring that fits (2 slots 0.660
