@@ -9,16 +9,20 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
   indexer  logits, T in {128, 2048} over 32K and 128K contexts. T=128: one row per request (decode),
            each sees its whole context; T=2048: one request's last 2048 tokens (causal prefill).
            Bytes = keys each distinct context holds (132 B a token) + the logits written;
-           FLOPs = 2*64*128 per visible (row, position). A second row times the kernel with
-           widen_fp8 (e4m3 multiplied as bf16: wgmma instead of f16 mma.sync), against the same XLA.
+           FLOPs = 2*64*128 per visible (row, position). Further rows time the Triton kernel with
+           widen_fp8 (e4m3 multiplied as bf16: wgmma instead of f16 mma.sync), pallas_mosaic's
+           kernel (fp8 wgmma) and the `pallas` default, against the same XLA.
   topk     top-2048 positions of 128 x 32K, 128 x 128K and 4096 x 32K float32 logits, every
-           position visible. Bytes = one read of the logits + the positions written.
+           position visible. Bytes = one read of the logits + the positions written. A second row
+           times the kernel with theta computed in every segment program (its old form).
   step     one layer's DSA decode step: indexer logits + top-k + slots + sparse attention (N=128,
-           fp8_ds_mla latent cache), 128 decode rows at 32K context each.
+           fp8_ds_mla latent cache), 128 decode rows at 32K context each; pallas_triton's and the
+           `pallas` default's.
 Columns: S is the context a row selects from or scores (positions). Two input sets are rotated
 per case. `--quick` (~3 minutes on the H200): T=128 for sparse and indexer, the two 128-row top-k
 cases and the step. `--sweep` times each kernel's tuning variants (SWEEPS) at one case a part
-instead: sparse at T=128, N=128 (both caches), indexer at T=2048 over 32K, top-k at 128 x 131072.
+instead: sparse at T=128, N=128 (both caches), indexer at T=2048 over 32K (and pallas_mosaic's at
+T=128 over 128K too), top-k at 128 x 131072.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from mla_jax.cache import DSMLACache, IndexerKCache, LatentCache, positions_to_s
 from mla_jax.indexer import SCORE_BYTES_BOUND
 from mla_jax.quant import quantize_indexer_q
 from pallas_kernels import indexer as pallas_indexer
+from pallas_kernels import mosaic_indexer as pallas_mosaic_indexer
 from pallas_kernels import sparse_attention as pallas_sparse
 from pallas_kernels import topk as pallas_topk
 
@@ -53,6 +58,11 @@ SWEEPS = {
     "indexer": [dict(block_n=n, chunk=c, num_warps=w, num_stages=s) for n, c, w, s in
                 [(128, 2048, 4, 2), (128, 2048, 4, 1), (128, 2048, 4, 3), (128, 2048, 8, 2),
                  (64, 2048, 4, 2), (128, 4096, 4, 2), (128, 1024, 4, 2), (256, 2048, 8, 2)]],
+    # pallas_mosaic's indexer: rows, positions and ring slots per program, at T=2048 over 32K
+    # (rows=4, one request) and at T=128 over 128K (rows=1, a request per row).
+    "mosaic_indexer": [dict(rows=4, chunk=c, stages=s) for c, s in
+                       [(2048, 4), (4096, 4), (2048, 2), (2048, 8), (4096, 8)]]
+                      + [dict(rows=1, chunk=4096, stages=s) for s in (4, 2, 6)],
     "topk": [dict(chunk=c, num_warps=w, num_stages=s) for c, w, s in
              [(2048, 8, 1), (1024, 8, 1), (4096, 8, 1), (2048, 4, 1), (2048, 16, 1), (2048, 8, 2)]],
 }
@@ -134,6 +144,11 @@ def run_indexer(args, t, context):
                                                  interpret=jax.default_backend() != "gpu"))
   rows.append(timed_row(args, case_row("indexer", t, context=context, cache="fp8 as bf16"), widened,
                         sets, case_bytes, flops, xla_ms=rows[0].get("xla ms")))
+  # The Mosaic GPU kernel (fp8 wgmma) and the `pallas` default, against the same XLA.
+  for name in ("pallas_mosaic", "pallas"):
+    rows.append(timed_row(args, case_row("indexer", t, context=context, cache=f"fp8 {name}"),
+                          lambda be, name=name: jax.jit(get_backend(name).indexer_logits), sets,
+                          case_bytes, flops, xla_ms=rows[0].get("xla ms")))
   return rows
 
 
@@ -143,7 +158,13 @@ def run_topk(args, t, s):
   case_bytes = t * s * 4 + t * TOPK * 4
   row = case_row("topk", t, context=s)
   fn = lambda be: jax.jit(lambda x, lens: be.topk(x, lens, TOPK))
-  return timed_row(args, row, fn, sets, case_bytes, None)
+  rows = [timed_row(args, row, fn, sets, case_bytes, None)]
+  # The old form: theta computed in every segment program of a row (same where rows have one).
+  per_segment = lambda be: jax.jit(lambda x, lens: pallas_topk.topk_positions(
+      x, lens, TOPK, theta_per_row=False, interpret=jax.default_backend() != "gpu"))
+  rows.append(timed_row(args, case_row("topk", t, context=s, cache="theta per segment"),
+                        per_segment, sets, case_bytes, None, xla_ms=rows[0].get("xla ms")))
+  return rows
 
 
 def run_step(args, t=128, context=32768):
@@ -168,7 +189,12 @@ def run_step(args, t=128, context=32768):
     return step
 
   row = case_row("step", t, n=128, context=context, cache="fp8_ds_mla")
-  return timed_row(args, row, fn, sets, case_bytes, flops)
+  rows = [timed_row(args, row, fn, sets, case_bytes, flops)]
+  # The same step through the `pallas` default (its indexer: pallas_mosaic's where faster).
+  row = case_row("step", t, n=128, context=context, cache="fp8_ds_mla pallas")
+  rows.append(timed_row(args, row, lambda be: fn(get_backend("pallas")), sets, case_bytes, flops,
+                        xla_ms=rows[0].get("xla ms")))
+  return rows
 
 
 def run_sweep(args):
@@ -208,6 +234,14 @@ def run_sweep(args):
       timed({**case_row("indexer", t, context=context, cache="fp8 x fp8"), **cfg},
             functools.partial(pallas_indexer.indexer_logits, **cfg), sets,
             context * K_TOKEN_BYTES + t * context * 4, 2 * H * D * int(sets[0][5].sum()))
+    for cfg in SWEEPS["mosaic_indexer"]:
+      t, context = (2048, 32768) if cfg["rows"] == 4 else (128, 131072)
+      sets = [indexer_inputs(t, context, cfg["rows"] == 1, jax.random.key(200 + i))
+              for i in range(2)]
+      distinct = context if cfg["rows"] == 4 else t * context
+      timed({**case_row("indexer", t, context=context, cache="fp8 pallas_mosaic"), **cfg},
+            functools.partial(pallas_mosaic_indexer.indexer_logits, **cfg), sets,
+            distinct * K_TOKEN_BYTES + t * context * 4, 2 * H * D * int(sets[0][5].sum()))
   if "topk" in args.parts:
     t, s = 128, 131072
     sets = [(jax.random.normal(jax.random.key(300 + i), (t, s), jnp.float32),
@@ -270,9 +304,10 @@ def main(argv=None):
     for t, ctx in itertools.product(indexer_t, (32768, 131072)):
       rows += run_indexer(args, t, ctx)
   if "topk" in args.parts:
-    rows += [run_topk(args, t, s) for t, s in topk_shapes]
+    for t, s in topk_shapes:
+      rows += run_topk(args, t, s)
   if "step" in args.parts:
-    rows.append(run_step(args))
+    rows += run_step(args)
   print(write_results(rows, "sparse", args.out))
 
 

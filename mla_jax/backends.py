@@ -33,6 +33,7 @@ from pallas_kernels import indexer as pallas_indexer
 from pallas_kernels import latent_decode as pallas_latent_decode
 from pallas_kernels import mla_prefill as pallas_mla_prefill
 from pallas_kernels import mosaic_decode as pallas_mosaic_decode
+from pallas_kernels import mosaic_indexer as pallas_mosaic_indexer
 from pallas_kernels import mosaic_prefill as pallas_mosaic_prefill
 from pallas_kernels import sparse_attention as pallas_sparse
 from pallas_kernels import topk as pallas_topk
@@ -131,14 +132,23 @@ PALLAS_TRITON = dataclasses.replace(
 )
 
 
-# The Mosaic GPU (Hopper wgmma) decode and prefill kernels; the other functions are pallas_triton's.
-# The decode kernel reads bf16 caches (and bf16 q) with pages of a multiple of 64 tokens only; the
-# prefill kernel takes bf16 q, k, v only.
+def _mosaic_indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens):
+  """The Mosaic GPU indexer kernel for e4m3 q [T, <=64, 128] and keys in 64-token pages; other
+  operands go to the Pallas-Triton kernel."""
+  fn = pallas_mosaic_indexer.indexer_logits if pallas_mosaic_indexer.fits(q, k_values) else (
+      pallas_indexer.indexer_logits)
+  return _off_gpu_interpreted(fn)(q, weights, k_values, k_scales, block_tables, seq_lens)
+
+
+# The Mosaic GPU (Hopper wgmma) decode, prefill and indexer kernels; the other functions are
+# pallas_triton's. The decode kernel reads bf16 caches (and bf16 q) with pages of a multiple of 64
+# tokens only; the prefill kernel takes bf16 q, k, v only.
 PALLAS_MOSAIC = dataclasses.replace(
     PALLAS_TRITON,
     name="pallas_mosaic",
     decode=_off_gpu_interpreted(pallas_mosaic_decode.latent_decode),
     prefill=_off_gpu_interpreted(pallas_mosaic_prefill.mla_prefill),
+    indexer_logits=_mosaic_indexer_logits,
     cache_dtypes=frozenset({"bfloat16"}),
     block_size_multiple=pallas_mosaic_decode.PAGE_MULTIPLE,
 )
@@ -180,9 +190,18 @@ def _fastest_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank,
                 k_scale=k_scale, num_kv_splits=num_kv_splits)
 
 
+def _fastest_indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens):
+  """pallas_mosaic's indexer (fp8 wgmma) where it measured faster: the e4m3 operands it takes, on
+  Hopper (H200, benchmarks/RESULTS.md "DSA selection": 2.4-2.5x at T=2048, 1.8-1.9x at T=128);
+  else pallas_triton's."""
+  mosaic = pallas_mosaic_indexer.fits(q, k_values) and _on_hopper()
+  logits = PALLAS_MOSAIC.indexer_logits if mosaic else PALLAS_TRITON.indexer_logits
+  return logits(q, weights, k_values, k_scales, block_tables, seq_lens)
+
+
 # The GPU default: per op and shape, the Pallas kernel that measured fastest on the H200.
 PALLAS = dataclasses.replace(PALLAS_TRITON, name="pallas", decode=_fastest_decode,
-                             prefill=_fastest_prefill)
+                             prefill=_fastest_prefill, indexer_logits=_fastest_indexer_logits)
 
 BACKENDS: types.MappingProxyType[str, Backend] = types.MappingProxyType({
     REFERENCE.name: REFERENCE,

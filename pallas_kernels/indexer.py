@@ -75,6 +75,23 @@ def _kernel(q_ref, w_ref, k_ref, ks_ref, bt_ref, len_ref, o_ref, *, block_n, pag
   lax.fori_loop(num_steps, chunk // block_n, fill, 0)
 
 
+def check_indexer_args(q, weights, k_values, k_scales, block_tables, seq_lens):
+  """ValueError unless the shapes agree and weights, k_scales are float32 and block_tables,
+  seq_lens int32 (what every indexer kernel takes)."""
+  if (q.ndim != 3 or weights.shape != q.shape[:2] or k_values.ndim != 3
+      or k_scales.shape != k_values.shape[:2] or block_tables.ndim != 2
+      or block_tables.shape[0] != q.shape[0] or seq_lens.shape != q.shape[:1]
+      or k_values.shape[2] != q.shape[2]):
+    raise ValueError(f"want q [T, H, D], weights [T, H], k_values [NB, BS, D], k_scales [NB, BS], "
+                     f"block_tables [T, MB], seq_lens [T]; got {q.shape}, {weights.shape}, "
+                     f"{k_values.shape}, {k_scales.shape}, {block_tables.shape}, {seq_lens.shape}")
+  if (weights.dtype != jnp.float32 or k_scales.dtype != jnp.float32
+      or block_tables.dtype != jnp.int32 or seq_lens.dtype != jnp.int32):
+    raise ValueError(f"weights and k_scales must be float32, block_tables and seq_lens int32; got "
+                     f"{weights.dtype.name}, {k_scales.dtype.name}, {block_tables.dtype.name}, "
+                     f"{seq_lens.dtype.name}")
+
+
 @functools.partial(jax.jit, static_argnames=("block_n", "chunk", "num_warps", "num_stages",
                                              "widen_fp8", "interpret"))
 def indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens, *, block_n=None,
@@ -89,13 +106,7 @@ def indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens, *, bl
   block_n <= chunk. widen_fp8: multiply e4m3 q and keys as bf16 (see the module docstring).
   Returns logits [T, MB*BS] float32, -inf outside the window and on -1 blocks.
   """
-  if (q.ndim != 3 or weights.shape != q.shape[:2] or k_values.ndim != 3
-      or k_scales.shape != k_values.shape[:2] or block_tables.ndim != 2
-      or block_tables.shape[0] != q.shape[0] or seq_lens.shape != q.shape[:1]
-      or k_values.shape[2] != q.shape[2]):
-    raise ValueError(f"want q [T, H, D], weights [T, H], k_values [NB, BS, D], k_scales [NB, BS], "
-                     f"block_tables [T, MB], seq_lens [T]; got {q.shape}, {weights.shape}, "
-                     f"{k_values.shape}, {k_scales.shape}, {block_tables.shape}, {seq_lens.shape}")
+  check_indexer_args(q, weights, k_values, k_scales, block_tables, seq_lens)
   t, h, d = q.shape
   nb, page, _ = k_values.shape
   if not (is_pow2(d) and d >= 16):
@@ -103,11 +114,6 @@ def indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens, *, bl
   if q.dtype.name not in _DTYPES or k_values.dtype.name not in _DTYPES:
     raise ValueError(f"q and k_values must be one of {_DTYPES}; got {q.dtype.name} and "
                      f"{k_values.dtype.name}")
-  if (weights.dtype != jnp.float32 or k_scales.dtype != jnp.float32
-      or block_tables.dtype != jnp.int32 or seq_lens.dtype != jnp.int32):
-    raise ValueError(f"weights and k_scales must be float32, block_tables and seq_lens int32; got "
-                     f"{weights.dtype.name}, {k_scales.dtype.name}, {block_tables.dtype.name}, "
-                     f"{seq_lens.dtype.name}")
   if k_values.dtype == F8 and k_values.size > MAX_FP8_ELEMENTS:
     raise ValueError(f"an fp8 K cache of {k_values.size} elements is over the {MAX_FP8_ELEMENTS} "
                      "that int32 offsets reach (Pallas-Triton lowering)")

@@ -240,20 +240,26 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_sm
       plgpu.copy_gmem_to_smem(kv_ref.at[block, pl.ds(offset, _STEP)], kv_smem.at[slot],
                               ready.at[slot])
 
-    for i in range(_STAGES):
-      pl.when(i < n)(functools.partial(fetch, i, i))
+    feed_ring(n, _STAGES, consumed, fetch)
 
-    @pl.loop(_STAGES, n)
-    def _(i):
-      slot = lax.rem(i, _STAGES)
-      plgpu.barrier_wait(consumed.at[slot])
-      fetch(i, slot)
 
-    # Sees the last uses of the slots out too: a warpgroup that waits on some phases of a barrier
-    # waits on all of them (the interpreter checks this when the barriers are freed).
-    @pl.loop(jnp.maximum(n - _STAGES, 0), n)
-    def _(i):
-      plgpu.barrier_wait(consumed.at[lax.rem(i, _STAGES)])
+def feed_ring(n, stages, consumed, fetch):
+  """A memory warpgroup's loop: fetch(i, slot) for steps i < n into a ring of `stages` slots, a
+  slot refilled once its consumers arrive on consumed[slot]."""
+  for i in range(stages):
+    pl.when(i < n)(functools.partial(fetch, i, i))
+
+  @pl.loop(stages, n)
+  def _(i):
+    slot = lax.rem(i, stages)
+    plgpu.barrier_wait(consumed.at[slot])
+    fetch(i, slot)
+
+  # Sees the last uses of the slots out too: a warpgroup that waits on some phases of a barrier
+  # waits on all of them (the interpreter checks this when the barriers are freed).
+  @pl.loop(jnp.maximum(n - stages, 0), n)
+  def _(i):
+    plgpu.barrier_wait(consumed.at[lax.rem(i, stages)])
 
 
 def num_kv_splits_for(num_tokens: int, num_heads: int, max_len: int) -> int:

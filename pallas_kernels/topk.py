@@ -8,10 +8,11 @@ and enough of those with key == v to make k. Three steps:
 1. XLA: the maximum of each strided group {j, j+m, j+2m, ...} of G positions (G a power of two with
    m = S/G between 4k and 8k groups); strided groups decorrelate neighbouring positions. (A Pallas
    program per row streaming the G slices measured slower on the H200: benchmarks/RESULTS.md.)
-2. Pallas, a program per row segment (several per row when rows are few): theta = the k-th largest
-   group maximum, by a 32-step bitwise bisection over the maxima held in registers. At least k
-   groups reach theta, so v >= theta. The segment is streamed once and every position with
-   key >= theta is compacted (cumsum) into the row's candidate list of `cap` = 4k entries, at
+2. Pallas: theta = the k-th largest group maximum, by a 32-step bitwise bisection over the maxima
+   held in registers (at least k groups reach theta, so v >= theta): in a program per row of its
+   own when rows are split into segments (several per row when rows are few), else at the start of
+   the row's one segment program. Each segment program streams its segment once; every position
+   with key >= theta is compacted (cumsum) into the row's candidate list of `cap` = 4k entries, at
    places the segments claim with an atomic add. Typically ~1.1k candidates; at most k*G plus ties.
 3. Pallas, a program per row: v by the same bisection over the candidates (in registers), then the
    selection is compacted into the output, -1 padded. A row whose candidates overflowed `cap`
@@ -82,15 +83,25 @@ def _compact(take, base, bound):
   return jnp.where(take & (dst < bound), dst, bound), taken.sum()
 
 
+def _theta_kernel(max_ref, theta_ref, *, k):
+  # max_ref [m] int32 (this row's group maxima, INT_MIN padded); theta_ref [T] int32
+  maxima = max_ref[...]
+  theta_ref[pl.program_id(0)] = _kth_largest(lambda i: maxima, 1, k)
+
+
 def _threshold_kernel(max_ref, logits_ref, len_ref, _, cand_key_ref, cand_pos_ref, count_ref, *,
                       k, chunk, segment):
-  # max_ref [m] int32 (this row's group maxima, INT_MIN padded); logits_ref [T, S] f32;
-  # len_ref [T] int32; _ [T] int32 zeros, aliased to count_ref; cand_key_ref, cand_pos_ref [cap]
-  # int32 (this row); count_ref [T] int32 (candidates per row, counted past cap)
+  # max_ref [m] int32 (this row's group maxima, INT_MIN padded), or [T] int32 (every row's theta,
+  # computed once per row) when k is None; logits_ref [T, S] f32; len_ref [T] int32; _ [T] int32
+  # zeros, aliased to count_ref; cand_key_ref, cand_pos_ref [cap] int32 (this row); count_ref [T]
+  # int32 (candidates per row, counted past cap)
   t, p = pl.program_id(0), pl.program_id(1)
   cap = cand_key_ref.shape[0]
-  maxima = max_ref[...]
-  theta = _kth_largest(lambda i: maxima, 1, k)
+  if k is None:
+    theta = max_ref[t]
+  else:
+    maxima = max_ref[...]
+    theta = _kth_largest(lambda i: maxima, 1, k)
   # This program streams positions [start, end) of the row, its segment clipped to the window.
   start = p * segment
   end = jnp.minimum(start + segment, jnp.clip(len_ref[t], 0, logits_ref.shape[1]))
@@ -168,13 +179,15 @@ def group_size(num_positions: int, k: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("topk", "chunk", "num_warps", "num_stages",
-                                             "interpret"))
+                                             "theta_per_row", "interpret"))
 def topk_positions(logits, seq_lens, topk, *, chunk=None, num_warps=None, num_stages=None,
-                   interpret=False):
+                   theta_per_row=None, interpret=False):
   """Top-`topk` positions of each row within its window (semantics of
   `mla_jax.reference.topk_positions`): logits [T, S] float32, seq_lens [T] int32 (row t sees
   s < seq_lens[t]) -> int32 [T, topk], -1 padded, in no particular order (nor which of tied
-  positions). chunk: positions per streamed step, a power of two >= 16.
+  positions). chunk: positions per streamed step, a power of two >= 16. theta_per_row: compute
+  theta in its own kernel, once per row, instead of in each of a row's segment programs (None:
+  when rows have several segments).
   """
   if logits.ndim != 2 or seq_lens.shape != logits.shape[:1]:
     raise ValueError(f"want logits [T, S] and seq_lens [T]; got {logits.shape} and {seq_lens.shape}")
@@ -207,10 +220,25 @@ def topk_positions(logits, seq_lens, topk, *, chunk=None, num_warps=None, num_st
   whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
   row = lambda width: pl.BlockSpec((None, width), lambda i, *_: (i, 0))
   counts_in = jnp.zeros((t,), jnp.int32)
+  if theta_per_row is None:
+    theta_per_row = segments > 1
+  if theta_per_row:  # one bisection per row, not one per segment program
+    maxima = pl.pallas_call(
+        functools.partial(_theta_kernel, k=topk),
+        grid=(t,),
+        in_specs=[row(maxima.shape[1])],
+        out_specs=whole(counts_in),
+        out_shape=jax.ShapeDtypeStruct((t,), jnp.int32),
+        compiler_params=params,
+        interpret=interpret,
+        name="topk_theta",
+    )(maxima)
   cand_keys, cand_pos, counts = pl.pallas_call(
-      functools.partial(_threshold_kernel, k=topk, chunk=chunk, segment=segment),
+      functools.partial(_threshold_kernel, k=None if theta_per_row else topk, chunk=chunk,
+                        segment=segment),
       grid=(t, pl.cdiv(s, segment)),
-      in_specs=[row(maxima.shape[1]), whole(logits), whole(seq_lens), whole(counts_in)],
+      in_specs=[whole(maxima) if theta_per_row else row(maxima.shape[1]), whole(logits),
+                whole(seq_lens), whole(counts_in)],
       out_specs=[row(cap), row(cap), whole(counts_in)],
       out_shape=[jax.ShapeDtypeStruct((t, cap), jnp.int32)] * 2
                 + [jax.ShapeDtypeStruct((t,), jnp.int32)],

@@ -10,6 +10,7 @@ import pytest
 from mla_jax import backends, reference
 from mla_jax.cache import LatentCache
 from pallas_kernels import indexer as pallas_indexer
+from pallas_kernels import mosaic_indexer
 from pallas_kernels import sparse_attention as pallas_sparse
 from pallas_kernels import topk as pallas_topk
 from sparse_contract import L, R, IndexerContract, SparseAttentionContract, random_slots
@@ -116,7 +117,8 @@ class TestPallasTritonIndexer(IndexerContract):
     with pytest.raises(ValueError, match=message):
       pallas_indexer.indexer_logits(**change(args), interpret=True)
 
-  def test_topk_segments_and_overflow_match_reference(self):
+  @pytest.mark.parametrize("theta_per_row", [True, False])
+  def test_topk_segments_and_overflow_match_reference(self, theta_per_row):
     # Small chunks split rows into several segments that claim candidate places concurrently;
     # row 1's ties overflow the candidate list (the slow exact path); row 3 mixes signs and
     # magnitudes so every bit of the keys matters.
@@ -126,7 +128,7 @@ class TestPallasTritonIndexer(IndexerContract):
     logits[3] *= np.exp2(rng.integers(-60, 60, 5000)).astype(np.float32)
     lens = jnp.asarray([5000, 4999, 1300, 5000], jnp.int32)
     got = np.asarray(pallas_topk.topk_positions(jnp.asarray(logits), lens, 100, chunk=256,
-                                                interpret=True))
+                                                theta_per_row=theta_per_row, interpret=True))
     want = np.asarray(reference.topk_positions(jnp.asarray(logits), lens, 100))
     for i in range(4):
       g = got[i][got[i] >= 0]
@@ -150,3 +152,89 @@ class TestPallasTritonIndexer(IndexerContract):
     args = dict(logits=jnp.zeros((2, 64), jnp.float32), seq_lens=jnp.ones((2,), jnp.int32), topk=8)
     with pytest.raises(ValueError, match=message):
       pallas_topk.topk_positions(**change(args), interpret=True)
+
+
+def mosaic_indexer_case(seed, t, nb=12, mb=8, shared=False):
+  """e4m3 q, weights, keys, ue8m0-like scales, tables (row 0's for all when shared; one column
+  -1)."""
+  rng = np.random.default_rng(seed)
+  k_vals = jnp.asarray(rng.standard_normal((nb, 64, 128)) * 3, jnp.float8_e4m3fn)
+  k_scale = jnp.asarray(2.0 ** rng.integers(-3, 3, (nb, 64)), jnp.float32)
+  q = jnp.asarray(rng.standard_normal((t, 64, 128)) * 3, jnp.float8_e4m3fn)
+  w = jnp.asarray(rng.standard_normal((t, 64)), jnp.float32)
+  tables = np.stack([rng.permutation(nb)[:mb] for _ in range(t)]).astype(np.int32)
+  if shared:
+    tables[:] = tables[0]
+  tables[:, mb - 2] = -1  # inside some windows: -inf there, never read
+  return q, w, k_vals, k_scale, jnp.asarray(tables)
+
+
+def assert_logits_close(got, want):
+  got, want = np.asarray(got), np.asarray(want)
+  np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+  assert not np.isnan(got).any()
+  fin = np.isfinite(want)
+  np.testing.assert_allclose(got[fin], want[fin], rtol=1e-4, atol=1e-4)
+
+
+class TestPallasMosaicIndexer(IndexerContract):
+  backend = "pallas_mosaic"
+
+  # Lengths not a multiple of a step, rows that see nothing, pages behind -1; several programs per
+  # row (chunk 256); rows=4 groups (shared tables, 5 rows: one padded group) and rows=1.
+  @pytest.mark.parametrize("rows,lens", [(1, [300, 70, 0, 512, 1]), (4, [512, 450, 1, 0, 129])])
+  def test_rows_and_chunks_match_reference(self, rows, lens):
+    q, w, k_vals, k_scale, tables = mosaic_indexer_case(20 + rows, 5, shared=rows == 4)
+    lens = jnp.asarray(lens, jnp.int32)
+    got = mosaic_indexer.indexer_logits(q, w, k_vals, k_scale, tables, lens, rows=rows, chunk=256,
+                                        interpret=True)
+    assert_logits_close(got, reference.indexer_logits(q, w, k_vals, k_scale, tables, lens))
+
+  @pytest.mark.parametrize("shared", [True, False])
+  def test_variant_chosen_by_tables(self, shared):
+    # rows=None: groups of 4 rows with one table take rows=4, else rows=1; both exact here.
+    q, w, k_vals, k_scale, tables = mosaic_indexer_case(30, 4, nb=8, mb=4, shared=shared)
+    lens = jnp.asarray([256, 200, 65, 0], jnp.int32)
+    assert bool(mosaic_indexer.groups_share_tables(tables)) == shared
+    got = mosaic_indexer.indexer_logits(q, w, k_vals, k_scale, tables, lens, interpret=True)
+    assert_logits_close(got, reference.indexer_logits(q, w, k_vals, k_scale, tables, lens))
+
+  @pytest.mark.parametrize("t,ctx,rows", [(2048, 32768, None), (128, 131072, 1), (5, 4096, 4)])
+  def test_lowers_for_hopper(self, t, ctx, rows):
+    # Lowering for CUDA (it runs on this CPU) checks wgmma operand layouts, bulk-copy boxes and
+    # that shared memory fits, which the interpreter does not.
+    s = jax.ShapeDtypeStruct
+    pages = ctx // 64
+    args = (s((t, 64, 128), jnp.float8_e4m3fn), s((t, 64), jnp.float32),
+            s((4 * pages, 64, 128), jnp.float8_e4m3fn), s((4 * pages, 64), jnp.float32),
+            s((t, pages), jnp.int32), s((t,), jnp.int32))
+    traced = mosaic_indexer.indexer_logits.trace(*args, rows=rows)
+    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+  def test_backend_falls_back_where_the_kernel_does_not_fit(self):
+    f8 = jnp.float8_e4m3fn
+    assert mosaic_indexer.fits(jnp.zeros((1, 64, 128), f8), jnp.zeros((1, 64, 128), f8))
+    assert not mosaic_indexer.fits(jnp.zeros((1, 64, 128), jnp.bfloat16),
+                                   jnp.zeros((1, 64, 128), jnp.bfloat16))
+    assert not mosaic_indexer.fits(jnp.zeros((1, 64, 128), f8), jnp.zeros((1, 16, 128), f8))
+
+  @pytest.mark.parametrize("change,message", [
+      (lambda a: {**a, "weights": a["weights"][:, :2]}, "want q"),
+      (lambda a: {**a, "q": a["q"].astype(jnp.bfloat16)}, "float8_e4m3fn"),
+      (lambda a: {**a, "q": jnp.zeros((2, 128, 128), jnp.float8_e4m3fn),
+                  "weights": jnp.zeros((2, 128), jnp.float32)}, "at most 64 heads"),
+      (lambda a: {**a, "q": a["q"][..., :64], "k_values": a["k_values"][..., :64]}, "128 dims"),
+      (lambda a: {**a, "k_values": a["k_values"][:, :32], "k_scales": a["k_scales"][:, :32]},
+       "multiple of 64"),
+      (lambda a: {**a, "seq_lens": a["seq_lens"].astype(jnp.int16)}, "int32"),
+      (lambda a: {**a, "rows": 2}, "rows"),
+      (lambda a: {**a, "chunk": 100}, "chunk"),
+  ])
+  def test_bad_input_raises(self, change, message):
+    args = dict(q=jnp.zeros((2, 64, 128), jnp.float8_e4m3fn),
+                weights=jnp.zeros((2, 64), jnp.float32),
+                k_values=jnp.zeros((3, 64, 128), jnp.float8_e4m3fn),
+                k_scales=jnp.ones((3, 64), jnp.float32), block_tables=jnp.zeros((2, 3), jnp.int32),
+                seq_lens=jnp.ones((2,), jnp.int32))
+    with pytest.raises(ValueError, match=message):
+      mosaic_indexer.indexer_logits(**change(args), interpret=True)

@@ -91,9 +91,13 @@ def test_sparse_attention_matches_reference(n, kind):
     np.testing.assert_allclose(lse[seen], ref_lse[seen], rtol=0.065, atol=0.05)
 
 
-def test_indexer_logits_fp8_match_reference():
-  """128 rows of 16 requests (8 each, like speculative decode) over 32K-token contexts."""
-  h, d, requests, per_req = 64, 128, 16, 8
+# 16 requests of 8 rows (like speculative decode: Mosaic takes groups of 4 rows sharing a table)
+# and 128 requests of 1 row (decode: Mosaic's one-row programs).
+@pytest.mark.parametrize("backend", ["pallas_triton", "pallas_mosaic"])
+@pytest.mark.parametrize("requests,per_req", [(16, 8), (128, 1)])
+def test_indexer_logits_fp8_match_reference(backend, requests, per_req):
+  """128 rows over 32K-token contexts, unreadable keys NaN."""
+  h, d = 64, 128
   rng = np.random.default_rng(0)
   pages = CACHE_TOKENS // PAGE
   nb = requests * pages + 8
@@ -107,7 +111,7 @@ def test_indexer_logits_fp8_match_reference():
     tables[r, used:] = np.where(rng.random(pages - used) < 0.5, -1, perm[-1])
   row_tables = np.repeat(tables, per_req, axis=0)
   lens = np.concatenate([np.maximum(n - per_req + 1 + np.arange(per_req), 0) for n in req_lens])
-  lens[5] = 0
+  lens[min(5, len(lens) - 1)] = 0
   visible = np.zeros((nb, PAGE), bool)
   for r, n_tok in enumerate(req_lens):
     for p in range(-(-n_tok // PAGE)):
@@ -124,7 +128,7 @@ def test_indexer_logits_fp8_match_reference():
   args = (q, weights, k_values, k_scales, jnp.asarray(row_tables), jnp.asarray(lens, jnp.int32))
   want = np.asarray(jax.jit(reference.indexer_logits)(*args))
   poison_allocator()
-  got = np.asarray(backends.get_backend("pallas_triton").indexer_logits(*args))
+  got = np.asarray(backends.get_backend(backend).indexer_logits(*args))
   assert not np.isnan(got).any()
   np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
   fin = np.isfinite(want)

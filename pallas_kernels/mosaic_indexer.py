@@ -1,0 +1,277 @@
+"""V3.2 lightning-indexer logits for Hopper GPUs, in Pallas lowered through Mosaic GPU (fp8 wgmma).
+
+The contract of `pallas_kernels.indexer.indexer_logits` (the Pallas-Triton kernel):
+`I[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s] * k_scale[s])` over the paged indexer K cache, -inf
+outside row t's window and on -1 / out-of-range pages; here for e4m3 q [T, <=64, 128] and e4m3 keys
+in pages of a multiple of 64 tokens. The per-token K scales must be >= 0 (they are dequant scales:
+ue8m0 powers of two), so that relu(x * scale) = scale * relu(x) and the scale is applied once per
+key after the sum over heads.
+
+One program (CTA) per (group of `rows` rows, chunk of positions), three warpgroups:
+- memory (warpgroup 2): one bulk copy of the group's queries ([rows * 64, 128] e4m3) and weights,
+  then the chunk's keys block_k positions a step: per 64-position tile the page read from the
+  table, one bulk copy of its values and one of its scales, into a ring of `stages` slots;
+- compute (warpgroups 0 and 1, taking alternate steps; slot s always goes to warpgroup s % 2): the
+  transposed score tile S^T = K Q^T on the tensor cores (fp8 wgmma, float32 accumulation, M =
+  block_k keys, N = rows * 64 heads, K = 128), so that the weighted sum over heads is a per-row
+  reduction of the accumulator; relu, the weights (a column broadcast), the sum, the key scales,
+  the masks; the [rows, block_k] result is staged in shared memory and bulk-copied out.
+The two compute warpgroups overlap one's epilogue with the other's product.
+
+The rows of a group share the keys they read, so they must share a block table: `rows=4` (N = 256)
+suits one request's prefill rows, `rows=1` (N = 64, block_k = 256) decode rows of distinct
+requests. With rows=None the wrapper checks (on the device, no host sync) whether every group of 4
+consecutive rows has one table and runs the matching variant under `lax.cond`.
+
+Steps past the group's longest window are not fetched or computed, only written with -inf.
+
+`interpret=True` (or an `InterpretGPUParams`) runs the same kernel on the CPU through Mosaic GPU's
+interpreter (see `pallas_kernels.mosaic_decode` for what it does and does not simulate); lowering
+for CUDA, which also runs on a CPU, checks wgmma operand layouts, bulk-copy boxes and shared memory.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.indexer import check_indexer_args
+from pallas_kernels.latent_decode import is_pow2, next_pow2
+from pallas_kernels.mosaic_decode import _swizzled, feed_ring
+
+_F8 = jnp.float8_e4m3fn
+HEADS = 64  # heads per row a group's product holds (fewer are padded with zero weights)
+HEAD_DIM = 128  # one 128-byte swizzle row of e4m3: the K of every wgmma
+PAGE_MULTIPLE = 64  # positions per bulk copy; pages hold whole tiles
+_TILE = 64
+_COMPUTE_WGS = 2
+_CONSUMER_REGS = 232  # 2 x 232 + 40 (memory warpgroup) registers x 128 threads fit the 64K file
+_MEMORY_REGS = 40
+# rows -> (block_k, chunk, stages): positions per step and per program, slots in the ring (even,
+# so that slot s is always consumed by warpgroup s % 2). block_k * rows = 256: the [block_k,
+# rows * 64] float32 accumulator is 128 registers a thread. H200 sweeps (benchmarks/RESULTS.md,
+# "DSA selection (pallas_mosaic)"): rows=4 at T=2048 over 32K is flat in chunk (2048-8192) and
+# stages (2-8), 1.51-1.53 ms: bound by the products and epilogues, not by key loads; rows=1 at
+# T=128 over 128K, which streams keys from HBM, wants the deepest ring that fits (2 slots 0.660
+# ms, 4 slots 0.600, 6 slots 0.562: 4.06 TB/s).
+_CONFIGS = {4: (64, 2048, 4), 1: (256, 4096, 6)}
+_GROUP_ROWS = 4  # rows per group when they share tables
+
+
+def _kernel(q_ref, w_ref, k_ref, ks_ref, bt_ref, len_ref, o_ref, q_smem, w_smem, k_smem, ks_smem,
+            o_smem, q_bar, ready, consumed, *, rows, block_k, chunk, stages):
+  # GMEM: q_ref [Tp * 64, 128] e4m3 (row t's heads at t * 64); w_ref [Tp, 64] f32; k_ref
+  # [num_blocks, page, 128] e4m3; ks_ref [num_blocks, page] f32; bt_ref [Tp, max_blocks] int32;
+  # len_ref [Tp] int32; o_ref [Tp, width] f32. SMEM: q_smem [rows * 64, 128] e4m3; w_smem [rows,
+  # 64] f32; k_smem [stages, block_k, 128] e4m3; ks_smem [stages, block_k] f32; o_smem [2 wgs, 2,
+  # rows, block_k] f32 (each warpgroup's output staging, double-buffered). Barriers: q_bar (queries
+  # and weights landed); ready [stages] (slot landed); consumed [stages] (its warpgroup is done).
+  g, c = lax.axis_index("groups"), lax.axis_index("chunks")
+  wg = lax.axis_index("wg")
+  t0 = g * rows
+  num_blocks, page, _ = k_ref.shape
+  max_blocks = bt_ref.shape[1]
+  tiles = block_k // _TILE
+  start = c * chunk
+  lens = [jnp.clip(len_ref[t0 + j], 0, max_blocks * page) for j in range(rows)]
+  longest = functools.reduce(jnp.maximum, lens)
+  total = chunk // block_k
+  # Steps with a position some row of the group sees; every warpgroup derives the same count.
+  n = jnp.clip(lax.div(longest - start + (block_k - 1), block_k), 0, total)
+
+  def tile_source(i, tile):
+    """(page, first position in it, whether the page is readable) of step i's tile."""
+    pos = start + i * block_k + tile * _TILE
+    block = bt_ref[t0, jnp.minimum(lax.div(pos, page), max_blocks - 1)]
+    ok = (block >= 0) & (block < num_blocks)
+    return jnp.where(ok, block, 0), lax.rem(pos, page), ok
+
+  @pl.when(wg < _COMPUTE_WGS)
+  def _compute():
+    plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    col_layout = plgpu.Layout.WGMMA.reduce(0)
+
+    @pl.when(n > wg)
+    def _():
+      plgpu.barrier_wait(q_bar)
+
+    def step(k, carry):
+      i = k * _COMPUTE_WGS + wg
+      slot, buf = lax.rem(i, stages), lax.rem(k, 2)
+      pos0 = start + i * block_k
+      out = o_smem.at[wg, buf]  # [rows, block_k]
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # buf's previous copy has read it
+
+      @pl.when(i < n)
+      def _():
+        # The table reads (global memory) are issued before the wait, which hides their latency.
+        key = plgpu.broadcasted_iota(jnp.int32, (block_k,), 0, layout=row_layout)
+        readable = None
+        for tile in range(tiles):
+          ok = tile_source(i, tile)[2]
+          in_tile = (key >= tile * _TILE) & (key < (tile + 1) * _TILE) & ok
+          readable = in_tile if readable is None else readable | in_tile
+        plgpu.barrier_wait(ready.at[slot])
+
+        def scores(acc_ref):  # acc_ref [block_k keys, rows * 64 heads] f32
+          plgpu.wgmma(acc_ref, k_smem.at[slot], q_smem.transpose((1, 0)))
+          return acc_ref[...]
+
+        s = pl.run_scoped(scores, plgpu.ACC((block_k, rows * HEADS), jnp.float32))
+        scale = plgpu.load(ks_smem.at[slot], layout=row_layout)
+        plgpu.barrier_arrive(consumed.at[slot])
+        for j in range(rows):
+          w = plgpu.load(w_smem.at[j], layout=col_layout)
+          part = s[:, j * HEADS:(j + 1) * HEADS]
+          logit = (jnp.maximum(part, 0.0) * lax.broadcast_in_dim(w, part.shape, [1])).sum(axis=1)
+          out[j] = jnp.where(readable & (pos0 + key < lens[j]), logit * scale, -jnp.inf)
+
+      @pl.when(i >= n)
+      def _():
+        for j in range(rows):
+          out[j] = plgpu.layout_cast(jnp.full((block_k,), -jnp.inf, jnp.float32), row_layout)
+
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out, o_ref.at[pl.ds(t0, rows), pl.ds(pos0, block_k)])
+      return carry
+
+    lax.fori_loop(0, lax.div(total - wg + (_COMPUTE_WGS - 1), _COMPUTE_WGS), step, 0)
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == _COMPUTE_WGS)
+  def _memory():
+    plgpu.set_max_registers(_MEMORY_REGS, action="decrease")
+
+    @pl.when(n > 0)
+    def _():
+      plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0 * HEADS, rows * HEADS)], q_smem, q_bar)
+      plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(t0, rows)], w_smem, q_bar)
+
+    def fetch(i, slot):
+      for tile in range(tiles):
+        block, offset, _ = tile_source(i, tile)
+        rows_in = pl.ds(tile * _TILE, _TILE)
+        plgpu.copy_gmem_to_smem(k_ref.at[block, pl.ds(offset, _TILE)], k_smem.at[slot, rows_in],
+                                ready.at[slot])
+        plgpu.copy_gmem_to_smem(ks_ref.at[block, pl.ds(offset, _TILE)], ks_smem.at[slot, rows_in],
+                                ready.at[slot])
+
+    feed_ring(n, stages, consumed, fetch)
+
+
+def fits(q, k_values) -> bool:
+  """Whether the kernel takes these operands (the others go to the Pallas-Triton kernel)."""
+  return (q.ndim == 3 and k_values.ndim == 3 and q.dtype == _F8 and k_values.dtype == _F8
+          and q.shape[1] <= HEADS and q.shape[2] == HEAD_DIM == k_values.shape[2]
+          and k_values.shape[1] % PAGE_MULTIPLE == 0)
+
+
+def _check(q, weights, k_values, k_scales, block_tables, seq_lens, rows, chunk, stages):
+  check_indexer_args(q, weights, k_values, k_scales, block_tables, seq_lens)
+  if q.dtype != _F8 or k_values.dtype != _F8:
+    raise ValueError(f"q and k_values must be float8_e4m3fn (fp8 wgmma), got {q.dtype.name} and "
+                     f"{k_values.dtype.name}")
+  if q.shape[1] > HEADS or q.shape[2] != HEAD_DIM:
+    raise ValueError(f"want at most {HEADS} heads of {HEAD_DIM} dims, got {q.shape[1]} x "
+                     f"{q.shape[2]}")
+  if k_values.shape[1] % PAGE_MULTIPLE:
+    raise ValueError(f"page size must be a multiple of {PAGE_MULTIPLE} (the bulk-copy tile), got "
+                     f"{k_values.shape[1]}")
+  if rows is not None and rows not in _CONFIGS:
+    raise ValueError(f"rows must be one of {sorted(_CONFIGS)} or None, got {rows}")
+  if chunk is not None and not (is_pow2(chunk) and chunk >= 256):
+    raise ValueError(f"chunk must be a power of two >= 256, got {chunk}")
+  if stages is not None and not (stages >= 2 and stages % 2 == 0):
+    raise ValueError(f"stages must be even and >= 2, got {stages}")
+
+
+def _call(q, weights, k_values, k_scales, block_tables, seq_lens, *, rows, chunk, stages,
+          interpret):
+  """The kernel over rows padded to a multiple of `rows` -> logits [Tp, width] f32."""
+  t = q.shape[0]
+  nb, page, d = k_values.shape
+  span = block_tables.shape[1] * page
+  block_k, cfg_chunk, cfg_stages = _CONFIGS[rows]
+  stages = stages or cfg_stages
+  chunk = max(block_k, min(chunk or cfg_chunk, next_pow2(span)))
+  width = pl.cdiv(span, chunk) * chunk
+  tp = pl.cdiv(t, rows) * rows
+  if tp != t:  # padded rows see nothing; their table repeats the last row's (groups share one)
+    pad = tp - t
+    q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
+    weights = jnp.pad(weights, ((0, pad), (0, 0)))
+    block_tables = jnp.concatenate([block_tables, jnp.repeat(block_tables[-1:], pad, 0)])
+    seq_lens = jnp.pad(seq_lens, (0, pad))
+  kernel = functools.partial(_kernel, rows=rows, block_k=block_k, chunk=chunk, stages=stages)
+  return plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((tp, width), jnp.float32),
+      scratch_types=(
+          _swizzled((rows * HEADS, d), _F8),
+          plgpu.SMEM((rows, HEADS), jnp.float32),
+          _swizzled((stages, block_k, d), _F8),
+          plgpu.SMEM((stages, block_k), jnp.float32),
+          plgpu.SMEM((_COMPUTE_WGS, 2, rows, block_k), jnp.float32),
+          plgpu.Barrier(num_arrivals=2),
+          plgpu.Barrier(num_arrivals=2 * (block_k // _TILE), num_barriers=stages),
+          plgpu.Barrier(num_barriers=stages),
+      ),
+      # Groups vary fastest: the groups of one request read the same chunk of keys together (L2).
+      grid=(tp // rows, width // chunk),
+      grid_names=("groups", "chunks"),
+      num_threads=_COMPUTE_WGS + 1,
+      thread_name="wg",
+      # Row reductions of the WGMMA layout stay within a warp (shuffles): no cross-warp scratch.
+      compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
+      interpret=interpret or None,
+      kernel_name=f"mosaic_indexer_logits_r{rows}_c{chunk}_s{stages}",
+  )(q.reshape(tp * HEADS, d), weights, k_values, k_scales, block_tables, seq_lens)
+
+
+def groups_share_tables(block_tables, rows=_GROUP_ROWS):
+  """Traced bool: every group of `rows` consecutive rows (the last one padded with its last row)
+  has one block table."""
+  t = block_tables.shape[0]
+  tp = pl.cdiv(t, rows) * rows
+  padded = jnp.concatenate([block_tables, jnp.repeat(block_tables[-1:], tp - t, 0)])
+  groups = padded.reshape(tp // rows, rows, -1)
+  return jnp.all(groups == groups[:, :1])
+
+
+@functools.partial(jax.jit, static_argnames=("rows", "chunk", "stages", "interpret"))
+def indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens, *, rows=None,
+                   chunk=None, stages=None, interpret=False):
+  """Indexer logits over a paged fp8 K cache (semantics of `mla_jax.reference.indexer_logits`).
+
+  q [T, H, 128] e4m3 with H <= 64 (fp8 q scales belong in `weights`); weights [T, H] float32;
+  k_values [NB, BS, 128] e4m3, BS a multiple of 64; k_scales [NB, BS] float32, >= 0 (per-token
+  dequant scale); block_tables [T, MB] int32 (the row's request's table); seq_lens [T] int32 (row t
+  sees positions s < seq_lens[t]). rows: rows per program (4: groups of 4 rows must share a table;
+  1: any tables; None: 4 where every group shares one, else 1, decided on the device). chunk:
+  positions per program, a power of two >= 256. stages: slots in the key ring, even and >= 2.
+  interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
+  logits [T, MB*BS] float32, -inf outside the window and on -1 / out-of-range blocks.
+  """
+  _check(q, weights, k_values, k_scales, block_tables, seq_lens, rows, chunk, stages)
+  t, h, _ = q.shape
+  span = block_tables.shape[1] * k_values.shape[1]
+  if t == 0 or span == 0:
+    return jnp.full((t, span), -jnp.inf, jnp.float32)
+  if h != HEADS:  # zero q rows and weights: relu(0) * 0 adds nothing
+    q = jnp.pad(q, ((0, 0), (0, HEADS - h), (0, 0)))
+    weights = jnp.pad(weights, ((0, 0), (0, HEADS - h)))
+  if interpret is True:
+    interpret = plgpu.InterpretGPUParams()
+  run = lambda r: _call(q, weights, k_values, k_scales, block_tables, seq_lens, rows=r, chunk=chunk,
+                        stages=stages, interpret=interpret)[:t, :span]
+  if rows is not None:
+    return run(rows)
+  if t < _GROUP_ROWS:
+    return run(1)
+  return lax.cond(groups_share_tables(block_tables), lambda: run(_GROUP_ROWS), lambda: run(1))
