@@ -1,7 +1,9 @@
 """DSA (V3.2) kernels: the pallas_triton backend against the jitted XLA reference, on a GPU.
 
 Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 128, fp8 keys):
-  sparse   sparse attention, T in {64, 128, 4096}, N in {16, 128}, bf16 and fp8_ds_mla caches.
+  sparse   sparse attention, T in {64, 128, 4096}, N in {16, 32, 64, 128}, bf16 and fp8_ds_mla
+           caches, each case timed for pallas_triton and pallas_mosaic (the Mosaic GPU kernel pads
+           N < 64 to 64 heads inside; FLOPs count the N asked for).
            Decode rows (T <= 128) pick 2048 slots each, uniformly from a 1M-token cache (1.2 GB
            bf16), so gathers do not hit L2; a 4096-row prefill chunk picks from one 32K-token
            context (one request: rows share rows, and L2 helps). Bytes = T*2048*row bytes (1152
@@ -122,10 +124,13 @@ def run_sparse(args, t, n, kind, cache):
                  jax.random.randint(ks, (t, TOPK), 0, span, jnp.int32)))
   case_bytes = t * TOPK * ROW_BYTES[kind] + t * n * (L + R + L) * 2
   flops = 2 * t * n * TOPK * (L + R + L)
-  row = case_row("sparse", t, n=n, context=span, cache=kind)
   # Caches are arguments, never closed over: jit would embed a closed-over array as a constant.
   fn = lambda be: jax.jit(functools.partial(be.sparse_attention, scale=SCALE, kv_lora_rank=L))
-  return timed_row(args, row, fn, sets, case_bytes, flops)
+  rows = [timed_row(args, case_row("sparse", t, n=n, context=span, cache=kind), fn, sets,
+                    case_bytes, flops)]
+  rows.append(timed_row(args, case_row("sparse", t, n=n, context=span, cache=kind), fn, sets,
+                        case_bytes, flops, xla_ms=rows[0].get("xla ms"), backend="pallas_mosaic"))
+  return rows
 
 
 def run_indexer(args, t, context):
@@ -258,11 +263,11 @@ def case_row(part, t, *, n="", context="", cache=""):
   return {"part": part, "T": t, "N": n, "S": context, "cache": cache}
 
 
-def timed_row(args, row, fn, sets, case_bytes, flops, xla_ms=None):
-  """Times fn(pallas_triton backend) and, unless --no-ref or given `xla_ms`, fn(reference) on the
-  rotated sets."""
+def timed_row(args, row, fn, sets, case_bytes, flops, xla_ms=None, backend="pallas_triton"):
+  """Times fn(backend) and, unless --no-ref or given `xla_ms`, fn(reference) on the rotated sets."""
+  row["kernel"] = backend
   try:
-    row.update(rates(time_ms(fn(get_backend("pallas_triton")), sets, iters=args.iters,
+    row.update(rates(time_ms(fn(get_backend(backend)), sets, iters=args.iters,
                              repeats=args.repeats), bytes_moved=case_bytes, flops=flops))
     if xla_ms is None and not args.no_ref:
       xla_ms = time_ms(fn(REFERENCE), sets, warmup=1, iters=max(2, args.iters // 4), repeats=3)
@@ -280,6 +285,7 @@ def main(argv=None):
   parser.add_argument("--parts", nargs="+", default=["sparse", "indexer", "topk", "step"],
                       choices=["sparse", "indexer", "topk", "step"], help="what to time (above)")
   parser.add_argument("--quick", action="store_true", help="T=128 cases, 128-row top-k, the step")
+  parser.add_argument("--sparse-t", type=int, nargs="+", help="sparse cases' T (default 64 128 4096)")
   parser.add_argument("--sweep", action="store_true", help="time each kernel's tuning variants")
   parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference")
   parser.add_argument("--iters", type=int, default=20, help="back-to-back calls per timing")
@@ -290,15 +296,15 @@ def main(argv=None):
   if args.sweep:
     print(write_results(run_sweep(args), "sparse_sweep", args.out))
     return
-  sparse_t = [128] if args.quick else [64, 128, 4096]
+  sparse_t = args.sparse_t or ([128] if args.quick else [64, 128, 4096])
   indexer_t = [128] if args.quick else [128, 2048]
   topk_shapes = [(128, 32768), (128, 131072)] + ([] if args.quick else [(4096, 32768)])
   rows = []
   if "sparse" in args.parts:
     for kind in ("bf16", "fp8_ds_mla"):
       decode_cache = latent_cache(kind, DECODE_CACHE_TOKENS, jax.random.key(1))
-      for t, n in itertools.product(sparse_t, (16, 128)):
-        rows.append(run_sparse(args, t, n, kind, decode_cache))
+      for t, n in itertools.product(sparse_t, (16, 32, 64, 128)):
+        rows += run_sparse(args, t, n, kind, decode_cache)
       del decode_cache
   if "indexer" in args.parts:
     for t, ctx in itertools.product(indexer_t, (32768, 131072)):

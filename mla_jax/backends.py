@@ -35,6 +35,7 @@ from pallas_kernels import mla_prefill as pallas_mla_prefill
 from pallas_kernels import mosaic_decode as pallas_mosaic_decode
 from pallas_kernels import mosaic_indexer as pallas_mosaic_indexer
 from pallas_kernels import mosaic_prefill as pallas_mosaic_prefill
+from pallas_kernels import mosaic_sparse as pallas_mosaic_sparse
 from pallas_kernels import sparse_attention as pallas_sparse
 from pallas_kernels import topk as pallas_topk
 
@@ -119,6 +120,23 @@ def _pallas_triton_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
                                         k_scale=cache.scale_or_none, interpret=interpret)
 
 
+def _pallas_mosaic_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
+  """The Mosaic GPU sparse kernel: bf16 q over a bf16 latent cache or an fp8_ds_mla cache (else
+  the kernel's ValueError)."""
+  interpret = jax.default_backend() != "gpu"
+  if cache.dtype_name == caches.FP8_DS_MLA:
+    if cache.kv_lora_rank != kv_lora_rank:
+      raise ValueError(f"kv_lora_rank {kv_lora_rank} != the fp8_ds_mla cache's {cache.kv_lora_rank}")
+    return pallas_mosaic_sparse.sparse_attention_fp8_ds_mla(q, cache.nope, cache.tile_scales,
+                                                            cache.rope, slots, scale=scale,
+                                                            interpret=interpret)
+  if cache.scale_or_none is not None:
+    raise ValueError("pallas_mosaic's sparse kernel reads bf16 or fp8_ds_mla caches, not a "
+                     "per-tensor float8 latent cache")
+  return pallas_mosaic_sparse.sparse_attention(q, cache.data, slots, scale=scale,
+                                               kv_lora_rank=kv_lora_rank, interpret=interpret)
+
+
 # Cache writes and gathers stay the cache module's XLA scatter and gather.
 PALLAS_TRITON = dataclasses.replace(
     REFERENCE,
@@ -140,15 +158,17 @@ def _mosaic_indexer_logits(q, weights, k_values, k_scales, block_tables, seq_len
   return _off_gpu_interpreted(fn)(q, weights, k_values, k_scales, block_tables, seq_lens)
 
 
-# The Mosaic GPU (Hopper wgmma) decode, prefill and indexer kernels; the other functions are
-# pallas_triton's. The decode kernel reads bf16 caches (and bf16 q) with pages of a multiple of 64
-# tokens only; the prefill kernel takes bf16 q, k, v only.
+# The Mosaic GPU (Hopper wgmma) decode, prefill, sparse attention and indexer kernels; the others
+# are pallas_triton's. The decode kernel reads bf16 caches (and bf16 q) with pages of a multiple of
+# 64 tokens only; the prefill kernel takes bf16 q, k, v only; the sparse kernel bf16 q over bf16 or
+# fp8_ds_mla caches.
 PALLAS_MOSAIC = dataclasses.replace(
     PALLAS_TRITON,
     name="pallas_mosaic",
     decode=_off_gpu_interpreted(pallas_mosaic_decode.latent_decode),
     prefill=_off_gpu_interpreted(pallas_mosaic_prefill.mla_prefill),
     indexer_logits=_mosaic_indexer_logits,
+    sparse_attention=_pallas_mosaic_sparse_attention,
     cache_dtypes=frozenset({"bfloat16"}),
     block_size_multiple=pallas_mosaic_decode.PAGE_MULTIPLE,
 )
@@ -157,6 +177,8 @@ PALLAS_MOSAIC = dataclasses.replace(
 # (benchmarks/RESULTS.md, "pallas_mosaic" sections). Prefill: bf16 batches of 4096 tokens or more
 # (1.4-1.9x); at 1024 tokens it is slower (0.49-0.9x). Decode: 1.85-1.92x at 128 heads, 0.85-0.94x
 # at 16; 64 heads fill one 64-row tile as each half of 128 does.
+# Sparse attention stays Triton's: the Mosaic GPU sparse kernel measured 0.32-0.66x of it in every
+# bf16 case (N 16-128, T 128 and 4096; RESULTS.md, "DSA sparse attention (pallas_mosaic)").
 _MOSAIC_PREFILL_MIN_TOKENS = 4096
 _MOSAIC_DECODE_MIN_HEADS = 64
 

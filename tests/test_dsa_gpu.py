@@ -1,4 +1,5 @@
-"""The Pallas-Triton DSA kernels at V3.2 sizes on a GPU, against the XLA reference run there.
+"""The Pallas DSA kernels at V3.2 sizes on a GPU (Triton; Mosaic GPU sparse attention), against the
+XLA reference run there.
 
 Sparse attention (T=128, top-k 2048 over a 32K-token cache), indexer logits (128 rows over 32K
 context) and top-k (128 x 32768, k=2048). Cache rows and pages that nothing may read hold NaN, and
@@ -65,15 +66,17 @@ def sparse_case(seed, n, kind):
 
 
 @pytest.mark.parametrize("n", [128, 16])
-@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8_ds_mla"])
-def test_sparse_attention_matches_reference(n, kind):
+@pytest.mark.parametrize("kind,backend", [
+    ("bf16", "pallas_triton"), ("fp8", "pallas_triton"), ("fp8_ds_mla", "pallas_triton"),
+    ("bf16", "pallas_mosaic"), ("fp8_ds_mla", "pallas_mosaic")])
+def test_sparse_attention_matches_reference(n, kind, backend):
   q, cache, slots = sparse_case(n + len(kind), n, kind)
   ref = jax.jit(backends.REFERENCE.sparse_attention, static_argnames=("scale", "kv_lora_rank"))
   ref_o, ref_lse = (np.asarray(a, np.float64)
                     for a in ref(q, cache, slots, scale=SCALE, kv_lora_rank=L))
   poison_allocator()
-  o, lse = backends.get_backend("pallas_triton").sparse_attention(q, cache, slots, scale=SCALE,
-                                                                  kv_lora_rank=L)
+  o, lse = backends.get_backend(backend).sparse_attention(q, cache, slots, scale=SCALE,
+                                                          kv_lora_rank=L)
   assert o.dtype == q.dtype and lse.dtype == jnp.float32
   o, lse = np.asarray(o.astype(jnp.float32), np.float64), np.asarray(lse, np.float64)
   assert not np.isnan(o).any() and not np.isnan(lse).any(), "NaN in the outputs (unwritten or leaked)"

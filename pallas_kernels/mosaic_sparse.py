@@ -1,0 +1,455 @@
+"""DSA sparse attention for Hopper GPUs, in Pallas lowered through Mosaic GPU.
+
+The contract and semantics of `pallas_kernels.sparse_attention` (the Pallas-Triton kernel): every
+head of a token attends to the cache rows its top-k slots name; -1 and out-of-range slots are
+skipped and never read; a row with no valid slot gives o = 0, lse = -inf. bfloat16 q, and either a
+bf16 latent cache or an fp8_ds_mla cache (e4m3 NoPE + one float32 scale per 128-column tile + bf16
+RoPE). The structure is `mosaic_decode`'s, with per-token slot lists instead of pages: one program
+(CTA) per (64-head tile, split, token) gathers each selected row once for all 64 heads, with three
+warpgroups:
+- memory (warpgroup 2): the token's query tile, then per step of 64 slots their indices (a ring
+  of 4 steps, fetched two steps ahead) and the 64 rows they name, one bulk copy per row and
+  64-column chunk (Hopper has no gather copy; a 128-byte chunk is the widest box the 128-byte
+  swizzle that wgmma reads allows). Invalid slots become the row index past the cache: the bulk
+  copy reads nothing there and fills zeros, so their P V terms are 0 * 0, never 0 * NaN.
+  fp8_ds_mla: the rows land in a staging buffer (e4m3 NoPE, bf16 RoPE, the step's tile scales,
+  gathered by XLA beforehand, 16 bytes a row); this warpgroup widens them into the bf16 tile the
+  consumers read (e4m3 times a power-of-two scale is exact in bf16), then fetches the next step.
+- scores (warpgroup 0): S = Q K^T (wgmma, M = 64 heads, N = 64 rows, K = 576 in 9 chunks), the
+  masked float32 online softmax, P and the rescale factors to warpgroup 1, O[:, :L/2] += P V.
+- values (warpgroup 1): O[:, L/2:] += P V.
+bf16 caches use 2 row slots (the next step's rows land while this one computes); fp8_ds_mla uses
+1 bf16 slot + the staging buffer (two bf16 slots, the query tile and the staging do not fit in a
+block's 227 KB). Splits of a token's slot list are merged by their log-sum-exps (`merge_splits`).
+
+Shared memory holds a row slot as 9 tiles of 64 rows x 64 columns, each in the tiled, 128-byte-
+swizzled layout wgmma reads. Mosaic GPU slices tiled buffers by whole 8-row tiles only, so the row
+copies go through an untiled, swizzled alias of the same bytes ([9 * 8, 8, 64]: tile-row, row in
+tile, column): the bulk copy applies the swizzle from the destination address, which gives the
+same bytes. Mosaic GPU's interpreter (jax 0.11.2) does not alias the views of a `RefUnion` (nor
+simulate swizzles), so there the rows are copied into the tiled view directly, and, as in
+`mosaic_decode`, each P V product goes to a fresh accumulator.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.common import (F8, LN2, LOG2E, M_INIT, default_num_kv_splits, merge_splits,
+                                   row_broadcast, sm_count, swizzled)
+from pallas_kernels.sparse_attention import DS_MLA_TILE
+
+_TILE_H = 64  # heads per program: the M of every Hopper wgmma
+_STEP = 64  # slots per step: N of S = Q K^T, K of P V
+_COLS = 64  # columns per shared-memory tile: 128 bytes of bf16, the swizzle width
+_VALUE_WGS = 2
+_IDX_RING = 4  # steps of slot indices in shared memory: fetched 2 ahead, read until consumed
+_MAX_HEAD_DIM = 576
+# Registers a thread: 2 consumers + the memory warpgroup within the 64K file (512 x 128 threads).
+_REGS = {False: (232, 40), True: (224, 64)}  # fp8_ds_mla's memory warpgroup widens tiles
+
+
+def _copy_row_chunk(src, tiled, raw, r, c, barrier):
+  """Copies src [1, w] (128 bytes of one cache row) into row r of tile column c of tiled
+  [tiles, 64, w] (tiled by 8 rows, 128-byte swizzled). Mosaic GPU slices tiled buffers by whole
+  8-row tiles only, so on the GPU the copy goes to the same bytes through the untiled, swizzled
+  alias raw [tiles * 8, 8, w] (the bulk copy swizzles by destination address); raw=None (the
+  interpreter, which neither aliases union members nor swizzles) copies into tiled."""
+  if raw is None:
+    dst = tiled.at[c, pl.ds(r, 1)]
+  else:
+    dst = raw.at[c * 8 + lax.div(r, 8), pl.ds(lax.rem(r, 8), 1)]
+  plgpu.copy_gmem_to_smem(src, dst, barrier)
+
+
+def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_slots, interpret):
+  # GMEM: q_ref [T, Np, D] bf16; idx_ref [T, Kp] int32 (slot, or num_slots where invalid);
+  # steps_ref [T] int32 (steps of 64 slots up to the last valid one). bf16: kv_ref [S, D/64, 64]
+  # bf16. fp8: nope_ref [S, L] e4m3, rope_ref [S, R] bf16, scales_ref [T, L/128, Kp] f32 (the
+  # selected rows' tile scales). o_ref [T, splits, Np, L]; lse_ref [T, splits, Np] f32.
+  # SMEM: buffers = union of (q_smem [64, D], kv [stages, D/64, 64, 64]) bf16 tiled, and
+  # (o_smem [2, 64, L/2], lse_smem [64]) (and on the GPU, for bf16, the untiled alias kv_raw
+  # [stages, D/64 * 8, 8, 64]); fp8: staging = union of (stage_nope [L/128, 64, 128] e4m3 and
+  # stage_rope [R/64, 64, 64] bf16, tiled) and (on the GPU) their untiled aliases; stage_scales
+  # [L/128, 64] f32; p_smem [64, 64] bf16; row_smem [64] f32; idx_smem [4, 64] int32.
+  # Barriers: q_bar; ready [stages] (a slot holds its step's rows); consumed [stages]; p_ready,
+  # p_free (the P hand-off); idx_bar [4]; fp8: staged (the staging buffer landed).
+  if fp8:
+    (nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buffers, staging, stage_scales, p_smem, row_smem, idx_smem, q_bar, ready, consumed, p_ready, p_free, idx_bar, staged) = rest
+    kv_ref = None
+    (stage_nope, stage_rope), *raw = staging
+    nope_raw, rope_raw = raw[0] if raw else (None, None)
+  else:
+    (kv_ref, o_ref, lse_ref, buffers, p_smem, row_smem, idx_smem, q_bar, ready, consumed, p_ready,
+     p_free, idx_bar) = rest
+  (q_smem, kv), (o_smem, lse_smem), *raw = buffers
+  kv_raw = raw[0][1] if raw else None
+  h, split, t = lax.axis_index("heads"), lax.axis_index("splits"), lax.axis_index("tokens")
+  wg = lax.axis_index("wg")
+  stages, chunks = kv.shape[0], kv.shape[1]
+  value_chunks = lora // _COLS // _VALUE_WGS  # tiles of value columns per consumer warpgroup
+  half = lora // _VALUE_WGS
+  qk_scale = scale * LOG2E
+
+  num_steps = jnp.maximum(steps_ref[t], 0)
+  per_split = lax.div(num_steps + (num_splits - 1), num_splits)
+  first = split * per_split
+  n = jnp.maximum(jnp.minimum(first + per_split, num_steps) - first, 0)
+  rows_layout = plgpu.Layout.WGMMA.reduce(1)
+  cols_layout = plgpu.Layout.WGMMA.reduce(0)
+
+  def zero_acc():
+    return tuple(plgpu.layout_cast(jnp.zeros((_TILE_H, _COLS), jnp.float32), plgpu.Layout.WGMMA)
+                 for _ in range(value_chunks))
+
+  def accumulate_values(acc, alpha, slot, w, p=None):
+    """acc * alpha + P V over warpgroup w's value tiles; P from registers when given, else p_smem.
+    On the GPU the products accumulate in place; the interpreter adds fresh accumulators."""
+    scaled = tuple(part * row_broadcast(alpha, part.shape) for part in acc)
+    if not interpret:
+      def product(acc_ref, c):  # acc_ref [64, 64] f32, the running sum
+        # The tile is sliced here: a sliced ref closed over would carry its indices as constants.
+        plgpu.wgmma(acc_ref, p_smem if p is None else p, kv.at[slot, w * value_chunks + c])
+
+      return tuple(pl.run_state(functools.partial(product, c=c))(plgpu.ACC.init(part))
+                   for c, part in enumerate(scaled))
+    out = []
+    for c, part in enumerate(scaled):
+      def product(acc_ref, c=c):  # acc_ref [64, 64] f32
+        plgpu.wgmma(acc_ref, p_smem, kv.at[slot, w * value_chunks + c])
+        return acc_ref[...]
+
+      out.append(part + pl.run_scoped(product, plgpu.ACC((_TILE_H, _COLS), jnp.float32)))
+    return tuple(out)
+
+  def write_output(acc, l, w):
+    inv = 1.0 / jnp.where(l > 0, l, 1.0)
+    for c, part in enumerate(acc):
+      o_smem[w, :, pl.ds(c * _COLS, _COLS)] = (
+          part * row_broadcast(inv, part.shape)).astype(o_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem.at[w],
+                            o_ref.at[t, split, pl.ds(h * _TILE_H, _TILE_H), pl.ds(w * half, half)])
+
+  consumer_regs, memory_regs = _REGS[fp8]
+
+  @pl.when(wg == 0)
+  def _scores():
+    plgpu.set_max_registers(consumer_regs, action="increase")
+
+    @pl.when(n > 0)
+    def _():
+      plgpu.barrier_wait(q_bar)
+
+    def step(i, carry):
+      m, l, acc = carry
+      slot = lax.rem(i, stages)
+      ring = lax.rem(i, _IDX_RING)
+      plgpu.barrier_wait(idx_bar.at[ring])
+      plgpu.barrier_wait(ready.at[slot])
+
+      def scores(acc_ref):  # acc_ref [64 heads, 64 rows] f32
+        for c in range(chunks):
+          plgpu.wgmma(acc_ref, q_smem.at[:, pl.ds(c * _COLS, _COLS)],
+                      kv.at[slot, c].transpose((1, 0)))
+        return acc_ref[...]
+
+      s = pl.run_scoped(scores, plgpu.ACC((_TILE_H, _STEP), jnp.float32))
+      idx = plgpu.load(idx_smem.at[ring], layout=cols_layout)
+      valid = lax.broadcast_in_dim(idx < num_slots, s.shape, [1])
+      s = jnp.where(valid, s * qk_scale, -jnp.inf)
+      m_new = jnp.maximum(m, s.max(axis=1))
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(s - row_broadcast(m_new, s.shape))
+      l = l * alpha + p.sum(axis=1)
+
+      @pl.when(i > 0)
+      def _():
+        plgpu.barrier_wait(p_free)
+
+      p16 = p.astype(p_smem.dtype)
+      p_smem[...] = p16
+      row_smem[...] = alpha
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(p_ready)
+      acc = accumulate_values(acc, alpha, slot, 0, None if interpret else p16)
+      plgpu.barrier_arrive(consumed.at[slot])
+      return m_new, l, acc
+
+    init = (plgpu.layout_cast(jnp.full((_TILE_H,), M_INIT, jnp.float32), rows_layout),
+            plgpu.layout_cast(jnp.zeros((_TILE_H,), jnp.float32), rows_layout), zero_acc())
+    m, l, acc = lax.fori_loop(0, n, step, init)
+
+    @pl.when(n > 0)
+    def _():
+      plgpu.barrier_wait(p_free)
+
+    row_smem[...] = l
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(p_ready)
+    write_output(acc, l, 0)
+    seen = l > 0
+    lse_smem[...] = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[t, split, pl.ds(h * _TILE_H, _TILE_H)])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 1)
+  def _values():
+    plgpu.set_max_registers(consumer_regs, action="increase")
+
+    def step(i, acc):
+      slot = lax.rem(i, stages)
+      plgpu.barrier_wait(ready.at[slot])
+      plgpu.barrier_wait(p_ready)
+      alpha = plgpu.load(row_smem, layout=rows_layout)
+      acc = accumulate_values(acc, alpha, slot, 1)
+      plgpu.barrier_arrive(p_free)
+      plgpu.barrier_arrive(consumed.at[slot])
+      return acc
+
+    acc = lax.fori_loop(0, n, step, zero_acc())
+    plgpu.barrier_wait(p_ready)
+    write_output(acc, plgpu.load(row_smem, layout=rows_layout), 1)
+    plgpu.wait_smem_to_gmem(0)
+
+  def fetch_indices(i):
+    ring = lax.rem(i, _IDX_RING)
+    plgpu.copy_gmem_to_smem(idx_ref.at[t, pl.ds((first + i) * _STEP, _STEP)], idx_smem.at[ring],
+                            idx_bar.at[ring])
+
+  def gather_rows(i, copy_row):
+    """copy_row(r, row) for the step's 64 rows, once its indices have landed."""
+    ring = lax.rem(i, _IDX_RING)
+    plgpu.barrier_wait(idx_bar.at[ring])
+    pl.loop(0, _STEP)(lambda r: copy_row(r, idx_smem[ring, r]))
+
+  @pl.when(wg == _VALUE_WGS)
+  def _memory():
+    plgpu.set_max_registers(memory_regs, action="decrease")
+
+    @pl.when(n > 0)
+    def _():
+      plgpu.copy_gmem_to_smem(q_ref.at[t, pl.ds(h * _TILE_H, _TILE_H)], q_smem, q_bar)
+
+    for i in range(2):
+      pl.when(i < n)(functools.partial(fetch_indices, i))
+
+    if not fp8:
+      def bf16_rows(slot, r, row):
+        for c in range(chunks):
+          _copy_row_chunk(kv_ref.at[pl.ds(row, 1), c], kv.at[slot],
+                          None if kv_raw is None else kv_raw.at[slot], r, c, ready.at[slot])
+
+      @pl.loop(0, n)
+      def _(i):
+        slot = lax.rem(i, stages)
+        pl.when(i >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+        pl.when(i + 2 < n)(functools.partial(fetch_indices, i + 2))
+        gather_rows(i, functools.partial(bf16_rows, slot))
+
+      # Sees the last uses of the slots out too (a warpgroup waits on every phase of a barrier).
+      @pl.loop(jnp.maximum(n - stages, 0), n)
+      def _(i):
+        plgpu.barrier_wait(consumed.at[lax.rem(i, stages)])
+      return
+
+    def staged_rows(r, row):
+      for j in range(stage_nope.shape[0]):
+        _copy_row_chunk(nope_ref.at[pl.ds(row, 1), pl.ds(j * DS_MLA_TILE, DS_MLA_TILE)],
+                        stage_nope, nope_raw, r, j, staged)
+      for j in range(stage_rope.shape[0]):
+        _copy_row_chunk(rope_ref.at[pl.ds(row, 1), pl.ds(j * _COLS, _COLS)], stage_rope, rope_raw,
+                        r, j, staged)
+
+    def stage(i):
+      plgpu.copy_gmem_to_smem(scales_ref.at[t, :, pl.ds((first + i) * _STEP, _STEP)], stage_scales,
+                              staged)
+      gather_rows(i, staged_rows)
+
+    pl.when(n > 0)(functools.partial(stage, 0))
+
+    @pl.loop(0, n)
+    def _(i):
+      plgpu.barrier_wait(staged)
+      pl.when(i > 0)(lambda: plgpu.barrier_wait(consumed.at[0]))
+      wgmma_layout = plgpu.Layout.WGMMA
+
+      # e4m3 times its tile's power-of-two scale is exact in bf16 (e4m3 widens to f16 in hardware,
+      # f16 to f32 exactly).
+      @pl.loop(0, stage_nope.shape[0])
+      def _(j):
+        x = plgpu.layout_cast(stage_nope[j].astype(jnp.float16).astype(jnp.float32), wgmma_layout)
+        tile_scale = plgpu.load(stage_scales.at[j], layout=rows_layout)
+        y = (x * row_broadcast(tile_scale, x.shape)).astype(kv.dtype)  # [64, 128]
+        kv[0, 2 * j] = y[:, :_COLS]
+        kv[0, 2 * j + 1] = y[:, _COLS:]
+
+      for j in range(stage_rope.shape[0]):
+        kv[0, lora // _COLS + j] = plgpu.load(stage_rope.at[j], layout=wgmma_layout)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(ready.at[0])
+      pl.when(i + 2 < n)(functools.partial(fetch_indices, i + 2))
+      pl.when(i + 1 < n)(functools.partial(stage, i + 1))
+
+    pl.when(n > 0)(lambda: plgpu.barrier_wait(consumed.at[0]))
+
+
+def _raw(tiled_shape, dtype):
+  """The untiled, swizzled alias [..., tiles * 8, 8, w] of a tiled [..., tiles, 64, w] buffer."""
+  *lead, tiles, rows, width = tiled_shape
+  return plgpu.SMEM((*lead, tiles * rows // 8, 8, width), dtype,
+                    transforms=(plgpu.SwizzleTransform(128),))
+
+
+def _check(q, slots, lora, num_splits):
+  if q.ndim != 3 or slots.ndim != 2 or slots.shape[0] != q.shape[0]:
+    raise ValueError(f"want q [T, N, L+R] and slots [T, K] with the same T; got {q.shape} and "
+                     f"{slots.shape}")
+  d = q.shape[2]
+  if not (lora % (_VALUE_WGS * _COLS) == 0 and lora < d <= _MAX_HEAD_DIM and d % _COLS == 0):
+    raise ValueError(f"head dim {d} must be kv_lora_rank ({lora}, a multiple of "
+                     f"{_VALUE_WGS * _COLS}) + a rope dim, a multiple of {_COLS} and at most "
+                     f"{_MAX_HEAD_DIM} (the query tile and the row slots fill shared memory)")
+  if q.dtype != jnp.bfloat16:
+    raise ValueError(f"q must be bfloat16, got {q.dtype.name}")
+  if slots.dtype != jnp.int32:
+    raise ValueError(f"slots must be int32, got {slots.dtype.name}")
+  if num_splits is not None and num_splits < 1:
+    raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+
+
+def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_splits, auto_barriers,
+                 interpret):
+  """Pads heads to 64-row tiles and slots to 64-slot steps, runs the kernel, merges splits."""
+  t, n, d = q.shape
+  head_tiles = pl.cdiv(n, _TILE_H)
+  np_ = head_tiles * _TILE_H
+  if np_ != n:
+    q = jnp.pad(q, ((0, 0), (0, np_ - n), (0, 0)))  # zero heads: finite scores, sliced off below
+  k = max(pl.cdiv(slots.shape[1], _STEP), 1) * _STEP
+  slots = jnp.pad(slots, ((0, 0), (0, k - slots.shape[1])), constant_values=-1)
+  valid = (slots >= 0) & (slots < num_slots)
+  idx = jnp.where(valid, slots, num_slots)  # past the cache: the bulk copy reads nothing
+  # Walk only up to each row's last valid slot: top-k lists of short rows are mostly -1 padding.
+  extent = jnp.max(jnp.where(valid, jnp.arange(1, k + 1, dtype=jnp.int32), 0), axis=1)
+  steps = lax.div(extent + (_STEP - 1), _STEP)
+  splits = num_splits or default_num_kv_splits(t, head_tiles, k, sm_count())
+  splits = max(min(splits, k // _STEP), 1)
+  out_dtype = q.dtype if splits == 1 else jnp.float32
+  if interpret is True:
+    interpret = plgpu.InterpretGPUParams()
+  stages = 1 if fp8 else 2
+  chunks = d // _COLS
+  groups = [(swizzled((_TILE_H, d), q.dtype), swizzled((stages, chunks, _STEP, _COLS), q.dtype)),
+            (swizzled((_VALUE_WGS, _TILE_H, lora // _VALUE_WGS), out_dtype),
+             plgpu.SMEM((_TILE_H,), jnp.float32))]
+  if not fp8 and not interpret:
+    groups.append((plgpu.SMEM((_TILE_H, d), q.dtype), _raw((stages, chunks, _STEP, _COLS), q.dtype)))
+  scratch = [plgpu.RefUnion(*groups)]
+  if fp8:
+    nope, rope, tile_scales = cache_args
+    # The selected rows' tile scales, [T, L/128, Kp]: 16 bytes a slot (0 where invalid).
+    scales = jnp.where(valid[..., None], tile_scales[jnp.where(valid, slots, 0)], 0.0)
+    cache_args = (nope, rope, scales.transpose(0, 2, 1))
+    tiles = lora // DS_MLA_TILE, (d - lora) // _COLS
+    staging = [(swizzled((tiles[0], _STEP, DS_MLA_TILE), F8),
+                swizzled((tiles[1], _STEP, _COLS), jnp.bfloat16))]
+    if not interpret:
+      staging.append((_raw((tiles[0], _STEP, DS_MLA_TILE), F8),
+                       _raw((tiles[1], _STEP, _COLS), jnp.bfloat16)))
+    scratch += [plgpu.RefUnion(*staging), plgpu.SMEM((tiles[0], _STEP), jnp.float32)]
+  scratch += [swizzled((_TILE_H, _STEP), q.dtype), plgpu.SMEM((_TILE_H,), jnp.float32),
+              plgpu.SMEM((_IDX_RING, _STEP), jnp.int32),
+              plgpu.Barrier(),
+              # bf16: every row chunk's copy arrives; fp8: the widening warpgroup does.
+              plgpu.Barrier(num_arrivals=1 if fp8 else _STEP * chunks, num_barriers=stages),
+              plgpu.Barrier(num_arrivals=_VALUE_WGS, num_barriers=stages),
+              plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(num_barriers=_IDX_RING)]
+  if fp8:
+    scratch.append(plgpu.Barrier(num_arrivals=_STEP * sum(tiles) + 1))  # row copies + scales
+
+  kernel = functools.partial(_kernel, scale=scale, lora=lora, num_splits=splits, fp8=fp8,
+                             num_slots=num_slots, interpret=bool(interpret))
+  o_parts, lse_parts = plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct((t, splits, np_, lora), out_dtype),
+                jax.ShapeDtypeStruct((t, splits, np_), jnp.float32)),
+      scratch_types=tuple(scratch),
+      grid=(head_tiles, splits, t),  # head tiles fastest: programs gathering the same rows meet in L2
+      grid_names=("heads", "splits", "tokens"),
+      num_threads=_VALUE_WGS + 1,
+      thread_name="wg",
+      # No automatic barriers: Pallas would put a warpgroup barrier before each of the ~600 row
+      # copies of a step. Safe here: no thread reads and writes the same shared memory without a
+      # barrier wait between (the hand-offs above), and commit_smem() (a warpgroup barrier) comes
+      # between a warpgroup's stores and the copy that reads them, and between the widening
+      # warpgroup's reads of the staging buffer and the copies that refill it.
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
+                                           unsafe_no_auto_barriers=not auto_barriers),
+      interpret=interpret or None,
+      kernel_name=f"mosaic_sparse_{'ds_mla' if fp8 else 'bf16'}_s{splits}",
+  )(q, idx, steps, *cache_args)
+  if splits == 1:
+    o, lse = o_parts[:, 0], lse_parts[:, 0]
+  else:
+    o, lse = merge_splits(o_parts, lse_parts, q.dtype)
+  return o[:, :n], lse[:, :n]
+
+
+_STATIC = ("scale", "num_splits", "auto_barriers", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))
+def sparse_attention(q, kv_cache, slots, *, scale, kv_lora_rank=512, num_splits=None,
+                     auto_barriers=False, interpret=False):
+  """Sparse MLA over a bf16 latent cache (semantics of `mla_jax.reference.sparse_attention`).
+
+  q [T, N, L+R] bf16 (any N: heads are padded to tiles of 64); kv_cache [num_blocks, page, L+R]
+  bf16; slots [T, K] int32 (block * page + offset; -1 or past the cache: skipped). num_splits=None
+  picks a split count of the slot axis from static shapes. auto_barriers=True lets Pallas put a
+  warpgroup barrier before every bulk copy and around every shared-memory store (its safe default,
+  kept to measure against). interpret: True or a
+  `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and
+  lse [T, N] float32 (natural log); a row with no valid slot gives (0, -inf).
+  """
+  _check(q, slots, kv_lora_rank, num_splits)
+  if kv_cache.ndim != 3 or kv_cache.shape[2] != q.shape[2] or kv_cache.dtype != jnp.bfloat16:
+    raise ValueError(f"want a bfloat16 kv_cache [num_blocks, page, {q.shape[2]}] (q's head dim), "
+                     f"got {kv_cache.dtype.name}{kv_cache.shape}")
+  num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+  rows = kv_cache.reshape(num_slots, q.shape[2] // _COLS, _COLS)
+  return _sparse_call(q, slots, (rows,), scale=scale, lora=kv_lora_rank, num_slots=num_slots,
+                      fp8=False, num_splits=num_splits, auto_barriers=auto_barriers,
+                      interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def sparse_attention_fp8_ds_mla(q, nope, tile_scales, rope, slots, *, scale, num_splits=None,
+                                auto_barriers=False, interpret=False):
+  """Sparse MLA over an fp8_ds_mla cache, widened to bf16 once per gathered row.
+
+  q [T, N, L+R] bf16; nope [num_blocks, page, L] float8_e4m3fn; tile_scales [num_blocks, page,
+  L/128] float32 (row value = nope * its tile's scale, a power of two); rope [num_blocks, page, R]
+  bfloat16; slots and options as in `sparse_attention`. Returns o [T, N, L] bf16 and lse [T, N] float32.
+  """
+  nb, page, lora = nope.shape
+  _check(q, slots, lora, num_splits)
+  if (nope.dtype != F8 or tile_scales.dtype != jnp.float32 or rope.dtype != jnp.bfloat16
+      or tile_scales.shape != (nb, page, lora // DS_MLA_TILE) or rope.shape[:2] != (nb, page)
+      or lora % DS_MLA_TILE or q.shape[2] != lora + rope.shape[2]):
+    raise ValueError(f"want nope [NB, BS, L] e4m3 (L a multiple of {DS_MLA_TILE}), tile_scales "
+                     f"[NB, BS, L/{DS_MLA_TILE}] f32, rope [NB, BS, R] bf16 and q [T, N, L+R]; got "
+                     f"{nope.dtype.name}{nope.shape}, {tile_scales.dtype.name}{tile_scales.shape}, "
+                     f"{rope.dtype.name}{rope.shape}, q {q.shape}")
+  num_slots = nb * page
+  flat = lambda x: x.reshape(num_slots, x.shape[-1])
+  return _sparse_call(q, slots, (flat(nope), flat(rope), flat(tile_scales)), scale=scale, lora=lora,
+                      num_slots=num_slots, fp8=True, num_splits=num_splits,
+                      auto_barriers=auto_barriers, interpret=interpret)
