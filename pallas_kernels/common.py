@@ -6,6 +6,7 @@ Pure arrays in and out; no dependency on the rest of the project.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -148,3 +149,39 @@ def swizzled(shape, dtype):
 
 def row_broadcast(x, shape):
   return lax.broadcast_in_dim(x, shape, [0])
+
+
+DS_MLA_TILE = 128  # fp8_ds_mla: one scale per 128 latent values
+def feed_ring(n, stages, consumed, fetch):
+  """A memory warpgroup's loop: fetch(i, slot) for steps i < n into a ring of `stages` slots, a
+  slot refilled once its consumers arrive on consumed[slot]."""
+  for i in range(stages):
+    pl.when(i < n)(functools.partial(fetch, i, i))
+
+  @pl.loop(stages, n)
+  def _(i):
+    slot = lax.rem(i, stages)
+    plmgpu.barrier_wait(consumed.at[slot])
+    fetch(i, slot)
+
+  # Sees the last uses of the slots out too: a warpgroup that waits on some phases of a barrier
+  # waits on all of them (the interpreter checks this when the barriers are freed).
+  @pl.loop(jnp.maximum(n - stages, 0), n)
+  def _(i):
+    plmgpu.barrier_wait(consumed.at[lax.rem(i, stages)])
+
+def check_indexer_args(q, weights, k_values, k_scales, block_tables, seq_lens):
+  """ValueError unless the shapes agree and weights, k_scales are float32 and block_tables,
+  seq_lens int32 (what every indexer kernel takes)."""
+  if (q.ndim != 3 or weights.shape != q.shape[:2] or k_values.ndim != 3
+      or k_scales.shape != k_values.shape[:2] or block_tables.ndim != 2
+      or block_tables.shape[0] != q.shape[0] or seq_lens.shape != q.shape[:1]
+      or k_values.shape[2] != q.shape[2]):
+    raise ValueError(f"want q [T, H, D], weights [T, H], k_values [NB, BS, D], k_scales [NB, BS], "
+                     f"block_tables [T, MB], seq_lens [T]; got {q.shape}, {weights.shape}, "
+                     f"{k_values.shape}, {k_scales.shape}, {block_tables.shape}, {seq_lens.shape}")
+  if (weights.dtype != jnp.float32 or k_scales.dtype != jnp.float32
+      or block_tables.dtype != jnp.int32 or seq_lens.dtype != jnp.int32):
+    raise ValueError(f"weights and k_scales must be float32, block_tables and seq_lens int32; got "
+                     f"{weights.dtype.name}, {k_scales.dtype.name}, {block_tables.dtype.name}, "
+                     f"{seq_lens.dtype.name}")

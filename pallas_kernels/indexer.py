@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import F8, MAX_FP8_ELEMENTS, is_pow2, next_pow2
+from pallas_kernels.common import F8, MAX_FP8_ELEMENTS, check_indexer_args, is_pow2, next_pow2
 
 _DTYPES = ("float8_e4m3fn", "bfloat16", "float16", "float32")
 
@@ -74,22 +74,6 @@ def _kernel(q_ref, w_ref, k_ref, ks_ref, bt_ref, len_ref, o_ref, *, block_n, pag
   lax.fori_loop(0, num_steps, step, 0)
   lax.fori_loop(num_steps, chunk // block_n, fill, 0)
 
-
-def check_indexer_args(q, weights, k_values, k_scales, block_tables, seq_lens):
-  """ValueError unless the shapes agree and weights, k_scales are float32 and block_tables,
-  seq_lens int32 (what every indexer kernel takes)."""
-  if (q.ndim != 3 or weights.shape != q.shape[:2] or k_values.ndim != 3
-      or k_scales.shape != k_values.shape[:2] or block_tables.ndim != 2
-      or block_tables.shape[0] != q.shape[0] or seq_lens.shape != q.shape[:1]
-      or k_values.shape[2] != q.shape[2]):
-    raise ValueError(f"want q [T, H, D], weights [T, H], k_values [NB, BS, D], k_scales [NB, BS], "
-                     f"block_tables [T, MB], seq_lens [T]; got {q.shape}, {weights.shape}, "
-                     f"{k_values.shape}, {k_scales.shape}, {block_tables.shape}, {seq_lens.shape}")
-  if (weights.dtype != jnp.float32 or k_scales.dtype != jnp.float32
-      or block_tables.dtype != jnp.int32 or seq_lens.dtype != jnp.int32):
-    raise ValueError(f"weights and k_scales must be float32, block_tables and seq_lens int32; got "
-                     f"{weights.dtype.name}, {k_scales.dtype.name}, {block_tables.dtype.name}, "
-                     f"{seq_lens.dtype.name}")
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "chunk", "num_warps", "num_stages",

@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import (LN2, LOG2E, M_INIT, check_decode_shapes, default_num_kv_splits,
-                                   merge_splits, row_broadcast, sm_count, swizzled)
+                                   feed_ring, merge_splits, row_broadcast, sm_count, swizzled)
 
 _TILE_H = 64  # heads per program: the M of every Hopper wgmma
 _STEP = 64  # cache rows per bulk copy and per step: N of S = Q K^T, K of P V (one swizzle tile)
@@ -242,24 +242,6 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_sm
 
     feed_ring(n, _STAGES, consumed, fetch)
 
-
-def feed_ring(n, stages, consumed, fetch):
-  """A memory warpgroup's loop: fetch(i, slot) for steps i < n into a ring of `stages` slots, a
-  slot refilled once its consumers arrive on consumed[slot]."""
-  for i in range(stages):
-    pl.when(i < n)(functools.partial(fetch, i, i))
-
-  @pl.loop(stages, n)
-  def _(i):
-    slot = lax.rem(i, stages)
-    plgpu.barrier_wait(consumed.at[slot])
-    fetch(i, slot)
-
-  # Sees the last uses of the slots out too: a warpgroup that waits on some phases of a barrier
-  # waits on all of them (the interpreter checks this when the barriers are freed).
-  @pl.loop(jnp.maximum(n - stages, 0), n)
-  def _(i):
-    plgpu.barrier_wait(consumed.at[lax.rem(i, stages)])
 
 
 def num_kv_splits_for(num_tokens: int, num_heads: int, max_len: int) -> int:

@@ -40,11 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.indexer import check_indexer_args
-from pallas_kernels.latent_decode import is_pow2, next_pow2
-from pallas_kernels.mosaic_decode import _swizzled, feed_ring
+from pallas_kernels.common import F8, check_indexer_args, feed_ring, is_pow2, next_pow2, swizzled
 
-_F8 = jnp.float8_e4m3fn
 HEADS = 64  # heads per row a group's product holds (fewer are padded with zero weights)
 HEAD_DIM = 128  # one 128-byte swizzle row of e4m3: the K of every wgmma
 PAGE_MULTIPLE = 64  # positions per bulk copy; pages hold whole tiles
@@ -167,14 +164,14 @@ def _kernel(q_ref, w_ref, k_ref, ks_ref, bt_ref, len_ref, o_ref, q_smem, w_smem,
 
 def fits(q, k_values) -> bool:
   """Whether the kernel takes these operands (the others go to the Pallas-Triton kernel)."""
-  return (q.ndim == 3 and k_values.ndim == 3 and q.dtype == _F8 and k_values.dtype == _F8
+  return (q.ndim == 3 and k_values.ndim == 3 and q.dtype == F8 and k_values.dtype == F8
           and q.shape[1] <= HEADS and q.shape[2] == HEAD_DIM == k_values.shape[2]
           and k_values.shape[1] % PAGE_MULTIPLE == 0)
 
 
 def _check(q, weights, k_values, k_scales, block_tables, seq_lens, rows, chunk, stages):
   check_indexer_args(q, weights, k_values, k_scales, block_tables, seq_lens)
-  if q.dtype != _F8 or k_values.dtype != _F8:
+  if q.dtype != F8 or k_values.dtype != F8:
     raise ValueError(f"q and k_values must be float8_e4m3fn (fp8 wgmma), got {q.dtype.name} and "
                      f"{k_values.dtype.name}")
   if q.shape[1] > HEADS or q.shape[2] != HEAD_DIM:
@@ -213,9 +210,9 @@ def _call(q, weights, k_values, k_scales, block_tables, seq_lens, *, rows, chunk
       kernel,
       out_type=jax.ShapeDtypeStruct((tp, width), jnp.float32),
       scratch_types=(
-          _swizzled((rows * HEADS, d), _F8),
+          swizzled((rows * HEADS, d), F8),
           plgpu.SMEM((rows, HEADS), jnp.float32),
-          _swizzled((stages, block_k, d), _F8),
+          swizzled((stages, block_k, d), F8),
           plgpu.SMEM((stages, block_k), jnp.float32),
           plgpu.SMEM((_COMPUTE_WGS, 2, rows, block_k), jnp.float32),
           plgpu.Barrier(num_arrivals=2),

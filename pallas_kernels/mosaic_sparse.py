@@ -41,9 +41,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import (F8, LN2, LOG2E, M_INIT, default_num_kv_splits, merge_splits,
+from pallas_kernels.common import (DS_MLA_TILE, F8, LN2, LOG2E, M_INIT, default_num_kv_splits, merge_splits,
                                    row_broadcast, sm_count, swizzled)
-from pallas_kernels.sparse_attention import DS_MLA_TILE
 
 _TILE_H = 64  # heads per program: the M of every Hopper wgmma
 _STEP = 64  # slots per step: N of S = Q K^T, K of P V

@@ -28,10 +28,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import (F8, FLOAT_DTYPES, LATENT_CACHE_DTYPES, LN2, LOG2E, M_INIT,
+from pallas_kernels.common import (DS_MLA_TILE, F8, FLOAT_DTYPES, LATENT_CACHE_DTYPES, LN2, LOG2E, M_INIT,
                                    MAX_FP8_ELEMENTS, default_num_kv_splits, is_pow2, sm_count, split_kv_call)
 
-DS_MLA_TILE = 128  # fp8_ds_mla: one scale per 128 latent values
 
 # (block_h, block_k, num_warps, num_stages) by (largest head count it is for, operand kind as in
 # latent_decode.operand_kind); the first row whose head count covers N wins. Not timed yet. bf16: latent decode's H200 configs
