@@ -1,6 +1,6 @@
 """Generation throughput: prefill, `generate`'s decode, and the same decode step back to back.
 
-  PYTHONPATH=. python -m benchmarks.bench_generate [--quick] [--variant v3 v3.2] [--batch ...]
+  python -m benchmarks.bench_generate [--quick] [--variant v3 v3.2] [--batch ...]
       [--layers 4] [--prompt 1024] [--new 128] [--steps-per-dispatch 16 ...] [--time-budget S]
 
 A DeepSeek-V3-shaped (and V3.2-shaped) dense decoder of `--layers` layers with random bf16
@@ -23,7 +23,6 @@ within that many seconds are listed as skipped. Prints each row as it comes, the
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import time
@@ -33,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.common import rates, time_steps, write_results
+from benchmarks.common import make_parser, rates, require_gpu, time_steps, write_results
 from mla_jax.config import MLAConfig
 from mla_jax.metadata import RequestState, build_metadata
 from mla_jax.model import (DEFAULT_STEPS_PER_DISPATCH, DecoderConfig, DeepseekForCausalLM, decode,
@@ -110,10 +109,8 @@ def run_case(args, variant, model, batch_size):
   return row
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter,
-                                   epilog="\n".join(__doc__.splitlines()[5:]))
+def main(argv=None):
+  parser = make_parser("benchmarks.bench_generate", __doc__)
   parser.add_argument("--variant", nargs="+", default=["v3", "v3.2"], choices=sorted(PRESETS),
                       help="model shapes (default: both)")
   parser.add_argument("--batch", type=int, nargs="+", default=[256, 64, 8, 1],
@@ -133,7 +130,8 @@ def main():
   parser.add_argument("--quick", action="store_true",
                       help="V3 only, B in {64, 8}, 32 new tokens, 2 repeats")
   parser.add_argument("--out", default="benchmarks/out", help="where the .md/.json tables go")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
+  require_gpu("benchmarks.bench_generate")
   if args.quick:
     args.variant, args.batch, args.new, args.repeats = ["v3"], [64, 8], 32, 2
   start, rows = time.perf_counter(), []
