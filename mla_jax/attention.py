@@ -83,7 +83,7 @@ class MLAAttention(nnx.Module):
                        f"{(t, c.kv_lora_rank)} and {(t, c.qk_rope_head_dim)}")
     if cache.data.shape[-1] != c.latent_dim:
       raise ValueError(f"cache rows are {cache.data.shape[-1]} wide, the config needs {c.latent_dim}")
-    md.check_cache("latent cache", cache.block_size, cache.num_blocks)
+    md.check_cache("latent cache", cache.block_size, cache.num_blocks, cache.dtype_name)
     be = self.backend
     be.check(cache_dtype=cache.data.dtype, block_size=cache.block_size, num_heads=c.num_heads)
 
@@ -122,7 +122,7 @@ class MLAAttention(nnx.Module):
                        f"positions {positions.shape} [{t}, topk]")
     if not jnp.issubdtype(positions.dtype, jnp.integer):
       raise ValueError(f"top-k positions must be integers, got {positions.dtype}")
-    md.check_cache("latent cache", cache.block_size, cache.num_blocks)
+    md.check_cache("latent cache", cache.block_size, cache.num_blocks, cache.dtype_name)
     be = self.backend
     cache = cache.write(kv_c_normed, k_pe, md.slot_mapping)
     slots = caches.positions_to_slots(positions, md.row_block_tables(), cache.block_size,

@@ -436,6 +436,11 @@ class DSACache:
   latent: LatentCache | DSMLACache
   indexer: IndexerKCache
 
+  @property
+  def dtype_name(self) -> str:
+    """The latent part's kind: what metadata built for this cache records."""
+    return self.latent.dtype_name
+
   def dcp_shardings(self, blocks, replicated) -> None:
     """None: decode context parallelism shards the dense latent cache only."""
     del blocks, replicated

@@ -45,6 +45,9 @@ class AttentionMetadata:
   block_size: int | None = dataclasses.field(metadata=dict(static=True), default=None)
   num_blocks: int | None = dataclasses.field(metadata=dict(static=True), default=None)
   index_topk: int | None = dataclasses.field(metadata=dict(static=True), default=None)
+  # The latent cache kind's `dtype_name` (e.g. "bfloat16", "fp8_ds_mla"): a scheduler keeps one
+  # metadata per cache pool, and a pool of another kind is another model's or layer group's.
+  cache_kind: str | None = dataclasses.field(metadata=dict(static=True), default=None)
 
   @property
   def num_rows(self) -> int:
@@ -59,11 +62,15 @@ class AttentionMetadata:
   def num_prefill_rows(self) -> int:
     return self.num_rows - self.num_decode_rows
 
-  def check_cache(self, what: str, block_size: int, num_blocks: int) -> None:
-    """Trace time: the cache `what` must have the block size and block count the metadata was
-    built for (its slots and block ids mean nothing in another cache)."""
-    for name, built, got in (("block_size", self.block_size, block_size),
-                             ("num_blocks", self.num_blocks, num_blocks)):
+  def check_cache(self, what: str, block_size: int, num_blocks: int,
+                  kind: str | None = None) -> None:
+    """Trace time: the cache `what` must have the block size, block count and (for the latent
+    cache) kind the metadata was built for (its slots and block ids mean nothing in another
+    cache)."""
+    checks = [("block_size", self.block_size, block_size), ("num_blocks", self.num_blocks, num_blocks)]
+    if kind is not None:  # the indexer's K cache shares the block table, not the latent kind
+      checks.append(("cache kind", self.cache_kind, kind))
+    for name, built, got in checks:
       if built is not None and built != got:
         raise ValueError(f"metadata built for {name}={built}, but the {what} has {name}={got}")
 
@@ -175,8 +182,12 @@ def _check_writes(requests: Sequence[RequestState], block_size: int) -> None:
 def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blocks: int,
                    max_blocks_per_seq: int, decode_threshold: int = 1,
                    context_workspace: int = 8192, min_bucket: int = 8,
-                   index_topk: int | None = None) -> tuple[AttentionMetadata, BatchLayout]:
+                   index_topk: int | None = None,
+                   cache_kind: str | None = None) -> tuple[AttentionMetadata, BatchLayout]:
   """Builds one step's metadata. A request is a decode when query_len <= decode_threshold.
+
+  `block_size`, `num_blocks`, `index_topk` and `cache_kind` (the latent cache's `dtype_name`,
+  optional) are recorded and checked against the cache and the layer at trace time.
 
   `index_topk` (V3.2 models) sets `within_topk` when no row sees more tokens than top-k keeps.
   Earlier context of prefill requests is read back from the cache in chunks of at most
@@ -190,6 +201,8 @@ def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blo
           (max_blocks_per_seq, "max_blocks_per_seq"), (decode_threshold, "decode_threshold"),
           (context_workspace, "context_workspace"), (min_bucket, "min_bucket")))
   index_topk = None if index_topk is None else _integer(index_topk, "index_topk")
+  if cache_kind is not None and not isinstance(cache_kind, str):
+    raise ValueError(f"cache_kind must be a cache's dtype_name (a str), got {cache_kind!r}")
   if block_size <= 0 or num_blocks <= 0 or max_blocks_per_seq <= 0 or context_workspace <= 0:
     raise ValueError("block_size, num_blocks, max_blocks_per_seq and context_workspace must be positive")
   requests = [_checked_request(i, r, block_size, num_blocks, max_blocks_per_seq)
@@ -252,7 +265,7 @@ def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blo
       block_tables=tables, prefill_query_start_loc=cu_q, context_slots=context_slots,
       context_cu_seqlens=context_cu, num_decode_rows=td, max_prefill_query_len=bucket(max_q, 16),
       within_topk=index_topk is not None and int(seq_lens.max()) <= index_topk,
-      block_size=block_size, num_blocks=num_blocks, index_topk=index_topk)
+      block_size=block_size, num_blocks=num_blocks, index_topk=index_topk, cache_kind=cache_kind)
   md = jax.tree.map(jax.numpy.asarray, md)
   return md, BatchLayout(order=order, rows=tuple(rows), num_rows=td + tp, num_decode_requests=num_dec_req)
 

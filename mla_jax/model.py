@@ -219,6 +219,7 @@ class _Paging:
   max_blocks: int
   block_size: int
   index_topk: int | None
+  cache_kind: str | None = None  # the caches' dtype_name, once allocated
 
   @classmethod
   def for_lengths(cls, model: DeepseekForCausalLM, capacity: Sequence[int], block_size: int,
@@ -236,7 +237,14 @@ class _Paging:
 
   def metadata(self, requests: Sequence[RequestState]):
     return build_metadata(requests, block_size=self.block_size, num_blocks=self.num_blocks,
-                          max_blocks_per_seq=self.max_blocks, index_topk=self.index_topk)
+                          max_blocks_per_seq=self.max_blocks, index_topk=self.index_topk,
+                          cache_kind=self.cache_kind)
+
+  def allocate_caches(self, model: DeepseekForCausalLM, cache_dtype) -> tuple:
+    """The model's caches over this pool; later metadata records their kind."""
+    caches = model.allocate_caches(self.num_blocks, self.block_size, cache_dtype)
+    self.cache_kind = caches[0].dtype_name
+    return caches
 
 
 def check_token_ids(config: DecoderConfig, sequences: Sequence[Sequence[int]], *, what: str,
@@ -280,11 +288,11 @@ def forward(model: DeepseekForCausalLM, sequences: Sequence[Sequence[int]], *,
   sequences with fresh caches, the path that step-by-step generation must agree with."""
   sequences = check_token_ids(model.config, sequences, what="sequence")
   paging = _Paging.for_lengths(model, [len(s) for s in sequences], block_size)
+  caches = paging.allocate_caches(model, cache_dtype)
   md, layout = paging.metadata([RequestState(0, len(s), paging.tables[i])
                                 for i, s in enumerate(sequences)])
   tokens = layout.pack(sequences)
   graphdef, state = nnx.split(model)
-  caches = model.allocate_caches(paging.num_blocks, block_size, cache_dtype)
   logits, _ = _step(graphdef, state, jnp.asarray(tokens), caches, md, jnp.arange(layout.num_rows))
   return layout.unpack(logits)
 
@@ -332,7 +340,7 @@ def prefill(model: DeepseekForCausalLM, prompts: Sequence[Sequence[int]], max_ne
   key = None if sampling.greedy else key
   paging = _Paging.for_lengths(model, [len(p) + max_new_tokens for p in prompts], block_size,
                                num_blocks)
-  caches = model.allocate_caches(paging.num_blocks, block_size, cache_dtype)
+  caches = paging.allocate_caches(model, cache_dtype)
   graphdef, state = nnx.split(model)
   n = len(prompts)
   md, layout = paging.metadata([RequestState(0, len(p), paging.tables[i])

@@ -221,6 +221,8 @@ def test_llama_4_scaling_scales_queries():
     (dict(block_size=4), "metadata built for block_size=4, but the latent cache has block_size=8"),
     (dict(num_blocks=64), "metadata built for num_blocks=64, but the latent cache has num_blocks=40"),
     (dict(index_topk=8), "metadata built for index_topk=8 is used by a V2/V3 layer"),
+    (dict(cache_kind="fp8_ds_mla"),
+     "metadata built for cache kind=fp8_ds_mla, but the latent cache has cache kind=float32"),
 ])
 def test_metadata_built_for_another_cache_or_layer_is_refused(built, match):
   layer = make_layer()

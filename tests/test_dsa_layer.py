@@ -204,6 +204,8 @@ def test_bad_input():
     (dict(index_topk=2 * TOPK), "metadata built for index_topk=16 is used by a layer with index_topk=8"),
     (dict(block_size=4), "metadata built for block_size=4, but the indexer cache has block_size=8"),
     (dict(num_blocks=2 * NB), "metadata built for num_blocks=48, but the indexer cache has num_blocks=24"),
+    (dict(cache_kind="bfloat16"),
+     "metadata built for cache kind=bfloat16, but the latent cache has cache kind=float32"),
 ])
 def test_metadata_built_for_another_cache_or_top_k_is_refused(built, match):
   md, _ = build_metadata([RequestState(0, 4, [0])], **{
