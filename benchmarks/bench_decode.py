@@ -12,6 +12,7 @@ kernel's split counts) instead of the reference. Mosaic columns: "mosaic ms", "t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 
@@ -28,11 +29,6 @@ L, R = 512, 64
 SCALE = (128 + R) ** -0.5
 FP8_SCALE = 0.05
 DTYPES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
-# (block_h, block_n, num_warps, num_stages) variants per head count for --sweep.
-SWEEP = {
-    16: [(16, n, 4, s) for n, s in itertools.product((64, 32), (1, 2, 3))],
-    128: [(h, n, w, s) for h, n, w, s in itertools.product((32, 64), (64, 32), (4, 8), (1, 2))],
-}
 
 
 def input_sets(batch, heads, seq, page, dtype, num_sets):
@@ -84,7 +80,7 @@ def run_case(args, batch, heads, seq, dtype_name):
       print(row, flush=True)
       return row
 
-    rows = [variant(block_h=h, block_n=n, num_warps=w, num_stages=st) for h, n, w, st in SWEEP[heads]]
+    rows = [variant(**dataclasses.asdict(cfg)) for cfg in kernel.SWEEP[heads]]
     best = min((r for r in rows if "ms" in r), key=lambda r: r["ms"])
     cfg = {k: best[k] for k in ("block_h", "block_n", "num_warps", "num_stages")}
     rows += [variant(**cfg, num_kv_splits=k) for k in (1, 2, 4, 8, 16, 32)]
@@ -92,10 +88,11 @@ def run_case(args, batch, heads, seq, dtype_name):
       rows += [variant(mosaic, num_kv_splits=k) for k in (1, 2, 4, 8, 16)]
     return rows
 
-  block_h, block_n, warps, stages = kernel.tuned_config(heads, args.page, kernel.operand_kind(jnp.bfloat16, dtype))
-  splits = kernel_common.default_num_kv_splits(batch, -(-heads // block_h), seq,
+  cfg = kernel.tuned_config(heads, args.page, kernel.operand_kind(jnp.bfloat16, dtype))
+  splits = kernel_common.default_num_kv_splits(batch, -(-heads // cfg.block_h), seq,
                                                kernel_common.sm_count())
-  row = {**base, "config": f"h{block_h} n{block_n} w{warps} s{stages} k{splits}",
+  row = {**base,
+         "config": f"h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} k{splits}",
          **rates(timed(kernel_fn()), bytes_moved=case_bytes, flops=flops)}
   if dtype_name == "bf16" and not args.no_mosaic:
     # The Mosaic kernel on the same inputs; one that does not compile is recorded, not fatal.

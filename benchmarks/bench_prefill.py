@@ -19,6 +19,7 @@ kernel's (block_k, num_stages, ping_pong) ones instead.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import statistics
@@ -34,9 +35,6 @@ from pallas_kernels import mosaic_prefill as mosaic_kernel
 
 DK, DV = 192, 128
 SCALE = DK**-0.5
-SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2)]
-# The Mosaic kernel's variants (block_k, num_stages, ping_pong), timed by --sweep unless --no-mosaic.
-MOSAIC_SWEEP = [(128, 2, True), (128, 2, False), (64, 4, True), (64, 3, True), (64, 4, False)]
 
 
 def input_sets(batch, seq, heads, num_sets=2):
@@ -111,16 +109,17 @@ def run_case(args, batch, seq, heads):
 
   if args.sweep:
     rows = []
-    for bq, bk, w, st in SWEEP:
-      cfg = dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
+    for config in kernel.SWEEP:
+      cfg = dataclasses.asdict(config)
       try:  # a variant may not compile (shared memory): record that and go on
         row = {**base, **cfg, **rates(timed(pallas_fn(seq, **cfg)), flops=flops)}
       except Exception as e:  # noqa: BLE001
         row = {**base, **cfg, "error": f"{type(e).__name__}: {str(e)[:80]}"}
       print(row, flush=True)
       rows.append(row)
-    for bk, st, pp in [] if args.no_mosaic else MOSAIC_SWEEP:
-      cfg = dict(block_k=bk, num_stages=st, ping_pong=pp)
+    # The Mosaic kernel's variants, timed unless --no-mosaic.
+    for config in () if args.no_mosaic else mosaic_kernel.SWEEP:
+      cfg = dataclasses.asdict(config)
       fn = lambda q, k, v, cu, cfg=cfg: mosaic_kernel.mla_prefill(
           q, k, v, cu, cu, scale=SCALE, causal=True, max_seqlen_q=seq, **cfg)
       try:

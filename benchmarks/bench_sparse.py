@@ -30,6 +30,7 @@ T=128 over 128K too), top-k at 128 x 131072.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 
@@ -54,9 +55,7 @@ ROW_BYTES = {"bf16": (L + R) * 2, "fp8_ds_mla": L + 4 * L // 128 + 2 * R}
 DECODE_CACHE_TOKENS = 1 << 20
 # Variants --sweep times, as keyword arguments of the kernels' jit entries.
 SWEEPS = {
-    "sparse": [dict(block_h=h, block_k=k, num_warps=w, num_stages=s) for h, k, w, s in
-               [(64, 64, 8, 2), (64, 32, 8, 3), (64, 32, 4, 3), (32, 64, 4, 2), (32, 64, 8, 2),
-                (32, 32, 4, 3), (64, 64, 8, 1), (128, 32, 8, 2)]],
+    "sparse": [dataclasses.asdict(config) for config in pallas_sparse.SWEEP],
     "indexer": [dict(block_n=n, chunk=c, num_warps=w, num_stages=s) for n, c, w, s in
                 [(128, 2048, 4, 2), (128, 2048, 4, 1), (128, 2048, 4, 3), (128, 2048, 8, 2),
                  (64, 2048, 4, 2), (128, 4096, 4, 2), (128, 1024, 4, 2), (256, 2048, 8, 2)]],

@@ -1,13 +1,16 @@
 """What several kernels share: softmax constants, dtype lists, the split-KV launch and merge, the
-decode and prefill contracts' argument checks, and Mosaic GPU shared-memory helpers.
+decode and prefill contracts' argument checks, the tuning configs' field checks, and Mosaic GPU
+shared-memory helpers.
 
 Pure arrays in and out; no dependency on the rest of the project.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +40,32 @@ def is_pow2(x: int) -> bool:
 
 def next_pow2(x: int) -> int:
   return 1 << max(0, x - 1).bit_length()
+
+
+def check_pow2(name: str, value: int, minimum: int = 1) -> None:
+  """A tuning config's field check: `value` is a power of two >= minimum, else a ValueError."""
+  if not (_is_int(value) and is_pow2(value) and value >= minimum):
+    raise ValueError(f"{name} must be a power of two >= {minimum}, got {value!r}")
+
+
+def check_at_least(name: str, value: int, minimum: int) -> None:
+  """A tuning config's field check: `value` is an int >= minimum, else a ValueError."""
+  if not (_is_int(value) and value >= minimum):
+    raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _is_int(value) -> bool:
+  try:
+    operator.index(value)
+  except TypeError:
+    return False
+  return not isinstance(value, bool)
+
+
+def with_overrides(config, **knobs):
+  """`config` (a frozen tuning dataclass) with the knobs that are not None replaced; the copy's
+  `__post_init__` validates them."""
+  return dataclasses.replace(config, **{k: v for k, v in knobs.items() if v is not None})
 
 
 def sm_count() -> int:

@@ -17,7 +17,9 @@ Pure arrays in and out; no dependency on the rest of the project.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -26,26 +28,45 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import (FLOAT_DTYPES, LATENT_CACHE_DTYPES, LN2, LOG2E, M_INIT,
-                                   check_decode_shapes, default_num_kv_splits, is_pow2, sm_count,
-                                   split_kv_call)
+                                   check_at_least, check_decode_shapes, check_pow2,
+                                   default_num_kv_splits, is_pow2, sm_count, split_kv_call,
+                                   with_overrides)
 
-# (block_h, block_n, num_warps, num_stages) by (largest head count it is for, page size, operand
-# kind: "16bit", "fp8" cache, or "32bit" (float32 q or cache)); the first row whose head count covers
-# N wins, the last row per page and kind takes the rest.
-# block_n is the cache tokens per inner step (at most the page). Chosen on an H200 at B=128, S=8192,
-# page 64; the sweeps behind each row are in benchmarks/RESULTS.md ("Latent decode (pallas_triton)").
-_TUNING = (
-    (16, 64, "16bit", (16, 64, 4, 2)),  # N=16: 0.33 ms, 3.6 TB/s; 8 warps or 3 stages >= 6% slower
-    (32, 64, "16bit", (32, 64, 4, 2)),  # not swept at N=32: the best block_h 32 row at N=128
-    (None, 64, "16bit", (64, 64, 8, 2)),  # N=128: 1.26-1.29 ms, 230 TFLOP/s; h32 w4 s2 1.40
-    # fp8 (read as uint16 pairs), B=128 S=8192: N=16 0.435 ms (block_n 64: 0.453, 8 warps: 0.64);
-    # N=128 2.00 ms (4 stages 1.99, h64 n64 w8 s1 2.02, h64 n32 w8 s3 2.79).
-    (16, 64, "fp8", (16, 32, 4, 3)),
-    (None, 64, "fp8", (32, 32, 4, 3)),
-    # float32 tiles are twice as wide: (64, 64, 8, 2) asked for 304 KB on the H200 (bench_tp, TP=2
-    # of V3). Half pages and 16 heads: 2 x 74 KB + 37 KB. Correctness only, speed not swept.
-    (None, 64, "32bit", (16, 32, 4, 2)),
+
+@dataclasses.dataclass(frozen=True)
+class LatentDecodeConfig:
+  """Launch knobs of one call; the field names are the jit entry's keyword arguments."""
+  block_h: int  # query heads per program
+  block_n: int  # cache tokens per inner step (at most the page; capped to its power-of-two part)
+  num_warps: int
+  num_stages: int
+
+  def __post_init__(self):
+    check_pow2("block_h", self.block_h, 16)
+    check_pow2("block_n", self.block_n, 16)
+    check_pow2("num_warps", self.num_warps)
+    check_at_least("num_stages", self.num_stages, 1)
+
+
+_C = LatentDecodeConfig
+# The chosen configs by (largest head count it is for, page size, operand kind: "16bit", "fp8" cache,
+# or "32bit" (float32 q or cache)); the first row whose head count covers N wins, the last row per
+# page and kind takes the rest. Chosen on an H200 at B=128, S=8192, page 64; the figures and the
+# variants behind each row: benchmarks/RESULTS.md, "Latent decode (pallas_triton)".
+TUNING = (
+    (16, 64, "16bit", _C(16, 64, 4, 2)),  # N=16 0.33 ms; 8 warps or 3 stages >= 6% slower (v1)
+    (32, 64, "16bit", _C(32, 64, 4, 2)),  # not swept at N=32: the best block_h 32 row at N=128
+    (None, 64, "16bit", _C(64, 64, 8, 2)),  # N=128 1.26-1.29 ms; h32 w4 s2 1.40 (v1)
+    (16, 64, "fp8", _C(16, 32, 4, 3)),  # uint16 pairs, N=16 0.435 ms (Session 3)
+    (None, 64, "fp8", _C(32, 32, 4, 3)),  # uint16 pairs, N=128 2.00 ms (Session 3)
+    (None, 64, "32bit", _C(16, 32, 4, 2)),  # (64, 64, 8, 2) asks 304 KB of smem; speed untimed
 )
+# The sweep space: the variants `benchmarks/bench_decode.py --sweep` times, by head count.
+SWEEP = {
+    16: tuple(_C(16, n, 4, s) for n, s in itertools.product((64, 32), (1, 2, 3))),
+    128: tuple(_C(h, n, w, s)
+               for h, n, w, s in itertools.product((32, 64), (64, 32), (4, 8), (1, 2))),
+}
 # e4m3 values per word when an fp8 cache is read as uint16. Measured at B=128 S=8192 (N=16 / 128):
 # e4m3 loads 0.68 / 3.58 ms, uint8 loads 0.61 / 2.95, uint16 pairs 0.435 / 2.00, uint32 quads
 # 0.61 / 2.01. Pallas-Triton (jax 0.11.2) also picks 64-bit offsets only for arrays over 2**32 bytes
@@ -61,10 +82,10 @@ def operand_kind(q_dtype, cache_dtype) -> str:
   return "fp8" if jnp.dtype(cache_dtype).name == "float8_e4m3fn" else "16bit"
 
 
-def tuned_config(num_heads: int, page_size: int, kind: str = "16bit"):
-  """(block_h, block_n, num_warps, num_stages); pages absent from the table use page 64's rows."""
-  page_key = page_size if any(p == page_size for _, p, _, _ in _TUNING) else 64
-  for heads, page, row_kind, config in _TUNING:
+def tuned_config(num_heads: int, page_size: int, kind: str = "16bit") -> LatentDecodeConfig:
+  """The table's config; pages absent from the table use page 64's rows."""
+  page_key = page_size if any(p == page_size for _, p, _, _ in TUNING) else 64
+  for heads, page, row_kind, config in TUNING:
     if page == page_key and row_kind == kind and (heads is None or num_heads <= heads):
       return config
   raise AssertionError("the tuning table ends with a catch-all row per page size")
@@ -144,8 +165,7 @@ def _lane_major(x, lanes):
   return x.reshape(*x.shape[:-1], -1, lanes).swapaxes(-1, -2).reshape(x.shape)
 
 
-def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits, block_h,
-           block_n, num_warps, num_stages):
+def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits):
   _, d, page = check_decode_shapes(q, kv_cache, block_tables, seq_lens)
   rope = d - kv_lora_rank
   if not (is_pow2(kv_lora_rank) and kv_lora_rank >= 16 and is_pow2(rope) and rope >= 16):
@@ -169,14 +189,6 @@ def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_sp
     raise ValueError(f"k_scale must be a scalar, got shape {jnp.shape(k_scale)}")
   if num_kv_splits is not None and num_kv_splits < 1:
     raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
-  if block_h is not None and not (is_pow2(block_h) and block_h >= 16):
-    raise ValueError(f"block_h must be a power of two >= 16, got {block_h}")
-  if block_n is not None and not (is_pow2(block_n) and block_n >= 16 and page % block_n == 0):
-    raise ValueError(f"block_n must be a power of two >= 16 dividing the page ({page}), got {block_n}")
-  if num_warps is not None and not is_pow2(num_warps):
-    raise ValueError(f"num_warps must be a power of two, got {num_warps}")
-  if num_stages is not None and num_stages < 1:
-    raise ValueError(f"num_stages must be >= 1, got {num_stages}")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits", "block_h",
@@ -194,15 +206,16 @@ def latent_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank=51
   table (block_n: cache tokens per inner step, a power of two >= 16 dividing the page).
   Returns o [T, N, L] in q.dtype and lse [T, N] float32 (natural log).
   """
-  _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits, block_h,
-         block_n, num_warps, num_stages)
+  _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits)
   t, n, d = q.shape
   _, page, _ = kv_cache.shape
   lora, rope = kv_lora_rank, d - kv_lora_rank
-  cfg_h, cfg_n, cfg_warps, cfg_stages = tuned_config(n, page, operand_kind(q.dtype, kv_cache.dtype))
-  block_h = block_h or cfg_h
-  num_warps = num_warps or cfg_warps
-  num_stages = num_stages or cfg_stages
+  tuned = tuned_config(n, page, operand_kind(q.dtype, kv_cache.dtype))
+  config = with_overrides(tuned, block_h=block_h, block_n=block_n, num_warps=num_warps,
+                          num_stages=num_stages)
+  if block_n is not None and page % block_n:
+    raise ValueError(f"block_n must divide the page ({page}), got {block_n}")
+  block_h = config.block_h
   num_head_blocks = pl.cdiv(n, block_h)
   splits = num_kv_splits or default_num_kv_splits(t, num_head_blocks, block_tables.shape[1] * page,
                                                   sm_count())
@@ -220,15 +233,15 @@ def latent_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank=51
         kv_cache.reshape(*kv_cache.shape[:2], d // lanes, lanes), jnp.uint16)
   # Triton blocks hold a power-of-two element count: a page that is not a power of two is walked in
   # steps of its largest power-of-two divisor.
-  step = block_n or min(cfg_n, page & -page)
+  step = block_n or min(tuned.block_n, page & -page)
   k_scale_args = () if k_scale is None else (jnp.asarray(k_scale, jnp.float32).reshape(1),)
 
   kernel = functools.partial(_stage1_kernel, scale=scale, lora=lora, rope=rope, step=step,
                              num_splits=splits, has_k_scale=k_scale is not None,
                              compute_dtype=compute_dtype, lanes=lanes)
   o, lse = split_kv_call(kernel, q, (kv_cache, block_tables, seq_lens, *k_scale_args),
-                         block_h=block_h, splits=splits, lora=lora, num_warps=num_warps,
-                         num_stages=num_stages, interpret=interpret,
+                         block_h=block_h, splits=splits, lora=lora, num_warps=config.num_warps,
+                         num_stages=config.num_stages, interpret=interpret,
                          name=f"latent_decode_h{block_h}_p{page}_s{splits}")
   if lanes > 1:
     o = _lane_major(o, lora // lanes)  # the inverse reorder: lanes x words -> words x lanes

@@ -11,6 +11,7 @@ Pure arrays in and out: no dependency on the rest of the project.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 
@@ -20,18 +21,36 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import FLOAT_DTYPES, LN2, LOG2E, check_prefill_args, is_pow2
+from pallas_kernels.common import (FLOAT_DTYPES, LN2, LOG2E, check_at_least, check_pow2,
+                                   check_prefill_args, is_pow2, with_overrides)
 
 
-# (Dk, Dv, itemsize) -> (block_q, block_k, num_warps, num_stages). 16-bit: fastest of 9 variants
-# on the H200 at N=128, 16384 tokens (benchmarks/RESULTS.md, MLA prefill): 353-355 TFLOP/s against
-# 299 with 2 stages, 338 with 4, 330 with block_k 128 (3 stages of that exceed shared memory).
-_TUNED = {
-    (192, 128, 2): (128, 64, 8, 3),
+@dataclasses.dataclass(frozen=True)
+class MlaPrefillConfig:
+  """Launch knobs of one call; the field names are the jit entry's keyword arguments."""
+  block_q: int  # query rows per block
+  block_k: int  # keys per step
+  num_warps: int
+  num_stages: int
+
+  def __post_init__(self):
+    check_pow2("block_q", self.block_q, 16)
+    check_pow2("block_k", self.block_k, 16)
+    check_pow2("num_warps", self.num_warps)
+    check_at_least("num_stages", self.num_stages, 1)
+
+
+# The chosen configs by (Dk, Dv, itemsize); others take FALLBACK. Figures and the variants behind
+# them: benchmarks/RESULTS.md, "MLA prefill (pallas_triton)".
+TUNING = {
+    (192, 128, 2): MlaPrefillConfig(128, 64, 8, 3),  # N=128, 16K tokens: 353-355 TFLOP/s (v1)
     # f32 dots are IEEE FMA loops, not tensor-core ops: small tiles keep them out of local memory.
-    (192, 128, 4): (32, 32, 4, 2),
+    (192, 128, 4): MlaPrefillConfig(32, 32, 4, 2),
 }
-_FALLBACK = (64, 32, 4, 2)
+FALLBACK = MlaPrefillConfig(64, 32, 4, 2)
+# The sweep space: the variants `benchmarks/bench_prefill.py --sweep` times.
+SWEEP = (MlaPrefillConfig(128, 64, 8, 3), MlaPrefillConfig(128, 64, 8, 4),
+         MlaPrefillConfig(128, 128, 8, 2))
 
 
 def _column_parts(d):
@@ -127,15 +146,12 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, 
   lax.fori_loop(0, trips, q_block, 0)
 
 
-def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_q, block_k):
+def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
   check_prefill_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, FLOAT_DTYPES)
   if _column_parts(q.shape[2]) is None:
     raise ValueError(f"Dk must be a power of two >= 16 or a sum of two; got {q.shape[2]}")
   if not (is_pow2(v.shape[2]) and v.shape[2] >= 16):
     raise ValueError(f"Dv must be a power of two >= 16; got {v.shape[2]}")
-  for name, b in (("block_q", block_q), ("block_k", block_k)):
-    if b is not None and not (is_pow2(b) and b >= 16):
-      raise ValueError(f"{name} must be a power of two >= 16; got {b}")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "max_seqlen_q", "block_q", "block_k",
@@ -149,14 +165,14 @@ def mla_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_seqle
   is still right, only slower). Returns o [Tq, N, Dv] (q.dtype) and lse [Tq, N] float32 (natural
   log); rows past cu_q[-1], and rows that see no key, give (0, -inf).
   """
-  _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_q, block_k)
+  _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
   tq, n, dk = q.shape
   tk, dv = k.shape[0], v.shape[2]
+  config = with_overrides(TUNING.get((dk, dv, q.dtype.itemsize), FALLBACK), block_q=block_q,
+                          block_k=block_k, num_warps=num_warps, num_stages=num_stages)
   if tq == 0 or tk == 0:  # nothing to attend: Triton cannot take a zero-sized ref
     return jnp.zeros((tq, n, dv), q.dtype), jnp.full((tq, n), -jnp.inf, jnp.float32)
-  tuned = _TUNED.get((dk, dv, q.dtype.itemsize), _FALLBACK)
-  block_q, block_k = block_q or tuned[0], block_k or tuned[1]
-  num_warps, num_stages = num_warps or tuned[2], num_stages or tuned[3]
+  block_q, block_k = config.block_q, config.block_k
   # No request is longer than Tq, so more slots than that would only idle.
   num_q_programs = max(1, -(-min(max_seqlen_q, tq) // block_q))
   num_requests = cu_seqlens_q.shape[0] - 1
@@ -168,7 +184,8 @@ def mla_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_seqle
       grid=(num_q_programs, n, num_requests + 1),
       out_shape=(jax.ShapeDtypeStruct((tq, n, dv), q.dtype),
                  jax.ShapeDtypeStruct((tq, n), jnp.float32)),
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                           num_stages=config.num_stages),
       interpret=interpret,
       name="mla_prefill",
   )(cu_seqlens_q, cu_seqlens_k, q, k, v)

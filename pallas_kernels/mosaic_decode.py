@@ -30,6 +30,7 @@ which also runs on a CPU, checks the GPU form.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -41,9 +42,27 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.common import (LN2, LOG2E, M_INIT, check_decode_shapes, default_num_kv_splits,
                                    feed_ring, merge_splits, row_broadcast, sm_count, swizzled)
 
-_TILE_H = 64  # heads per program: the M of every Hopper wgmma
-_STEP = 64  # cache rows per bulk copy and per step: N of S = Q K^T, K of P V (one swizzle tile)
-_STAGES = 2  # page slots: a third 72 KB slot does not fit beside the query tile
+
+@dataclasses.dataclass(frozen=True)
+class MosaicDecodeConfig:
+  """The kernel's fixed launch knobs (no sweep: the one config that fits; only the split count
+  varies per call, see benchmarks/RESULTS.md, "Latent decode (pallas_mosaic)")."""
+  block_h: int = 64  # heads per program: the M of every Hopper wgmma
+  block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V (one swizzle tile)
+  num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
+
+  def __post_init__(self):
+    if self.block_h != 64:
+      raise ValueError(f"block_h must be 64 (the M of a Hopper wgmma), got {self.block_h}")
+    if self.block_n != 64:
+      raise ValueError(f"block_n must be 64 (one 128-byte swizzle tile of bf16), got {self.block_n}")
+    if self.num_stages != 2:
+      raise ValueError(f"num_stages must be 2 (what fits in shared memory beside the query tile), "
+                       f"got {self.num_stages}")
+
+
+CONFIG = MosaicDecodeConfig()
+_TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
 _VALUE_WGS = 2  # warpgroups sharing the value columns; warpgroup 0 also computes the scores
 # Value columns per P V product in the interpreter's form: each lands in a fresh 64 x 128 float32
 # accumulator (64 registers a thread) that is added to the running output (128), which keeps a

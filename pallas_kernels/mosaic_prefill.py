@@ -45,6 +45,7 @@ GPU form (wgmma operand layouts, bulk-copy boxes, the shared-memory bound).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -53,15 +54,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import LN2, LOG2E, M_INIT, check_prefill_args, row_broadcast, swizzled
+from pallas_kernels.common import (LN2, LOG2E, M_INIT, check_at_least, check_prefill_args,
+                                   row_broadcast, swizzled)
 
 DTYPES = ("bfloat16",)  # what q, k, v may be (the wgmma operands here are 16-bit, f16 untested)
 _TILE = 64  # query rows per compute warpgroup: the M of every Hopper wgmma
 _COMPUTE_WGS = 2
 _BLOCK_Q = _COMPUTE_WGS * _TILE  # query rows per program
-# Keys per step and bulk copy (N of S = Q K^T, K of P V), from the H200 sweep in
-# benchmarks/RESULTS.md ("MLA prefill (pallas_mosaic)"); the K/V ring is as deep as fits.
-_BLOCK_K = 128
 _MAX_STAGES = 4
 # Head counts from which programs launch heads fastest (H200: faster at 64 and 128 heads, slower
 # at 16; see mla_prefill).
@@ -73,6 +72,30 @@ _MAX_DV = 256  # wgmma N limit; the 64 x Dv float32 accumulator is Dv / 2 regist
 # Row alignment of a bulk copy's first row: Mosaic GPU copies a (8, 64)-tiled buffer as whole
 # tiles of the global array, so it must prove the start a multiple of 8.
 _ALIGN = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicPrefillConfig:
+  """Launch knobs of one call; the field names are the jit entry's keyword arguments."""
+  block_k: int = 128  # keys per step and bulk copy (N of S = Q K^T, K of P V)
+  num_stages: int | None = None  # K/V ring depth; None: the deepest that fits (_stages_for)
+  ping_pong: bool = True  # the two compute warpgroups take turns on the tensor cores
+
+  def __post_init__(self):
+    if self.block_k not in (64, 128):
+      raise ValueError(f"block_k must be 64 or 128 (keys per step), got {self.block_k}")
+    if self.num_stages is not None:
+      check_at_least("num_stages", self.num_stages, 2)
+    if not isinstance(self.ping_pong, bool):
+      raise ValueError(f"ping_pong must be a bool, got {self.ping_pong!r}")
+
+
+# The chosen config (128-key steps, ring as deep as fits, ping-pong) and the sweep space
+# `benchmarks/bench_prefill.py --sweep` times; figures: benchmarks/RESULTS.md, "MLA prefill
+# (pallas_mosaic)".
+DEFAULT = MosaicPrefillConfig()
+SWEEP = tuple(MosaicPrefillConfig(*v) for v in [(128, 2, True), (128, 2, False), (64, 4, True),
+                                                (64, 3, True), (64, 4, False)])
 
 
 def _smem_bytes(dk, dv, block_k, stages):
@@ -318,17 +341,15 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
       plgpu.barrier_wait(v_consumed.at[lax.rem(c, stages)])
 
 
-def head_sizes_fit(dk: int, dv: int, block_k: int = _BLOCK_K) -> bool:
+def head_sizes_fit(dk: int, dv: int, block_k: int = DEFAULT.block_k) -> bool:
   """Whether the kernel takes q/k heads of dk and v heads of dv (at block_k keys a step)."""
   return (dk % 64 == 0 and dv % 64 == 0 and dv <= min(dk, _MAX_DV)
           and bool(_stages_for(dk, dv, block_k)))
 
 
-def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_k, num_stages):
+def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, config):
   check_prefill_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, DTYPES)
-  dk, dv = q.shape[2], v.shape[2]
-  if block_k not in (64, 128):
-    raise ValueError(f"block_k must be 64 or 128 (keys per step), got {block_k}")
+  dk, dv, block_k, num_stages = q.shape[2], v.shape[2], config.block_k, config.num_stages
   if not head_sizes_fit(dk, dv, block_k):
     raise ValueError(f"Dk ({dk}) and Dv ({dv}) must be multiples of 64 (the swizzle tile), Dv at "
                      f"most Dk (the output is staged in the query tile) and at most {_MAX_DV}, and "
@@ -372,7 +393,8 @@ def _unpack(o_tiles, lse_tiles, cu_q, tile_offsets, tq_padded, tq):
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "max_seqlen_q", "block_k",
                                              "num_stages", "ping_pong", "interpret"))
 def mla_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_seqlen_q,
-                block_k=_BLOCK_K, num_stages=None, ping_pong=True, interpret=False):
+                block_k=DEFAULT.block_k, num_stages=DEFAULT.num_stages,
+                ping_pong=DEFAULT.ping_pong, interpret=False):
   """Variable-length attention with a running LSE; see the module docstring for the layout.
 
   q [Tq, N, Dk]; k [Tk, N, Dk]; v [Tk, N, Dv], all bfloat16, Dk and Dv multiples of 64, Dv <= Dk;
@@ -383,7 +405,8 @@ def mla_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_seqle
   `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns o [Tq, N, Dv] bf16 and
   lse [Tq, N] float32 (natural log); rows past cu_q[-1], and rows that see no key, give (0, -inf).
   """
-  _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_k, num_stages)
+  config = MosaicPrefillConfig(block_k, num_stages, ping_pong)
+  _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, config)
   tq, n, dk = q.shape
   tk, dv = k.shape[0], v.shape[2]
   num_requests = cu_seqlens_q.shape[0] - 1

@@ -20,6 +20,7 @@ Pure arrays in and out; no dependency on the rest of the project.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -28,39 +29,52 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import (DS_MLA_TILE, F8, FLOAT_DTYPES, LATENT_CACHE_DTYPES, LN2, LOG2E, M_INIT,
-                                   MAX_FP8_ELEMENTS, default_num_kv_splits, is_pow2, sm_count, split_kv_call)
+from pallas_kernels.common import (DS_MLA_TILE, F8, FLOAT_DTYPES, LATENT_CACHE_DTYPES, LN2, LOG2E,
+                                   M_INIT, MAX_FP8_ELEMENTS, check_at_least, check_pow2,
+                                   default_num_kv_splits, is_pow2, sm_count, split_kv_call,
+                                   with_overrides)
 
 
-# (block_h, block_k, num_warps, num_stages) by (largest head count it is for, operand kind as in
-# latent_decode.operand_kind); the first row whose head count covers N wins. Not timed yet. bf16: latent decode's H200 configs
-# (benchmarks/RESULTS.md), whose per-step tiles (64 rows x 576 columns, one head block of q) are the
-# ones here. fp8 (e4m3 tiles widened in registers): chosen by compiling for sm_90 with Triton 3.9
-# on a CPU host: 8 warps keep h16/h32 free of register spills (h32 on 4 warps spills 1.3-1.6 KB),
-# and h64 takes wgmma products like bf16's (1 KB of spills there too, 185-190 KB of shared memory).
-# float32: twice the bytes per tile, so the dense decode's 4-byte row (16 heads, 32-row steps: about
-# 184 KB), untimed.
-_TUNING = (
-    (16, "16bit", (16, 64, 4, 2)),
-    (32, "16bit", (32, 64, 4, 2)),
-    (None, "16bit", (64, 64, 8, 2)),
-    (16, "fp8", (16, 64, 8, 2)),
-    (32, "fp8", (32, 64, 8, 2)),
-    (None, "fp8", (64, 64, 8, 2)),
-    # A per-tensor fp8 latent cache (its rope columns e4m3 too): h64 k64 w8 s2 asks for 236 KB of
-    # shared memory on the H200. T=128, N=128, top-k 2048: h64 k64 w8 s1 0.668 ms (109 TFLOP/s),
-    # h64 k32 w8 s2 0.748, h32 k32 w4 s3 0.748, h32 k64 w4 s2 0.780, h32 k64 w8 s2 0.869.
-    (16, "fp8_latent", (16, 64, 8, 2)),
-    (32, "fp8_latent", (32, 64, 8, 2)),
-    (None, "fp8_latent", (64, 64, 8, 1)),
-    (None, "32bit", (16, 32, 4, 2)),
+@dataclasses.dataclass(frozen=True)
+class SparseAttentionConfig:
+  """Launch knobs of one call; the field names are the jit entries' keyword arguments."""
+  block_h: int  # query heads per program
+  block_k: int  # top-k slots per step (short slot lists take the next power of two >= 16)
+  num_warps: int
+  num_stages: int
+
+  def __post_init__(self):
+    check_pow2("block_h", self.block_h, 16)
+    check_pow2("block_k", self.block_k, 16)
+    check_pow2("num_warps", self.num_warps)
+    check_at_least("num_stages", self.num_stages, 1)
+
+
+_C = SparseAttentionConfig
+# The chosen configs by (largest head count it is for, operand kind: "16bit", "fp8" for an
+# fp8_ds_mla cache, "fp8_latent" for a per-tensor e4m3 latent cache, "32bit"); the first row whose
+# head count covers N wins. Figures, sweeps and how the untimed rows were chosen (sm_90 compiles on
+# a CPU host: spills, shared memory): benchmarks/RESULTS.md, "DSA kernels (pallas_triton)".
+TUNING = (
+    (16, "16bit", _C(16, 64, 4, 2)),  # latent decode's H200 rows: the same 64 x 576 step tiles
+    (32, "16bit", _C(32, 64, 4, 2)),
+    (None, "16bit", _C(64, 64, 8, 2)),
+    (16, "fp8", _C(16, 64, 8, 2)),  # 8 warps keep h16/h32 free of spills (compiled for sm_90)
+    (32, "fp8", _C(32, 64, 8, 2)),
+    (None, "fp8", _C(64, 64, 8, 2)),  # wgmma products like bf16's
+    (16, "fp8_latent", _C(16, 64, 8, 2)),
+    (32, "fp8_latent", _C(32, 64, 8, 2)),
+    (None, "fp8_latent", _C(64, 64, 8, 1)),  # s2 asks 236 KB of smem; 0.668 ms, fastest (Session 3)
+    (None, "32bit", _C(16, 32, 4, 2)),  # dense decode's 4-byte row (about 184 KB), untimed
 )
+# The sweep space: the variants `benchmarks/bench_sparse.py --sweep` times.
+SWEEP = tuple(_C(*v) for v in [(64, 64, 8, 2), (64, 32, 8, 3), (64, 32, 4, 3), (32, 64, 4, 2),
+                               (32, 64, 8, 2), (32, 32, 4, 3), (64, 64, 8, 1), (128, 32, 8, 2)])
 
 
-def tuned_config(num_heads: int, kind: str):
-  """(block_h, block_k, num_warps, num_stages) for N heads and an operand kind ("16bit", "fp8" for
-  an fp8_ds_mla cache, "fp8_latent" for a per-tensor e4m3 latent cache, "32bit")."""
-  for heads, row_kind, config in _TUNING:
+def tuned_config(num_heads: int, kind: str) -> SparseAttentionConfig:
+  """The table's config for N heads and an operand kind (see TUNING)."""
+  for heads, row_kind, config in TUNING:
     if row_kind == kind and (heads is None or num_heads <= heads):
       return config
   raise AssertionError("the tuning table ends with a catch-all row per cache kind")
@@ -138,7 +152,7 @@ def _kernel(q_ref, slots_ref, extent_ref, nope_ref, rope_ref, *rest, scale, lora
   lse_ref[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
 
 
-def _check_common(q, slots, lora, rope, num_splits, block_h, block_k, num_warps, num_stages):
+def _check_common(q, slots, lora, rope, num_splits):
   if q.ndim != 3 or slots.ndim != 2 or slots.shape[0] != q.shape[0]:
     raise ValueError(f"want q [T, N, L+R] and slots [T, K] with the same T; got {q.shape} and "
                      f"{slots.shape}")
@@ -151,14 +165,6 @@ def _check_common(q, slots, lora, rope, num_splits, block_h, block_k, num_warps,
     raise ValueError(f"slots must be int32, got {slots.dtype.name}")
   if num_splits is not None and num_splits < 1:
     raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-  if block_h is not None and not (is_pow2(block_h) and block_h >= 16):
-    raise ValueError(f"block_h must be a power of two >= 16, got {block_h}")
-  if block_k is not None and not (is_pow2(block_k) and block_k >= 16):
-    raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
-  if num_warps is not None and not is_pow2(num_warps):
-    raise ValueError(f"num_warps must be a power of two, got {num_warps}")
-  if num_stages is not None and num_stages < 1:
-    raise ValueError(f"num_stages must be >= 1, got {num_stages}")
 
 
 def _sparse_call(q, slots, cache_args, *, scale, lora, rope_col, tile, fp8, compute_dtype,
@@ -168,16 +174,17 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, rope_col, tile, fp8, comp
   (nope, rope[, tile_scales]) flattened to one row per slot."""
   t, n, d = q.shape
   lora_rope = d - lora
-  if t == 0:  # Triton cannot take a zero-sized grid
-    return jnp.zeros((0, n, lora), q.dtype), jnp.zeros((0, n), jnp.float32)
   kind = "32bit" if jnp.dtype(compute_dtype).itemsize == 4 else ("fp8" if fp8 else "16bit")
   if kind == "fp8" and not has_tile_scales:
     kind = "fp8_latent"
-  cfg_h, cfg_k, cfg_warps, cfg_stages = tuned_config(n, kind)
-  block_h = block_h or cfg_h
+  tuned = tuned_config(n, kind)
+  config = with_overrides(tuned, block_h=block_h, block_k=block_k, num_warps=num_warps,
+                          num_stages=num_stages)
+  if t == 0:  # Triton cannot take a zero-sized grid
+    return jnp.zeros((0, n, lora), q.dtype), jnp.zeros((0, n), jnp.float32)
+  block_h, num_warps, num_stages = config.block_h, config.num_warps, config.num_stages
   # Short slot lists (tests, tiny top-k) take one block of the next power of two >= 16.
-  block_k = block_k or min(cfg_k, max(16, 1 << (slots.shape[1] - 1).bit_length()))
-  num_warps, num_stages = num_warps or cfg_warps, num_stages or cfg_stages
+  block_k = block_k or min(tuned.block_k, max(16, 1 << (slots.shape[1] - 1).bit_length()))
   num_head_blocks = pl.cdiv(n, block_h)
   np_ = num_head_blocks * block_h
   if np_ != n:
@@ -221,7 +228,7 @@ def sparse_attention(q, kv_cache, slots, *, scale, kv_lora_rank=512, k_scale=Non
   gives (0, -inf).
   """
   lora, rope = kv_lora_rank, q.shape[-1] - kv_lora_rank
-  _check_common(q, slots, lora, rope, num_splits, block_h, block_k, num_warps, num_stages)
+  _check_common(q, slots, lora, rope, num_splits)
   if kv_cache.ndim != 3 or kv_cache.shape[2] != q.shape[2]:
     raise ValueError(f"want kv_cache [num_blocks, page, {q.shape[2]}] (q's head dim), got "
                      f"{kv_cache.shape}")
@@ -260,7 +267,7 @@ def sparse_attention_fp8_ds_mla(q, nope, tile_scales, rope, slots, *, scale, num
   """
   nb, page, lora = nope.shape
   rope_dim = rope.shape[-1]
-  _check_common(q, slots, lora, rope_dim, num_splits, block_h, block_k, num_warps, num_stages)
+  _check_common(q, slots, lora, rope_dim, num_splits)
   if (nope.dtype != F8 or tile_scales.dtype != jnp.float32 or rope.dtype != jnp.bfloat16
       or tile_scales.shape != (nb, page, lora // DS_MLA_TILE) or rope.shape[:2] != (nb, page)
       or lora % DS_MLA_TILE or q.shape[2] != lora + rope_dim):
