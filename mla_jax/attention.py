@@ -8,6 +8,7 @@ chunk, and merge the parts by their log-sum-exps.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
@@ -20,7 +21,8 @@ from mla_jax.metadata import AttentionMetadata
 from mla_jax.sharded_backend import shard_backend
 
 
-def merge_attn_states(o_a, lse_a, o_b, lse_b):
+def merge_attn_states(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array,
+                      lse_b: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Combines two partial attentions over disjoint keys by their log-sum-exps (+inf counts as -inf).
 
   o_* [T, N, V], lse_* [T, N]. Returns (o [T, N, V] in o_a.dtype, lse [T, N] float32).
@@ -61,7 +63,7 @@ class MLAAttention(nnx.Module):
     be = backends.BACKENDS[self.backend_name]
     return be if self.mesh is None else shard_backend(be, self.mesh)
 
-  def absorb(self, kv_b_kernel):
+  def absorb(self, kv_b_kernel: jax.Array) -> None:
     """Splits kv_b_proj's kernel [L, N*(P+V)] (per head `[k_nope P | v V]`) into W_UK_T and W_UV."""
     c = self.config
     expected = (c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim))
@@ -71,7 +73,8 @@ class MLAAttention(nnx.Module):
     self.W_UK_T[...] = jnp.einsum("LNP->NPL", w[..., :c.qk_nope_head_dim]).astype(self.dtype)
     self.W_UV[...] = jnp.einsum("LNV->NLV", w[..., c.qk_nope_head_dim:]).astype(self.dtype)
 
-  def __call__(self, q, kv_c_normed, k_pe, cache: LatentCache, md: AttentionMetadata):
+  def __call__(self, q: jax.Array, kv_c_normed: jax.Array, k_pe: jax.Array, cache: LatentCache,
+               md: AttentionMetadata) -> tuple[jax.Array, LatentCache]:
     """q [T, N, P+R] and k_pe [T, R] after RoPE, kv_c_normed [T, L] -> (out [T, N*V], new cache)."""
     c = self.config
     t = md.num_rows
@@ -111,7 +114,9 @@ class MLAAttention(nnx.Module):
                                kv_lora_rank=c.kv_lora_rank, k_scale=cache.scale_or_none)
     return jnp.einsum("TNL,NLV->TNV", o.astype(self.dtype), self.W_UV[...])
 
-  def sparse(self, q, kv_c_normed, k_pe, cache, md: AttentionMetadata, positions):
+  def sparse(self, q: jax.Array, kv_c_normed: jax.Array, k_pe: jax.Array,
+             cache: caches.LatentCacheKind, md: AttentionMetadata,
+             positions: jax.Array) -> tuple[jax.Array, caches.LatentCacheKind]:
     """DSA: every row attends (absorbed, in latent space) to its selected request-local
     `positions` [T, K] only (-1: none). cache is a LatentCache or a DSMLACache (fp8_ds_mla).
     Returns (out [T, N*V], new cache)."""

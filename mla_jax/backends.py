@@ -26,6 +26,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from mla_jax import cache as caches
 from mla_jax import reference
@@ -57,7 +58,7 @@ class Backend:
   max_heads: int | None = None
   platforms: frozenset[str] = frozenset({"cpu", "gpu"})
 
-  def check(self, *, cache_dtype, block_size: int, num_heads: int) -> None:
+  def check(self, *, cache_dtype: DTypeLike, block_size: int, num_heads: int) -> None:
     """Raises ValueError when this backend cannot run the combination."""
     dtype_name = jnp.dtype(cache_dtype).name
     if dtype_name not in self.cache_dtypes:

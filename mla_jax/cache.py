@@ -22,12 +22,15 @@ the V3.2 kinds convert to and from vLLM's packed uint8 cache, bit for bit:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import Sharding
+from jax.typing import DTypeLike
 
 from mla_jax.quant import (DS_MLA_SCALE_FLOOR, F8, INDEXER_K_SCALE_FLOOR, dequantize, is_fp8,
                            quantize_fp8, quantize_ue8m0, saturate)
@@ -131,7 +134,8 @@ def _check_bytes(data, ndim, what):
 
 # ----------------------------------------------------------------------------- paged addressing
 
-def positions_to_slots(positions, block_tables, block_size, num_blocks):
+def positions_to_slots(positions: jax.Array, block_tables: jax.Array, block_size: int,
+                       num_blocks: int) -> jax.Array:
   """Request-local positions [T, K] -> cache slots through each row's table [T, MB];
   -1, a position past the table, or a -1 / out-of-cache block gives -1."""
   mb = block_tables.shape[1]
@@ -142,7 +146,9 @@ def positions_to_slots(positions, block_tables, block_size, num_blocks):
   return jnp.where(ok, b * block_size + positions % block_size, -1).astype(jnp.int32)
 
 
-def write_latent_cache(kv_cache, kv_c_normed, k_pe, slot_mapping, k_scale=None):
+def write_latent_cache(kv_cache: jax.Array, kv_c_normed: jax.Array, k_pe: jax.Array,
+                       slot_mapping: jax.Array, k_scale: jax.Array | float | None = None
+                       ) -> jax.Array:
   """Writes `[kv_c_normed | k_pe]` rows at `slot_mapping`; slots < 0 or past the cache are dropped.
 
   kv_cache [NB, BS, L+R]; kv_c_normed [T, L]; k_pe [T, R]; slot_mapping [T] int32.
@@ -153,7 +159,8 @@ def write_latent_cache(kv_cache, kv_c_normed, k_pe, slot_mapping, k_scale=None):
   return _scatter(kv_cache, rows, idx)
 
 
-def gather_latent_cache(kv_cache, slots, k_scale=None):
+def gather_latent_cache(kv_cache: jax.Array, slots: jax.Array,
+                        k_scale: jax.Array | float | None = None) -> jax.Array:
   """Rows at `slots` [W] dequantized to float32 [W, L+R]; invalid slots read as zeros."""
   nb, bs, d = kv_cache.shape
   valid = (slots >= 0) & (slots < nb * bs)
@@ -169,9 +176,10 @@ class LatentCacheKind(Protocol):
   bytes_per_token: int
   dense_attention: bool  # whether dense MLA (decode / prefill kernels) reads it
 
-  def write(self, kv_c_normed, k_pe, slot_mapping): ...
-  def dequantize_rows(self, slots): ...
-  def dcp_shardings(self, blocks, replicated): ...
+  def write(self, kv_c_normed: jax.Array, k_pe: jax.Array,
+            slot_mapping: jax.Array) -> LatentCacheKind: ...
+  def dequantize_rows(self, slots: jax.Array) -> jax.Array: ...
+  def dcp_shardings(self, blocks: Sharding, replicated: Sharding) -> LatentCacheKind | None: ...
 
 
 # ----------------------------------------------------------------------------- latent cache
@@ -184,7 +192,8 @@ class LatentCache:
   k_scale: jax.Array
 
   @classmethod
-  def allocate(cls, num_blocks: int, block_size: int, latent_dim: int = 576, dtype="bfloat16",
+  def allocate(cls, num_blocks: int, block_size: int, latent_dim: int = 576,
+               dtype: DTypeLike = "bfloat16",
                k_scale: float = 1.0) -> "LatentCache":
     dtype = cache_dtype(dtype, LATENT_CACHE_DTYPES, "latent cache")
     if num_blocks <= 0 or block_size <= 0 or latent_dim <= 0:
@@ -216,20 +225,21 @@ class LatentCache:
 
   dense_attention = True
 
-  def dcp_shardings(self, blocks, replicated) -> "LatentCache":
+  def dcp_shardings(self, blocks: Sharding, replicated: Sharding) -> "LatentCache":
     """Blocks split over dcp (`blocks`), the scale `replicated`."""
     return LatentCache(blocks, replicated)
 
   @property
-  def scale_or_none(self):
+  def scale_or_none(self) -> jax.Array | None:
     """The scale the kernels take: only an fp8 cache is scaled."""
     return self.k_scale if self.is_fp8 else None
 
-  def dequantize_rows(self, slots):
+  def dequantize_rows(self, slots: jax.Array) -> jax.Array:
     """float32 rows [W, L+R] at `slots` [W]; zeros for invalid slots."""
     return gather_latent_cache(self.data, slots, self.scale_or_none)
 
-  def write(self, kv_c_normed, k_pe, slot_mapping, write_fn=write_latent_cache) -> "LatentCache":
+  def write(self, kv_c_normed: jax.Array, k_pe: jax.Array, slot_mapping: jax.Array,
+            write_fn: Callable[..., jax.Array] = write_latent_cache) -> "LatentCache":
     """Writes one row per token at `slot_mapping` [T]; negative or out-of-range slots are skipped."""
     t = slot_mapping.shape[0]
     width = kv_c_normed.shape[-1] + k_pe.shape[-1]
@@ -291,11 +301,12 @@ class DSMLACache:
   dtype_name = FP8_DS_MLA
   dense_attention = False  # only sparse attention reads the tiled layout
 
-  def dcp_shardings(self, blocks, replicated) -> None:
+  def dcp_shardings(self, blocks: Sharding, replicated: Sharding) -> None:
     """None: decode context parallelism shards the dense latent cache only."""
     del blocks, replicated
 
-  def write(self, kv_c_normed, k_pe, slot_mapping) -> "DSMLACache":
+  def write(self, kv_c_normed: jax.Array, k_pe: jax.Array,
+            slot_mapping: jax.Array) -> "DSMLACache":
     """Quantizes and writes one token per slot; negative or out-of-range slots are skipped.
 
     kv_c_normed [T, L], k_pe [T, R] (rope applied), slot_mapping [T] integer.
@@ -314,7 +325,7 @@ class DSMLACache:
     tiles = nope.astype(jnp.float32).reshape(*nope.shape[:-1], -1, TILE) * scales[..., None]
     return jnp.concatenate([tiles.reshape(nope.shape), rope.astype(jnp.float32)], axis=-1)
 
-  def dequantize_rows(self, slots):
+  def dequantize_rows(self, slots: jax.Array) -> jax.Array:
     """float32 [W, L+R] rows at `slots` [W]; invalid slots read as zeros."""
     slots = jnp.asarray(slots)
     _check_slots(slots)
@@ -323,17 +334,17 @@ class DSMLACache:
     return self._dequant(_gather(self.nope, idx, valid), _gather(self.tile_scales, idx, valid),
                          _gather(self.rope, idx, valid))
 
-  def dequantize(self):
+  def dequantize(self) -> jax.Array:
     """The whole cache as float32 [NB, BS, L+R] (for references)."""
     return self._dequant(self.nope, self.tile_scales, self.rope)
 
-  def to_vllm_bytes(self):
+  def to_vllm_bytes(self) -> jax.Array:
     """uint8 [NB, BS, bytes_per_token]: vLLM's packed rows (656 bytes for V3.2)."""
     return jnp.concatenate([lax.bitcast_convert_type(self.nope, jnp.uint8),
                             _to_le_bytes(self.tile_scales), _to_le_bytes(self.rope)], axis=-1)
 
   @classmethod
-  def from_vllm_bytes(cls, data, kv_lora_rank: int = 512, rope_dim: int = 64) -> "DSMLACache":
+  def from_vllm_bytes(cls, data: jax.Array | np.ndarray, kv_lora_rank: int = 512, rope_dim: int = 64) -> "DSMLACache":
     """Inverse of `to_vllm_bytes`, bit for bit (any float32 tile scale is kept as stored)."""
     data = _check_bytes(data, 3, "fp8_ds_mla cache bytes")
     _check_sizes(kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
@@ -360,7 +371,7 @@ class IndexerKCache:
 
   @classmethod
   def allocate(cls, num_blocks: int, block_size: int, head_dim: int = 128,
-               dtype="float8_e4m3fn") -> "IndexerKCache":
+               dtype: DTypeLike = "float8_e4m3fn") -> "IndexerKCache":
     _check_sizes(num_blocks=num_blocks, block_size=block_size, head_dim=head_dim)
     dtype = cache_dtype(dtype, INDEXER_DTYPES, "indexer cache")
     scales = (jnp.zeros if is_fp8(dtype) else jnp.ones)((num_blocks, block_size), jnp.float32)
@@ -382,7 +393,7 @@ class IndexerKCache:
   def is_fp8(self) -> bool:
     return is_fp8(self.values.dtype)
 
-  def write(self, k, slot_mapping) -> "IndexerKCache":
+  def write(self, k: jax.Array, slot_mapping: jax.Array) -> "IndexerKCache":
     """Writes k [T, D] at slot_mapping [T]; negative or out-of-range slots are skipped.
     fp8: per-token ue8m0 quantization (vLLM's amax floor); bfloat16: stored as is, scale 1."""
     k, slot_mapping = jnp.asarray(k), jnp.asarray(slot_mapping)
@@ -396,14 +407,14 @@ class IndexerKCache:
     idx, _ = _slot_index(slot_mapping, self.num_blocks * self.block_size)
     return IndexerKCache(_scatter(self.values, values, idx), _scatter(self.scales, scales, idx))
 
-  def gather(self, slots):
+  def gather(self, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(values [W, D] in the cache dtype, scales [W] float32) at slots [W]; zeros where invalid."""
     slots = jnp.asarray(slots)
     _check_slots(slots)
     idx, valid = _slot_index(slots, self.num_blocks * self.block_size)
     return _gather(self.values, idx, valid), _gather(self.scales, idx, valid)
 
-  def to_vllm_bytes(self):
+  def to_vllm_bytes(self) -> jax.Array:
     """uint8 [NB, BS, D+4], vLLM's tensor shape; each block's bytes are all BS*D values
     (token-major) followed by all BS little-endian float32 scales. fp8 caches only."""
     if not self.is_fp8:
@@ -414,7 +425,7 @@ class IndexerKCache:
     return flat.reshape(nb, bs, d + 4)
 
   @classmethod
-  def from_vllm_bytes(cls, data) -> "IndexerKCache":
+  def from_vllm_bytes(cls, data: jax.Array | np.ndarray) -> "IndexerKCache":
     """Inverse of `to_vllm_bytes`, bit for bit: uint8 [NB, BS, D+4] -> fp8 cache with head_dim D."""
     data = _check_bytes(data, 3, "indexer cache bytes")
     nb, bs, width = data.shape
@@ -441,13 +452,13 @@ class DSACache:
     """The latent part's kind: what metadata built for this cache records."""
     return self.latent.dtype_name
 
-  def dcp_shardings(self, blocks, replicated) -> None:
+  def dcp_shardings(self, blocks: Sharding, replicated: Sharding) -> None:
     """None: decode context parallelism shards the dense latent cache only."""
     del blocks, replicated
 
 
 def allocate_latent_cache(num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int,
-                          dtype, k_scale: float = 1.0) -> LatentCache | DSMLACache:
+                          dtype: DTypeLike, k_scale: float = 1.0) -> LatentCache | DSMLACache:
   """A latent cache of a `LATENT_CACHE_DTYPES` dtype (or an alias; fp8 with the per-tensor
   `k_scale`), or FP8_DS_MLA's tiled one."""
   if isinstance(dtype, str) and dtype == FP8_DS_MLA:

@@ -13,6 +13,7 @@ import collections
 import contextlib
 import json
 import pathlib
+import types
 from typing import Iterable
 
 import numpy as np
@@ -26,7 +27,7 @@ SINGLE_FILE = "model.safetensors"
 SCALE_SUFFIX = "_scale_inv"
 
 
-def import_safetensors():
+def import_safetensors() -> types.ModuleType:
   """The safetensors package: an optional dependency, only checkpoint files need it."""
   try:
     import safetensors
@@ -36,7 +37,7 @@ def import_safetensors():
   return safetensors
 
 
-def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray, block=(128, 128),
+def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = (128, 128),
                           name: str = "weight") -> np.ndarray:
   """e4m3 `weight` [out, in] times its block scales [ceil(out/b0), ceil(in/b1)] -> float32.
 

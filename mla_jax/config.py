@@ -118,7 +118,7 @@ class MLAConfig:
       raise ValueError(f"num_heads ({self.num_heads}) is not divisible by tp_size ({tp_size})")
     return self.num_heads // tp_size
 
-  def replace(self, **changes) -> "MLAConfig":
+  def replace(self, **changes: Any) -> "MLAConfig":
     return dataclasses.replace(self, **changes)
 
   @classmethod

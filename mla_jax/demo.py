@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from mla_jax.metadata import RequestState, build_metadata
 from mla_jax.modules import DeepseekV2MLAAttention, jitted_step
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--backend", choices=sorted(backends.BACKENDS), default=None,
                       help=f"default: ${backends.ENV_VAR}, else by platform")

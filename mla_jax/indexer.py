@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from mla_jax.backends import Backend
 from mla_jax.config import MLAConfig
 from mla_jax.cache import IndexerKCache
 from mla_jax.quant import quantize_indexer_q
@@ -17,7 +19,7 @@ from mla_jax.rope import RotaryEmbedding
 SCORE_BYTES_BOUND = 512 * 2**20
 
 
-def causal_positions(seq_lens, topk):
+def causal_positions(seq_lens: jax.Array, topk: int) -> jax.Array:
   """What top-k returns when a row's whole window fits: positions 0..len-1, then -1."""
   pos = jnp.arange(topk, dtype=jnp.int32)[None, :]
   return jnp.where(pos < seq_lens[:, None], pos, -1)
@@ -51,7 +53,8 @@ class Indexer(nnx.Module):
     """The K cache dtype this indexer reads: e4m3 (per-token scales) with fp8, else bfloat16."""
     return "float8_e4m3fn" if self.fp8 else "bfloat16"
 
-  def project(self, x, q_c, positions):
+  def project(self, x: jax.Array, q_c: jax.Array,
+              positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [T, hidden], q_c [T, Lq] (after q_a_layernorm) -> q [T, H, D] (e4m3 with fp8),
     head weights [T, H] float32 (times the q scales with fp8), k [T, D]."""
     c = self.config
@@ -66,7 +69,8 @@ class Indexer(nnx.Module):
       weights = weights * q_scale
     return q, weights, k
 
-  def __call__(self, x, q_c, k_cache: IndexerKCache, md: AttentionMetadata, backend):
+  def __call__(self, x: jax.Array, q_c: jax.Array, k_cache: IndexerKCache, md: AttentionMetadata,
+               backend: Backend) -> tuple[jax.Array, IndexerKCache]:
     """Writes this step's keys, then returns (top-k request-local positions [T, topk], -1 padded;
     the new K cache). Rows are scored a chunk at a time to bound the score buffer."""
     c = self.config

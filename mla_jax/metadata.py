@@ -53,7 +53,7 @@ class AttentionMetadata:
   def num_rows(self) -> int:
     return self.positions.shape[0]
 
-  def row_block_tables(self, start: int = 0, stop: int | None = None):
+  def row_block_tables(self, start: int = 0, stop: int | None = None) -> jax.Array:
     """[stop - start, MB] block table of each row's request (padding rows read request 0's,
     harmless since they see no tokens)."""
     return self.block_tables[jnp.maximum(self.row_request[start:stop], 0)]
@@ -91,7 +91,7 @@ class BatchLayout:
   num_rows: int
   num_decode_requests: int
 
-  def pack(self, per_request: Sequence[np.ndarray], fill=0) -> np.ndarray:
+  def pack(self, per_request: Sequence[np.ndarray], fill: float = 0) -> np.ndarray:
     """Lays per-request arrays [q_len_i, ...] (original order) into padded rows [T, ...]."""
     first = np.asarray(per_request[0])
     out = np.full((self.num_rows,) + first.shape[1:], fill, first.dtype)
@@ -99,7 +99,7 @@ class BatchLayout:
       out[rows] = values
     return out
 
-  def unpack(self, packed) -> list[np.ndarray]:
+  def unpack(self, packed: np.ndarray | jax.Array) -> list[np.ndarray]:
     """The inverse of `pack`: per-request arrays, original order."""
     packed = np.asarray(packed)
     return [packed[rows] for rows in self.rows]
@@ -270,7 +270,8 @@ def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blo
   return md, BatchLayout(order=order, rows=tuple(rows), num_rows=td + tp, num_decode_requests=num_dec_req)
 
 
-def dcp_local_view(block_tables, seq_lens, *, first_block, num_blocks: int, block_size: int):
+def dcp_local_view(block_tables: jax.Array, seq_lens: jax.Array, *, first_block: int | jax.Array,
+                   num_blocks: int, block_size: int) -> tuple[jax.Array, jax.Array]:
   """Rows' block tables [T, MB] and lengths [T] as seen by the decode-context-parallel device that
   owns global cache blocks [first_block, first_block + num_blocks) (may be traced).
 

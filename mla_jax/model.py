@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pathlib
 import sys
 from typing import Any, Mapping, Sequence
 
@@ -22,11 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
+from mla_jax.cache import DSACache, LatentCache
 from mla_jax.checkpoint import Checkpoint
 from mla_jax.config import MLAConfig, hf_int
 from mla_jax.decoding import DecodeState, decode_steps
-from mla_jax.metadata import RequestState, bucket, build_metadata
+from mla_jax.metadata import AttentionMetadata, RequestState, bucket, build_metadata
 from mla_jax.modules import DeepseekV2MLAAttention
 from mla_jax.nn import linear
 from mla_jax.sampling import GREEDY, SamplingParams, sample
@@ -75,7 +78,7 @@ class MLP(nnx.Module):
     self.up_proj = linear(hidden, intermediate, dtype, param_dtype, rngs)
     self.down_proj = linear(intermediate, hidden, dtype, param_dtype, rngs)
 
-  def __call__(self, x):
+  def __call__(self, x: jax.Array) -> jax.Array:
     return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -93,7 +96,8 @@ class DecoderLayer(nnx.Module):
     self.mlp = MLP(c.hidden_size, config.intermediate_size, dtype=dtype, param_dtype=param_dtype,
                    rngs=rngs)
 
-  def __call__(self, x, cache, md):
+  def __call__(self, x: jax.Array, cache: LatentCache | DSACache,
+               md: AttentionMetadata) -> tuple[jax.Array, LatentCache | DSACache]:
     h, cache = self.self_attn(self.input_layernorm(x), cache, md)
     x = x + h
     return x + self.mlp(self.post_attention_layernorm(x)), cache
@@ -125,7 +129,8 @@ class DeepseekForCausalLM(nnx.Module):
                             param_dtype=param_dtype, rngs=rngs)
     self.lm_head = linear(c.hidden_size, config.vocab_size, dtype, param_dtype, rngs)
 
-  def __call__(self, tokens, caches: Sequence, md, logit_rows=None):
+  def __call__(self, tokens: jax.Array, caches: Sequence, md: AttentionMetadata,
+               logit_rows: jax.Array | None = None) -> tuple[jax.Array, tuple]:
     """tokens [T] (the rows of `md`), one cache per layer -> (float32 logits [T, vocab], or only
     at `logit_rows` [K]; the new caches, a tuple)."""
     if len(caches) != len(self.layers):
@@ -141,7 +146,8 @@ class DeepseekForCausalLM(nnx.Module):
       x = x[logit_rows]
     return self.lm_head(self.norm(x)).astype(jnp.float32), tuple(new_caches)
 
-  def allocate_caches(self, num_blocks: int, block_size: int, dtype=None, **kwargs) -> tuple:
+  def allocate_caches(self, num_blocks: int, block_size: int, dtype: DTypeLike | None = None,
+                      **kwargs) -> tuple:
     """One cache per layer (a tuple), as each layer's `allocate_cache` makes it (V3.2: the indexer
     cache in the dtype of the model's indexers); `dtype` defaults to the model's. On the model's
     mesh when `sharding.shard_layer` has placed it on one."""
@@ -169,7 +175,8 @@ class DeepseekForCausalLM(nnx.Module):
       layer.self_attn.process_weights_after_loading()
 
   @classmethod
-  def from_checkpoint(cls, path, *, backend: str | None = None, dtype=jnp.bfloat16,
+  def from_checkpoint(cls, path: str | pathlib.Path, *, backend: str | None = None,
+                      dtype: DTypeLike = jnp.bfloat16,
                       indexer_fp8: bool = True) -> "DeepseekForCausalLM":
     """The model of a checkpoint directory's `config.json`, with its weights loaded."""
     checkpoint = Checkpoint(path)
@@ -283,7 +290,7 @@ def check_token_ids(config: DecoderConfig, sequences: Sequence[Sequence[int]], *
 
 
 def forward(model: DeepseekForCausalLM, sequences: Sequence[Sequence[int]], *,
-            block_size: int = 16, cache_dtype=None) -> list[np.ndarray]:
+            block_size: int = 16, cache_dtype: DTypeLike | None = None) -> list[np.ndarray]:
   """Logits [len_i, vocab] at every position of each sequence: one prefill step over whole
   sequences with fresh caches, the path that step-by-step generation must agree with."""
   sequences = check_token_ids(model.config, sequences, what="sequence")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
 from mla_jax.attention import MLAAttention
 from mla_jax.cache import FP8_DS_MLA, DSACache, IndexerKCache, LatentCache, allocate_latent_cache
@@ -58,11 +60,11 @@ class DeepseekV2MLAAttention(nnx.Module):
       self.indexer = Indexer(c, fp8=indexer_fp8, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.process_weights_after_loading()
 
-  def process_weights_after_loading(self):
+  def process_weights_after_loading(self) -> None:
     """Recomputes the absorbed weights from kv_b_proj; call after changing kv_b_proj's kernel."""
     self.mla_attn.absorb(self.kv_b_proj.kernel[...])
 
-  def allocate_cache(self, num_blocks: int, block_size: int, dtype=None, *,
+  def allocate_cache(self, num_blocks: int, block_size: int, dtype: DTypeLike | None = None, *,
                      k_scale: float = 1.0) -> LatentCache | DSACache:
     """A zeroed paged cache of the kind this layer takes, `num_blocks` pages of `block_size` tokens.
 
@@ -84,7 +86,7 @@ class DeepseekV2MLAAttention(nnx.Module):
     return DSACache(latent, IndexerKCache.allocate(num_blocks, block_size, c.index_head_dim,
                                                    self.indexer.cache_dtype))
 
-  def check_cache(self, cache):
+  def check_cache(self, cache: LatentCache | DSACache) -> None:
     """ValueError unless `cache` is what this layer reads and writes (as `allocate_cache` makes)."""
     c = self.config
     if not c.has_indexer:
@@ -109,7 +111,7 @@ class DeepseekV2MLAAttention(nnx.Module):
                        f"{cache.latent.block_size} tokens, the indexer cache {k.num_blocks} of "
                        f"{k.block_size}: they share one block table")
 
-  def project(self, x, positions) -> Projections:
+  def project(self, x: jax.Array, positions: jax.Array) -> Projections:
     """Steps 1-3 and 5 of the forward (RoPE, the optional llama-4 query scaling)."""
     c = self.config
     if x.ndim != 2 or x.shape[-1] != c.hidden_size:
@@ -134,8 +136,10 @@ class DeepseekV2MLAAttention(nnx.Module):
       q = (q.astype(jnp.float32) * factor[:, None, None]).astype(q.dtype)
     return Projections(q, kv_c_normed, k_pe, q_c)
 
-  def __call__(self, x, cache: LatentCache | DSACache, md: AttentionMetadata, *,
-               topk_positions=None, return_topk: bool = False):
+  def __call__(self, x: jax.Array, cache: LatentCache | DSACache, md: AttentionMetadata, *,
+               topk_positions: jax.Array | None = None, return_topk: bool = False
+               ) -> tuple[jax.Array, LatentCache | DSACache] | tuple[
+                   jax.Array, LatentCache | DSACache, jax.Array]:
     """One step over the rows of `md`: x [T, hidden] -> (out [T, hidden], new cache).
 
     V3.2 only: `topk_positions` [T, index_topk] (request-local, -1 padded) replaces this layer's
@@ -165,7 +169,9 @@ class DeepseekV2MLAAttention(nnx.Module):
     out, cache = self.o_proj(attn), DSACache(latent, indexer_cache)
     return (out, cache, topk_positions) if return_topk else (out, cache)
 
-  def unabsorbed_forward(self, x, positions, segment_ids=None, key_mask=None):
+  def unabsorbed_forward(self, x: jax.Array, positions: jax.Array,
+                         segment_ids: jax.Array | None = None,
+                         key_mask: jax.Array | None = None) -> jax.Array:
     """The textbook math, no cache and no absorption: causal MHA with k = [k_nope | k_pe] and
     v from kv_b_proj, within each segment (all one sequence when segment_ids is None), further
     restricted by `key_mask` [T, T] when given (e.g. a DSA selection). O(T^2) memory: an oracle
@@ -186,7 +192,7 @@ class DeepseekV2MLAAttention(nnx.Module):
     return self.o_proj(o.reshape(x.shape[0], -1).astype(x.dtype))
 
 
-def jitted_step(module: nnx.Module, *, donate_cache: bool = True):
+def jitted_step(module: nnx.Module, *, donate_cache: bool = True) -> Callable[..., tuple]:
   """`step(x, cache, md, **options) -> module(x, cache, md, **options)` under `jax.jit`.
 
   The module's state is taken now (make a new step after loading weights) and passed as an

@@ -7,9 +7,13 @@ e4m3 rounding loses bits.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import DTypeLike
 
 F8 = jnp.float8_e4m3fn
 F8_MAX = 448.0  # e4m3fn's largest finite value
@@ -30,16 +34,16 @@ WEIGHT_BLOCK_AMAX_FLOOR = 1e-12
 _F32_MIN_NORMAL = float(np.finfo(np.float32).tiny)
 
 
-def is_fp8(dtype) -> bool:
+def is_fp8(dtype: DTypeLike) -> bool:
   return jnp.dtype(dtype) == jnp.dtype(F8)
 
 
-def quantize_fp8(x, scale):
+def quantize_fp8(x: jax.Array, scale: jax.Array | float) -> jax.Array:
   """e4m3 of `x / scale`, saturated to +-448 (e4m3fn has no infinity: overflow would be NaN)."""
   return jnp.clip(x.astype(jnp.float32) / scale, -F8_MAX, F8_MAX).astype(F8)
 
 
-def saturate(x, dtype):
+def saturate(x: jax.Array, dtype: DTypeLike) -> jax.Array:
   """`x` in the float `dtype`, values past its largest finite one clipped to it (float16's
   65504), as `quantize_fp8` saturates: an inf cache row would make every row that sees it NaN."""
   if jnp.dtype(dtype) == jnp.float16:
@@ -48,13 +52,13 @@ def saturate(x, dtype):
   return x.astype(dtype)
 
 
-def dequantize(x, scale=None):
+def dequantize(x: jax.Array, scale: jax.Array | float | None = None) -> jax.Array:
   """x in float32, times `scale` when given (an unscaled cache passes None)."""
   x = x.astype(jnp.float32)
   return x if scale is None else x * scale
 
 
-def ue8m0_scale(amax, floor=None):
+def ue8m0_scale(amax: jax.Array, floor: float | None = None) -> jax.Array:
   """float32 `2**ceil(log2(max(amax / 448, floor)))`, computed exactly from the float's bits.
 
   `jnp.log2` is not exact at powers of two (XLA gives log2(2**-13) = -12.999999, whose ceil is one
@@ -75,7 +79,8 @@ def ue8m0_scale(amax, floor=None):
   return jnp.where(jnp.isfinite(r), scale, r)
 
 
-def quantize_ue8m0(x, group, floor=None):
+def quantize_ue8m0(x: jax.Array, group: int,
+                   floor: float | None = None) -> tuple[jax.Array, jax.Array]:
   """(e4m3 of `x / scale` [..., n], float32 scales [..., n // group]): one ue8m0 scale per `group`
   consecutive elements of the last dim. Values saturate at +-448 (never NaN)."""
   x = jnp.asarray(x)
@@ -87,24 +92,25 @@ def quantize_ue8m0(x, group, floor=None):
   return quantize_fp8(g, scale[..., None]).reshape(x.shape), scale
 
 
-def quantize_indexer_q(q):
+def quantize_indexer_q(q: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Indexer query [T, H, D] -> (e4m3 [T, H, D], float32 scale [T, H]), one scale per (token, head)."""
   q = jnp.asarray(q)
   values, scales = quantize_ue8m0(q, q.shape[-1], INDEXER_Q_SCALE_FLOOR)
   return values, scales[..., 0]
 
 
-def block_grid(shape, block):
+def block_grid(shape: Sequence[int], block: Sequence[int]) -> tuple[int, ...]:
   """Block scales per dim for `shape` in `block`s (the last blocks may be ragged)."""
   return tuple(-(-d // b) for d, b in zip(shape, block))
 
 
-def expand_block_scales(scale, block, shape):
+def expand_block_scales(scale: np.ndarray, block: Sequence[int],
+                        shape: Sequence[int]) -> np.ndarray:
   """Block scales [g0, g1] -> one per element [shape] (the last blocks may be ragged)."""
   return np.repeat(np.repeat(scale, block[0], axis=0), block[1], axis=1)[:shape[0], :shape[1]]
 
 
-def quantize_fp8_blocks(w: np.ndarray, block=(128, 128)) -> tuple[np.ndarray, np.ndarray]:
+def quantize_fp8_blocks(w: np.ndarray, block: tuple[int, int] = (128, 128)) -> tuple[np.ndarray, np.ndarray]:
   """float32 [out, in] -> (e4m3 weight, float32 scale_inv [ceil(out/b0), ceil(in/b1)]), each
   block scaled so that its largest magnitude lands on e4m3's largest finite value."""
   grid = block_grid(w.shape, block)

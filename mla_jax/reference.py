@@ -7,6 +7,8 @@ Indices outside the cache (-1, past the end) are masked: never read, never writt
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -43,7 +45,9 @@ def _paged_rows(cache, block_tables, seq_lens):
   return jnp.where(mask_rows, rows.astype(jnp.float32), 0.0), mask
 
 
-def latent_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank=512, k_scale=None):
+def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
+                  *, scale: float, kv_lora_rank: int = 512,
+                  k_scale: jax.Array | float | None = None) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over the paged latent cache, one query row per token.
 
   q [T, N, D]; kv_cache [NB, BS, D]; block_tables [T, MB] int32 (the row's request's table);
@@ -60,7 +64,7 @@ def latent_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank=51
 
 # ----------------------------------------------------------------------------- prefill
 
-def segment_ids(cu_seqlens, total):
+def segment_ids(cu_seqlens: jax.Array, total: int) -> jax.Array:
   """Per-row request index [total] from cumulative lengths [R+1]; rows past the end get -1."""
   rows = jnp.arange(total, dtype=jnp.int32)
   seg = jnp.searchsorted(cu_seqlens, rows, side="right").astype(jnp.int32) - 1
@@ -86,7 +90,9 @@ def _masked_pv(p, v, mask):
   return lax.cond(jnp.isfinite(v_seen).all(), lambda: _einsum("nqk,knd->nqd", p, v_seen), per_row)
 
 
-def mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, block_q=128, block_k=256):
+def mha_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
+                cu_seqlens_k: jax.Array, *, scale: float, causal: bool, block_q: int = 128,
+                block_k: int = 256) -> tuple[jax.Array, jax.Array]:
   """Variable-length multi-head attention, flash style: query blocks with a running LSE.
 
   q [Tq, N, Dk]; k [Tk, N, Dk]; v [Tk, N, Dv]; cu_seqlens_q / cu_seqlens_k [R+1] int32 (request r's
@@ -154,7 +160,8 @@ def mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, block_q=1
 
 # ----------------------------------------------------------------------------- DSA (V3.2)
 
-def indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens):
+def indexer_logits(q: jax.Array, weights: jax.Array, k_values: jax.Array, k_scales: jax.Array,
+                   block_tables: jax.Array, seq_lens: jax.Array) -> jax.Array:
   """Lightning-indexer scores `I[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])` over the paged K cache.
 
   q [T, H, D] (e4m3 or floating; fp8 q scales belong in `weights`); weights [T, H] float32;
@@ -169,7 +176,7 @@ def indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens):
   return jnp.where(mask, logits, -jnp.inf)
 
 
-def topk_positions(logits, seq_lens, topk):
+def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int) -> jax.Array:
   """Top-`topk` positions of each row of `logits` [T, S] within its window (s < seq_lens[t]),
   int32 [T, topk], padded with -1 when fewer are visible. Order is unspecified."""
   t, s = logits.shape
@@ -179,7 +186,9 @@ def topk_positions(logits, seq_lens, topk):
   return jnp.pad(idx, ((0, 0), (0, topk - idx.shape[1])), constant_values=-1)
 
 
-def sparse_attention(q, gather_rows, slots, num_slots, *, scale, kv_lora_rank, rows_per_chunk=16):
+def sparse_attention(q: jax.Array, gather_rows: Callable[[jax.Array], jax.Array], slots: jax.Array,
+                     num_slots: int, *, scale: float, kv_lora_rank: int,
+                     rows_per_chunk: int = 16) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA per row over its selected cache slots only.
 
   q [T, N, D]; gather_rows(flat_slots [W]) -> float32 [W, D] rows (zeros for invalid slots);

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -87,12 +88,12 @@ class RotaryEmbedding:
       return 1.0
     return yarn_get_mscale(s.factor, s.mscale) / yarn_get_mscale(s.factor, s.mscale_all_dim) * s.attn_factor
 
-  def cos_sin(self, positions):
+  def cos_sin(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """positions [T] -> cos, sin [T, rotary_dim // 2] float32."""
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(self.inv_freq, jnp.float32)[None, :]
     return jnp.cos(angles) * self.cos_sin_scale, jnp.sin(angles) * self.cos_sin_scale
 
-  def __call__(self, positions, x):
+  def __call__(self, positions: jax.Array, x: jax.Array) -> jax.Array:
     """Rotates x [T, ..., rotary_dim] (any head dims between) at `positions` [T]; keeps x.dtype."""
     if x.shape[-1] != self.rotary_dim:
       raise ValueError(f"rope expects a last dim of {self.rotary_dim}, got shape {x.shape}")

@@ -15,11 +15,14 @@ Without a mesh nothing here runs and the layer is the single-device one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from mla_jax.attention import MLAAttention
+from mla_jax.cache import DSACache, LatentCache
 from mla_jax.sharded_backend import DCP_AXIS, TP_AXIS, mesh_axis
 
 # Parameter path suffix -> its split. Per-head weights are head-major along the split axis, so
@@ -36,7 +39,7 @@ PARAM_RULES = (
 )
 
 
-def make_mesh(*, tp: int = 1, dcp: int = 1, devices=None) -> Mesh:
+def make_mesh(*, tp: int = 1, dcp: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A (dcp, tp) mesh over the first dcp*tp devices (or `devices`), tp innermost so that a head
   group sits on neighbouring devices. Its axes are Auto: XLA propagates the parameters' shardings
   through the layer's plain jnp code (Explicit axes would ask every op for its output sharding)."""
@@ -51,7 +54,7 @@ def _check_mesh(mesh: Mesh):
                      f"got axis types {mesh.axis_types}")
 
 
-def param_spec(path, mesh: Mesh) -> P:
+def param_spec(path: Sequence[object], mesh: Mesh) -> P:
   """The split on `mesh` of the parameter at `path` (its names from the root, any prefix) by
   PARAM_RULES; axes the mesh does not split over are dropped."""
   path = tuple(path)
@@ -83,7 +86,7 @@ def shard_layer(layer: nnx.Module, mesh: Mesh) -> nnx.Module:
   return layer
 
 
-def shard_cache(cache, mesh: Mesh):
+def shard_cache(cache: LatentCache | DSACache, mesh: Mesh) -> LatentCache | DSACache:
   """Places a cache on `mesh`: a LatentCache's blocks split over dcp in contiguous ranges and
   replicated over tp; a V3.2 DSACache replicated (dcp covers the dense latent cache only)."""
   _check_mesh(mesh)

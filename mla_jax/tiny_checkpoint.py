@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+from collections.abc import Sequence
 
 import ml_dtypes
 import numpy as np
@@ -92,7 +93,7 @@ def _shapes(c: dict) -> dict[str, tuple[tuple[int, ...], bool]]:
   return out
 
 
-def write_tiny_checkpoint(path, variant: str = "v3", *, num_layers: int = 2, index_topk: int = 8,
+def write_tiny_checkpoint(path: str | pathlib.Path, variant: str = "v3", *, num_layers: int = 2, index_topk: int = 8,
                           num_shards: int = 2, seed: int = 0) -> dict[str, np.ndarray]:
   """Writes the checkpoint into directory `path`; returns every weight as float32, as it was
   before fp8 quantization (unquantized ones as stored, i.e. after bfloat16 rounding)."""
@@ -144,7 +145,7 @@ def _write_shards(path: pathlib.Path, tensors: dict[str, np.ndarray], num_shards
   (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("out_dir")
   parser.add_argument("--variant", choices=["v3", "v3.2"], default="v3")

@@ -11,6 +11,8 @@ import dataclasses
 import functools
 import math
 import operator
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +33,7 @@ F8 = jnp.float8_e4m3fn
 # count elements: int32 offsets reach 2**31 elements, so a larger 1-byte array would be read out of
 # bounds.
 MAX_FP8_ELEMENTS = 2 ** 31
+T = TypeVar("T")
 SWIZZLE = 128  # bytes: the widest swizzle; wgmma operands and bulk copies use the same layout
 
 
@@ -54,7 +57,7 @@ def check_at_least(name: str, value: int, minimum: int) -> None:
     raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
-def _is_int(value) -> bool:
+def _is_int(value: object) -> bool:
   try:
     operator.index(value)
   except TypeError:
@@ -62,7 +65,7 @@ def _is_int(value) -> bool:
   return not isinstance(value, bool)
 
 
-def with_overrides(config, **knobs):
+def with_overrides(config: T, **knobs: object) -> T:
   """`config` (a frozen tuning dataclass) with the knobs that are not None replaced; the copy's
   `__post_init__` validates them."""
   return dataclasses.replace(config, **{k: v for k, v in knobs.items() if v is not None})
@@ -89,8 +92,9 @@ def default_num_kv_splits(num_tokens: int, num_head_blocks: int, max_len: int,
   return max(1, min(vllm, fill))
 
 
-def split_kv_call(kernel, q, others, *, block_h, splits, lora, num_warps, num_stages, interpret,
-                  name):
+def split_kv_call(kernel: Callable[..., None], q: jax.Array, others: Sequence[jax.Array], *,
+                  block_h: int, splits: int, lora: int, num_warps: int, num_stages: int,
+                  interpret: bool, name: str) -> tuple[jax.Array, jax.Array]:
   """Stage 1 over the grid (head blocks, splits, tokens), then stage 2; shared by the split-KV kernels.
 
   kernel(q_ref [block_h, D], *refs of `others` whole, o_ref [block_h, lora], lse_ref [block_h]);
@@ -118,7 +122,8 @@ def split_kv_call(kernel, q, others, *, block_h, splits, lora, num_warps, num_st
   return merge_splits(o_parts, lse_parts, q.dtype)
 
 
-def merge_splits(o_parts, lse_parts, out_dtype):
+def merge_splits(o_parts: jax.Array, lse_parts: jax.Array,
+                 out_dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
   """Stage 2: o_parts [T, S, N, L] f32, lse_parts [T, S, N] -> (o [T, N, L], lse [T, N]).
 
   Plain XLA, which fuses it into one reduction reading each partial once (a Pallas merge was not
@@ -133,7 +138,8 @@ def merge_splits(o_parts, lse_parts, out_dtype):
   return o.astype(out_dtype), jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
 
 
-def check_decode_shapes(q, kv_cache, block_tables, seq_lens):
+def check_decode_shapes(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array,
+                        seq_lens: jax.Array) -> tuple[int, int, int]:
   """The decode contract's shapes, shared by every decode kernel; returns (T, D, page)."""
   if q.ndim != 3 or kv_cache.ndim != 3 or block_tables.ndim != 2 or seq_lens.ndim != 1:
     raise ValueError(f"want q [T, N, D], kv_cache [num_blocks, page, D], block_tables [T, max_blocks], "
@@ -148,7 +154,9 @@ def check_decode_shapes(q, kv_cache, block_tables, seq_lens):
   return t, d, kv_cache.shape[1]
 
 
-def check_prefill_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dtypes):
+def check_prefill_args(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
+                       cu_seqlens_k: jax.Array, max_seqlen_q: int,
+                       dtypes: Sequence[str]) -> None:
   """The prefill contract's shapes and dtypes, shared by every prefill kernel."""
   if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
     raise ValueError(f"q, k, v must be [T, N, D]; got {q.shape}, {k.shape}, {v.shape}")
@@ -169,14 +177,14 @@ def check_prefill_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dtypes
                      "the call")
 
 
-def swizzled(shape, dtype):
+def swizzled(shape: tuple[int, ...], dtype: jnp.dtype) -> pl.MemoryRef:
   """A shared-memory buffer in the tiled, 128-byte-swizzled layout that wgmma reads."""
   elems = SWIZZLE // jnp.dtype(dtype).itemsize
   return plmgpu.SMEM(shape, dtype, transforms=(plmgpu.TilingTransform((8, elems)),
                                                plmgpu.SwizzleTransform(SWIZZLE)))
 
 
-def row_broadcast(x, shape):
+def row_broadcast(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   return lax.broadcast_in_dim(x, shape, [0])
 
 

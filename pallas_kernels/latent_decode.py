@@ -75,7 +75,7 @@ SWEEP = {
 _FP8_LANES = 2
 
 
-def operand_kind(q_dtype, cache_dtype) -> str:
+def operand_kind(q_dtype: jnp.dtype, cache_dtype: jnp.dtype) -> str:
   """The tuning table's operand kind for these dtypes."""
   if jnp.dtype(q_dtype).itemsize == 4 or jnp.dtype(cache_dtype).itemsize == 4:
     return "32bit"
@@ -193,9 +193,12 @@ def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_sp
 
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits", "block_h",
                                              "block_n", "num_warps", "num_stages", "interpret"))
-def latent_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank=512, k_scale=None,
-                  num_kv_splits=None, block_h=None, block_n=None, num_warps=None, num_stages=None,
-                  interpret=False):
+def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
+                  *, scale: float, kv_lora_rank: int = 512, k_scale: jax.Array | float | None = None,
+                  num_kv_splits: int | None = None, block_h: int | None = None,
+                  block_n: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None,
+                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
 
   q [T, N, L+R] bf16/f16/f32; kv_cache [num_blocks, page, L+R] bf16/f16/f32, or float8_e4m3fn

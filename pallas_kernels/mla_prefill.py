@@ -156,8 +156,11 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "max_seqlen_q", "block_q", "block_k",
                                              "num_warps", "num_stages", "interpret"))
-def mla_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_seqlen_q, block_q=None,
-                block_k=None, num_warps=None, num_stages=None, interpret=False):
+def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
+                cu_seqlens_k: jax.Array, *, scale: float, causal: bool, max_seqlen_q: int,
+                block_q: int | None = None, block_k: int | None = None,
+                num_warps: int | None = None, num_stages: int | None = None,
+                interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """Variable-length attention with a running LSE; see the module docstring for the layout.
 
   q [Tq, N, Dk]; k [Tk, N, Dk]; v [Tk, N, Dv]; cu_seqlens_q / cu_seqlens_k [R+1] int32.

@@ -295,8 +295,11 @@ def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_sp
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits", "interpret"))
-def latent_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank=512, k_scale=None,
-                  num_kv_splits=None, interpret=False):
+def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
+                  *, scale: float, kv_lora_rank: int = 512, k_scale: jax.Array | float | None = None,
+                  num_kv_splits: int | None = None,
+                  interpret: bool | plgpu.InterpretGPUParams = False
+                  ) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
 
   q [T, N, L+R] bf16 (any N: heads are padded to tiles of 64); kv_cache [num_blocks, page, L+R]

@@ -392,9 +392,12 @@ def _unpack(o_tiles, lse_tiles, cu_q, tile_offsets, tq_padded, tq):
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "max_seqlen_q", "block_k",
                                              "num_stages", "ping_pong", "interpret"))
-def mla_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_seqlen_q,
-                block_k=DEFAULT.block_k, num_stages=DEFAULT.num_stages,
-                ping_pong=DEFAULT.ping_pong, interpret=False):
+def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
+                cu_seqlens_k: jax.Array, *, scale: float, causal: bool, max_seqlen_q: int,
+                block_k: int = DEFAULT.block_k, num_stages: int | None = DEFAULT.num_stages,
+                ping_pong: bool = DEFAULT.ping_pong,
+                interpret: bool | plgpu.InterpretGPUParams = False
+                ) -> tuple[jax.Array, jax.Array]:
   """Variable-length attention with a running LSE; see the module docstring for the layout.
 
   q [Tq, N, Dk]; k [Tk, N, Dk]; v [Tk, N, Dv], all bfloat16, Dk and Dv multiples of 64, Dv <= Dk;

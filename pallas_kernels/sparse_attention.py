@@ -215,8 +215,12 @@ _STATIC = ("scale", "num_splits", "block_h", "block_k", "num_warps", "num_stages
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))
-def sparse_attention(q, kv_cache, slots, *, scale, kv_lora_rank=512, k_scale=None, num_splits=None,
-                     block_h=None, block_k=None, num_warps=None, num_stages=None, interpret=False):
+def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, scale: float,
+                     kv_lora_rank: int = 512, k_scale: jax.Array | float | None = None,
+                     num_splits: int | None = None, block_h: int | None = None,
+                     block_k: int | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None,
+                     interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over a latent cache (semantics of `mla_jax.reference.sparse_attention`).
 
   q [T, N, L+R] bf16/f16/f32; kv_cache [num_blocks, page, L+R] bf16/f16/f32, or float8_e4m3fn
@@ -255,9 +259,12 @@ def sparse_attention(q, kv_cache, slots, *, scale, kv_lora_rank=512, k_scale=Non
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def sparse_attention_fp8_ds_mla(q, nope, tile_scales, rope, slots, *, scale, num_splits=None,
-                                block_h=None, block_k=None, num_warps=None, num_stages=None,
-                                interpret=False):
+def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.Array,
+                                rope: jax.Array, slots: jax.Array, *, scale: float,
+                                num_splits: int | None = None, block_h: int | None = None,
+                                block_k: int | None = None, num_warps: int | None = None,
+                                num_stages: int | None = None,
+                                interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over an fp8_ds_mla cache, dequantized in the kernel.
 
   q [T, N, L+R] bf16/f16/f32; nope [num_blocks, page, L] float8_e4m3fn; tile_scales
