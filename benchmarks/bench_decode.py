@@ -11,7 +11,6 @@ kernel's split counts) instead of the reference. Mosaic columns: "mosaic ms", "t
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import math

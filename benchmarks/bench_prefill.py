@@ -18,7 +18,6 @@ kernel's (block_k, num_stages, ping_pong) ones instead.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import itertools

@@ -29,7 +29,6 @@ T=128 over 128K too), top-k at 128 x 131072.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import itertools

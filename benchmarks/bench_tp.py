@@ -18,7 +18,6 @@ Prints every measurement, then exits 1 if any check failed.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import traceback
 

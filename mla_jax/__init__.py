@@ -1,7 +1,8 @@
 """mla-jax: DeepSeek's multi-head latent attention (MLA) and sparse attention (DSA) for JAX.
 
 Everything a user needs imports from here: the config, the layer and its jitted step, caches,
-the metadata builder, checkpoint loading, the small model with `generate` (and its `prefill` / `decode` phases, `SamplingParams`), backends, sharding.
+the metadata builder, checkpoint loading, the small model with `generate` (and its `prefill` /
+`decode` phases, `SamplingParams`), backends, sharding.
 """
 
 from mla_jax import backends, sharding

@@ -53,9 +53,11 @@ class MLAAttention(nnx.Module):
     self.config = config
     self.dtype = dtype
     self.backend_name = backends.get_backend(backend).name
-    self.W_UK_T = AbsorbedWeight(jnp.zeros((c.num_heads, c.qk_nope_head_dim, c.kv_lora_rank), dtype))
+    self.W_UK_T = AbsorbedWeight(
+        jnp.zeros((c.num_heads, c.qk_nope_head_dim, c.kv_lora_rank), dtype))
     self.W_UV = AbsorbedWeight(jnp.zeros((c.num_heads, c.kv_lora_rank, c.v_head_dim), dtype))
-    # A jax.sharding.Mesh once `mla_jax.sharding.shard_layer` has run: the kernels then run per shard.
+    # A jax.sharding.Mesh once `mla_jax.sharding.shard_layer` has run: the kernels then run per
+    # shard.
     self.mesh = None
 
   @property
@@ -85,7 +87,8 @@ class MLAAttention(nnx.Module):
       raise ValueError(f"kv_c_normed {kv_c_normed.shape} and k_pe {k_pe.shape} must be "
                        f"{(t, c.kv_lora_rank)} and {(t, c.qk_rope_head_dim)}")
     if cache.data.shape[-1] != c.latent_dim:
-      raise ValueError(f"cache rows are {cache.data.shape[-1]} wide, the config needs {c.latent_dim}")
+      raise ValueError(f"cache rows are {cache.data.shape[-1]} wide, the config needs "
+                       f"{c.latent_dim}")
     md.check_cache("latent cache", cache.block_size, cache.num_blocks, cache.dtype_name)
     be = self.backend
     be.check(cache_dtype=cache.data.dtype, block_size=cache.block_size, num_heads=c.num_heads)
@@ -123,8 +126,8 @@ class MLAAttention(nnx.Module):
     c = self.config
     t = md.num_rows
     if q.shape != (t, c.num_heads, c.qk_head_dim) or positions.shape[0] != t or positions.ndim != 2:
-      raise ValueError(f"sparse attention: q {q.shape} must be {(t, c.num_heads, c.qk_head_dim)} and "
-                       f"positions {positions.shape} [{t}, topk]")
+      raise ValueError(f"sparse attention: q {q.shape} must be {(t, c.num_heads, c.qk_head_dim)} "
+                       f"and positions {positions.shape} [{t}, topk]")
     if not jnp.issubdtype(positions.dtype, jnp.integer):
       raise ValueError(f"top-k positions must be integers, got {positions.dtype}")
     md.check_cache("latent cache", cache.block_size, cache.num_blocks, cache.dtype_name)

@@ -9,8 +9,8 @@ Contracts (every backend, same shapes and dtypes; see `mla_jax.reference` for th
   gather_cache(kv_cache, slots [W], k_scale=None) -> rows [W, L+R] f32
   sparse_attention(q [T,N,L+R], cache (LatentCache | DSMLACache), slots [T,K], *, scale,
                    kv_lora_rank) -> (o [T,N,L], lse [T,N] f32)
-  indexer_logits(q [T,H,D], weights [T,H], k_values [NB,BS,D], k_scales [NB,BS], block_tables [T,MB],
-                 seq_lens [T]) -> logits [T, MB*BS] f32
+  indexer_logits(q [T,H,D], weights [T,H], k_values [NB,BS,D], k_scales [NB,BS],
+                 block_tables [T,MB], seq_lens [T]) -> logits [T, MB*BS] f32
   topk(logits [T,S], seq_lens [T], topk) -> positions [T, topk] int32 (-1 padded)
 Selection: an explicit name, else $MLA_JAX_BACKEND, else by platform (GPU -> Pallas, else the
 XLA reference).
@@ -68,7 +68,8 @@ class Backend:
       raise ValueError(f"backend {self.name!r} needs a block size that is a multiple of "
                        f"{self.block_size_multiple}, got {block_size}")
     if self.max_heads is not None and num_heads > self.max_heads:
-      raise ValueError(f"backend {self.name!r} supports at most {self.max_heads} heads, got {num_heads}")
+      raise ValueError(f"backend {self.name!r} supports at most {self.max_heads} heads, got "
+                       f"{num_heads}")
 
 
 def _reference_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_seqlen_q=None):
@@ -84,8 +85,9 @@ def _reference_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_ran
 
 
 def _reference_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
-  return reference.sparse_attention(q, cache.dequantize_rows, slots, cache.num_blocks * cache.block_size,
-                                    scale=scale, kv_lora_rank=kv_lora_rank)
+  return reference.sparse_attention(q, cache.dequantize_rows, slots,
+                                    cache.num_blocks * cache.block_size, scale=scale,
+                                    kv_lora_rank=kv_lora_rank)
 
 
 REFERENCE = Backend(
@@ -114,11 +116,13 @@ def _pallas_triton_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
   interpret = jax.default_backend() != "gpu"
   if cache.dtype_name == caches.FP8_DS_MLA:
     if cache.kv_lora_rank != kv_lora_rank:
-      raise ValueError(f"kv_lora_rank {kv_lora_rank} != the fp8_ds_mla cache's {cache.kv_lora_rank}")
+      raise ValueError(f"kv_lora_rank {kv_lora_rank} != the fp8_ds_mla cache's "
+                       f"{cache.kv_lora_rank}")
     return pallas_sparse.sparse_attention_fp8_ds_mla(q, cache.nope, cache.tile_scales, cache.rope,
                                                      slots, scale=scale, interpret=interpret)
-  return pallas_sparse.sparse_attention(q, cache.data, slots, scale=scale, kv_lora_rank=kv_lora_rank,
-                                        k_scale=cache.scale_or_none, interpret=interpret)
+  return pallas_sparse.sparse_attention(q, cache.data, slots, scale=scale,
+                                        kv_lora_rank=kv_lora_rank, k_scale=cache.scale_or_none,
+                                        interpret=interpret)
 
 
 def _pallas_mosaic_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):

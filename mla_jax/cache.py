@@ -240,19 +240,20 @@ class LatentCache:
 
   def write(self, kv_c_normed: jax.Array, k_pe: jax.Array, slot_mapping: jax.Array,
             write_fn: Callable[..., jax.Array] = write_latent_cache) -> "LatentCache":
-    """Writes one row per token at `slot_mapping` [T]; negative or out-of-range slots are skipped."""
+    """Writes one row per token at `slot_mapping` [T]; negative or out-of-range slots are
+    skipped."""
     t = slot_mapping.shape[0]
     width = kv_c_normed.shape[-1] + k_pe.shape[-1]
     if kv_c_normed.shape[0] != t or k_pe.shape[0] != t or width != self.data.shape[-1]:
-      raise ValueError(f"cache write: kv_c_normed {kv_c_normed.shape} and k_pe {k_pe.shape} must be "
-                       f"[T, L] and [T, R] with T = {t} and L + R = {self.data.shape[-1]}")
+      raise ValueError(f"cache write: kv_c_normed {kv_c_normed.shape} and k_pe {k_pe.shape} must "
+                       f"be [T, L] and [T, R] with T = {t} and L + R = {self.data.shape[-1]}")
     if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
       raise ValueError(f"slot_mapping must be integer, got {slot_mapping.dtype}")
     return dataclasses.replace(self, data=write_fn(self.data, kv_c_normed, k_pe, slot_mapping,
                                                    self.scale_or_none))
 
 
-# ----------------------------------------------------------------------------- fp8_ds_mla latent cache
+# ---------------------------------------------------------------------- fp8_ds_mla latent cache
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -344,7 +345,8 @@ class DSMLACache:
                             _to_le_bytes(self.tile_scales), _to_le_bytes(self.rope)], axis=-1)
 
   @classmethod
-  def from_vllm_bytes(cls, data: jax.Array | np.ndarray, kv_lora_rank: int = 512, rope_dim: int = 64) -> "DSMLACache":
+  def from_vllm_bytes(cls, data: jax.Array | np.ndarray, kv_lora_rank: int = 512,
+                      rope_dim: int = 64) -> "DSMLACache":
     """Inverse of `to_vllm_bytes`, bit for bit (any float32 tile scale is kept as stored)."""
     data = _check_bytes(data, 3, "fp8_ds_mla cache bytes")
     _check_sizes(kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
@@ -437,7 +439,7 @@ class IndexerKCache:
     return cls(values, _from_le_bytes(flat[:, bs * d:], jnp.float32))
 
 
-# ----------------------------------------------------------------------------- a V3.2 layer's caches
+# ----------------------------------------------------------------------- a V3.2 layer's caches
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

@@ -33,11 +33,13 @@ def import_safetensors() -> types.ModuleType:
     import safetensors
     import safetensors.numpy
   except ImportError as e:
-    raise ImportError("checkpoint files need safetensors: pip install 'mla-jax[checkpoints]'") from e
+    raise ImportError("checkpoint files need safetensors: pip install 'mla-jax[checkpoints]'"
+                      ) from e
   return safetensors
 
 
-def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = (128, 128),
+def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray,
+                          block: tuple[int, int] = (128, 128),
                           name: str = "weight") -> np.ndarray:
   """e4m3 `weight` [out, in] times its block scales [ceil(out/b0), ceil(in/b1)] -> float32.
 
@@ -148,7 +150,8 @@ class Checkpoint:
     self.path = pathlib.Path(path)
     config = self.path / "config.json"
     if not config.is_file():
-      raise ValueError(f"{config} not found: a checkpoint directory holds config.json and safetensors")
+      raise ValueError(f"{config} not found: a checkpoint directory holds config.json and "
+                       "safetensors")
     self.config = _read_json(config)
     quant = self.config.get("quantization_config") or {}
     if not isinstance(quant, dict):
@@ -183,7 +186,8 @@ class Checkpoint:
   def load(self, names: Iterable[str]) -> dict[str, np.ndarray]:
     """The tensors `names`, each fp8 one dequantized to float32 with its `_scale_inv`."""
     names = list(names)
-    raw = self.read(names + [n + SCALE_SUFFIX for n in names if n + SCALE_SUFFIX in self.weight_map])
+    scales = [n + SCALE_SUFFIX for n in names if n + SCALE_SUFFIX in self.weight_map]
+    raw = self.read(names + scales)
     out = {}
     for name in names:
       value = raw[name]
@@ -204,8 +208,8 @@ def attention_prefix(layer: int) -> str:
   return f"model.layers.{layer}.self_attn."
 
 
-def load_attention_layer(checkpoint: Checkpoint | str | pathlib.Path, module: DeepseekV2MLAAttention,
-                         layer: int) -> None:
+def load_attention_layer(checkpoint: Checkpoint | str | pathlib.Path,
+                         module: DeepseekV2MLAAttention, layer: int) -> None:
   """Fills `module` with layer `layer`'s attention (and V3.2 indexer) weights of a checkpoint."""
   ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
   prefix = attention_prefix(layer)

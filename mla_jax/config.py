@@ -73,8 +73,9 @@ class MLAConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value <= 0:
         raise ValueError(f"MLAConfig.{name} must be a positive int, got {value!r}")
-    if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
-      raise ValueError(f"MLAConfig.q_lora_rank must be None or a positive int, got {self.q_lora_rank!r}")
+    q_lora = self.q_lora_rank
+    if q_lora is not None and (not isinstance(q_lora, int) or q_lora <= 0):
+      raise ValueError(f"MLAConfig.q_lora_rank must be None or a positive int, got {q_lora!r}")
     if self.qk_rope_head_dim % 2:
       raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
     indexer = (self.index_n_heads, self.index_head_dim, self.index_topk)
@@ -128,7 +129,8 @@ class MLAConfig:
                 "qk_rope_head_dim", "v_head_dim")
     missing = [k for k in required if k not in hf]
     if missing:
-      raise ValueError(f"config.json lacks the MLA keys {missing}; is this a DeepSeek V2/V3 config?")
+      raise ValueError(f"config.json lacks the MLA keys {missing}; is this a DeepSeek V2/V3 "
+                       "config?")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     if not isinstance(rope, Mapping):
@@ -149,7 +151,8 @@ class MLAConfig:
           attn_factor=num("attn_factor", 1.0),
       )
     elif rope_type != "default":
-      raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, yarn, deepseek_yarn")
+      raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, yarn, "
+                       "deepseek_yarn")
     l4 = hf.get("llama_4_scaling")
     if l4 is not None and not isinstance(l4, Mapping):
       raise ValueError(f"config.json: llama_4_scaling is {l4!r}, expected an object")
@@ -187,11 +190,15 @@ def _yarn(mscale):
 
 
 _PRESETS = {
-    "DeepSeek-V2-Lite": MLAConfig(hidden_size=2048, num_heads=16, q_lora_rank=None, rope_scaling=_yarn(0.707)),
-    "DeepSeek-V2": MLAConfig(hidden_size=5120, num_heads=128, q_lora_rank=1536, rope_scaling=_yarn(0.707)),
-    "DeepSeek-V3": MLAConfig(hidden_size=7168, num_heads=128, q_lora_rank=1536, rope_scaling=_yarn(1.0)),
-    "DeepSeek-V3.2": MLAConfig(hidden_size=7168, num_heads=128, q_lora_rank=1536, rope_scaling=_yarn(1.0),
-                               index_n_heads=64, index_head_dim=128, index_topk=2048),
+    "DeepSeek-V2-Lite": MLAConfig(hidden_size=2048, num_heads=16, q_lora_rank=None,
+                                  rope_scaling=_yarn(0.707)),
+    "DeepSeek-V2": MLAConfig(hidden_size=5120, num_heads=128, q_lora_rank=1536,
+                             rope_scaling=_yarn(0.707)),
+    "DeepSeek-V3": MLAConfig(hidden_size=7168, num_heads=128, q_lora_rank=1536,
+                             rope_scaling=_yarn(1.0)),
+    "DeepSeek-V3.2": MLAConfig(hidden_size=7168, num_heads=128, q_lora_rank=1536,
+                               rope_scaling=_yarn(1.0), index_n_heads=64, index_head_dim=128,
+                               index_topk=2048),
 }
 _PRESETS["DeepSeek-R1"] = _PRESETS["DeepSeek-V3"]
 PRESETS: Mapping[str, MLAConfig] = types.MappingProxyType(_PRESETS)

@@ -1,6 +1,7 @@
 """Demo: a DeepSeek-V2-Lite-shaped MLA layer with random weights, batched prefill then decode.
 
-    python -m mla_jax.demo [--backend reference|pallas|pallas_triton|pallas_mosaic] [--steps 8] [--dtype float32]
+    python -m mla_jax.demo [--backend reference|pallas|pallas_triton|pallas_mosaic] [--steps 8]
+                           [--dtype float32]
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from mla_jax.modules import DeepseekV2MLAAttention, jitted_step
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--backend", choices=sorted(backends.BACKENDS), default=None,
                       help=f"default: ${backends.ENV_VAR}, else by platform")
   parser.add_argument("--prompts", type=int, nargs="+", default=[37, 120, 64, 251])
@@ -37,7 +39,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                                  rngs=nnx.Rngs(0))
   print(f"backend: {layer.mla_attn.backend_name} on {jax.default_backend()}; dtype {dtype.name}")
   print(f"layer: hidden {config.hidden_size}, heads {config.num_heads}, latent {config.latent_dim} "
-        f"(L {config.kv_lora_rank} + R {config.qk_rope_head_dim}), q_lora_rank {config.q_lora_rank}")
+        f"(L {config.kv_lora_rank} + R {config.qk_rope_head_dim}), "
+        f"q_lora_rank {config.q_lora_rank}")
 
   bs, prompts = args.block_size, args.prompts
   max_len = max(prompts) + args.steps
@@ -46,7 +49,8 @@ def main(argv: Sequence[str] | None = None) -> None:
   cache = LatentCache.allocate(num_blocks, bs, config.latent_dim, dtype)
   rng = np.random.default_rng(0)
   tables = rng.permutation(num_blocks)[:blocks_per_seq * len(prompts)].reshape(len(prompts), -1)
-  inputs = [rng.standard_normal((p + args.steps, config.hidden_size)).astype(np.float32) for p in prompts]
+  inputs = [rng.standard_normal((p + args.steps, config.hidden_size)).astype(np.float32)
+            for p in prompts]
   step = jitted_step(layer)
 
   outputs = [[] for _ in prompts]

@@ -43,8 +43,8 @@ class Indexer(nnx.Module):
     h, d = c.index_n_heads, c.index_head_dim
     self.wq_b = linear(c.q_lora_rank, h * d, dtype, param_dtype, rngs)
     self.wk = linear(c.hidden_size, d, dtype, param_dtype, rngs)
-    self.k_norm = nnx.LayerNorm(d, epsilon=1e-6, use_bias=True, dtype=dtype, param_dtype=param_dtype,
-                                rngs=rngs)
+    self.k_norm = nnx.LayerNorm(d, epsilon=1e-6, use_bias=True, dtype=dtype,
+                                param_dtype=param_dtype, rngs=rngs)
     self.weights_proj = linear(c.hidden_size, h, dtype, param_dtype, rngs)
     self.rotary_emb = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling, neox=True)
 

@@ -175,8 +175,8 @@ def _check_writes(requests: Sequence[RequestState], block_size: int) -> None:
       hit = (slots // block_size == read[k]) & (slots % block_size < readable)
       if hit.any():
         w = int(np.argmax(hit))
-        raise ValueError(f"request {owner[w]} writes cache slot {slots[w]}, which request {j} reads "
-                         f"as context (block {read[k]}): shared blocks must be read-only")
+        raise ValueError(f"request {owner[w]} writes cache slot {slots[w]}, which request {j} "
+                         f"reads as context (block {read[k]}): shared blocks must be read-only")
 
 
 def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blocks: int,
@@ -204,7 +204,8 @@ def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blo
   if cache_kind is not None and not isinstance(cache_kind, str):
     raise ValueError(f"cache_kind must be a cache's dtype_name (a str), got {cache_kind!r}")
   if block_size <= 0 or num_blocks <= 0 or max_blocks_per_seq <= 0 or context_workspace <= 0:
-    raise ValueError("block_size, num_blocks, max_blocks_per_seq and context_workspace must be positive")
+    raise ValueError("block_size, num_blocks, max_blocks_per_seq and context_workspace must be "
+                     "positive")
   requests = [_checked_request(i, r, block_size, num_blocks, max_blocks_per_seq)
               for i, r in enumerate(requests)]
   _check_writes(requests, block_size)
@@ -267,7 +268,8 @@ def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blo
       within_topk=index_topk is not None and int(seq_lens.max()) <= index_topk,
       block_size=block_size, num_blocks=num_blocks, index_topk=index_topk, cache_kind=cache_kind)
   md = jax.tree.map(jax.numpy.asarray, md)
-  return md, BatchLayout(order=order, rows=tuple(rows), num_rows=td + tp, num_decode_requests=num_dec_req)
+  return md, BatchLayout(order=order, rows=tuple(rows), num_rows=td + tp,
+                         num_decode_requests=num_dec_req)
 
 
 def dcp_local_view(block_tables: jax.Array, seq_lens: jax.Array, *, first_block: int | jax.Array,

@@ -65,7 +65,8 @@ class DecoderConfig:
     if hf.get("hidden_act", "silu") != "silu":
       raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported; supported: silu")
     if hf.get("tie_word_embeddings"):
-      raise ValueError("tied embeddings are not supported (DeepSeek checkpoints keep lm_head apart)")
+      raise ValueError("tied embeddings are not supported (DeepSeek checkpoints keep lm_head "
+                       "apart)")
     return cls(MLAConfig.from_hf(hf), hf_int(hf, "vocab_size"), layers,
                hf_int(hf, "intermediate_size"))
 
@@ -90,8 +91,9 @@ class DecoderLayer(nnx.Module):
     norm = lambda: nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, dtype=dtype,
                                param_dtype=param_dtype, rngs=rngs)
     self.input_layernorm = norm()
-    self.self_attn = DeepseekV2MLAAttention(c, backend=backend, dtype=dtype, param_dtype=param_dtype,
-                                            indexer_fp8=indexer_fp8, rngs=rngs)
+    self.self_attn = DeepseekV2MLAAttention(c, backend=backend, dtype=dtype,
+                                            param_dtype=param_dtype, indexer_fp8=indexer_fp8,
+                                            rngs=rngs)
     self.post_attention_layernorm = norm()
     self.mlp = MLP(c.hidden_size, config.intermediate_size, dtype=dtype, param_dtype=param_dtype,
                    rngs=rngs)
@@ -275,7 +277,8 @@ def check_token_ids(config: DecoderConfig, sequences: Sequence[Sequence[int]], *
         raise ValueError(f"{what} {i}, position {bad}: token id {seq[bad]!r} is not an integer")
     ids = np.asarray(seq)
     if ids.ndim != 1 or ids.size == 0:
-      raise ValueError(f"{what} {i} must be a non-empty 1-D list of token ids, got shape {ids.shape}")
+      raise ValueError(f"{what} {i} must be a non-empty 1-D list of token ids, got shape "
+                       f"{ids.shape}")
     outside = np.flatnonzero((ids < 0) | (ids >= vocab))
     if outside.size:
       k = int(outside[0])
@@ -283,8 +286,8 @@ def check_token_ids(config: DecoderConfig, sequences: Sequence[Sequence[int]], *
                        f"[0, {vocab})")
     needed = len(ids) + max(new_tokens - 1, 0)
     if needed > max_pos:
-      raise ValueError(f"{what} {i} needs {needed} positions ({len(ids)} tokens, {new_tokens} new), "
-                       f"more than max_position_embeddings={max_pos}")
+      raise ValueError(f"{what} {i} needs {needed} positions ({len(ids)} tokens, {new_tokens} "
+                       f"new), more than max_position_embeddings={max_pos}")
     out.append(ids.astype(np.int32))
   return out
 
@@ -337,8 +340,8 @@ def prefill(model: DeepseekForCausalLM, prompts: Sequence[Sequence[int]], max_ne
   """One prefill step over every prompt, with fresh caches sized for `max_new_tokens` more tokens
   per request, and the first new token chosen. Arguments as in `generate`."""
   sampling = GREEDY if sampling is None else sampling
-  if isinstance(max_new_tokens, (bool, np.bool_)) or not isinstance(max_new_tokens, (int, np.integer)) \
-      or max_new_tokens < 1:
+  if (isinstance(max_new_tokens, (bool, np.bool_))
+      or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1):
     raise ValueError(f"generate needs an integer max_new_tokens >= 1, got {max_new_tokens!r}")
   max_new_tokens = int(max_new_tokens)
   prompts = check_token_ids(model.config, prompts, what="prompt", new_tokens=max_new_tokens)

@@ -25,7 +25,8 @@ class Projections(NamedTuple):
   q: jax.Array  # [T, N, P+R], RoPE applied
   kv_c_normed: jax.Array  # [T, L]
   k_pe: jax.Array  # [T, R], RoPE applied
-  q_c: jax.Array | None  # [T, Lq] after q_a_layernorm (what the V3.2 indexer reads); None without Lq
+  # [T, Lq] after q_a_layernorm (what the V3.2 indexer reads); None without Lq
+  q_c: jax.Array | None
 
 
 class DeepseekV2MLAAttention(nnx.Module):
@@ -41,8 +42,8 @@ class DeepseekV2MLAAttention(nnx.Module):
     c = config
     self.config = config
     n, qk = c.num_heads, c.qk_head_dim
-    norm = lambda dim: nnx.RMSNorm(dim, epsilon=c.rms_norm_eps, dtype=dtype, param_dtype=param_dtype,
-                                   rngs=rngs)
+    norm = lambda dim: nnx.RMSNorm(dim, epsilon=c.rms_norm_eps, dtype=dtype,
+                                   param_dtype=param_dtype, rngs=rngs)
     if c.q_lora_rank is not None:
       self.q_a_proj = linear(c.hidden_size, c.q_lora_rank, dtype, param_dtype, rngs)
       self.q_a_layernorm = norm(c.q_lora_rank)
@@ -160,12 +161,14 @@ class DeepseekV2MLAAttention(nnx.Module):
       return self.o_proj(attn), cache
     indexer_cache = cache.indexer
     if topk_positions is None:
-      topk_positions, indexer_cache = self.indexer(x, p.q_c, cache.indexer, md, self.mla_attn.backend)
+      topk_positions, indexer_cache = self.indexer(x, p.q_c, cache.indexer, md,
+                                                   self.mla_attn.backend)
     if md.within_topk and cache.latent.dense_attention:
       # Every window fits in top-k, so the selection is everything: dense MLA is the same math.
       attn, latent = self.mla_attn(p.q, p.kv_c_normed, p.k_pe, cache.latent, md)
     else:
-      attn, latent = self.mla_attn.sparse(p.q, p.kv_c_normed, p.k_pe, cache.latent, md, topk_positions)
+      attn, latent = self.mla_attn.sparse(p.q, p.kv_c_normed, p.k_pe, cache.latent, md,
+                                          topk_positions)
     out, cache = self.o_proj(attn), DSACache(latent, indexer_cache)
     return (out, cache, topk_positions) if return_topk else (out, cache)
 
@@ -180,7 +183,8 @@ class DeepseekV2MLAAttention(nnx.Module):
     q, kv_c_normed, k_pe, _ = self.project(x, positions)
     kv = self.kv_b_proj(kv_c_normed).reshape(x.shape[0], c.num_heads, -1)
     k_nope, v = kv[..., :c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
-    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, None], k_nope.shape[:2] + k_pe.shape[-1:])], -1)
+    k_pe = jnp.broadcast_to(k_pe[:, None], k_nope.shape[:2] + k_pe.shape[-1:])
+    k = jnp.concatenate([k_nope, k_pe], -1)
     hi = jax.lax.Precision.HIGHEST
     s = jnp.einsum("qnd,knd->nqk", q.astype(jnp.float32), k.astype(jnp.float32), precision=hi)
     seg = jnp.zeros_like(positions) if segment_ids is None else segment_ids

@@ -93,7 +93,8 @@ def quantize_ue8m0(x: jax.Array, group: int,
 
 
 def quantize_indexer_q(q: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Indexer query [T, H, D] -> (e4m3 [T, H, D], float32 scale [T, H]), one scale per (token, head)."""
+  """Indexer query [T, H, D] -> (e4m3 [T, H, D], float32 scale [T, H]), one scale per (token,
+  head)."""
   q = jnp.asarray(q)
   values, scales = quantize_ue8m0(q, q.shape[-1], INDEXER_Q_SCALE_FLOOR)
   return values, scales[..., 0]
@@ -110,7 +111,8 @@ def expand_block_scales(scale: np.ndarray, block: Sequence[int],
   return np.repeat(np.repeat(scale, block[0], axis=0), block[1], axis=1)[:shape[0], :shape[1]]
 
 
-def quantize_fp8_blocks(w: np.ndarray, block: tuple[int, int] = (128, 128)) -> tuple[np.ndarray, np.ndarray]:
+def quantize_fp8_blocks(w: np.ndarray, block: tuple[int, int] = (128, 128)
+                        ) -> tuple[np.ndarray, np.ndarray]:
   """float32 [out, in] -> (e4m3 weight, float32 scale_inv [ceil(out/b0), ceil(in/b1)]), each
   block scaled so that its largest magnitude lands on e4m3's largest finite value."""
   grid = block_grid(w.shape, block)

@@ -162,7 +162,8 @@ def mha_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
 
 def indexer_logits(q: jax.Array, weights: jax.Array, k_values: jax.Array, k_scales: jax.Array,
                    block_tables: jax.Array, seq_lens: jax.Array) -> jax.Array:
-  """Lightning-indexer scores `I[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])` over the paged K cache.
+  """Lightning-indexer scores `I[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])` over the paged K
+  cache.
 
   q [T, H, D] (e4m3 or floating; fp8 q scales belong in `weights`); weights [T, H] float32;
   k_values [NB, BS, D] (e4m3 or floating); k_scales [NB, BS] float32 (per-token dequant scale);

@@ -1,4 +1,5 @@
-"""Rotary embeddings: DeepSeek-YaRN frequencies, interleaved (GPT-J) and NeoX (half-split) styles."""
+"""Rotary embeddings: DeepSeek-YaRN frequencies, interleaved (GPT-J) and NeoX (half-split)
+styles."""
 
 from __future__ import annotations
 
@@ -86,11 +87,13 @@ class RotaryEmbedding:
     s = self.scaling
     if s is None:
       return 1.0
-    return yarn_get_mscale(s.factor, s.mscale) / yarn_get_mscale(s.factor, s.mscale_all_dim) * s.attn_factor
+    return (yarn_get_mscale(s.factor, s.mscale) / yarn_get_mscale(s.factor, s.mscale_all_dim)
+            * s.attn_factor)
 
   def cos_sin(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """positions [T] -> cos, sin [T, rotary_dim // 2] float32."""
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(self.inv_freq, jnp.float32)[None, :]
+    inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     return jnp.cos(angles) * self.cos_sin_scale, jnp.sin(angles) * self.cos_sin_scale
 
   def __call__(self, positions: jax.Array, x: jax.Array) -> jax.Array:

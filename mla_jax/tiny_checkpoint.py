@@ -68,7 +68,8 @@ def _shapes(c: dict) -> dict[str, tuple[tuple[int, ...], bool]]:
         p + "self_attn.q_a_proj.weight": ((c["q_lora_rank"], h), True),
         p + "self_attn.q_a_layernorm.weight": ((c["q_lora_rank"],), False),
         p + "self_attn.q_b_proj.weight": ((n * qk, c["q_lora_rank"]), True),
-        p + "self_attn.kv_a_proj_with_mqa.weight": ((c["kv_lora_rank"] + c["qk_rope_head_dim"], h), True),
+        p + "self_attn.kv_a_proj_with_mqa.weight": (
+            (c["kv_lora_rank"] + c["qk_rope_head_dim"], h), True),
         p + "self_attn.kv_a_layernorm.weight": ((c["kv_lora_rank"],), False),
         p + "self_attn.kv_b_proj.weight": ((n * (c["qk_nope_head_dim"] + c["v_head_dim"]),
                                             c["kv_lora_rank"]), True),
@@ -93,7 +94,8 @@ def _shapes(c: dict) -> dict[str, tuple[tuple[int, ...], bool]]:
   return out
 
 
-def write_tiny_checkpoint(path: str | pathlib.Path, variant: str = "v3", *, num_layers: int = 2, index_topk: int = 8,
+def write_tiny_checkpoint(path: str | pathlib.Path, variant: str = "v3", *, num_layers: int = 2,
+                          index_topk: int = 8,
                           num_shards: int = 2, seed: int = 0) -> dict[str, np.ndarray]:
   """Writes the checkpoint into directory `path`; returns every weight as float32, as it was
   before fp8 quantization (unquantized ones as stored, i.e. after bfloat16 rounding)."""
@@ -146,7 +148,8 @@ def _write_shards(path: pathlib.Path, tensors: dict[str, np.ndarray], num_shards
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("out_dir")
   parser.add_argument("--variant", choices=["v3", "v3.2"], default="v3")
   parser.add_argument("--layers", type=int, default=2)

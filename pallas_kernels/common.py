@@ -95,7 +95,8 @@ def default_num_kv_splits(num_tokens: int, num_head_blocks: int, max_len: int,
 def split_kv_call(kernel: Callable[..., None], q: jax.Array, others: Sequence[jax.Array], *,
                   block_h: int, splits: int, lora: int, num_warps: int, num_stages: int,
                   interpret: bool, name: str) -> tuple[jax.Array, jax.Array]:
-  """Stage 1 over the grid (head blocks, splits, tokens), then stage 2; shared by the split-KV kernels.
+  """Stage 1 over the grid (head blocks, splits, tokens), then stage 2; shared by the split-KV
+  kernels.
 
   kernel(q_ref [block_h, D], *refs of `others` whole, o_ref [block_h, lora], lse_ref [block_h]);
   q [T, Np, D] with Np a multiple of block_h. Returns o [T, Np, lora] in q.dtype and lse [T, Np].
@@ -142,9 +143,9 @@ def check_decode_shapes(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Arr
                         seq_lens: jax.Array) -> tuple[int, int, int]:
   """The decode contract's shapes, shared by every decode kernel; returns (T, D, page)."""
   if q.ndim != 3 or kv_cache.ndim != 3 or block_tables.ndim != 2 or seq_lens.ndim != 1:
-    raise ValueError(f"want q [T, N, D], kv_cache [num_blocks, page, D], block_tables [T, max_blocks], "
-                     f"seq_lens [T]; got {q.shape}, {kv_cache.shape}, {block_tables.shape}, "
-                     f"{seq_lens.shape}")
+    raise ValueError(f"want q [T, N, D], kv_cache [num_blocks, page, D], block_tables "
+                     f"[T, max_blocks], seq_lens [T]; got {q.shape}, {kv_cache.shape}, "
+                     f"{block_tables.shape}, {seq_lens.shape}")
   t, _, d = q.shape
   if block_tables.shape[0] != t or seq_lens.shape[0] != t:
     raise ValueError(f"block_tables and seq_lens need one row per query token ({t}); got "
@@ -161,9 +162,11 @@ def check_prefill_args(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: j
   if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
     raise ValueError(f"q, k, v must be [T, N, D]; got {q.shape}, {k.shape}, {v.shape}")
   if not (q.dtype == k.dtype == v.dtype) or q.dtype.name not in dtypes:
-    raise ValueError(f"q, k, v must share one dtype of {dtypes}; got {q.dtype}, {k.dtype}, {v.dtype}")
+    raise ValueError(f"q, k, v must share one dtype of {dtypes}; got {q.dtype}, {k.dtype}, "
+                     f"{v.dtype}")
   if k.shape[:2] != v.shape[:2] or q.shape[1] != k.shape[1] or q.shape[2] != k.shape[2]:
-    raise ValueError(f"need q [Tq,N,Dk], k [Tk,N,Dk], v [Tk,N,Dv]; got {q.shape}, {k.shape}, {v.shape}")
+    raise ValueError(f"need q [Tq,N,Dk], k [Tk,N,Dk], v [Tk,N,Dv]; got {q.shape}, {k.shape}, "
+                     f"{v.shape}")
   for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
     if cu.ndim != 1 or cu.shape[0] < 1 or cu.dtype != jnp.int32:
       raise ValueError(f"{name} must be int32 [R+1]; got {cu.dtype} {cu.shape}")

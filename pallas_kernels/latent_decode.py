@@ -49,10 +49,10 @@ class LatentDecodeConfig:
 
 
 _C = LatentDecodeConfig
-# The chosen configs by (largest head count it is for, page size, operand kind: "16bit", "fp8" cache,
-# or "32bit" (float32 q or cache)); the first row whose head count covers N wins, the last row per
-# page and kind takes the rest. Chosen on an H200 at B=128, S=8192, page 64; the figures and the
-# variants behind each row: benchmarks/RESULTS.md, "Latent decode (pallas_triton)".
+# The chosen configs by (largest head count it is for, page size, operand kind: "16bit", "fp8"
+# cache, or "32bit" (float32 q or cache)); the first row whose head count covers N wins, the last
+# row per page and kind takes the rest. Chosen on an H200 at B=128, S=8192, page 64; the figures
+# and the variants behind each row: benchmarks/RESULTS.md, "Latent decode (pallas_triton)".
 TUNING = (
     (16, 64, "16bit", _C(16, 64, 4, 2)),  # N=16 0.33 ms; 8 warps or 3 stages >= 6% slower (v1)
     (32, 64, "16bit", _C(32, 64, 4, 2)),  # not swept at N=32: the best block_h 32 row at N=128
@@ -126,7 +126,10 @@ def _stage1_kernel(q_ref, kv_ref, bt_ref, len_ref, *rest, scale, lora, rope, ste
 
   def body(i, carry):
     m, l, *acc = carry
-    slot, offset = (i, 0) if steps_per_page == 1 else (i // steps_per_page, i % steps_per_page * step)
+    if steps_per_page == 1:
+      slot, offset = i, 0
+    else:
+      slot, offset = i // steps_per_page, i % steps_per_page * step
     block = bt_ref[t, slot]
     block_ok = (block >= 0) & (block < num_blocks)
     block = jnp.where(block_ok, block, 0)
@@ -183,8 +186,8 @@ def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_sp
   if kv_cache.dtype.name == "float8_e4m3fn" and k_scale is None:
     raise ValueError("a float8_e4m3fn cache needs k_scale")
   if kv_cache.dtype.name == "float8_e4m3fn" and min(kv_lora_rank, rope) < 16 * _FP8_LANES:
-    raise ValueError(f"an fp8 cache is read in pairs of values, so kv_lora_rank ({kv_lora_rank}) and "
-                     f"the rope dim ({rope}) must be >= {16 * _FP8_LANES}")
+    raise ValueError(f"an fp8 cache is read in pairs of values, so kv_lora_rank ({kv_lora_rank}) "
+                     f"and the rope dim ({rope}) must be >= {16 * _FP8_LANES}")
   if k_scale is not None and jnp.ndim(k_scale) != 0:
     raise ValueError(f"k_scale must be a scalar, got shape {jnp.shape(k_scale)}")
   if num_kv_splits is not None and num_kv_splits < 1:
@@ -194,7 +197,8 @@ def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_sp
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits", "block_h",
                                              "block_n", "num_warps", "num_stages", "interpret"))
 def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
-                  *, scale: float, kv_lora_rank: int = 512, k_scale: jax.Array | float | None = None,
+                  *, scale: float, kv_lora_rank: int = 512,
+                  k_scale: jax.Array | float | None = None,
                   num_kv_splits: int | None = None, block_h: int | None = None,
                   block_n: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None,

@@ -96,7 +96,8 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, 
       cols = j * block_k + jnp.arange(block_k)  # request-local key positions [block_k]
       key_ok = cols < k_len
       # Keys past the request are zeroed, not just masked in s: p = 0 times a NaN v is NaN.
-      load = functools.partial(plgpu.load, mask=key_ok[:, None], other=0.0) if masked else plgpu.load
+      load = (functools.partial(plgpu.load, mask=key_ok[:, None], other=0.0) if masked
+              else plgpu.load)
       # dot + dot (no sum() and its leading 0): Triton folds the add into one accumulator chain.
       s = functools.reduce(operator.add, [
           dot(qp, load(k_ref.at[k_rows, h, pl.ds(off, w)]), trans_b=True)
@@ -154,8 +155,8 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
     raise ValueError(f"Dv must be a power of two >= 16; got {v.shape[2]}")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "causal", "max_seqlen_q", "block_q", "block_k",
-                                             "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "causal", "max_seqlen_q", "block_q",
+                                             "block_k", "num_warps", "num_stages", "interpret"))
 def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
                 cu_seqlens_k: jax.Array, *, scale: float, causal: bool, max_seqlen_q: int,
                 block_q: int | None = None, block_k: int | None = None,

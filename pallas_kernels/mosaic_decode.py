@@ -48,14 +48,15 @@ class MosaicDecodeConfig:
   """The kernel's fixed launch knobs (no sweep: the one config that fits; only the split count
   varies per call, see benchmarks/RESULTS.md, "Latent decode (pallas_mosaic)")."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
-  block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V (one swizzle tile)
+  block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
 
   def __post_init__(self):
     if self.block_h != 64:
       raise ValueError(f"block_h must be 64 (the M of a Hopper wgmma), got {self.block_h}")
     if self.block_n != 64:
-      raise ValueError(f"block_n must be 64 (one 128-byte swizzle tile of bf16), got {self.block_n}")
+      raise ValueError(f"block_n must be 64 (one 128-byte swizzle tile of bf16), got "
+                       f"{self.block_n}")
     if self.num_stages != 2:
       raise ValueError(f"num_stages must be 2 (what fits in shared memory beside the query tile), "
                        f"got {self.num_stages}")
@@ -296,8 +297,8 @@ def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_sp
 
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits", "interpret"))
 def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
-                  *, scale: float, kv_lora_rank: int = 512, k_scale: jax.Array | float | None = None,
-                  num_kv_splits: int | None = None,
+                  *, scale: float, kv_lora_rank: int = 512,
+                  k_scale: jax.Array | float | None = None, num_kv_splits: int | None = None,
                   interpret: bool | plgpu.InterpretGPUParams = False
                   ) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).

@@ -119,7 +119,8 @@ def _aligned_rows(q_len, q_lead):
 def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, qv_smem,
                     *rest, scale, causal, num_q_programs, block_k, ping_pong, p_in_registers):
   # GMEM: cu_q_ref, cu_k_ref [R+1] int32; tile_ref [R] int32 (request's first output tile);
-  # q_ref [Tq, N, Dk], k_ref [Tk, N, Dk], v_ref [Tk, N, Dv] bf16 (Tq, Tk multiples of 8, >= one box);
+  # q_ref [Tq, N, Dk], k_ref [Tk, N, Dk], v_ref [Tk, N, Dv] bf16 (Tq, Tk multiples of 8, >= one
+  # box);
   # o_ref [tiles*64, N, Dv] bf16 and lse_ref [N, tiles*64] f32: one 64-row slot per output tile.
   # SMEM: qv_smem [2, 64, Dv] (each compute warpgroup's query columns [0, Dv), then its output
   # staging); qr_smem [2, 64, Dk-Dv] (columns [Dv, Dk); absent when Dk == Dv); k_smem
@@ -165,7 +166,8 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
     first_row = jnp.maximum(qs - q_lead, 0)  # request-local
     if causal:
       k_end = jnp.clip(jnp.minimum(qs + _BLOCK_Q - q_lead, q_len) + diag, 0, k_len)
-      k_full = jnp.clip(first_row + 1 + diag, 0, k_len)  # keys the block's first row (hence all) sees
+      # Keys the block's first row (hence all) sees.
+      k_full = jnp.clip(first_row + 1 + diag, 0, k_len)
     else:
       k_end = k_full = k_len
     end = jnp.where(k_end > 0, lax.div(k_end + k_lead + (block_k - 1), block_k), 0)

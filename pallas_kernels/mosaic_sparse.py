@@ -41,8 +41,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import (DS_MLA_TILE, F8, LN2, LOG2E, M_INIT, default_num_kv_splits, merge_splits,
-                                   row_broadcast, sm_count, swizzled)
+from pallas_kernels.common import (DS_MLA_TILE, F8, LN2, LOG2E, M_INIT, default_num_kv_splits,
+                                   merge_splits, row_broadcast, sm_count, swizzled)
 
 _TILE_H = 64  # heads per program: the M of every Hopper wgmma
 _STEP = 64  # slots per step: N of S = Q K^T, K of P V
@@ -80,7 +80,8 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
   # Barriers: q_bar; ready [stages] (a slot holds its step's rows); consumed [stages]; p_ready,
   # p_free (the P hand-off); idx_bar [4]; fp8: staged (the staging buffer landed).
   if fp8:
-    (nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buffers, staging, stage_scales, p_smem, row_smem, idx_smem, q_bar, ready, consumed, p_ready, p_free, idx_bar, staged) = rest
+    (nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buffers, staging, stage_scales, p_smem,
+     row_smem, idx_smem, q_bar, ready, consumed, p_ready, p_free, idx_bar, staged) = rest
     kv_ref = None
     (stage_nope, stage_rope), *raw = staging
     nope_raw, rope_raw = raw[0] if raw else (None, None)
@@ -350,7 +351,8 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
             (swizzled((_VALUE_WGS, _TILE_H, lora // _VALUE_WGS), out_dtype),
              plgpu.SMEM((_TILE_H,), jnp.float32))]
   if not fp8 and not interpret:
-    groups.append((plgpu.SMEM((_TILE_H, d), q.dtype), _raw((stages, chunks, _STEP, _COLS), q.dtype)))
+    groups.append((plgpu.SMEM((_TILE_H, d), q.dtype),
+                   _raw((stages, chunks, _STEP, _COLS), q.dtype)))
   scratch = [plgpu.RefUnion(*groups)]
   if fp8:
     nope, rope, tile_scales = cache_args
@@ -381,7 +383,8 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
       out_type=(jax.ShapeDtypeStruct((t, splits, np_, lora), out_dtype),
                 jax.ShapeDtypeStruct((t, splits, np_), jnp.float32)),
       scratch_types=tuple(scratch),
-      grid=(head_tiles, splits, t),  # head tiles fastest: programs gathering the same rows meet in L2
+      # Head tiles fastest: programs gathering the same rows meet in L2.
+      grid=(head_tiles, splits, t),
       grid_names=("heads", "splits", "tokens"),
       num_threads=_VALUE_WGS + 1,
       thread_name="wg",
@@ -436,7 +439,8 @@ def sparse_attention_fp8_ds_mla(q, nope, tile_scales, rope, slots, *, scale, num
 
   q [T, N, L+R] bf16; nope [num_blocks, page, L] float8_e4m3fn; tile_scales [num_blocks, page,
   L/128] float32 (row value = nope * its tile's scale, a power of two); rope [num_blocks, page, R]
-  bfloat16; slots and options as in `sparse_attention`. Returns o [T, N, L] bf16 and lse [T, N] float32.
+  bfloat16; slots and options as in `sparse_attention`. Returns o [T, N, L] bf16 and lse [T, N]
+  float32.
   """
   nb, page, lora = nope.shape
   _check(q, slots, lora, num_splits)

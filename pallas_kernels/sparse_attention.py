@@ -268,9 +268,9 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   """Sparse MLA over an fp8_ds_mla cache, dequantized in the kernel.
 
   q [T, N, L+R] bf16/f16/f32; nope [num_blocks, page, L] float8_e4m3fn; tile_scales
-  [num_blocks, page, L/128] float32 (row value = nope * its tile's scale); rope [num_blocks, page, R]
-  bfloat16; slots and the tuning overrides as in `sparse_attention`. Returns o [T, N, L] in q.dtype
-  and lse [T, N] float32.
+  [num_blocks, page, L/128] float32 (row value = nope * its tile's scale); rope
+  [num_blocks, page, R] bfloat16; slots and the tuning overrides as in `sparse_attention`. Returns
+  o [T, N, L] in q.dtype and lse [T, N] float32.
   """
   nb, page, lora = nope.shape
   rope_dim = rope.shape[-1]
