@@ -57,6 +57,15 @@ def check_at_least(name: str, value: int, minimum: int) -> None:
     raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
+def check_triton_config(config: object, blocks: Sequence[str]) -> None:
+  """A Pallas-Triton tuning config's checks: the `blocks` fields powers of two >= 16 (Triton's
+  smallest dot), num_warps a power of two, num_stages >= 1."""
+  for name in blocks:
+    check_pow2(name, getattr(config, name), 16)
+  check_pow2("num_warps", config.num_warps)
+  check_at_least("num_stages", config.num_stages, 1)
+
+
 def _is_int(value: object) -> bool:
   try:
     operator.index(value)

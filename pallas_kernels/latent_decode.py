@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import (FLOAT_DTYPES, LATENT_CACHE_DTYPES, LN2, LOG2E, M_INIT,
-                                   check_at_least, check_decode_shapes, check_pow2,
+                                   check_decode_shapes, check_triton_config,
                                    default_num_kv_splits, is_pow2, sm_count, split_kv_call,
                                    with_overrides)
 
@@ -42,10 +42,7 @@ class LatentDecodeConfig:
   num_stages: int
 
   def __post_init__(self):
-    check_pow2("block_h", self.block_h, 16)
-    check_pow2("block_n", self.block_n, 16)
-    check_pow2("num_warps", self.num_warps)
-    check_at_least("num_stages", self.num_stages, 1)
+    check_triton_config(self, ("block_h", "block_n"))
 
 
 _C = LatentDecodeConfig

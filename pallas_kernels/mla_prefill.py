@@ -21,8 +21,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import (FLOAT_DTYPES, LN2, LOG2E, check_at_least, check_pow2,
-                                   check_prefill_args, is_pow2, with_overrides)
+from pallas_kernels.common import (FLOAT_DTYPES, LN2, LOG2E, check_prefill_args,
+                                   check_triton_config, is_pow2, with_overrides)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,10 +34,7 @@ class MlaPrefillConfig:
   num_stages: int
 
   def __post_init__(self):
-    check_pow2("block_q", self.block_q, 16)
-    check_pow2("block_k", self.block_k, 16)
-    check_pow2("num_warps", self.num_warps)
-    check_at_least("num_stages", self.num_stages, 1)
+    check_triton_config(self, ("block_q", "block_k"))
 
 
 # The chosen configs by (Dk, Dv, itemsize); others take FALLBACK. Figures and the variants behind

@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import (DS_MLA_TILE, F8, FLOAT_DTYPES, LATENT_CACHE_DTYPES, LN2, LOG2E,
-                                   M_INIT, MAX_FP8_ELEMENTS, check_at_least, check_pow2,
+                                   M_INIT, MAX_FP8_ELEMENTS, check_triton_config,
                                    default_num_kv_splits, is_pow2, sm_count, split_kv_call,
                                    with_overrides)
 
@@ -44,10 +44,7 @@ class SparseAttentionConfig:
   num_stages: int
 
   def __post_init__(self):
-    check_pow2("block_h", self.block_h, 16)
-    check_pow2("block_k", self.block_k, 16)
-    check_pow2("num_warps", self.num_warps)
-    check_at_least("num_stages", self.num_stages, 1)
+    check_triton_config(self, ("block_h", "block_k"))
 
 
 _C = SparseAttentionConfig
