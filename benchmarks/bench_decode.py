@@ -45,7 +45,8 @@ def input_sets(batch, heads, seq, page, dtype, num_sets):
 
 
 def ref_fn(k_scale):
-  return jax.jit(lambda q, c, t, s: reference.latent_decode(q, c, t, s, scale=SCALE, k_scale=k_scale))
+  return jax.jit(lambda q, c, t, s: reference.latent_decode(q, c, t, s, scale=SCALE,
+                                                            k_scale=k_scale))
 
 
 def run_case(args, batch, heads, seq, dtype_name):
@@ -133,7 +134,8 @@ def main(argv=None):
   if args.quick:
     args.batch, args.seq = [128], [4096, 32768]
   rows = []
-  for batch, heads, seq, dtype_name in itertools.product(args.batch, args.heads, args.seq, args.dtype):
+  for batch, heads, seq, dtype_name in itertools.product(args.batch, args.heads, args.seq,
+                                                         args.dtype):
     rows += run_case(args, batch, heads, seq, dtype_name)
   print(write_results(rows, "decode_sweep" if args.sweep else "decode", args.out))
 

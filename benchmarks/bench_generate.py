@@ -23,9 +23,12 @@ within that many seconds are listed as skipped. Prints each row as it comes, the
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,33 +38,34 @@ from flax import nnx
 from benchmarks.common import make_parser, rates, require_gpu, time_steps, write_results
 from mla_jax.config import MLAConfig
 from mla_jax.metadata import RequestState, build_metadata
-from mla_jax.model import (DEFAULT_STEPS_PER_DISPATCH, DecoderConfig, DeepseekForCausalLM, decode,
-                           prefill)
+from mla_jax.model import (DEFAULT_STEPS_PER_DISPATCH, DecoderConfig, DeepseekForCausalLM,
+                           PrefilledBatch, decode, prefill)
 from mla_jax.modules import jitted_step
 
 PRESETS = {"v3": "DeepSeek-V3", "v3.2": "DeepSeek-V3.2"}
 VOCAB, INTERMEDIATE, PAGE = 129280, 18432, 64
 
 
-def make_model(variant, layers, backend):
+def make_model(variant: str, layers: int, backend: str | None) -> DeepseekForCausalLM:
   config = DecoderConfig(MLAConfig.preset(PRESETS[variant]), VOCAB, layers, INTERMEDIATE)
   return DeepseekForCausalLM(config, backend=backend, dtype=jnp.bfloat16,
                              param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
 
 
-def wall(fn):
+def wall(fn: Callable[[], Any]) -> tuple[float, Any]:
   """(seconds, result) of fn() with its device work drained."""
   start = time.perf_counter()
   out = jax.block_until_ready(fn())
   return time.perf_counter() - start, out
 
 
-def fresh(batch):
+def fresh(batch: PrefilledBatch) -> PrefilledBatch:
   """A copy of a prefilled batch (decode consumes the caches it is given)."""
   return dataclasses.replace(batch, caches=jax.tree.map(jnp.copy, batch.caches))
 
 
-def step_ms(model, batch, seq, iters, repeats):
+def step_ms(model: DeepseekForCausalLM, batch: PrefilledBatch, seq: int, iters: int,
+            repeats: int) -> float:
   """Median ms of the jitted decode step, `iters` back to back, every request at `seq` tokens."""
   tables = np.asarray(batch.state.block_tables)
   md, _ = build_metadata([RequestState(seq - 1, 1, tables[i][tables[i] >= 0])
@@ -72,7 +76,7 @@ def step_ms(model, batch, seq, iters, repeats):
   return time_steps(jitted_step(model), tokens, caches, md, iters=iters, repeats=repeats)
 
 
-def step_bytes(model, batch_size, seq):
+def step_bytes(model: DeepseekForCausalLM, batch_size: int, seq: int) -> int:
   """Bytes one decode step must read: every weight but the embedding table, and the caches."""
   params = nnx.state(model, nnx.Param)
   weights = sum(x.nbytes for x in jax.tree.leaves(params)) - model.embed_tokens.embedding.nbytes
@@ -80,7 +84,8 @@ def step_bytes(model, batch_size, seq):
   return weights + model.config.num_layers * batch_size * seq * c.latent_dim * 2
 
 
-def run_case(args, variant, model, batch_size):
+def run_case(args: argparse.Namespace, variant: str, model: DeepseekForCausalLM,
+             batch_size: int) -> dict[str, Any]:
   rng = np.random.default_rng(batch_size)
   prompts = rng.integers(0, VOCAB, (batch_size, args.prompt)).tolist()
   start = lambda: prefill(model, prompts, args.new, block_size=PAGE)
@@ -109,7 +114,7 @@ def run_case(args, variant, model, batch_size):
   return row
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> None:
   parser = make_parser("benchmarks.bench_generate", __doc__)
   parser.add_argument("--variant", nargs="+", default=["v3", "v3.2"], choices=sorted(PRESETS),
                       help="model shapes (default: both)")

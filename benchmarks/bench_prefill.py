@@ -12,8 +12,8 @@ kernel at its tuned configuration); rivals, each timed as a backend would call i
 Mosaic columns: "mosaic ms", "mosaic TFLOP/s", "triton/mosaic" (> 1: Mosaic is faster) and the
 largest difference of its output from the Triton kernel's; a compile or run failure is recorded in
 "mosaic error" and the row goes on.
-`--sweep` times the Triton kernel's (block_q, block_k, num_warps, num_stages) variants and the Mosaic
-kernel's (block_k, num_stages, ping_pong) ones instead.
+`--sweep` times the Triton kernel's (block_q, block_k, num_warps, num_stages) variants and the
+Mosaic kernel's (block_k, num_stages, ping_pong) ones instead.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def backend_fn(seq, name="pallas_triton"):
 
 
 def xla_fn():
-  return jax.jit(lambda q, k, v, cu: reference.mha_prefill(q, k, v, cu, cu, scale=SCALE, causal=True))
+  return jax.jit(lambda q, k, v, cu: reference.mha_prefill(q, k, v, cu, cu, scale=SCALE,
+                                                           causal=True))
 
 
 def cudnn_fn(batch, seq):
@@ -85,7 +86,8 @@ def sdpa_ms(sets, batch, seq, iters, repeats):
     return t.reshape(batch, seq, *t.shape[1:]).transpose(1, 2)
 
   tsets = [[to_torch(x) for x in s[:3]] for s in sets]
-  call = lambda i: F.scaled_dot_product_attention(*tsets[i % len(tsets)], is_causal=True, scale=SCALE)
+  call = lambda i: F.scaled_dot_product_attention(*tsets[i % len(tsets)], is_causal=True,
+                                                  scale=SCALE)
   for i in range(3):
     call(i)
   samples = []

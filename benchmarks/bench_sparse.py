@@ -55,16 +55,12 @@ DECODE_CACHE_TOKENS = 1 << 20
 # Variants --sweep times, as keyword arguments of the kernels' jit entries.
 SWEEPS = {
     "sparse": [dataclasses.asdict(config) for config in pallas_sparse.SWEEP],
-    "indexer": [dict(block_n=n, chunk=c, num_warps=w, num_stages=s) for n, c, w, s in
-                [(128, 2048, 4, 2), (128, 2048, 4, 1), (128, 2048, 4, 3), (128, 2048, 8, 2),
-                 (64, 2048, 4, 2), (128, 4096, 4, 2), (128, 1024, 4, 2), (256, 2048, 8, 2)]],
+    "indexer": [dataclasses.asdict(config) for config in pallas_indexer.SWEEP],
     # pallas_mosaic's indexer: rows, positions and ring slots per program, at T=2048 over 32K
     # (rows=4, one request) and at T=128 over 128K (rows=1, a request per row).
-    "mosaic_indexer": [dict(rows=4, chunk=c, stages=s) for c, s in
-                       [(2048, 4), (4096, 4), (2048, 2), (2048, 8), (4096, 8)]]
-                      + [dict(rows=1, chunk=4096, stages=s) for s in (4, 2, 6)],
-    "topk": [dict(chunk=c, num_warps=w, num_stages=s) for c, w, s in
-             [(2048, 8, 1), (1024, 8, 1), (4096, 8, 1), (2048, 4, 1), (2048, 16, 1), (2048, 8, 2)]],
+    "mosaic_indexer": [dict(rows=rows, chunk=config.chunk, stages=config.stages)
+                       for rows, config in pallas_mosaic_indexer.SWEEP],
+    "topk": [dataclasses.asdict(config) for config in pallas_topk.SWEEP],
 }
 PREFILL_CONTEXT = 32768
 K_TOKEN_BYTES = D + 4
@@ -178,7 +174,8 @@ def run_step(args, t=128, context=32768):
     q_idx, w, kv, ks, tables, lens = indexer_inputs(t, context, True, jax.random.key(410 + i))
     q = jax.random.normal(jax.random.key(420 + i), (t, 128, L + R), jnp.bfloat16)
     sets.append((q_idx, w, kv, ks, tables, lens, q, latent))
-  case_bytes = t * context * K_TOKEN_BYTES + 2 * t * context * 4 + t * TOPK * ROW_BYTES["fp8_ds_mla"]
+  case_bytes = (t * context * K_TOKEN_BYTES + 2 * t * context * 4
+                + t * TOPK * ROW_BYTES["fp8_ds_mla"])
   flops = 2 * H * D * t * context + 2 * t * 128 * TOPK * (L + R + L)
 
   def fn(be):
@@ -228,7 +225,8 @@ def run_sweep(args):
           fn = lambda q, c, s, cfg=cfg: pallas_sparse.sparse_attention_fp8_ds_mla(
               q, c.nope, c.tile_scales, c.rope, s, scale=SCALE, **cfg)
         timed({**case_row("sparse", t, n=n, context=DECODE_CACHE_TOKENS, cache=kind), **cfg}, fn,
-              sets, t * TOPK * ROW_BYTES[kind] + t * n * (L + R + L) * 2, 2 * t * n * TOPK * (L + R + L))
+              sets, t * TOPK * ROW_BYTES[kind] + t * n * (L + R + L) * 2,
+              2 * t * n * TOPK * (L + R + L))
       del cache, sets
   if "indexer" in args.parts:
     t, context = 2048, 32768
@@ -283,7 +281,8 @@ def main(argv=None):
   parser.add_argument("--parts", nargs="+", default=["sparse", "indexer", "topk", "step"],
                       choices=["sparse", "indexer", "topk", "step"], help="what to time (above)")
   parser.add_argument("--quick", action="store_true", help="T=128 cases, 128-row top-k, the step")
-  parser.add_argument("--sparse-t", type=int, nargs="+", help="sparse cases' T (default 64 128 4096)")
+  parser.add_argument("--sparse-t", type=int, nargs="+",
+                      help="sparse cases' T (default 64 128 4096)")
   parser.add_argument("--sweep", action="store_true", help="time each kernel's tuning variants")
   parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference")
   parser.add_argument("--iters", type=int, default=20, help="back-to-back calls per timing")

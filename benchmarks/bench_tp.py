@@ -1,4 +1,4 @@
-"""The MLA layer over 2 GPUs: equality with one GPU, then decode throughput of TP=2 (and DCP=2) vs 1.
+"""The MLA layer over 2 GPUs: equality with one GPU, then decode throughput of TP=2 (DCP=2) vs 1.
 
 For the 2-GPU machine (kind nvidia-h200-x2). DeepSeek-V3 layer shapes (hidden 7168, N=128,
 Lq 1536, L 512, R 64), page 64; the backend is pallas_triton when registered, else the reference.
@@ -64,10 +64,12 @@ def check_prefill_decode(backend):
     md, layout = build_metadata([RequestState(done[i], q, tables[i]) for i, q in enumerate(q_lens)],
                                 block_size=PAGE, num_blocks=SMALL_BLOCKS,
                                 max_blocks_per_seq=SMALL_TABLE, context_workspace=32)
-    x = layout.pack([rng.standard_normal((q, CONFIG.hidden_size)).astype(np.float32) for q in q_lens])
+    x = layout.pack([rng.standard_normal((q, CONFIG.hidden_size)).astype(np.float32)
+                     for q in q_lens])
     steps.append((jnp.asarray(x), md))
     done = [d + q for d, q in zip(done, q_lens)]
-  nan_cache = LatentCache(jnp.full((SMALL_BLOCKS, PAGE, CONFIG.latent_dim), jnp.nan), jnp.float32(1))
+  nan_cache = LatentCache(jnp.full((SMALL_BLOCKS, PAGE, CONFIG.latent_dim), jnp.nan),
+                          jnp.float32(1))
   results = {}
   with jax.default_matmul_precision("highest"):
     for name, mesh_kw in MESHES.items():

@@ -39,7 +39,8 @@ class DecodeState:
   key: jax.Array | None  # the sampling key (None for greedy)
 
 
-def decode_metadata(state: DecodeState, *, block_size: int, within_topk: bool = False):
+def decode_metadata(state: DecodeState, *, block_size: int,
+                    within_topk: bool = False) -> AttentionMetadata:
   """The `AttentionMetadata` of the next step, computed from `state` (traceable). Inactive rows
   are padding: slot -1 (nothing written) and 0 tokens seen."""
   live = state.active
@@ -58,7 +59,7 @@ def decode_metadata(state: DecodeState, *, block_size: int, within_topk: bool = 
       within_topk=within_topk)
 
 
-def advance(state: DecodeState, new_tokens) -> DecodeState:
+def advance(state: DecodeState, new_tokens: jax.Array) -> DecodeState:
   """The state after the active rows emitted `new_tokens` [R]."""
   live = state.active
   finished = (new_tokens == state.stop_token) | (state.remaining <= 1)
@@ -70,9 +71,10 @@ def advance(state: DecodeState, new_tokens) -> DecodeState:
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2,
                    static_argnames=("max_steps", "block_size", "sampling", "within_topk",
                                     "return_logits"))
-def decode_steps(graphdef, params, caches, state: DecodeState, num_steps, *, max_steps: int,
-                 block_size: int, sampling: SamplingParams, within_topk: bool = False,
-                 return_logits: bool = False):
+def decode_steps(graphdef: nnx.GraphDef, params: nnx.State, caches: tuple, state: DecodeState,
+                 num_steps: jax.Array | int, *, max_steps: int, block_size: int,
+                 sampling: SamplingParams, within_topk: bool = False, return_logits: bool = False
+                 ) -> tuple[jax.Array, jax.Array | None, tuple, DecodeState]:
   """Up to `num_steps` (traced, <= max_steps) decode steps of the model `nnx.merge(graphdef,
   params)`, fewer when every row finishes. Returns (tokens [max_steps, R] int32, -1 where a row
   emitted nothing; float32 logits [max_steps, R, vocab] or None; the caches; the state)."""

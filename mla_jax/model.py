@@ -334,8 +334,9 @@ class PrefilledBatch:
 
 
 def prefill(model: DeepseekForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-            block_size: int = 16, num_blocks: int | None = None, cache_dtype=None,
-            stop_token_id: int | None = None, sampling: SamplingParams | None = None, key=None,
+            block_size: int = 16, num_blocks: int | None = None,
+            cache_dtype: DTypeLike | None = None, stop_token_id: int | None = None,
+            sampling: SamplingParams | None = None, key: jax.Array | None = None,
             return_logits: bool = False) -> PrefilledBatch:
   """One prefill step over every prompt, with fresh caches sized for `max_new_tokens` more tokens
   per request, and the first new token chosen. Arguments as in `generate`."""
@@ -380,7 +381,8 @@ def prefill(model: DeepseekForCausalLM, prompts: Sequence[Sequence[int]], max_ne
 
 
 def decode(model: DeepseekForCausalLM, batch: PrefilledBatch, *,
-           steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH, progress: bool = False):
+           steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH, progress: bool = False
+           ) -> list[list[int]] | tuple[list[list[int]], list[np.ndarray]]:
   """Generates a prefilled batch to the end (consuming its caches): `steps_per_dispatch` decode
   steps per jitted call, their metadata advanced on the device, the host reading the chosen ids
   of one call while the device runs the next. Returns as `generate` does."""
@@ -440,10 +442,12 @@ def decode(model: DeepseekForCausalLM, batch: PrefilledBatch, *,
 
 
 def generate(model: DeepseekForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-             block_size: int = 16, num_blocks: int | None = None, cache_dtype=None,
-             stop_token_id: int | None = None, progress: bool = False, return_logits: bool = False,
-             sampling: SamplingParams | None = None, key=None,
-             steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH):
+             block_size: int = 16, num_blocks: int | None = None,
+             cache_dtype: DTypeLike | None = None, stop_token_id: int | None = None,
+             progress: bool = False, return_logits: bool = False,
+             sampling: SamplingParams | None = None, key: jax.Array | None = None,
+             steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH
+             ) -> list[list[int]] | tuple[list[list[int]], list[np.ndarray]]:
   """Generates from a batch of prompts (token id lists, any lengths): `prefill`, then `decode`.
 
   One prefill step for every prompt, then decode steps that run on the device,

@@ -43,7 +43,7 @@ class SamplingParams:
 GREEDY = SamplingParams()
 
 
-def candidates(logits, params: SamplingParams):
+def candidates(logits: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
   """logits [B, V] float32 -> (scaled logits [B, C], -inf where filtered out; their token ids
   [B, C]). C is top_k when set, else V (sorted descending when top_p needs the order)."""
   logits = logits / params.temperature
@@ -61,13 +61,14 @@ def candidates(logits, params: SamplingParams):
   return values, ids.astype(jnp.int32)
 
 
-def row_keys(key, step, num_rows: int):
+def row_keys(key: jax.Array, step: jax.Array | int, num_rows: int) -> jax.Array:
   """The key of each row [B] at decode step `step` (a traced scalar)."""
   step_key = jax.random.fold_in(key, step)
   return jax.vmap(lambda r: jax.random.fold_in(step_key, r))(jnp.arange(num_rows))
 
 
-def sample(logits, params: SamplingParams, key=None, step=0):
+def sample(logits: jax.Array, params: SamplingParams, key: jax.Array | None = None,
+           step: jax.Array | int = 0) -> jax.Array:
   """logits [B, V] -> token ids [B] int32. `key` (a jax.random key) is needed unless greedy;
   `step` (may be traced) says which token of the requests this is."""
   if params.greedy:

@@ -1,10 +1,10 @@
 """V3.2 lightning-indexer logits for GPUs, in Pallas lowered through Triton.
 
 `I[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s] * k_scale[s])` over the paged indexer K cache, for
-every position s of row t's block table (SPEC 6). One program per (row, chunk of positions); it walks
-its chunk block_n positions at a time: looks each position's page up in the row's table, gathers
-the key rows from the flattened cache by index vectors, and scores them with one [H, D] x [D,
-block_n] product. Positions past the row's window, and positions on -1 / out-of-range pages, are
+every position s of row t's block table (SPEC 6). One program per (row, chunk of positions); it
+walks its chunk block_n positions at a time: looks each position's page up in the row's table,
+gathers the key rows from the flattened cache by index vectors, and scores them with one [H, D] x
+[D, block_n] product. Positions past the row's window, and positions on -1 / out-of-range pages, are
 masked (their index clamped to 0, never read) and come out -inf; whole steps past the window are
 not computed at all, only filled with -inf.
 
@@ -17,6 +17,7 @@ takes wgmma. Which is faster is for the benchmark to say. Pure arrays in and out
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -25,16 +26,34 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import F8, MAX_FP8_ELEMENTS, check_indexer_args, is_pow2, next_pow2
+from pallas_kernels.common import (F8, MAX_FP8_ELEMENTS, check_indexer_args, check_triton_config,
+                                   is_pow2, next_pow2)
 
 _DTYPES = ("float8_e4m3fn", "bfloat16", "float16", "float32")
 
-# (block_n, chunk, num_warps, num_stages). 128 keys per product keep the [H, block_n] float32
-# scores at 64 registers a thread for H=64 on 4 warps (sm_90: 183 registers, no spills); 2048
-# positions per program give T=128 at 32K context 2048 programs (~16 per SM) while amortizing the q
-# load. H200 sweep at T=2048 over 32K (benchmarks/RESULTS.md): 2 stages 282 TFLOP/s, 3 or 4 stages
-# 238-242, 8 warps 124, 64-key products 170, chunks of 1024-4096 within 2%.
-_DEFAULT_CONFIG = (128, 2048, 4, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerConfig:
+  """Launch knobs of one call; the field names are the jit entry's keyword arguments."""
+  block_n: int  # positions per product (short spans take the next power of two >= 16)
+  chunk: int  # positions per program
+  num_warps: int
+  num_stages: int
+
+  def __post_init__(self):
+    check_triton_config(self, ("block_n", "chunk"))
+    if self.block_n > self.chunk:
+      raise ValueError(f"block_n ({self.block_n}) must not exceed chunk ({self.chunk})")
+
+
+# The chosen config: 128-key products keep the scores at 64 registers a thread for H=64 on 4 warps
+# (no spills); the H200 sweep behind it: benchmarks/RESULTS.md, "DSA kernels (pallas_triton)".
+DEFAULT = IndexerConfig(128, 2048, 4, 2)  # T=2048 over 32K: 282 TFLOP/s
+# The sweep space: the variants `benchmarks/bench_sparse.py --sweep` times.
+SWEEP = tuple(IndexerConfig(*v) for v in [
+    (128, 2048, 4, 2), (128, 2048, 4, 1), (128, 2048, 4, 3), (128, 2048, 8, 2), (64, 2048, 4, 2),
+    (128, 4096, 4, 2), (128, 1024, 4, 2), (256, 2048, 8, 2)])
 
 
 def _kernel(q_ref, w_ref, k_ref, ks_ref, bt_ref, len_ref, o_ref, *, block_n, page, dot_dtype):
@@ -78,8 +97,11 @@ def _kernel(q_ref, w_ref, k_ref, ks_ref, bt_ref, len_ref, o_ref, *, block_n, pag
 
 @functools.partial(jax.jit, static_argnames=("block_n", "chunk", "num_warps", "num_stages",
                                              "widen_fp8", "interpret"))
-def indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens, *, block_n=None,
-                   chunk=None, num_warps=None, num_stages=None, widen_fp8=False, interpret=False):
+def indexer_logits(q: jax.Array, weights: jax.Array, k_values: jax.Array, k_scales: jax.Array,
+                   block_tables: jax.Array, seq_lens: jax.Array, *, block_n: int | None = None,
+                   chunk: int | None = None, num_warps: int | None = None,
+                   num_stages: int | None = None, widen_fp8: bool = False,
+                   interpret: bool = False) -> jax.Array:
   """Indexer logits over a paged K cache (semantics of `mla_jax.reference.indexer_logits`).
 
   q [T, H, D] e4m3 or bf16/f16/f32 (fp8 q scales belong in `weights`); weights [T, H] float32;
@@ -105,9 +127,8 @@ def indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens, *, bl
     if v is not None and not (is_pow2(v) and v >= 16):
       raise ValueError(f"{name} must be a power of two >= 16, got {v}")
   span = block_tables.shape[1] * page
-  cfg_n, cfg_chunk, cfg_warps, cfg_stages = _DEFAULT_CONFIG
-  block_n = block_n or min(cfg_n, max(16, next_pow2(span)))
-  chunk = chunk or max(block_n, min(cfg_chunk, next_pow2(span)))
+  block_n = block_n or min(DEFAULT.block_n, max(16, next_pow2(span)))
+  chunk = chunk or max(block_n, min(DEFAULT.chunk, next_pow2(span)))
   if block_n > chunk:
     raise ValueError(f"block_n ({block_n}) must not exceed chunk ({chunk})")
   if t == 0 or span == 0:  # Triton cannot take a zero-sized grid
@@ -136,8 +157,8 @@ def indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens, *, bl
                 whole(k_flat), whole(ks_flat), whole(block_tables), whole(seq_lens)],
       out_specs=pl.BlockSpec((None, chunk), lambda i, c: (i, c)),
       out_shape=jax.ShapeDtypeStruct((t, num_chunks * chunk), jnp.float32),
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps or cfg_warps,
-                                           num_stages=num_stages or cfg_stages),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps or DEFAULT.num_warps,
+                                           num_stages=num_stages or DEFAULT.num_stages),
       interpret=interpret,
       name=f"indexer_logits_n{block_n}_c{chunk}",
   )(q, weights, k_flat, ks_flat, block_tables, seq_lens)

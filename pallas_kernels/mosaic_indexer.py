@@ -32,6 +32,7 @@ for CUDA, which also runs on a CPU, checks wgmma operand layouts, bulk-copy boxe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -40,7 +41,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import F8, check_indexer_args, feed_ring, is_pow2, next_pow2, swizzled
+from pallas_kernels.common import (F8, check_at_least, check_indexer_args, check_pow2, feed_ring,
+                                   is_pow2, next_pow2, swizzled)
 
 HEADS = 64  # heads per row a group's product holds (fewer are padded with zero weights)
 HEAD_DIM = 128  # one 128-byte swizzle row of e4m3: the K of every wgmma
@@ -49,15 +51,36 @@ _TILE = 64
 _COMPUTE_WGS = 2
 _CONSUMER_REGS = 232  # 2 x 232 + 40 (memory warpgroup) registers x 128 threads fit the 64K file
 _MEMORY_REGS = 40
-# rows -> (block_k, chunk, stages): positions per step and per program, slots in the ring (even,
-# so that slot s is always consumed by warpgroup s % 2). block_k * rows = 256: the [block_k,
-# rows * 64] float32 accumulator is 128 registers a thread. H200 sweeps (benchmarks/RESULTS.md,
-# "DSA selection (pallas_mosaic)"): rows=4 at T=2048 over 32K is flat in chunk (2048-8192) and
-# stages (2-8), 1.51-1.53 ms: bound by the products and epilogues, not by key loads; rows=1 at
-# T=128 over 128K, which streams keys from HBM, wants the deepest ring that fits (2 slots 0.660
-# ms, 4 slots 0.600, 6 slots 0.562: 4.06 TB/s).
-_CONFIGS = {4: (64, 2048, 4), 1: (256, 4096, 6)}
 _GROUP_ROWS = 4  # rows per group when they share tables
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicIndexerConfig:
+  """Launch knobs of one variant; chunk and stages are the jit entry's keyword overrides."""
+  block_k: int  # positions per step; block_k * rows = 256 keeps the accumulator at 128 registers
+  chunk: int  # positions per program
+  stages: int  # slots in the key ring, even: slot s is always consumed by warpgroup s % 2
+
+  def __post_init__(self):
+    check_pow2("block_k", self.block_k, _TILE)
+    check_pow2("chunk", self.chunk, max(256, self.block_k))
+    check_at_least("stages", self.stages, 2)
+    if self.stages % 2:
+      raise ValueError(f"stages must be even, got {self.stages}")
+
+
+_C = MosaicIndexerConfig
+# The chosen config per rows (rows of a program); the H200 sweeps behind them:
+# benchmarks/RESULTS.md, "DSA selection (pallas_mosaic indexer logits; top-k theta per row)".
+TUNING = {
+    4: _C(64, 2048, 4),  # T=2048 over 32K: flat in chunk and stages (bound by the products)
+    1: _C(256, 4096, 6),  # T=128 over 128K streams keys: the deepest ring that fits, 4.06 TB/s
+}
+# The sweep space, (rows, config): the variants `benchmarks/bench_sparse.py --sweep` times.
+SWEEP = (
+    *((4, _C(64, c, s)) for c, s in [(2048, 4), (4096, 4), (2048, 2), (2048, 8), (4096, 8)]),
+    *((1, _C(256, 4096, s)) for s in (4, 2, 6)),
+)
 
 
 def _kernel(q_ref, w_ref, k_ref, ks_ref, bt_ref, len_ref, o_ref, q_smem, w_smem, k_smem, ks_smem,
@@ -162,7 +185,7 @@ def _kernel(q_ref, w_ref, k_ref, ks_ref, bt_ref, len_ref, o_ref, q_smem, w_smem,
     feed_ring(n, stages, consumed, fetch)
 
 
-def fits(q, k_values) -> bool:
+def fits(q: jax.Array, k_values: jax.Array) -> bool:
   """Whether the kernel takes these operands (the others go to the Pallas-Triton kernel)."""
   return (q.ndim == 3 and k_values.ndim == 3 and q.dtype == F8 and k_values.dtype == F8
           and q.shape[1] <= HEADS and q.shape[2] == HEAD_DIM == k_values.shape[2]
@@ -180,8 +203,8 @@ def _check(q, weights, k_values, k_scales, block_tables, seq_lens, rows, chunk, 
   if k_values.shape[1] % PAGE_MULTIPLE:
     raise ValueError(f"page size must be a multiple of {PAGE_MULTIPLE} (the bulk-copy tile), got "
                      f"{k_values.shape[1]}")
-  if rows is not None and rows not in _CONFIGS:
-    raise ValueError(f"rows must be one of {sorted(_CONFIGS)} or None, got {rows}")
+  if rows is not None and rows not in TUNING:
+    raise ValueError(f"rows must be one of {sorted(TUNING)} or None, got {rows}")
   if chunk is not None and not (is_pow2(chunk) and chunk >= 256):
     raise ValueError(f"chunk must be a power of two >= 256, got {chunk}")
   if stages is not None and not (stages >= 2 and stages % 2 == 0):
@@ -194,9 +217,9 @@ def _call(q, weights, k_values, k_scales, block_tables, seq_lens, *, rows, chunk
   t = q.shape[0]
   nb, page, d = k_values.shape
   span = block_tables.shape[1] * page
-  block_k, cfg_chunk, cfg_stages = _CONFIGS[rows]
-  stages = stages or cfg_stages
-  chunk = max(block_k, min(chunk or cfg_chunk, next_pow2(span)))
+  tuned = TUNING[rows]
+  block_k, stages = tuned.block_k, stages or tuned.stages
+  chunk = max(block_k, min(chunk or tuned.chunk, next_pow2(span)))
   width = pl.cdiv(span, chunk) * chunk
   tp = pl.cdiv(t, rows) * rows
   if tp != t:  # padded rows see nothing; their table repeats the last row's (groups share one)
@@ -231,7 +254,7 @@ def _call(q, weights, k_values, k_scales, block_tables, seq_lens, *, rows, chunk
   )(q.reshape(tp * HEADS, d), weights, k_values, k_scales, block_tables, seq_lens)
 
 
-def groups_share_tables(block_tables, rows=_GROUP_ROWS):
+def groups_share_tables(block_tables: jax.Array, rows: int = _GROUP_ROWS) -> jax.Array:
   """Traced bool: every group of `rows` consecutive rows (the last one padded with its last row)
   has one block table."""
   t = block_tables.shape[0]
@@ -242,8 +265,10 @@ def groups_share_tables(block_tables, rows=_GROUP_ROWS):
 
 
 @functools.partial(jax.jit, static_argnames=("rows", "chunk", "stages", "interpret"))
-def indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens, *, rows=None,
-                   chunk=None, stages=None, interpret=False):
+def indexer_logits(q: jax.Array, weights: jax.Array, k_values: jax.Array, k_scales: jax.Array,
+                   block_tables: jax.Array, seq_lens: jax.Array, *, rows: int | None = None,
+                   chunk: int | None = None, stages: int | None = None,
+                   interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
   """Indexer logits over a paged fp8 K cache (semantics of `mla_jax.reference.indexer_logits`).
 
   q [T, H, 128] e4m3 with H <= 64 (fp8 q scales belong in `weights`); weights [T, H] float32;

@@ -409,8 +409,11 @@ _STATIC = ("scale", "num_splits", "auto_barriers", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))
-def sparse_attention(q, kv_cache, slots, *, scale, kv_lora_rank=512, num_splits=None,
-                     auto_barriers=False, interpret=False):
+def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, scale: float,
+                     kv_lora_rank: int = 512, num_splits: int | None = None,
+                     auto_barriers: bool = False,
+                     interpret: bool | plgpu.InterpretGPUParams = False
+                     ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over a bf16 latent cache (semantics of `mla_jax.reference.sparse_attention`).
 
   q [T, N, L+R] bf16 (any N: heads are padded to tiles of 64); kv_cache [num_blocks, page, L+R]
@@ -433,8 +436,11 @@ def sparse_attention(q, kv_cache, slots, *, scale, kv_lora_rank=512, num_splits=
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def sparse_attention_fp8_ds_mla(q, nope, tile_scales, rope, slots, *, scale, num_splits=None,
-                                auto_barriers=False, interpret=False):
+def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.Array,
+                                rope: jax.Array, slots: jax.Array, *, scale: float,
+                                num_splits: int | None = None, auto_barriers: bool = False,
+                                interpret: bool | plgpu.InterpretGPUParams = False
+                                ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over an fp8_ds_mla cache, widened to bf16 once per gathered row.
 
   q [T, N, L+R] bf16; nope [num_blocks, page, L] float8_e4m3fn; tile_scales [num_blocks, page,

@@ -26,6 +26,7 @@ that does. Pure arrays in and out.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -34,15 +35,29 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import is_pow2, next_pow2, sm_count
+from pallas_kernels.common import check_triton_config, is_pow2, next_pow2, sm_count
 
 _INT_MIN = -2 ** 31
 _CAP_PER_K = 4  # candidate slots per selected position
-# (chunk, num_warps, num_stages) of both kernels: positions per streamed step. 8 warps spread the
-# 8K-32K register-resident keys (maxima, candidates) at 32-128 a thread. H200 sweep (128 x 131072,
-# benchmarks/RESULTS.md): 2048-position steps 0.171 ms, 4096 0.246, 8192 0.229; 4 or 16 warps, a
-# second stage, and resolving 2 or 4 bits per counting pass (independent counts) no better.
-_DEFAULT_CONFIG = (2048, 8, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopkConfig:
+  """Launch knobs of both kernels; the field names are the jit entry's keyword arguments."""
+  chunk: int  # positions per streamed step (short rows take the next power of two >= 16)
+  num_warps: int
+  num_stages: int
+
+  def __post_init__(self):
+    check_triton_config(self, ("chunk",))
+
+
+# The chosen config: 8 warps spread the 8K-32K register-resident keys at 32-128 a thread; the H200
+# sweep behind it: benchmarks/RESULTS.md, "DSA kernels (pallas_triton)".
+DEFAULT = TopkConfig(2048, 8, 1)  # 128 x 131072: 0.171 ms
+# The sweep space: the variants `benchmarks/bench_sparse.py --sweep` times.
+SWEEP = tuple(TopkConfig(*v) for v in [(2048, 8, 1), (1024, 8, 1), (4096, 8, 1), (2048, 4, 1),
+                                       (2048, 16, 1), (2048, 8, 2)])
 
 
 def _keys(x, inside):
@@ -180,8 +195,9 @@ def group_size(num_positions: int, k: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("topk", "chunk", "num_warps", "num_stages",
                                              "theta_per_row", "interpret"))
-def topk_positions(logits, seq_lens, topk, *, chunk=None, num_warps=None, num_stages=None,
-                   theta_per_row=None, interpret=False):
+def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: int | None = None,
+                   num_warps: int | None = None, num_stages: int | None = None,
+                   theta_per_row: bool | None = None, interpret: bool = False) -> jax.Array:
   """Top-`topk` positions of each row within its window (semantics of
   `mla_jax.reference.topk_positions`): logits [T, S] float32, seq_lens [T] int32 (row t sees
   s < seq_lens[t]) -> int32 [T, topk], -1 padded, in no particular order (nor which of tied
@@ -190,7 +206,8 @@ def topk_positions(logits, seq_lens, topk, *, chunk=None, num_warps=None, num_st
   when rows have several segments).
   """
   if logits.ndim != 2 or seq_lens.shape != logits.shape[:1]:
-    raise ValueError(f"want logits [T, S] and seq_lens [T]; got {logits.shape} and {seq_lens.shape}")
+    raise ValueError(f"want logits [T, S] and seq_lens [T]; got {logits.shape} and "
+                     f"{seq_lens.shape}")
   if logits.dtype != jnp.float32 or seq_lens.dtype != jnp.int32:
     raise ValueError(f"logits must be float32 and seq_lens int32; got {logits.dtype.name} and "
                      f"{seq_lens.dtype.name}")
@@ -201,10 +218,9 @@ def topk_positions(logits, seq_lens, topk, *, chunk=None, num_warps=None, num_st
   t, s = logits.shape
   if t == 0 or s == 0:
     return jnp.full((t, topk), -1, jnp.int32)
-  cfg_chunk, cfg_warps, cfg_stages = _DEFAULT_CONFIG
-  chunk = chunk or min(cfg_chunk, max(16, next_pow2(s)))
-  params = plgpu.CompilerParams(num_warps=num_warps or cfg_warps,
-                                num_stages=num_stages or cfg_stages)
+  chunk = chunk or min(DEFAULT.chunk, max(16, next_pow2(s)))
+  params = plgpu.CompilerParams(num_warps=num_warps or DEFAULT.num_warps,
+                                num_stages=num_stages or DEFAULT.num_stages)
   g = group_size(s, topk)
   m = -(-s // g)
   cap = next_pow2(min(_CAP_PER_K * topk, s))
