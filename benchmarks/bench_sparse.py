@@ -76,7 +76,7 @@ def latent_cache(kind, tokens, key):
 
 
 def indexer_inputs(t, context, decode, key):
-  """(q e4m3, weights, K values, K scales, block tables, seq lens) for t rows: one request per row
+  """(q e4m3, weights, the IndexerKCache, block tables, seq lens) for t rows: one request per row
   when decoding, else one request whose last t tokens are the rows."""
   requests = t if decode else 1
   pages = context // PAGE
@@ -93,11 +93,17 @@ def indexer_inputs(t, context, decode, key):
   else:
     tables = jnp.broadcast_to(tables, (t, pages))
     lens = context - t + 1 + jnp.arange(t, dtype=jnp.int32)
+  return q, weights, k_cache, tables, lens
+
+
+def kernel_inputs(q, weights, k_cache, tables, lens):
+  """`indexer_inputs` as the kernels take them: the K cache's values and scales as arrays."""
   return q, weights, k_cache.values, k_cache.scales, tables, lens
 
 
-def chunked_reference_indexer(q, weights, k_values, k_scales, tables, lens):
+def chunked_reference_indexer(q, weights, k_cache, tables, lens):
   """The XLA reference by row chunks, as `mla_jax.indexer.Indexer` calls it (bounded buffers)."""
+  k_values, k_scales = k_cache.values, k_cache.scales
   t, span = q.shape[0], tables.shape[1] * PAGE
   rows = max(1, SCORE_BYTES_BOUND // (H * span * 4))
   rows = min(t, 1 << (rows.bit_length() - 1))
@@ -130,7 +136,7 @@ def run_sparse(args, t, n, kind, cache):
 def run_indexer(args, t, context):
   decode = t <= 128
   sets = [indexer_inputs(t, context, decode, jax.random.key(200 + i)) for i in range(2)]
-  lens = sets[0][5]
+  lens = sets[0][4]
   visible = int(lens.sum())
   distinct_tokens = t * context if decode else context
   case_bytes = distinct_tokens * K_TOKEN_BYTES + t * context * 4
@@ -139,8 +145,8 @@ def run_indexer(args, t, context):
   rows = [timed_row(args, case_row("indexer", t, context=context, cache="fp8 x fp8"), fn, sets,
                     case_bytes, flops)]
   # The same kernel with the e4m3 inputs multiplied as bf16 (wgmma instead of mma.sync).
-  widened = lambda be: jax.jit(functools.partial(pallas_indexer.indexer_logits, widen_fp8=True,
-                                                 interpret=jax.default_backend() != "gpu"))
+  widened = lambda be: jax.jit(lambda *a: pallas_indexer.indexer_logits(
+      *kernel_inputs(*a), widen_fp8=True, interpret=jax.default_backend() != "gpu"))
   rows.append(timed_row(args, case_row("indexer", t, context=context, cache="fp8 as bf16"), widened,
                         sets, case_bytes, flops, xla_ms=rows[0].get("xla ms")))
   # The Mosaic GPU kernel (fp8 wgmma) and the `pallas` default, against the same XLA.
@@ -171,9 +177,9 @@ def run_step(args, t=128, context=32768):
   latent = latent_cache("fp8_ds_mla", t * context, jax.random.key(400))
   sets = []
   for i in range(2):
-    q_idx, w, kv, ks, tables, lens = indexer_inputs(t, context, True, jax.random.key(410 + i))
+    q_idx, w, k_cache, tables, lens = indexer_inputs(t, context, True, jax.random.key(410 + i))
     q = jax.random.normal(jax.random.key(420 + i), (t, 128, L + R), jnp.bfloat16)
-    sets.append((q_idx, w, kv, ks, tables, lens, q, latent))
+    sets.append((q_idx, w, k_cache, tables, lens, q, latent))
   case_bytes = (t * context * K_TOKEN_BYTES + 2 * t * context * 4
                 + t * TOPK * ROW_BYTES["fp8_ds_mla"])
   flops = 2 * H * D * t * context + 2 * t * 128 * TOPK * (L + R + L)
@@ -182,8 +188,8 @@ def run_step(args, t=128, context=32768):
     logits_fn = be.indexer_logits if be is not REFERENCE else chunked_reference_indexer
 
     @jax.jit
-    def step(q_idx, w, kv, ks, tables, lens, q, latent):
-      positions = be.topk(logits_fn(q_idx, w, kv, ks, tables, lens), lens, TOPK)
+    def step(q_idx, w, k_cache, tables, lens, q, latent):
+      positions = be.topk(logits_fn(q_idx, w, k_cache, tables, lens), lens, TOPK)
       slots = positions_to_slots(positions, tables, PAGE, latent.num_blocks)
       return be.sparse_attention(q, latent, slots, scale=SCALE, kv_lora_rank=L)
     return step
@@ -230,14 +236,15 @@ def run_sweep(args):
       del cache, sets
   if "indexer" in args.parts:
     t, context = 2048, 32768
-    sets = [indexer_inputs(t, context, False, jax.random.key(200 + i)) for i in range(2)]
+    sets = [kernel_inputs(*indexer_inputs(t, context, False, jax.random.key(200 + i)))
+            for i in range(2)]
     for cfg in SWEEPS["indexer"]:
       timed({**case_row("indexer", t, context=context, cache="fp8 x fp8"), **cfg},
             functools.partial(pallas_indexer.indexer_logits, **cfg), sets,
             context * K_TOKEN_BYTES + t * context * 4, 2 * H * D * int(sets[0][5].sum()))
     for cfg in SWEEPS["mosaic_indexer"]:
       t, context = (2048, 32768) if cfg["rows"] == 4 else (128, 131072)
-      sets = [indexer_inputs(t, context, cfg["rows"] == 1, jax.random.key(200 + i))
+      sets = [kernel_inputs(*indexer_inputs(t, context, cfg["rows"] == 1, jax.random.key(200 + i)))
               for i in range(2)]
       distinct = context if cfg["rows"] == 4 else t * context
       timed({**case_row("indexer", t, context=context, cache="fp8 pallas_mosaic"), **cfg},

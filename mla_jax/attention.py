@@ -91,9 +91,9 @@ class MLAAttention(nnx.Module):
                        f"{c.latent_dim}")
     md.check_cache("latent cache", cache.block_size, cache.num_blocks, cache.dtype_name)
     be = self.backend
-    be.check(cache_dtype=cache.data.dtype, block_size=cache.block_size, num_heads=c.num_heads)
+    be.check(cache_dtype=cache.dtype_name, block_size=cache.block_size, num_heads=c.num_heads)
 
-    cache = cache.write(kv_c_normed, k_pe, md.slot_mapping, be.write_cache)
+    cache = be.write_cache(cache, kv_c_normed, k_pe, md.slot_mapping)
     td = md.num_decode_rows
     parts = []
     if td:
@@ -111,10 +111,10 @@ class MLAAttention(nnx.Module):
 
   def _decode(self, q, cache, md):
     c = self.config
-    o, _ = self.backend.decode(self._absorb_query(q), cache.data,
+    o, _ = self.backend.decode(self._absorb_query(q), cache,
                                md.row_block_tables(0, md.num_decode_rows),
                                md.seq_lens[:md.num_decode_rows], scale=c.softmax_scale,
-                               kv_lora_rank=c.kv_lora_rank, k_scale=cache.scale_or_none)
+                               kv_lora_rank=c.kv_lora_rank)
     return jnp.einsum("TNL,NLV->TNV", o.astype(self.dtype), self.W_UV[...])
 
   def sparse(self, q: jax.Array, kv_c_normed: jax.Array, k_pe: jax.Array,
@@ -132,7 +132,7 @@ class MLAAttention(nnx.Module):
       raise ValueError(f"top-k positions must be integers, got {positions.dtype}")
     md.check_cache("latent cache", cache.block_size, cache.num_blocks, cache.dtype_name)
     be = self.backend
-    cache = cache.write(kv_c_normed, k_pe, md.slot_mapping)
+    cache = be.write_cache(cache, kv_c_normed, k_pe, md.slot_mapping)
     slots = caches.positions_to_slots(positions, md.row_block_tables(), cache.block_size,
                                          cache.num_blocks)
     o, _ = be.sparse_attention(self._absorb_query(q), cache, slots, scale=c.softmax_scale,
@@ -159,7 +159,7 @@ class MLAAttention(nnx.Module):
 
     def context_chunk(carry, chunk):
       slots, cu_k = chunk
-      rows = self.backend.gather_cache(cache.data, slots, cache.scale_or_none)
+      rows = self.backend.gather_cache(cache, slots)
       k_ctx, v_ctx = self._up_project(rows[:, :c.kv_lora_rank], rows[:, c.kv_lora_rank:])
       return merge_attn_states(*carry, *attend(k_ctx, v_ctx, cu_k, False)), None
 

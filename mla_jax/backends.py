@@ -1,16 +1,18 @@
 """The backend table: a backend name maps to a value of pure functions plus what they support.
 
-Contracts (every backend, same shapes and dtypes; see `mla_jax.reference` for the semantics):
-  decode(q [T,N,L+R], kv_cache [NB,BS,L+R], block_tables [T,MB], seq_lens [T], *, scale,
-         kv_lora_rank, k_scale=None, num_kv_splits=None) -> (o [T,N,L], lse [T,N] f32)
+Contracts (every backend, same shapes and dtypes; see `mla_jax.reference` for the semantics).
+Caches come in as cache objects (`mla_jax.cache`), which the backend asks for their arrays and
+scale; the kernels under it take and return plain arrays.
+  decode(q [T,N,L+R], cache (LatentCache), block_tables [T,MB], seq_lens [T], *, scale,
+         kv_lora_rank, num_kv_splits=None) -> (o [T,N,L], lse [T,N] f32)
   prefill(q [Tq,N,Dk], k [Tk,N,Dk], v [Tk,N,Dv], cu_seqlens_q [R+1], cu_seqlens_k [R+1], *, scale,
           causal, max_seqlen_q) -> (o [Tq,N,Dv], lse [Tq,N] f32)
-  write_cache(kv_cache, kv_c_normed [T,L], k_pe [T,R], slot_mapping [T], k_scale=None) -> kv_cache
-  gather_cache(kv_cache, slots [W], k_scale=None) -> rows [W, L+R] f32
+  write_cache(cache (a LatentCacheKind), kv_c_normed [T,L], k_pe [T,R], slot_mapping [T]) -> cache
+  gather_cache(cache (a LatentCacheKind), slots [W]) -> rows [W, L+R] f32
   sparse_attention(q [T,N,L+R], cache (LatentCache | DSMLACache), slots [T,K], *, scale,
                    kv_lora_rank) -> (o [T,N,L], lse [T,N] f32)
-  indexer_logits(q [T,H,D], weights [T,H], k_values [NB,BS,D], k_scales [NB,BS],
-                 block_tables [T,MB], seq_lens [T]) -> logits [T, MB*BS] f32
+  indexer_logits(q [T,H,D], weights [T,H], k_cache (IndexerKCache), block_tables [T,MB],
+                 seq_lens [T]) -> logits [T, MB*BS] f32
   topk(logits [T,S], seq_lens [T], topk) -> positions [T, topk] int32 (-1 padded)
 Selection: an explicit name, else $MLA_JAX_BACKEND, else by platform (GPU -> Pallas, else the
 XLA reference).
@@ -77,11 +79,38 @@ def _reference_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, ma
   return reference.mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal)
 
 
-def _reference_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank, k_scale=None,
+def _reference_decode(q, cache, block_tables, seq_lens, *, scale, kv_lora_rank,
                       num_kv_splits=None):
   del num_kv_splits  # one pass over the whole row: equal to any split count
-  return reference.latent_decode(q, kv_cache, block_tables, seq_lens, scale=scale,
-                                 kv_lora_rank=kv_lora_rank, k_scale=k_scale)
+  return reference.latent_decode(q, cache.data, block_tables, seq_lens, scale=scale,
+                                 kv_lora_rank=kv_lora_rank, k_scale=cache.scale_or_none)
+
+
+def _write_cache(cache, kv_c_normed, k_pe, slot_mapping):
+  """The cache kind's own write (an XLA scatter, quantizing as the kind does)."""
+  return cache.write(kv_c_normed, k_pe, slot_mapping)
+
+
+def _gather_cache(cache, slots):
+  """The cache kind's own gather, dequantized to float32 rows."""
+  return cache.dequantize_rows(slots)
+
+
+def _indexer_logits(kernel):
+  """An array-in indexer logits function as a backend entry taking the IndexerKCache."""
+  @functools.wraps(kernel)
+  def run(q, weights, k_cache, block_tables, seq_lens):
+    return kernel(q, weights, k_cache.values, k_cache.scales, block_tables, seq_lens)
+  return run
+
+
+def _latent_decode(kernel):
+  """An array-in latent decode as a backend entry taking the LatentCache."""
+  @functools.wraps(kernel)
+  def run(q, cache, block_tables, seq_lens, *, scale, kv_lora_rank, num_kv_splits=None):
+    return kernel(q, cache.data, block_tables, seq_lens, scale=scale, kv_lora_rank=kv_lora_rank,
+                  k_scale=cache.scale_or_none, num_kv_splits=num_kv_splits)
+  return run
 
 
 def _reference_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
@@ -94,10 +123,10 @@ REFERENCE = Backend(
     name="reference",
     decode=_reference_decode,
     prefill=_reference_prefill,
-    write_cache=caches.write_latent_cache,
-    gather_cache=caches.gather_latent_cache,
+    write_cache=_write_cache,
+    gather_cache=_gather_cache,
     sparse_attention=_reference_sparse_attention,
-    indexer_logits=reference.indexer_logits,
+    indexer_logits=_indexer_logits(reference.indexer_logits),
     topk=reference.topk_positions,
     cache_dtypes=frozenset(caches.LATENT_CACHE_DTYPES),
 )
@@ -144,21 +173,21 @@ def _pallas_mosaic_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
 PALLAS_TRITON = dataclasses.replace(
     REFERENCE,
     name="pallas_triton",
-    decode=_off_gpu_interpreted(pallas_latent_decode.latent_decode),
+    decode=_latent_decode(_off_gpu_interpreted(pallas_latent_decode.latent_decode)),
     prefill=_off_gpu_interpreted(pallas_mla_prefill.mla_prefill),
     sparse_attention=_pallas_triton_sparse_attention,
-    indexer_logits=_off_gpu_interpreted(pallas_indexer.indexer_logits),
+    indexer_logits=_indexer_logits(_off_gpu_interpreted(pallas_indexer.indexer_logits)),
     topk=_off_gpu_interpreted(pallas_topk.topk_positions),
     block_size_multiple=16,
 )
 
 
-def _mosaic_indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens):
+def _mosaic_indexer_logits(q, weights, k_cache, block_tables, seq_lens):
   """The Mosaic GPU indexer kernel for e4m3 q [T, <=64, 128] and keys in 64-token pages; other
   operands go to the Pallas-Triton kernel."""
-  fn = pallas_mosaic_indexer.indexer_logits if pallas_mosaic_indexer.fits(q, k_values) else (
-      pallas_indexer.indexer_logits)
-  return _off_gpu_interpreted(fn)(q, weights, k_values, k_scales, block_tables, seq_lens)
+  fits = pallas_mosaic_indexer.fits(q, k_cache.values)
+  fn = pallas_mosaic_indexer.indexer_logits if fits else pallas_indexer.indexer_logits
+  return _indexer_logits(_off_gpu_interpreted(fn))(q, weights, k_cache, block_tables, seq_lens)
 
 
 # The Mosaic GPU (Hopper wgmma) decode, prefill, sparse attention and indexer kernels; the others
@@ -168,7 +197,7 @@ def _mosaic_indexer_logits(q, weights, k_values, k_scales, block_tables, seq_len
 PALLAS_MOSAIC = dataclasses.replace(
     PALLAS_TRITON,
     name="pallas_mosaic",
-    decode=_off_gpu_interpreted(pallas_mosaic_decode.latent_decode),
+    decode=_latent_decode(_off_gpu_interpreted(pallas_mosaic_decode.latent_decode)),
     prefill=_off_gpu_interpreted(pallas_mosaic_prefill.mla_prefill),
     indexer_logits=_mosaic_indexer_logits,
     sparse_attention=_pallas_mosaic_sparse_attention,
@@ -202,26 +231,25 @@ def _fastest_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_
                  max_seqlen_q=max_seqlen_q)
 
 
-def _fastest_decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank, k_scale=None,
-                    num_kv_splits=None):
+def _fastest_decode(q, cache, block_tables, seq_lens, *, scale, kv_lora_rank, num_kv_splits=None):
   """pallas_mosaic's decode where it measured faster (a static choice on shapes and the device),
   else pallas_triton's."""
-  mosaic = (q.dtype == kv_cache.dtype == jnp.bfloat16 and k_scale is None
+  mosaic = (q.dtype == jnp.bfloat16 and cache.dtype_name == "bfloat16"
             and q.shape[1] >= _MOSAIC_DECODE_MIN_HEADS
-            and kv_cache.shape[1] % pallas_mosaic_decode.PAGE_MULTIPLE == 0
+            and cache.block_size % pallas_mosaic_decode.PAGE_MULTIPLE == 0
             and pallas_mosaic_decode.head_dims_fit(q.shape[2], kv_lora_rank) and _on_hopper())
   decode = PALLAS_MOSAIC.decode if mosaic else PALLAS_TRITON.decode
-  return decode(q, kv_cache, block_tables, seq_lens, scale=scale, kv_lora_rank=kv_lora_rank,
-                k_scale=k_scale, num_kv_splits=num_kv_splits)
+  return decode(q, cache, block_tables, seq_lens, scale=scale, kv_lora_rank=kv_lora_rank,
+                num_kv_splits=num_kv_splits)
 
 
-def _fastest_indexer_logits(q, weights, k_values, k_scales, block_tables, seq_lens):
+def _fastest_indexer_logits(q, weights, k_cache, block_tables, seq_lens):
   """pallas_mosaic's indexer (fp8 wgmma) where it measured faster: the e4m3 operands it takes, on
   Hopper (H200, benchmarks/RESULTS.md "DSA selection": 2.4-2.5x at T=2048, 1.8-1.9x at T=128);
   else pallas_triton's."""
-  mosaic = pallas_mosaic_indexer.fits(q, k_values) and _on_hopper()
+  mosaic = pallas_mosaic_indexer.fits(q, k_cache.values) and _on_hopper()
   logits = PALLAS_MOSAIC.indexer_logits if mosaic else PALLAS_TRITON.indexer_logits
-  return logits(q, weights, k_values, k_scales, block_tables, seq_lens)
+  return logits(q, weights, k_cache, block_tables, seq_lens)
 
 
 # The GPU default: per op and shape, the Pallas kernel that measured fastest on the H200.

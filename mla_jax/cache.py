@@ -3,9 +3,11 @@
 pair of them (`DSACache`).
 
 Every cache is a value (a pytree): writes return a new cache, so a jitted step can donate the old
-one and XLA updates it in place. The latent kinds implement `LatentCacheKind` (dtype name, block
-size, block count, bytes per token, `write`, `dequantize_rows`, and what the layer asks of them);
-the V3.2 kinds convert to and from vLLM's packed uint8 cache, bit for bit:
+one and XLA updates it in place. Every kind answers `PagedCache` (dtype name, block size, block
+count, bytes per token, which attention reads it, its indexer cache, its dcp placement), and the
+latent kinds `LatentCacheKind` too (`write`, `dequantize_rows`): the layer, the backends and
+sharding ask the cache, not its type. The V3.2 kinds convert to and from vLLM's packed uint8
+cache, bit for bit:
 
 - `LatentCache`: `[num_blocks, block_size, L+R]` rows of `[kv_c_normed | k_pe]` in one of
   `LATENT_CACHE_DTYPES` (an fp8 cache has one per-tensor scale).
@@ -22,13 +24,13 @@ the V3.2 kinds convert to and from vLLM's packed uint8 cache, bit for bit:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 from jax.sharding import Sharding
 from jax.typing import DTypeLike
 
@@ -168,18 +170,27 @@ def gather_latent_cache(kv_cache: jax.Array, slots: jax.Array,
   return jnp.where(valid[:, None], dequantize(rows, k_scale), 0.0)
 
 
-class LatentCacheKind(Protocol):
-  """What the attention layer, the backends and sharding ask of a latent cache."""
-  dtype_name: str  # a `LATENT_CACHE_DTYPES` name or FP8_DS_MLA
+@runtime_checkable
+class PagedCache(Protocol):
+  """What every cache kind answers; the layer, the backends and sharding ask it, not its type."""
+  dtype_name: str  # a `LATENT_CACHE_DTYPES` name, FP8_DS_MLA, or an `INDEXER_DTYPES` name
   block_size: int
   num_blocks: int
   bytes_per_token: int
-  dense_attention: bool  # whether dense MLA (decode / prefill kernels) reads it
+  dense_attention: bool  # whether dense MLA (the decode and prefill kernels) reads it
+  indexer: IndexerKCache | None  # a V3.2 layer's indexer K cache, beside its latent one
+
+  def dcp_shardings(self, blocks: Sharding | P, replicated: Sharding | P) -> PagedCache | None:
+    """The cache's placement under decode context parallelism (the same pytree with `blocks` on
+    arrays split by blocks, `replicated` on the others), or None when dcp does not split it."""
+
+
+class LatentCacheKind(PagedCache, Protocol):
+  """A latent cache: the layer writes its rows and the backends read them."""
 
   def write(self, kv_c_normed: jax.Array, k_pe: jax.Array,
             slot_mapping: jax.Array) -> LatentCacheKind: ...
   def dequantize_rows(self, slots: jax.Array) -> jax.Array: ...
-  def dcp_shardings(self, blocks: Sharding, replicated: Sharding) -> LatentCacheKind | None: ...
 
 
 # ----------------------------------------------------------------------------- latent cache
@@ -224,8 +235,9 @@ class LatentCache:
     return self.data.shape[2] * self.data.dtype.itemsize
 
   dense_attention = True
+  indexer = None
 
-  def dcp_shardings(self, blocks: Sharding, replicated: Sharding) -> "LatentCache":
+  def dcp_shardings(self, blocks: Sharding | P, replicated: Sharding | P) -> "LatentCache":
     """Blocks split over dcp (`blocks`), the scale `replicated`."""
     return LatentCache(blocks, replicated)
 
@@ -238,8 +250,8 @@ class LatentCache:
     """float32 rows [W, L+R] at `slots` [W]; zeros for invalid slots."""
     return gather_latent_cache(self.data, slots, self.scale_or_none)
 
-  def write(self, kv_c_normed: jax.Array, k_pe: jax.Array, slot_mapping: jax.Array,
-            write_fn: Callable[..., jax.Array] = write_latent_cache) -> "LatentCache":
+  def write(self, kv_c_normed: jax.Array, k_pe: jax.Array,
+            slot_mapping: jax.Array) -> "LatentCache":
     """Writes one row per token at `slot_mapping` [T]; negative or out-of-range slots are
     skipped."""
     t = slot_mapping.shape[0]
@@ -249,8 +261,8 @@ class LatentCache:
                        f"be [T, L] and [T, R] with T = {t} and L + R = {self.data.shape[-1]}")
     if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
       raise ValueError(f"slot_mapping must be integer, got {slot_mapping.dtype}")
-    return dataclasses.replace(self, data=write_fn(self.data, kv_c_normed, k_pe, slot_mapping,
-                                                   self.scale_or_none))
+    return dataclasses.replace(self, data=write_latent_cache(self.data, kv_c_normed, k_pe,
+                                                             slot_mapping, self.scale_or_none))
 
 
 # ---------------------------------------------------------------------- fp8_ds_mla latent cache
@@ -301,8 +313,9 @@ class DSMLACache:
 
   dtype_name = FP8_DS_MLA
   dense_attention = False  # only sparse attention reads the tiled layout
+  indexer = None
 
-  def dcp_shardings(self, blocks: Sharding, replicated: Sharding) -> None:
+  def dcp_shardings(self, blocks: Sharding | P, replicated: Sharding | P) -> None:
     """None: decode context parallelism shards the dense latent cache only."""
     del blocks, replicated
 
@@ -395,6 +408,21 @@ class IndexerKCache:
   def is_fp8(self) -> bool:
     return is_fp8(self.values.dtype)
 
+  @property
+  def dtype_name(self) -> str:
+    return self.values.dtype.name
+
+  @property
+  def bytes_per_token(self) -> int:
+    return self.head_dim * self.values.dtype.itemsize + 4  # the keys and one float32 scale
+
+  dense_attention = False
+  indexer = None
+
+  def dcp_shardings(self, blocks: Sharding | P, replicated: Sharding | P) -> None:
+    """None: the indexer is replicated, as in vLLM."""
+    del blocks, replicated
+
   def write(self, k: jax.Array, slot_mapping: jax.Array) -> "IndexerKCache":
     """Writes k [T, D] at slot_mapping [T]; negative or out-of-range slots are skipped.
     fp8: per-token ue8m0 quantization (vLLM's amax floor); bfloat16: stored as is, scale 1."""
@@ -454,7 +482,21 @@ class DSACache:
     """The latent part's kind: what metadata built for this cache records."""
     return self.latent.dtype_name
 
-  def dcp_shardings(self, blocks: Sharding, replicated: Sharding) -> None:
+  @property
+  def block_size(self) -> int:
+    return self.latent.block_size
+
+  @property
+  def num_blocks(self) -> int:
+    return self.latent.num_blocks
+
+  @property
+  def bytes_per_token(self) -> int:
+    return self.latent.bytes_per_token + self.indexer.bytes_per_token
+
+  dense_attention = False  # the layer picks the latent part for its dense path
+
+  def dcp_shardings(self, blocks: Sharding | P, replicated: Sharding | P) -> None:
     """None: decode context parallelism shards the dense latent cache only."""
     del blocks, replicated
 

@@ -88,7 +88,7 @@ class Indexer(nnx.Module):
 
     def one_chunk(args):
       q_i, w_i, tab_i, len_i = args
-      logits = backend.indexer_logits(q_i, w_i, k_cache.values, k_cache.scales, tab_i, len_i)
+      logits = backend.indexer_logits(q_i, w_i, k_cache, tab_i, len_i)
       return backend.topk(logits, len_i, c.index_topk)
 
     split = lambda a: a.reshape(t // rows, rows, *a.shape[1:])

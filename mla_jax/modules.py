@@ -13,7 +13,8 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from mla_jax.attention import MLAAttention
-from mla_jax.cache import FP8_DS_MLA, DSACache, IndexerKCache, LatentCache, allocate_latent_cache
+from mla_jax.cache import (FP8_DS_MLA, DSACache, IndexerKCache, LatentCache, PagedCache,
+                           allocate_latent_cache)
 from mla_jax.config import MLAConfig
 from mla_jax.indexer import Indexer
 from mla_jax.metadata import AttentionMetadata
@@ -90,13 +91,14 @@ class DeepseekV2MLAAttention(nnx.Module):
   def check_cache(self, cache: LatentCache | DSACache) -> None:
     """ValueError unless `cache` is what this layer reads and writes (as `allocate_cache` makes)."""
     c = self.config
+    is_cache = isinstance(cache, PagedCache)  # the protocol: any kind that answers it
     if not c.has_indexer:
-      if isinstance(cache, DSACache) or not getattr(cache, "dense_attention", False):
+      if not is_cache or cache.indexer is not None or not cache.dense_attention:
         raise ValueError(f"this layer (no indexer) needs a LatentCache, got "
                          f"{type(cache).__name__}; layer.allocate_cache(num_blocks, block_size) "
                          "makes one")
       return
-    if not isinstance(cache, DSACache):
+    if not is_cache or cache.indexer is None:
       raise ValueError(f"a V3.2 layer needs a DSACache (latent + indexer caches), got "
                        f"{type(cache).__name__}; layer.allocate_cache(num_blocks, block_size) "
                        "makes one")

@@ -65,42 +65,53 @@ def shard_backend(backend: Backend, mesh: Mesh) -> Backend:
   # shard_map's tracking of which values vary over which axes: leave that check off.
   smap = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
 
-  def local_slots(slots, kv_cache):
+  def placement(cache):
+    """(the cache's partition specs, whether its blocks are split over dcp): the cache says."""
+    specs = cache.dcp_shardings(blocks, rep)
+    return (rep, False) if specs is None else (specs, dcp is not None)
+
+  def local_slots(slots, cache, split):
     """Global slots -> this device's slots in its cache shard; slots it does not own -> -1."""
-    if dcp is None:
+    if not split:
       return slots
-    owned = kv_cache.shape[0] * kv_cache.shape[1]
+    owned = cache.num_blocks * cache.block_size
     local = slots - lax.axis_index(dcp) * owned
     return jnp.where((local >= 0) & (local < owned), local, -1)
 
-  def decode(q, kv_cache, block_tables, seq_lens, *, k_scale=None, **kw):
-    def per_shard(q, kv_cache, block_tables, seq_lens, k_scale):
-      if dcp is None:
-        return backend.decode(q, kv_cache, block_tables, seq_lens, k_scale=k_scale, **kw)
-      nb, bs = kv_cache.shape[:2]
+  def decode(q, cache, block_tables, seq_lens, **kw):
+    specs, split = placement(cache)
+
+    def per_shard(q, cache, block_tables, seq_lens):
+      if not split:
+        return backend.decode(q, cache, block_tables, seq_lens, **kw)
+      nb = cache.num_blocks
       tables, lens = dcp_local_view(block_tables, seq_lens, first_block=lax.axis_index(dcp) * nb,
-                                    num_blocks=nb, block_size=bs)
-      return _merge_across(dcp, *backend.decode(q, kv_cache, tables, lens, k_scale=k_scale, **kw))
-    return smap(per_shard, in_specs=(heads, blocks, rep, rep, rep), out_specs=(heads, heads))(
-        q, kv_cache, block_tables, seq_lens, k_scale)
+                                    num_blocks=nb, block_size=cache.block_size)
+      return _merge_across(dcp, *backend.decode(q, cache, tables, lens, **kw))
+    return smap(per_shard, in_specs=(heads, specs, rep, rep), out_specs=(heads, heads))(
+        q, cache, block_tables, seq_lens)
 
   def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
     return smap(lambda *a: backend.prefill(*a, **kw), in_specs=(heads, heads, heads, rep, rep),
                 out_specs=(heads, heads))(q, k, v, cu_seqlens_q, cu_seqlens_k)
 
-  def write_cache(kv_cache, kv_c_normed, k_pe, slot_mapping, k_scale=None):
-    def per_shard(kv_cache, kv_c_normed, k_pe, slot_mapping, k_scale):
-      return backend.write_cache(kv_cache, kv_c_normed, k_pe, local_slots(slot_mapping, kv_cache),
-                                 k_scale)
-    return smap(per_shard, in_specs=(blocks, rep, rep, rep, rep), out_specs=blocks)(
-        kv_cache, kv_c_normed, k_pe, slot_mapping, k_scale)
+  def write_cache(cache, kv_c_normed, k_pe, slot_mapping):
+    specs, split = placement(cache)
 
-  def gather_cache(kv_cache, slots, k_scale=None):
-    def per_shard(kv_cache, slots, k_scale):
-      rows = backend.gather_cache(kv_cache, local_slots(slots, kv_cache), k_scale)
+    def per_shard(cache, kv_c_normed, k_pe, slot_mapping):
+      return backend.write_cache(cache, kv_c_normed, k_pe,
+                                 local_slots(slot_mapping, cache, split))
+    return smap(per_shard, in_specs=(specs, rep, rep, rep), out_specs=specs)(
+        cache, kv_c_normed, k_pe, slot_mapping)
+
+  def gather_cache(cache, slots):
+    specs, split = placement(cache)
+
+    def per_shard(cache, slots):
+      rows = backend.gather_cache(cache, local_slots(slots, cache, split))
       # One device owns each slot; the others read zeros for it, so the sum is the row exactly.
-      return rows if dcp is None else lax.psum(rows, dcp)
-    return smap(per_shard, in_specs=(blocks, rep, rep), out_specs=rep)(kv_cache, slots, k_scale)
+      return lax.psum(rows, dcp) if split else rows
+    return smap(per_shard, in_specs=(specs, rep), out_specs=rep)(cache, slots)
 
   def sparse_attention(q, cache, slots, **kw):
     return smap(lambda q, cache, slots: backend.sparse_attention(q, cache, slots, **kw),

@@ -14,6 +14,7 @@ import pytest
 import jax.numpy as jnp
 
 from mla_jax import backends
+from mla_jax.cache import LatentCache
 from oracles import attention_np, latent_decode_np
 
 L, R = 512, 64
@@ -81,8 +82,11 @@ def make_case(seed, *, n, page, req_lens, q_lens=None, q_dtype=jnp.bfloat16,
 class DecodeContract:
   backend = None
 
-  def decode(self, *args, **kwargs):
-    return backends.get_backend(self.backend).decode(*args, scale=SCALE, kv_lora_rank=L, **kwargs)
+  def decode(self, q, kv_cache, *args, k_scale=None, **kwargs):
+    """The backend's decode over `kv_cache` (an array) as a LatentCache (`k_scale`: fp8's)."""
+    cache = LatentCache(kv_cache, jnp.float32(1.0 if k_scale is None else k_scale))
+    return backends.get_backend(self.backend).decode(q, cache, *args, scale=SCALE, kv_lora_rank=L,
+                                                     **kwargs)
 
   def check(self, q, cache, tables, lens, *, k_scale=None, **kwargs):
     o, lse = self.decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(tables), jnp.asarray(lens),

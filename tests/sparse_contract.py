@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mla_jax import backends
-from mla_jax.cache import DSMLACache, LatentCache
+from mla_jax.cache import DSMLACache, IndexerKCache, LatentCache
 from oracles import attention_np
 
 L, R = 128, 64  # one fp8_ds_mla tile keeps the shapes small; real models have L = 512
@@ -121,7 +121,7 @@ class SparseAttentionContract:
                      + np.maximum(pos, 0) % self.BS, -1).astype(np.int32)
     q = jnp.asarray(rng.standard_normal((t, n, L + R)), jnp.float32)
     o, lse = self.fn()(q, cache, jnp.asarray(slots), scale=0.05, kv_lora_rank=L)
-    o_d, lse_d = backends.REFERENCE.decode(q, cache.data, jnp.asarray(tables), jnp.asarray(lens),
+    o_d, lse_d = backends.REFERENCE.decode(q, cache, jnp.asarray(tables), jnp.asarray(lens),
                                            scale=0.05, kv_lora_rank=L)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_d), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_d), rtol=1e-5, atol=1e-5)
@@ -155,8 +155,8 @@ class IndexerContract:
     tables = np.stack([rng.permutation(self.NB)[:mb] for _ in range(t)]).astype(np.int32)
     tables[1, 3] = -1  # past row 1's length: must not be read
     lens = np.array([mb * bs, 5 * bs // 2, 1, 0, 2 * bs + 5], np.int32)
-    got = np.asarray(self.be().indexer_logits(q, w, k_vals, k_scale, jnp.asarray(tables),
-                                              jnp.asarray(lens)))
+    got = np.asarray(self.be().indexer_logits(q, w, IndexerKCache(k_vals, k_scale),
+                                              jnp.asarray(tables), jnp.asarray(lens)))
     assert got.shape == (t, mb * bs) and got.dtype == np.float32
     kf = np.asarray(k_vals.astype(jnp.float32))
     ks = np.asarray(k_scale)

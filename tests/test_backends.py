@@ -7,6 +7,7 @@ import pytest
 
 from mla_jax import backends
 from mla_jax.backends import BACKENDS, ENV_VAR, default_backend_name, get_backend
+from mla_jax.cache import LatentCache
 
 
 @pytest.fixture(autouse=True)
@@ -144,8 +145,7 @@ def test_pallas_decode_takes_the_faster_kernel(monkeypatch, heads, cache_dtype, 
   called = []
 
   def recorder(name):
-    def decode(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank, k_scale=None,
-               num_kv_splits=None):
+    def decode(q, cache, block_tables, seq_lens, *, scale, kv_lora_rank, num_kv_splits=None):
       called.append((name, kv_lora_rank, num_kv_splits))
       return q
     return dataclasses.replace(BACKENDS[name], decode=decode)
@@ -154,8 +154,7 @@ def test_pallas_decode_takes_the_faster_kernel(monkeypatch, heads, cache_dtype, 
   monkeypatch.setattr(backends, "PALLAS_TRITON", recorder("pallas_triton"))
   monkeypatch.setattr(backends, "_on_hopper", lambda: hopper)
   q = jnp.zeros((2, heads, 576), jnp.bfloat16)
-  cache = jnp.zeros((4, page, 576), cache_dtype)
-  k_scale = jnp.float32(1.0) if cache_dtype == jnp.float8_e4m3fn else None
+  cache = LatentCache(jnp.zeros((4, page, 576), cache_dtype), jnp.float32(1.0))
   get_backend("pallas").decode(q, cache, jnp.zeros((2, 2), jnp.int32), jnp.ones((2,), jnp.int32),
-                               scale=1.0, kv_lora_rank=512, k_scale=k_scale, num_kv_splits=3)
+                               scale=1.0, kv_lora_rank=512, num_kv_splits=3)
   assert called == [(want, 512, 3)]

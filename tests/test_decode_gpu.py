@@ -4,7 +4,6 @@ reference run there.
 Shapes too large for the numpy oracle: the reference (float32, HIGHEST precision) is the yardstick.
 """
 
-import functools
 
 import numpy as np
 import pytest
@@ -16,14 +15,21 @@ from decode_contract import assert_decode_close
 from gpu_utils import poison_allocator
 from mla_jax import reference
 from mla_jax.backends import get_backend
+from mla_jax.cache import LatentCache
 from pallas_kernels import latent_decode, mosaic_decode
 
 pytestmark = pytest.mark.gpu
 
+def _pallas_default(q, kv_cache, tables, lens, *, k_scale=None, **kwargs):
+  """The GPU default backend over `kv_cache` as a LatentCache: Mosaic from 64 heads on a bf16
+  cache (on Hopper), else Triton."""
+  cache = LatentCache(kv_cache, jnp.float32(1.0 if k_scale is None else k_scale))
+  return get_backend("pallas").decode(q, cache, tables, lens, kv_lora_rank=512, **kwargs)
+
+
 KERNELS = {"pallas_triton": latent_decode.latent_decode,
            "pallas_mosaic": mosaic_decode.latent_decode,
-           # The GPU default backend: Mosaic from 64 heads on a bf16 cache (on Hopper), else Triton.
-           "pallas": functools.partial(get_backend("pallas").decode, kv_lora_rank=512)}
+           "pallas": _pallas_default}
 
 L, PAGE = 512, 64
 SCALE = 192 ** -0.5

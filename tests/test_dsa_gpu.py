@@ -131,7 +131,9 @@ def test_indexer_logits_fp8_match_reference(backend, requests, per_req):
   args = (q, weights, k_values, k_scales, jnp.asarray(row_tables), jnp.asarray(lens, jnp.int32))
   want = np.asarray(jax.jit(reference.indexer_logits)(*args))
   poison_allocator()
-  got = np.asarray(backends.get_backend(backend).indexer_logits(*args))
+  q, weights, k_values, k_scales, tables, lens = args
+  got = np.asarray(backends.get_backend(backend).indexer_logits(
+      q, weights, IndexerKCache(k_values, k_scales), tables, lens))
   assert not np.isnan(got).any()
   np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
   fin = np.isfinite(want)
