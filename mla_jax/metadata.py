@@ -67,7 +67,8 @@ class AttentionMetadata:
     """Trace time: the cache `what` must have the block size, block count and (for the latent
     cache) kind the metadata was built for (its slots and block ids mean nothing in another
     cache)."""
-    checks = [("block_size", self.block_size, block_size), ("num_blocks", self.num_blocks, num_blocks)]
+    checks = [("block_size", self.block_size, block_size),
+              ("num_blocks", self.num_blocks, num_blocks)]
     if kind is not None:  # the indexer's K cache shares the block table, not the latent kind
       checks.append(("cache kind", self.cache_kind, kind))
     for name, built, got in checks:
