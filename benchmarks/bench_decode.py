@@ -7,6 +7,9 @@ Several input sets are rotated so the 60 MB L2 never holds a whole set. `--sweep
 Triton kernel's (block_h, num_warps, num_stages) variants and then split counts (and the Mosaic
 kernel's split counts) instead of the reference. Mosaic columns: "mosaic ms", "triton/mosaic"
 (> 1: Mosaic faster) and the largest difference between the two kernels' outputs.
+`--batch-invariant` adds each kernel's batch-invariant mode (fixed splits of
+BATCH_INVARIANT_SPLIT_TOKENS tokens, merged in a fixed order): "<kernel> inv ms" and its cost
+against the default splits in %.
 """
 
 from __future__ import annotations
@@ -105,6 +108,12 @@ def run_case(args, batch, heads, seq, dtype_name):
       row["mosaic vs triton max diff"] = float(jnp.abs(outs[0] - outs[1]).max())
     except Exception as e:  # noqa: BLE001
       row["mosaic error"] = f"{type(e).__name__}: {str(e)[:80]}"
+  if args.batch_invariant:
+    inv = {"split_tokens": kernel_common.BATCH_INVARIANT_SPLIT_TOKENS}
+    for name, module, ms in (("triton", kernel, row["ms"]), ("mosaic", mosaic, row.get("mosaic ms"))):
+      if ms is not None:
+        row[f"{name} inv ms"] = timed(kernel_fn(module, **inv))
+        row[f"{name} inv cost %"] = 100 * (row[f"{name} inv ms"] / ms - 1)
   if not args.no_ref:
     row["xla ms"] = time_ms(ref_fn(k_scale), sets, iters=max(2, args.iters // 4), repeats=3)
     row["speedup"] = row["xla ms"] / row["ms"]
@@ -126,6 +135,8 @@ def main(argv=None):
                       help="time the kernels' tuning variants and split counts, no reference")
   parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference")
   parser.add_argument("--no-mosaic", action="store_true", help="skip the Mosaic GPU kernel")
+  parser.add_argument("--batch-invariant", action="store_true",
+                      help="also time each kernel's batch-invariant mode (fixed splits)")
   parser.add_argument("--iters", type=int, default=20, help="back-to-back calls per timing")
   parser.add_argument("--repeats", type=int, default=5, help="timings; the median is reported")
   parser.add_argument("--out", default="benchmarks/out", help="directory for the result tables")

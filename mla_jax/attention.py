@@ -46,12 +46,18 @@ class AbsorbedWeight(nnx.Variable):
 
 
 class MLAAttention(nnx.Module):
-  """Holds W_UK_T [N, P, L] and W_UV [N, L, V] and the backend; runs one step over a paged cache."""
+  """Holds W_UK_T [N, P, L] and W_UV [N, L, V] and the backend; runs one step over a paged cache.
 
-  def __init__(self, config: MLAConfig, *, backend: str | None = None, dtype=jnp.bfloat16):
+  batch_invariant: decode rows give bit-identical outputs whatever else is in the batch (the
+  backend's fixed-split decode; off by default, as it can cost speed on small batches).
+  """
+
+  def __init__(self, config: MLAConfig, *, backend: str | None = None, dtype=jnp.bfloat16,
+               batch_invariant: bool = False):
     c = config
     self.config = config
     self.dtype = dtype
+    self.batch_invariant = batch_invariant
     self.backend_name = backends.get_backend(backend).name
     self.W_UK_T = AbsorbedWeight(
         jnp.zeros((c.num_heads, c.qk_nope_head_dim, c.kv_lora_rank), dtype))
@@ -114,7 +120,7 @@ class MLAAttention(nnx.Module):
     o, _ = self.backend.decode(self._absorb_query(q), cache,
                                md.row_block_tables(0, md.num_decode_rows),
                                md.seq_lens[:md.num_decode_rows], scale=c.softmax_scale,
-                               kv_lora_rank=c.kv_lora_rank)
+                               kv_lora_rank=c.kv_lora_rank, batch_invariant=self.batch_invariant)
     return jnp.einsum("TNL,NLV->TNV", o.astype(self.dtype), self.W_UV[...])
 
   def sparse(self, q: jax.Array, kv_c_normed: jax.Array, k_pe: jax.Array,

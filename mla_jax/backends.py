@@ -4,7 +4,9 @@ Contracts (every backend, same shapes and dtypes; see `mla_jax.reference` for th
 Caches come in as cache objects (`mla_jax.cache`), which the backend asks for their arrays and
 scale; the kernels under it take and return plain arrays.
   decode(q [T,N,L+R], cache (LatentCache), block_tables [T,MB], seq_lens [T], *, scale,
-         kv_lora_rank, num_kv_splits=None) -> (o [T,N,L], lse [T,N] f32)
+         kv_lora_rank, num_kv_splits=None, batch_invariant=False) -> (o [T,N,L], lse [T,N] f32);
+         batch_invariant: each row's output bit-identical alone and in any batch (splits of a
+         fixed number of tokens, merged in a fixed order)
   prefill(q [Tq,N,Dk], k [Tk,N,Dk], v [Tk,N,Dv], cu_seqlens_q [R+1], cu_seqlens_k [R+1], *, scale,
           causal, max_seqlen_q) -> (o [Tq,N,Dv], lse [Tq,N] f32)
   write_cache(cache (a LatentCacheKind), kv_c_normed [T,L], k_pe [T,R], slot_mapping [T]) -> cache
@@ -41,6 +43,7 @@ from pallas_kernels import mosaic_prefill as pallas_mosaic_prefill
 from pallas_kernels import mosaic_sparse as pallas_mosaic_sparse
 from pallas_kernels import sparse_attention as pallas_sparse
 from pallas_kernels import topk as pallas_topk
+from pallas_kernels.common import BATCH_INVARIANT_SPLIT_TOKENS
 
 ENV_VAR = "MLA_JAX_BACKEND"
 
@@ -80,10 +83,12 @@ def _reference_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, ma
 
 
 def _reference_decode(q, cache, block_tables, seq_lens, *, scale, kv_lora_rank,
-                      num_kv_splits=None):
+                      num_kv_splits=None, batch_invariant=False):
   del num_kv_splits  # one pass over the whole row: equal to any split count
-  return reference.latent_decode(q, cache.data, block_tables, seq_lens, scale=scale,
-                                 kv_lora_rank=kv_lora_rank, k_scale=cache.scale_or_none)
+  return reference.latent_decode(
+      q, cache.data, block_tables, seq_lens, scale=scale, kv_lora_rank=kv_lora_rank,
+      k_scale=cache.scale_or_none,
+      split_tokens=BATCH_INVARIANT_SPLIT_TOKENS if batch_invariant else None)
 
 
 def _write_cache(cache, kv_c_normed, k_pe, slot_mapping):
@@ -105,11 +110,14 @@ def _indexer_logits(kernel):
 
 
 def _latent_decode(kernel):
-  """An array-in latent decode as a backend entry taking the LatentCache."""
+  """An array-in latent decode as a backend entry taking the LatentCache; batch_invariant=True
+  becomes the kernel's fixed splits of BATCH_INVARIANT_SPLIT_TOKENS tokens."""
   @functools.wraps(kernel)
-  def run(q, cache, block_tables, seq_lens, *, scale, kv_lora_rank, num_kv_splits=None):
+  def run(q, cache, block_tables, seq_lens, *, scale, kv_lora_rank, num_kv_splits=None,
+          batch_invariant=False):
     return kernel(q, cache.data, block_tables, seq_lens, scale=scale, kv_lora_rank=kv_lora_rank,
-                  k_scale=cache.scale_or_none, num_kv_splits=num_kv_splits)
+                  k_scale=cache.scale_or_none, num_kv_splits=num_kv_splits,
+                  split_tokens=BATCH_INVARIANT_SPLIT_TOKENS if batch_invariant else None)
   return run
 
 
@@ -231,7 +239,8 @@ def _fastest_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_
                  max_seqlen_q=max_seqlen_q)
 
 
-def _fastest_decode(q, cache, block_tables, seq_lens, *, scale, kv_lora_rank, num_kv_splits=None):
+def _fastest_decode(q, cache, block_tables, seq_lens, *, scale, kv_lora_rank, num_kv_splits=None,
+                    batch_invariant=False):
   """pallas_mosaic's decode where it measured faster (a static choice on shapes and the device),
   else pallas_triton's."""
   mosaic = (q.dtype == jnp.bfloat16 and cache.dtype_name == "bfloat16"
@@ -240,7 +249,7 @@ def _fastest_decode(q, cache, block_tables, seq_lens, *, scale, kv_lora_rank, nu
             and pallas_mosaic_decode.head_dims_fit(q.shape[2], kv_lora_rank) and _on_hopper())
   decode = PALLAS_MOSAIC.decode if mosaic else PALLAS_TRITON.decode
   return decode(q, cache, block_tables, seq_lens, scale=scale, kv_lora_rank=kv_lora_rank,
-                num_kv_splits=num_kv_splits)
+                num_kv_splits=num_kv_splits, batch_invariant=batch_invariant)
 
 
 def _fastest_indexer_logits(q, weights, k_cache, block_tables, seq_lens):

@@ -39,7 +39,8 @@ class DeepseekV2MLAAttention(nnx.Module):
   """
 
   def __init__(self, config: MLAConfig, *, backend: str | None = None, dtype=jnp.bfloat16,
-               param_dtype=jnp.bfloat16, indexer_fp8: bool = True, rngs: nnx.Rngs):
+               param_dtype=jnp.bfloat16, indexer_fp8: bool = True, batch_invariant: bool = False,
+               rngs: nnx.Rngs):
     c = config
     self.config = config
     n, qk = c.num_heads, c.qk_head_dim
@@ -57,7 +58,7 @@ class DeepseekV2MLAAttention(nnx.Module):
                              param_dtype, rngs)
     self.o_proj = linear(n * c.v_head_dim, c.hidden_size, dtype, param_dtype, rngs)
     self.rotary_emb = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling, neox=False)
-    self.mla_attn = MLAAttention(c, backend=backend, dtype=dtype)
+    self.mla_attn = MLAAttention(c, backend=backend, dtype=dtype, batch_invariant=batch_invariant)
     if c.has_indexer:
       self.indexer = Indexer(c, fp8=indexer_fp8, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.process_weights_after_loading()

@@ -47,18 +47,69 @@ def _paged_rows(cache, block_tables, seq_lens):
 
 def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
                   *, scale: float, kv_lora_rank: int = 512,
-                  k_scale: jax.Array | float | None = None) -> tuple[jax.Array, jax.Array]:
+                  k_scale: jax.Array | float | None = None,
+                  split_tokens: int | None = None) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over the paged latent cache, one query row per token.
 
   q [T, N, D]; kv_cache [NB, BS, D]; block_tables [T, MB] int32 (the row's request's table);
   seq_lens [T] int32 (tokens this row sees). Returns o [T, N, L] (q.dtype), lse [T, N] float32.
-  Values are the first `kv_lora_rank` columns of each cache row.
+  Values are the first `kv_lora_rank` columns of each cache row. split_tokens: the batch-invariant
+  form (`_latent_decode_in_splits`).
   """
+  if split_tokens is not None:
+    return _latent_decode_in_splits(q, kv_cache, block_tables, seq_lens, scale=scale,
+                                    kv_lora_rank=kv_lora_rank, k_scale=k_scale,
+                                    split_tokens=split_tokens)
   k, mask = _paged_rows(kv_cache, block_tables, seq_lens)
   k = dequantize(k, k_scale)
   logits = _einsum("TND,TSD->TNS", q.astype(jnp.float32), k) * scale
   p, lse = _masked_softmax(logits, mask[:, None, :])
   o = _einsum("TNS,TSL->TNL", p, k[..., :kv_lora_rank])
+  return o.astype(q.dtype), lse
+
+
+def _latent_decode_in_splits(q, kv_cache, block_tables, seq_lens, *, scale, kv_lora_rank, k_scale,
+                             split_tokens):
+  """`latent_decode` with each row's bits independent of the batch and of the table's width.
+
+  Rows run one at a time (`lax.map`: the products' shapes, hence their summation order, never
+  follow T), each over its tokens in splits of `split_tokens`, folded in split order with an
+  online softmax. A split past the row's length is an exact no-op of the fold (its scores are
+  -inf: the max and the sums do not move), so a wider table changes nothing either.
+  """
+  if split_tokens < 1:
+    raise ValueError(f"split_tokens must be >= 1, got {split_tokens}")
+  nb, bs = kv_cache.shape[:2]
+  t, mb = block_tables.shape
+  num_splits = -(-mb * bs // split_tokens)
+  pos = jnp.arange(num_splits * split_tokens).reshape(num_splits, split_tokens)
+
+  def one_row(args):
+    q_row, table, length = args  # [N, D], [MB], []
+    page = jnp.minimum(pos // bs, mb - 1)
+    block = table[page]
+    visible = (pos < jnp.minimum(length, mb * bs)) & (block >= 0) & (block < nb)
+
+    def split(carry, xs):
+      m, l, acc = carry
+      block, visible, pos = xs  # [split_tokens] each
+      k = kv_cache[jnp.where(visible, block, 0), pos % bs]
+      k = dequantize(jnp.where(visible[:, None], k.astype(jnp.float32), 0.0), k_scale)
+      logits = jnp.where(visible[None], _einsum("ND,SD->NS", q_row, k) * scale, -jnp.inf)
+      m_new = jnp.maximum(m, logits.max(axis=-1))
+      m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+      alpha, p = jnp.exp(m - m_safe), jnp.exp(logits - m_safe[:, None])
+      acc = acc * alpha[:, None] + _einsum("NS,SL->NL", p, k[:, :kv_lora_rank])
+      return (m_new, l * alpha + p.sum(axis=-1), acc), None
+
+    n = q_row.shape[0]
+    init = (jnp.full((n,), -jnp.inf), jnp.zeros((n,)), jnp.zeros((n, kv_lora_rank)))
+    (m, l, acc), _ = lax.scan(split, init, (block, visible, pos))
+    seen = l > 0
+    o = acc / jnp.where(seen, l, 1.0)[:, None]
+    return o, jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+  o, lse = lax.map(one_row, (q.astype(jnp.float32), block_tables, seq_lens))
   return o.astype(q.dtype), lse
 
 

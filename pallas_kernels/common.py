@@ -101,17 +101,52 @@ def default_num_kv_splits(num_tokens: int, num_head_blocks: int, max_len: int,
   return max(1, min(vllm, fill))
 
 
+# The batch-invariant decode mode's split size: every split covers this many of a row's tokens, so
+# the split points depend on the row's length only, never on the batch. 2048 is the split the
+# default rule picks at B=128, S=8192, N=16 (4 splits), and half the N=128 one.
+BATCH_INVARIANT_SPLIT_TOKENS = 2048
+
+
+def check_split_args(num_kv_splits: int | None, split_tokens: int | None, step: int) -> None:
+  """ValueError unless at most one of the two split arguments is given, each valid; `step` is the
+  kernel's tokens per inner step, which a fixed split must hold whole."""
+  if num_kv_splits is not None and num_kv_splits < 1:
+    raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+  if split_tokens is not None and num_kv_splits is not None:
+    raise ValueError("give num_kv_splits or split_tokens (fixed splits, batch-invariant), not both")
+  if split_tokens is not None and (split_tokens < step or split_tokens % step):
+    raise ValueError(f"split_tokens must be a positive multiple of the kernel's step ({step} "
+                     f"tokens), got {split_tokens}")
+
+
+def num_fixed_splits(split_tokens: int, max_len: int) -> int:
+  """Grid splits for splits of `split_tokens` tokens over rows of up to `max_len` tokens; a row's
+  splits past its length see nothing and merge as exact no-ops."""
+  return max(1, pl.cdiv(max_len, split_tokens))
+
+
+def split_range(num_steps: jax.Array, split: jax.Array, num_splits: int,
+                split_steps: int | None = None) -> tuple[jax.Array, jax.Array]:
+  """(first step, end step) of `split` over a row of `num_steps` steps: `split_steps` each when
+  fixed (batch-invariant mode), else the row's steps spread evenly over `num_splits`."""
+  per_split = split_steps or pl.cdiv(num_steps, num_splits)
+  first = split * per_split
+  return first, jnp.minimum(first + per_split, num_steps)
+
+
 def split_kv_call(kernel: Callable[..., None], q: jax.Array, others: Sequence[jax.Array], *,
                   block_h: int, splits: int, lora: int, num_warps: int, num_stages: int,
-                  interpret: bool, name: str) -> tuple[jax.Array, jax.Array]:
+                  interpret: bool, name: str,
+                  fixed_order: bool = False) -> tuple[jax.Array, jax.Array]:
   """Stage 1 over the grid (head blocks, splits, tokens), then stage 2; shared by the split-KV
   kernels.
 
   kernel(q_ref [block_h, D], *refs of `others` whole, o_ref [block_h, lora], lse_ref [block_h]);
   q [T, Np, D] with Np a multiple of block_h. Returns o [T, Np, lora] in q.dtype and lse [T, Np].
+  fixed_order: always float32 partials, merged in split order (`merge_splits`).
   """
   t, np_, d = q.shape
-  out_dtype = q.dtype if splits == 1 else jnp.float32
+  out_dtype = partials_dtype(q.dtype, splits, fixed_order)
   whole = lambda x: pl.BlockSpec(x.shape, lambda h, s, i: (0,) * x.ndim)
   # Head blocks vary fastest so the programs reading the same cache rows run together and share L2.
   o_parts, lse_parts = pl.pallas_call(
@@ -127,24 +162,37 @@ def split_kv_call(kernel: Callable[..., None], q: jax.Array, others: Sequence[ja
       interpret=interpret,
       name=name,
   )(q, *others)
-  if splits == 1:
+  if splits == 1 and not fixed_order:
     return o_parts[:, 0], lse_parts[:, 0]
-  return merge_splits(o_parts, lse_parts, q.dtype)
+  return merge_splits(o_parts, lse_parts, q.dtype, fixed_order=fixed_order)
 
 
-def merge_splits(o_parts: jax.Array, lse_parts: jax.Array,
-                 out_dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+def partials_dtype(dtype: jnp.dtype, splits: int, fixed_order: bool) -> jnp.dtype:
+  """Stage 1's output dtype: the final one when a single split writes the result itself."""
+  return dtype if splits == 1 and not fixed_order else jnp.float32
+
+
+def merge_splits(o_parts: jax.Array, lse_parts: jax.Array, out_dtype: jnp.dtype, *,
+                 fixed_order: bool = False) -> tuple[jax.Array, jax.Array]:
   """Stage 2: o_parts [T, S, N, L] f32, lse_parts [T, S, N] -> (o [T, N, L], lse [T, N]).
 
   Plain XLA, which fuses it into one reduction reading each partial once (a Pallas merge was not
   timed against it). A split or row that saw nothing (lse -inf) gets weight 0.
+  fixed_order: the splits are added one at a time in split order (elementwise, so no reduction
+  whose order could follow the batch shape); a split that saw nothing adds exact zeros, so
+  trailing empty splits (a wider table) leave the result's bits unchanged.
   """
   m = lse_parts.max(axis=1)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   w = jnp.exp(lse_parts - m[:, None])
-  total = w.sum(axis=1)
+  if fixed_order:
+    total, o = w[:, 0], w[:, 0, :, None] * o_parts[:, 0]
+    for s in range(1, w.shape[1]):
+      total, o = total + w[:, s], o + w[:, s, :, None] * o_parts[:, s]
+  else:
+    total, o = w.sum(axis=1), (w[..., None] * o_parts).sum(axis=1)
   safe = jnp.where(total > 0, total, 1.0)
-  o = (w[..., None] * o_parts).sum(axis=1) / safe[..., None]
+  o = o / safe[..., None]
   return o.astype(out_dtype), jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
 
 

@@ -28,9 +28,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import (FLOAT_DTYPES, LATENT_CACHE_DTYPES, LN2, LOG2E, M_INIT,
-                                   check_decode_shapes, check_triton_config,
-                                   default_num_kv_splits, is_pow2, sm_count, split_kv_call,
-                                   with_overrides)
+                                   check_decode_shapes, check_split_args, check_triton_config,
+                                   default_num_kv_splits, is_pow2, num_fixed_splits, sm_count,
+                                   split_kv_call, split_range, with_overrides)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +89,7 @@ def tuned_config(num_heads: int, page_size: int, kind: str = "16bit") -> LatentD
 
 
 def _stage1_kernel(q_ref, kv_ref, bt_ref, len_ref, *rest, scale, lora, rope, step, num_splits,
-                   has_k_scale, compute_dtype, lanes):
+                   split_steps, has_k_scale, compute_dtype, lanes):
   # q_ref [block_h, L+R] (lane-major columns when lanes > 1); kv_ref [num_blocks, page, (L+R)/lanes]
   # (uint16 e4m3 pairs when lanes == 2); bt_ref [T, max_blocks] int32; len_ref [T] int32;
   # rest = (ks_ref [1] f32 when has_k_scale,) o_ref [block_h, L], lse_ref [block_h]
@@ -105,10 +105,7 @@ def _stage1_kernel(q_ref, kv_ref, bt_ref, len_ref, *rest, scale, lora, rope, ste
   qk_scale = scale * LOG2E * k_scale
 
   length = jnp.clip(len_ref[t], 0, max_blocks * page)
-  num_steps = pl.cdiv(length, step)
-  per_split = pl.cdiv(num_steps, num_splits)
-  first = split * per_split
-  last = jnp.minimum(first + per_split, num_steps)
+  first, last = split_range(pl.cdiv(length, step), split, num_splits, split_steps)
 
   lora_w, rope_w = lora // lanes, rope // lanes  # cache columns (words) per part
   q_nope = [q_ref[:, pl.ds(j * lora_w, lora_w)].astype(compute_dtype) for j in range(lanes)]
@@ -165,7 +162,9 @@ def _lane_major(x, lanes):
   return x.reshape(*x.shape[:-1], -1, lanes).swapaxes(-1, -2).reshape(x.shape)
 
 
-def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits):
+def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale):
+  """The checks that need no tuning config (the split arguments are checked once the step is
+  known)."""
   _, d, page = check_decode_shapes(q, kv_cache, block_tables, seq_lens)
   rope = d - kv_lora_rank
   if not (is_pow2(kv_lora_rank) and kv_lora_rank >= 16 and is_pow2(rope) and rope >= 16):
@@ -187,18 +186,17 @@ def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_sp
                      f"and the rope dim ({rope}) must be >= {16 * _FP8_LANES}")
   if k_scale is not None and jnp.ndim(k_scale) != 0:
     raise ValueError(f"k_scale must be a scalar, got shape {jnp.shape(k_scale)}")
-  if num_kv_splits is not None and num_kv_splits < 1:
-    raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits", "block_h",
-                                             "block_n", "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits",
+                                             "split_tokens", "block_h", "block_n", "num_warps",
+                                             "num_stages", "interpret"))
 def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
                   *, scale: float, kv_lora_rank: int = 512,
                   k_scale: jax.Array | float | None = None,
-                  num_kv_splits: int | None = None, block_h: int | None = None,
-                  block_n: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None,
+                  num_kv_splits: int | None = None, split_tokens: int | None = None,
+                  block_h: int | None = None, block_n: int | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None,
                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
 
@@ -206,11 +204,14 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   holding `x / k_scale` (k_scale a float32 scalar); block_tables [T, max_blocks] int32 (the row's
   request's table; -1 or out-of-range entries are masked); seq_lens [T] int32 (0 gives o = 0,
   lse = -inf). num_kv_splits=None picks a split count from static shapes; 1 makes each row's
-  result independent of the batch. block_h / block_n / num_warps / num_stages override the tuning
-  table (block_n: cache tokens per inner step, a power of two >= 16 dividing the page).
+  result independent of the batch. split_tokens (instead of num_kv_splits): splits of that many
+  tokens (a multiple of the inner step), merged in a fixed order, so each row's result is
+  bit-identical in any batch and with any table width (batch-invariant mode). block_h / block_n /
+  num_warps / num_stages override the tuning table (block_n: cache tokens per inner step, a power
+  of two >= 16 dividing the page).
   Returns o [T, N, L] in q.dtype and lse [T, N] float32 (natural log).
   """
-  _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits)
+  _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale)
   t, n, d = q.shape
   _, page, _ = kv_cache.shape
   lora, rope = kv_lora_rank, d - kv_lora_rank
@@ -221,8 +222,15 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
     raise ValueError(f"block_n must divide the page ({page}), got {block_n}")
   block_h = config.block_h
   num_head_blocks = pl.cdiv(n, block_h)
-  splits = num_kv_splits or default_num_kv_splits(t, num_head_blocks, block_tables.shape[1] * page,
-                                                  sm_count())
+  # Triton blocks hold a power-of-two element count: a page that is not a power of two is walked in
+  # steps of its largest power-of-two divisor.
+  step = block_n or min(tuned.block_n, page & -page)
+  check_split_args(num_kv_splits, split_tokens, step)
+  max_len = block_tables.shape[1] * page
+  if split_tokens:
+    splits = num_fixed_splits(split_tokens, max_len)
+  else:
+    splits = num_kv_splits or default_num_kv_splits(t, num_head_blocks, max_len, sm_count())
   if n % block_h:
     q = jnp.pad(q, ((0, 0), (0, num_head_blocks * block_h - n), (0, 0)))
   fp8 = kv_cache.dtype.name == "float8_e4m3fn"
@@ -235,18 +243,17 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
     q = jnp.concatenate([_lane_major(q[..., :lora], lanes), _lane_major(q[..., lora:], lanes)], -1)
     kv_cache = lax.bitcast_convert_type(
         kv_cache.reshape(*kv_cache.shape[:2], d // lanes, lanes), jnp.uint16)
-  # Triton blocks hold a power-of-two element count: a page that is not a power of two is walked in
-  # steps of its largest power-of-two divisor.
-  step = block_n or min(tuned.block_n, page & -page)
   k_scale_args = () if k_scale is None else (jnp.asarray(k_scale, jnp.float32).reshape(1),)
 
   kernel = functools.partial(_stage1_kernel, scale=scale, lora=lora, rope=rope, step=step,
-                             num_splits=splits, has_k_scale=k_scale is not None,
+                             num_splits=splits, split_steps=split_tokens and split_tokens // step,
+                             has_k_scale=k_scale is not None,
                              compute_dtype=compute_dtype, lanes=lanes)
   o, lse = split_kv_call(kernel, q, (kv_cache, block_tables, seq_lens, *k_scale_args),
                          block_h=block_h, splits=splits, lora=lora, num_warps=config.num_warps,
                          num_stages=config.num_stages, interpret=interpret,
-                         name=f"latent_decode_h{block_h}_p{page}_s{splits}")
+                         name=f"latent_decode_h{block_h}_p{page}_s{splits}",
+                         fixed_order=split_tokens is not None)
   if lanes > 1:
     o = _lane_major(o, lora // lanes)  # the inverse reorder: lanes x words -> words x lanes
   return o[:, :n], lse[:, :n]

@@ -39,8 +39,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import (LN2, LOG2E, M_INIT, check_decode_shapes, default_num_kv_splits,
-                                   feed_ring, merge_splits, row_broadcast, sm_count, swizzled)
+from pallas_kernels.common import (LN2, LOG2E, M_INIT, check_decode_shapes, check_split_args,
+                                   default_num_kv_splits, feed_ring, merge_splits, num_fixed_splits,
+                                   partials_dtype, row_broadcast, sm_count, split_range, swizzled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +78,8 @@ _MAX_HEAD_DIM = 576  # 3 x 64 rows x D bf16 + P must fit in shared memory
 
 
 def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_smem, row_smem,
-                   q_bar, ready, consumed, p_ready, p_free, *, scale, lora, num_splits, in_place):
+                   q_bar, ready, consumed, p_ready, p_free, *, scale, lora, num_splits, split_steps,
+                   in_place):
   # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64); kv_ref [num_blocks, page, D] bf16;
   # bt_ref [T, max_blocks] int32; len_ref [T] int32; o_ref [T, splits, Np, L]; lse_ref
   # [T, splits, Np] f32. SMEM: buffers = union of (q_smem [64, D], kv_smem [STAGES, 64, D]) bf16,
@@ -99,11 +101,9 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_sm
   qk_scale = scale * LOG2E  # log2(e) folded in: the softmax runs on exp2
 
   length = jnp.minimum(jnp.maximum(len_ref[t], 0), max_blocks * page)
-  num_steps = lax.div(length + (_STEP - 1), _STEP)
-  per_split = lax.div(num_steps + (num_splits - 1), num_splits)
-  first = split * per_split
+  first, end = split_range(pl.cdiv(length, _STEP), split, num_splits, split_steps)
   # Steps of this program; every warpgroup derives the same count, so their barrier phases agree.
-  n = jnp.maximum(jnp.minimum(first + per_split, num_steps) - first, 0)
+  n = jnp.maximum(end - first, 0)
 
   def step_source(i):
     """(block, first row in it, rows that count) of step i; a bad table entry counts no rows."""
@@ -275,7 +275,8 @@ def head_dims_fit(head_dim: int, kv_lora_rank: int) -> bool:
           and head_dim % 64 == 0)
 
 
-def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits):
+def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits,
+           split_tokens):
   _, d, page = check_decode_shapes(q, kv_cache, block_tables, seq_lens)
   if not head_dims_fit(d, kv_lora_rank):
     raise ValueError(f"head dim {d} must be kv_lora_rank ({kv_lora_rank}, a multiple of "
@@ -291,14 +292,15 @@ def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_sp
                      f"{seq_lens.dtype.name}")
   if k_scale is not None:
     raise ValueError("k_scale is for float8 caches, which this kernel does not read")
-  if num_kv_splits is not None and num_kv_splits < 1:
-    raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+  check_split_args(num_kv_splits, split_tokens, _STEP)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits",
+                                             "split_tokens", "interpret"))
 def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
                   *, scale: float, kv_lora_rank: int = 512,
                   k_scale: jax.Array | float | None = None, num_kv_splits: int | None = None,
+                  split_tokens: int | None = None,
                   interpret: bool | plgpu.InterpretGPUParams = False
                   ) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
@@ -307,23 +309,31 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   bf16, page a multiple of 64; block_tables [T, max_blocks] int32 (the row's request's table; -1 or
   out-of-range entries are masked); seq_lens [T] int32 (0 gives o = 0, lse = -inf). k_scale must be
   None (no float8 cache). num_kv_splits=None picks a split count from static shapes; 1 makes each
-  row's result independent of the batch. interpret: True or a `plgpu.InterpretGPUParams` runs
+  row's result independent of the batch. split_tokens (instead of num_kv_splits, a multiple of
+  64): splits of that many tokens merged in a fixed order, so each row's result is bit-identical in
+  any batch and with any table width (batch-invariant mode). interpret: True or a `plgpu.InterpretGPUParams` runs
   Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
-  _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits)
+  _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits, split_tokens)
   t, n, d = q.shape
   page = kv_cache.shape[1]
   head_tiles = pl.cdiv(n, _TILE_H)
-  splits = num_kv_splits or num_kv_splits_for(t, n, block_tables.shape[1] * page)
+  max_len = block_tables.shape[1] * page
+  if split_tokens:
+    splits = num_fixed_splits(split_tokens, max_len)
+  else:
+    splits = num_kv_splits or num_kv_splits_for(t, n, max_len)
   np_ = head_tiles * _TILE_H
   if np_ != n:
     q = jnp.pad(q, ((0, 0), (0, np_ - n), (0, 0)))  # zero heads: finite scores, sliced off below
-  out_dtype = q.dtype if splits == 1 else jnp.float32
+  fixed_order = split_tokens is not None
+  out_dtype = partials_dtype(q.dtype, splits, fixed_order)
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
 
   # Mosaic GPU's interpreter runs no in-place accumulation (see accumulate_values).
   kernel = functools.partial(_decode_kernel, scale=scale, lora=kv_lora_rank, num_splits=splits,
+                             split_steps=split_tokens and split_tokens // _STEP,
                              in_place=not interpret)
   o_parts, lse_parts = plgpu.kernel(
       kernel,
@@ -354,8 +364,8 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
       kernel_name=f"mosaic_latent_decode_p{page}_s{splits}",
   )(q, kv_cache, block_tables, seq_lens)
 
-  if splits == 1:
+  if splits == 1 and not fixed_order:
     o, lse = o_parts[:, 0], lse_parts[:, 0]
   else:
-    o, lse = merge_splits(o_parts, lse_parts, q.dtype)
+    o, lse = merge_splits(o_parts, lse_parts, q.dtype, fixed_order=fixed_order)
   return o[:, :n], lse[:, :n]

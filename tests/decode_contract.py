@@ -131,6 +131,31 @@ class DecodeContract:
     case = make_case(30, n=16, page=16, req_lens=[61, 3], q_lens=[4, 4])
     self.check(*case, num_kv_splits=2)
 
+  def test_batch_invariant(self, monkeypatch):
+    """batch_invariant=True: request 0's output bits alone equal its bits in three other batches
+    (other requests around it, another order and duplicates, tables 4 and 10 pages wider, which
+    add splits that see nothing). The split size is cut to 128 tokens so that CPU-sized requests
+    span several splits (request 0: 4)."""
+    monkeypatch.setattr(backends, "BATCH_INVARIANT_SPLIT_TOKENS", 128)
+    lengths = [434, 100, 0, 129, 64]
+    q, cache, tables, lens = make_case(80, n=16, page=64, req_lens=lengths, extra_table=0)
+    own = -(-lengths[0] // 64)
+
+    def run(rows, width):
+      table = np.full((len(rows), width), -1, np.int32)
+      table[:, :min(width, tables.shape[1])] = tables[rows, :width]
+      return [np.asarray(a) for a in self.decode(
+          jnp.asarray(q[rows]), jnp.asarray(cache), jnp.asarray(table), jnp.asarray(lens[rows]),
+          batch_invariant=True)]
+
+    alone_o, alone_lse = run([0], own)
+    assert_decode_close(alone_o.astype(np.float32), alone_lse, *latent_decode_np(
+        q[:1].astype(np.float32), cache, tables[:1], lens[:1], SCALE, L))
+    for rows, width in (([0, 1, 2, 3, 4], own), ([3, 1, 0], own + 4), ([4, 0, 0, 2, 1, 3], own + 10)):
+      o, lse = run(rows, width)
+      np.testing.assert_array_equal(o[rows.index(0)], alone_o[0])
+      np.testing.assert_array_equal(lse[rows.index(0)], alone_lse[0])
+
   def test_bad_table_entries_inside_length_are_masked(self):
     self.check_bad_table_entries(page=16, req_lens=[80, 50])
 

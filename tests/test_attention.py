@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from mla_jax import reference
 from mla_jax.cache import LatentCache
 from mla_jax.config import Llama4Scaling, MLAConfig
 from mla_jax.metadata import RequestState, build_metadata
 from mla_jax.modules import DeepseekV2MLAAttention, jitted_step
+from pallas_kernels.common import BATCH_INVARIANT_SPLIT_TOKENS
 
 SMALL = MLAConfig.preset("DeepSeek-V3").replace(
     hidden_size=64, num_heads=4, q_lora_rank=32, kv_lora_rank=64, qk_nope_head_dim=32,
@@ -249,3 +251,21 @@ def test_bad_input_raises():
     layer.mla_attn.absorb(jnp.zeros((3, 3)))
   with pytest.raises(ValueError, match="unknown MLA backend"):
     DeepseekV2MLAAttention(SMALL, backend="nope", rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("batch_invariant,split_tokens", [(False, None),
+                                                          (True, BATCH_INVARIANT_SPLIT_TOKENS)])
+def test_batch_invariant_reaches_the_decode(monkeypatch, batch_invariant, split_tokens):
+  # The layer's flag becomes the backend's fixed-split decode (its bit-exactness is tested per
+  # backend in tests/decode_contract.py).
+  seen = []
+  original = reference.latent_decode
+  monkeypatch.setattr(reference, "latent_decode",
+                      lambda *a, **k: seen.append(k["split_tokens"]) or original(*a, **k))
+  layer = DeepseekV2MLAAttention(SMALL, backend="reference", dtype=jnp.float32,
+                                 param_dtype=jnp.float32, batch_invariant=batch_invariant,
+                                 rngs=nnx.Rngs(0))
+  schedule = [[5, 3], [1, 1]]
+  run_schedule(layer, inputs_for(schedule, seed=19), schedule, tables_for(2, 20),
+               LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32))
+  assert seen == [split_tokens]  # traced once: the decode step

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -51,6 +52,8 @@ class TestPallasTritonDecode(DecodeContract):
       (lambda a: {**a, "block_n": 32}, "block_n"),
       (lambda a: {**a, "num_warps": 3}, "num_warps"),
       (lambda a: {**a, "num_stages": 0}, "num_stages"),
+      (lambda a: {**a, "num_kv_splits": 2, "split_tokens": 64}, "not both"),
+      (lambda a: {**a, "split_tokens": 24}, "multiple of the kernel's step"),
   ])
   def test_bad_input_raises(self, change, message):
     q, cache, tables, lens = (jnp.asarray(a) for a in make_case(50, n=16, page=16, req_lens=[20, 5]))
@@ -167,9 +170,38 @@ class TestPallasMosaicDecode(DecodeContract):
       (lambda a: {**a, "block_tables": a["block_tables"].astype(jnp.int16)}, "int32"),
       (lambda a: {**a, "k_scale": 1.0}, "float8"),
       (lambda a: {**a, "num_kv_splits": 0}, "num_kv_splits"),
+      (lambda a: {**a, "num_kv_splits": 2, "split_tokens": 64}, "not both"),
+      (lambda a: {**a, "split_tokens": 96}, "multiple of the kernel's step"),
   ])
   def test_bad_input_raises(self, change, message):
     q, cache, tables, lens = (jnp.asarray(a) for a in make_case(51, n=16, page=64, req_lens=[20, 5]))
     args = dict(q=q, kv_cache=cache, block_tables=tables, seq_lens=lens, kv_lora_rank=512)
     with pytest.raises(ValueError, match=message):
       mosaic_decode.latent_decode(**change(args), scale=0.1, interpret=True)
+
+
+def _stage1_splits(jaxpr):
+  """The split count of every Pallas call in a jaxpr: dimension 1 of its first output (Mosaic GPU's
+  `plgpu.kernel` shows as a custom_vmap_call around it)."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("pallas_call", "custom_vmap_call"):
+      found.append(eqn.outvars[0].aval.shape[1])
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found += _stage1_splits(sub)
+  return found
+
+
+@pytest.mark.parametrize("kernel", [latent_decode, mosaic_decode.latent_decode])
+def test_fixed_split_count_ignores_the_batch(kernel):
+  # split_tokens: the grid's split count is the static length bound over the split size (8192 /
+  # 2048) whatever the batch. Without it the count follows the batch (the probe can tell).
+  def splits(batch, **kwargs):
+    q = jax.ShapeDtypeStruct((batch, 16, 576), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((batch * 128, 64, 576), jnp.bfloat16)
+    tables = jax.ShapeDtypeStruct((batch, 128), jnp.int32)
+    lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    return set(_stage1_splits(kernel.trace(q, cache, tables, lens, scale=SCALE,
+                                           **kwargs).jaxpr.jaxpr))
+  assert [splits(b, split_tokens=2048) for b in (1, 3, 128)] == [{4}] * 3
+  assert len({frozenset(splits(b)) for b in (1, 3, 128)}) > 1

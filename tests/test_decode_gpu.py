@@ -17,6 +17,7 @@ from mla_jax import reference
 from mla_jax.backends import get_backend
 from mla_jax.cache import LatentCache
 from pallas_kernels import latent_decode, mosaic_decode
+from pallas_kernels.common import BATCH_INVARIANT_SPLIT_TOKENS
 
 pytestmark = pytest.mark.gpu
 
@@ -91,3 +92,30 @@ def test_one_split_is_batch_independent(kernel):
   for a, b, c in zip(full, rev, few):
     np.testing.assert_array_equal(a, b[::-1])
     np.testing.assert_array_equal(a[3:8], c)
+
+
+@pytest.mark.parametrize("n,cache_dtype", [(16, jnp.bfloat16), (128, jnp.bfloat16),
+                                           (128, jnp.float8_e4m3fn)])
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_batch_invariant_is_bit_exact(kernel, n, cache_dtype):
+  # Row 1 (8192 tokens: 4 splits of 2048) alone, in the batch of 128, in 5 rows reversed, and in 7
+  # rows with a table 64 pages wider: the same bits; and the batch within SPEC tolerances.
+  if kernel == "pallas_mosaic" and jnp.dtype(cache_dtype) != jnp.bfloat16:
+    pytest.skip("pallas_mosaic's decode kernel reads bfloat16 caches only")
+  q, cache, tables, lens = serving_case(7, batch=128, max_len=8192, n=n, cache_dtype=cache_dtype)
+  k_scale = jnp.float32(FP8_SCALE) if jnp.dtype(cache_dtype) == jnp.float8_e4m3fn else None
+  mode = ({"batch_invariant": True} if kernel == "pallas" else
+          {"split_tokens": BATCH_INVARIANT_SPLIT_TOKENS})
+  run = lambda *a: jax.device_get(KERNELS[kernel](*a, scale=SCALE, k_scale=k_scale, **mode))
+  poison_allocator()
+  full = run(q, cache, tables, lens)
+  alone = run(q[1:2], cache, tables[1:2], lens[1:2])
+  few = run(q[5::-1], cache, tables[5::-1], lens[5::-1])
+  wide = run(q[:7], cache, jnp.pad(tables[:7], ((0, 0), (0, 64)), constant_values=-1), lens[:7])
+  for i, out in ((1, full), (0, alone), (4, few), (1, wide)):
+    for a, b in zip(out, alone):
+      np.testing.assert_array_equal(a[i], b[0])
+  ref = jax.jit(reference.latent_decode, static_argnames=("scale", "kv_lora_rank"))
+  ref_o, ref_lse = (np.asarray(a, np.float64) for a in
+                    ref(q, cache, tables, lens, scale=SCALE, kv_lora_rank=L, k_scale=k_scale))
+  assert_decode_close(np.asarray(full[0].astype(jnp.float32)), np.asarray(full[1]), ref_o, ref_lse)
