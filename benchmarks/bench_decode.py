@@ -1,5 +1,5 @@
 """Latent (MLA) decode: the Pallas-Triton kernel against the jitted XLA reference, on a GPU, with
-the Mosaic GPU kernel (pallas_mosaic) beside it on bf16 caches.
+the Mosaic GPU kernel (pallas_mosaic) beside it (bf16 and fp8 caches).
 
 Every request sees the full S tokens through a shuffled 64-token page table, so the bytes that
 must move are exactly the cache rows (B*S*576*elem) plus q and o; FLOPs are 2*B*N*S*(576+512).
@@ -87,7 +87,7 @@ def run_case(args, batch, heads, seq, dtype_name):
     best = min((r for r in rows if "ms" in r), key=lambda r: r["ms"])
     cfg = {k: best[k] for k in ("block_h", "block_n", "num_warps", "num_stages")}
     rows += [variant(**cfg, num_kv_splits=k) for k in (1, 2, 4, 8, 16, 32)]
-    if dtype_name == "bf16" and not args.no_mosaic:
+    if not args.no_mosaic:
       rows += [variant(mosaic, num_kv_splits=k) for k in (1, 2, 4, 8, 16)]
     return rows
 
@@ -97,7 +97,7 @@ def run_case(args, batch, heads, seq, dtype_name):
   row = {**base,
          "config": f"h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} k{splits}",
          **rates(timed(kernel_fn()), bytes_moved=case_bytes, flops=flops)}
-  if dtype_name == "bf16" and not args.no_mosaic:
+  if not args.no_mosaic:
     # The Mosaic kernel on the same inputs; one that does not compile is recorded, not fatal.
     row["mosaic config"] = f"k{mosaic.num_kv_splits_for(batch, heads, seq)}"
     try:

@@ -199,8 +199,8 @@ def _mosaic_indexer_logits(q, weights, k_cache, block_tables, seq_lens):
 
 
 # The Mosaic GPU (Hopper wgmma) decode, prefill, sparse attention and indexer kernels; the others
-# are pallas_triton's. The decode kernel reads bf16 caches (and bf16 q) with pages of a multiple of
-# 64 tokens only; the prefill kernel takes bf16 q, k, v only; the sparse kernel bf16 q over bf16 or
+# are pallas_triton's. The decode kernel reads bf16 or fp8 (e4m3, per-tensor scale) caches with bf16
+# q, pages of a multiple of 64 tokens only; the prefill kernel takes bf16 q, k, v only; the sparse kernel bf16 q over bf16 or
 # fp8_ds_mla caches.
 PALLAS_MOSAIC = dataclasses.replace(
     PALLAS_TRITON,
@@ -209,7 +209,7 @@ PALLAS_MOSAIC = dataclasses.replace(
     prefill=_off_gpu_interpreted(pallas_mosaic_prefill.mla_prefill),
     indexer_logits=_mosaic_indexer_logits,
     sparse_attention=_pallas_mosaic_sparse_attention,
-    cache_dtypes=frozenset({"bfloat16"}),
+    cache_dtypes=frozenset({"bfloat16", "float8_e4m3fn"}),
     block_size_multiple=pallas_mosaic_decode.PAGE_MULTIPLE,
 )
 

@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import (LN2, LOG2E, M_INIT, check_decode_shapes, check_split_args,
+from pallas_kernels.common import (F8, LN2, LOG2E, M_INIT, check_decode_shapes, check_split_args,
                                    default_num_kv_splits, feed_ring, merge_splits, num_fixed_splits,
                                    partials_dtype, row_broadcast, sm_count, split_range, swizzled)
 
@@ -65,6 +65,10 @@ class MosaicDecodeConfig:
 
 CONFIG = MosaicDecodeConfig()
 _TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
+# fp8 caches: one bf16 slot (what the products read) and 2 slots of e4m3 bytes (36 KB each) that
+# the memory warpgroup widens into it, so the shared memory is the bf16 kernel's.
+_FP8_STAGES = 2
+_FP8_COLS = 64  # e4m3 columns per shared-memory tile: 64 bytes, the 64-byte swizzle
 _VALUE_WGS = 2  # warpgroups sharing the value columns; warpgroup 0 also computes the scores
 # Value columns per P V product in the interpreter's form: each lands in a fresh 64 x 128 float32
 # accumulator (64 registers a thread) that is added to the running output (128), which keeps a
@@ -72,23 +76,29 @@ _VALUE_WGS = 2  # warpgroups sharing the value columns; warpgroup 0 also compute
 _CHUNK = 128
 _MAX_WGMMA_N = 256
 PAGE_MULTIPLE = _STEP  # pages hold whole steps
-_CONSUMER_REGS = 232  # 2 x 232 + 40 (memory warpgroup) registers x 128 threads fit the 64K file
-_MEMORY_REGS = 40
+# (consumer, memory) warpgroup registers a thread: 2 x consumer + memory <= 512 (the 64K file over
+# 128 threads); with an fp8 cache the memory warpgroup widens tiles, as in mosaic_sparse.
+_REGS = {False: (232, 40), True: (224, 64)}
 _MAX_HEAD_DIM = 576  # 3 x 64 rows x D bf16 + P must fit in shared memory
 
 
-def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_smem, row_smem,
-                   q_bar, ready, consumed, p_ready, p_free, *, scale, lora, num_splits, split_steps,
-                   in_place):
-  # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64); kv_ref [num_blocks, page, D] bf16;
-  # bt_ref [T, max_blocks] int32; len_ref [T] int32; o_ref [T, splits, Np, L]; lse_ref
-  # [T, splits, Np] f32. SMEM: buffers = union of (q_smem [64, D], kv_smem [STAGES, 64, D]) bf16,
-  # live while the steps run, and (o_smem [2, 64, L/2] o dtype, lse_smem [64] f32), live after;
-  # p_smem [64, 64] bf16 (this step's P); row_smem [64] f32 (this step's rescale factors, then l).
-  # Barriers: q_bar (query tile landed); ready [STAGES] (slot landed); consumed [STAGES] (both
-  # value warpgroups done with the slot); p_ready (P and row_smem written); p_free (warpgroup 1
-  # done reading them).
+def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffers, p_smem,
+                   row_smem, q_bar, ready, consumed, p_ready, p_free, *staging, scale, lora,
+                   num_splits, split_steps, in_place):
+  # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64); kv_ref [num_blocks, page, D] bf16 or
+  # e4m3; bt_ref [T, max_blocks] int32; len_ref [T] int32; ks_ref [1] f32 (the cache's scale, 1
+  # for bf16); o_ref [T, splits, Np, L]; lse_ref [T, splits, Np] f32. SMEM: buffers = union of
+  # (q_smem [64, D], kv_smem [slots, 64, D]) bf16 (slots: 2, or 1 with an fp8 cache), live while
+  # the steps run, and (o_smem [2, 64, L/2] o dtype, lse_smem [64] f32), live after; p_smem
+  # [64, 64] bf16 (this step's P); row_smem [64] f32 (this step's rescale factors, then l).
+  # Barriers: q_bar (query tile landed); ready [slots] (slot holds its step's bf16 rows);
+  # consumed [slots] (both value warpgroups done with the slot); p_ready (P and row_smem
+  # written); p_free (warpgroup 1 done reading them). fp8 only, staging = (stage [FP8_STAGES, 64,
+  # D] e4m3, 64-byte swizzled; staged [FP8_STAGES] barriers: a stage slot's bytes landed).
   (q_smem, kv_smem), (o_smem, lse_smem) = buffers
+  fp8 = bool(staging)
+  slots = kv_smem.shape[0]
+  consumer_regs, memory_regs = _REGS[fp8]
   h, split, t = lax.axis_index("heads"), lax.axis_index("splits"), lax.axis_index("tokens")
   wg = lax.axis_index("wg")
   num_blocks, page, _ = kv_ref.shape
@@ -98,7 +108,10 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_sm
   # Value columns per P V product: all of a warpgroup's when it accumulates in place (wgmma's N is
   # at most 256), else _CHUNK-wide fresh accumulators.
   width = half if in_place and half <= _MAX_WGMMA_N else _CHUNK
-  qk_scale = scale * LOG2E  # log2(e) folded in: the softmax runs on exp2
+  # log2(e) folded in: the softmax runs on exp2. The per-tensor fp8 scale is linear: it scales the
+  # logits here and the output at the end instead of every cache value.
+  k_scale = ks_ref[0]
+  qk_scale = scale * LOG2E * k_scale
 
   length = jnp.minimum(jnp.maximum(len_ref[t], 0), max_blocks * page)
   first, end = split_range(pl.cdiv(length, _STEP), split, num_splits, split_steps)
@@ -154,7 +167,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_sm
 
   def write_output(acc, l, w):
     """Normalizes warpgroup w's columns and copies them out; rows that saw nothing give 0."""
-    inv = 1.0 / jnp.where(l > 0, l, 1.0)
+    inv = k_scale / jnp.where(l > 0, l, 1.0)
     for c, part in enumerate(acc):
       o_smem[w, :, pl.ds(c * width, width)] = (
           part * row_broadcast(inv, part.shape)).astype(o_smem.dtype)
@@ -164,7 +177,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_sm
 
   @pl.when(wg == 0)
   def _scores():
-    plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+    plgpu.set_max_registers(consumer_regs, action="increase")
 
     @pl.when(n > 0)
     def _():
@@ -172,11 +185,13 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_sm
 
     def step(i, carry):
       m, l, acc = carry
-      slot = lax.rem(i, _STAGES)
+      slot = lax.rem(i, slots)
       _, _, rows = step_source(i)
       plgpu.barrier_wait(ready.at[slot])
-      # Only the last page of a row (and a bad table entry) has rows that do not count.
-      pl.when(rows < _STEP)(functools.partial(zero_rows, slot, rows))
+      # Only the last page of a row (and a bad table entry) has rows that do not count; an fp8
+      # tile is masked as it is widened.
+      if not fp8:
+        pl.when(rows < _STEP)(functools.partial(zero_rows, slot, rows))
 
       def scores(acc_ref):  # acc_ref [64 heads, 64 rows] f32
         plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
@@ -227,11 +242,11 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_sm
 
   @pl.when(wg == 1)
   def _values():
-    plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+    plgpu.set_max_registers(consumer_regs, action="increase")
     rows_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def step(i, acc):
-      slot = lax.rem(i, _STAGES)
+      slot = lax.rem(i, slots)
       # p_ready already comes after warpgroup 0 saw the slot land; waiting on the copy's own
       # barrier as well is the documented way for its bytes to be visible to this wgmma.
       plgpu.barrier_wait(ready.at[slot])
@@ -249,11 +264,15 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_sm
 
   @pl.when(wg == _VALUE_WGS)
   def _memory():
-    plgpu.set_max_registers(_MEMORY_REGS, action="decrease")
+    plgpu.set_max_registers(memory_regs, action="decrease")
 
     @pl.when(n > 0)
     def _():
       plgpu.copy_gmem_to_smem(q_ref.at[t, pl.ds(h * _TILE_H, _TILE_H)], q_smem, q_bar)
+
+    if fp8:
+      _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, *staging)
+      return
 
     def fetch(i, slot):
       block, offset, _ = step_source(i)
@@ -261,6 +280,40 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, buffers, p_sm
                               ready.at[slot])
 
     feed_ring(n, _STAGES, consumed, fetch)
+
+
+def _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, stage, staged):
+  """The memory warpgroup's loop for an fp8 cache: e4m3 page tiles are fetched 2 steps ahead into
+  the stage ring, and each is widened (exactly: every e4m3 value is a bf16 one) into the single
+  bf16 slot once both value warpgroups are done with the previous step. Rows that do not count
+  become 0 as they are widened (they may hold NaN bytes)."""
+  def fetch(i, s):
+    block, offset, _ = step_source(i)
+    plgpu.copy_gmem_to_smem(kv_ref.at[block, pl.ds(offset, _STEP)], stage.at[s], staged.at[s])
+
+  for i in range(_FP8_STAGES):
+    pl.when(i < n)(functools.partial(fetch, i, i))
+  row_ids = plgpu.broadcasted_iota(jnp.int32, (_STEP,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
+
+  @pl.loop(0, n)
+  def _(i):
+    s = lax.rem(i, _FP8_STAGES)
+    _, _, rows = step_source(i)
+    keep = row_ids < rows
+    plgpu.barrier_wait(staged.at[s])
+    pl.when(i > 0)(lambda: plgpu.barrier_wait(consumed.at[0]))
+    for c in range(kv_smem.shape[-1] // _FP8_COLS):
+      # [64 rows, 64] e4m3 -> f16 (one instruction per pair) -> f32 -> bf16, all exact
+      x = stage[s, :, pl.ds(c * _FP8_COLS, _FP8_COLS)].astype(jnp.float16).astype(jnp.float32)
+      x = plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+      x = jnp.where(row_broadcast(keep, x.shape), x, 0.0)
+      kv_smem[0, :, pl.ds(c * _FP8_COLS, _FP8_COLS)] = x.astype(kv_smem.dtype)
+    # Also a warpgroup barrier: every thread's reads of stage slot s are done before its refill.
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(ready.at[0])
+    pl.when(i + _FP8_STAGES < n)(functools.partial(fetch, i + _FP8_STAGES, s))
+
+  pl.when(n > 0)(lambda: plgpu.barrier_wait(consumed.at[0]))
 
 
 
@@ -285,13 +338,17 @@ def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_sp
   if page % PAGE_MULTIPLE:
     raise ValueError(f"page size must be a multiple of {PAGE_MULTIPLE} (the bulk copy and wgmma "
                      f"tile), got {page}")
-  if q.dtype != jnp.bfloat16 or kv_cache.dtype != jnp.bfloat16:
-    raise ValueError(f"q and cache must be bfloat16, got {q.dtype.name} and {kv_cache.dtype.name}")
+  if q.dtype != jnp.bfloat16 or kv_cache.dtype not in (jnp.bfloat16, F8):
+    raise ValueError(f"q must be bfloat16 and the cache bfloat16 or float8_e4m3fn, got "
+                     f"{q.dtype.name} and {kv_cache.dtype.name}")
   if block_tables.dtype != jnp.int32 or seq_lens.dtype != jnp.int32:
     raise ValueError(f"block_tables and seq_lens must be int32, got {block_tables.dtype.name} and "
                      f"{seq_lens.dtype.name}")
-  if k_scale is not None:
-    raise ValueError("k_scale is for float8 caches, which this kernel does not read")
+  if (kv_cache.dtype == F8) != (k_scale is not None):
+    raise ValueError("a float8_e4m3fn cache needs k_scale (its per-tensor scale), a bfloat16 cache "
+                     "takes none")
+  if k_scale is not None and jnp.ndim(k_scale) != 0:
+    raise ValueError(f"k_scale must be a scalar, got shape {jnp.shape(k_scale)}")
   check_split_args(num_kv_splits, split_tokens, _STEP)
 
 
@@ -306,13 +363,13 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
 
   q [T, N, L+R] bf16 (any N: heads are padded to tiles of 64); kv_cache [num_blocks, page, L+R]
-  bf16, page a multiple of 64; block_tables [T, max_blocks] int32 (the row's request's table; -1 or
-  out-of-range entries are masked); seq_lens [T] int32 (0 gives o = 0, lse = -inf). k_scale must be
-  None (no float8 cache). num_kv_splits=None picks a split count from static shapes; 1 makes each
+  bf16, or float8_e4m3fn holding `x / k_scale` (k_scale a float32 scalar), page a multiple of 64;
+  block_tables [T, max_blocks] int32 (the row's request's table; -1 or out-of-range entries are
+  masked); seq_lens [T] int32 (0 gives o = 0, lse = -inf). num_kv_splits=None picks a split count from static shapes; 1 makes each
   row's result independent of the batch. split_tokens (instead of num_kv_splits, a multiple of
   64): splits of that many tokens merged in a fixed order, so each row's result is bit-identical in
-  any batch and with any table width (batch-invariant mode). interpret: True or a `plgpu.InterpretGPUParams` runs
-  Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and lse [T, N] float32 (natural log).
+  any batch and with any table width (batch-invariant mode). interpret: True or a
+  `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
   _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits, split_tokens)
   t, n, d = q.shape
@@ -335,22 +392,33 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   kernel = functools.partial(_decode_kernel, scale=scale, lora=kv_lora_rank, num_splits=splits,
                              split_steps=split_tokens and split_tokens // _STEP,
                              in_place=not interpret)
+  fp8 = kv_cache.dtype == F8
+  slots = 1 if fp8 else _STAGES
+  staging = ()
+  if fp8:
+    staging = (plgpu.SMEM((_FP8_STAGES, _STEP, d), F8,
+                          transforms=(plgpu.TilingTransform((8, _FP8_COLS)),
+                                      plgpu.SwizzleTransform(_FP8_COLS))),
+               plgpu.Barrier(num_barriers=_FP8_STAGES))
+  k_scale = jnp.ones((1,), jnp.float32) if k_scale is None else (
+      jnp.asarray(k_scale, jnp.float32).reshape(1))
   o_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((t, splits, np_, kv_lora_rank), out_dtype),
                 jax.ShapeDtypeStruct((t, splits, np_), jnp.float32)),
       scratch_types=(
           plgpu.RefUnion(
-              (swizzled((_TILE_H, d), q.dtype), swizzled((_STAGES, _STEP, d), kv_cache.dtype)),
+              (swizzled((_TILE_H, d), q.dtype), swizzled((slots, _STEP, d), q.dtype)),
               (swizzled((_VALUE_WGS, _TILE_H, kv_lora_rank // _VALUE_WGS), out_dtype),
                plgpu.SMEM((_TILE_H,), jnp.float32))),
           swizzled((_TILE_H, _STEP), q.dtype),
           plgpu.SMEM((_TILE_H,), jnp.float32),
           plgpu.Barrier(),
-          plgpu.Barrier(num_barriers=_STAGES),
-          plgpu.Barrier(num_arrivals=_VALUE_WGS, num_barriers=_STAGES),
+          plgpu.Barrier(num_barriers=slots),
+          plgpu.Barrier(num_arrivals=_VALUE_WGS, num_barriers=slots),
           plgpu.Barrier(),
           plgpu.Barrier(),
+          *staging,
       ),
       # Head tiles vary fastest so the programs reading the same pages run together and share L2.
       grid=(head_tiles, splits, t),
@@ -361,8 +429,8 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
       # reduction scratch (2 KB by default) is not needed, and it would not fit.
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
       interpret=interpret or None,
-      kernel_name=f"mosaic_latent_decode_p{page}_s{splits}",
-  )(q, kv_cache, block_tables, seq_lens)
+      kernel_name=f"mosaic_latent_decode_{'fp8' if fp8 else 'bf16'}_p{page}_s{splits}",
+  )(q, kv_cache, block_tables, seq_lens, k_scale)
 
   if splits == 1 and not fixed_order:
     o, lse = o_parts[:, 0], lse_parts[:, 0]

@@ -113,6 +113,7 @@ class DecodeContract:
   @pytest.mark.parametrize("seed,n,page,splits,k_scale", [
       (10, 16, 64, 4, FP8_SCALE),
       (11, 32, 16, 1, jnp.float32(FP8_SCALE)),
+      (12, 128, 64, 2, jnp.float32(FP8_SCALE)),
   ])
   def test_fp8_cache(self, seed, n, page, splits, k_scale):
     case = make_case(seed, n=n, page=page, req_lens=[150, 0, 33], cache_dtype=jnp.float8_e4m3fn)

@@ -8,7 +8,7 @@ import jax.extend
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from decode_contract import L, SCALE, DecodeContract, assert_decode_close, make_case
+from decode_contract import FP8_SCALE, L, SCALE, DecodeContract, assert_decode_close, make_case
 from mla_jax import backends
 from oracles import latent_decode_np
 from pallas_kernels import mosaic_decode
@@ -95,8 +95,8 @@ class TestPallasTritonDecode(DecodeContract):
 
 class TestPallasMosaicDecode(DecodeContract):
   """The Mosaic GPU kernel, in Mosaic GPU's interpreter on CPUs. Contract cases it cannot take
-  (float8, f16 or f32; pages not a multiple of 64) skip, naming why; the page-64 cases below cover
-  what those test."""
+  (f16 or f32; pages not a multiple of 64) skip, naming why; the page-64 cases below cover what
+  those test."""
   backend = "pallas_mosaic"
 
   def decode(self, q, kv_cache, *args, **kwargs):
@@ -131,30 +131,38 @@ class TestPallasMosaicDecode(DecodeContract):
     for a, b in zip(run(q, cache, tables, lens), run(q[1:2], cache, tables[1:2], lens[1:2])):
       np.testing.assert_array_equal(np.asarray(a[1:2]), np.asarray(b))
 
-  def test_no_races_in_the_interpreter(self):
+  @pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+  def test_no_races_in_the_interpreter(self, cache_dtype):
     # The interpreter's race detector sees plain loads and stores and bulk copies (the P and
-    # rescale hand-off between the warpgroups, the output staged over the page memory), not the
-    # operand reads of wgmma. jax 0.11.2 reports it only through a private module.
+    # rescale hand-off between the warpgroups, the output staged over the page memory, fp8's
+    # stage ring and its widening), not the operand reads of wgmma. jax 0.11.2 reports it only
+    # through a private module.
     report = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
-    q, cache, tables, lens = make_case(62, n=16, page=64, req_lens=[200, 1, 0])
+    q, cache, tables, lens = make_case(62, n=16, page=64, req_lens=[200, 1, 0],
+                                       cache_dtype=cache_dtype)
+    k_scale = FP8_SCALE if cache_dtype == jnp.float8_e4m3fn else None
     o, lse = mosaic_decode.latent_decode(q, cache, tables, lens, scale=SCALE, num_kv_splits=2,
+                                         k_scale=k_scale,
                                          interpret=plgpu.InterpretGPUParams(detect_races=True))
     jax.block_until_ready(o)
     assert not report.get_races().races_found
-    assert_decode_close(np.asarray(o.astype(jnp.float32)), lse,
-                        *latent_decode_np(q.astype(np.float32), cache, tables, lens, SCALE, L))
+    assert_decode_close(np.asarray(o.astype(jnp.float32)), lse, *latent_decode_np(
+        q.astype(np.float32), cache, tables, lens, SCALE, L, k_scale or 1.0))
 
-  @pytest.mark.parametrize("batch,n,seq,splits", [(128, 128, 8192, None), (128, 16, 32768, None),
-                                                  (4, 20, 4096, 1)])
-  def test_lowers_for_hopper(self, batch, n, seq, splits):
+  @pytest.mark.parametrize("batch,n,seq,splits,cache_dtype", [
+      (128, 128, 8192, None, jnp.bfloat16), (128, 16, 32768, None, jnp.bfloat16),
+      (4, 20, 4096, 1, jnp.bfloat16), (128, 128, 8192, None, jnp.float8_e4m3fn),
+      (128, 16, 8192, None, jnp.float8_e4m3fn)])
+  def test_lowers_for_hopper(self, batch, n, seq, splits, cache_dtype):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # shapes and layouts, bulk-copy boxes, and that shared memory fits a Hopper block's 227 KB.
     q = jax.ShapeDtypeStruct((batch, n, 576), jnp.bfloat16)
-    cache = jax.ShapeDtypeStruct((batch * seq // 64, 64, 576), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((batch * seq // 64, 64, 576), cache_dtype)
     tables = jax.ShapeDtypeStruct((batch, seq // 64), jnp.int32)
     lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    k_scale = jnp.float32(FP8_SCALE) if cache_dtype == jnp.float8_e4m3fn else None
     traced = mosaic_decode.latent_decode.trace(q, cache, tables, lens, scale=SCALE,
-                                               num_kv_splits=splits)
+                                               k_scale=k_scale, num_kv_splits=splits)
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
   @pytest.mark.parametrize("change,message", [
@@ -166,9 +174,12 @@ class TestPallasMosaicDecode(DecodeContract):
                   "kv_cache": jnp.pad(a["kv_cache"], ((0, 0), (0, 0), (0, 64)))}, "at most 576"),
       (lambda a: {**a, "kv_cache": a["kv_cache"][:, :32]}, "multiple of 64"),
       (lambda a: {**a, "q": a["q"].astype(jnp.float32)}, "bfloat16"),
-      (lambda a: {**a, "kv_cache": a["kv_cache"].astype(jnp.float8_e4m3fn)}, "bfloat16"),
+      (lambda a: {**a, "kv_cache": a["kv_cache"].astype(jnp.float16)}, "float8_e4m3fn"),
+      (lambda a: {**a, "kv_cache": a["kv_cache"].astype(jnp.float8_e4m3fn)}, "needs k_scale"),
+      (lambda a: {**a, "kv_cache": a["kv_cache"].astype(jnp.float8_e4m3fn),
+                  "k_scale": jnp.ones(2)}, "scalar"),
       (lambda a: {**a, "block_tables": a["block_tables"].astype(jnp.int16)}, "int32"),
-      (lambda a: {**a, "k_scale": 1.0}, "float8"),
+      (lambda a: {**a, "k_scale": 1.0}, "takes none"),
       (lambda a: {**a, "num_kv_splits": 0}, "num_kv_splits"),
       (lambda a: {**a, "num_kv_splits": 2, "split_tokens": 64}, "not both"),
       (lambda a: {**a, "split_tokens": 96}, "multiple of the kernel's step"),

@@ -61,14 +61,13 @@ def serving_case(seed, *, batch, max_len, n, cache_dtype):
     (0, 128, 32768, 16, jnp.bfloat16, None),
     (1, 128, 8192, 128, jnp.bfloat16, None),
     (2, 128, 8192, 128, jnp.float8_e4m3fn, None),
+    (7, 128, 8192, 16, jnp.float8_e4m3fn, None),
     (3, 128, 32768, 16, jnp.float8_e4m3fn, 1),  # 2**31+ e4m3 values: past int32 byte offsets
     (4, 32, 4096, 16, jnp.bfloat16, 16),
     (6, 64, 8192, 20, jnp.bfloat16, None),  # heads that fill no tile size
 ])
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_matches_reference(kernel, seed, batch, max_len, n, cache_dtype, splits):
-  if kernel == "pallas_mosaic" and jnp.dtype(cache_dtype) != jnp.bfloat16:
-    pytest.skip("pallas_mosaic's decode kernel reads bfloat16 caches only")
   q, cache, tables, lens = serving_case(seed, batch=batch, max_len=max_len, n=n, cache_dtype=cache_dtype)
   k_scale = jnp.float32(FP8_SCALE) if jnp.dtype(cache_dtype) == jnp.float8_e4m3fn else None
   ref = jax.jit(reference.latent_decode, static_argnames=("scale", "kv_lora_rank"))
@@ -100,8 +99,6 @@ def test_one_split_is_batch_independent(kernel):
 def test_batch_invariant_is_bit_exact(kernel, n, cache_dtype):
   # Row 1 (8192 tokens: 4 splits of 2048) alone, in the batch of 128, in 5 rows reversed, and in 7
   # rows with a table 64 pages wider: the same bits; and the batch within SPEC tolerances.
-  if kernel == "pallas_mosaic" and jnp.dtype(cache_dtype) != jnp.bfloat16:
-    pytest.skip("pallas_mosaic's decode kernel reads bfloat16 caches only")
   q, cache, tables, lens = serving_case(7, batch=128, max_len=8192, n=n, cache_dtype=cache_dtype)
   k_scale = jnp.float32(FP8_SCALE) if jnp.dtype(cache_dtype) == jnp.float8_e4m3fn else None
   mode = ({"batch_invariant": True} if kernel == "pallas" else
