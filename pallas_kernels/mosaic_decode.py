@@ -78,8 +78,9 @@ _MAX_WGMMA_N = 256
 PAGE_MULTIPLE = _STEP  # pages hold whole steps
 # (consumer, memory) warpgroup registers a thread. 2 x consumer + memory must stay within what the
 # block is launched with, 168 a thread (64K / 384 threads, rounded down to a multiple of 8) x 3 =
-# 504, not 512: `setmaxnreg.inc` waits for registers the block does not hold, and (224, 64) hung
-# on the H200 (RESULTS.md). With an fp8 cache the memory warpgroup widens tiles.
+# 504, not 512: `setmaxnreg.inc` waits for registers the block does not hold (the inferred cause
+# of the fp8 path's hang on the H200 with (224, 64), RESULTS.md). With an fp8 cache the memory
+# warpgroup widens tiles.
 _REGS = {False: (232, 40), True: (224, 56)}
 REGISTER_POOL = 504
 _MAX_HEAD_DIM = 576  # 3 x 64 rows x D bf16 + P must fit in shared memory
