@@ -80,7 +80,7 @@ def _latent_decode_in_splits(q, kv_cache, block_tables, seq_lens, *, scale, kv_l
   if split_tokens < 1:
     raise ValueError(f"split_tokens must be >= 1, got {split_tokens}")
   nb, bs = kv_cache.shape[:2]
-  t, mb = block_tables.shape
+  mb = block_tables.shape[1]
   num_splits = -(-mb * bs // split_tokens)
   pos = jnp.arange(num_splits * split_tokens).reshape(num_splits, split_tokens)
 
