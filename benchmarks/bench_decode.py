@@ -110,7 +110,8 @@ def run_case(args, batch, heads, seq, dtype_name):
       row["mosaic error"] = f"{type(e).__name__}: {str(e)[:80]}"
   if args.batch_invariant:
     inv = {"split_tokens": kernel_common.BATCH_INVARIANT_SPLIT_TOKENS}
-    for name, module, ms in (("triton", kernel, row["ms"]), ("mosaic", mosaic, row.get("mosaic ms"))):
+    timed_kernels = (("triton", kernel, row["ms"]), ("mosaic", mosaic, row.get("mosaic ms")))
+    for name, module, ms in timed_kernels:
       if ms is not None:
         row[f"{name} inv ms"] = timed(kernel_fn(module, **inv))
         row[f"{name} inv cost %"] = 100 * (row[f"{name} inv ms"] / ms - 1)

@@ -199,9 +199,9 @@ def _mosaic_indexer_logits(q, weights, k_cache, block_tables, seq_lens):
 
 
 # The Mosaic GPU (Hopper wgmma) decode, prefill, sparse attention and indexer kernels; the others
-# are pallas_triton's. The decode kernel reads bf16 or fp8 (e4m3, per-tensor scale) caches with bf16
-# q, pages of a multiple of 64 tokens only; the prefill kernel takes bf16 q, k, v only; the sparse kernel bf16 q over bf16 or
-# fp8_ds_mla caches.
+# are pallas_triton's. The decode kernel reads bf16 or fp8 (e4m3, per-tensor scale) caches with
+# bf16 q, pages of a multiple of 64 tokens only; the prefill kernel takes bf16 q, k, v only; the
+# sparse kernel bf16 q over bf16 or fp8_ds_mla caches.
 PALLAS_MOSAIC = dataclasses.replace(
     PALLAS_TRITON,
     name="pallas_mosaic",

@@ -369,11 +369,12 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   q [T, N, L+R] bf16 (any N: heads are padded to tiles of 64); kv_cache [num_blocks, page, L+R]
   bf16, or float8_e4m3fn holding `x / k_scale` (k_scale a float32 scalar), page a multiple of 64;
   block_tables [T, max_blocks] int32 (the row's request's table; -1 or out-of-range entries are
-  masked); seq_lens [T] int32 (0 gives o = 0, lse = -inf). num_kv_splits=None picks a split count from static shapes; 1 makes each
-  row's result independent of the batch. split_tokens (instead of num_kv_splits, a multiple of
-  64): splits of that many tokens merged in a fixed order, so each row's result is bit-identical in
-  any batch and with any table width (batch-invariant mode). interpret: True or a
-  `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and lse [T, N] float32 (natural log).
+  masked); seq_lens [T] int32 (0 gives o = 0, lse = -inf). num_kv_splits=None picks a split count
+  from static shapes; 1 makes each row's result independent of the batch. split_tokens (instead of
+  num_kv_splits, a multiple of 64): splits of that many tokens merged in a fixed order, so each
+  row's result is bit-identical in any batch and with any table width (batch-invariant mode).
+  interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
+  o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
   _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits, split_tokens)
   t, n, d = q.shape

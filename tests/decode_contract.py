@@ -152,7 +152,8 @@ class DecodeContract:
     alone_o, alone_lse = run([0], own)
     assert_decode_close(alone_o.astype(np.float32), alone_lse, *latent_decode_np(
         q[:1].astype(np.float32), cache, tables[:1], lens[:1], SCALE, L))
-    for rows, width in (([0, 1, 2, 3, 4], own), ([3, 1, 0], own + 4), ([4, 0, 0, 2, 1, 3], own + 10)):
+    batches = (([0, 1, 2, 3, 4], own), ([3, 1, 0], own + 4), ([4, 0, 0, 2, 1, 3], own + 10))
+    for rows, width in batches:
       o, lse = run(rows, width)
       np.testing.assert_array_equal(o[rows.index(0)], alone_o[0])
       np.testing.assert_array_equal(lse[rows.index(0)], alone_lse[0])
