@@ -16,7 +16,7 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            kernel (fp8 wgmma) and the `pallas` default, against the same XLA.
   topk     top-2048 positions of 128 x 32K, 128 x 128K and 4096 x 32K float32 logits, every
            position visible. Bytes = one read of the logits + the positions written. A second row
-           times the kernel with theta computed in every segment program (its old form).
+           times the kernel with its first step (group maxima) in XLA (its old form).
   step     one layer's DSA decode step: indexer logits + top-k + slots + sparse attention (N=128,
            fp8_ds_mla latent cache), 128 decode rows at 32K context each; pallas_triton's and the
            `pallas` default's.
@@ -164,11 +164,11 @@ def run_topk(args, t, s):
   row = case_row("topk", t, context=s)
   fn = lambda be: jax.jit(lambda x, lens: be.topk(x, lens, TOPK))
   rows = [timed_row(args, row, fn, sets, case_bytes, None)]
-  # The old form: theta computed in every segment program of a row (same where rows have one).
-  per_segment = lambda be: jax.jit(lambda x, lens: pallas_topk.topk_positions(
-      x, lens, TOPK, theta_per_row=False, interpret=jax.default_backend() != "gpu"))
-  rows.append(timed_row(args, case_row("topk", t, context=s, cache="theta per segment"),
-                        per_segment, sets, case_bytes, None, xla_ms=rows[0].get("xla ms")))
+  # The old form: the group maxima taken by XLA instead of the maxima kernel.
+  old = lambda be: jax.jit(lambda x, lens: pallas_topk.topk_positions(
+      x, lens, TOPK, use_xla_maxima=True, interpret=jax.default_backend() != "gpu"))
+  rows.append(timed_row(args, case_row("topk", t, context=s, cache="XLA maxima (old)"), old, sets,
+                        case_bytes, None, xla_ms=rows[0].get("xla ms")))
   return rows
 
 

@@ -3,21 +3,25 @@
 Selection works on int32 keys that order like the floats (`_keys`); positions outside the row's
 window, -inf and NaN logits get INT32_MIN, which nothing selects (`reference.topk_positions` reports
 those as -1 too). The k-th largest key v of a row decides everything: positions with key > v are in,
-and enough of those with key == v to make k. Three steps:
+and of those with key == v the lowest positions, enough to make k (what `lax.top_k` takes). Four
+kernels, each reading the logits at most once:
 
-1. XLA: the maximum of each strided group {j, j+m, j+2m, ...} of G positions (G a power of two with
-   m = S/G between 4k and 8k groups); strided groups decorrelate neighbouring positions. (A Pallas
-   program per row streaming the G slices measured slower on the H200: benchmarks/RESULTS.md.)
-2. Pallas: theta = the k-th largest group maximum, by a 32-step bitwise bisection over the maxima
-   held in registers (at least k groups reach theta, so v >= theta): in a program per row of its
-   own when rows are split into segments (several per row when rows are few), else at the start of
-   the row's one segment program. Each segment program streams its segment once; every position
-   with key >= theta is compacted (cumsum) into the row's candidate list of `cap` = 4k entries, at
-   places the segments claim with an atomic add. Typically ~1.1k candidates; at most k*G plus ties.
-3. Pallas, a program per row: v by the same bisection over the candidates (in registers), then the
-   selection is compacted into the output, -1 padded. A row whose candidates overflowed `cap`
-   (many ties at theta) takes an exact but slow path: the bisection streams the whole row 32 times.
-Which of several positions tied at v are taken is unspecified (the order segments claimed places).
+1. maxima: the maximum of each strided group {j, j+m, j+2m, ...} of G positions (G a power of two
+   with m = S/G between 4k and 8k groups; strided groups decorrelate neighbouring positions), a
+   program per (row, tile of groups), so every SM streams (one program per row was too few:
+   benchmarks/RESULTS.md).
+2. theta: a lower bound of the k-th largest group maximum (at least k groups reach it, so v >=
+   theta), found by bisection on the key bits between the row's smallest and largest maximum, only
+   the top `_THETA_BITS` bits: a lower theta only admits a few more candidates.
+3. threshold: a row is split into segments (several per row when rows are few); each streams its
+   segment once and compacts every position with key >= theta (cumsum) into its own `cap` = 4k
+   places of the row's candidate list, in position order. Typically ~1.16k candidates a row (H200,
+   random rows); at most k*G plus ties.
+4. select, a program per row: v by bisection over the candidates (in registers; bits shared by
+   theta and the largest candidate are known), then the lowest positions among ties at v (a second
+   bisection, only when more tie than fit), and the selection compacted into the output, -1
+   padded. A row whose candidates overflowed `cap` (many ties at theta) takes an exact but slow
+   path: the bisections stream the whole row.
 
 Stores compact by cumsum; lanes that do not store point one past the end of their ref (masked off
 on the GPU; interpret mode's scatter drops out-of-range indices) so they never collide with a lane
@@ -35,34 +39,49 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import check_triton_config, is_pow2, next_pow2, sm_count
+from pallas_kernels.common import (check_pow2, check_triton_config, next_pow2, sm_count,
+                                   with_overrides)
 
 _INT_MIN = -2 ** 31
+_INT_MAX = 2 ** 31 - 1
 _CAP_PER_K = 4  # candidate slots per selected position
+# Theta keeps the sign, the exponent and 7 mantissa bits of the k-th largest maximum: at most 1/128
+# below it, so the extra candidates are the few maxima-sized values within that margin.
+_THETA_BITS = 16
+_THETA_WARPS = 8  # spread the 8K-16K register-resident maxima at 32-64 a thread
+_MAXIMA_TILE = 8192  # positions a maxima program reads: G rows of tile / G groups
+_HALVED_MIN = 512  # candidate lists from this size get a half-width select path too
 
 
 @dataclasses.dataclass(frozen=True)
 class TopkConfig:
-  """Launch knobs of both kernels; the field names are the jit entry's keyword arguments."""
-  chunk: int  # positions per streamed step (short rows take the next power of two >= 16)
-  num_warps: int
-  num_stages: int
+  """Launch knobs; the field names are the jit entry's keyword arguments."""
+  chunk: int  # threshold kernel: positions per streamed step (short rows: next power of two >= 16)
+  num_warps: int  # threshold kernel
+  num_stages: int  # threshold, theta and select kernels
+  select_warps: int  # select kernel
 
   def __post_init__(self):
     check_triton_config(self, ("chunk",))
+    check_pow2("select_warps", self.select_warps)
 
 
-# The chosen config: 8 warps spread the 8K-32K register-resident keys at 32-128 a thread; the H200
-# sweep behind it: benchmarks/RESULTS.md, "DSA kernels (pallas_triton)".
-DEFAULT = TopkConfig(2048, 8, 1)  # 128 x 131072: 0.171 ms
-# The sweep space: the variants `benchmarks/bench_sparse.py --sweep` times.
-SWEEP = tuple(TopkConfig(*v) for v in [(2048, 8, 1), (1024, 8, 1), (4096, 8, 1), (2048, 4, 1),
-                                       (2048, 16, 1), (2048, 8, 2)])
+# The chosen configs, from H200 sweeps of each kernel alone (benchmarks/RESULTS.md, "DSA
+# selection", v2). Threshold: 1024 positions x 4 warps 0.080 / 0.489 ms at 128 x 131072 / 4096 x
+# 32768, against 2048 x 8 0.086 / 0.565 (2048 x 4: 0.112 / 0.706). Select: 8 warps while rows are at
+# most 2 per SM (128 rows: 0.041 ms, 4 warps 0.058), else 4 (4096 rows: 0.204 ms, 8 warps 0.318):
+# many rows fill the SMs, and 4 warps let more reside.
+DEFAULT = TopkConfig(1024, 4, 1, 8)
+DEFAULT_MANY_ROWS = TopkConfig(1024, 4, 1, 4)
+# The sweep space: the variants `benchmarks/bench_sparse.py --sweep` times (128 x 131072).
+SWEEP = tuple(TopkConfig(*v) for v in [(1024, 4, 1, 8), (2048, 8, 1, 8), (1024, 8, 1, 8),
+                                       (2048, 4, 1, 8), (1024, 4, 1, 4), (1024, 4, 2, 8)])
 
 
 def _keys(x, inside):
-  """int32 keys ordered like the float32 values x (negative floats get their magnitude bits
-  flipped); INT_MIN where not `inside` and for -inf / NaN."""
+  """int32 keys ordered like the float32 values x in IEEE total order, as `lax.top_k` ranks them
+  (negative floats get their magnitude bits flipped; -0.0 < 0.0); INT_MIN where not `inside` and
+  for -inf / NaN."""
   bits = lax.bitcast_convert_type(x, jnp.int32)
   return jnp.where(inside & (x > -jnp.inf), bits ^ ((bits >> 31) & 0x7FFFFFFF), _INT_MIN)
 
@@ -75,10 +94,26 @@ def _row_keys(logits_ref, t, end, start, chunk):
   return _keys(x, inside), pos
 
 
-def _kth_largest(keys_of, num_chunks, k):
-  """The k-th largest key over chunks `keys_of(i)`, i < num_chunks; INT_MIN if fewer than k are
-  above INT_MIN. Builds it bit by bit from the top on the unsigned image key ^ INT_MIN: a bit stays
-  set when at least k keys reach the threshold with it set."""
+def _leading_equal_bits(a, b):
+  """How many leading bits int32 a and b share (32 when equal); may say one fewer (float32
+  rounding up), which only costs a bisection step."""
+  x = a ^ b
+  exponent = (lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) >> 23) - 127
+  return jnp.where(x == 0, 32, jnp.where(x < 0, 0, jnp.clip(31 - exponent, 0, 32)))
+
+
+def _kth_largest(keys_of, num_chunks, k, lo=_INT_MIN, hi=_INT_MAX, top_bits=32):
+  """The k-th largest key over chunks `keys_of(i)`, i < num_chunks, given lo <= it <= hi; INT_MIN
+  if fewer than k keys are above INT_MIN (then lo must be INT_MIN). Builds it bit by bit from the
+  top on the unsigned image key ^ INT_MIN, starting below the bits lo and hi share: a bit stays set
+  when at least k keys reach the threshold with it set. With top_bits < 32, only those bits: a
+  lower bound whose other bits are 0."""
+  lo_image, hi_image = jnp.int32(lo) ^ _INT_MIN, jnp.int32(hi) ^ _INT_MIN
+  known = jnp.minimum(_leading_equal_bits(lo_image, hi_image), top_bits)
+  # lo with the bits after the shared ones cleared (none when known == 0, all when 32).
+  clear = lax.shift_right_logical(jnp.int32(-1), jnp.minimum(known, 31))
+  start = jnp.where(known == 0, 0, jnp.where(known == 32, lo_image, lo_image & ~clear))
+
   def count_at_least(threshold):
     return lax.fori_loop(0, num_chunks,
                          lambda i, n: n + (keys_of(i) >= threshold).astype(jnp.int32).sum(), 0)
@@ -87,7 +122,7 @@ def _kth_largest(keys_of, num_chunks, k):
     trial = image | jnp.left_shift(jnp.int32(1), 31 - b)
     return jnp.where(count_at_least(trial ^ _INT_MIN) >= k, trial, image)
 
-  return lax.fori_loop(0, 32, one_bit, jnp.int32(0)) ^ _INT_MIN
+  return lax.fori_loop(known, top_bits, one_bit, start) ^ _INT_MIN
 
 
 def _compact(take, base, bound):
@@ -98,85 +133,119 @@ def _compact(take, base, bound):
   return jnp.where(take & (dst < bound), dst, bound), taken.sum()
 
 
-def _theta_kernel(max_ref, theta_ref, *, k):
-  # max_ref [m] int32 (this row's group maxima, INT_MIN padded); theta_ref [T] int32
+def _maxima_kernel(logits_ref, len_ref, max_ref, *, groups):
+  # logits_ref [T, S] f32; len_ref [T] int32; max_ref [w] int32 (row t's maxima of groups
+  # c*w ... c*w + w - 1; past the last group INT_MIN)
+  t, c = pl.program_id(0), pl.program_id(1)
+  s = logits_ref.shape[1]
+  g, w = groups, max_ref.shape[0]
+  m = -(-s // g)
+  col = c * w + jnp.arange(w, dtype=jnp.int32)
+  pos = jnp.arange(g, dtype=jnp.int32)[:, None] * m + col[None, :]  # [G, w]
+  inside = (pos < jnp.clip(len_ref[t], 0, s)) & (col < m)[None, :]
+  x = plgpu.load(logits_ref.at[t, pos], mask=inside, other=-jnp.inf)
+  max_ref[...] = _keys(x, inside).max(axis=0)
+
+
+def _theta_kernel(max_ref, theta_ref, *, k, bits):
+  # max_ref [mp] int32 (this row's group maxima, INT_MIN padded); theta_ref [T] int32
   maxima = max_ref[...]
-  theta_ref[pl.program_id(0)] = _kth_largest(lambda i: maxima, 1, k)
+  valid = maxima > _INT_MIN
+  enough = valid.astype(jnp.int32).sum() >= k
+  lo = jnp.where(enough, jnp.where(valid, maxima, _INT_MAX).min(), _INT_MIN)
+  theta_ref[pl.program_id(0)] = _kth_largest(lambda i: maxima, 1, k, lo, maxima.max(), bits)
 
 
-def _threshold_kernel(max_ref, logits_ref, len_ref, _, cand_key_ref, cand_pos_ref, count_ref, *,
-                      k, chunk, segment):
-  # max_ref [m] int32 (this row's group maxima, INT_MIN padded), or [T] int32 (every row's theta,
-  # computed once per row) when k is None; logits_ref [T, S] f32; len_ref [T] int32; _ [T] int32
-  # zeros, aliased to count_ref; cand_key_ref, cand_pos_ref [cap] int32 (this row); count_ref [T]
-  # int32 (candidates per row, counted past cap)
+def _threshold_kernel(theta_ref, logits_ref, len_ref, cand_key_ref, cand_pos_ref, count_ref, *,
+                      chunk, segment):
+  # theta_ref [T] int32 (every row's theta); logits_ref [T, S] f32; len_ref [T] int32;
+  # cand_key_ref, cand_pos_ref [cap] int32 (this row's and segment's place); count_ref [T, P] int32
+  # (candidates per row and segment, counted past cap)
   t, p = pl.program_id(0), pl.program_id(1)
   cap = cand_key_ref.shape[0]
-  if k is None:
-    theta = max_ref[t]
-  else:
-    maxima = max_ref[...]
-    theta = _kth_largest(lambda i: maxima, 1, k)
+  theta = theta_ref[t]
   # This program streams positions [start, end) of the row, its segment clipped to the window.
   start = p * segment
   end = jnp.minimum(start + segment, jnp.clip(len_ref[t], 0, logits_ref.shape[1]))
 
-  def body(i, current):
-    key, pos = current
+  def body(i, carry):
+    (key, pos), count = carry
     # Issue the next chunk's load before working on this one (past the end it is all masked).
     nxt = _row_keys(logits_ref, t, end, start + (i + 1) * chunk, chunk)
-    take = (key >= theta) & (key > _INT_MIN)
-    # Segments of a row claim places in its list atomically; within a chunk, by position.
-    base = plgpu.atomic_add(count_ref, t, take.astype(jnp.int32).sum())
-    dst, _ = _compact(take, base, cap)
+    dst, taken = _compact((key >= theta) & (key > _INT_MIN), count, cap)
     plgpu.store(cand_key_ref.at[dst], key, mask=dst < cap)
     plgpu.store(cand_pos_ref.at[dst], pos, mask=dst < cap)
-    return nxt
+    return nxt, count + taken
 
-  lax.fori_loop(0, pl.cdiv(jnp.maximum(end - start, 0), chunk), body,
-                _row_keys(logits_ref, t, end, start, chunk))
+  _, count = lax.fori_loop(0, pl.cdiv(jnp.maximum(end - start, 0), chunk), body,
+                           (_row_keys(logits_ref, t, end, start, chunk), jnp.int32(0)))
+  count_ref[t, p] = count
 
 
-def _select_kernel(cand_key_ref, cand_pos_ref, count_ref, logits_ref, len_ref, out_ref, *, k,
-                   chunk, fill):
-  # cand_key_ref, cand_pos_ref [cap] int32 (this row); count_ref [T] int32; logits_ref [T, S] f32;
-  # len_ref [T] int32; out_ref [k] int32 (this row's positions)
+def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref, len_ref, out_ref,
+                   *, k, chunk, fill):
+  # theta_ref [T] int32; cand_key_ref, cand_pos_ref [P * cap] int32 (this row's segments' places);
+  # count_ref [T, P] int32; logits_ref [T, S] f32; len_ref [T] int32; out_ref [k] int32 (this
+  # row's positions)
   t = pl.program_id(0)
-  cap = cand_key_ref.shape[0]
-  count = count_ref[t]
-  length = jnp.clip(len_ref[t], 0, logits_ref.shape[1])
+  segments = count_ref.shape[1]
+  cap = cand_key_ref.shape[0] // segments
+  s = logits_ref.shape[1]
+  theta = theta_ref[t]
+  counts = [count_ref[t, p] for p in range(segments)]
+  count = sum(counts)
+  length = jnp.clip(len_ref[t], 0, s)
 
-  def select(source, num_chunks):
-    """Writes the selection among `source(i)` -> (keys, positions), i < num_chunks; returns how
-    many positions it wrote."""
-    v = _kth_largest(lambda i: source(i)[0], num_chunks, k)
-    above = lax.fori_loop(0, num_chunks,
-                          lambda i, n: n + (source(i)[0] > v).astype(jnp.int32).sum(), 0)
+  def select(source, num_chunks, hi):
+    """Writes the selection among `source(i)` -> (keys, positions), i < num_chunks (keys <= hi);
+    returns how many positions it wrote."""
+    total = lambda f: lax.fori_loop(0, num_chunks,
+                                    lambda i, n: n + f(*source(i)).astype(jnp.int32).sum(), 0)
+    v = _kth_largest(lambda i: source(i)[0], num_chunks, k, theta, hi)
     # Ties at v fill the rest; with fewer than k valid keys (v = INT_MIN) there are none to take.
-    need = jnp.where(v > _INT_MIN, k - above, 0)
-
-    def body(i, carry):
-      written, ties = carry
+    need = jnp.where(v > _INT_MIN, k - total(lambda key, pos: key > v), 0)
+    tie = lambda key, pos: (key == v) & (v > _INT_MIN)
+    # Of the ties, the `need` lowest positions: those whose s-1-pos reaches the need-th largest
+    # s-1-pos over the ties; every tie (0) when they all fit. (The branches compute from `need`: a
+    # constant result does not lower to Triton.)
+    def tie_keys(i):
       key, pos = source(i)
-      tie = key == v
-      tie_rank = ties + jnp.cumsum(tie.astype(jnp.int32)) - 1
-      dst, taken = _compact((key > v) | (tie & (tie_rank < need)), written, k)
+      return jnp.where(tie(key, pos), s - 1 - pos, _INT_MIN)
+
+    last = lax.cond(total(tie) > need,
+                    lambda n: _kth_largest(tie_keys, num_chunks, n, 0, s - 1),
+                    lambda n: n * 0, need)
+
+    def body(i, written):
+      key, pos = source(i)
+      dst, taken = _compact((key > v) | (tie(key, pos) & (s - 1 - pos >= last)), written, k)
       plgpu.store(out_ref.at[dst], pos, mask=dst < k)
-      return written + taken, ties + tie.astype(jnp.int32).sum()
+      return written + taken
 
-    written, _ = lax.fori_loop(0, num_chunks, body, (jnp.int32(0), jnp.int32(0)))
-    return written
+    return lax.fori_loop(0, num_chunks, body, jnp.int32(0))
 
-  def from_candidates():
-    valid = jnp.arange(cap, dtype=jnp.int32) < count  # past count: never written
-    keys = jnp.where(valid, cand_key_ref[...], _INT_MIN)
-    return select(lambda i: (keys, cand_pos_ref[...]), 1)
+  def from_candidates(lanes):
+    # Lane j holds the j-th candidate in segment order: segment p's are after the earlier ones'.
+    lane = jnp.arange(lanes, dtype=jnp.int32)
+    place, before = lane, 0
+    for p in range(segments - 1):
+      before += counts[p]
+      place += jnp.where(lane >= before, cap - counts[p], 0)
+    valid = lane < count  # past count: never written
+    keys = plgpu.load(cand_key_ref.at[place], mask=valid, other=_INT_MIN)
+    positions = plgpu.load(cand_pos_ref.at[place], mask=valid, other=0)
+    return select(lambda i: (keys, positions), 1, keys.max())
 
   def from_row():
     return select(lambda i: _row_keys(logits_ref, t, length, i * chunk, chunk),
-                  pl.cdiv(length, chunk))
+                  pl.cdiv(length, chunk), _INT_MAX)
 
-  written = lax.cond(count > cap, from_row, from_candidates)
+  # Half as many lanes when the candidates fit (typically ~0.3 cap): each bisection pass costs its
+  # lanes.
+  half = lambda: lax.cond(count > cap // 2, lambda: from_candidates(cap),
+                          lambda: from_candidates(cap // 2))
+  written = lax.cond(count > cap, from_row, half if cap >= _HALVED_MIN else
+                     functools.partial(from_candidates, cap))
 
   def pad(i, carry):
     idx = i * fill + jnp.arange(fill, dtype=jnp.int32)
@@ -187,23 +256,127 @@ def _select_kernel(cand_key_ref, cand_pos_ref, count_ref, logits_ref, len_ref, o
   lax.fori_loop(0, pl.cdiv(k, fill), pad, 0)
 
 
+def default_config(rows: int) -> TopkConfig:
+  """The chosen config for `rows` rows (the select kernel's warps depend on how many)."""
+  return DEFAULT if rows <= 2 * sm_count() else DEFAULT_MANY_ROWS
+
+
 def group_size(num_positions: int, k: int) -> int:
   """G: the largest power of two leaving at least 4k strided groups (1 for short rows)."""
   ratio = num_positions // (4 * k)
   return 1 << (ratio.bit_length() - 1) if ratio else 1
 
 
+def _whole(x: jax.Array) -> pl.BlockSpec:
+  return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+
+def _row(width: int) -> pl.BlockSpec:
+  return pl.BlockSpec((None, width), lambda i, *_: (i, 0))
+
+
+def group_maxima(logits: jax.Array, seq_lens: jax.Array, groups: int, width: int, *,
+                 tile: int = _MAXIMA_TILE, num_warps: int = 4,
+                 interpret: bool = False) -> jax.Array:
+  """Step 1: int32 [T, width] maxima of the `groups`-strided groups of each row's keys (INT_MIN
+  past the last group); width a power of two >= cdiv(S, groups). tile: positions a program reads."""
+  t = logits.shape[0]
+  tile = min(width, max(16, tile // groups))
+  return pl.pallas_call(
+      functools.partial(_maxima_kernel, groups=groups),
+      grid=(t, width // tile),
+      in_specs=[_whole(logits), _whole(seq_lens)],
+      out_specs=pl.BlockSpec((None, tile), lambda i, c: (i, c)),
+      out_shape=jax.ShapeDtypeStruct((t, width), jnp.int32),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=interpret,
+      name="topk_maxima",
+  )(logits, seq_lens)
+
+
+def xla_group_maxima(logits: jax.Array, seq_lens: jax.Array, groups: int,
+                     width: int) -> jax.Array:
+  """Step 1 in XLA (the previous form, kept for the benchmark's comparison): as `group_maxima`."""
+  t, s = logits.shape
+  m = -(-s // groups)
+  keys = _keys(logits, jnp.arange(s)[None, :] < seq_lens[:, None])
+  keys = jnp.pad(keys, ((0, 0), (0, groups * m - s)), constant_values=_INT_MIN)
+  out = keys.reshape(t, groups, m).max(axis=1)
+  return jnp.pad(out, ((0, 0), (0, width - m)), constant_values=_INT_MIN)
+
+
+def row_theta(maxima: jax.Array, topk: int, params: plgpu.CompilerParams, *,
+              bits: int = _THETA_BITS, interpret: bool = False) -> jax.Array:
+  """Step 2: int32 [T], each row's theta (its top `bits` bits)."""
+  t = maxima.shape[0]
+  return pl.pallas_call(
+      functools.partial(_theta_kernel, k=topk, bits=bits),
+      grid=(t,),
+      in_specs=[_row(maxima.shape[1])],
+      out_specs=pl.BlockSpec((t,), lambda i: (0,)),
+      out_shape=jax.ShapeDtypeStruct((t,), jnp.int32),
+      compiler_params=params,
+      interpret=interpret,
+      name="topk_theta",
+  )(maxima)
+
+
+def threshold_candidates(theta: jax.Array, logits: jax.Array, seq_lens: jax.Array, cap: int,
+                         chunk: int, params: plgpu.CompilerParams, *,
+                         interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Step 3: (keys, positions) int32 [T, P * cap] of each row's candidates, each of its P segments'
+  at its own `cap` places, and their counts [T, P] (past cap when they overflowed)."""
+  t, s = logits.shape
+  # Rows split into segments until the grid holds ~4 programs per SM, each at least 4 chunks long.
+  segments = max(1, min(pl.cdiv(s, 4 * chunk), pl.cdiv(4 * sm_count(), t)))
+  segment = pl.cdiv(pl.cdiv(s, segments), chunk) * chunk
+  segments = pl.cdiv(s, segment)
+  places = pl.BlockSpec((None, cap), lambda i, p: (i, p))
+  return pl.pallas_call(
+      functools.partial(_threshold_kernel, chunk=chunk, segment=segment),
+      grid=(t, segments),
+      in_specs=[_whole(theta), _whole(logits), _whole(seq_lens)],
+      out_specs=[places, places, pl.BlockSpec((t, segments), lambda i, p: (0, 0))],
+      out_shape=[jax.ShapeDtypeStruct((t, segments * cap), jnp.int32)] * 2
+                + [jax.ShapeDtypeStruct((t, segments), jnp.int32)],
+      compiler_params=params,
+      interpret=interpret,
+      name="topk_threshold",
+  )(theta, logits, seq_lens)
+
+
+def select_positions(theta: jax.Array, cand_keys: jax.Array, cand_pos: jax.Array,
+                     counts: jax.Array, logits: jax.Array, seq_lens: jax.Array, topk: int,
+                     chunk: int, params: plgpu.CompilerParams, *,
+                     interpret: bool = False) -> jax.Array:
+  """Step 4: int32 [T, topk] positions, -1 padded."""
+  t = logits.shape[0]
+  width = cand_keys.shape[1]
+  return pl.pallas_call(
+      functools.partial(_select_kernel, k=topk, chunk=chunk, fill=min(1024, next_pow2(topk))),
+      grid=(t,),
+      in_specs=[_whole(theta), _row(width), _row(width), _whole(counts), _whole(logits),
+                _whole(seq_lens)],
+      out_specs=_row(topk),
+      out_shape=jax.ShapeDtypeStruct((t, topk), jnp.int32),
+      compiler_params=params,
+      interpret=interpret,
+      name="topk_select",
+  )(theta, cand_keys, cand_pos, counts, logits, seq_lens)
+
+
 @functools.partial(jax.jit, static_argnames=("topk", "chunk", "num_warps", "num_stages",
-                                             "theta_per_row", "interpret"))
+                                             "select_warps", "use_xla_maxima", "interpret"))
 def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None,
-                   theta_per_row: bool | None = None, interpret: bool = False) -> jax.Array:
+                   select_warps: int | None = None, use_xla_maxima: bool = False,
+                   interpret: bool = False) -> jax.Array:
   """Top-`topk` positions of each row within its window (semantics of
   `mla_jax.reference.topk_positions`): logits [T, S] float32, seq_lens [T] int32 (row t sees
-  s < seq_lens[t]) -> int32 [T, topk], -1 padded, in no particular order (nor which of tied
-  positions). chunk: positions per streamed step, a power of two >= 16. theta_per_row: compute
-  theta in its own kernel, once per row, instead of in each of a row's segment programs (None:
-  when rows have several segments).
+  s < seq_lens[t]) -> int32 [T, topk], -1 padded, in no particular order; of positions tied at the
+  k-th largest value, the lowest. chunk, num_warps, num_stages, select_warps: `TopkConfig`'s (None:
+  `default_config`'s). use_xla_maxima: step 1 in XLA (the previous form, for the benchmark's
+  comparison).
   """
   if logits.ndim != 2 or seq_lens.shape != logits.shape[:1]:
     raise ValueError(f"want logits [T, S] and seq_lens [T]; got {logits.shape} and "
@@ -213,63 +386,23 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: 
                      f"{seq_lens.dtype.name}")
   if not isinstance(topk, int) or topk < 1:
     raise ValueError(f"topk must be a positive int, got {topk!r}")
-  if chunk is not None and not (is_pow2(chunk) and chunk >= 16):
-    raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
+  config = with_overrides(default_config(logits.shape[0]), chunk=chunk, num_warps=num_warps,
+                          num_stages=num_stages, select_warps=select_warps)
   t, s = logits.shape
   if t == 0 or s == 0:
     return jnp.full((t, topk), -1, jnp.int32)
-  chunk = chunk or min(DEFAULT.chunk, max(16, next_pow2(s)))
-  params = plgpu.CompilerParams(num_warps=num_warps or DEFAULT.num_warps,
-                                num_stages=num_stages or DEFAULT.num_stages)
+  chunk = min(config.chunk, max(16, next_pow2(s)))
+  params = lambda warps: plgpu.CompilerParams(num_warps=warps, num_stages=config.num_stages)
   g = group_size(s, topk)
-  m = -(-s // g)
+  width = next_pow2(-(-s // g))
   cap = next_pow2(min(_CAP_PER_K * topk, s))
-
-  keys = _keys(logits, jnp.arange(s)[None, :] < seq_lens[:, None])
-  keys = jnp.pad(keys, ((0, 0), (0, g * m - s)), constant_values=_INT_MIN)
-  maxima = keys.reshape(t, g, m).max(axis=1)
-  maxima = jnp.pad(maxima, ((0, 0), (0, next_pow2(m) - m)), constant_values=_INT_MIN)
-
-  # Rows split into segments until the grid holds ~4 programs per SM, each at least 4 chunks long.
-  segments = max(1, min(pl.cdiv(s, 4 * chunk), pl.cdiv(4 * sm_count(), t)))
-  segment = pl.cdiv(pl.cdiv(s, segments), chunk) * chunk
-  whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
-  row = lambda width: pl.BlockSpec((None, width), lambda i, *_: (i, 0))
-  counts_in = jnp.zeros((t,), jnp.int32)
-  if theta_per_row is None:
-    theta_per_row = segments > 1
-  if theta_per_row:  # one bisection per row, not one per segment program
-    maxima = pl.pallas_call(
-        functools.partial(_theta_kernel, k=topk),
-        grid=(t,),
-        in_specs=[row(maxima.shape[1])],
-        out_specs=whole(counts_in),
-        out_shape=jax.ShapeDtypeStruct((t,), jnp.int32),
-        compiler_params=params,
-        interpret=interpret,
-        name="topk_theta",
-    )(maxima)
-  cand_keys, cand_pos, counts = pl.pallas_call(
-      functools.partial(_threshold_kernel, k=None if theta_per_row else topk, chunk=chunk,
-                        segment=segment),
-      grid=(t, pl.cdiv(s, segment)),
-      in_specs=[whole(maxima) if theta_per_row else row(maxima.shape[1]), whole(logits),
-                whole(seq_lens), whole(counts_in)],
-      out_specs=[row(cap), row(cap), whole(counts_in)],
-      out_shape=[jax.ShapeDtypeStruct((t, cap), jnp.int32)] * 2
-                + [jax.ShapeDtypeStruct((t,), jnp.int32)],
-      input_output_aliases={3: 2},
-      compiler_params=params,
-      interpret=interpret,
-      name="topk_threshold",
-  )(maxima, logits, seq_lens, counts_in)
-  return pl.pallas_call(
-      functools.partial(_select_kernel, k=topk, chunk=chunk, fill=min(1024, next_pow2(topk))),
-      grid=(t,),
-      in_specs=[row(cap), row(cap), whole(counts), whole(logits), whole(seq_lens)],
-      out_specs=row(topk),
-      out_shape=jax.ShapeDtypeStruct((t, topk), jnp.int32),
-      compiler_params=params,
-      interpret=interpret,
-      name="topk_select",
-  )(cand_keys, cand_pos, counts, logits, seq_lens)
+  if use_xla_maxima:
+    maxima = xla_group_maxima(logits, seq_lens, g, width)
+  else:
+    maxima = group_maxima(logits, seq_lens, g, width, interpret=interpret)
+  theta = row_theta(maxima, topk, params(_THETA_WARPS), interpret=interpret)
+  cand_keys, cand_pos, counts = threshold_candidates(theta, logits, seq_lens, cap, chunk,
+                                                     params(config.num_warps),
+                                                     interpret=interpret)
+  return select_positions(theta, cand_keys, cand_pos, counts, logits, seq_lens, topk, chunk,
+                          params(config.select_warps), interpret=interpret)

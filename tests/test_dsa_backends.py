@@ -14,8 +14,8 @@ from pallas_kernels import mosaic_indexer
 from pallas_kernels import mosaic_sparse
 from pallas_kernels import sparse_attention as pallas_sparse
 from pallas_kernels import topk as pallas_topk
-from sparse_contract import (L, R, IndexerContract, SparseAttentionContract, cosine_diff, random_slots,
-                             sparse_np)
+from sparse_contract import (L, R, IndexerContract, SparseAttentionContract, cosine_diff,
+                             lowest_index_topk, random_slots, sparse_np)
 
 
 class TestReferenceSparseAttention(SparseAttentionContract):
@@ -119,23 +119,44 @@ class TestPallasTritonIndexer(IndexerContract):
     with pytest.raises(ValueError, match=message):
       pallas_indexer.indexer_logits(**change(args), interpret=True)
 
-  @pytest.mark.parametrize("theta_per_row", [True, False])
-  def test_topk_segments_and_overflow_match_reference(self, theta_per_row):
+  @pytest.mark.parametrize("use_xla_maxima", [False, True])
+  def test_topk_segments_ties_and_overflow_match_reference(self, use_xla_maxima):
     # Small chunks split rows into several segments that claim candidate places concurrently;
     # row 1's ties overflow the candidate list (the slow exact path); row 3 mixes signs and
-    # magnitudes so every bit of the keys matters.
+    # magnitudes so every bit of the keys matters; row 4 ties 5 positions in 4 segments at the
+    # k-th value (one fits): the lowest wins, found among the candidates; row 5 repeats each of 625
+    # values at 4 of the 8 members of its strided group (G = 8), so 256-512 candidates (past half
+    # the 512-entry list: the full-width select) tie in fours.
     rng = np.random.default_rng(6)
-    logits = rng.standard_normal((4, 5000)).astype(np.float32)
-    logits[1] = np.round(logits[1])
+    logits = rng.standard_normal((6, 5000)).astype(np.float32)
+    logits[5] = np.where(np.arange(5000) // 625 < 4, np.tile(logits[5, :625], 8), -10)
+    logits[1] = np.round(logits[1] / 2) * 2
     logits[3] *= np.exp2(rng.integers(-60, 60, 5000)).astype(np.float32)
-    lens = jnp.asarray([5000, 4999, 1300, 5000], jnp.int32)
+    kth = np.argsort(-logits[4])[99]
+    logits[4, [4900, 3100, 2000, 1500]] = logits[4, kth]
+    lens = jnp.asarray([5000, 4999, 1300, 5000, 5000, 5000], jnp.int32)
     got = np.asarray(pallas_topk.topk_positions(jnp.asarray(logits), lens, 100, chunk=256,
-                                                theta_per_row=theta_per_row, interpret=True))
-    want = np.asarray(reference.topk_positions(jnp.asarray(logits), lens, 100))
-    for i in range(4):
+                                                use_xla_maxima=use_xla_maxima, interpret=True))
+    for i in range(6):
       g = got[i][got[i] >= 0]
-      assert len(set(g.tolist())) == len(g) == 100 and (g < lens[i]).all()
-      np.testing.assert_array_equal(np.sort(logits[i, g]), np.sort(logits[i, want[i]]))
+      assert len(set(g.tolist())) == len(g) == 100
+      assert set(g.tolist()) == lowest_index_topk(logits[i], int(lens[i]), 100), i
+    assert min(kth, 1500) in got[4] and not np.isin([2000, 3100, 4900], got[4]).any()
+    # The rows' candidate counts: row 1 past the list (the row path), row 5 past half of it.
+    params = pallas_topk.plgpu.CompilerParams(num_warps=4, num_stages=1)
+    maxima = pallas_topk.group_maxima(jnp.asarray(logits), lens, 8, 1024, interpret=True)
+    theta = pallas_topk.row_theta(maxima, 100, params, interpret=True)
+    counts = pallas_topk.threshold_candidates(theta, jnp.asarray(logits), lens, 512, 256, params,
+                                              interpret=True)[2].sum(axis=1)
+    assert counts[1] > 512 and 256 < counts[5] <= 512, counts
+
+  def test_group_maxima_match_xla(self):
+    # Rows of several lengths (one empty, one not a multiple of anything), G = 4 strided groups.
+    rng = np.random.default_rng(8)
+    logits = jnp.asarray(rng.standard_normal((3, 1000)), jnp.float32)
+    lens = jnp.asarray([1000, 0, 777], jnp.int32)
+    got = pallas_topk.group_maxima(logits, lens, 4, 256, tile=256, interpret=True)
+    np.testing.assert_array_equal(got, pallas_topk.xla_group_maxima(logits, lens, 4, 256))
 
   def test_group_size(self):
     # At least 4k strided groups, G a power of two; V3.2 at 128K and 32K context.
