@@ -86,14 +86,15 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
   """Pre-norm attention and MLP blocks, each added to the residual stream."""
 
-  def __init__(self, config: DecoderConfig, *, backend, dtype, param_dtype, indexer_fp8, rngs):
+  def __init__(self, config: DecoderConfig, *, backend, dtype, param_dtype, indexer_fp8,
+               batch_invariant, rngs):
     c = config.attention
     norm = lambda: nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, dtype=dtype,
                                param_dtype=param_dtype, rngs=rngs)
     self.input_layernorm = norm()
     self.self_attn = DeepseekV2MLAAttention(c, backend=backend, dtype=dtype,
                                             param_dtype=param_dtype, indexer_fp8=indexer_fp8,
-                                            rngs=rngs)
+                                            batch_invariant=batch_invariant, rngs=rngs)
     self.post_attention_layernorm = norm()
     self.mlp = MLP(c.hidden_size, config.intermediate_size, dtype=dtype, param_dtype=param_dtype,
                    rngs=rngs)
@@ -115,10 +116,15 @@ class DecoderLayer(nnx.Module):
 
 
 class DeepseekForCausalLM(nnx.Module):
-  """tokens -> logits over the vocabulary, one step of paged attention per layer."""
+  """tokens -> logits over the vocabulary, one step of paged attention per layer.
+
+  `batch_invariant`: every layer's decode gives a row the same bits whatever else is in the batch
+  (`MLAAttention`'s mode; costs a few percent, off by default).
+  """
 
   def __init__(self, config: DecoderConfig, *, backend: str | None = None, dtype=jnp.bfloat16,
-               param_dtype=jnp.bfloat16, indexer_fp8: bool = True, rngs: nnx.Rngs):
+               param_dtype=jnp.bfloat16, indexer_fp8: bool = True, batch_invariant: bool = False,
+               rngs: nnx.Rngs):
     c = config.attention
     self.config = config
     self.dtype = dtype
@@ -126,7 +132,8 @@ class DeepseekForCausalLM(nnx.Module):
                                   param_dtype=param_dtype, rngs=rngs)
     self.layers = nnx.List([
         DecoderLayer(config, backend=backend, dtype=dtype, param_dtype=param_dtype,
-                     indexer_fp8=indexer_fp8, rngs=rngs) for _ in range(config.num_layers)])
+                     indexer_fp8=indexer_fp8, batch_invariant=batch_invariant, rngs=rngs)
+        for _ in range(config.num_layers)])
     self.norm = nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, dtype=dtype,
                             param_dtype=param_dtype, rngs=rngs)
     self.lm_head = linear(c.hidden_size, config.vocab_size, dtype, param_dtype, rngs)
@@ -179,11 +186,13 @@ class DeepseekForCausalLM(nnx.Module):
   @classmethod
   def from_checkpoint(cls, path: str | pathlib.Path, *, backend: str | None = None,
                       dtype: DTypeLike = jnp.bfloat16,
-                      indexer_fp8: bool = True) -> "DeepseekForCausalLM":
+                      indexer_fp8: bool = True,
+                      batch_invariant: bool = False) -> "DeepseekForCausalLM":
     """The model of a checkpoint directory's `config.json`, with its weights loaded."""
     checkpoint = Checkpoint(path)
     model = cls(DecoderConfig.from_hf(checkpoint.config), backend=backend, dtype=dtype,
-                param_dtype=dtype, indexer_fp8=indexer_fp8, rngs=nnx.Rngs(0))
+                param_dtype=dtype, indexer_fp8=indexer_fp8, batch_invariant=batch_invariant,
+                rngs=nnx.Rngs(0))
     model.load_checkpoint(checkpoint)
     return model
 

@@ -182,3 +182,11 @@ def test_a_bad_tensor_in_a_later_layer_leaves_the_whole_model_unchanged(tiny, tm
   with pytest.raises(ValueError, match="down_proj.weight_scale_inv"):
     model.load_checkpoint(Checkpoint(path))
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, nnx.state(model)), before)
+
+
+def test_batch_invariant_reaches_every_layers_decode(tiny):
+  path, model = tiny
+  inv = DeepseekForCausalLM.from_checkpoint(path, backend="reference", dtype=jnp.float32,
+                                            batch_invariant=True)
+  assert [layer.self_attn.mla_attn.batch_invariant for layer in inv.layers] == [True] * len(inv.layers)
+  assert not any(layer.self_attn.mla_attn.batch_invariant for layer in model.layers)
