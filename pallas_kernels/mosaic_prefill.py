@@ -28,8 +28,11 @@ Bulk copies move whole boxes and cannot mask rows, so:
 - a 64-row output tile may run into the next request's rows, so each tile is written to its own slot
   of a padded output (`tile_offsets`: request r's tiles follow the earlier requests' ones), and the
   packed result is gathered from there (`_unpack`); rows past cu_q[-1] are set there too.
-Keys outside a request that a box reads get P = 0 exactly; they must be finite (0 * NaN = NaN),
-which the Triton kernel does not need (it zeroes them on load).
+Requests are isolated: keys outside a request that a box reads get S = -inf by a select (so
+P = 0), and their V rows are zeroed in shared memory before P V (0 * NaN would be NaN), so no
+value of another request, NaN or inf included, reaches a row. Only the masked steps that hold such
+rows pay for it (a wait for the V copy and a 64-row select per compute warpgroup); one request
+starting at row 0 never does.
 
 Shared memory (Dk 192, Dv 128): query tiles 48 KB + the K/V ring (128-key steps: 2 x 80 KB;
 64-key steps: 4 x 40 KB) + lse staging 0.5 KB = 208.5 KB of the 227 KB a block may have.
@@ -127,6 +130,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
   # [stages, block_k, Dk]; v_smem [stages, block_k, Dv]; p_smem [2, 64, block_k] (each warpgroup's
   # P; only without p_in_registers); lse_smem [2, 64] f32. Barriers: q_bar [4] (a warpgroup's
   # query columns [0, Dv), then the rest, landed); k_ready, v_ready [stages] (slot landed);
+  # v_clean [stages] (both compute warpgroups zeroed a slot's rows outside the request);
   # k_consumed, v_consumed [stages] (both compute warpgroups done); schedule (the compute
   # warpgroups' turns on the tensor cores).
   if qv_smem.shape[2] < q_ref.shape[2]:
@@ -135,7 +139,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
     qr_smem = None
   k_smem, v_smem, *rest = rest
   p_smem = None if p_in_registers else rest.pop(0)
-  lse_smem, q_bar, k_ready, v_ready, k_consumed, v_consumed, schedule = rest
+  lse_smem, q_bar, k_ready, v_ready, v_clean, k_consumed, v_consumed, schedule = rest
   prog, h, r = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("requests")
   wg = lax.axis_index("wg")
   tq, tk, dk = q_ref.shape[0], k_ref.shape[0], q_ref.shape[2]
@@ -181,6 +185,14 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
     first = jnp.minimum(start, total - rows)
     return first, start - first
 
+  def foreign_keys(j):
+    """(any, key0, shift): whether step j's box holds rows other than the request's keys it adds
+    (a neighbour's, padding, or keys the previous step counted), its first row's request-local
+    key, and how far it was moved back."""
+    first, shift = box(k_base + j * block_k, block_k, tk)
+    key0 = first - k_start
+    return (key0 < 0) | (key0 + block_k > k_len) | (shift > 0), key0, shift
+
   def take_turn():
     """Ping-pong (FA3): a compute warpgroup's softmax runs while the other's products do."""
     if ping_pong:
@@ -195,6 +207,29 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
     def step(j, carry, qs, q_shift, end, masked):
       m, l, acc, count = carry
       slot = lax.rem(count, stages)  # its K landed: waited for by the previous step or the block
+      # A box's rows outside the request get P = 0, but 0 * NaN (or inf) in V is NaN: they are
+      # zeroed in shared memory first (a select), so another request's values never reach a row.
+      # Only masked steps hold such rows: the first when the request starts off 8 rows, the last
+      # when its keys end inside the box, any box moved back from the array's end.
+      clean = foreign_keys(j)[0] if masked else False
+      if masked:
+        @pl.when(clean)
+        def _():
+          plgpu.barrier_wait(v_ready.at[slot])
+          _, key0, shift = foreign_keys(j)
+
+          # Each compute warpgroup takes 64 rows (with 64-key steps, warpgroup 0 all of them).
+          @pl.when(wg * _TILE < block_k)
+          def _():
+            tile = v_smem.at[slot, pl.ds(wg * _TILE, _TILE)]  # [64, Dv]
+            vals = tile[...]
+            rows = wg * _TILE + plgpu.broadcasted_iota(jnp.int32, vals.shape, 0,
+                                                       layout=plgpu.Layout.WGMMA)
+            own = (rows >= shift) & (rows + key0 >= 0) & (rows + key0 < k_len)
+            tile[...] = jnp.where(own, vals, jnp.zeros((), vals.dtype))
+
+          plgpu.commit_smem()  # plain stores read next by wgmma (the async proxy)
+          plgpu.barrier_arrive(v_clean.at[slot])
 
       def scores(acc_ref):  # acc_ref [64 rows, block_k keys] f32; nope then rope columns
         plgpu.wgmma(acc_ref, qv_smem.at[wg], k_smem.at[slot, :, pl.ds(0, dv)].transpose((1, 0)))
@@ -228,7 +263,12 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
       acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
       if ping_pong:
         plgpu.barrier_arrive(schedule)  # softmax done
-      plgpu.barrier_wait(v_ready.at[slot])
+      if masked:
+        # Both warpgroups' rows zeroed (each waited for the copy), or the copy landed.
+        pl.when(clean)(lambda: plgpu.barrier_wait(v_clean.at[slot]))
+        pl.when(~clean)(lambda: plgpu.barrier_wait(v_ready.at[slot]))
+      else:
+        plgpu.barrier_wait(v_ready.at[slot])
       if ping_pong:
         plgpu.barrier_wait(schedule)  # the tensor cores are ours
 
@@ -461,6 +501,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
           plgpu.Barrier(num_barriers=2 * _COMPUTE_WGS),
           plgpu.Barrier(num_barriers=stages),
           plgpu.Barrier(num_barriers=stages),
+          plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
           plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
           plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
           plgpu.Barrier(num_arrivals=_COMPUTE_WGS),

@@ -94,11 +94,13 @@ class PrefillContract:
     assert (np.asarray(o[tail:], np.float32) == 0).all()
     assert (np.asarray(lse[tail:]) == -np.inf).all()
 
-  def test_a_poisoned_request_leaves_the_others_exact(self, rng):
-    # Request 1's queries, keys and values hold NaN, inf and -inf; query and key blocks of any
-    # size straddle it and its neighbours (37 and 30 rows are no multiple of a block). Its keys
-    # outnumber its queries: a causal diagonal past the block edges.
-    len_q, len_k = [37, 21, 30], [37, 29, 30]
+  # Request 1's queries, keys and values hold NaN, inf and -inf. (a) Query and key blocks of any
+  # size straddle it and its neighbours (37 and 30 rows are no multiple of a block); its keys
+  # outnumber its queries: a causal diagonal past the block edges. (b) A 5-row request at the
+  # arrays' end after it: a block read there reaches back over request 1.
+  @pytest.mark.parametrize("len_q, len_k", [([37, 21, 30], [37, 29, 30]),
+                                            ([150, 100, 5], [150, 100, 5])])
+  def test_a_poisoned_request_leaves_the_others_exact(self, rng, len_q, len_k):
     cu_q, cu_k = cumulative(len_q), cumulative(len_k)
     q = 2 * rng.standard_normal((int(cu_q[-1]), 1, DK))
     k = rng.standard_normal((int(cu_k[-1]), 1, DK))

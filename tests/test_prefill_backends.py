@@ -86,13 +86,6 @@ class TestPallasMosaicPrefill(PrefillContract):
       pytest.skip(f"pallas_mosaic's prefill kernel takes {mosaic_prefill.DTYPES} only, got {q.dtype}")
     return super().prefill(q, *args, **kwargs)
 
-  # Known gap (issue 17): bulk copies read whole 8-row-aligned boxes, so a request's first and
-  # last key steps hold its neighbours' rows, and P = 0 times their NaN values is NaN. Strict: a
-  # fix must remove this mark.
-  @pytest.mark.xfail(strict=True, reason="Mosaic prefill needs finite keys/values next to a request")
-  def test_a_poisoned_request_leaves_the_others_exact(self, rng):
-    super().test_a_poisoned_request_leaves_the_others_exact(rng)
-
   # Requests starting off a multiple of 8 rows (bulk-copy boxes start aligned), of several 64-key
   # steps and 128-row blocks, a tile past the end of the arrays, and more blocks than max_seqlen_q
   # gives programs (each program then takes several).
