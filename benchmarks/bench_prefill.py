@@ -14,6 +14,15 @@ largest difference of its output from the Triton kernel's; a compile or run fail
 "mosaic error" and the row goes on.
 `--sweep` times the Triton kernel's (block_q, block_k, num_warps, num_stages) variants and the
 Mosaic kernel's (block_k, num_stages, ping_pong) ones instead.
+
+`--context R NEW CTX` times the chunked-context prefill end to end (SPEC section 5): the MLA layer's
+prefill path (`MLAAttention._prefill`, DeepSeek-V3 dims, N heads, bf16, `--backend`) for R requests
+of NEW new tokens over CTX cached tokens each, the context read back in `--workspace`-row chunks.
+Parts, each timed alone on its own inputs, with its share of their sum: "new" (up-project the new
+tokens' latents, causal attention), "ctx gather+up" (every chunk's cache gather and up-projection),
+"ctx attention" (every chunk's non-causal attention on those keys/values), "merge" (the LSE merges).
+FLOPs: attention 2*N*(NEW^2/2 + NEW*CTX)*(192 + 128) per request; up-projection
+2*(NEW + CTX)*512*N*(128 + 128) per request; TFLOP/s are given over attention alone and over both.
 """
 
 from __future__ import annotations
@@ -25,10 +34,15 @@ import statistics
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from benchmarks.common import make_parser, rates, require_gpu, time_ms, write_results
 from mla_jax import reference
+from mla_jax.attention import MLAAttention, merge_attn_states
 from mla_jax.backends import get_backend
+from mla_jax.cache import LatentCache
+from mla_jax.config import MLAConfig
+from mla_jax.metadata import RequestState, build_metadata
 from pallas_kernels import mla_prefill as kernel
 from pallas_kernels import mosaic_prefill as mosaic_kernel
 
@@ -157,23 +171,104 @@ def run_case(args, batch, seq, heads):
   return [row]
 
 
+def context_case(args, requests, new, context, heads):
+  """The chunked-context prefill through the layer (see the module docstring): total and parts."""
+  config = MLAConfig.preset("DeepSeek-V3").replace(num_heads=heads)
+  layer = MLAAttention(config, backend=args.backend, dtype=jnp.bfloat16)
+  keys = jax.random.split(jax.random.key(0), 7)
+  lora, rope = config.kv_lora_rank, config.qk_rope_head_dim
+  # Weights and latents at unit-ish scale, so that keys and values are O(1) like the other cases.
+  layer.W_UK_T[...] = (jax.random.normal(keys[0], layer.W_UK_T.shape) * lora**-0.5).astype(
+      jnp.bfloat16)
+  layer.W_UV[...] = (jax.random.normal(keys[1], layer.W_UV.shape) * lora**-0.5).astype(jnp.bfloat16)
+  page = 64
+  pages = -(-(new + context) // page)
+  cache = LatentCache(jax.random.normal(keys[2], (requests * pages, page, lora + rope),
+                                        jnp.bfloat16), jnp.float32(1.0))
+  md, _ = build_metadata([RequestState(context, new, range(r * pages, (r + 1) * pages))
+                          for r in range(requests)], block_size=page,
+                         num_blocks=requests * pages, max_blocks_per_seq=pages,
+                         context_workspace=args.workspace)
+  t = md.num_rows
+  q = jax.random.normal(keys[3], (t, heads, config.qk_head_dim), jnp.bfloat16)
+  kv_c = jax.random.normal(keys[4], (t, lora), jnp.bfloat16)
+  k_pe = jax.random.normal(keys[5], (t, rope), jnp.bfloat16)
+  scale, be = config.softmax_scale, layer.backend
+  graphdef, state = nnx.split(layer)
+  # Every array is an argument (not a constant folded into the program).
+  jitted = lambda fn: jax.jit(lambda state, *a: fn(nnx.merge(graphdef, state), *a))
+
+  def attend(q, k, v, md, cu_k, causal):
+    return be.prefill(q, k, v, md.prefill_query_start_loc, cu_k, scale=scale, causal=causal,
+                      max_seqlen_q=md.max_prefill_query_len)
+
+  def gathered(layer, cache, md):  # every chunk's keys and values, stacked [C, W, N, D]
+    rows = jax.vmap(lambda slots: be.gather_cache(cache.data, slots, cache.scale_or_none))(
+        md.context_slots)
+    return jax.vmap(lambda r: layer._up_project(r[:, :lora], r[:, lora:]))(rows)
+
+  def context_attention(q, k, v, md):
+    return [attend(q, k[c], v[c], md, md.context_cu_seqlens[c], False) for c in range(k.shape[0])]
+
+  def merge(o, lse, parts):
+    return functools.reduce(lambda acc, part: merge_attn_states(*acc, *part), parts, (o, lse))
+
+  total = jitted(lambda layer, *a: layer._prefill(*a))
+  new_part = jitted(lambda layer, q, kv_c, k_pe, md: attend(
+      q, *layer._up_project(kv_c, k_pe), md, md.prefill_query_start_loc, True))
+  gather_part, attention_part, merge_part = jitted(gathered), jax.jit(context_attention), jax.jit(
+      merge)
+  k_ctx, v_ctx = gather_part(state, cache, md)
+  o, lse = new_part(state, q, kv_c, k_pe, md)
+  parts = attention_part(q, k_ctx, v_ctx, md)
+  chunks = k_ctx.shape[0]
+  timed = functools.partial(time_ms, iters=args.iters, repeats=args.repeats)
+  ms = {"total": timed(total, [(state, q, kv_c, k_pe, cache, md)]),
+        "new": timed(new_part, [(state, q, kv_c, k_pe, md)]),
+        "ctx gather+up": timed(gather_part, [(state, cache, md)]),
+        "ctx attention": timed(attention_part, [(q, k_ctx, v_ctx, md)]),
+        "merge": timed(merge_part, [(o, lse, parts)])}
+  attn_flops = requests * 2 * heads * (new * new / 2 + new * context) * (192 + 128)
+  up_flops = requests * 2 * (new + context) * lora * heads * (128 + 128)
+  parts_ms = sum(v for name, v in ms.items() if name != "total")
+  row = {"case": f"{requests}x{new} over {context} ctx", "N": heads, "backend": be.name,
+         "chunks": chunks, "ms": ms["total"], "attn TFLOP/s": attn_flops / ms["total"] / 1e9,
+         "all TFLOP/s": (attn_flops + up_flops) / ms["total"] / 1e9}
+  for name, value in ms.items():
+    if name != "total":
+      row[f"{name} ms"] = value
+      row[f"{name} %"] = 100 * value / parts_ms
+  row["ctx attention TFLOP/s"] = (requests * 2 * heads * new * context * 320
+                                  / ms["ctx attention"] / 1e9)
+  print(row, flush=True)
+  return [row]
+
+
 def main(argv=None):
   parser = make_parser("benchmarks.bench_prefill", __doc__)
-  parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384],
-                      help="prompt lengths S (one request each)")
+  parser.add_argument("--tokens", type=int, nargs="*", default=[1024, 4096, 16384],
+                      help="prompt lengths S (one request each); none: only --context")
   parser.add_argument("--heads", type=int, nargs="+", default=[16, 128], help="heads N")
-  parser.add_argument("--batched", action="store_true", help="also 4 requests of 4096 tokens")
+  parser.add_argument("--batched", action="store_true",
+                      help="also 4 requests of 4096 tokens and 8 of 1024")
   parser.add_argument("--rivals", nargs="*", default=["xla", "cudnn", "sdpa"],
                       choices=["xla", "cudnn", "sdpa"], help="implementations timed beside ours")
   parser.add_argument("--no-mosaic", action="store_true", help="skip the Mosaic GPU kernel")
   parser.add_argument("--sweep", action="store_true", help="time kernel variants, no rivals")
   parser.add_argument("--iters", type=int, default=10, help="back-to-back calls per timing")
   parser.add_argument("--repeats", type=int, default=5, help="timings; the median is reported")
+  parser.add_argument("--context", type=int, nargs=3, metavar=("R", "NEW", "CTX"),
+                      help="also the chunked-context prefill: R requests of NEW tokens over CTX")
+  parser.add_argument("--workspace", type=int, default=8192,
+                      help="context rows read back per chunk (--context)")
+  parser.add_argument("--backend", default="pallas", help="backend of the --context case")
   parser.add_argument("--out", default="benchmarks/out", help="directory for the result tables")
   args = parser.parse_args(argv)
   require_gpu("benchmarks.bench_prefill")
-  shapes = [(1, s) for s in args.tokens] + ([(4, 4096)] if args.batched else [])
+  shapes = [(1, s) for s in args.tokens] + ([(4, 4096), (8, 1024)] if args.batched else [])
   rows = []
+  for heads in args.heads if args.context else []:
+    rows += context_case(args, *args.context, heads)
   for (batch, seq), heads in itertools.product(shapes, args.heads):
     rows += run_case(args, batch, seq, heads)
   print(write_results(rows, "prefill_sweep" if args.sweep else "prefill", args.out))

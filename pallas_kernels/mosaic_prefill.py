@@ -419,7 +419,10 @@ def _tile_offsets(cu_q):
 def _unpack(o_tiles, lse_tiles, cu_q, tile_offsets, tq_padded, tq):
   """The packed [Tq, N, Dv] output and [Tq, N] lse from the per-tile slots the kernel wrote."""
   t = jnp.arange(tq, dtype=jnp.int32)
-  r = jnp.clip(jnp.searchsorted(cu_q, t, side="right") - 1, 0, cu_q.shape[0] - 2)
+  # compare_all: the default binary search is a while loop, which XLA runs on the GPU as one
+  # launch and host round trip per halving (its fixed cost shows at 1024 tokens).
+  r = jnp.clip(jnp.searchsorted(cu_q, t, side="right", method="compare_all") - 1, 0,
+               cu_q.shape[0] - 2)
   aligned = t - cu_q[r] + cu_q[r] % _ALIGN  # row within the request's tiles
   tile = aligned // _TILE
   tile_start = t - aligned + tile * _TILE
