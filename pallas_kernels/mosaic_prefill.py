@@ -3,8 +3,12 @@
 The contract of `pallas_kernels.mla_prefill.mla_prefill` (the Pallas-Triton kernel: packed
 variable-length requests, bottom-right causal alignment, Dk != Dv, f32 natural-log lse, rows past
 cu_q[-1] give 0 / -inf), for bfloat16 q, k, v with Dv <= Dk. The structure is jax's
-FlashAttention-3 port (`jax.experimental.pallas.ops.gpu.attention_mgpu`): one program (CTA) per
-(query-block slot, head, request), 128 query rows a block, three warpgroups:
+FlashAttention-3 port (`jax.experimental.pallas.ops.gpu.attention_mgpu`), 128 query rows a block,
+persistent: as many programs (CTAs) as SMs walk a queue of (query block, head) work items built in
+the jitted entry from the cu_seqlens, blocks heaviest first (most keys), so that short and packed
+requests keep the SMs full and one block's epilogue overlaps the next one's K/V loads (the memory
+warpgroup runs ahead through the ring across items); `persistent=False` gives the earlier grid of
+one program per (query-block slot, head, request). Three warpgroups a program:
 - compute (warpgroups 0 and 1): each bulk-copies its own 64-row query tile (columns [0, Dv) and
   [Dv, Dk) into two buffers: the first later stages the output), then per step of block_k keys
   S = Q K^T (two wgmma, M = 64 rows, N = block_k keys), the float32 online softmax in exp2,
@@ -15,8 +19,8 @@ FlashAttention-3 port (`jax.experimental.pallas.ops.gpu.attention_mgpu`): one pr
   ring of slots, refilled as soon as both compute warpgroups are done with a slot's K (or V).
 Both compute warpgroups walk the same steps (those the block's last row needs), so they share every
 slot; the diagonal, ragged and misaligned steps are masked, the others are not.
-Programs launch heads fastest from 64 heads (blocks of equal causal work side by side), query slots
-fastest below (one head's K/V shared in L2).
+Items (programs) run heads fastest from 64 heads (blocks of equal causal work side by side), query
+blocks fastest below (one head's K/V shared in L2).
 
 Bulk copies move whole boxes and cannot mask rows, so:
 - Mosaic GPU copies (8, 64)-tiled buffers as whole tiles of the global array, so a box must start
@@ -27,7 +31,10 @@ Bulk copies move whole boxes and cannot mask rows, so:
   the masks account for both shifts);
 - a 64-row output tile may run into the next request's rows, so each tile is written to its own slot
   of a padded output (`tile_offsets`: request r's tiles follow the earlier requests' ones), and the
-  packed result is gathered from there (`_unpack`); rows past cu_q[-1] are set there too.
+  packed result is gathered from there (`_unpack`); rows past cu_q[-1] are set there too. One
+  request (persistent) needs no gather: its blocks then start at row 0 and cover every row, each
+  tile is written in place (rows outside the request as 0, -inf; a moved-back last tile rewrites
+  rows of the one before it with the same values).
 Requests are isolated: keys outside a request that a box reads get S = -inf by a select (so
 P = 0), and their V rows are zeroed in shared memory before P V (0 * NaN would be NaN), so no
 value of another request, NaN or inf included, reaches a row. Only the masked steps that hold such
@@ -50,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +91,8 @@ class MosaicPrefillConfig:
   block_k: int = 128  # keys per step and bulk copy (N of S = Q K^T, K of P V)
   num_stages: int | None = None  # K/V ring depth; None: the deepest that fits (_stages_for)
   ping_pong: bool = True  # the two compute warpgroups take turns on the tensor cores
+  persistent: bool = True  # programs walk a queue of work items (else one per slot/head/request)
+  num_programs: int | None = None  # persistent programs; None: the device's SM count
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -91,6 +101,10 @@ class MosaicPrefillConfig:
       check_at_least("num_stages", self.num_stages, 2)
     if not isinstance(self.ping_pong, bool):
       raise ValueError(f"ping_pong must be a bool, got {self.ping_pong!r}")
+    if not isinstance(self.persistent, bool):
+      raise ValueError(f"persistent must be a bool, got {self.persistent!r}")
+    if self.num_programs is not None:
+      check_at_least("num_programs", self.num_programs, 1)
 
 
 # The chosen config (128-key steps, ring as deep as fits, ping-pong) and the sweep space
@@ -119,12 +133,46 @@ def _aligned_rows(q_len, q_lead):
   return jnp.where(q_len > 0, q_len + q_lead, 0)
 
 
-def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, qv_smem,
-                    *rest, scale, causal, num_q_programs, block_k, ping_pong, p_in_registers):
+class _Item(NamedTuple):
+  """One work item: a block of 128 query rows of a request, for one head (int32 scalars)."""
+  h: jax.Array
+  qs: jax.Array  # the block's first row, counted from q_base
+  tile: jax.Array  # the request's first output tile
+  q_start: jax.Array
+  k_start: jax.Array
+  q_len: jax.Array
+  k_len: jax.Array
+  q_base: jax.Array  # q_start rounded down to 8 rows (bulk-copy boxes start there)
+  k_base: jax.Array
+  q_lead: jax.Array  # q_start - q_base
+  k_lead: jax.Array
+
+
+def _block_keys(qs, q_lead, q_len, k_len, causal):
+  """(k_end, k_full) of the block starting at row qs (counted from q_base, q_lead rows before the
+  request's first row): the keys its last row sees, and those its first row (hence every row)
+  sees; none for a block outside the request. Also the cost of a block in the persistent queue."""
+  inside = (qs + _BLOCK_Q > q_lead) & (qs < q_lead + q_len)
+  if causal:
+    diag = k_len - q_len  # row i sees keys j <= i + diag
+    first_row = jnp.maximum(qs - q_lead, 0)  # request-local
+    k_end = jnp.clip(jnp.minimum(qs + _BLOCK_Q - q_lead, q_len) + diag, 0, k_len)
+    k_full = jnp.clip(first_row + 1 + diag, 0, k_len)
+  else:
+    k_end = k_full = k_len
+  return jnp.where(inside, k_end, 0), jnp.where(inside, k_full, 0)
+
+
+def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
+                    qv_smem, *rest, scale, causal, num_q_programs, block_k, ping_pong,
+                    p_in_registers, persistent, heads_first, direct):
   # GMEM: cu_q_ref, cu_k_ref [R+1] int32; tile_ref [R] int32 (request's first output tile);
+  # queue_ref [2, B+1] int32 (persistent: column 0 row 0 the number of blocks, then per block,
+  # heaviest first, its request (row 0) and index in the request (row 1); otherwise unused);
   # q_ref [Tq, N, Dk], k_ref [Tk, N, Dk], v_ref [Tk, N, Dv] bf16 (Tq, Tk multiples of 8, >= one
   # box);
-  # o_ref [tiles*64, N, Dv] bf16 and lse_ref [N, tiles*64] f32: one 64-row slot per output tile.
+  # o_ref [tiles*64, N, Dv] bf16 and lse_ref [N, tiles*64] f32: one 64-row slot per output tile;
+  # direct (one request): o_ref [Tq, N, Dv] and lse_ref [N, Tq], the rows themselves.
   # SMEM: qv_smem [2, 64, Dv] (each compute warpgroup's query columns [0, Dv), then its output
   # staging); qr_smem [2, 64, Dk-Dv] (columns [Dv, Dk); absent when Dk == Dv); k_smem
   # [stages, block_k, Dk]; v_smem [stages, block_k, Dv]; p_smem [2, 64, block_k] (each warpgroup's
@@ -140,44 +188,61 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
   k_smem, v_smem, *rest = rest
   p_smem = None if p_in_registers else rest.pop(0)
   lse_smem, q_bar, k_ready, v_ready, v_clean, k_consumed, v_consumed, schedule = rest
-  prog, h, r = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("requests")
   wg = lax.axis_index("wg")
   tq, tk, dk = q_ref.shape[0], k_ref.shape[0], q_ref.shape[2]
+  num_heads = q_ref.shape[1]
   dv = qv_smem.shape[2]
   stages = k_smem.shape[0]
   qk_scale = scale * LOG2E  # log2(e) folded in: the softmax runs on exp2
-  q_start, k_start = cu_q_ref[r], cu_k_ref[r]
-  q_len = cu_q_ref[r + 1] - q_start
-  k_len = cu_k_ref[r + 1] - k_start
-  diag = k_len - q_len  # row i sees keys j <= i + diag when causal
-  # Written as products so that Mosaic GPU sees them divisible by 8.
-  q_base, k_base = lax.div(q_start, _ALIGN) * _ALIGN, lax.div(k_start, _ALIGN) * _ALIGN
-  q_lead, k_lead = q_start - q_base, k_start - k_base
 
-  # Slot p takes the request's blocks nb-1-p, nb-1-p-P, ...: the heaviest causal blocks launch
-  # first, and a request longer than max_seqlen_q is still covered, just serially.
-  num_blocks = lax.div(_aligned_rows(q_len, q_lead) + (_BLOCK_Q - 1), _BLOCK_Q)
-  trips = lax.div(jnp.maximum(num_blocks - prog, 0) + (num_q_programs - 1), num_q_programs)
+  def request(r):
+    q_start, k_start = cu_q_ref[r], cu_k_ref[r]
+    # Written as products so that Mosaic GPU sees them divisible by 8. Direct: blocks start at row
+    # 0 and cover all Tq rows, those outside the request giving 0, -inf.
+    q_base = jnp.int32(0) if direct else lax.div(q_start, _ALIGN) * _ALIGN
+    k_base = lax.div(k_start, _ALIGN) * _ALIGN
+    return dict(tile=tile_ref[r], q_start=q_start, k_start=k_start,
+                q_len=cu_q_ref[r + 1] - q_start, k_len=cu_k_ref[r + 1] - k_start,
+                q_base=q_base, k_base=k_base, q_lead=q_start - q_base, k_lead=k_start - k_base)
 
-  def block_start(trip):
-    """The block's first row, counted from q_base."""
-    return (num_blocks - 1 - prog - trip * num_q_programs) * _BLOCK_Q
+  if persistent:
+    # Program p takes items p, p + P, ... of the queue: blocks heaviest first, each for every
+    # head (heads fastest: items side by side do equal work) or each head for every block (blocks
+    # fastest: items side by side share a head's K/V in L2).
+    prog, num_programs = lax.axis_index("programs"), lax.axis_size("programs")
+    num_blocks = queue_ref[0, 0]
+    trips = lax.div(jnp.maximum(num_blocks * num_heads - prog, 0) + (num_programs - 1),
+                    num_programs)
 
-  def key_steps(qs):
-    """Step bounds (lo, hi, end) of the block starting at qs: steps [lo, hi) need no mask, steps
-    [0, lo) and [hi, end) do. Step j holds the keys k_base + block_k * j on. Every warpgroup
-    derives the same bounds, so their barrier phases agree."""
-    first_row = jnp.maximum(qs - q_lead, 0)  # request-local
-    if causal:
-      k_end = jnp.clip(jnp.minimum(qs + _BLOCK_Q - q_lead, q_len) + diag, 0, k_len)
-      # Keys the block's first row (hence all) sees.
-      k_full = jnp.clip(first_row + 1 + diag, 0, k_len)
-    else:
-      k_end = k_full = k_len
-    end = jnp.where(k_end > 0, lax.div(k_end + k_lead + (block_k - 1), block_k), 0)
+    def item(trip):
+      i = prog + trip * num_programs
+      if heads_first:
+        block, h = lax.div(i, num_heads), lax.rem(i, num_heads)
+      else:
+        block, h = lax.rem(i, num_blocks), lax.div(i, num_blocks)
+      r = queue_ref[0, block + 1]
+      return _Item(h=h, qs=queue_ref[1, block + 1] * _BLOCK_Q, **request(r))
+  else:
+    # Slot p takes its request's blocks nb-1-p, nb-1-p-P, ...: the heaviest causal blocks launch
+    # first, and a request longer than max_seqlen_q is still covered, just serially.
+    prog, h, r = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("requests")
+    fixed = request(r)
+    num_blocks = lax.div(_aligned_rows(fixed["q_len"], fixed["q_lead"]) + (_BLOCK_Q - 1),
+                         _BLOCK_Q)
+    trips = lax.div(jnp.maximum(num_blocks - prog, 0) + (num_q_programs - 1), num_q_programs)
+
+    def item(trip):
+      return _Item(h=h, qs=(num_blocks - 1 - prog - trip * num_q_programs) * _BLOCK_Q, **fixed)
+
+  def key_steps(w):
+    """Step bounds (lo, hi, end) of item w's block: steps [lo, hi) need no mask, steps [0, lo)
+    and [hi, end) do. Step j holds the keys k_base + block_k * j on. Every warpgroup derives the
+    same bounds, so their barrier phases agree."""
+    k_end, k_full = _block_keys(w.qs, w.q_lead, w.q_len, w.k_len, causal)
+    end = jnp.where(k_end > 0, lax.div(k_end + w.k_lead + (block_k - 1), block_k), 0)
     # Step 0 also holds the previous request's last k_lead keys.
-    lo = jnp.minimum(jnp.where(k_lead > 0, 1, 0), end)
-    return lo, jnp.maximum(lax.div(k_full + k_lead, block_k), lo), end
+    lo = jnp.minimum(jnp.where(w.k_lead > 0, 1, 0), end)
+    return lo, jnp.maximum(lax.div(k_full + w.k_lead, block_k), lo), end
 
   def box(start, rows, total):
     """A `rows`-row box beginning at `start`, moved back to end at `total`: (first row, shift).
@@ -185,13 +250,13 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
     first = jnp.minimum(start, total - rows)
     return first, start - first
 
-  def foreign_keys(j):
+  def foreign_keys(w, j):
     """(any, key0, shift): whether step j's box holds rows other than the request's keys it adds
     (a neighbour's, padding, or keys the previous step counted), its first row's request-local
     key, and how far it was moved back."""
-    first, shift = box(k_base + j * block_k, block_k, tk)
-    key0 = first - k_start
-    return (key0 < 0) | (key0 + block_k > k_len) | (shift > 0), key0, shift
+    first, shift = box(w.k_base + j * block_k, block_k, tk)
+    key0 = first - w.k_start
+    return (key0 < 0) | (key0 + block_k > w.k_len) | (shift > 0), key0, shift
 
   def take_turn():
     """Ping-pong (FA3): a compute warpgroup's softmax runs while the other's products do."""
@@ -204,19 +269,19 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
     plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
     rows_layout = plgpu.Layout.WGMMA.reduce(1)
 
-    def step(j, carry, qs, q_shift, end, masked):
+    def step(j, carry, w, q_shift, end, masked):
       m, l, acc, count = carry
       slot = lax.rem(count, stages)  # its K landed: waited for by the previous step or the block
       # A box's rows outside the request get P = 0, but 0 * NaN (or inf) in V is NaN: they are
       # zeroed in shared memory first (a select), so another request's values never reach a row.
       # Only masked steps hold such rows: the first when the request starts off 8 rows, the last
       # when its keys end inside the box, any box moved back from the array's end.
-      clean = foreign_keys(j)[0] if masked else False
+      clean = foreign_keys(w, j)[0] if masked else False
       if masked:
         @pl.when(clean)
         def _():
           plgpu.barrier_wait(v_ready.at[slot])
-          _, key0, shift = foreign_keys(j)
+          _, key0, shift = foreign_keys(w, j)
 
           # Each compute warpgroup takes 64 rows (with 64-key steps, warpgroup 0 all of them).
           @pl.when(wg * _TILE < block_k)
@@ -225,7 +290,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
             vals = tile[...]
             rows = wg * _TILE + plgpu.broadcasted_iota(jnp.int32, vals.shape, 0,
                                                        layout=plgpu.Layout.WGMMA)
-            own = (rows >= shift) & (rows + key0 >= 0) & (rows + key0 < k_len)
+            own = (rows >= shift) & (rows + key0 >= 0) & (rows + key0 < w.k_len)
             tile[...] = jnp.where(own, vals, jnp.zeros((), vals.dtype))
 
           plgpu.commit_smem()  # plain stores read next by wgmma (the async proxy)
@@ -244,13 +309,14 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
       if masked:
         # Made in the step, not carried: an int32 iota of the tile is block_k / 2 registers.
         cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-        _, k_shift = box(k_base + j * block_k, block_k, tk)
-        keys = cols + (j * block_k - k_shift - k_lead)  # request-local key positions
+        _, k_shift = box(w.k_base + j * block_k, block_k, tk)
+        keys = cols + (j * block_k - k_shift - w.k_lead)  # request-local key positions
         # cols >= k_shift: keys before those were counted by the previous step.
-        visible = (cols >= k_shift) & (keys >= 0) & (keys < k_len)
+        visible = (cols >= k_shift) & (keys >= 0) & (keys < w.k_len)
         if causal:
           rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-          visible &= keys <= rows + (qs + wg * _TILE - q_shift - q_lead + diag)
+          diag = w.k_len - w.q_len
+          visible &= keys <= rows + (w.qs + wg * _TILE - q_shift - w.q_lead + diag)
         s = jnp.where(visible, s, -jnp.inf)
       # Scale the row max, not s: then s * qk_scale - m below is one FMA per element.
       m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
@@ -298,17 +364,17 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
       return m_new, l, acc, count + 1
 
     def q_block(trip, count):
-      qs = block_start(trip)
-      tile_row = qs + wg * _TILE  # this warpgroup's first row, counted from q_base
-      q_first, q_shift = box(q_base + tile_row, _TILE, tq)
+      w = item(trip)
+      tile_row = w.qs + wg * _TILE  # this warpgroup's first row, counted from q_base
+      q_first, q_shift = box(w.q_base + tile_row, _TILE, tq)
       q_rows = pl.ds(q_first, _TILE)
-      plgpu.copy_gmem_to_smem(q_ref.at[q_rows, h, pl.ds(0, dv)], qv_smem.at[wg], q_bar.at[wg])
+      plgpu.copy_gmem_to_smem(q_ref.at[q_rows, w.h, pl.ds(0, dv)], qv_smem.at[wg], q_bar.at[wg])
       if qr_smem is not None:
-        plgpu.copy_gmem_to_smem(q_ref.at[q_rows, h, pl.ds(dv, dk - dv)], qr_smem.at[wg],
+        plgpu.copy_gmem_to_smem(q_ref.at[q_rows, w.h, pl.ds(dv, dk - dv)], qr_smem.at[wg],
                                 q_bar.at[_COMPUTE_WGS + wg])
         plgpu.barrier_wait(q_bar.at[_COMPUTE_WGS + wg])
       plgpu.barrier_wait(q_bar.at[wg])
-      lo, hi, end = key_steps(qs)
+      lo, hi, end = key_steps(w)
 
       @pl.when(end > 0)
       def _():
@@ -318,23 +384,32 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
                plgpu.layout_cast(jnp.zeros((_TILE,), jnp.float32), rows_layout),
                plgpu.layout_cast(jnp.zeros((_TILE, dv), jnp.float32), plgpu.Layout.WGMMA),
                count)
-      run = functools.partial(step, qs=qs, q_shift=q_shift, end=end)
+      run = functools.partial(step, w=w, q_shift=q_shift, end=end)
       carry = lax.fori_loop(0, lo, functools.partial(run, masked=True), carry)
       carry = lax.fori_loop(lo, hi, functools.partial(run, masked=False), carry)
       m, l, acc, count = lax.fori_loop(hi, end, functools.partial(run, masked=True), carry)
 
       # A tile wholly past the request (the second half of its last block) writes nothing: its
-      # slot belongs to the next request. Rows that saw no key give 0, -inf.
-      @pl.when(tile_row < q_lead + q_len)
+      # slot belongs to the next request (direct: every tile writes; a moved-back one rewrites
+      # rows of the tile before it with the same values). Rows that saw no key, and rows outside
+      # the request, give 0, -inf.
+      @pl.when(True if direct else tile_row < w.q_lead + w.q_len)
       def _():
-        seen = l > 0
+        # Request-local rows, as a column and as the tile (selects: acc may be NaN there).
+        rows = q_first - w.q_start + plgpu.broadcasted_iota(jnp.int32, (_TILE,), 0,
+                                                            layout=rows_layout)
+        tile_rows = q_first - w.q_start + plgpu.broadcasted_iota(jnp.int32, acc.shape, 0,
+                                                                 layout=plgpu.Layout.WGMMA)
+        seen = (l > 0) & (rows >= 0) & (rows < w.q_len)
         l_safe = jnp.where(seen, l, 1.0)
-        qv_smem.at[wg][...] = (acc * row_broadcast(1.0 / l_safe, acc.shape)).astype(qv_smem.dtype)
+        o = jnp.where((tile_rows >= 0) & (tile_rows < w.q_len),
+                      acc * row_broadcast(1.0 / l_safe, acc.shape), 0.0)
+        qv_smem.at[wg][...] = o.astype(qv_smem.dtype)
         lse_smem.at[wg][...] = jnp.where(seen, m * LN2 + jnp.log(l_safe), -jnp.inf)
         plgpu.commit_smem()
-        out_row = (tile_ref[r] + lax.div(tile_row, _TILE)) * _TILE
-        plgpu.copy_smem_to_gmem(qv_smem.at[wg], o_ref.at[pl.ds(out_row, _TILE), h])
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[h, pl.ds(out_row, _TILE)])
+        out_row = q_first if direct else (w.tile + lax.div(tile_row, _TILE)) * _TILE
+        plgpu.copy_smem_to_gmem(qv_smem.at[wg], o_ref.at[pl.ds(out_row, _TILE), w.h])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[w.h, pl.ds(out_row, _TILE)])
         # The staging is the next block's query tile.
         plgpu.wait_smem_to_gmem(0)
 
@@ -350,26 +425,27 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, q_ref, k_ref, v_ref, o_ref, ls
     plgpu.set_max_registers(_MEMORY_REGS, action="decrease")
 
     def q_block(trip, count):
-      _, _, n_end = key_steps(block_start(trip))
+      w = item(trip)
+      _, _, n_end = key_steps(w)
 
       @pl.loop(0, n_end)
       def _(j):
         c = count + j
         slot = lax.rem(c, stages)
-        first, _ = box(k_base + j * block_k, block_k, tk)
+        first, _ = box(w.k_base + j * block_k, block_k, tk)
         rows = pl.ds(first, block_k)
 
         @pl.when(c >= stages)
         def _():
           plgpu.barrier_wait(k_consumed.at[slot])
 
-        plgpu.copy_gmem_to_smem(k_ref.at[rows, h], k_smem.at[slot], k_ready.at[slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[rows, w.h], k_smem.at[slot], k_ready.at[slot])
 
         @pl.when(c >= stages)
         def _():
           plgpu.barrier_wait(v_consumed.at[slot])
 
-        plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_smem.at[slot], v_ready.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows, w.h], v_smem.at[slot], v_ready.at[slot])
 
       return count + n_end
 
@@ -435,12 +511,42 @@ def _unpack(o_tiles, lse_tiles, cu_q, tile_offsets, tq_padded, tq):
   return o, lse
 
 
+def _work_queue(cu_q, cu_k, tq, causal, direct):
+  """[2, B+1] int32: [0, 0] the number of 128-row query blocks, then per block, heaviest first
+  (most keys to read; ties in request and block order), its request (row 0) and its index in the
+  request (row 1). B bounds the blocks of any batch of tq rows. direct (one request): the blocks
+  of all tq rows, from row 0."""
+  num_requests = cu_q.shape[0] - 1
+  q_len, k_len = jnp.diff(cu_q), jnp.diff(cu_k)
+  q_lead, k_lead = cu_q[:-1] % _ALIGN, cu_k[:-1] % _ALIGN
+  blocks = -(-_aligned_rows(q_len, q_lead) // _BLOCK_Q)
+  bound = -(-(tq + (_ALIGN - 1) * num_requests) // _BLOCK_Q) + num_requests
+  if direct:
+    q_lead, bound = cu_q[:-1], -(-tq // _BLOCK_Q)
+    blocks = jnp.full((1,), bound, jnp.int32)
+  ends = jnp.cumsum(blocks)
+  j = jnp.arange(bound, dtype=jnp.int32)
+  r = jnp.minimum(jnp.searchsorted(ends, j, side="right", method="compare_all"), num_requests - 1)
+  b = j - (ends - blocks)[r]
+  k_end, _ = _block_keys(b * _BLOCK_Q, q_lead[r], q_len[r], k_len[r], causal)
+  order = jnp.argsort(-jnp.where(j < ends[-1], k_end + k_lead[r], -1), stable=True)
+  count = jnp.stack([ends[-1], 0])[:, None]
+  return jnp.concatenate([count, jnp.stack([r[order], b[order]])], axis=1).astype(jnp.int32)
+
+
+def _sm_count():
+  """Streaming multiprocessors of the first device (132 on the H200 if it does not say)."""
+  return getattr(jax.devices()[0], "core_count", None) or 132
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "max_seqlen_q", "block_k",
-                                             "num_stages", "ping_pong", "interpret"))
+                                             "num_stages", "ping_pong", "persistent",
+                                             "num_programs", "interpret"))
 def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
                 cu_seqlens_k: jax.Array, *, scale: float, causal: bool, max_seqlen_q: int,
                 block_k: int = DEFAULT.block_k, num_stages: int | None = DEFAULT.num_stages,
-                ping_pong: bool = DEFAULT.ping_pong,
+                ping_pong: bool = DEFAULT.ping_pong, persistent: bool = DEFAULT.persistent,
+                num_programs: int | None = DEFAULT.num_programs,
                 interpret: bool | plgpu.InterpretGPUParams = False
                 ) -> tuple[jax.Array, jax.Array]:
   """Variable-length attention with a running LSE; see the module docstring for the layout.
@@ -449,11 +555,14 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   cu_seqlens_q / cu_seqlens_k [R+1] int32. max_seqlen_q: static bound on any request's query count;
   it sizes the grid (a request beyond it is still right, only slower). block_k (64 or 128 keys a
   step), num_stages (K/V ring depth; default: the deepest that fits) and ping_pong (the two compute
-  warpgroups take turns on the tensor cores) are tuning knobs. interpret: True or a
+  warpgroups take turns on the tensor cores) are tuning knobs. persistent: as many programs
+  (num_programs; default the device's SM count, 4 in the interpreter, so that each takes several
+  items) walk a queue of (query block, head) items, the
+  heaviest blocks first; else one program per (query slot, head, request). interpret: True or a
   `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns o [Tq, N, Dv] bf16 and
   lse [Tq, N] float32 (natural log); rows past cu_q[-1], and rows that see no key, give (0, -inf).
   """
-  config = MosaicPrefillConfig(block_k, num_stages, ping_pong)
+  config = MosaicPrefillConfig(block_k, num_stages, ping_pong, persistent, num_programs)
   _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, config)
   tq, n, dk = q.shape
   tk, dv = k.shape[0], v.shape[2]
@@ -462,6 +571,8 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
     return jnp.zeros((tq, n, dv), q.dtype), jnp.full((tq, n), -jnp.inf, jnp.float32)
   q, k, v = _pad_rows(q, _TILE), _pad_rows(k, block_k), _pad_rows(v, block_k)
   tile_offsets = _tile_offsets(cu_seqlens_q)
+  # One request: the kernel writes o and lse rows in place (no slots to gather from).
+  direct = persistent and num_requests == 1
   # Output slots of 64 rows, request after request: at most Tq/64 + one partial tile a request.
   num_tiles = tq // _TILE + num_requests
   # No request is longer than Tq, so more slots than that would only idle.
@@ -479,21 +590,30 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   p_tiles = [] if p_in_registers else [swizzled((_COMPUTE_WGS, _TILE, block_k), q.dtype)]
   q_rest = [swizzled((_COMPUTE_WGS, _TILE, dk - dv), q.dtype)] if dk > dv else []
 
-  # Programs launch in grid order. With many heads, heads fastest: a wave then holds one query
-  # slot of many heads, blocks of equal causal work, so no heavy block starts last (H200, 16K
-  # tokens: +14% at N=64, +21-25% at N=128). With few, query slots fastest: a wave reads one or two
-  # heads' K/V, which stay in L2 (+2.5% at N=16).
-  if n >= _HEADS_FIRST_MIN:
-    grid, grid_names = (n, num_q_programs, num_requests), ("heads", "q", "requests")
+  # Programs (or queue items) launch in grid (queue) order. With many heads, heads fastest: a wave
+  # then holds one query block of many heads, blocks of equal causal work, so no heavy block starts
+  # last (H200, 16K tokens: +14% at N=64, +21-25% at N=128). With few, query blocks fastest: a
+  # wave reads one or two heads' K/V, which stay in L2 (+2.5% at N=16).
+  heads_first = n >= _HEADS_FIRST_MIN
+  if persistent:
+    queue = _work_queue(cu_seqlens_q, cu_seqlens_k, q.shape[0], causal, direct)
+    num_programs = num_programs or (4 if interpret else _sm_count())
+    grid, grid_names = (min(num_programs, (queue.shape[1] - 1) * n),), ("programs",)
   else:
-    grid, grid_names = (num_q_programs, n, num_requests), ("q", "heads", "requests")
+    queue = jnp.zeros((2, 1), jnp.int32)  # unused
+    if heads_first:
+      grid, grid_names = (n, num_q_programs, num_requests), ("heads", "q", "requests")
+    else:
+      grid, grid_names = (num_q_programs, n, num_requests), ("q", "heads", "requests")
   kernel = functools.partial(_prefill_kernel, scale=scale, causal=causal,
                              num_q_programs=num_q_programs, block_k=block_k, ping_pong=ping_pong,
-                             p_in_registers=p_in_registers)
+                             p_in_registers=p_in_registers, persistent=persistent,
+                             heads_first=heads_first, direct=direct)
+  out_rows = q.shape[0] if direct else num_tiles * _TILE
   o_tiles, lse_tiles = plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct((num_tiles * _TILE, n, dv), q.dtype),
-                jax.ShapeDtypeStruct((n, num_tiles * _TILE), jnp.float32)),
+      out_type=(jax.ShapeDtypeStruct((out_rows, n, dv), q.dtype),
+                jax.ShapeDtypeStruct((n, out_rows), jnp.float32)),
       scratch_types=(
           swizzled((_COMPUTE_WGS, _TILE, dv), q.dtype),
           *q_rest,
@@ -518,6 +638,8 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
       interpret=interpret or None,
       kernel_name=(f"mosaic_mla_prefill_{'causal' if causal else 'full'}_k{block_k}_s{stages}"
-                   f"{'_pp' if ping_pong else ''}"),
-  )(cu_seqlens_q, cu_seqlens_k, tile_offsets, q, k, v)
+                   f"{'_pp' if ping_pong else ''}{'_persistent' if persistent else ''}"),
+  )(cu_seqlens_q, cu_seqlens_k, tile_offsets, queue, q, k, v)
+  if direct:  # a slice (a copy) only where q was padded
+    return o_tiles[:tq], lse_tiles.T[:tq]
   return _unpack(o_tiles, lse_tiles, cu_seqlens_q, tile_offsets, q.shape[0], tq)

@@ -25,6 +25,8 @@ CASES = {
     "causal_bf16_n16": (16, jnp.bfloat16, True, [24, 9, 0], [40, 9, 3], 2),
     "noncausal_bf16_n16": (16, jnp.bfloat16, False, [7, 26], [30, 17], 0),
     "causal_bf16_n4_all_padding": (4, jnp.bfloat16, True, [0], [5], 6),
+    # Packed requests of 1, 7, 128 and 300 new tokens and one of none (with context keys).
+    "causal_bf16_n2_packed": (2, jnp.bfloat16, True, [1, 7, 128, 0, 300], [1, 7, 128, 16, 300], 3),
 }
 
 

@@ -87,11 +87,11 @@ class TestPallasMosaicPrefill(PrefillContract):
     return super().prefill(q, *args, **kwargs)
 
   # Requests starting off a multiple of 8 rows (bulk-copy boxes start aligned), of several 64-key
-  # steps and 128-row blocks, a tile past the end of the arrays, and more blocks than max_seqlen_q
-  # gives programs (each program then takes several).
+  # steps and 128-row blocks, a tile past the end of the arrays; persistent: 3 programs walk the
+  # queue (each takes several items); else more blocks than max_seqlen_q gives programs.
   @pytest.mark.parametrize("causal", [True, False])
-  @pytest.mark.parametrize("max_seqlen_q", [None, 64])
-  def test_multi_block(self, causal, max_seqlen_q):
+  @pytest.mark.parametrize("persistent, max_seqlen_q", [(True, None), (False, None), (False, 64)])
+  def test_multi_block(self, causal, persistent, max_seqlen_q):
     rng = np.random.default_rng(11 + causal)
     len_q, len_k = [200, 70, 0, 130], [260, 70, 5, 130]
     cu_q, cu_k = cumulative(len_q), cumulative(len_k)
@@ -100,13 +100,71 @@ class TestPallasMosaicPrefill(PrefillContract):
     v = jnp.asarray(rng.standard_normal((int(cu_k[-1]) + 1, 2, DV)), jnp.bfloat16)
     o, lse = mosaic_prefill.mla_prefill(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k), scale=SCALE,
                                         causal=causal, max_seqlen_q=max_seqlen_q or max(len_q),
-                                        interpret=True)
+                                        persistent=persistent, num_programs=3, interpret=True)
     f32 = lambda x: np.asarray(x.astype(jnp.float32))
     ref_o, ref_lse = varlen_attention_np(f32(q), f32(k), f32(v), cu_q, cu_k, SCALE, causal)
     magnitude, _ = varlen_attention_np(f32(q), f32(k), np.abs(f32(v)), cu_q, cu_k, SCALE, causal)
     assert_close(f32(o), ref_o, jnp.bfloat16, magnitude)
     assert_close(lse, ref_lse, jnp.bfloat16)
     assert (f32(o[int(cu_q[-1]):]) == 0).all() and (np.asarray(lse[int(cu_q[-1]):]) == -np.inf).all()
+
+  def test_persistent_heads_fastest(self):
+    # From 64 heads the queue's items run heads fastest (2 programs, 2 blocks x 64 heads each).
+    rng = np.random.default_rng(13)
+    cu_q, cu_k = cumulative([45, 100]), cumulative([45, 120])
+    q = jnp.asarray(2 * rng.standard_normal((145, 64, DK)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((165, 64, DK)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((165, 64, DV)), jnp.bfloat16)
+    o, lse = mosaic_prefill.mla_prefill(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k), scale=SCALE,
+                                        causal=True, max_seqlen_q=100, num_programs=2,
+                                        interpret=True)
+    f32 = lambda x: np.asarray(x.astype(jnp.float32))
+    ref_o, ref_lse = varlen_attention_np(f32(q), f32(k), f32(v), cu_q, cu_k, SCALE, True)
+    magnitude, _ = varlen_attention_np(f32(q), f32(k), np.abs(f32(v)), cu_q, cu_k, SCALE, True)
+    assert_close(f32(o), ref_o, jnp.bfloat16, magnitude)
+    assert_close(lse, ref_lse, jnp.bfloat16)
+
+  @pytest.mark.parametrize("causal", [True, False])
+  def test_work_queue_lists_every_block_once_heaviest_first(self, causal):
+    # Requests of 300 (starting at row 0), 0, 7 (at row 300: 4 rows off 8-aligned, 1 block) and
+    # 250 (at 307, 3 rows off: 2 blocks) query rows.
+    len_q, len_k = [300, 0, 7, 250], [300, 16, 500, 250]
+    cu_q, cu_k = cumulative(len_q), cumulative(len_k)
+    queue = np.asarray(mosaic_prefill._work_queue(jnp.asarray(cu_q), jnp.asarray(cu_k), 560,
+                                                  causal, direct=False))
+    count = queue[0, 0]
+    blocks = [tuple(b) for b in queue[:, 1:count + 1].T]
+    assert sorted(blocks) == [(0, 0), (0, 1), (0, 2), (2, 0), (3, 0), (3, 1)]
+    def keys(r, b):  # keys the block reads: its last row's, after the k_lead rows in front
+      if not causal:
+        return len_k[r] + cu_k[r] % 8
+      rows = min((b + 1) * 128 - cu_q[r] % 8, len_q[r])  # request-local, up to the block's end
+      return min(rows + len_k[r] - len_q[r], len_k[r]) + cu_k[r] % 8
+    work = [keys(r, b) for r, b in blocks]
+    assert work == sorted(work, reverse=True)
+
+  @pytest.mark.parametrize("causal", [True, False])
+  def test_one_request_writes_its_rows_in_place(self, causal):
+    # One request (no output gather): starting off row 0 and 8-aligned, ending before the arrays'
+    # end; the rows around it hold NaN queries, keys and values, which reach none of its rows, and
+    # the rows after it give 0, -inf.
+    rng = np.random.default_rng(14 + causal)
+    cu_q, cu_k = np.array([13, 213], np.int32), np.array([5, 290], np.int32)
+    q = 2 * rng.standard_normal((250, 2, DK))
+    k, v = rng.standard_normal((300, 2, DK)), rng.standard_normal((300, 2, DV))
+    for x, (lo, hi) in ((q, cu_q), (k, cu_k), (v, cu_k)):
+      x[:lo], x[hi:] = np.nan, np.inf
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    o, lse = mosaic_prefill.mla_prefill(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k), scale=SCALE,
+                                        causal=causal, max_seqlen_q=200, num_programs=3,
+                                        interpret=True)
+    f32 = lambda x: np.asarray(x.astype(jnp.float32))
+    ref_o, ref_lse = varlen_attention_np(f32(q), f32(k), f32(v), cu_q, cu_k, SCALE, causal)
+    magnitude, _ = varlen_attention_np(f32(q), f32(k), np.abs(f32(v)), cu_q, cu_k, SCALE, causal)
+    rows = slice(13, 213)
+    assert_close(f32(o)[rows], ref_o[rows], jnp.bfloat16, magnitude[rows])
+    assert_close(np.asarray(lse)[rows], ref_lse[rows], jnp.bfloat16)
+    assert (f32(o[213:]) == 0).all() and (np.asarray(lse[213:]) == -np.inf).all()
 
   def test_no_races_in_the_interpreter(self):
     # The race detector sees plain loads and stores and bulk copies (each warpgroup's P, the K/V
@@ -133,6 +191,7 @@ class TestPallasMosaicPrefill(PrefillContract):
       (16384, 128, 1, True, {}), (16384, 16, 4, False, {}), (45, 3, 2, True, {}),
       # The variants the H200 sweep timed: 64-key steps with 4 stages, no turn-taking.
       (4096, 64, 2, True, dict(block_k=64, num_stages=4, ping_pong=False)),
+      (16384, 128, 4, True, dict(persistent=False)), (1024, 16, 1, True, dict(persistent=False)),
   ])
   def test_lowers_for_hopper(self, tokens, n, requests, causal, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
