@@ -215,11 +215,15 @@ PALLAS_MOSAIC = dataclasses.replace(
 
 # Where the Mosaic GPU kernels measured faster than the Pallas-Triton ones on the H200
 # (benchmarks/RESULTS.md, "pallas_mosaic" sections). Prefill: bf16 batches of 4096 tokens or more
-# (1.4-1.9x); at 1024 tokens it is slower (0.49-0.9x). Decode: 1.85-1.92x at 128 heads, 0.85-0.94x
-# at 16; 64 heads fill one 64-row tile as each half of 128 does.
+# (1.3-1.9x), and from 1024 tokens at 64 heads or more (1.43x at 1024 tokens and N=128, 1.14x at
+# 8 x 1024); at 1024 tokens and 16 heads it measured slower (0.49x, before its persistent grid).
+# Decode: 1.85-1.92x at 128 heads, 0.85-0.94x at 16; 64 heads fill one 64-row tile as each half of
+# 128 does.
 # Sparse attention stays Triton's: the Mosaic GPU sparse kernel measured 0.32-0.66x of it in every
 # bf16 case (N 16-128, T 128 and 4096; RESULTS.md, "DSA sparse attention (pallas_mosaic)").
 _MOSAIC_PREFILL_MIN_TOKENS = 4096
+_MOSAIC_PREFILL_MANY_HEADS = 64  # from this many heads, Mosaic from fewer tokens:
+_MOSAIC_PREFILL_MIN_TOKENS_MANY_HEADS = 1024
 _MOSAIC_DECODE_MIN_HEADS = 64
 
 
@@ -232,7 +236,9 @@ def _fastest_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_
   """pallas_mosaic's prefill where it measured faster (a static choice on shapes and the device),
   else pallas_triton's."""
   mosaic = (q.dtype == k.dtype == v.dtype == jnp.bfloat16
-            and q.shape[0] >= _MOSAIC_PREFILL_MIN_TOKENS
+            and q.shape[0] >= (_MOSAIC_PREFILL_MIN_TOKENS_MANY_HEADS
+                               if q.shape[1] >= _MOSAIC_PREFILL_MANY_HEADS
+                               else _MOSAIC_PREFILL_MIN_TOKENS)
             and pallas_mosaic_prefill.head_sizes_fit(q.shape[2], v.shape[2]) and _on_hopper())
   prefill = PALLAS_MOSAIC.prefill if mosaic else PALLAS_TRITON.prefill
   return prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal,

@@ -7,8 +7,9 @@ FlashAttention-3 port (`jax.experimental.pallas.ops.gpu.attention_mgpu`), 128 qu
 persistent: as many programs (CTAs) as SMs walk a queue of (query block, head) work items built in
 the jitted entry from the cu_seqlens, blocks heaviest first (most keys), so that short and packed
 requests keep the SMs full and one block's epilogue overlaps the next one's K/V loads (the memory
-warpgroup runs ahead through the ring across items); `persistent=False` gives the earlier grid of
-one program per (query-block slot, head, request). Three warpgroups a program:
+warpgroup runs ahead through the ring across items). It measured faster than the earlier grid of
+one program per (query-block slot, head, request) only below 4096 query rows (H200), so that grid
+stays, and is the default from there (`persistent`). Three warpgroups a program:
 - compute (warpgroups 0 and 1): each bulk-copies its own 64-row query tile (columns [0, Dv) and
   [Dv, Dk) into two buffers: the first later stages the output), then per step of block_k keys
   S = Q K^T (two wgmma, M = 64 rows, N = block_k keys), the float32 online softmax in exp2,
@@ -32,9 +33,9 @@ Bulk copies move whole boxes and cannot mask rows, so:
 - a 64-row output tile may run into the next request's rows, so each tile is written to its own slot
   of a padded output (`tile_offsets`: request r's tiles follow the earlier requests' ones), and the
   packed result is gathered from there (`_unpack`); rows past cu_q[-1] are set there too. One
-  request (persistent) needs no gather: its blocks then start at row 0 and cover every row, each
-  tile is written in place (rows outside the request as 0, -inf; a moved-back last tile rewrites
-  rows of the one before it with the same values).
+  request (persistent) needs no gather: its blocks then start at row 0 and cover every row of q
+  (padded to whole blocks, a copy only when needed), each tile is written in place, rows outside
+  the request as 0, -inf.
 Requests are isolated: keys outside a request that a box reads get S = -inf by a select (so
 P = 0), and their V rows are zeroed in shared memory before P V (0 * NaN would be NaN), so no
 value of another request, NaN or inf included, reaches a row. Only the masked steps that hold such
@@ -76,6 +77,9 @@ _MAX_STAGES = 4
 # Head counts from which programs launch heads fastest (H200: faster at 64 and 128 heads, slower
 # at 16; see mla_prefill).
 _HEADS_FIRST_MIN = 64
+# Batches of fewer query rows take the persistent grid by default (H200, N=128: 1.20x the grid at
+# 1024 tokens; 0.98x at 4096, 0.88-0.90x at 16K and 4 x 4096; benchmarks/RESULTS.md).
+_PERSISTENT_MAX_TOKENS = 4096
 _SMEM_BYTES = 227 * 1024  # what one Hopper block may have
 _CONSUMER_REGS = 232  # 2 x 232 + 40 (memory warpgroup) registers x 128 threads fit the 64K file
 _MEMORY_REGS = 40
@@ -91,7 +95,9 @@ class MosaicPrefillConfig:
   block_k: int = 128  # keys per step and bulk copy (N of S = Q K^T, K of P V)
   num_stages: int | None = None  # K/V ring depth; None: the deepest that fits (_stages_for)
   ping_pong: bool = True  # the two compute warpgroups take turns on the tensor cores
-  persistent: bool = True  # programs walk a queue of work items (else one per slot/head/request)
+  # Programs walk a queue of work items, else one per (query slot, head, request); None: the queue
+  # below _PERSISTENT_MAX_TOKENS query rows, where it measured faster.
+  persistent: bool | None = None
   num_programs: int | None = None  # persistent programs; None: the device's SM count
 
   def __post_init__(self):
@@ -101,8 +107,8 @@ class MosaicPrefillConfig:
       check_at_least("num_stages", self.num_stages, 2)
     if not isinstance(self.ping_pong, bool):
       raise ValueError(f"ping_pong must be a bool, got {self.ping_pong!r}")
-    if not isinstance(self.persistent, bool):
-      raise ValueError(f"persistent must be a bool, got {self.persistent!r}")
+    if self.persistent is not None and not isinstance(self.persistent, bool):
+      raise ValueError(f"persistent must be a bool or None, got {self.persistent!r}")
     if self.num_programs is not None:
       check_at_least("num_programs", self.num_programs, 1)
 
@@ -390,9 +396,8 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       m, l, acc, count = lax.fori_loop(hi, end, functools.partial(run, masked=True), carry)
 
       # A tile wholly past the request (the second half of its last block) writes nothing: its
-      # slot belongs to the next request (direct: every tile writes; a moved-back one rewrites
-      # rows of the tile before it with the same values). Rows that saw no key, and rows outside
-      # the request, give 0, -inf.
+      # slot belongs to the next request (direct: every tile writes its own rows). Rows that saw
+      # no key, and rows outside the request, give 0, -inf.
       @pl.when(True if direct else tile_row < w.q_lead + w.q_len)
       def _():
         # Request-local rows, as a column and as the tile (selects: acc may be NaN there).
@@ -545,7 +550,7 @@ def _sm_count():
 def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
                 cu_seqlens_k: jax.Array, *, scale: float, causal: bool, max_seqlen_q: int,
                 block_k: int = DEFAULT.block_k, num_stages: int | None = DEFAULT.num_stages,
-                ping_pong: bool = DEFAULT.ping_pong, persistent: bool = DEFAULT.persistent,
+                ping_pong: bool = DEFAULT.ping_pong, persistent: bool | None = DEFAULT.persistent,
                 num_programs: int | None = DEFAULT.num_programs,
                 interpret: bool | plgpu.InterpretGPUParams = False
                 ) -> tuple[jax.Array, jax.Array]:
@@ -557,8 +562,9 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   step), num_stages (K/V ring depth; default: the deepest that fits) and ping_pong (the two compute
   warpgroups take turns on the tensor cores) are tuning knobs. persistent: as many programs
   (num_programs; default the device's SM count, 4 in the interpreter, so that each takes several
-  items) walk a queue of (query block, head) items, the
-  heaviest blocks first; else one program per (query slot, head, request). interpret: True or a
+  items) walk a queue of (query block, head) items, the heaviest blocks first; else one program per
+  (query slot, head, request); default (None): persistent below 4096 query rows, where it measured
+  faster. interpret: True or a
   `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns o [Tq, N, Dv] bf16 and
   lse [Tq, N] float32 (natural log); rows past cu_q[-1], and rows that see no key, give (0, -inf).
   """
@@ -569,10 +575,15 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   num_requests = cu_seqlens_q.shape[0] - 1
   if tq == 0 or tk == 0 or num_requests == 0:  # nothing to attend
     return jnp.zeros((tq, n, dv), q.dtype), jnp.full((tq, n), -jnp.inf, jnp.float32)
-  q, k, v = _pad_rows(q, _TILE), _pad_rows(k, block_k), _pad_rows(v, block_k)
-  tile_offsets = _tile_offsets(cu_seqlens_q)
-  # One request: the kernel writes o and lse rows in place (no slots to gather from).
+  if persistent is None:
+    persistent = tq < _PERSISTENT_MAX_TOKENS
+  # One request: the kernel writes o and lse rows in place (no slots to gather from). Its q is then
+  # padded to whole 128-row blocks, so that no tile's box is moved back over another tile's rows
+  # (a block with none of the request's rows would write 0 over them).
   direct = persistent and num_requests == 1
+  q = _pad_rows(q, -(-tq // _BLOCK_Q) * _BLOCK_Q if direct else _TILE)
+  k, v = _pad_rows(k, block_k), _pad_rows(v, block_k)
+  tile_offsets = _tile_offsets(cu_seqlens_q)
   # Output slots of 64 rows, request after request: at most Tq/64 + one partial tile a request.
   num_tiles = tq // _TILE + num_requests
   # No request is longer than Tq, so more slots than that would only idle.

@@ -143,14 +143,16 @@ class TestPallasMosaicPrefill(PrefillContract):
     work = [keys(r, b) for r, b in blocks]
     assert work == sorted(work, reverse=True)
 
+  # One request (no output gather): (a) starting off row 0 and 8-aligned, ending before the
+  # arrays' end; (b) ending just before a 128-row block that holds only padding rows (140 rows: a
+  # block's box there would reach back over the request). The rows around it hold NaN queries,
+  # keys and values, which reach none of its rows, and the rows after it give 0, -inf.
   @pytest.mark.parametrize("causal", [True, False])
-  def test_one_request_writes_its_rows_in_place(self, causal):
-    # One request (no output gather): starting off row 0 and 8-aligned, ending before the arrays'
-    # end; the rows around it hold NaN queries, keys and values, which reach none of its rows, and
-    # the rows after it give 0, -inf.
+  @pytest.mark.parametrize("cu_q, tq", [([13, 213], 250), ([0, 125], 140)])
+  def test_one_request_writes_its_rows_in_place(self, causal, cu_q, tq):
     rng = np.random.default_rng(14 + causal)
-    cu_q, cu_k = np.array([13, 213], np.int32), np.array([5, 290], np.int32)
-    q = 2 * rng.standard_normal((250, 2, DK))
+    cu_q, cu_k = np.array(cu_q, np.int32), np.array([5, 290], np.int32)
+    q = 2 * rng.standard_normal((tq, 2, DK))
     k, v = rng.standard_normal((300, 2, DK)), rng.standard_normal((300, 2, DV))
     for x, (lo, hi) in ((q, cu_q), (k, cu_k), (v, cu_k)):
       x[:lo], x[hi:] = np.nan, np.inf
@@ -158,13 +160,13 @@ class TestPallasMosaicPrefill(PrefillContract):
     o, lse = mosaic_prefill.mla_prefill(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k), scale=SCALE,
                                         causal=causal, max_seqlen_q=200, num_programs=3,
                                         interpret=True)
+    rows, tail = slice(cu_q[0], cu_q[1]), cu_q[1]
     f32 = lambda x: np.asarray(x.astype(jnp.float32))
     ref_o, ref_lse = varlen_attention_np(f32(q), f32(k), f32(v), cu_q, cu_k, SCALE, causal)
     magnitude, _ = varlen_attention_np(f32(q), f32(k), np.abs(f32(v)), cu_q, cu_k, SCALE, causal)
-    rows = slice(13, 213)
     assert_close(f32(o)[rows], ref_o[rows], jnp.bfloat16, magnitude[rows])
     assert_close(np.asarray(lse)[rows], ref_lse[rows], jnp.bfloat16)
-    assert (f32(o[213:]) == 0).all() and (np.asarray(lse[213:]) == -np.inf).all()
+    assert (f32(o[tail:]) == 0).all() and (np.asarray(lse[tail:]) == -np.inf).all()
 
   def test_no_races_in_the_interpreter(self):
     # The race detector sees plain loads and stores and bulk copies (each warpgroup's P, the K/V
@@ -191,7 +193,8 @@ class TestPallasMosaicPrefill(PrefillContract):
       (16384, 128, 1, True, {}), (16384, 16, 4, False, {}), (45, 3, 2, True, {}),
       # The variants the H200 sweep timed: 64-key steps with 4 stages, no turn-taking.
       (4096, 64, 2, True, dict(block_k=64, num_stages=4, ping_pong=False)),
-      (16384, 128, 4, True, dict(persistent=False)), (1024, 16, 1, True, dict(persistent=False)),
+      # Each grid where it is not the default (persistent below 4096 query rows).
+      (16384, 128, 1, True, dict(persistent=True)), (1024, 16, 1, True, dict(persistent=False)),
   ])
   def test_lowers_for_hopper(self, tokens, n, requests, causal, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand

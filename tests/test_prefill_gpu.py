@@ -1,7 +1,8 @@
 """Prefill backends at real shapes on the GPU, against the XLA reference run there (f32, HIGHEST).
 
 Request starts off a multiple of 8 rows, and padded arrays, exercise the Mosaic kernel's aligned
-bulk-copy boxes and its output tiles (the poisoned allocator shows a row it never writes).
+bulk-copy boxes and its output tiles (the poisoned allocator shows a row it never writes); the
+short cases its persistent grid.
 """
 
 import jax
@@ -23,6 +24,9 @@ CASES = {
     "n16_causal": (16, True, [9000, 5000, 2000, 384], [9000, 5000, 2000, 384]),
     "n16_causal_one_request": (16, True, [4096], [4096]),
     "n16_context": (16, False, [3000, 1000, 0, 200], [2048, 4096, 100, 0]),
+    # Below 4096 tokens: the Mosaic kernel's persistent grid (one request: rows written in place).
+    "n128_causal_short": (128, True, [1000, 1, 300, 0, 7], [1000, 1, 300, 50, 7]),
+    "n128_causal_short_one_request": (128, True, [1021], [1021]),
 }
 
 
