@@ -209,8 +209,7 @@ def context_case(args, requests, new, context, heads):
                       max_seqlen_q=md.max_prefill_query_len)
 
   def gathered(layer, cache, md):  # every chunk's keys and values, stacked [C, W, N, D]
-    rows = jax.vmap(lambda slots: be.gather_cache(cache.data, slots, cache.scale_or_none))(
-        md.context_slots)
+    rows = jax.vmap(lambda slots: be.gather_cache(cache, slots))(md.context_slots)
     return jax.vmap(lambda r: layer._up_project(r[:, :lora], r[:, lora:]))(rows)
 
   def context_attention(q, k, v, md):

@@ -216,6 +216,8 @@ class TestPallasMosaicPrefill(PrefillContract):
        "shared memory"),
       (dict(block_k=96), "block_k must be 64 or 128"),
       (dict(num_stages=3), r"num_stages must be in \[2, 2\]"),  # 128-key steps: 2 fit
+      (dict(num_programs=0), "num_programs must be an int >= 1"),
+      (dict(persistent="yes"), "persistent must be a bool or None"),
       (dict(cu_seqlens_q=jnp.array([0.0, 8.0])), "int32"),
       (dict(cu_seqlens_k=jnp.array([0, 4, 8], jnp.int32)), "differ in length"),
   ])
