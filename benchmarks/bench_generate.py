@@ -11,7 +11,11 @@ tokens and `--new` new tokens (greedy, no stop token):
   prefill tok/s   `prefill` (one step over every prompt, first token chosen), second run timed.
   gen tok/s       `decode` of the prefilled batch to the end: B*(new-1) tokens over its wall
                   time, host work and syncs included (median of `--repeats`), per
-                  steps-per-dispatch value.
+                  steps-per-dispatch value. Dispatches run a fixed number of steps (a loop of
+                  known trip count), the last, shorter one a loop that may end early.
+  gen exit tok/s  the same with a stop token no row emits: every dispatch runs the loop that may
+                  end early (what a batch with a stop token gets), whose condition a GPU reads
+                  back to the host every step.
   step tok/s      the model's jitted decode step (`jitted_step`, no sampling) dispatched `--iters`
                   times back to back on fixed metadata (every request at prompt + new/2 tokens),
                   the cache donated and threaded through, the device drained once: B / step ms.
@@ -60,8 +64,15 @@ def wall(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 def fresh(batch: PrefilledBatch) -> PrefilledBatch:
-  """A copy of a prefilled batch (decode consumes the caches it is given)."""
-  return dataclasses.replace(batch, caches=jax.tree.map(jnp.copy, batch.caches))
+  """A copy of a prefilled batch (decode consumes the caches it is given), its copy done."""
+  return dataclasses.replace(batch, caches=jax.block_until_ready(jax.tree.map(jnp.copy,
+                                                                               batch.caches)))
+
+
+def with_stop(batch: PrefilledBatch, stop: int | None) -> PrefilledBatch:
+  """The prefilled batch with another stop token (None: none)."""
+  state = dataclasses.replace(batch.state, stop_token=jnp.int32(-1 if stop is None else stop))
+  return dataclasses.replace(batch, state=state, stop_token_id=stop)
 
 
 def step_ms(model: DeepseekForCausalLM, batch: PrefilledBatch, seq: int, iters: int,
@@ -98,17 +109,18 @@ def run_case(args: argparse.Namespace, variant: str, model: DeepseekForCausalLM,
   row |= {"step ms": ms, "step tok/s": batch_size / ms * 1e3}
   row["step GB/s"] = rates(ms, bytes_moved=step_bytes(model, batch_size, seq))["GB/s"]
   for k in args.steps_per_dispatch:
-    # The decode program compiles on a two-token run (its shapes do not depend on the length).
-    decode(model, dataclasses.replace(fresh(batch), max_new_tokens=2), steps_per_dispatch=k)
-    times = []
-    for _ in range(args.repeats):
-      copy = fresh(batch)
-      jax.block_until_ready(copy.caches)  # the copy is not part of the time
-      times.append(wall(lambda: decode(model, copy, steps_per_dispatch=k))[0])
-    rate = batch_size * (args.new - 1) / statistics.median(times)
     name = "gen" if len(args.steps_per_dispatch) == 1 else f"gen k={k}"
-    row |= {f"{name} tok/s": rate, f"{name} ms/token": 1e3 * batch_size / rate,
-            f"{name} ratio": rate / row["step tok/s"]}
+    # "exit": a stop token no row can emit (the vocabulary's size), so every step still runs, but
+    # through the loop that may end early, whose condition a GPU reads back every step.
+    for label, stop in ((name, None), (f"{name} exit", VOCAB)):
+      copies = [with_stop(fresh(batch), stop) for _ in range(args.repeats + 1)]
+      decode(model, copies.pop(), steps_per_dispatch=k)  # compiles its loops
+      times = []
+      for copy in copies:
+        times.append(wall(lambda: decode(model, copy, steps_per_dispatch=k))[0])
+      rate = batch_size * (args.new - 1) / statistics.median(times)
+      row |= {f"{label} tok/s": rate, f"{label} ms/token": 1e3 * batch_size / rate,
+              f"{label} ratio": rate / row["step tok/s"]}
   if len(args.steps_per_dispatch) == 1:
     row["k"] = args.steps_per_dispatch[0]
   return row

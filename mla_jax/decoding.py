@@ -3,9 +3,13 @@
 For a decode-only batch (one new token per request), step t+1's metadata follows from step t's:
 each active row's position moves one on, its slot comes from its block table (allocated up front
 for the requested lengths), and the token it feeds is the one just sampled. `decode_steps` runs up
-to `max_steps` such steps in one `lax.while_loop`: rows that emit the stop token or reach their
-length limit turn inactive (no cache writes, nothing seen, their outputs masked), and the loop ends
-early once every row is. Only the chosen token ids (and the logits when asked for) come back.
+to `max_steps` such steps in one loop: rows that emit the stop token or reach their length limit
+turn inactive (no cache writes, nothing seen, their outputs masked). A loop that may end early
+(once every row is inactive) reads its condition back to the host every step on a GPU, which
+idles the device while the next step is launched; when the caller knows every step is needed (no
+stop token, no length limit inside the dispatch) it asks for a fixed trip count instead, which
+XLA runs as a known-trip-count loop without that read-back. Only the chosen token ids (and the
+logits when asked for) come back.
 
 Rows are requests in order, padded to the same power-of-two bucket as `build_metadata`'s, so the
 metadata equals what it would build for the active rows.
@@ -72,29 +76,33 @@ def advance(state: DecodeState, new_tokens: jax.Array) -> DecodeState:
                    static_argnames=("max_steps", "block_size", "sampling", "within_topk",
                                     "return_logits"))
 def decode_steps(graphdef: nnx.GraphDef, params: nnx.State, caches: tuple, state: DecodeState,
-                 num_steps: jax.Array | int, *, max_steps: int, block_size: int,
+                 num_steps: jax.Array | int | None = None, *, max_steps: int, block_size: int,
                  sampling: SamplingParams, within_topk: bool = False, return_logits: bool = False
                  ) -> tuple[jax.Array, jax.Array | None, tuple, DecodeState]:
-  """Up to `num_steps` (traced, <= max_steps) decode steps of the model `nnx.merge(graphdef,
-  params)`, fewer when every row finishes. Returns (tokens [max_steps, R] int32, -1 where a row
-  emitted nothing; float32 logits [max_steps, R, vocab] or None; the caches; the state)."""
+  """Decode steps of the model `nnx.merge(graphdef, params)`: exactly `max_steps` when `num_steps`
+  is None (a fixed trip count), else up to `num_steps` (traced, <= max_steps), fewer when every
+  row finishes. Returns (tokens [max_steps, R] int32, -1 where a row emitted nothing; float32
+  logits [max_steps, R, vocab] or None; the caches; the state)."""
   model = nnx.merge(graphdef, params)
   r = state.tokens.shape[0]
 
-  def step(carry):
-    i, caches, state, tokens, logits = carry
+  def step(i, carry):
+    caches, state, tokens, logits = carry
     md = decode_metadata(state, block_size=block_size, within_topk=within_topk)
     step_logits, caches = model(state.tokens, caches, md)
     new = jnp.where(state.active, sample(step_logits, sampling, state.key, state.step), -1)
     tokens = tokens.at[i].set(new)
     if return_logits:
       logits = logits.at[i].set(step_logits)
-    return i + 1, caches, advance(state, new), tokens, logits
+    return caches, advance(state, new), tokens, logits
 
-  more = lambda carry: (carry[0] < num_steps) & jnp.any(carry[2].active)
   logits = (jnp.zeros((max_steps, r, model.config.vocab_size), jnp.float32) if return_logits
             else None)
-  init = (jnp.int32(0), caches, state, jnp.full((max_steps, r), -1, jnp.int32), logits)
-  _, caches, state, tokens, logits = lax.while_loop(more, step, init)
+  init = (caches, state, jnp.full((max_steps, r), -1, jnp.int32), logits)
+  if num_steps is None:
+    caches, state, tokens, logits = lax.fori_loop(0, max_steps, step, init)
+  else:
+    more = lambda carry: (carry[0] < num_steps) & jnp.any(carry[1][1].active)
+    body = lambda carry: (carry[0] + 1, step(*carry))
+    _, (caches, state, tokens, logits) = lax.while_loop(more, body, (jnp.int32(0), init))
   return tokens, logits, caches, state
-

@@ -433,8 +433,12 @@ def decode(model: DeepseekForCausalLM, batch: PrefilledBatch, *,
     within = topk is not None and longest + t <= topk
     if within:
       num_steps = min(num_steps, topk - longest - t + 1)
+    # A dispatch that must run all its steps (no stop token; the length limit not inside it)
+    # takes the fixed-trip loop, which a GPU runs without reading a condition back each step.
+    fixed = stop is None and num_steps == steps_per_dispatch
     *out, caches, state = decode_steps(
-        graphdef, params, caches, state, num_steps, max_steps=steps_per_dispatch,
+        graphdef, params, caches, state, None if fixed else num_steps,
+        max_steps=steps_per_dispatch,
         block_size=batch.paging.block_size, sampling=batch.sampling, within_topk=within,
         return_logits=logits is not None)
     t += num_steps
