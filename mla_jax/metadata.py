@@ -106,6 +106,10 @@ class BatchLayout:
     return [packed[rows] for rows in self.rows]
 
 
+# build_metadata pads row and request counts to powers of two from this one up.
+MIN_BUCKET = 8
+
+
 def bucket(n: int, minimum: int) -> int:
   """0 for 0, else the next power of two >= max(n, minimum)."""
   return 0 if n == 0 else 1 << (max(n, minimum) - 1).bit_length()
@@ -182,7 +186,7 @@ def _check_writes(requests: Sequence[RequestState], block_size: int) -> None:
 
 def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blocks: int,
                    max_blocks_per_seq: int, decode_threshold: int = 1,
-                   context_workspace: int = 8192, min_bucket: int = 8,
+                   context_workspace: int = 8192, min_bucket: int = MIN_BUCKET,
                    index_topk: int | None = None,
                    cache_kind: str | None = None) -> tuple[AttentionMetadata, BatchLayout]:
   """Builds one step's metadata. A request is a decode when query_len <= decode_threshold.

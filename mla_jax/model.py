@@ -29,7 +29,8 @@ from mla_jax.cache import DSACache, LatentCache
 from mla_jax.checkpoint import Checkpoint
 from mla_jax.config import MLAConfig, hf_int
 from mla_jax.decoding import DecodeState, decode_steps
-from mla_jax.metadata import AttentionMetadata, RequestState, bucket, build_metadata
+from mla_jax.metadata import (MIN_BUCKET, AttentionMetadata, RequestState, bucket,
+                              build_metadata)
 from mla_jax.modules import DeepseekV2MLAAttention
 from mla_jax.nn import linear
 from mla_jax.sampling import GREEDY, SamplingParams, sample
@@ -324,6 +325,23 @@ DEFAULT_STEPS_PER_DISPATCH = 16
 _sample = jax.jit(sample, static_argnames="params")
 
 
+# Prompt tokens per prefill step: the prefill kernels index their [tokens, heads, 192] operands
+# with int32 offsets, which V3's 128 heads overflow past 87,381 tokens (B=256 prompts of 1024).
+MAX_PREFILL_TOKENS = 1 << 16
+
+
+def _prefill_groups(lengths: Sequence[int], max_tokens: int) -> list[range]:
+  """Consecutive runs of requests whose lengths add up to at most `max_tokens` (a longer request
+  alone): the requests of each prefill step."""
+  groups, start, total = [], 0, 0
+  for i, n in enumerate(lengths):
+    if i > start and total + n > max_tokens:
+      groups.append(range(start, i))
+      start, total = i, 0
+    total += n
+  return groups + [range(start, len(lengths))]
+
+
 @dataclasses.dataclass
 class PrefilledBatch:
   """Requests after their prefill step, ready for `decode`: the caches hold the prompts and each
@@ -346,14 +364,19 @@ def prefill(model: DeepseekForCausalLM, prompts: Sequence[Sequence[int]], max_ne
             block_size: int = 16, num_blocks: int | None = None,
             cache_dtype: DTypeLike | None = None, stop_token_id: int | None = None,
             sampling: SamplingParams | None = None, key: jax.Array | None = None,
-            return_logits: bool = False) -> PrefilledBatch:
-  """One prefill step over every prompt, with fresh caches sized for `max_new_tokens` more tokens
-  per request, and the first new token chosen. Arguments as in `generate`."""
+            return_logits: bool = False,
+            max_prefill_tokens: int = MAX_PREFILL_TOKENS) -> PrefilledBatch:
+  """Prefill steps over every prompt (as many requests per step as fit in `max_prefill_tokens`
+  prompt tokens; a longer prompt gets a step alone), with fresh caches sized for `max_new_tokens`
+  more tokens per request, and the first new token chosen. Other arguments as in `generate`."""
   sampling = GREEDY if sampling is None else sampling
   if (isinstance(max_new_tokens, (bool, np.bool_))
       or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1):
     raise ValueError(f"generate needs an integer max_new_tokens >= 1, got {max_new_tokens!r}")
   max_new_tokens = int(max_new_tokens)
+  if (isinstance(max_prefill_tokens, bool) or not isinstance(max_prefill_tokens, int)
+      or max_prefill_tokens < 1):
+    raise ValueError(f"max_prefill_tokens must be an int >= 1, got {max_prefill_tokens!r}")
   prompts = check_token_ids(model.config, prompts, what="prompt", new_tokens=max_new_tokens)
   if not sampling.greedy and key is None:
     raise ValueError(f"sampling with {sampling} needs a key (jax.random.key(seed))")
@@ -363,16 +386,19 @@ def prefill(model: DeepseekForCausalLM, prompts: Sequence[Sequence[int]], max_ne
   caches = paging.allocate_caches(model, cache_dtype)
   graphdef, state = nnx.split(model)
   n = len(prompts)
-  md, layout = paging.metadata([RequestState(0, len(p), paging.tables[i])
-                                for i, p in enumerate(prompts)])
-  # The LM head reads each request's last row; padded as the block tables are, so that a step's
-  # shapes depend only on its buckets. The decode rows are the same padded requests in order.
-  rows = md.block_tables.shape[0]
-  last = np.zeros(rows, np.int32)
-  last[:n] = [r[-1] for r in layout.rows]
-  logits, caches = _step(graphdef, state, jnp.asarray(layout.pack([np.asarray(p, np.int32)
-                                                                   for p in prompts])),
-                         caches, md, jnp.asarray(last))
+  rows = bucket(n, MIN_BUCKET)  # decode rows: the requests in order, padded as build_metadata pads
+  step_logits = []
+  for group in _prefill_groups([len(p) for p in prompts], max_prefill_tokens):
+    md, layout = paging.metadata([RequestState(0, len(prompts[i]), paging.tables[i])
+                                  for i in group])
+    # The LM head reads each request's last row; padded as the block tables are, so that a
+    # step's shapes depend only on its buckets.
+    last = np.zeros(md.block_tables.shape[0], np.int32)
+    last[:len(group)] = [r[-1] for r in layout.rows]
+    out, caches = _step(graphdef, state, jnp.asarray(layout.pack([prompts[i] for i in group])),
+                        caches, md, jnp.asarray(last))
+    step_logits.append(out[:len(group)])
+  logits = jnp.pad(jnp.concatenate(step_logits), ((0, rows - n), (0, 0)))
   first = _sample(logits, sampling, key, 0)
   tables = np.full((rows, paging.max_blocks), -1, np.int32)
   for i, table in enumerate(paging.tables):

@@ -12,7 +12,9 @@ from flax import nnx
 
 from mla_jax.decoding import DecodeState, advance, decode_metadata, decode_steps
 from mla_jax.metadata import RequestState, build_metadata
-from mla_jax.model import DecoderConfig, DeepseekForCausalLM, forward, generate, prefill
+from mla_jax import model as model_module
+from mla_jax.model import (DecoderConfig, DeepseekForCausalLM, _prefill_groups, decode, forward,
+                           generate, prefill)
 from mla_jax.sampling import GREEDY, SamplingParams, sample
 from mla_jax.tiny_checkpoint import tiny_config, write_tiny_checkpoint
 from sharding_worker import run_with_host_devices
@@ -170,6 +172,43 @@ def test_greedy_tokens_equal_the_host_loop_generate(tiny):
   stopped = generate(model, PROMPTS, NEW_TOKENS, stop_token_id=STOP[variant], **POOL)
   want = [t[:t.index(STOP[variant]) + 1] if STOP[variant] in t else t for t in HOST_LOOP[variant]]
   assert stopped == want and len(stopped[1]) == (1 if variant == "v3" else 4)
+
+
+def test_prefill_in_several_steps_equals_one_step(tiny):
+  """Requests grouped into prefill steps of at most 12 prompt tokens ([0], [1] alone though
+  longer, [2, 3]): the same first logits and the same generation."""
+  variant, model = tiny
+  assert _prefill_groups([len(p) for p in PROMPTS], 12) == [range(0, 1), range(1, 2), range(2, 4)]
+  one = prefill(model, PROMPTS, NEW_TOKENS, return_logits=True, **POOL)
+  split = prefill(model, PROMPTS, NEW_TOKENS, return_logits=True, max_prefill_tokens=12, **POOL)
+  n = len(PROMPTS)
+  np.testing.assert_allclose(split.first_logits[:n], one.first_logits[:n], rtol=1e-5, atol=1e-5)
+  assert split.first_logits.shape == one.first_logits.shape
+  assert decode(model, split)[0] == HOST_LOOP[variant]
+  with pytest.raises(ValueError, match="max_prefill_tokens"):
+    prefill(model, PROMPTS, 2, max_prefill_tokens=0, **POOL)
+
+
+def test_full_dispatches_take_the_fixed_trip_loop(tiny, monkeypatch):
+  """Without a stop token every dispatch but a shorter last one runs a fixed number of steps
+  (num_steps None), which compiles to a loop of known trip count; with one, every dispatch may end
+  early."""
+  _, model = tiny
+  calls = []
+  spy = lambda *args, **kw: calls.append(args[4]) or decode_steps(*args, **kw)
+  monkeypatch.setattr(model_module, "decode_steps", spy)
+  generate(model, PROMPTS, NEW_TOKENS, steps_per_dispatch=4, **POOL)  # 9 decode steps
+  assert calls == [None, None, 1]
+  calls.clear()
+  generate(model, PROMPTS, NEW_TOKENS, steps_per_dispatch=4, stop_token_id=1000, **POOL)
+  assert calls == [4, 4, 1]
+  batch = prefill(model, PROMPTS, NEW_TOKENS, **POOL)
+  graphdef, params = nnx.split(model)
+  hlo = lambda n: decode_steps.lower(graphdef, params, batch.caches, batch.state, n, max_steps=4,
+                                     block_size=POOL["block_size"],
+                                     sampling=GREEDY).compile().as_text()
+  assert '"known_trip_count":{"n":"4"}' in hlo(None)
+  assert "known_trip_count" not in hlo(4)
 
 
 @pytest.mark.parametrize("steps", [3, 16])
