@@ -99,9 +99,10 @@ def run_case(args: argparse.Namespace, variant: str, model: DeepseekForCausalLM,
              batch_size: int) -> dict[str, Any]:
   rng = np.random.default_rng(batch_size)
   prompts = rng.integers(0, VOCAB, (batch_size, args.prompt)).tolist()
-  start = lambda: prefill(model, prompts, args.new, block_size=PAGE)
-  wall(lambda: start().state)  # compiles
-  prefill_s, batch = wall(start)
+  # A PrefilledBatch is no pytree: its arrays are drained by name.
+  start = lambda: (b := prefill(model, prompts, args.new, block_size=PAGE), (b.caches, b.state))
+  wall(start)  # compiles
+  prefill_s, (batch, _) = wall(start)
   row = {"model": variant, "L": args.layers, "B": batch_size, "prompt": args.prompt,
          "new": args.new, "prefill tok/s": batch_size * args.prompt / prefill_s}
   seq = args.prompt + args.new // 2
