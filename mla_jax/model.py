@@ -420,7 +420,9 @@ def decode(model: DeepseekForCausalLM, batch: PrefilledBatch, *,
            ) -> list[list[int]] | tuple[list[list[int]], list[np.ndarray]]:
   """Generates a prefilled batch to the end (consuming its caches): `steps_per_dispatch` decode
   steps per jitted call, their metadata advanced on the device, the host reading the chosen ids
-  of one call while the device runs the next. Returns as `generate` does."""
+  of one call while the device runs the next. Without a stop token a dispatch runs all its steps
+  (a fixed trip count, no condition read back per step on a GPU); with one, a dispatch ends once
+  every request has stopped. Returns as `generate` does."""
   if steps_per_dispatch < 1:
     raise ValueError(f"steps_per_dispatch must be >= 1, got {steps_per_dispatch}")
   n, max_new = batch.num_requests, batch.max_new_tokens

@@ -259,10 +259,10 @@ def test_sampling_is_reproducible_per_key_and_differs_across_keys(tiny):
 
 def test_no_retrace_between_dispatches_of_the_same_shapes(tiny):
   _, model = tiny
-  generate(model, PROMPTS, NEW_TOKENS, steps_per_dispatch=4, **POOL)
+  generate(model, PROMPTS, NEW_TOKENS, steps_per_dispatch=4, **POOL)  # 9 steps: 4, 4, then 1
   compiled = decode_steps._cache_size()
-  # Other prompts in the same buckets, other lengths and a stop token: chunks of 4, 4, 4, 2 or
-  # an early end, all through the program compiled above.
+  # Other prompts in the same buckets, other lengths and a stop token: fixed-trip dispatches of
+  # 4 and shorter or stoppable ones, all through the two loops compiled above.
   others = [[p % 300 + 3 for p in range(20 + i, 30 + 2 * i)] for i in range(3)]
   generate(model, others, 15, steps_per_dispatch=4, stop_token_id=7, **POOL)
   generate(model, PROMPTS[:1] + others[:1], 6, steps_per_dispatch=4, **POOL)
