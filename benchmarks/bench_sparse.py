@@ -3,7 +3,8 @@
 Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 128, fp8 keys):
   sparse   sparse attention, T in {64, 128, 4096}, N in {16, 32, 64, 128}, bf16 and fp8_ds_mla
            caches, each case timed for pallas_triton and pallas_mosaic (the Mosaic GPU kernel pads
-           N < 64 to 64 heads inside; FLOPs count the N asked for).
+           N < 64 to 64 heads inside; FLOPs count the N asked for), bf16 also for the Mosaic
+           kernel's bulk-copy gather (cache "bf16 bulk gather").
            Decode rows (T <= 128) pick 2048 slots each, uniformly from a 1M-token cache (1.2 GB
            bf16), so gathers do not hit L2; a 4096-row prefill chunk picks from one 32K-token
            context (one request: rows share rows, and L2 helps). Bytes = T*2048*row bytes (1152
@@ -45,6 +46,7 @@ from mla_jax.indexer import SCORE_BYTES_BOUND
 from mla_jax.quant import quantize_indexer_q
 from pallas_kernels import indexer as pallas_indexer
 from pallas_kernels import mosaic_indexer as pallas_mosaic_indexer
+from pallas_kernels import mosaic_sparse as pallas_mosaic_sparse
 from pallas_kernels import sparse_attention as pallas_sparse
 from pallas_kernels import topk as pallas_topk
 
@@ -130,6 +132,12 @@ def run_sparse(args, t, n, kind, cache):
                     case_bytes, flops)]
   rows.append(timed_row(args, case_row("sparse", t, n=n, context=span, cache=kind), fn, sets,
                         case_bytes, flops, xla_ms=rows[0].get("xla ms"), backend="pallas_mosaic"))
+  if kind == "bf16":  # the Mosaic kernel's other gather: one bulk copy per row and 64 columns
+    bulk = lambda be: jax.jit(lambda q, c, s: pallas_mosaic_sparse.sparse_attention(
+        q, c.data, s, scale=SCALE, kv_lora_rank=L, gather="bulk"))
+    rows.append(timed_row(args, case_row("sparse", t, n=n, context=span, cache="bf16 bulk gather"),
+                          bulk, sets, case_bytes, flops, xla_ms=rows[0].get("xla ms"),
+                          backend="pallas_mosaic"))
   return rows
 
 
@@ -290,6 +298,10 @@ def main(argv=None):
   parser.add_argument("--quick", action="store_true", help="T=128 cases, 128-row top-k, the step")
   parser.add_argument("--sparse-t", type=int, nargs="+",
                       help="sparse cases' T (default 64 128 4096)")
+  parser.add_argument("--sparse-n", type=int, nargs="+", default=[16, 32, 64, 128],
+                      help="sparse cases' head counts")
+  parser.add_argument("--sparse-caches", nargs="+", default=["bf16", "fp8_ds_mla"],
+                      choices=["bf16", "fp8_ds_mla"], help="sparse cases' cache layouts")
   parser.add_argument("--sweep", action="store_true", help="time each kernel's tuning variants")
   parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference")
   parser.add_argument("--iters", type=int, default=20, help="back-to-back calls per timing")
@@ -305,9 +317,9 @@ def main(argv=None):
   topk_shapes = [(128, 32768), (128, 131072)] + ([] if args.quick else [(4096, 32768)])
   rows = []
   if "sparse" in args.parts:
-    for kind in ("bf16", "fp8_ds_mla"):
+    for kind in args.sparse_caches:
       decode_cache = latent_cache(kind, DECODE_CACHE_TOKENS, jax.random.key(1))
-      for t, n in itertools.product(sparse_t, (16, 32, 64, 128)):
+      for t, n in itertools.product(sparse_t, args.sparse_n):
         rows += run_sparse(args, t, n, kind, decode_cache)
       del decode_cache
   if "indexer" in args.parts:

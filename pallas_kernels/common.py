@@ -35,6 +35,11 @@ F8 = jnp.float8_e4m3fn
 MAX_FP8_ELEMENTS = 2 ** 31
 T = TypeVar("T")
 SWIZZLE = 128  # bytes: the widest swizzle; wgmma operands and bulk copies use the same layout
+# Registers a thread of a 3-warpgroup Mosaic GPU block holds at launch, summed over its warpgroups:
+# 64K / 384 threads rounded down to a multiple of 8 (168), x 3. `setmaxnreg.inc` past it waits
+# forever for registers the block does not hold: a hang on the GPU, which the interpreter (no
+# registers) does not show.
+REGISTER_POOL = 65536 // 384 // 8 * 8 * 3
 
 
 def is_pow2(x: int) -> bool:
@@ -246,6 +251,77 @@ def swizzled(shape: tuple[int, ...], dtype: jnp.dtype) -> pl.MemoryRef:
 
 def row_broadcast(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   return lax.broadcast_in_dim(x, shape, [0])
+
+
+# The split-KV Mosaic GPU attention kernels (mosaic_decode, mosaic_sparse) share their consumers'
+# protocol: warpgroup 0 computes the scores and the online softmax and hands P and the rows'
+# rescale factors to warpgroup 1 through p_smem / row_smem (barriers p_ready, p_free); each holds
+# half of the output columns.
+
+
+def softmax_step(s, m, l):
+  """One step of the base-2 online softmax: s [64, K] scores already times log2(e) (-inf where
+  masked), m and l the rows' running max and sum. Returns (m_new, alpha, p, l_new)."""
+  m_new = jnp.maximum(m, s.max(axis=1))
+  alpha = jnp.exp2(m - m_new)
+  p = jnp.exp2(s - row_broadcast(m_new, s.shape))
+  return m_new, alpha, p, l * alpha + p.sum(axis=1)
+
+
+def hand_over_p(i, p, alpha, p_smem, row_smem, p_ready, p_free):
+  """Warpgroup 0's hand-off of step i's P and rescale factors (once warpgroup 1 is done with the
+  previous ones); returns P in p_smem's dtype."""
+  @pl.when(i > 0)
+  def _():
+    plmgpu.barrier_wait(p_free)
+
+  p16 = p.astype(p_smem.dtype)
+  p_smem[...] = p16
+  row_smem[...] = alpha
+  plmgpu.commit_smem()
+  plmgpu.barrier_arrive(p_ready)
+  return p16
+
+
+def _store_output(acc, l, o_smem, o_gmem, out_scale):
+  """acc (column tiles [64, w] f32 of one warpgroup's output) * out_scale / l, rows that saw
+  nothing 0, staged in o_smem [64, cols] and copied to o_gmem."""
+  inv = out_scale / jnp.where(l > 0, l, 1.0)
+  col = 0
+  for part in acc:
+    o_smem[:, pl.ds(col, part.shape[1])] = (
+        part * row_broadcast(inv, part.shape)).astype(o_smem.dtype)
+    col += part.shape[1]
+  plmgpu.commit_smem()
+  plmgpu.copy_smem_to_gmem(o_smem, o_gmem)
+
+
+def finish_scores(n, m, l, acc, *, row_smem, p_ready, p_free, o_smem, o_gmem, lse_smem,
+                  lse_gmem, out_scale=1.0):
+  """Warpgroup 0's end after n steps: once warpgroup 1 has read the last P (every step of both is
+  done, so the step buffers are free for the output staging), hands it l, stores its output
+  columns and the rows' log-sum-exps (natural log; -inf where nothing was seen)."""
+  @pl.when(n > 0)
+  def _():
+    plmgpu.barrier_wait(p_free)
+
+  row_smem[...] = l
+  plmgpu.commit_smem()
+  plmgpu.barrier_arrive(p_ready)
+  _store_output(acc, l, o_smem, o_gmem, out_scale)
+  seen = l > 0
+  lse_smem[...] = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+  plmgpu.commit_smem()
+  plmgpu.copy_smem_to_gmem(lse_smem, lse_gmem)
+  plmgpu.wait_smem_to_gmem(0)
+
+
+def finish_values(acc, *, row_smem, p_ready, o_smem, o_gmem, out_scale=1.0):
+  """Warpgroup 1's end: takes l from warpgroup 0 and stores its output columns."""
+  plmgpu.barrier_wait(p_ready)
+  l = plmgpu.load(row_smem, layout=plmgpu.Layout.WGMMA.reduce(1))
+  _store_output(acc, l, o_smem, o_gmem, out_scale)
+  plmgpu.wait_smem_to_gmem(0)
 
 
 DS_MLA_TILE = 128  # fp8_ds_mla: one scale per 128 latent values

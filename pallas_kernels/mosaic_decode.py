@@ -39,9 +39,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import (F8, LN2, LOG2E, M_INIT, check_decode_shapes, check_split_args,
-                                   default_num_kv_splits, feed_ring, merge_splits, num_fixed_splits,
-                                   partials_dtype, row_broadcast, sm_count, split_range, swizzled)
+from pallas_kernels.common import (F8, LOG2E, M_INIT, check_decode_shapes, check_split_args,
+                                   default_num_kv_splits, feed_ring, finish_scores, finish_values,
+                                   hand_over_p, merge_splits, num_fixed_splits, partials_dtype,
+                                   row_broadcast, sm_count, softmax_step, split_range, swizzled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,13 +77,10 @@ _VALUE_WGS = 2  # warpgroups sharing the value columns; warpgroup 0 also compute
 _CHUNK = 128
 _MAX_WGMMA_N = 256
 PAGE_MULTIPLE = _STEP  # pages hold whole steps
-# (consumer, memory) warpgroup registers a thread. 2 x consumer + memory must stay within what the
-# block is launched with, 168 a thread (64K / 384 threads, rounded down to a multiple of 8) x 3 =
-# 504, not 512: `setmaxnreg.inc` waits for registers the block does not hold (the inferred cause
-# of the fp8 path's hang on the H200 with (224, 64), RESULTS.md). With an fp8 cache the memory
-# warpgroup widens tiles.
+# (consumer, memory) warpgroup registers a thread. 2 x consumer + memory must stay within
+# common.REGISTER_POOL (504, not 512: the inferred cause of the fp8 path's hang on the H200 with
+# (224, 64), RESULTS.md). With an fp8 cache the memory warpgroup widens tiles.
 _REGS = {False: (232, 40), True: (224, 56)}
-REGISTER_POOL = 504
 _MAX_HEAD_DIM = 576  # 3 x 64 rows x D bf16 + P must fit in shared memory
 
 
@@ -169,15 +167,10 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
       cols[...] = jnp.where(row_ids < rows, cols[...], 0)
     plgpu.commit_smem()  # these plain stores are read next by wgmma (the async proxy)
 
-  def write_output(acc, l, w):
-    """Normalizes warpgroup w's columns and copies them out; rows that saw nothing give 0."""
-    inv = k_scale / jnp.where(l > 0, l, 1.0)
-    for c, part in enumerate(acc):
-      o_smem[w, :, pl.ds(c * width, width)] = (
-          part * row_broadcast(inv, part.shape)).astype(o_smem.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem.at[w],
-                            o_ref.at[t, split, pl.ds(h * _TILE_H, _TILE_H), pl.ds(w * half, half)])
+  rows_out = pl.ds(h * _TILE_H, _TILE_H)
+  # Warpgroup w's output columns; k_scale (the fp8 cache's, else 1) scales them once at the end.
+  out = lambda w: dict(o_smem=o_smem.at[w], out_scale=k_scale,
+                       o_gmem=o_ref.at[t, split, rows_out, pl.ds(w * half, half)])
 
   @pl.when(wg == 0)
   def _scores():
@@ -204,21 +197,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
       s = pl.run_scoped(scores, plgpu.ACC((_TILE_H, _STEP), jnp.float32))
       # Made in the step, not carried: a 64 x 64 int32 iota is 32 registers a thread.
       cols = plgpu.broadcasted_iota(jnp.int32, (_TILE_H, _STEP), 1, layout=plgpu.Layout.WGMMA)
-      s = jnp.where(cols < rows, s * qk_scale, -jnp.inf)
-      m_new = jnp.maximum(m, s.max(axis=1))
-      alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(s - row_broadcast(m_new, s.shape))
-      l = l * alpha + p.sum(axis=1)
-
-      @pl.when(i > 0)
-      def _():
-        plgpu.barrier_wait(p_free)  # warpgroup 1 is done with the previous P
-
-      p16 = p.astype(p_smem.dtype)
-      p_smem[...] = p16
-      row_smem[...] = alpha
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(p_ready)
+      m_new, alpha, p, l = softmax_step(jnp.where(cols < rows, s * qk_scale, -jnp.inf), m, l)
+      p16 = hand_over_p(i, p, alpha, p_smem, row_smem, p_ready, p_free)
       acc = accumulate_values(acc, alpha, slot, 0, p16 if in_place else None)
       plgpu.barrier_arrive(consumed.at[slot])
       return m_new, l, acc
@@ -227,22 +207,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
     init = (plgpu.layout_cast(jnp.full((_TILE_H,), M_INIT, jnp.float32), rows_layout),
             plgpu.layout_cast(jnp.zeros((_TILE_H,), jnp.float32), rows_layout), zero_acc())
     m, l, acc = lax.fori_loop(0, n, step, init)
-
-    # Hand l to warpgroup 1. Once it has read the last P, every step of both warpgroups is done and
-    # the query and page memory is free for the output staging.
-    @pl.when(n > 0)
-    def _():
-      plgpu.barrier_wait(p_free)
-
-    row_smem[...] = l
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(p_ready)
-    write_output(acc, l, 0)
-    seen = l > 0
-    lse_smem[...] = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[t, split, pl.ds(h * _TILE_H, _TILE_H)])
-    plgpu.wait_smem_to_gmem(0)
+    finish_scores(n, m, l, acc, row_smem=row_smem, p_ready=p_ready, p_free=p_free, **out(0),
+                  lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out])
 
   @pl.when(wg == 1)
   def _values():
@@ -262,9 +228,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
       return acc
 
     acc = lax.fori_loop(0, n, step, zero_acc())
-    plgpu.barrier_wait(p_ready)
-    write_output(acc, plgpu.load(row_smem, layout=rows_layout), 1)
-    plgpu.wait_smem_to_gmem(0)
+    finish_values(acc, row_smem=row_smem, p_ready=p_ready, **out(1))
 
   @pl.when(wg == _VALUE_WGS)
   def _memory():

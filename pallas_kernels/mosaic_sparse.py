@@ -8,10 +8,14 @@ RoPE). The structure is `mosaic_decode`'s, with per-token slot lists instead of 
 (CTA) per (64-head tile, split, token) gathers each selected row once for all 64 heads, with three
 warpgroups:
 - memory (warpgroup 2): the token's query tile, then per step of 64 slots their indices (a ring
-  of 4 steps, fetched two steps ahead) and the 64 rows they name, one bulk copy per row and
-  64-column chunk (Hopper has no gather copy; a 128-byte chunk is the widest box the 128-byte
-  swizzle that wgmma reads allows). Invalid slots become the row index past the cache: the bulk
-  copy reads nothing there and fills zeros, so their P V terms are 0 * 0, never 0 * NaN.
+  of 4 steps, fetched two steps ahead) and the 64 rows they name. Hopper has no gather copy; bf16
+  rows on the GPU are gathered warp-cooperatively (`gather="cp_async"`, `_cp_async_rows`): each
+  of the 128 lanes issues 16-byte `cp.async` copies into the swizzled tiles, 4608 a step. The
+  other gather (`"bulk"`, and fp8_ds_mla's rows, and every row in the interpreter) is one bulk
+  copy per row and 64-column chunk (a 128-byte chunk is the widest box the 128-byte swizzle that
+  wgmma reads allows); issued by one thread, 576 a step, it measured 2.2-2.6x slower. Invalid
+  slots become the row index past the cache: both gathers read nothing there and fill zeros, so
+  their P V terms are 0 * 0, never 0 * NaN.
   fp8_ds_mla: the rows land in a staging buffer (e4m3 NoPE, bf16 RoPE, the step's tile scales,
   gathered by XLA beforehand, 16 bytes a row); this warpgroup widens them into the bf16 tile the
   consumers read (e4m3 times a power-of-two scale is exact in bf16), then fetches the next step.
@@ -39,10 +43,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
 
-from pallas_kernels.common import (DS_MLA_TILE, F8, LN2, LOG2E, M_INIT, default_num_kv_splits,
-                                   merge_splits, row_broadcast, sm_count, swizzled)
+from pallas_kernels.common import (DS_MLA_TILE, F8, LOG2E, M_INIT, default_num_kv_splits,
+                                   finish_scores, finish_values, hand_over_p, merge_splits,
+                                   row_broadcast, sm_count, softmax_step, swizzled)
 
 _TILE_H = 64  # heads per program: the M of every Hopper wgmma
 _STEP = 64  # slots per step: N of S = Q K^T, K of P V
@@ -50,8 +58,9 @@ _COLS = 64  # columns per shared-memory tile: 128 bytes of bf16, the swizzle wid
 _VALUE_WGS = 2
 _IDX_RING = 4  # steps of slot indices in shared memory: fetched 2 ahead, read until consumed
 _MAX_HEAD_DIM = 576
-# Registers a thread: 2 consumers + the memory warpgroup within the 64K file (512 x 128 threads).
-_REGS = {False: (232, 40), True: (224, 64)}  # fp8_ds_mla's memory warpgroup widens tiles
+# (consumer, memory) registers a thread: 2 x consumer + memory <= common.REGISTER_POOL.
+# fp8_ds_mla's memory warpgroup widens tiles. (224, 64) asked for 512 and hung on the H200.
+_REGS = {False: (232, 40), True: (224, 56)}
 
 
 def _copy_row_chunk(src, tiled, raw, r, c, barrier):
@@ -67,11 +76,79 @@ def _copy_row_chunk(src, tiled, raw, r, c, barrier):
   plgpu.copy_gmem_to_smem(src, dst, barrier)
 
 
-def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_slots, interpret):
+_WG_THREADS = 128
+_SEG = 16  # bytes a lane moves per cp.async
+_SWIZZLE_ROWS = 8  # the 128-byte swizzle permutes 16-byte units by the row's place in 8 rows
+
+
+def _cp_async_rows(kv_ref, slot, idx, *, num_slots):
+  """Warp-cooperative gather of a step's 64 rows into one row slot, issued by every lane of the
+  memory warpgroup (then one `cp.async` group committed).
+
+  kv_ref [S, C, 64] bf16 (GMEM, C chunks of 64 columns a row); slot [C, 64, 64] bf16 in the tiled,
+  128-byte-swizzled layout wgmma reads (8 KB a chunk, 128 B a row); idx [64] int32 (the rows; an
+  index >= num_slots is an invalid slot). Each lane copies 16 bytes at a time: 8 lanes cover one
+  row's 128-byte chunk, a warp 4 rows, so each warp instruction reads 4 whole 128-byte lines; a
+  warp takes 16 rows, 4 x C instructions. The destination of row r, chunk c, unit u is
+  c * 8 KB + r * 128 + (u ^ (r % 8)) * 16 (the 128-byte swizzle). An invalid row copies 0 source
+  bytes: cp.async fills the 16 bytes with zeros and reads nothing.
+  """
+  chunks, rows, cols = slot.shape
+  unit_per_row = cols * 2 // _SEG  # 16-byte units in a 128-byte chunk row
+  rows_per_instr = 32 // unit_per_row
+  swizzle = (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(128))
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(swizzle), plgpu.RefType()))
+  def issue(_, src, dst, rows_ref):
+    i32, i64, i8 = (ir.IntegerType.get_signless(w) for w in (32, 64, 8))
+    c32 = lambda v: arith.constant(i32, v)
+    tid = arith.remui(mgpu_utils.thread_idx(), c32(_WG_THREADS))
+    lane, warp = arith.remui(tid, c32(32)), arith.divui(tid, c32(32))
+    unit = arith.remui(lane, c32(unit_per_row))
+    src_base = llvm.addrspacecast(llvm.PointerType.get(address_space=1),
+                                  mgpu_utils.memref_ptr(src))
+    dst_base = mgpu_utils.memref_ptr(dst)
+    row_bytes = chunks * cols * 2
+    for g in range(rows // 4 // rows_per_instr):
+      r = arith.addi(arith.muli(warp, c32(rows // 4)),
+                     arith.addi(c32(g * rows_per_instr), arith.divui(lane, c32(unit_per_row))))
+      row = memref.load(rows_ref, [arith.index_cast(ir.IndexType.get(), r)])
+      valid = arith.cmpi(arith.CmpIPredicate.ult, row, c32(num_slots))
+      row = arith.select(valid, row, c32(0))
+      size = arith.select(valid, c32(_SEG), c32(0))
+      src_off = arith.addi(arith.muli(arith.extui(i64, row), arith.constant(i64, row_bytes)),
+                           arith.extui(i64, arith.muli(unit, c32(_SEG))))
+      swz = arith.xori(unit, arith.remui(r, c32(_SWIZZLE_ROWS)))
+      dst_off = arith.addi(arith.muli(r, c32(cols * 2)), arith.muli(swz, c32(_SEG)))
+      for c in range(chunks):
+        src_ptr = mgpu_utils.getelementptr(
+            src_base, [arith.addi(src_off, arith.constant(i64, c * cols * 2))], i8)
+        dst_ptr = mgpu_utils.getelementptr(
+            dst_base, [arith.addi(dst_off, c32(c * rows * cols * 2))], i8)
+        nvvm.cp_async_shared_global(dst_ptr, src_ptr, _SEG, nvvm.LoadCacheModifierKind.CG,
+                                    cp_size=size)
+    nvvm.cp_async_commit_group()
+
+  issue(kv_ref, slot, idx)
+
+
+def _cp_async_wait(pending):
+  """Waits until at most `pending` of this thread's cp.async groups are in flight."""
+
+  @plgpu.inline_mgpu()
+  def wait(_):
+    nvvm.cp_async_wait_group(pending)
+
+  wait()
+
+
+def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_slots, gather,
+            interpret):
   # GMEM: q_ref [T, Np, D] bf16; idx_ref [T, Kp] int32 (slot, or num_slots where invalid);
   # steps_ref [T] int32 (steps of 64 slots up to the last valid one). bf16: kv_ref [S, D/64, 64]
-  # bf16. fp8: nope_ref [S, L] e4m3, rope_ref [S, R] bf16, scales_ref [T, L/128, Kp] f32 (the
-  # selected rows' tile scales). o_ref [T, splits, Np, L]; lse_ref [T, splits, Np] f32.
+  # bf16. fp8: nope_ref [S, L] e4m3, rope_ref [S, R] bf16, scales_ref [T, Kp/64, L/128, 64] f32
+  # (the selected rows' tile scales, a block a step). o_ref [T, splits, Np, L]; lse_ref
+  # [T, splits, Np] f32.
   # SMEM: buffers = union of (q_smem [64, D], kv [stages, D/64, 64, 64]) bf16 tiled, and
   # (o_smem [2, 64, L/2], lse_smem [64]) (and on the GPU, for bf16, the untiled alias kv_raw
   # [stages, D/64 * 8, 8, 64]); fp8: staging = union of (stage_nope [L/128, 64, 128] e4m3 and
@@ -128,14 +205,9 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
       out.append(part + pl.run_scoped(product, plgpu.ACC((_TILE_H, _COLS), jnp.float32)))
     return tuple(out)
 
-  def write_output(acc, l, w):
-    inv = 1.0 / jnp.where(l > 0, l, 1.0)
-    for c, part in enumerate(acc):
-      o_smem[w, :, pl.ds(c * _COLS, _COLS)] = (
-          part * row_broadcast(inv, part.shape)).astype(o_smem.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem.at[w],
-                            o_ref.at[t, split, pl.ds(h * _TILE_H, _TILE_H), pl.ds(w * half, half)])
+  rows_out = pl.ds(h * _TILE_H, _TILE_H)
+  out = lambda w: dict(o_smem=o_smem.at[w],  # warpgroup w's output columns
+                       o_gmem=o_ref.at[t, split, rows_out, pl.ds(w * half, half)])
 
   consumer_regs, memory_regs = _REGS[fp8]
 
@@ -163,21 +235,8 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
       s = pl.run_scoped(scores, plgpu.ACC((_TILE_H, _STEP), jnp.float32))
       idx = plgpu.load(idx_smem.at[ring], layout=cols_layout)
       valid = lax.broadcast_in_dim(idx < num_slots, s.shape, [1])
-      s = jnp.where(valid, s * qk_scale, -jnp.inf)
-      m_new = jnp.maximum(m, s.max(axis=1))
-      alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(s - row_broadcast(m_new, s.shape))
-      l = l * alpha + p.sum(axis=1)
-
-      @pl.when(i > 0)
-      def _():
-        plgpu.barrier_wait(p_free)
-
-      p16 = p.astype(p_smem.dtype)
-      p_smem[...] = p16
-      row_smem[...] = alpha
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(p_ready)
+      m_new, alpha, p, l = softmax_step(jnp.where(valid, s * qk_scale, -jnp.inf), m, l)
+      p16 = hand_over_p(i, p, alpha, p_smem, row_smem, p_ready, p_free)
       acc = accumulate_values(acc, alpha, slot, 0, None if interpret else p16)
       plgpu.barrier_arrive(consumed.at[slot])
       return m_new, l, acc
@@ -185,20 +244,8 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
     init = (plgpu.layout_cast(jnp.full((_TILE_H,), M_INIT, jnp.float32), rows_layout),
             plgpu.layout_cast(jnp.zeros((_TILE_H,), jnp.float32), rows_layout), zero_acc())
     m, l, acc = lax.fori_loop(0, n, step, init)
-
-    @pl.when(n > 0)
-    def _():
-      plgpu.barrier_wait(p_free)
-
-    row_smem[...] = l
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(p_ready)
-    write_output(acc, l, 0)
-    seen = l > 0
-    lse_smem[...] = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[t, split, pl.ds(h * _TILE_H, _TILE_H)])
-    plgpu.wait_smem_to_gmem(0)
+    finish_scores(n, m, l, acc, row_smem=row_smem, p_ready=p_ready, p_free=p_free, **out(0),
+                  lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out])
 
   @pl.when(wg == 1)
   def _values():
@@ -215,9 +262,7 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
       return acc
 
     acc = lax.fori_loop(0, n, step, zero_acc())
-    plgpu.barrier_wait(p_ready)
-    write_output(acc, plgpu.load(row_smem, layout=rows_layout), 1)
-    plgpu.wait_smem_to_gmem(0)
+    finish_values(acc, row_smem=row_smem, p_ready=p_ready, **out(1))
 
   def fetch_indices(i):
     ring = lax.rem(i, _IDX_RING)
@@ -240,6 +285,35 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
 
     for i in range(2):
       pl.when(i < n)(functools.partial(fetch_indices, i))
+
+    if not fp8 and gather == "cp_async":
+      @pl.loop(0, n)
+      def _(i):
+        slot = lax.rem(i, stages)
+        ring = lax.rem(i, _IDX_RING)
+        pl.when(i >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+        pl.when(i + 2 < n)(functools.partial(fetch_indices, i + 2))
+        plgpu.barrier_wait(idx_bar.at[ring])
+        _cp_async_rows(kv_ref, kv.at[slot], idx_smem.at[ring], num_slots=num_slots)
+
+        # The previous step's rows have landed once at most this step's group is in flight; the
+        # fence (in commit_smem) makes these generic-proxy writes visible to wgmma's async proxy.
+        @pl.when(i > 0)
+        def _():
+          _cp_async_wait(1)
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(ready.at[lax.rem(i - 1, stages)])
+
+      @pl.when(n > 0)
+      def _():
+        _cp_async_wait(0)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ready.at[lax.rem(n - 1, stages)])
+
+      @pl.loop(jnp.maximum(n - stages, 0), n)
+      def _(i):
+        plgpu.barrier_wait(consumed.at[lax.rem(i, stages)])
+      return
 
     if not fp8:
       def bf16_rows(slot, r, row):
@@ -269,8 +343,7 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
                         r, j, staged)
 
     def stage(i):
-      plgpu.copy_gmem_to_smem(scales_ref.at[t, :, pl.ds((first + i) * _STEP, _STEP)], stage_scales,
-                              staged)
+      plgpu.copy_gmem_to_smem(scales_ref.at[t, first + i], stage_scales, staged)
       gather_rows(i, staged_rows)
 
     pl.when(n > 0)(functools.partial(stage, 0))
@@ -308,12 +381,18 @@ def _raw(tiled_shape, dtype):
                     transforms=(plgpu.SwizzleTransform(128),))
 
 
+def head_dims_fit(head_dim, kv_lora_rank):
+  """Whether the kernel takes rows of head_dim = kv_lora_rank + rope columns."""
+  return (kv_lora_rank % (_VALUE_WGS * _COLS) == 0 and kv_lora_rank < head_dim <= _MAX_HEAD_DIM
+          and head_dim % _COLS == 0)
+
+
 def _check(q, slots, lora, num_splits):
   if q.ndim != 3 or slots.ndim != 2 or slots.shape[0] != q.shape[0]:
     raise ValueError(f"want q [T, N, L+R] and slots [T, K] with the same T; got {q.shape} and "
                      f"{slots.shape}")
   d = q.shape[2]
-  if not (lora % (_VALUE_WGS * _COLS) == 0 and lora < d <= _MAX_HEAD_DIM and d % _COLS == 0):
+  if not head_dims_fit(d, lora):
     raise ValueError(f"head dim {d} must be kv_lora_rank ({lora}, a multiple of "
                      f"{_VALUE_WGS * _COLS}) + a rope dim, a multiple of {_COLS} and at most "
                      f"{_MAX_HEAD_DIM} (the query tile and the row slots fill shared memory)")
@@ -326,7 +405,7 @@ def _check(q, slots, lora, num_splits):
 
 
 def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_splits, auto_barriers,
-                 interpret):
+                 gather, interpret):
   """Pads heads to 64-row tiles and slots to 64-slot steps, runs the kernel, merges splits."""
   t, n, d = q.shape
   head_tiles = pl.cdiv(n, _TILE_H)
@@ -345,20 +424,24 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   out_dtype = q.dtype if splits == 1 else jnp.float32
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
+  if interpret or fp8:
+    gather = "bulk"  # the interpreter runs no inline Mosaic GPU code
   stages = 1 if fp8 else 2
   chunks = d // _COLS
   groups = [(swizzled((_TILE_H, d), q.dtype), swizzled((stages, chunks, _STEP, _COLS), q.dtype)),
             (swizzled((_VALUE_WGS, _TILE_H, lora // _VALUE_WGS), out_dtype),
              plgpu.SMEM((_TILE_H,), jnp.float32))]
-  if not fp8 and not interpret:
+  if not fp8 and not interpret and gather == "bulk":
     groups.append((plgpu.SMEM((_TILE_H, d), q.dtype),
                    _raw((stages, chunks, _STEP, _COLS), q.dtype)))
   scratch = [plgpu.RefUnion(*groups)]
   if fp8:
     nope, rope, tile_scales = cache_args
-    # The selected rows' tile scales, [T, L/128, Kp]: 16 bytes a slot (0 where invalid).
+    # The selected rows' tile scales, [T, Kp/64, L/128, 64]: 16 bytes a slot (0 where invalid),
+    # one contiguous block a step.
     scales = jnp.where(valid[..., None], tile_scales[jnp.where(valid, slots, 0)], 0.0)
-    cache_args = (nope, rope, scales.transpose(0, 2, 1))
+    scales = scales.reshape(t, k // _STEP, _STEP, -1).transpose(0, 1, 3, 2)
+    cache_args = (nope, rope, scales)
     tiles = lora // DS_MLA_TILE, (d - lora) // _COLS
     staging = [(swizzled((tiles[0], _STEP, DS_MLA_TILE), F8),
                 swizzled((tiles[1], _STEP, _COLS), jnp.bfloat16))]
@@ -369,15 +452,16 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   scratch += [swizzled((_TILE_H, _STEP), q.dtype), plgpu.SMEM((_TILE_H,), jnp.float32),
               plgpu.SMEM((_IDX_RING, _STEP), jnp.int32),
               plgpu.Barrier(),
-              # bf16: every row chunk's copy arrives; fp8: the widening warpgroup does.
-              plgpu.Barrier(num_arrivals=1 if fp8 else _STEP * chunks, num_barriers=stages),
+              # bulk bf16: every row chunk's copy arrives; else the memory warpgroup once.
+              plgpu.Barrier(num_arrivals=_STEP * chunks if gather == "bulk" and not fp8 else 1,
+                            num_barriers=stages),
               plgpu.Barrier(num_arrivals=_VALUE_WGS, num_barriers=stages),
               plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(num_barriers=_IDX_RING)]
   if fp8:
     scratch.append(plgpu.Barrier(num_arrivals=_STEP * sum(tiles) + 1))  # row copies + scales
 
   kernel = functools.partial(_kernel, scale=scale, lora=lora, num_splits=splits, fp8=fp8,
-                             num_slots=num_slots, interpret=bool(interpret))
+                             num_slots=num_slots, gather=gather, interpret=bool(interpret))
   o_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((t, splits, np_, lora), out_dtype),
@@ -396,7 +480,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
                                            unsafe_no_auto_barriers=not auto_barriers),
       interpret=interpret or None,
-      kernel_name=f"mosaic_sparse_{'ds_mla' if fp8 else 'bf16'}_s{splits}",
+      kernel_name=f"mosaic_sparse_{'ds_mla' if fp8 else 'bf16'}_{gather}_s{splits}",
   )(q, idx, steps, *cache_args)
   if splits == 1:
     o, lse = o_parts[:, 0], lse_parts[:, 0]
@@ -406,12 +490,13 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
 
 
 _STATIC = ("scale", "num_splits", "auto_barriers", "interpret")
+GATHERS = ("cp_async", "bulk")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank", "gather"))
 def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, scale: float,
                      kv_lora_rank: int = 512, num_splits: int | None = None,
-                     auto_barriers: bool = False,
+                     auto_barriers: bool = False, gather: str = "cp_async",
                      interpret: bool | plgpu.InterpretGPUParams = False
                      ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over a bf16 latent cache (semantics of `mla_jax.reference.sparse_attention`).
@@ -420,11 +505,15 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   bf16; slots [T, K] int32 (block * page + offset; -1 or past the cache: skipped). num_splits=None
   picks a split count of the slot axis from static shapes. auto_barriers=True lets Pallas put a
   warpgroup barrier before every bulk copy and around every shared-memory store (its safe default,
-  kept to measure against). interpret: True or a
+  kept to measure against). gather: "cp_async" (the 128 lanes of the memory warpgroup copy 16
+  bytes each into the swizzled row slot) or "bulk" (one bulk copy per row and 64-column chunk, 9 a
+  row; what the interpreter runs either way). interpret: True or a
   `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and
   lse [T, N] float32 (natural log); a row with no valid slot gives (0, -inf).
   """
   _check(q, slots, kv_lora_rank, num_splits)
+  if gather not in GATHERS:
+    raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
   if kv_cache.ndim != 3 or kv_cache.shape[2] != q.shape[2] or kv_cache.dtype != jnp.bfloat16:
     raise ValueError(f"want a bfloat16 kv_cache [num_blocks, page, {q.shape[2]}] (q's head dim), "
                      f"got {kv_cache.dtype.name}{kv_cache.shape}")
@@ -432,7 +521,7 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   rows = kv_cache.reshape(num_slots, q.shape[2] // _COLS, _COLS)
   return _sparse_call(q, slots, (rows,), scale=scale, lora=kv_lora_rank, num_slots=num_slots,
                       fp8=False, num_splits=num_splits, auto_barriers=auto_barriers,
-                      interpret=interpret)
+                      gather=gather, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -461,4 +550,4 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   flat = lambda x: x.reshape(num_slots, x.shape[-1])
   return _sparse_call(q, slots, (flat(nope), flat(rope), flat(tile_scales)), scale=scale, lora=lora,
                       num_slots=num_slots, fp8=True, num_splits=num_splits,
-                      auto_barriers=auto_barriers, interpret=interpret)
+                      auto_barriers=auto_barriers, gather="bulk", interpret=interpret)

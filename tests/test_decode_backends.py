@@ -12,7 +12,7 @@ from decode_contract import FP8_SCALE, L, SCALE, DecodeContract, assert_decode_c
 from mla_jax import backends
 from oracles import latent_decode_np
 from pallas_kernels import mosaic_decode
-from pallas_kernels.common import default_num_kv_splits
+from pallas_kernels.common import REGISTER_POOL, default_num_kv_splits
 from pallas_kernels.latent_decode import latent_decode
 
 
@@ -169,7 +169,7 @@ class TestPallasMosaicDecode(DecodeContract):
     # setmaxnreg.inc past the registers the block was launched with waits forever (a hang on the
     # H200, not an error), and the interpreter does not model registers.
     for consumer, memory in mosaic_decode._REGS.values():
-      assert 2 * consumer + memory <= mosaic_decode.REGISTER_POOL == 65536 // 384 // 8 * 8 * 3
+      assert 2 * consumer + memory <= REGISTER_POOL == 65536 // 384 // 8 * 8 * 3
       assert consumer % 8 == 0 and memory % 8 == 0
 
   @pytest.mark.parametrize("change,message", [
