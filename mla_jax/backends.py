@@ -164,9 +164,10 @@ def _pallas_triton_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
 
 def _pallas_mosaic_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
   """The Mosaic GPU sparse kernel for bf16 q over a bf16 latent cache (else the kernel's
-  ValueError). fp8_ds_mla caches go to pallas_triton's kernel: the Mosaic fp8_ds_mla path
-  deadlocked on the H200 after its last change (RESULTS.md, "DSA sparse attention
-  (pallas_mosaic)"), so it stays out of the table until it runs there again."""
+  ValueError). fp8_ds_mla caches go to pallas_triton's kernel: the Mosaic fp8_ds_mla path hung on
+  the H200 (its register split asked for more than the block holds; fixed, not yet run there:
+  RESULTS.md, "DSA sparse attention (pallas_mosaic)"), so it stays out of the table until it has
+  run there."""
   interpret = jax.default_backend() != "gpu"
   if cache.dtype_name == caches.FP8_DS_MLA:
     return _pallas_triton_sparse_attention(q, cache, slots, scale=scale, kv_lora_rank=kv_lora_rank)
@@ -219,12 +220,16 @@ PALLAS_MOSAIC = dataclasses.replace(
 # 8 x 1024); at 1024 tokens and 16 heads it measured slower (0.49x, before its persistent grid).
 # Decode: 1.85-1.92x at 128 heads, 0.85-0.94x at 16; 64 heads fill one 64-row tile as each half of
 # 128 does.
-# Sparse attention stays Triton's: the Mosaic GPU sparse kernel measured 0.32-0.66x of it in every
-# bf16 case (N 16-128, T 128 and 4096; RESULTS.md, "DSA sparse attention (pallas_mosaic)").
+# Sparse attention (RESULTS.md, "DSA sparse attention (pallas_mosaic)", v2): with its cp.async
+# gather the Mosaic kernel measured 1.72x Triton at T=128, N=128 over a bf16 cache and 0.69x at
+# N=16; its time does not move with N inside a 64-head tile (v1: N 16, 32, 64 within 2%), so 64
+# heads take it as 128 do. T=4096 and fp8_ds_mla caches stay Triton's (not measured faster).
 _MOSAIC_PREFILL_MIN_TOKENS = 4096
 _MOSAIC_PREFILL_MANY_HEADS = 64  # from this many heads, Mosaic from fewer tokens:
 _MOSAIC_PREFILL_MIN_TOKENS_MANY_HEADS = 1024
 _MOSAIC_DECODE_MIN_HEADS = 64
+_MOSAIC_SPARSE_MIN_HEADS = 64
+_MOSAIC_SPARSE_MAX_TOKENS = 128
 
 
 def _on_hopper() -> bool:
@@ -267,9 +272,21 @@ def _fastest_indexer_logits(q, weights, k_cache, block_tables, seq_lens):
   return logits(q, weights, k_cache, block_tables, seq_lens)
 
 
+def _fastest_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
+  """pallas_mosaic's sparse attention where it measured faster: bf16 q over a bf16 latent cache,
+  64 heads or more, decode-sized batches (T <= 128), on Hopper; else pallas_triton's."""
+  mosaic = (q.dtype == jnp.bfloat16 and cache.dtype_name == "bfloat16"
+            and cache.scale_or_none is None and q.shape[1] >= _MOSAIC_SPARSE_MIN_HEADS
+            and q.shape[0] <= _MOSAIC_SPARSE_MAX_TOKENS
+            and pallas_mosaic_sparse.head_dims_fit(q.shape[2], kv_lora_rank) and _on_hopper())
+  sparse = PALLAS_MOSAIC.sparse_attention if mosaic else PALLAS_TRITON.sparse_attention
+  return sparse(q, cache, slots, scale=scale, kv_lora_rank=kv_lora_rank)
+
+
 # The GPU default: per op and shape, the Pallas kernel that measured fastest on the H200.
 PALLAS = dataclasses.replace(PALLAS_TRITON, name="pallas", decode=_fastest_decode,
-                             prefill=_fastest_prefill, indexer_logits=_fastest_indexer_logits)
+                             prefill=_fastest_prefill, indexer_logits=_fastest_indexer_logits,
+                             sparse_attention=_fastest_sparse_attention)
 
 BACKENDS: types.MappingProxyType[str, Backend] = types.MappingProxyType({
     REFERENCE.name: REFERENCE,

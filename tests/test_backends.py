@@ -7,7 +7,7 @@ import pytest
 
 from mla_jax import backends
 from mla_jax.backends import BACKENDS, ENV_VAR, default_backend_name, get_backend
-from mla_jax.cache import LatentCache
+from mla_jax.cache import DSMLACache, LatentCache
 
 
 @pytest.fixture(autouse=True)
@@ -56,6 +56,23 @@ def test_no_name_no_env_uses_platform(monkeypatch):
   assert get_backend().name == "pallas"
 
 
+def record_kernel_calls(monkeypatch, op, hopper):
+  """Replaces op in pallas_mosaic and pallas_triton by recorders and fakes the device; returns the
+  list the calls land in, as (backend name, keyword arguments)."""
+  called = []
+
+  def recorder(name):
+    def run(x, *args, **kwargs):
+      called.append((name, kwargs))
+      return x
+    return dataclasses.replace(BACKENDS[name], **{op: run})
+
+  monkeypatch.setattr(backends, "PALLAS_MOSAIC", recorder("pallas_mosaic"))
+  monkeypatch.setattr(backends, "PALLAS_TRITON", recorder("pallas_triton"))
+  monkeypatch.setattr(backends, "_on_hopper", lambda: hopper)
+  return called
+
+
 @pytest.mark.parametrize("tokens,dtype,dv,hopper,want", [
     (4096, jnp.bfloat16, 128, True, "pallas_mosaic"),
     (4095, jnp.bfloat16, 128, True, "pallas_triton"),  # below the measured crossover
@@ -64,22 +81,12 @@ def test_no_name_no_env_uses_platform(monkeypatch):
     (4096, jnp.bfloat16, 128, False, "pallas_triton"),  # not a Hopper GPU
 ])
 def test_pallas_prefill_takes_the_faster_kernel(monkeypatch, tokens, dtype, dv, hopper, want):
-  called = []
-
-  def recorder(name):
-    def prefill(q, k, v, cu_q, cu_k, *, scale, causal, max_seqlen_q):
-      called.append((name, max_seqlen_q))
-      return q
-    return dataclasses.replace(BACKENDS[name], prefill=prefill)
-
-  monkeypatch.setattr(backends, "PALLAS_MOSAIC", recorder("pallas_mosaic"))
-  monkeypatch.setattr(backends, "PALLAS_TRITON", recorder("pallas_triton"))
-  monkeypatch.setattr(backends, "_on_hopper", lambda: hopper)
+  called = record_kernel_calls(monkeypatch, "prefill", hopper)
   q = jnp.zeros((tokens, 1, 192), dtype)
   v = jnp.zeros((tokens, 1, dv), dtype)
   cu = jnp.array([0, tokens], jnp.int32)
   get_backend("pallas").prefill(q, q, v, cu, cu, scale=1.0, causal=True, max_seqlen_q=tokens)
-  assert called == [(want, tokens)]
+  assert [(name, kw["max_seqlen_q"]) for name, kw in called] == [(want, tokens)]
 
 
 @pytest.mark.parametrize("via_env", [False, True])
@@ -142,20 +149,33 @@ def test_backends_table_is_immutable():
     (128, jnp.bfloat16, 64, False, "pallas_triton"),  # not a Hopper GPU
 ])
 def test_pallas_decode_takes_the_faster_kernel(monkeypatch, heads, cache_dtype, page, hopper, want):
-  called = []
-
-  def recorder(name):
-    def decode(q, cache, block_tables, seq_lens, *, scale, kv_lora_rank, num_kv_splits=None,
-               batch_invariant=False):
-      called.append((name, kv_lora_rank, num_kv_splits, batch_invariant))
-      return q
-    return dataclasses.replace(BACKENDS[name], decode=decode)
-
-  monkeypatch.setattr(backends, "PALLAS_MOSAIC", recorder("pallas_mosaic"))
-  monkeypatch.setattr(backends, "PALLAS_TRITON", recorder("pallas_triton"))
-  monkeypatch.setattr(backends, "_on_hopper", lambda: hopper)
+  called = record_kernel_calls(monkeypatch, "decode", hopper)
   q = jnp.zeros((2, heads, 576), jnp.bfloat16)
   cache = LatentCache(jnp.zeros((4, page, 576), cache_dtype), jnp.float32(1.0))
   get_backend("pallas").decode(q, cache, jnp.zeros((2, 2), jnp.int32), jnp.ones((2,), jnp.int32),
                                scale=1.0, kv_lora_rank=512, num_kv_splits=3, batch_invariant=True)
-  assert called == [(want, 512, 3, True)]
+  assert [(name, kw["kv_lora_rank"], kw["num_kv_splits"], kw["batch_invariant"])
+          for name, kw in called] == [(want, 512, 3, True)]
+
+
+@pytest.mark.parametrize("tokens,heads,kind,hopper,want", [
+    (128, 128, "bf16", True, "pallas_mosaic"),  # measured 1.72x Triton
+    (128, 64, "bf16", True, "pallas_mosaic"),  # one head tile, as each half of 128
+    (128, 32, "bf16", True, "pallas_triton"),  # measured slower (N=16: 0.69x)
+    (129, 128, "bf16", True, "pallas_triton"),  # past the decode-sized batches measured
+    (128, 128, "fp8_ds_mla", True, "pallas_triton"),  # the Mosaic fp8_ds_mla path is not in use
+    (128, 128, "fp8", True, "pallas_triton"),  # a per-tensor fp8 cache: not a Mosaic layout
+    (128, 128, "bf16", False, "pallas_triton"),  # not a Hopper GPU
+])
+def test_pallas_sparse_attention_takes_the_faster_kernel(monkeypatch, tokens, heads, kind, hopper,
+                                                         want):
+  called = record_kernel_calls(monkeypatch, "sparse_attention", hopper)
+  q = jnp.zeros((tokens, heads, 576), jnp.bfloat16)
+  if kind == "fp8_ds_mla":
+    cache = DSMLACache.allocate(2, 64, 512, 64)
+  else:
+    dtype = jnp.bfloat16 if kind == "bf16" else jnp.float8_e4m3fn
+    cache = LatentCache(jnp.zeros((2, 64, 576), dtype), jnp.float32(1.0))
+  get_backend("pallas").sparse_attention(q, cache, jnp.zeros((tokens, 8), jnp.int32), scale=1.0,
+                                         kv_lora_rank=512)
+  assert [(name, kw["kv_lora_rank"]) for name, kw in called] == [(want, 512)]
