@@ -132,11 +132,15 @@ def run_sparse(args, t, n, kind, cache):
                     case_bytes, flops)]
   rows.append(timed_row(args, case_row("sparse", t, n=n, context=span, cache=kind), fn, sets,
                         case_bytes, flops, xla_ms=rows[0].get("xla ms"), backend="pallas_mosaic"))
-  if kind == "bf16":  # the Mosaic kernel's other gather: one bulk copy per row and 64 columns
-    bulk = lambda be: jax.jit(lambda q, c, s: pallas_mosaic_sparse.sparse_attention(
-        q, c.data, s, scale=SCALE, kv_lora_rank=L, gather="bulk"))
-    rows.append(timed_row(args, case_row("sparse", t, n=n, context=span, cache="bf16 bulk gather"),
-                          bulk, sets, case_bytes, flops, xla_ms=rows[0].get("xla ms"),
+  # The Mosaic kernel's other gathers (bf16 rows): its SWEEP beside the chosen CONFIG.
+  for cfg in pallas_mosaic_sparse.SWEEP if kind == "bf16" else ():
+    if cfg == pallas_mosaic_sparse.CONFIG:
+      continue
+    other = lambda be, cfg=cfg: jax.jit(lambda q, c, s: pallas_mosaic_sparse.sparse_attention(
+        q, c.data, s, scale=SCALE, kv_lora_rank=L, **dataclasses.asdict(cfg)))
+    rows.append(timed_row(args, case_row("sparse", t, n=n, context=span,
+                                         cache=f"bf16 {cfg.gather} gather"),
+                          other, sets, case_bytes, flops, xla_ms=rows[0].get("xla ms"),
                           backend="pallas_mosaic"))
   return rows
 

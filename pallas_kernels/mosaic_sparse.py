@@ -37,6 +37,7 @@ simulate swizzles), so there the rows are copied into the tiled view directly, a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -493,10 +494,28 @@ _STATIC = ("scale", "num_splits", "auto_barriers", "interpret")
 GATHERS = ("cp_async", "bulk")
 
 
+@dataclasses.dataclass(frozen=True)
+class MosaicSparseConfig:
+  """Launch knobs; the field names are the bf16 jit entry's keyword arguments. Heads per program
+  (64, the M of a wgmma), slots per step (64) and row slots (2 for bf16, 1 for fp8_ds_mla) are
+  fixed by wgmma and shared memory; the gather is the choice (H200: cp_async 2.2-2.6x bulk,
+  benchmarks/RESULTS.md, "DSA sparse attention (pallas_mosaic)", v2)."""
+  gather: str = "cp_async"
+
+  def __post_init__(self):
+    if self.gather not in GATHERS:
+      raise ValueError(f"gather must be one of {GATHERS}, got {self.gather!r}")
+
+
+CONFIG = MosaicSparseConfig()
+# The sweep space: the variants `benchmarks/bench_sparse.py` times beside the chosen one.
+SWEEP = tuple(MosaicSparseConfig(gather) for gather in GATHERS)
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank", "gather"))
 def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, scale: float,
                      kv_lora_rank: int = 512, num_splits: int | None = None,
-                     auto_barriers: bool = False, gather: str = "cp_async",
+                     auto_barriers: bool = False, gather: str = CONFIG.gather,
                      interpret: bool | plgpu.InterpretGPUParams = False
                      ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over a bf16 latent cache (semantics of `mla_jax.reference.sparse_attention`).
@@ -512,8 +531,7 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   lse [T, N] float32 (natural log); a row with no valid slot gives (0, -inf).
   """
   _check(q, slots, kv_lora_rank, num_splits)
-  if gather not in GATHERS:
-    raise ValueError(f"gather must be one of {GATHERS}, got {gather!r}")
+  MosaicSparseConfig(gather)  # checks it
   if kv_cache.ndim != 3 or kv_cache.shape[2] != q.shape[2] or kv_cache.dtype != jnp.bfloat16:
     raise ValueError(f"want a bfloat16 kv_cache [num_blocks, page, {q.shape[2]}] (q's head dim), "
                      f"got {kv_cache.dtype.name}{kv_cache.shape}")

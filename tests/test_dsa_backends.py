@@ -395,8 +395,10 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
                                atol=1e-2)  # bf16 outputs: a split merge may round 1 ulp apart
     np.testing.assert_allclose(np.asarray(l3), np.asarray(l1), rtol=1e-5, atol=1e-5)
 
-  @pytest.mark.parametrize("n,fp8", [(128, False), (16, False), (128, True), (32, True)])
-  def test_lowers_for_hopper(self, n, fp8):
+  @pytest.mark.parametrize("n,fp8,gather", [(128, False, "cp_async"), (16, False, "cp_async"),
+                                             (128, False, "bulk"), (128, True, None),
+                                             (32, True, None)])
+  def test_lowers_for_hopper(self, n, fp8, gather):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # layouts, bulk-copy boxes, the untiled aliases, and that shared memory fits 227 KB.
     t, k, tokens = 128, 2048, 1 << 20
@@ -409,7 +411,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
           jax.ShapeDtypeStruct((tokens // 64, 64, 64), jnp.bfloat16), slots, scale=0.1)
     else:
       traced = mosaic_sparse.sparse_attention.trace(
-          q, jax.ShapeDtypeStruct((tokens // 64, 64, 576), jnp.bfloat16), slots, scale=0.1)
+          q, jax.ShapeDtypeStruct((tokens // 64, 64, 576), jnp.bfloat16), slots, scale=0.1,
+          gather=gather)
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
   @pytest.mark.parametrize("change,message", [
@@ -421,6 +424,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
       (lambda a: {**a, "kv_cache": a["kv_cache"][..., :-64]}, "kv_cache"),
       (lambda a: {**a, "kv_cache": a["kv_cache"].astype(jnp.float8_e4m3fn)}, "bfloat16 kv_cache"),
       (lambda a: {**a, "num_splits": 0}, "num_splits"),
+      (lambda a: {**a, "gather": "tma"}, "gather must be one of"),
   ])
   def test_bad_input_raises(self, change, message):
     args = dict(q=jnp.zeros((2, 16, L + R), jnp.bfloat16),
