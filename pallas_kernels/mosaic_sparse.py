@@ -416,7 +416,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   k = max(pl.cdiv(slots.shape[1], _STEP), 1) * _STEP
   slots = jnp.pad(slots, ((0, 0), (0, k - slots.shape[1])), constant_values=-1)
   valid = (slots >= 0) & (slots < num_slots)
-  idx = jnp.where(valid, slots, num_slots)  # past the cache: the bulk copy reads nothing
+  idx = jnp.where(valid, slots, num_slots)  # past the cache: either gather reads nothing there
   # Walk only up to each row's last valid slot: top-k lists of short rows are mostly -1 padding.
   extent = jnp.max(jnp.where(valid, jnp.arange(1, k + 1, dtype=jnp.int32), 0), axis=1)
   steps = lax.div(extent + (_STEP - 1), _STEP)
