@@ -316,8 +316,25 @@ def finish_scores(n, m, l, acc, *, row_smem, p_ready, p_free, o_smem, o_gmem, ls
   plmgpu.wait_smem_to_gmem(0)
 
 
-def finish_values(acc, *, row_smem, p_ready, o_smem, o_gmem, out_scale=1.0):
-  """Warpgroup 1's end: takes l from warpgroup 0 and stores its output columns."""
+def run_values(n, num_slots, accumulate, acc, *, ready, consumed, row_smem, p_ready, p_free,
+               o_smem, o_gmem, out_scale=1.0):
+  """Warpgroup 1's n steps and end: per step, once the slot's rows and warpgroup 0's P and rescale
+  factors are in, acc = accumulate(acc, alpha, slot) (acc * alpha + P V over its columns); then it
+  takes l from warpgroup 0 and stores its output columns."""
+  rows_layout = plmgpu.Layout.WGMMA.reduce(1)
+
+  def step(i, acc):
+    slot = lax.rem(i, num_slots)
+    # p_ready already comes after warpgroup 0 saw the slot land; waiting on the slot's own barrier
+    # as well is the documented way for its bytes to be visible to this warpgroup's wgmma.
+    plmgpu.barrier_wait(ready.at[slot])
+    plmgpu.barrier_wait(p_ready)
+    acc = accumulate(acc, plmgpu.load(row_smem, layout=rows_layout), slot)
+    plmgpu.barrier_arrive(p_free)
+    plmgpu.barrier_arrive(consumed.at[slot])
+    return acc
+
+  acc = lax.fori_loop(0, n, step, acc)
   plmgpu.barrier_wait(p_ready)
   l = plmgpu.load(row_smem, layout=plmgpu.Layout.WGMMA.reduce(1))
   _store_output(acc, l, o_smem, o_gmem, out_scale)

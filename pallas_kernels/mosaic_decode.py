@@ -40,9 +40,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import (F8, LOG2E, M_INIT, check_decode_shapes, check_split_args,
-                                   default_num_kv_splits, feed_ring, finish_scores, finish_values,
-                                   hand_over_p, merge_splits, num_fixed_splits, partials_dtype,
-                                   row_broadcast, sm_count, softmax_step, split_range, swizzled)
+                                   default_num_kv_splits, feed_ring, finish_scores, hand_over_p,
+                                   merge_splits, num_fixed_splits, partials_dtype, row_broadcast,
+                                   run_values, sm_count, softmax_step, split_range, swizzled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,22 +213,9 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
   @pl.when(wg == 1)
   def _values():
     plgpu.set_max_registers(consumer_regs, action="increase")
-    rows_layout = plgpu.Layout.WGMMA.reduce(1)
-
-    def step(i, acc):
-      slot = lax.rem(i, slots)
-      # p_ready already comes after warpgroup 0 saw the slot land; waiting on the copy's own
-      # barrier as well is the documented way for its bytes to be visible to this wgmma.
-      plgpu.barrier_wait(ready.at[slot])
-      plgpu.barrier_wait(p_ready)
-      alpha = plgpu.load(row_smem, layout=rows_layout)
-      acc = accumulate_values(acc, alpha, slot, 1)
-      plgpu.barrier_arrive(p_free)
-      plgpu.barrier_arrive(consumed.at[slot])
-      return acc
-
-    acc = lax.fori_loop(0, n, step, zero_acc())
-    finish_values(acc, row_smem=row_smem, p_ready=p_ready, **out(1))
+    run_values(n, slots, lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, 1),
+               zero_acc(), ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready,
+               p_free=p_free, **out(1))
 
   @pl.when(wg == _VALUE_WGS)
   def _memory():

@@ -50,8 +50,8 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
 
 from pallas_kernels.common import (DS_MLA_TILE, F8, LOG2E, M_INIT, default_num_kv_splits,
-                                   finish_scores, finish_values, hand_over_p, merge_splits,
-                                   row_broadcast, sm_count, softmax_step, swizzled)
+                                   finish_scores, hand_over_p, merge_splits, row_broadcast,
+                                   run_values, sm_count, softmax_step, swizzled)
 
 _TILE_H = 64  # heads per program: the M of every Hopper wgmma
 _STEP = 64  # slots per step: N of S = Q K^T, K of P V
@@ -251,19 +251,9 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
   @pl.when(wg == 1)
   def _values():
     plgpu.set_max_registers(consumer_regs, action="increase")
-
-    def step(i, acc):
-      slot = lax.rem(i, stages)
-      plgpu.barrier_wait(ready.at[slot])
-      plgpu.barrier_wait(p_ready)
-      alpha = plgpu.load(row_smem, layout=rows_layout)
-      acc = accumulate_values(acc, alpha, slot, 1)
-      plgpu.barrier_arrive(p_free)
-      plgpu.barrier_arrive(consumed.at[slot])
-      return acc
-
-    acc = lax.fori_loop(0, n, step, zero_acc())
-    finish_values(acc, row_smem=row_smem, p_ready=p_ready, **out(1))
+    run_values(n, stages, lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, 1),
+               zero_acc(), ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready,
+               p_free=p_free, **out(1))
 
   def fetch_indices(i):
     ring = lax.rem(i, _IDX_RING)
