@@ -296,11 +296,18 @@ def _store_output(acc, l, o_smem, o_gmem, out_scale):
   plmgpu.copy_smem_to_gmem(o_smem, o_gmem)
 
 
-def finish_scores(n, m, l, acc, *, row_smem, p_ready, p_free, o_smem, o_gmem, lse_smem,
-                  lse_gmem, out_scale=1.0):
-  """Warpgroup 0's end after n steps: once warpgroup 1 has read the last P (every step of both is
-  done, so the step buffers are free for the output staging), hands it l, stores its output
-  columns and the rows' log-sum-exps (natural log; -inf where nothing was seen)."""
+def run_scores(n, step, acc, *, row_smem, p_ready, p_free, o_smem, o_gmem, lse_smem, lse_gmem,
+               out_scale=1.0):
+  """Warpgroup 0's n steps, (m, l, acc) = step(i, (m, l, acc)) from an empty softmax over 64 rows,
+  and its end: once warpgroup 1 has read the last P (every step of both is done, so the step
+  buffers are free for the output staging), hands it l, stores its output columns and the rows'
+  log-sum-exps (natural log; -inf where nothing was seen)."""
+  rows_layout = plmgpu.Layout.WGMMA.reduce(1)
+  rows = acc[0].shape[0]
+  init = (plmgpu.layout_cast(jnp.full((rows,), M_INIT, jnp.float32), rows_layout),
+          plmgpu.layout_cast(jnp.zeros((rows,), jnp.float32), rows_layout), acc)
+  m, l, acc = lax.fori_loop(0, n, step, init)
+
   @pl.when(n > 0)
   def _():
     plmgpu.barrier_wait(p_free)

@@ -39,9 +39,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import (F8, LOG2E, M_INIT, check_decode_shapes, check_split_args,
-                                   default_num_kv_splits, feed_ring, finish_scores, hand_over_p,
-                                   merge_splits, num_fixed_splits, partials_dtype, row_broadcast,
+from pallas_kernels.common import (F8, LOG2E, check_decode_shapes, check_split_args,
+                                   default_num_kv_splits, feed_ring, hand_over_p, merge_splits,
+                                   num_fixed_splits, partials_dtype, row_broadcast, run_scores,
                                    run_values, sm_count, softmax_step, split_range, swizzled)
 
 
@@ -203,12 +203,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
       plgpu.barrier_arrive(consumed.at[slot])
       return m_new, l, acc
 
-    rows_layout = plgpu.Layout.WGMMA.reduce(1)
-    init = (plgpu.layout_cast(jnp.full((_TILE_H,), M_INIT, jnp.float32), rows_layout),
-            plgpu.layout_cast(jnp.zeros((_TILE_H,), jnp.float32), rows_layout), zero_acc())
-    m, l, acc = lax.fori_loop(0, n, step, init)
-    finish_scores(n, m, l, acc, row_smem=row_smem, p_ready=p_ready, p_free=p_free, **out(0),
-                  lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out])
+    run_scores(n, step, zero_acc(), row_smem=row_smem, p_ready=p_ready, p_free=p_free, **out(0),
+               lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out])
 
   @pl.when(wg == 1)
   def _values():

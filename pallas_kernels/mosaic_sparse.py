@@ -49,9 +49,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
 
-from pallas_kernels.common import (DS_MLA_TILE, F8, LOG2E, M_INIT, default_num_kv_splits,
-                                   finish_scores, hand_over_p, merge_splits, row_broadcast,
-                                   run_values, sm_count, softmax_step, swizzled)
+from pallas_kernels.common import (DS_MLA_TILE, F8, LOG2E, default_num_kv_splits, hand_over_p,
+                                   merge_splits, row_broadcast, run_scores, run_values, sm_count,
+                                   softmax_step, swizzled)
 
 _TILE_H = 64  # heads per program: the M of every Hopper wgmma
 _STEP = 64  # slots per step: N of S = Q K^T, K of P V
@@ -242,11 +242,8 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
       plgpu.barrier_arrive(consumed.at[slot])
       return m_new, l, acc
 
-    init = (plgpu.layout_cast(jnp.full((_TILE_H,), M_INIT, jnp.float32), rows_layout),
-            plgpu.layout_cast(jnp.zeros((_TILE_H,), jnp.float32), rows_layout), zero_acc())
-    m, l, acc = lax.fori_loop(0, n, step, init)
-    finish_scores(n, m, l, acc, row_smem=row_smem, p_ready=p_ready, p_free=p_free, **out(0),
-                  lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out])
+    run_scores(n, step, zero_acc(), row_smem=row_smem, p_ready=p_ready, p_free=p_free, **out(0),
+               lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out])
 
   @pl.when(wg == 1)
   def _values():
