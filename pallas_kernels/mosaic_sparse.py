@@ -27,10 +27,11 @@ bf16 caches use 2 row slots (the next step's rows land while this one computes);
 block's 227 KB). Splits of a token's slot list are merged by their log-sum-exps (`merge_splits`).
 
 Shared memory holds a row slot as 9 tiles of 64 rows x 64 columns, each in the tiled, 128-byte-
-swizzled layout wgmma reads. Mosaic GPU slices tiled buffers by whole 8-row tiles only, so the row
-copies go through an untiled, swizzled alias of the same bytes ([9 * 8, 8, 64]: tile-row, row in
-tile, column): the bulk copy applies the swizzle from the destination address, which gives the
-same bytes. Mosaic GPU's interpreter (jax 0.11.2) does not alias the views of a `RefUnion` (nor
+swizzled layout wgmma reads. The cp.async gather computes each 16-byte unit's swizzled address
+itself. Mosaic GPU slices tiled buffers by whole 8-row tiles only, so the bulk row copies go
+through an untiled, swizzled alias of the same bytes ([9 * 8, 8, 64]: tile-row, row in tile,
+column): the bulk copy applies the swizzle from the destination address, which gives the same
+bytes. Mosaic GPU's interpreter (jax 0.11.2) does not alias the views of a `RefUnion` (nor
 simulate swizzles), so there the rows are copied into the tiled view directly, and, as in
 `mosaic_decode`, each P V product goes to a fresh accumulator.
 """
@@ -151,10 +152,10 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
   # (the selected rows' tile scales, a block a step). o_ref [T, splits, Np, L]; lse_ref
   # [T, splits, Np] f32.
   # SMEM: buffers = union of (q_smem [64, D], kv [stages, D/64, 64, 64]) bf16 tiled, and
-  # (o_smem [2, 64, L/2], lse_smem [64]) (and on the GPU, for bf16, the untiled alias kv_raw
-  # [stages, D/64 * 8, 8, 64]); fp8: staging = union of (stage_nope [L/128, 64, 128] e4m3 and
-  # stage_rope [R/64, 64, 64] bf16, tiled) and (on the GPU) their untiled aliases; stage_scales
-  # [L/128, 64] f32; p_smem [64, 64] bf16; row_smem [64] f32; idx_smem [4, 64] int32.
+  # (o_smem [2, 64, L/2], lse_smem [64]) (and on the GPU, for the bulk bf16 gather, the untiled
+  # alias kv_raw [stages, D/64 * 8, 8, 64]); fp8: staging = union of (stage_nope [L/128, 64, 128]
+  # e4m3 and stage_rope [R/64, 64, 64] bf16, tiled) and (on the GPU) their untiled aliases;
+  # stage_scales [L/128, 64] f32; p_smem [64, 64] bf16; row_smem [64] f32; idx_smem [4, 64] int32.
   # Barriers: q_bar; ready [stages] (a slot holds its step's rows); consumed [stages]; p_ready,
   # p_free (the P hand-off); idx_bar [4]; fp8: staged (the staging buffer landed).
   if fp8:
