@@ -163,14 +163,15 @@ def _pallas_triton_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
 
 
 def _pallas_mosaic_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
-  """The Mosaic GPU sparse kernel for bf16 q over a bf16 latent cache (else the kernel's
-  ValueError). fp8_ds_mla caches go to pallas_triton's kernel: the Mosaic fp8_ds_mla path hung on
-  the H200 (its register split asked for more than the block holds; fixed, not yet run there:
-  RESULTS.md, "DSA sparse attention (pallas_mosaic)"), so it stays out of the table until it has
-  run there."""
+  """The Mosaic GPU sparse kernel for bf16 q over a bf16 latent cache or an fp8_ds_mla cache
+  (else the kernel's ValueError)."""
   interpret = jax.default_backend() != "gpu"
   if cache.dtype_name == caches.FP8_DS_MLA:
-    return _pallas_triton_sparse_attention(q, cache, slots, scale=scale, kv_lora_rank=kv_lora_rank)
+    if cache.kv_lora_rank != kv_lora_rank:
+      raise ValueError(f"kv_lora_rank {kv_lora_rank} != the fp8_ds_mla cache's "
+                       f"{cache.kv_lora_rank}")
+    return pallas_mosaic_sparse.sparse_attention_fp8_ds_mla(
+        q, cache.nope, cache.tile_scales, cache.rope, slots, scale=scale, interpret=interpret)
   if cache.scale_or_none is not None:
     raise ValueError("pallas_mosaic's sparse kernel reads bf16 or fp8_ds_mla caches, not a "
                      "per-tensor float8 latent cache")
@@ -254,7 +255,7 @@ def _fastest_decode(q, cache, block_tables, seq_lens, *, scale, kv_lora_rank, nu
                     batch_invariant=False):
   """pallas_mosaic's decode where it measured faster (a static choice on shapes and the device),
   else pallas_triton's."""
-  mosaic = (q.dtype == jnp.bfloat16 and cache.dtype_name == "bfloat16"
+  mosaic = (q.dtype == jnp.bfloat16 and cache.dtype_name in ("bfloat16", "float8_e4m3fn")
             and q.shape[1] >= _MOSAIC_DECODE_MIN_HEADS
             and cache.block_size % pallas_mosaic_decode.PAGE_MULTIPLE == 0
             and pallas_mosaic_decode.head_dims_fit(q.shape[2], kv_lora_rank) and _on_hopper())

@@ -342,9 +342,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
   """The Mosaic GPU kernel in Mosaic GPU's interpreter on CPUs (in a wide pool, above). It takes
   bf16 q over bf16 or fp8_ds_mla caches: the contract cases with float32 q or a per-tensor fp8
   cache skip, naming why; the bf16-q cases below cover what they test (NaN in unselected rows, -1
-  and past-the-cache slots, a row with nothing selected, 16 and 128 heads, both caches).
-  fp8_ds_mla caches go to the kernel directly: the table sends them to pallas_triton's kernel
-  until the Mosaic path has run on the H200."""
+  and past-the-cache slots, a row with nothing selected, 16 and 128 heads, both caches)."""
   backend = "pallas_mosaic"
 
   @pytest.fixture(autouse=True)
@@ -360,11 +358,6 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
         pytest.skip(f"pallas_mosaic's sparse kernel takes bfloat16 q only, got {q.dtype}")
       if isinstance(cache, LatentCache) and cache.scale_or_none is not None:
         pytest.skip("pallas_mosaic's sparse kernel reads no per-tensor float8 latent cache")
-      if isinstance(cache, DSMLACache):
-        assert cache.kv_lora_rank == kv_lora_rank
-        return mosaic_sparse.sparse_attention_fp8_ds_mla(q, cache.nope, cache.tile_scales,
-                                                         cache.rope, slots, scale=scale,
-                                                         interpret=True)
       return run(q, cache, slots, scale=scale, kv_lora_rank=kv_lora_rank)
     return checked
 

@@ -15,7 +15,6 @@ from gpu_utils import poison_allocator
 from mla_jax import backends, reference
 from mla_jax.cache import DSMLACache, IndexerKCache, LatentCache
 from mla_jax.quant import quantize_indexer_q
-from pallas_kernels import mosaic_sparse
 from sparse_contract import cosine_diff, lowest_index_topk
 
 pytestmark = pytest.mark.gpu
@@ -69,21 +68,15 @@ def sparse_case(seed, n, kind):
 @pytest.mark.parametrize("n", [128, 16])
 @pytest.mark.parametrize("kind,backend", [
     ("bf16", "pallas_triton"), ("fp8", "pallas_triton"), ("fp8_ds_mla", "pallas_triton"),
-    ("bf16", "pallas_mosaic"), ("fp8_ds_mla", "mosaic_sparse")])
+    ("bf16", "pallas_mosaic"), ("fp8_ds_mla", "pallas_mosaic")])
 def test_sparse_attention_matches_reference(n, kind, backend):
-  """backend "mosaic_sparse": the Mosaic kernel's fp8_ds_mla path called directly (the table sends
-  fp8_ds_mla caches to pallas_triton's kernel until this passes on the H200)."""
   q, cache, slots = sparse_case(n + len(kind), n, kind)
   ref = jax.jit(backends.REFERENCE.sparse_attention, static_argnames=("scale", "kv_lora_rank"))
   ref_o, ref_lse = (np.asarray(a, np.float64)
                     for a in ref(q, cache, slots, scale=SCALE, kv_lora_rank=L))
   poison_allocator()
-  if backend == "mosaic_sparse":
-    o, lse = mosaic_sparse.sparse_attention_fp8_ds_mla(q, cache.nope, cache.tile_scales,
-                                                       cache.rope, slots, scale=SCALE)
-  else:
-    o, lse = backends.get_backend(backend).sparse_attention(q, cache, slots, scale=SCALE,
-                                                            kv_lora_rank=L)
+  o, lse = backends.get_backend(backend).sparse_attention(q, cache, slots, scale=SCALE,
+                                                          kv_lora_rank=L)
   assert o.dtype == q.dtype and lse.dtype == jnp.float32
   o, lse = np.asarray(o.astype(jnp.float32), np.float64), np.asarray(lse, np.float64)
   assert not np.isnan(o).any() and not np.isnan(lse).any(), "NaN in the outputs (unwritten or leaked)"
