@@ -18,7 +18,7 @@ from mla_jax import cache as caches
 from mla_jax.cache import LatentCache
 from mla_jax.config import MLAConfig
 from mla_jax.metadata import AttentionMetadata
-from mla_jax.sharded_backend import shard_backend
+from mla_jax.sharded_backend import DCP_AXIS, shard_backend
 
 
 def merge_attn_states(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array,
@@ -63,13 +63,21 @@ class MLAAttention(nnx.Module):
         jnp.zeros((c.num_heads, c.qk_nope_head_dim, c.kv_lora_rank), dtype))
     self.W_UV = AbsorbedWeight(jnp.zeros((c.num_heads, c.kv_lora_rank, c.v_head_dim), dtype))
     # A jax.sharding.Mesh once `mla_jax.sharding.shard_layer` has run: the kernels then run per
-    # shard.
+    # shard (dcp's partial attentions merged by `dcp_merge`).
     self.mesh = None
+    self.dcp_merge = "all_reduce"
 
   @property
   def backend(self) -> backends.Backend:
     be = backends.BACKENDS[self.backend_name]
-    return be if self.mesh is None else shard_backend(be, self.mesh)
+    return be if self.mesh is None else shard_backend(be, self.mesh, self.dcp_merge)
+
+  def check_dcp(self, md: AttentionMetadata) -> None:
+    """Trace time: the metadata must carry the dcp tables of the layer's mesh (none without)."""
+    dcp = 1 if self.mesh is None else self.mesh.shape.get(DCP_AXIS, 1)
+    if md.dcp_size != dcp:
+      raise ValueError(f"metadata built for dcp={md.dcp_size}, but the layer runs with dcp={dcp}: "
+                       f"build_metadata(..., dcp={dcp})")
 
   def absorb(self, kv_b_kernel: jax.Array) -> None:
     """Splits kv_b_proj's kernel [L, N*(P+V)] (per head `[k_nope P | v V]`) into W_UK_T and W_UV."""
@@ -96,6 +104,7 @@ class MLAAttention(nnx.Module):
       raise ValueError(f"cache rows are {cache.data.shape[-1]} wide, the config needs "
                        f"{c.latent_dim}")
     md.check_cache("latent cache", cache.block_size, cache.num_blocks, cache.dtype_name)
+    self.check_dcp(md)
     be = self.backend
     be.check(cache_dtype=cache.dtype_name, block_size=cache.block_size, num_heads=c.num_heads)
 
@@ -117,9 +126,11 @@ class MLAAttention(nnx.Module):
 
   def _decode(self, q, cache, md):
     c = self.config
-    o, _ = self.backend.decode(self._absorb_query(q), cache,
-                               md.row_block_tables(0, md.num_decode_rows),
-                               md.seq_lens[:md.num_decode_rows], scale=c.softmax_scale,
+    td = md.num_decode_rows
+    # Under dcp each device reads its own blocks, through the tables built for it on the host.
+    tables, lens = (md.dcp_row_views(0, td) if md.dcp_size > 1
+                    else (md.row_block_tables(0, td), md.seq_lens[:td]))
+    o, _ = self.backend.decode(self._absorb_query(q), cache, tables, lens, scale=c.softmax_scale,
                                kv_lora_rank=c.kv_lora_rank, batch_invariant=self.batch_invariant)
     return jnp.einsum("TNL,NLV->TNV", o.astype(self.dtype), self.W_UV[...])
 
@@ -137,6 +148,7 @@ class MLAAttention(nnx.Module):
     if not jnp.issubdtype(positions.dtype, jnp.integer):
       raise ValueError(f"top-k positions must be integers, got {positions.dtype}")
     md.check_cache("latent cache", cache.block_size, cache.num_blocks, cache.dtype_name)
+    self.check_dcp(md)
     be = self.backend
     cache = be.write_cache(cache, kv_c_normed, k_pe, md.slot_mapping)
     slots = caches.positions_to_slots(positions, md.row_block_tables(), cache.block_size,

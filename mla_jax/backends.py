@@ -16,6 +16,7 @@ scale; the kernels under it take and return plain arrays.
   indexer_logits(q [T,H,D], weights [T,H], k_cache (IndexerKCache), block_tables [T,MB],
                  seq_lens [T]) -> logits [T, MB*BS] f32
   topk(logits [T,S], seq_lens [T], topk) -> positions [T, topk] int32 (-1 padded)
+  write_indexer_cache(k_cache (IndexerKCache), k [T,D], slot_mapping [T]) -> k_cache
 Selection: an explicit name, else $MLA_JAX_BACKEND, else by platform (GPU -> Pallas, else the
 XLA reference).
 """
@@ -54,6 +55,7 @@ class Backend:
   decode: Callable
   prefill: Callable
   write_cache: Callable
+  write_indexer_cache: Callable
   gather_cache: Callable
   sparse_attention: Callable
   indexer_logits: Callable
@@ -96,6 +98,11 @@ def _write_cache(cache, kv_c_normed, k_pe, slot_mapping):
   return cache.write(kv_c_normed, k_pe, slot_mapping)
 
 
+def _write_indexer_cache(k_cache, k, slot_mapping):
+  """The indexer K cache's own write (quantizing as its dtype does)."""
+  return k_cache.write(k, slot_mapping)
+
+
 def _gather_cache(cache, slots):
   """The cache kind's own gather, dequantized to float32 rows."""
   return cache.dequantize_rows(slots)
@@ -132,6 +139,7 @@ REFERENCE = Backend(
     decode=_reference_decode,
     prefill=_reference_prefill,
     write_cache=_write_cache,
+    write_indexer_cache=_write_indexer_cache,
     gather_cache=_gather_cache,
     sparse_attention=_reference_sparse_attention,
     indexer_logits=_indexer_logits(reference.indexer_logits),

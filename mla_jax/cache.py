@@ -315,9 +315,10 @@ class DSMLACache:
   dense_attention = False  # only sparse attention reads the tiled layout
   indexer = None
 
-  def dcp_shardings(self, blocks: Sharding | P, replicated: Sharding | P) -> None:
-    """None: decode context parallelism shards the dense latent cache only."""
-    del blocks, replicated
+  def dcp_shardings(self, blocks: Sharding | P, replicated: Sharding | P) -> "DSMLACache":
+    """Every array's blocks split over dcp (`blocks`)."""
+    del replicated
+    return DSMLACache(blocks, blocks, blocks)
 
   def write(self, kv_c_normed: jax.Array, k_pe: jax.Array,
             slot_mapping: jax.Array) -> "DSMLACache":
@@ -419,9 +420,10 @@ class IndexerKCache:
   dense_attention = False
   indexer = None
 
-  def dcp_shardings(self, blocks: Sharding | P, replicated: Sharding | P) -> None:
-    """None: the indexer is replicated, as in vLLM."""
-    del blocks, replicated
+  def dcp_shardings(self, blocks: Sharding | P, replicated: Sharding | P) -> "IndexerKCache":
+    """Values and scales split over dcp by blocks (`blocks`)."""
+    del replicated
+    return IndexerKCache(blocks, blocks)
 
   def write(self, k: jax.Array, slot_mapping: jax.Array) -> "IndexerKCache":
     """Writes k [T, D] at slot_mapping [T]; negative or out-of-range slots are skipped.
@@ -496,9 +498,10 @@ class DSACache:
 
   dense_attention = False  # the layer picks the latent part for its dense path
 
-  def dcp_shardings(self, blocks: Sharding | P, replicated: Sharding | P) -> None:
-    """None: decode context parallelism shards the dense latent cache only."""
-    del blocks, replicated
+  def dcp_shardings(self, blocks: Sharding | P, replicated: Sharding | P) -> "DSACache":
+    """Both caches split over dcp by blocks (they share one block table)."""
+    return DSACache(self.latent.dcp_shardings(blocks, replicated),
+                    self.indexer.dcp_shardings(blocks, replicated))
 
 
 def allocate_latent_cache(num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int,

@@ -76,7 +76,7 @@ class Indexer(nnx.Module):
     c = self.config
     md.check_cache("indexer cache", k_cache.block_size, k_cache.num_blocks)
     q, weights, k = self.project(x, q_c, md.positions)
-    k_cache = k_cache.write(k, md.slot_mapping)
+    k_cache = backend.write_indexer_cache(k_cache, k, md.slot_mapping)
     if md.within_topk:  # every window fits: the selection is the whole window, no scoring needed
       return causal_positions(md.seq_lens, c.index_topk), k_cache
 

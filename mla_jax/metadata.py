@@ -36,6 +36,10 @@ class AttentionMetadata:
   prefill_query_start_loc: jax.Array  # [Rp+1] int32, prefill requests' rows, from row Td
   context_slots: jax.Array  # [C, W] int32, earlier-context cache slots per workspace chunk
   context_cu_seqlens: jax.Array  # [C, Rp+1] int32, each prefill request's rows in each chunk
+  # Decode context parallelism over dcp devices (None without): each device's view of the cache
+  # blocks it owns (`dcp_block_tables`), built on the host, and the tokens each row sees there.
+  dcp_block_tables: jax.Array | None = None  # [dcp, Rb, MB] int32, local ids packed, -1 padded
+  dcp_seq_lens: jax.Array | None = None  # [dcp, T] int32
   num_decode_rows: int = dataclasses.field(metadata=dict(static=True), default=0)
   max_prefill_query_len: int = dataclasses.field(metadata=dict(static=True), default=0)
   # V3.2: every row sees at most index_topk tokens, so top-k selection would keep them all.
@@ -57,6 +61,18 @@ class AttentionMetadata:
     """[stop - start, MB] block table of each row's request (padding rows read request 0's,
     harmless since they see no tokens)."""
     return self.block_tables[jnp.maximum(self.row_request[start:stop], 0)]
+
+  @property
+  def dcp_size(self) -> int:
+    """The decode-context-parallel size the metadata was built for (1: none)."""
+    return 1 if self.dcp_block_tables is None else self.dcp_block_tables.shape[0]
+
+  def dcp_row_views(self, start: int = 0,
+                    stop: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Each dcp device's view of rows start:stop: (block tables [dcp, rows, MB] of the blocks it
+    owns, local ids packed to the front; tokens [dcp, rows] of the row's window held there)."""
+    rows = jnp.maximum(self.row_request[start:stop], 0)
+    return self.dcp_block_tables[:, rows], self.dcp_seq_lens[:, start:stop]
 
   @property
   def num_prefill_rows(self) -> int:
@@ -188,7 +204,8 @@ def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blo
                    max_blocks_per_seq: int, decode_threshold: int = 1,
                    context_workspace: int = 8192, min_bucket: int = MIN_BUCKET,
                    index_topk: int | None = None,
-                   cache_kind: str | None = None) -> tuple[AttentionMetadata, BatchLayout]:
+                   cache_kind: str | None = None,
+                   dcp: int = 1) -> tuple[AttentionMetadata, BatchLayout]:
   """Builds one step's metadata. A request is a decode when query_len <= decode_threshold.
 
   `block_size`, `num_blocks`, `index_topk` and `cache_kind` (the latent cache's `dtype_name`,
@@ -196,7 +213,9 @@ def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blo
 
   `index_topk` (V3.2 models) sets `within_topk` when no row sees more tokens than top-k keeps.
   Earlier context of prefill requests is read back from the cache in chunks of at most
-  `context_workspace` tokens (the workspace bound of the prefill path).
+  `context_workspace` tokens (the workspace bound of the prefill path). `dcp` > 1: for a cache
+  whose blocks are split over that many devices (`sharding.shard_cache`), each device's block
+  tables and row lengths (`dcp_block_tables`, `dcp_seq_lens`).
   """
   if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence) or not requests:
     raise ValueError("build_metadata needs at least one request")
@@ -208,6 +227,9 @@ def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blo
   index_topk = None if index_topk is None else _integer(index_topk, "index_topk")
   if cache_kind is not None and not isinstance(cache_kind, str):
     raise ValueError(f"cache_kind must be a cache's dtype_name (a str), got {cache_kind!r}")
+  dcp = _integer(dcp, "dcp")
+  if dcp < 1 or num_blocks % dcp:
+    raise ValueError(f"dcp={dcp} must be >= 1 and divide num_blocks={num_blocks}")
   if block_size <= 0 or num_blocks <= 0 or max_blocks_per_seq <= 0 or context_workspace <= 0:
     raise ValueError("block_size, num_blocks, max_blocks_per_seq and context_workspace must be "
                      "positive")
@@ -269,7 +291,12 @@ def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blo
   md = AttentionMetadata(
       positions=positions, slot_mapping=slots, seq_lens=seq_lens, row_request=row_request,
       block_tables=tables, prefill_query_start_loc=cu_q, context_slots=context_slots,
-      context_cu_seqlens=context_cu, num_decode_rows=td, max_prefill_query_len=bucket(max_q, 16),
+      context_cu_seqlens=context_cu,
+      dcp_block_tables=None if dcp == 1 else dcp_tables(tables, num_blocks, dcp),
+      dcp_seq_lens=None if dcp == 1 else dcp_seq_lens(
+          tables[np.maximum(row_request, 0)], seq_lens, dcp=dcp, num_blocks=num_blocks,
+          block_size=block_size),
+      num_decode_rows=td, max_prefill_query_len=bucket(max_q, 16),
       within_topk=index_topk is not None and int(seq_lens.max()) <= index_topk,
       block_size=block_size, num_blocks=num_blocks, index_topk=index_topk, cache_kind=cache_kind)
   md = jax.tree.map(jax.numpy.asarray, md)
@@ -277,22 +304,37 @@ def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blo
                          num_decode_requests=num_dec_req)
 
 
-def dcp_local_view(block_tables: jax.Array, seq_lens: jax.Array, *, first_block: int | jax.Array,
-                   num_blocks: int, block_size: int) -> tuple[jax.Array, jax.Array]:
-  """Rows' block tables [T, MB] and lengths [T] as seen by the decode-context-parallel device that
-  owns global cache blocks [first_block, first_block + num_blocks) (may be traced).
+def dcp_tables(block_tables: np.ndarray, num_blocks: int, dcp: int) -> np.ndarray:
+  """Block tables [R, MB] (global ids, -1 padded) as each of `dcp` devices sees them, device d
+  owning global blocks [d*nb, (d+1)*nb) with nb = num_blocks / dcp (the split
+  `sharding.shard_cache` makes): [dcp, R, MB] int32, its own entries renumbered into its shard and
+  packed to the front in table order, -1 after. Host-side (numpy), once per step or request.
 
-  Owned entries holding visible tokens are renumbered into the device's cache shard and packed to
-  the front in table order (-1 after); the length counts their visible tokens. Only a row's last
-  visible block can be partial, and it comes last among its owner's, so the visible tokens are a
-  prefix of every device's packed table: the normal decode kernel runs on it unchanged, and the
-  devices' partial results over these disjoint token sets merge into the full one by their LSEs.
+  Only a row's last visible block can be partial, and it comes last among its owner's, so a row's
+  visible tokens on each device are a prefix of that device's packed table: the decode kernel runs
+  on it unchanged with the length `dcp_seq_lens` gives, and the devices' partial results over these
+  disjoint token sets merge into the full one by their LSEs.
   """
-  visible = jnp.clip(seq_lens[:, None] - jnp.arange(block_tables.shape[1]) * block_size, 0,
-                     block_size)
-  local = block_tables - first_block
-  owned = (local >= 0) & (local < num_blocks) & (visible > 0)
-  order = jnp.argsort(~owned, axis=1, stable=True)
-  tables = jnp.where(jnp.take_along_axis(owned, order, axis=1),
-                     jnp.take_along_axis(local, order, axis=1), -1)
-  return tables.astype(jnp.int32), jnp.sum(jnp.where(owned, visible, 0), axis=1, dtype=jnp.int32)
+  tables = np.asarray(block_tables, np.int64)
+  nb = num_blocks // dcp
+  owner = np.where(tables >= 0, tables // nb, -1)
+  out = np.full((dcp,) + tables.shape, -1, np.int32)
+  for d in range(dcp):
+    owned = owner == d
+    order = np.argsort(~owned, axis=1, kind="stable")  # owned entries first, in table order
+    local = np.take_along_axis(np.where(owned, tables - d * nb, -1), order, axis=1)
+    out[d] = local
+  return out
+
+
+def dcp_seq_lens(row_block_tables: jax.Array | np.ndarray, seq_lens: jax.Array | np.ndarray, *,
+                 dcp: int, num_blocks: int, block_size: int) -> jax.Array | np.ndarray:
+  """[dcp, T] int32: the tokens of each row's window [0, seq_lens) held by each device, for rows'
+  global block tables [T, MB] (host or device arrays; elementwise, traceable: the on-device decode
+  loop advances it)."""
+  xp = np if isinstance(seq_lens, np.ndarray) else jnp
+  mb = row_block_tables.shape[1]
+  visible = xp.clip(seq_lens[:, None] - xp.arange(mb) * block_size, 0, block_size)
+  owner = xp.where(row_block_tables >= 0, row_block_tables // (num_blocks // dcp), -1)
+  held = xp.where(owner[None] == xp.arange(dcp)[:, None, None], visible[None], 0)
+  return held.sum(axis=2).astype(xp.int32)

@@ -23,18 +23,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from jax.typing import DTypeLike
 
 from mla_jax.cache import DSACache, LatentCache
 from mla_jax.checkpoint import Checkpoint
 from mla_jax.config import MLAConfig, hf_int
 from mla_jax.decoding import DecodeState, decode_steps
-from mla_jax.metadata import (MIN_BUCKET, AttentionMetadata, RequestState, bucket,
-                              build_metadata)
+from mla_jax.metadata import (MIN_BUCKET, AttentionMetadata, BatchLayout, RequestState,
+                              bucket, build_metadata, dcp_tables)
 from mla_jax.modules import DeepseekV2MLAAttention
 from mla_jax.nn import linear
 from mla_jax.sampling import GREEDY, SamplingParams, sample
-from mla_jax.sharding import shard_cache
+from mla_jax.sharded_backend import DCP_AXIS
+from mla_jax.sharding import place, place_metadata, shard_cache
 from mla_jax.weights import (Target, assign, attention_targets, check_tensors, linear_target,
                              param_target)
 
@@ -164,8 +166,12 @@ class DeepseekForCausalLM(nnx.Module):
     dtype = self.dtype if dtype is None else dtype
     caches = tuple(layer.self_attn.allocate_cache(num_blocks, block_size, dtype, **kwargs)
                    for layer in self.layers)
-    mesh = self.layers[0].self_attn.mla_attn.mesh  # set by sharding.shard_layer
-    return caches if mesh is None else tuple(shard_cache(c, mesh) for c in caches)
+    return caches if self.mesh is None else tuple(shard_cache(c, self.mesh) for c in caches)
+
+  @property
+  def mesh(self) -> Mesh | None:
+    """The jax.sharding.Mesh that `sharding.shard_layer` placed the model on (None: one device)."""
+    return self.layers[0].self_attn.mla_attn.mesh
 
   def load_checkpoint(self, checkpoint: Checkpoint) -> None:
     """Fills every parameter from a checkpoint, all or nothing: each layer's tensors are read
@@ -231,39 +237,57 @@ def _progress_bar(total: int):
 
 @dataclasses.dataclass
 class _Paging:
-  """Contiguous blocks per request, enough for `capacity[i]` tokens, in a pool of `num_blocks`;
-  builds each step's metadata over them."""
+  """Blocks per request, enough for `capacity[i]` tokens, in a pool of `num_blocks`; builds each
+  step's metadata over them. Under dcp (the model's mesh) the pool is split into dcp ranges and a
+  request's consecutive blocks go to the ranges in turn, so every device holds its share of it."""
   tables: list[list[int]]
   num_blocks: int
   max_blocks: int
   block_size: int
   index_topk: int | None
   cache_kind: str | None = None  # the caches' dtype_name, once allocated
+  mesh: Mesh | None = None
+
+  @property
+  def dcp(self) -> int:
+    return 1 if self.mesh is None else self.mesh.shape.get(DCP_AXIS, 1)
 
   @classmethod
   def for_lengths(cls, model: DeepseekForCausalLM, capacity: Sequence[int], block_size: int,
                   num_blocks: int | None = None) -> "_Paging":
+    mesh = model.mesh
+    dcp = 1 if mesh is None else mesh.shape.get(DCP_AXIS, 1)
     blocks = [-(-n // block_size) for n in capacity]
     starts = np.cumsum([0] + blocks)
     if num_blocks is not None and num_blocks < starts[-1]:
       raise ValueError(f"a pool of {num_blocks} blocks cannot hold these requests: they need "
                        f"{starts[-1]} blocks of {block_size} tokens")
+    pool = -(-int(starts[-1]) // dcp) * dcp if num_blocks is None else num_blocks
+    # Logical block j of the pool -> range j % dcp, j // dcp-th block there.
+    spread = lambda j: (j % dcp) * (pool // dcp) + j // dcp
     # The pool size and a power-of-two table width are shapes of the compiled step: fixing
     # them lets runs of different batches share compilations.
-    return cls([list(range(starts[i], starts[i + 1])) for i in range(len(blocks))],
-               int(starts[-1]) if num_blocks is None else num_blocks, bucket(max(blocks), 1),
-               block_size, model.config.attention.index_topk)
+    return cls([[spread(j) for j in range(starts[i], starts[i + 1])] for i in range(len(blocks))],
+               pool, bucket(max(blocks), 1), block_size, model.config.attention.index_topk,
+               mesh=mesh)
 
-  def metadata(self, requests: Sequence[RequestState]):
-    return build_metadata(requests, block_size=self.block_size, num_blocks=self.num_blocks,
-                          max_blocks_per_seq=self.max_blocks, index_topk=self.index_topk,
-                          cache_kind=self.cache_kind)
+  def metadata(self, requests: Sequence[RequestState]
+               ) -> tuple[AttentionMetadata, BatchLayout]:
+    """The step's metadata, on the mesh when there is one (`sharding.place_metadata`)."""
+    md, layout = build_metadata(requests, block_size=self.block_size, num_blocks=self.num_blocks,
+                                max_blocks_per_seq=self.max_blocks, index_topk=self.index_topk,
+                                cache_kind=self.cache_kind, dcp=self.dcp)
+    return place_metadata(md, self.mesh), layout
 
   def allocate_caches(self, model: DeepseekForCausalLM, cache_dtype) -> tuple:
     """The model's caches over this pool; later metadata records their kind."""
     caches = model.allocate_caches(self.num_blocks, self.block_size, cache_dtype)
     self.cache_kind = caches[0].dtype_name
     return caches
+
+  def place(self, tree: Any) -> Any:
+    """Arrays of `tree` (inputs, a decode state) on every device of the mesh, if any."""
+    return tree if self.mesh is None else place(tree, self.mesh)
 
 
 def check_token_ids(config: DecoderConfig, sequences: Sequence[Sequence[int]], *, what: str,
@@ -313,7 +337,8 @@ def forward(model: DeepseekForCausalLM, sequences: Sequence[Sequence[int]], *,
                                 for i, s in enumerate(sequences)])
   tokens = layout.pack(sequences)
   graphdef, state = nnx.split(model)
-  logits, _ = _step(graphdef, state, jnp.asarray(tokens), caches, md, jnp.arange(layout.num_rows))
+  logits, _ = _step(graphdef, state, paging.place(jnp.asarray(tokens)), caches, md,
+                    paging.place(jnp.arange(layout.num_rows)))
   return layout.unpack(logits)
 
 
@@ -395,8 +420,9 @@ def prefill(model: DeepseekForCausalLM, prompts: Sequence[Sequence[int]], max_ne
     # step's shapes depend only on its buckets.
     last = np.zeros(md.block_tables.shape[0], np.int32)
     last[:len(group)] = [r[-1] for r in layout.rows]
-    out, caches = _step(graphdef, state, jnp.asarray(layout.pack([prompts[i] for i in group])),
-                        caches, md, jnp.asarray(last))
+    tokens = layout.pack([prompts[i] for i in group])
+    out, caches = _step(graphdef, state, paging.place(jnp.asarray(tokens)), caches, md,
+                        paging.place(jnp.asarray(last)))
     step_logits.append(out[:len(group)])
   logits = jnp.pad(jnp.concatenate(step_logits), ((0, rows - n), (0, 0)))
   first = _sample(logits, sampling, key, 0)
@@ -407,10 +433,13 @@ def prefill(model: DeepseekForCausalLM, prompts: Sequence[Sequence[int]], max_ne
   prompt_lens[:n] = [len(p) for p in prompts]
   remaining = np.where(np.arange(rows) < n, max_new_tokens - 1, 0).astype(np.int32)
   stop = jnp.int32(-1 if stop_token_id is None else stop_token_id)
-  decode_state = DecodeState(
+  dcp = paging.dcp
+  decode_state = paging.place(DecodeState(
       tokens=first, positions=jnp.asarray(prompt_lens), active=(first != stop) & (remaining > 0),
       remaining=jnp.asarray(remaining), block_tables=jnp.asarray(tables), step=jnp.int32(1),
-      stop_token=stop, key=key)
+      stop_token=stop, key=key,
+      dcp_block_tables=None if dcp == 1 else jnp.asarray(dcp_tables(tables, paging.num_blocks,
+                                                                    dcp))))
   return PrefilledBatch(caches, decode_state, paging, prompt_lens[:n].tolist(), max_new_tokens,
                         sampling, stop_token_id, logits if return_logits else None)
 
@@ -468,7 +497,7 @@ def decode(model: DeepseekForCausalLM, batch: PrefilledBatch, *,
         graphdef, params, caches, state, None if fixed else num_steps,
         max_steps=steps_per_dispatch,
         block_size=batch.paging.block_size, sampling=batch.sampling, within_topk=within,
-        return_logits=logits is not None)
+        return_logits=logits is not None, num_blocks=batch.paging.num_blocks)
     t += num_steps
     pending.append(out)
     if len(pending) > 1:  # read the previous dispatch while this one runs

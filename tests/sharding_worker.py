@@ -26,8 +26,13 @@ from mla_jax.metadata import RequestState, build_metadata
 from mla_jax.modules import jitted_step
 
 CFG = dense.SMALL.replace(num_heads=8)
-DENSE_CASES = [(1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (1, 4), (2, 4)]  # (tp, dcp)
-DSA_CASES = [(2, "latent"), (4, "ds_mla")]  # (tp, latent cache kind)
+# (tp, dcp, how dcp merges)
+DENSE_CASES = [(1, 1, "all_reduce"), (2, 1, "all_reduce"), (4, 1, "all_reduce"),
+               (8, 1, "all_reduce"), (1, 2, "all_reduce"), (1, 4, "all_reduce"),
+               (2, 4, "all_reduce"), (1, 2, "all_gather"), (2, 2, "all_gather")]
+# (tp, dcp, latent cache kind): V3.2, prompts longer than top-k in a mixed prefill/decode schedule.
+DSA_CASES = [(2, 1, "latent"), (4, 1, "ds_mla"), (1, 2, "latent"), (2, 2, "ds_mla"),
+             (1, 4, "ds_mla")]
 # Prefill (request 0's prompt in two chunks, its context read back 8 rows at a time), then decodes.
 SCHEDULE = [[10, 5, 25], [7, 1, 1], [0, 1, 1], [0, 1, 1], [0, 0, 1], [0, 0, 1]]
 WORKSPACE = 8
@@ -69,19 +74,25 @@ def max_diff(a, b):
   return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
 
 
-def dense_case(tp, dcp, inputs, ref_outs, ref_cache):
+def case_name(*parts):
+  return "-".join(map(str, parts))
+
+
+def dense_case(tp, dcp, merge, inputs, ref_outs, ref_cache):
   mesh = sharding.make_mesh(tp=tp, dcp=dcp)
-  layer = sharding.shard_layer(dense.make_layer(CFG), mesh)
+  layer = sharding.shard_layer(dense.make_layer(CFG), mesh, dcp_merge=merge)
   tables = dense.tables_for(3, 0)
   outs, cache = dense.run_schedule(layer, inputs, SCHEDULE, tables,
-                                   sharding.shard_cache(poisoned_cache(), mesh), workspace=WORKSPACE)
-  # The mixed step (decode rows, then prefill rows with earlier context), compiled for its HLO.
+                                   sharding.shard_cache(poisoned_cache(), mesh), workspace=WORKSPACE,
+                                   dcp=dcp)
+  # The mixed step (decode rows, then prefill rows with earlier context), compiled for its HLO,
+  # its metadata placed on the mesh as generate places it.
   md, _ = build_metadata([RequestState(10, 7, tables[0]), RequestState(5, 1, tables[1]),
                           RequestState(25, 1, tables[2])], block_size=dense.BS,
                          num_blocks=dense.NB, max_blocks_per_seq=dense.MB,
-                         context_workspace=WORKSPACE)
-  x = jnp.zeros((md.num_rows, CFG.hidden_size), jnp.float32)
-  hlo = jitted_step(layer).lower(x, cache, md).compile().as_text()
+                         context_workspace=WORKSPACE, dcp=dcp)
+  x = sharding.place(jnp.zeros((md.num_rows, CFG.hidden_size), jnp.float32), mesh)
+  hlo = jitted_step(layer).lower(x, cache, sharding.place_metadata(md, mesh)).compile().as_text()
   return {
       "max_abs_diff": max_diff(outs, ref_outs),
       "max_abs_ref": max(float(np.abs(o).max()) for o in ref_outs),
@@ -101,17 +112,33 @@ def jitted_dsa(layer):
   return lambda x, cache, md, return_topk: step(layer, x, cache, md)
 
 
-def dsa_case(tp, kind):
-  """V3.2: the indexer replicated, sparse attention split by heads."""
+def dsa_case(tp, dcp, kind):
+  """V3.2: the indexer replicated over tp, sparse attention split by heads; under dcp every cache
+  split by blocks, each device selecting among its own tokens, the selections merged."""
   inputs, tables = dsa.inputs_for(dsa.SCHEDULE, 1), dsa.tables(2)
-  ref, ref_sels, _ = dsa.run(jitted_dsa(dsa.make_layer()), inputs, dsa.SCHEDULE, tables,
-                             dsa.make_cache(kind))
-  mesh = sharding.make_mesh(tp=tp)
-  got, sels, _ = dsa.run(jitted_dsa(sharding.shard_layer(dsa.make_layer(), mesh)), inputs,
-                         dsa.SCHEDULE, tables, sharding.shard_cache(dsa.make_cache(kind), mesh))
+  ref, ref_sels, ref_cache = dsa.run(jitted_dsa(dsa.make_layer()), inputs, dsa.SCHEDULE, tables,
+                                     dsa.make_cache(kind))
+  mesh = sharding.make_mesh(tp=tp, dcp=dcp)
+  layer = sharding.shard_layer(dsa.make_layer(), mesh)
+  cache = sharding.shard_cache(dsa.make_cache(kind), mesh)
+  got, sels, cache = dsa.run(jitted_dsa(layer), inputs, dsa.SCHEDULE, tables, cache, dcp=dcp)
   same = all(set(np.asarray(a[t]).tolist()) == set(np.asarray(b[t]).tolist())
              for ra, rb in zip(sels, ref_sels) for a, b in zip(ra, rb) for t in range(len(a)))
-  return {"max_abs_diff": max_diff(got, ref), "same_selection": same}
+  # The decode step past the prompts, compiled for its HLO.
+  md, _ = build_metadata([RequestState(19, 1, tables[0]), RequestState(12, 1, tables[1])],
+                         block_size=dsa.BS, num_blocks=dsa.NB, max_blocks_per_seq=dsa.MB,
+                         index_topk=dsa.TOPK, dcp=dcp)
+  x = sharding.place(jnp.zeros((md.num_rows, dsa.CFG.hidden_size), jnp.float32), mesh)
+  hlo = jitted_step(layer).lower(x, cache, sharding.place_metadata(md, mesh)).compile().as_text()
+  leaves = lambda c: [np.asarray(a).reshape(-1).view(np.uint8) for a in jax.tree.leaves(c)]
+  return {"max_abs_diff": max_diff(got, ref), "same_selection": same,
+          "cache_equal": all(np.array_equal(a, b) for a, b in zip(leaves(cache), leaves(ref_cache))),
+          # Element counts of every paged array of the cache, whole and one device's shard.
+          "cache_sizes": sorted({n for a in jax.tree.leaves(cache) if a.ndim >= 2
+                                 for n in (a.size, a.addressable_shards[0].data.size)}),
+          "cache_specs": sorted({str(a.sharding.spec) for a in jax.tree.leaves(cache)
+                                 if a.ndim >= 2}),
+          "collectives": collectives(hlo)}
 
 
 def errors():
@@ -120,8 +147,14 @@ def errors():
       "heads_over_tp3": lambda: sharding.shard_layer(dense.make_layer(CFG), sharding.make_mesh(tp=3)),
       "blocks_over_dcp4": lambda: sharding.shard_cache(
           LatentCache.allocate(42, dense.BS, CFG.latent_dim, jnp.float32), sharding.make_mesh(dcp=4)),
-      "dsa_cache_over_dcp2": lambda: sharding.shard_cache(dsa.make_cache("latent"),
-                                                          sharding.make_mesh(dcp=2)),
+      "metadata_without_dcp": lambda: dense.run_schedule(
+          sharding.shard_layer(dense.make_layer(CFG), sharding.make_mesh(dcp=2)),
+          dense.inputs_for([[3]], 0), [[3]], dense.tables_for(1, 0), poisoned_cache()),
+      "place_metadata_for_another_dcp": lambda: sharding.place_metadata(
+          build_metadata([RequestState(0, 3, [0])], block_size=dense.BS, num_blocks=dense.NB,
+                         max_blocks_per_seq=1, dcp=2)[0], sharding.make_mesh(dcp=4)),
+      "dcp_merge_unknown": lambda: sharding.shard_layer(
+          dense.make_layer(CFG), sharding.make_mesh(dcp=2), dcp_merge="reduce"),
       "explicit_mesh": lambda: sharding.shard_layer(dense.make_layer(CFG),
                                                     jax.make_mesh((2,), (sharding.TP_AXIS,))),
   }
@@ -142,9 +175,9 @@ def main():
                                            dense.tables_for(3, 0), poisoned_cache(),
                                            workspace=WORKSPACE)
   report = {
-      "dense": {f"{tp}x{dcp}": dense_case(tp, dcp, inputs, ref_outs, np.asarray(ref_cache.data))
-                for tp, dcp in DENSE_CASES},
-      "dsa": {f"{tp}-{kind}": dsa_case(tp, kind) for tp, kind in DSA_CASES},
+      "dense": {case_name(*c): dense_case(*c, inputs, ref_outs, np.asarray(ref_cache.data))
+                for c in DENSE_CASES},
+      "dsa": {case_name(*c): dsa_case(*c) for c in DSA_CASES},
       "errors": errors(),
   }
   print(json.dumps(report))

@@ -27,8 +27,10 @@ def make_layer(config=SMALL, dtype=jnp.float32, seed=0):
 _steps = {}
 
 
-def run_schedule(layer, inputs, schedule, tables, cache, *, workspace=8192, decode_threshold=1):
-  """Feeds `schedule` (per step, tokens per request; 0 = idle) and returns each request's outputs."""
+def run_schedule(layer, inputs, schedule, tables, cache, *, workspace=8192, decode_threshold=1,
+                 dcp=1):
+  """Feeds `schedule` (per step, tokens per request; 0 = idle) and returns each request's outputs.
+  `dcp`: the metadata is built for a cache split over that many devices."""
   if id(layer) not in _steps:  # one jitted step per layer, so repeated shapes reuse compilations
     _steps[id(layer)] = (layer, jitted_step(layer, donate_cache=False))
   step = _steps[id(layer)][1]
@@ -39,7 +41,7 @@ def run_schedule(layer, inputs, schedule, tables, cache, *, workspace=8192, deco
     md, layout = build_metadata([RequestState(done[i], q_lens[i], tables[i]) for i in live],
                                 block_size=cache.block_size, num_blocks=cache.num_blocks,
                                 max_blocks_per_seq=MB, context_workspace=workspace,
-                                decode_threshold=decode_threshold)
+                                decode_threshold=decode_threshold, dcp=dcp)
     x = layout.pack([inputs[i][done[i]:done[i] + q_lens[i]] for i in live])
     out, cache = step(jnp.asarray(x, layer.mla_attn.dtype), cache, md)
     for i, o in zip(live, layout.unpack(np.asarray(out, np.float32))):

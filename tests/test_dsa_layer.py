@@ -31,15 +31,18 @@ def make_cache(kind):
   return DSACache(latent, IndexerKCache.allocate(NB, BS, CFG.index_head_dim))
 
 
-def run(layer, inputs, schedule, tables, cache, *, decode_threshold=1, index_topk=TOPK, given=None):
-  """Feeds the schedule; returns per-request outputs, per-request selections, the cache."""
+def run(layer, inputs, schedule, tables, cache, *, decode_threshold=1, index_topk=TOPK, given=None,
+        dcp=1):
+  """Feeds the schedule; returns per-request outputs, per-request selections, the cache.
+  `dcp`: the metadata is built for a cache split over that many devices."""
   done = [0] * len(inputs)
   outs, sels = [[] for _ in inputs], [[] for _ in inputs]
   for step, q_lens in enumerate(schedule):
     live = [i for i, q in enumerate(q_lens) if q]
     md, layout = build_metadata([RequestState(done[i], q_lens[i], tables[i]) for i in live],
                                 block_size=BS, num_blocks=NB, max_blocks_per_seq=MB,
-                                decode_threshold=decode_threshold, index_topk=index_topk)
+                                decode_threshold=decode_threshold, index_topk=index_topk,
+                                dcp=dcp)
     x = layout.pack([inputs[i][done[i]:done[i] + q_lens[i]] for i in live])
     kw = {} if given is None else {"topk_positions": jnp.asarray(layout.pack(given[step], fill=-1))}
     out, cache, sel = layer(jnp.asarray(x), cache, md, return_topk=True, **kw)

@@ -8,12 +8,16 @@ measured; the tests here judge the report.
 
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mla_jax import backends
-from mla_jax.metadata import dcp_local_view
-from sharding_worker import CFG, DENSE_CASES, DSA_CASES, WORKSPACE, run_with_host_devices
+from mla_jax import backends, reference
+from mla_jax.metadata import dcp_seq_lens, dcp_tables
+from mla_jax.sharded_backend import merge_topk
+from sharding_worker import (CFG, DENSE_CASES, DSA_CASES, WORKSPACE, case_name,
+                             run_with_host_devices)
 from test_attention import make_layer
 
 
@@ -27,31 +31,75 @@ def test_single_device_layer_calls_the_kernels_directly():
   assert attn.mesh is None and attn.backend is backends.BACKENDS["reference"]
 
 
-def test_dcp_local_view_packs_each_devices_visible_blocks():
-  # Two rows of one request (table 5 2 7 1, pages of 8): 30 and 20 visible tokens. Device 0 owns
-  # blocks 0-3, device 1 blocks 4-7; blocks past a row's window are not its to read.
-  tables, lens = np.array([[5, 2, 7, 1], [5, 2, 7, 1]]), np.array([30, 20])
-  view = lambda first: [np.asarray(a).tolist() for a in dcp_local_view(
-      tables, lens, first_block=first, num_blocks=4, block_size=8)]
-  assert view(0) == [[[2, 1, -1, -1], [2, -1, -1, -1]], [8 + 6, 8]]
-  assert view(4) == [[[1, 3, -1, -1], [1, 3, -1, -1]], [8 + 8, 8 + 4]]
+def test_dcp_tables_pack_each_devices_blocks():
+  # One request (table 5 2 7 1, pages of 8), rows seeing 30 and 20 tokens. Device 0 owns blocks
+  # 0-3, device 1 blocks 4-7; a row's window counts only the blocks it reaches.
+  tables = np.array([[5, 2, 7, 1]])
+  assert dcp_tables(tables, 8, 2).tolist() == [[[2, 1, -1, -1]], [[1, 3, -1, -1]]]
+  lens = dcp_seq_lens(np.repeat(tables, 2, 0), np.array([30, 20]), dcp=2, num_blocks=8,
+                      block_size=8)
+  assert lens.tolist() == [[8 + 6, 8], [8 + 8, 8 + 4]]
 
 
-@pytest.mark.parametrize("tp,dcp", DENSE_CASES)
-def test_prefill_and_decode_equal_single_device(report, tp, dcp):
-  r = report["dense"][f"{tp}x{dcp}"]
+@pytest.mark.parametrize("dcp", [2, 4])
+def test_dcp_views_hold_each_window_exactly_once(dcp):
+  # The first dcp_seq_lens tokens of each device's packed table are the row's window, split.
+  rng = np.random.default_rng(dcp)
+  nb, bs, mb = 32, 4, 7
+  tables = np.stack([rng.permutation(nb)[:mb] for _ in range(5)])
+  tables[1, 5:] = -1
+  lens = np.array([28, 17, 1, 9, 0])
+  local, held = dcp_tables(tables, nb, dcp), dcp_seq_lens(tables, lens, dcp=dcp, num_blocks=nb,
+                                                          block_size=bs)
+  np.testing.assert_array_equal(np.asarray(held), dcp_seq_lens(  # traced form, same numbers
+      jnp.asarray(tables), jnp.asarray(lens), dcp=dcp, num_blocks=nb, block_size=bs))
+  for r in range(len(tables)):
+    pos = np.arange(lens[r])
+    window = tables[r][pos // bs] * bs + pos % bs
+    seen = [(d * nb // dcp + local[d, r][p // bs]) * bs + p % bs
+            for d in range(dcp) for p in range(held[d, r])]
+    assert sorted(seen) == sorted(window.tolist())
+
+
+def test_merged_top_k_is_the_whole_rows_top_k_with_its_ties():
+  # Scores from a few levels, so many ties, some -inf; two or four devices own stripes of blocks.
+  rng = np.random.default_rng(0)
+  k, s, bs = 8, 64, 4
+  logits = rng.integers(0, 5, (6, s)).astype(np.float32)
+  logits[rng.random((6, s)) < 0.2] = -np.inf
+  lens = np.array([64, 40, 9, 3, 0, 33], np.int32)
+  want = reference.topk_positions(jnp.asarray(logits), jnp.asarray(lens), k)
+  for dcp in (2, 4):
+    owner = (np.arange(s) // bs) % dcp
+    cands = []
+    for d in range(dcp):
+      own = jnp.asarray(np.where(owner == d, logits, -np.inf))
+      pos = reference.topk_positions(own, jnp.asarray(lens), k)
+      cands.append((jnp.where(pos >= 0, jnp.take_along_axis(own, jnp.maximum(pos, 0), 1),
+                              -jnp.inf), pos))
+    got = merge_topk(jnp.concatenate([c[0] for c in cands], 1),
+                     jnp.concatenate([c[1] for c in cands], 1), k)
+    assert np.array_equal(np.sort(np.asarray(got), 1), np.sort(np.asarray(want), 1)), dcp
+
+
+@pytest.mark.parametrize("case", DENSE_CASES, ids=lambda c: case_name(*c))
+def test_prefill_and_decode_equal_single_device(report, case):
+  r = report["dense"][case_name(*case)]
   # fp32: only o_proj's summation order (partial sums per head group) and the LSE merge differ.
   assert r["max_abs_diff"] <= 1e-6 * r["max_abs_ref"] + 1e-6, r
   # Every write landed where the single device put it and nothing else changed (NaN pages stay).
   assert r["cache_equal"]
-  assert r["cache_spec"] == ("P('dcp',)" if dcp > 1 else "P()")  # the step keeps the cache's split
+  assert r["cache_spec"] == ("P('dcp',)" if case[1] > 1 else "P()")  # the step keeps the split
 
 
-@pytest.mark.parametrize("tp,dcp", DENSE_CASES)
-def test_compiled_step_moves_activations_not_the_cache(report, tp, dcp):
-  r = report["dense"][f"{tp}x{dcp}"]
+@pytest.mark.parametrize("case", DENSE_CASES, ids=lambda c: case_name(*c))
+def test_compiled_step_moves_activations_not_the_cache(report, case):
+  tp, dcp, merge = case
+  r = report["dense"][case_name(*case)]
   colls = r["collectives"]
-  assert all(c["op"] == "all-reduce" for c in colls), colls  # no all-gather, permute, all-to-all
+  gathered = merge == "all_gather" and dcp > 1
+  # No permute or all-to-all; all-gathers only of the partial attentions (all_gather merge).
+  assert all(c["op"] == "all-reduce" or (gathered and c["op"] == "all-gather") for c in colls), colls
   sizes = [math.prod(dims) for c in colls for _, dims in c["shapes"]]
   assert all(n < r["cache_shard_elements"] for n in sizes), (sizes, r["cache_shard_elements"])
   shapes = {tuple(dims) for c in colls for _, dims in c["shapes"]}
@@ -60,23 +108,39 @@ def test_compiled_step_moves_activations_not_the_cache(report, tp, dcp):
   # dcp: the decode rows' partial (o, lse) of this device's heads merged across the cache shards,
   # and the prefill context rows gathered from their owners.
   local = (r["decode_rows"], CFG.num_heads // tp)
-  expected = {local + (CFG.kv_lora_rank,), local, (WORKSPACE, CFG.latent_dim)}
+  parts = ({(dcp,) + local + (CFG.kv_lora_rank,), (dcp,) + local} if gathered
+           else {local + (CFG.kv_lora_rank,), local})
+  expected = parts | {(WORKSPACE, CFG.latent_dim)}
   assert expected <= shapes if dcp > 1 else not expected & shapes, shapes
   if tp == dcp == 1:
     assert not colls
 
 
-@pytest.mark.parametrize("tp,kind", DSA_CASES)
-def test_v32_sparse_layer_under_tp_equals_single_device(report, tp, kind):
-  r = report["dsa"][f"{tp}-{kind}"]
-  assert r["same_selection"]  # the replicated indexer picks what the single device picks
+@pytest.mark.parametrize("case", DSA_CASES, ids=lambda c: case_name(*c))
+def test_v32_sparse_layer_equals_single_device(report, case):
+  tp, dcp, _ = case
+  r = report["dsa"][case_name(*case)]
+  # The replicated indexer (tp), or each device's own candidates merged (dcp), picks exactly what
+  # the single device picks, at every row of a mixed prefill/decode schedule.
+  assert r["same_selection"]
   assert r["max_abs_diff"] <= 1e-5, r
+  assert r["cache_equal"]  # latent (dense or fp8_ds_mla) and indexer caches, bit for bit
+  assert r["cache_specs"] == (["P('dcp',)"] if dcp > 1 else ["P()"]), r
+  # No collective carries a cache (whole or one device's shard): only rows' selections and
+  # partial attentions cross devices.
+  colls = r["collectives"]
+  sizes = {math.prod(dims) for c in colls for _, dims in c["shapes"]}
+  assert not sizes & set(r["cache_sizes"]), (sizes, r["cache_sizes"])
+  assert all(c["op"] in ("all-reduce", "all-gather") for c in colls), colls
+  assert any(c["op"] == "all-gather" for c in colls) == (dcp > 1)  # the top-k candidates
 
 
 @pytest.mark.parametrize("misuse,message", [
     ("heads_over_tp3", "not divisible by tp_size"),
     ("blocks_over_dcp4", "do not divide over dcp"),
-    ("dsa_cache_over_dcp2", "LatentCache only"),
+    ("metadata_without_dcp", "build_metadata(..., dcp=2)"),
+    ("place_metadata_for_another_dcp", "build_metadata(..., dcp=4)"),
+    ("dcp_merge_unknown", "unknown dcp_merge"),
     ("explicit_mesh", "Auto axes"),
 ])
 def test_misuse_raises_value_error(report, misuse, message):
