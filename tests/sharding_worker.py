@@ -27,12 +27,11 @@ from mla_jax.modules import jitted_step
 
 CFG = dense.SMALL.replace(num_heads=8)
 # (tp, dcp, how dcp merges)
-DENSE_CASES = [(1, 1, "all_reduce"), (2, 1, "all_reduce"), (4, 1, "all_reduce"),
-               (8, 1, "all_reduce"), (1, 2, "all_reduce"), (1, 4, "all_reduce"),
-               (2, 4, "all_reduce"), (1, 2, "all_gather"), (2, 2, "all_gather")]
+DENSE_CASES = [(1, 1, "all_reduce"), (2, 1, "all_reduce"), (8, 1, "all_reduce"),
+               (1, 2, "all_reduce"), (1, 4, "all_reduce"), (2, 4, "all_reduce"),
+               (2, 2, "all_gather")]
 # (tp, dcp, latent cache kind): V3.2, prompts longer than top-k in a mixed prefill/decode schedule.
-DSA_CASES = [(2, 1, "latent"), (4, 1, "ds_mla"), (1, 2, "latent"), (2, 2, "ds_mla"),
-             (1, 4, "ds_mla")]
+DSA_CASES = [(2, 1, "ds_mla"), (1, 2, "latent"), (2, 2, "ds_mla"), (1, 4, "latent")]
 # Prefill (request 0's prompt in two chunks, its context read back 8 rows at a time), then decodes.
 SCHEDULE = [[10, 5, 25], [7, 1, 1], [0, 1, 1], [0, 1, 1], [0, 0, 1], [0, 0, 1]]
 WORKSPACE = 8
@@ -50,7 +49,7 @@ def run_with_host_devices(script: str) -> dict:
   path = os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")])
   env = {**os.environ, "XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
   proc = subprocess.run([sys.executable, str(tests / script)], cwd=tests, env=env,
-                        capture_output=True, text=True, timeout=600)
+                        capture_output=True, text=True, timeout=1500)
   assert proc.returncode == 0, proc.stderr[-6000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
 

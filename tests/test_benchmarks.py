@@ -56,3 +56,39 @@ def test_without_a_gpu_it_says_so_and_exits(module):
     mod.main(["--quick"] if "--quick" in mod.__doc__ else [])
   message = str(exit_info.value.code)
   assert f"python -m {module} needs" in message and "CUDA GPU" in message, message
+
+
+def test_bench_tp_reads_device_busy_time_from_trace_events():
+  from benchmarks.bench_tp import busy_from_events
+  meta = lambda pid, name, tid=None: {"ph": "M", "pid": pid, "tid": tid,
+                                      "name": "thread_name" if tid else "process_name",
+                                      "args": {"name": name}}
+  x = lambda pid, tid, ts, dur, name: {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur,
+                                       "name": name}
+  events = [meta(1, "/host:CPU"), meta(2, "/device:GPU:0"), meta(3, "/device:GPU:1"),
+            meta(2, "Stream #7(Compute)", 70), meta(2, "XLA Ops", 71), meta(3, "Stream #7", 70),
+            x(1, 5, 0, 1000, "PjitFunction(step)"),  # host: not a device
+            x(2, 71, 0, 900, "fusion.1"),  # an op line spanning kernels: not counted
+            x(2, 70, 0, 100, "latent_decode_kernel"), x(2, 70, 50, 100, "nvjet_gemm_bf16"),
+            x(2, 70, 300, 50, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"),
+            x(2, 70, 400, 10, "loop_add_fusion"), x(3, 70, 0, 40, "triton_sparse")]
+  busy = busy_from_events(events, steps=2)
+  assert set(busy) == {"GPU:0", "GPU:1"}
+  # GPU:0: [0, 150) union + 50 + 10 = 210 us over 2 steps.
+  assert busy["GPU:0"] == {"busy": 0.105, "pallas": 0.05, "matmul": 0.05, "collective": 0.025,
+                           "other": 0.005}
+  assert busy["GPU:1"]["busy"] == 0.02 and busy["GPU:1"]["pallas"] == 0.02
+  assert busy_from_events(events[:1] + events[6:7], steps=1) is None  # a CPU-only trace
+
+
+def test_bench_tp_runs_on_host_devices():
+  """The whole benchmark (layers on meshes, equality check, timing, trace) in its smoke form on
+  8 host CPU devices: 1 GPU and dcp=2 x tp=2."""
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+         "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+  done = subprocess.run([sys.executable, "-m", "benchmarks.bench_tp", "--quick", "--on-cpu",
+                         "--skip-check1", "--layouts", "dcp=2 x tp=2", "--out",
+                         str(ROOT / "benchmarks" / "out" / "cpu_smoke")], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=900)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  assert "| dcp=2 x tp=2 | 4 | 256 | 2 |" in done.stdout and "all checks passed" in done.stdout
