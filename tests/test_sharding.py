@@ -8,7 +8,6 @@ measured; the tests here judge the report.
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
