@@ -15,7 +15,7 @@ from mla_jax.attention import merge_attn_states
 from mla_jax.cache import IndexerKCache
 from mla_jax.config import MLAConfig
 from mla_jax.modules import DeepseekV2MLAAttention
-from mla_jax.sharded_backend import _merge_across
+from mla_jax.sharded_backend import DCP_MERGES, merge_across
 from pallas_kernels.common import merge_splits
 
 CONFIG = MLAConfig(hidden_size=64, num_heads=4, q_lora_rank=32, kv_lora_rank=64,
@@ -149,10 +149,11 @@ def test_split_merge_against_float64(parts):
   check(got_o, got_lse, o, lse)
 
 
-def test_dcp_merge_against_float64(parts):
-  # The all-reduce over devices, here over a vmapped axis standing for them.
+@pytest.mark.parametrize("how", DCP_MERGES)
+def test_dcp_merge_against_float64(parts, how):
+  # The collective over devices, here over a vmapped axis standing for them.
   o, lse = plus_inf(*parts)
-  merge = jax.vmap(functools.partial(_merge_across, "dcp"), axis_name="dcp")
+  merge = jax.vmap(functools.partial(merge_across, "dcp", how=how), axis_name="dcp")
   got_o, got_lse = merge(jnp.asarray(o.transpose(1, 0, 2, 3), jnp.float32),
                          jnp.asarray(lse.transpose(1, 0, 2), jnp.float32))
   for device in range(o.shape[1]):
