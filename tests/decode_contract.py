@@ -31,7 +31,8 @@ def assert_decode_close(o, lse, ref_o, ref_lse, *, tight=False):
   """SPEC section 8: cosine difference < 1e-5 on out and lse, then per element abs 8e-4 or rel
   2/128 (float32 runs: both 1e-5). The -inf pattern of lse must match exactly."""
   o, lse = np.asarray(o, np.float64), np.asarray(lse, np.float64)
-  assert not np.isnan(o).any() and not np.isnan(lse).any(), "NaN in the outputs (unwritten or leaked)"
+  assert not np.isnan(o).any() and not np.isnan(lse).any(), (
+      "NaN in the outputs (unwritten or leaked)")
   np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
   seen = np.isfinite(ref_lse)
   assert cos_diff(o, ref_o) < 1e-5
@@ -124,7 +125,8 @@ class DecodeContract:
       (21, jnp.float16, jnp.float16, 1),
   ])
   def test_other_dtypes(self, seed, q_dtype, cache_dtype, splits):
-    case = make_case(seed, n=16, page=16, req_lens=[70, 0, 5], q_dtype=q_dtype, cache_dtype=cache_dtype)
+    case = make_case(seed, n=16, page=16, req_lens=[70, 0, 5], q_dtype=q_dtype,
+                     cache_dtype=cache_dtype)
     self.check(*case, num_kv_splits=splits)
 
   def test_multi_token_rows(self):

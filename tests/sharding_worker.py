@@ -1,9 +1,9 @@
 """Runs the sharded layer on 8 host CPU devices and prints what it measured as one JSON line.
 
-test_sharding.py starts this in a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8:
-the flag only counts if it is set before jax starts, and the other tests expect one device. The
-worker reports facts (differences from the single-device layer, compiled collectives, errors);
-the tests judge them.
+test_sharding.py starts this in a subprocess with
+XLA_FLAGS=--xla_force_host_platform_device_count=8: the flag only counts if it is set before jax
+starts, and the other tests expect one device. The worker reports facts (differences from the
+single-device layer, compiled collectives, errors); the tests judge them.
 """
 
 import json
@@ -82,8 +82,8 @@ def dense_case(tp, dcp, merge, inputs, ref_outs, ref_cache):
   layer = sharding.shard_layer(dense.make_layer(CFG), mesh, dcp_merge=merge)
   tables = dense.tables_for(3, 0)
   outs, cache = dense.run_schedule(layer, inputs, SCHEDULE, tables,
-                                   sharding.shard_cache(poisoned_cache(), mesh), workspace=WORKSPACE,
-                                   dcp=dcp)
+                                   sharding.shard_cache(poisoned_cache(), mesh),
+                                   workspace=WORKSPACE, dcp=dcp)
   # The mixed step (decode rows, then prefill rows with earlier context), compiled for its HLO,
   # its metadata placed on the mesh as generate places it.
   md, _ = build_metadata([RequestState(10, 7, tables[0]), RequestState(5, 1, tables[1]),
@@ -131,7 +131,8 @@ def dsa_case(tp, dcp, kind):
   hlo = jitted_step(layer).lower(x, cache, sharding.place_metadata(md, mesh)).compile().as_text()
   leaves = lambda c: [np.asarray(a).reshape(-1).view(np.uint8) for a in jax.tree.leaves(c)]
   return {"max_abs_diff": max_diff(got, ref), "same_selection": same,
-          "cache_equal": all(np.array_equal(a, b) for a, b in zip(leaves(cache), leaves(ref_cache))),
+          "cache_equal": all(np.array_equal(a, b)
+                             for a, b in zip(leaves(cache), leaves(ref_cache))),
           # Element counts of every paged array of the cache, whole and one device's shard.
           "cache_sizes": sorted({n for a in jax.tree.leaves(cache) if a.ndim >= 2
                                  for n in (a.size, a.addressable_shards[0].data.size)}),
@@ -143,9 +144,11 @@ def dsa_case(tp, dcp, kind):
 def errors():
   """The ValueError message of each misuse (None: it was accepted)."""
   misuse = {
-      "heads_over_tp3": lambda: sharding.shard_layer(dense.make_layer(CFG), sharding.make_mesh(tp=3)),
+      "heads_over_tp3": lambda: sharding.shard_layer(dense.make_layer(CFG),
+                                                     sharding.make_mesh(tp=3)),
       "blocks_over_dcp4": lambda: sharding.shard_cache(
-          LatentCache.allocate(42, dense.BS, CFG.latent_dim, jnp.float32), sharding.make_mesh(dcp=4)),
+          LatentCache.allocate(42, dense.BS, CFG.latent_dim, jnp.float32),
+          sharding.make_mesh(dcp=4)),
       "metadata_without_dcp": lambda: dense.run_schedule(
           sharding.shard_layer(dense.make_layer(CFG), sharding.make_mesh(dcp=2)),
           dense.inputs_for([[3]], 0), [[3]], dense.tables_for(1, 0), poisoned_cache()),

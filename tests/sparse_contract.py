@@ -71,7 +71,8 @@ class SparseAttentionContract:
     np.testing.assert_array_equal(lse[2], -np.inf)
     np.testing.assert_array_equal(o[2], 0.0)
     np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(lse[lse_ref > -np.inf], lse_ref[lse_ref > -np.inf], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse[lse_ref > -np.inf], lse_ref[lse_ref > -np.inf], rtol=1e-5,
+                               atol=1e-5)
 
   # One 128-wide tile (L=128) and V3.2's four (L=512, each with its own scale), pages 16 and 64.
   @pytest.mark.parametrize("lora,nb,bs,n", [(L, 12, 16, 16), (512, 3, 64, 32)])
@@ -81,7 +82,8 @@ class SparseAttentionContract:
     cache = DSMLACache.allocate(nb, bs, lora, R)
     # Per-row and per-tile magnitudes 20x apart, so a scale applied to the wrong tile shows.
     kv = (rng.standard_normal((num_slots, lora)).astype(np.float32)
-          * rng.uniform(0.1, 2, (num_slots, 1)) * np.repeat(rng.uniform(0.1, 2, (1, lora // 128)), 128, 1))
+          * rng.uniform(0.1, 2, (num_slots, 1))
+          * np.repeat(rng.uniform(0.1, 2, (1, lora // 128)), 128, 1))
     pe = rng.standard_normal((num_slots, R)).astype(np.float32)
     cache = cache.write(jnp.asarray(kv), jnp.asarray(pe), jnp.arange(num_slots, dtype=jnp.int32))
     deq = np.asarray(cache.dequantize_rows(jnp.arange(num_slots, dtype=jnp.int32)), np.float64)
@@ -102,7 +104,8 @@ class SparseAttentionContract:
     cache = LatentCache(jnp.asarray(values / 0.05, jnp.float8_e4m3fn), jnp.float32(0.05))
     deq = np.asarray(cache.data.astype(jnp.float32), np.float64).reshape(-1, L + R) * 0.05
     slots = random_slots(rng, 4, 64, num_slots)
-    q = np.asarray(jnp.asarray(rng.standard_normal((4, 16, L + R)), jnp.bfloat16).astype(jnp.float32))
+    q = np.asarray(jnp.asarray(rng.standard_normal((4, 16, L + R)), jnp.bfloat16)
+                   .astype(jnp.float32))
     o, lse = self.fn()(jnp.asarray(q, jnp.bfloat16), cache, jnp.asarray(slots), scale=0.05,
                        kv_lora_rank=L)
     o_ref, lse_ref = sparse_np(q, lambda s: deq[s], slots, num_slots, 0.05, L)
@@ -117,7 +120,8 @@ class SparseAttentionContract:
     tables = np.stack([rng.permutation(self.NB)[:4] for _ in range(t)]).astype(np.int32)
     lens = np.array([40, 1, 17, 33], np.int32)
     pos = np.where(np.arange(64)[None] < lens[:, None], np.arange(64)[None], -1)
-    slots = np.where(pos >= 0, np.take_along_axis(tables, np.maximum(pos, 0) // self.BS, 1) * self.BS
+    slots = np.where(pos >= 0,
+                     np.take_along_axis(tables, np.maximum(pos, 0) // self.BS, 1) * self.BS
                      + np.maximum(pos, 0) % self.BS, -1).astype(np.int32)
     q = jnp.asarray(rng.standard_normal((t, n, L + R)), jnp.float32)
     o, lse = self.fn()(q, cache, jnp.asarray(slots), scale=0.05, kv_lora_rank=L)

@@ -96,7 +96,8 @@ def test_multi_token_decode_rows():
   layer = make_layer()
   x = random_inputs([23], seed=4)[0]
   outs, _ = run_schedule(layer, [x], [[11], [4], [4], [4]], tables_for(1, 5),
-                         LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32), decode_threshold=4)
+                         LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32),
+                         decode_threshold=4)
   np.testing.assert_allclose(outs[0], full_forward(layer, x), rtol=1e-5, atol=1e-5)
 
 
@@ -123,7 +124,8 @@ def test_fp8_cache_close_to_bf16_cache():
   ref, _ = run_schedule(layer, inputs, schedule, tables_for(2, 9),
                         LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32))
   got, cache = run_schedule(layer, inputs, schedule, tables_for(2, 9),
-                            LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float8_e4m3fn, k_scale=0.05))
+                            LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float8_e4m3fn,
+                                                 k_scale=0.05))
   assert cache.data.dtype == jnp.float8_e4m3fn
   for g, r in zip(got, ref):  # e4m3 keeps 3 mantissa bits: about 6% per cached value
     assert np.linalg.norm(g - r) / np.linalg.norm(r) < 0.03
@@ -150,10 +152,12 @@ def test_mixed_batch_equals_each_request_alone():
   schedule = [[9, 6, 16], [5, 1, 5], [0, 1, 1]]  # step 2 mixes decodes and prefills
   inputs, tables = inputs_for(schedule, seed=12), tables_for(3, 13)
   together, _ = run_schedule(layer, inputs, schedule, tables,
-                             LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32), workspace=16)
+                             LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32),
+                             workspace=16)
   for i in range(3):
     alone, _ = run_schedule(layer, [inputs[i]], [[s[i]] for s in schedule if s[i]], [tables[i]],
-                            LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32), workspace=16)
+                            LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32),
+                            workspace=16)
     np.testing.assert_allclose(together[i], alone[0], rtol=1e-5, atol=1e-5)
 
 
@@ -168,7 +172,8 @@ def test_a_poisoned_request_leaves_the_others_exact():
                           LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32), workspace=8)
   inputs[1][::2], inputs[1][1::4] = np.nan, np.inf
   poisoned, _ = run_schedule(layer, inputs, schedule, tables,
-                             LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32), workspace=8)
+                             LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32),
+                             workspace=8)
   assert np.isnan(poisoned[1]).any()  # the poison got in
   for i in (0, 2):
     assert np.isfinite(poisoned[i]).all()
@@ -185,7 +190,8 @@ def test_chunked_context_equals_unchunked():
                                       LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32),
                                       workspace=workspace)
   reqs = [RequestState(20, 10, tables_for(2, 15)[0]), RequestState(13, 13, tables_for(2, 15)[1])]
-  md, _ = build_metadata(reqs, block_size=BS, num_blocks=NB, max_blocks_per_seq=MB, context_workspace=8)
+  md, _ = build_metadata(reqs, block_size=BS, num_blocks=NB, max_blocks_per_seq=MB,
+                         context_workspace=8)
   assert md.context_slots.shape[0] >= 4  # really chunked
   for a, b in zip(outs[8], outs[8192]):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
@@ -210,20 +216,23 @@ def test_same_padded_shapes_trace_once(monkeypatch):
 
 def test_llama_4_scaling_scales_queries():
   base = make_layer()
-  scaled = make_layer(SMALL.replace(llama_4_scaling=Llama4Scaling(beta=0.1, original_max_position_embeddings=8)))
+  scaled = make_layer(SMALL.replace(
+      llama_4_scaling=Llama4Scaling(beta=0.1, original_max_position_embeddings=8)))
   nnx.update(scaled, nnx.state(base, nnx.Param))
   x = jnp.asarray(random_inputs([5], seed=18)[0])
   pos = jnp.array([0, 7, 8, 20, 100])
   q0, kv0, _, _ = base.project(x, pos)
   q1, kv1, _, _ = scaled.project(x, pos)
   factor = 1 + 0.1 * np.log(1 + np.floor(np.array([0, 7, 8, 20, 100]) / 8))
-  np.testing.assert_allclose(np.asarray(q1), np.asarray(q0) * factor[:, None, None], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(q1), np.asarray(q0) * factor[:, None, None], rtol=1e-6,
+                             atol=1e-6)
   np.testing.assert_array_equal(np.asarray(kv1), np.asarray(kv0))
 
 
 @pytest.mark.parametrize("built, match", [
     (dict(block_size=4), "metadata built for block_size=4, but the latent cache has block_size=8"),
-    (dict(num_blocks=64), "metadata built for num_blocks=64, but the latent cache has num_blocks=40"),
+    (dict(num_blocks=64),
+     "metadata built for num_blocks=64, but the latent cache has num_blocks=40"),
     (dict(index_topk=8), "metadata built for index_topk=8 is used by a V2/V3 layer"),
     (dict(cache_kind="fp8_ds_mla"),
      "metadata built for cache kind=fp8_ds_mla, but the latent cache has cache kind=float32"),
@@ -240,7 +249,8 @@ def test_metadata_built_for_another_cache_or_layer_is_refused(built, match):
 def test_bad_input_raises():
   layer = make_layer()
   cache = LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32)
-  md, _ = build_metadata([RequestState(0, 5, [0])], block_size=BS, num_blocks=NB, max_blocks_per_seq=MB)
+  md, _ = build_metadata([RequestState(0, 5, [0])], block_size=BS, num_blocks=NB,
+                         max_blocks_per_seq=MB)
   with pytest.raises(ValueError, match="x must be"):
     layer(jnp.zeros((md.num_rows, 65)), cache, md)
   with pytest.raises(ValueError, match="x has 9 rows but the step's metadata has 8 .*layout.pack"):

@@ -16,8 +16,8 @@ MODULES = sorted(f"benchmarks.{p.stem}" for p in (ROOT / "benchmarks").glob("ben
 
 
 def test_every_benchmark_is_listed():
-  assert MODULES == ["benchmarks.bench_decode", "benchmarks.bench_generate", "benchmarks.bench_prefill",
-                     "benchmarks.bench_sparse", "benchmarks.bench_tp"]
+  assert MODULES == ["benchmarks.bench_decode", "benchmarks.bench_generate",
+                     "benchmarks.bench_prefill", "benchmarks.bench_sparse", "benchmarks.bench_tp"]
 
 
 @pytest.mark.parametrize("module", MODULES)

@@ -138,7 +138,8 @@ def test_write_shape_errors(kv_shape, pe_shape, slots):
     cache.write(jnp.zeros(kv_shape), jnp.zeros(pe_shape), jnp.asarray(slots))
 
 
-@pytest.mark.parametrize("dtype, k_scale", [("float32", None), ("bfloat16", None), ("float8_e4m3fn", 0.5)])
+@pytest.mark.parametrize("dtype, k_scale",
+                         [("float32", None), ("bfloat16", None), ("float8_e4m3fn", 0.5)])
 def test_gather_dequantizes_and_zeros_invalid(dtype, k_scale):
   raw = np.random.default_rng(5).standard_normal((NB, BS, L + R)).astype(np.float32) * 50
   data = jnp.asarray(raw, dtype)

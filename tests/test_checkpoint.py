@@ -90,7 +90,8 @@ def test_dequantized_weights_are_fp8_times_block_scale_and_close_to_originals(ti
 
 def test_ragged_blocks_are_exercised(tiny):
   ckpt = Checkpoint(tiny[0])
-  raw = ckpt.read(["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.gate_proj.weight_scale_inv"])
+  raw = ckpt.read(["model.layers.0.mlp.gate_proj.weight",
+                   "model.layers.0.mlp.gate_proj.weight_scale_inv"])
   w8, scale = raw.values()
   assert w8.shape == (288, 160) and scale.shape == (3, 2)  # last row and column blocks are partial
 
@@ -100,7 +101,8 @@ def test_only_the_shards_holding_the_layer_are_opened(tiny, monkeypatch):
   ckpt = Checkpoint(path)
   opened = []
   real = safetensors.safe_open
-  monkeypatch.setattr(safetensors, "safe_open", lambda f, *a, **k: opened.append(f) or real(f, *a, **k))
+  monkeypatch.setattr(safetensors, "safe_open",
+                      lambda f, *a, **k: opened.append(f) or real(f, *a, **k))
   ckpt.tensors(ATTN)
   expected = {str(path / f) for n, f in ckpt.weight_map.items() if n.startswith(ATTN)}
   assert set(opened) == expected and len(opened) == len(expected)  # each shard once
@@ -179,7 +181,8 @@ def test_bad_scale_names_the_tensor(tiny_copy, bad):
   else:
     scale[-1, 0] = {"nan": np.nan, "inf": np.inf, "zero": 0.0, "negative": -1.0}[bad]
   rewrite(tiny_copy, name, scale)
-  expect_error(tiny_copy, "kv_b_proj.weight_scale_inv.*" + ("shape" if bad == "grid" else "non-positive"))
+  expect_error(tiny_copy,
+               "kv_b_proj.weight_scale_inv.*" + ("shape" if bad == "grid" else "non-positive"))
 
 
 def test_fp8_weight_without_scale_is_refused(tiny_copy):
@@ -188,7 +191,8 @@ def test_fp8_weight_without_scale_is_refused(tiny_copy):
 
 
 def test_scale_on_an_unquantized_tensor_is_refused():
-  with pytest.raises(ValueError, match="kv_a_layernorm.weight has a kv_a_layernorm.weight_scale_inv"):
+  with pytest.raises(ValueError,
+                     match="kv_a_layernorm.weight has a kv_a_layernorm.weight_scale_inv"):
     dequantize_fp8_blocks(np.ones((4,), np.float32), np.ones((1,), np.float32),
                           name="kv_a_layernorm.weight")
 
@@ -262,8 +266,8 @@ def zero_block(path):
   return "config.json", "weight_block_size"
 
 
-@pytest.mark.parametrize("damage", [truncate, empty, corrupt_header, bad_index_json, bad_config_json,
-                                    no_weight_map, zero_block])
+@pytest.mark.parametrize("damage", [truncate, empty, corrupt_header, bad_index_json,
+                                    bad_config_json, no_weight_map, zero_block])
 def test_file_level_failures_name_the_file_and_the_problem(tiny_copy, damage):
   file, problem = damage(tiny_copy)
   with pytest.raises(ValueError, match=f"{file}.*{problem}"):

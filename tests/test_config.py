@@ -225,7 +225,8 @@ def test_softmax_scale_without_yarn():
 
 
 def test_from_hf_reads_llama_4_scaling():
-  c = MLAConfig.from_hf({**V3_JSON, "llama_4_scaling": {"beta": 0.1, "original_max_position_embeddings": 8192}})
+  c = MLAConfig.from_hf({**V3_JSON, "llama_4_scaling": {"beta": 0.1,
+                                                         "original_max_position_embeddings": 8192}})
   assert (c.llama_4_scaling.beta, c.llama_4_scaling.original_max_position_embeddings) == (0.1, 8192)
 
 

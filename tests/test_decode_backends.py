@@ -1,4 +1,5 @@
-"""Every decode backend against the float64 oracle; the Pallas ones run in interpret mode on CPUs."""
+"""Every decode backend against the float64 oracle; the Pallas ones run in interpret mode on
+CPUs."""
 
 import numpy as np
 import pytest
@@ -56,7 +57,8 @@ class TestPallasTritonDecode(DecodeContract):
       (lambda a: {**a, "split_tokens": 24}, "multiple of the kernel's step"),
   ])
   def test_bad_input_raises(self, change, message):
-    q, cache, tables, lens = (jnp.asarray(a) for a in make_case(50, n=16, page=16, req_lens=[20, 5]))
+    q, cache, tables, lens = (jnp.asarray(a)
+                              for a in make_case(50, n=16, page=16, req_lens=[20, 5]))
     args = dict(q=q, kv_cache=cache, block_tables=tables, seq_lens=lens, kv_lora_rank=512)
     with pytest.raises(ValueError, match=message):
       latent_decode(**change(args), scale=0.1, interpret=True)
@@ -73,7 +75,8 @@ class TestPallasTritonDecode(DecodeContract):
     k_scale = 1 / 448  # the largest e4m3 value dequantizes to 1
     o, lse = latent_decode(q, cache, tables, lens, scale=SCALE, k_scale=k_scale, interpret=True)
     assert_decode_close(np.asarray(o.astype(jnp.float32)), lse,
-                        *latent_decode_np(q.astype(np.float32), cache, tables, lens, SCALE, L, k_scale))
+                        *latent_decode_np(q.astype(np.float32), cache, tables, lens, SCALE, L,
+                                          k_scale))
 
   def test_sub_page_steps(self):
     # block_n < page: several inner steps per page, starting mid-page.
@@ -192,7 +195,8 @@ class TestPallasMosaicDecode(DecodeContract):
       (lambda a: {**a, "split_tokens": 96}, "multiple of the kernel's step"),
   ])
   def test_bad_input_raises(self, change, message):
-    q, cache, tables, lens = (jnp.asarray(a) for a in make_case(51, n=16, page=64, req_lens=[20, 5]))
+    q, cache, tables, lens = (jnp.asarray(a)
+                              for a in make_case(51, n=16, page=64, req_lens=[20, 5]))
     args = dict(q=q, kv_cache=cache, block_tables=tables, seq_lens=lens, kv_lora_rank=512)
     with pytest.raises(ValueError, match=message):
       mosaic_decode.latent_decode(**change(args), scale=0.1, interpret=True)

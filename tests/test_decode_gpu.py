@@ -1,5 +1,5 @@
-"""The Pallas decode kernels (Pallas-Triton and Mosaic GPU) at serving sizes on a GPU, against the XLA
-reference run there.
+"""The Pallas decode kernels (Pallas-Triton and Mosaic GPU) at serving sizes on a GPU, against the
+XLA reference run there.
 
 Shapes too large for the numpy oracle: the reference (float32, HIGHEST precision) is the yardstick.
 """
@@ -49,10 +49,12 @@ def serving_case(seed, *, batch, max_len, n, cache_dtype):
   lens = lens.at[::17].set(0).at[1].set(max_len)
   owner = jnp.argsort(perm)  # position of each block in the dealt order
   pos = (owner % per_req)[:, None] * PAGE + jnp.arange(PAGE)[None, :]
-  used = (owner[:, None] < batch * per_req) & (pos < lens[jnp.minimum(owner // per_req, batch - 1)][:, None])
+  used = ((owner[:, None] < batch * per_req)
+          & (pos < lens[jnp.minimum(owner // per_req, batch - 1)][:, None]))
   values = jax.random.normal(keys[2], (num_blocks, PAGE, L + 64), jnp.float32) / 10
   fp8 = jnp.dtype(cache_dtype) == jnp.float8_e4m3fn
-  cache = jnp.where(used[..., None], values / FP8_SCALE if fp8 else values, jnp.nan).astype(cache_dtype)
+  cache = jnp.where(used[..., None], values / FP8_SCALE if fp8 else values,
+                    jnp.nan).astype(cache_dtype)
   q = jax.random.normal(keys[3], (batch, n, L + 64), jnp.float32).astype(jnp.bfloat16)
   return q, cache, tables, lens
 
@@ -68,7 +70,8 @@ def serving_case(seed, *, batch, max_len, n, cache_dtype):
 ])
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_matches_reference(kernel, seed, batch, max_len, n, cache_dtype, splits):
-  q, cache, tables, lens = serving_case(seed, batch=batch, max_len=max_len, n=n, cache_dtype=cache_dtype)
+  q, cache, tables, lens = serving_case(seed, batch=batch, max_len=max_len, n=n,
+                                        cache_dtype=cache_dtype)
   k_scale = jnp.float32(FP8_SCALE) if jnp.dtype(cache_dtype) == jnp.float8_e4m3fn else None
   ref = jax.jit(reference.latent_decode, static_argnames=("scale", "kv_lora_rank"))
   ref_o, ref_lse = (np.asarray(a, np.float64) for a in

@@ -1,5 +1,6 @@
 """V3.2 caches: ue8m0 scales, the fp8_ds_mla latent cache and the indexer K cache, and their exact
-vLLM byte layouts. Oracles are numpy (float64 formulas, ml_dtypes casts, bytes assembled by hand)."""
+vLLM byte layouts. Oracles are numpy (float64 formulas, ml_dtypes casts, bytes assembled by
+hand)."""
 
 import functools
 
@@ -64,7 +65,8 @@ def _ds_bytes_np(nope, scales, rope):
 def _indexer_bytes_np(values, scales):
   """vLLM's indexer block, by hand: all BS*D value bytes, then BS little-endian f32 scales."""
   nb, bs, d = values.shape
-  blocks = [np.concatenate([values[b].reshape(-1).view(np.uint8), scales[b].astype("<f4").view(np.uint8)])
+  blocks = [np.concatenate([values[b].reshape(-1).view(np.uint8),
+                            scales[b].astype("<f4").view(np.uint8)])
             for b in range(nb)]
   return np.stack(blocks).reshape(nb, bs, d + 4)
 
@@ -123,8 +125,10 @@ def test_quantize_indexer_q_per_token_head():
 
 def test_ds_allocate():
   c = DSMLACache.allocate(NB, BS)
-  assert (c.nope.shape, c.tile_scales.shape, c.rope.shape) == ((NB, BS, L), (NB, BS, 4), (NB, BS, R))
-  assert (c.nope.dtype, c.tile_scales.dtype, c.rope.dtype) == (jnp.float8_e4m3fn, jnp.float32, jnp.bfloat16)
+  assert (c.nope.shape, c.tile_scales.shape, c.rope.shape) == (
+      (NB, BS, L), (NB, BS, 4), (NB, BS, R))
+  assert (c.nope.dtype, c.tile_scales.dtype, c.rope.dtype) == (
+      jnp.float8_e4m3fn, jnp.float32, jnp.bfloat16)
   assert (c.num_blocks, c.block_size, c.bytes_per_token) == (NB, BS, 656)
   assert c.nope.nbytes + c.tile_scales.nbytes + c.rope.nbytes == NB * BS * 656
   assert not np.any(np.asarray(c.to_vllm_bytes()))
@@ -145,7 +149,8 @@ def test_ds_write_quantizes_per_tile(in_dtype):
   assert _is_pow2(got_scales) and got_scales[1, 2] == 2.0 ** -13
   want_nope = _e4m3_np(x, want_scales[..., None]).reshape(-1, L)
   np.testing.assert_array_equal(_bits(np.asarray(c.nope)[blocks, offsets]), _bits(want_nope))
-  np.testing.assert_array_equal(_bits(np.asarray(c.rope)[blocks, offsets]), _bits(k_pe.astype(BF16)))
+  np.testing.assert_array_equal(_bits(np.asarray(c.rope)[blocks, offsets]),
+                                _bits(k_pe.astype(BF16)))
   # round trip within e4m3's error: half an ulp (2**-4 relative) or, below e4m3's smallest
   # normal, half the subnormal spacing (scale * 2**-10; checked against the looser 2**-9)
   deq = np.asarray(c.dequantize_rows(jnp.asarray(slots)), np.float64)
@@ -168,7 +173,8 @@ def test_ds_write_large_values_do_not_overflow():
   deq = np.asarray(c.dequantize(), np.float64)[0, :, :L]
   assert np.all(np.isfinite(deq))
   scales = np.repeat(np.asarray(c.tile_scales[0], np.float64), 128, axis=-1)
-  assert np.all(np.abs(deq - kv_c) <= 2.0 ** -4 * np.abs(kv_c.astype(np.float64)) + scales * 2.0 ** -9)
+  assert np.all(np.abs(deq - kv_c)
+                <= 2.0 ** -4 * np.abs(kv_c.astype(np.float64)) + scales * 2.0 ** -9)
 
 
 def test_ds_write_skips_bad_slots():
@@ -187,7 +193,8 @@ def test_ds_write_skips_bad_slots():
 def test_ds_dequantize_rows_and_whole_cache():
   nope, scales, rope = _random_ds_parts(5)
   c = DSMLACache(jnp.asarray(nope), jnp.asarray(scales), jnp.asarray(rope))
-  full = np.concatenate([(nope.astype(np.float32).reshape(NB, BS, 4, 128) * scales[..., None]).reshape(NB, BS, L),
+  full = np.concatenate([(nope.astype(np.float32).reshape(NB, BS, 4, 128)
+                          * scales[..., None]).reshape(NB, BS, L),
                          rope.astype(np.float32)], axis=-1)
   got = np.asarray(c.dequantize())
   assert got.dtype == np.float32 and got.shape == (NB, BS, L + R)
@@ -211,7 +218,8 @@ def test_ds_bytes_literal_row():
   data = np.zeros((1, 2, ROW_BYTES), np.uint8)
   data[0, 1] = row
   c = DSMLACache.from_vllm_bytes(jnp.asarray(data))
-  assert float(c.nope[0, 1, 0].astype(jnp.float32)) == 1.0 and float(c.nope[0, 1, 511].astype(jnp.float32)) == -1.0
+  assert (float(c.nope[0, 1, 0].astype(jnp.float32)) == 1.0
+          and float(c.nope[0, 1, 511].astype(jnp.float32)) == -1.0)
   np.testing.assert_array_equal(np.asarray(c.tile_scales[0, 1]), [1.0, 0.0, 0.0, 0.5])
   assert float(c.rope[0, 1, 0]) == 1.0 and float(c.rope[0, 1, 63]) == -2.0
   deq = np.asarray(c.dequantize_rows(jnp.asarray([1])))[0]
@@ -253,7 +261,8 @@ def test_ds_write_under_jit_with_donation():
     return cache.write(kv_c, k_pe, slots)
 
   kv_c, k_pe = _latent_rows(len(BAD_SLOTS), seed=9)
-  eager = DSMLACache.allocate(NB, BS).write(jnp.asarray(kv_c), jnp.asarray(k_pe), jnp.asarray(BAD_SLOTS))
+  eager = DSMLACache.allocate(NB, BS).write(jnp.asarray(kv_c), jnp.asarray(k_pe),
+                                            jnp.asarray(BAD_SLOTS))
   old = DSMLACache.allocate(NB, BS)
   got = step(old, jnp.asarray(kv_c), jnp.asarray(k_pe), jnp.asarray(BAD_SLOTS))
   np.testing.assert_array_equal(np.asarray(got.to_vllm_bytes()), np.asarray(eager.to_vllm_bytes()))
@@ -285,7 +294,8 @@ def test_indexer_fp8_write_per_token_scale():
   k[2] = 0  # all zero: vLLM's max(amax, 1e-4)/448 gives 2**-22
   k[4] *= 1e-6 / np.abs(k[4]).max()  # amax 1e-6 < 1e-4: floored too
   c = IndexerKCache.allocate(NB, BS).write(jnp.asarray(k), jnp.asarray(slots))
-  want_scales = 2.0 ** np.ceil(np.log2(np.maximum(np.abs(k).max(-1).astype(np.float64), 1e-4) / 448))
+  want_scales = 2.0 ** np.ceil(
+      np.log2(np.maximum(np.abs(k).max(-1).astype(np.float64), 1e-4) / 448))
   got_scales = np.asarray(c.scales)[slots // BS, slots % BS]
   np.testing.assert_array_equal(got_scales, want_scales)
   assert got_scales[2] == got_scales[4] == 2.0 ** -22
@@ -299,7 +309,8 @@ def test_indexer_fp8_write_per_token_scale():
 def test_indexer_bf16_write_stores_as_is():
   k = _keys(3, seed=2)
   c = IndexerKCache.allocate(NB, BS, dtype="bfloat16").write(jnp.asarray(k), jnp.asarray([4, 0, 9]))
-  np.testing.assert_array_equal(_bits(np.asarray(c.values)[[1, 0, 2], [0, 0, 1]]), _bits(k.astype(BF16)))
+  np.testing.assert_array_equal(_bits(np.asarray(c.values)[[1, 0, 2], [0, 0, 1]]),
+                                _bits(k.astype(BF16)))
   np.testing.assert_array_equal(np.asarray(c.scales), 1.0)
   with pytest.raises(ValueError):
     c.to_vllm_bytes()
@@ -308,7 +319,8 @@ def test_indexer_bf16_write_stores_as_is():
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "bfloat16"])
 def test_indexer_write_skips_bad_slots_and_gather_zeros_invalid(dtype):
   rng = np.random.default_rng(3)
-  base_v = (rng.standard_normal((NB, BS, D)) * 50).astype(E4M3 if dtype == "float8_e4m3fn" else BF16)
+  base_v = (rng.standard_normal((NB, BS, D)) * 50).astype(
+      E4M3 if dtype == "float8_e4m3fn" else BF16)
   base_s = rng.uniform(0.5, 2.0, (NB, BS)).astype(np.float32)
   base = IndexerKCache(jnp.asarray(base_v), jnp.asarray(base_s))
   k = _keys(len(BAD_SLOTS), seed=4)

@@ -79,7 +79,8 @@ def test_sparse_attention_matches_reference(n, kind, backend):
                                                           kv_lora_rank=L)
   assert o.dtype == q.dtype and lse.dtype == jnp.float32
   o, lse = np.asarray(o.astype(jnp.float32), np.float64), np.asarray(lse, np.float64)
-  assert not np.isnan(o).any() and not np.isnan(lse).any(), "NaN in the outputs (unwritten or leaked)"
+  assert not np.isnan(o).any() and not np.isnan(lse).any(), (
+      "NaN in the outputs (unwritten or leaked)")
   np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
   assert np.isneginf(lse[0]).all() and (o[0] == 0).all()  # the row that selects nothing
   seen = np.isfinite(ref_lse)
@@ -126,8 +127,10 @@ def test_indexer_logits_fp8_match_reference(backend, requests, per_req):
   k_values = jnp.where(visible[..., None], k_cache.values.astype(jnp.float32), jnp.nan)
   k_values = k_values.astype(jnp.float8_e4m3fn)
   k_scales = jnp.where(visible, k_cache.scales, jnp.nan)
-  q, q_scale = quantize_indexer_q(jax.random.normal(keys[1], (requests * per_req, h, d), jnp.float32))
-  weights = jax.random.normal(keys[2], (requests * per_req, h), jnp.float32) * q_scale / (h * d) ** 0.5
+  q, q_scale = quantize_indexer_q(
+      jax.random.normal(keys[1], (requests * per_req, h, d), jnp.float32))
+  weights = (jax.random.normal(keys[2], (requests * per_req, h), jnp.float32) * q_scale
+             / (h * d) ** 0.5)
   args = (q, weights, k_values, k_scales, jnp.asarray(row_tables), jnp.asarray(lens, jnp.int32))
   want = np.asarray(jax.jit(reference.indexer_logits)(*args))
   poison_allocator()

@@ -21,8 +21,8 @@ BS, NB, MB = 8, 24, 6
 
 
 def make_layer(seed=0, fp8=True):
-  return DeepseekV2MLAAttention(CFG, backend="reference", dtype=jnp.float32, param_dtype=jnp.float32,
-                                indexer_fp8=fp8, rngs=nnx.Rngs(seed))
+  return DeepseekV2MLAAttention(CFG, backend="reference", dtype=jnp.float32,
+                                param_dtype=jnp.float32, indexer_fp8=fp8, rngs=nnx.Rngs(seed))
 
 
 def make_cache(kind):
@@ -116,7 +116,8 @@ def test_fp8_ds_mla_cache_close_to_bf16_cache_with_same_selection():
 
 def _indexer_oracle(layer, x, positions, cache, rows_tables, lens):
   """Top-k sets from float64 logits of the indexer's own (quantized) q, weights and cached k."""
-  q, w, _ = layer.indexer.project(jnp.asarray(x), layer.project(jnp.asarray(x), positions).q_c, positions)
+  q, w, _ = layer.indexer.project(jnp.asarray(x), layer.project(jnp.asarray(x), positions).q_c,
+                                  positions)
   k = np.asarray(cache.values.astype(jnp.float32)).reshape(NB * BS, -1)
   ks = np.asarray(cache.scales).reshape(-1)
   out = []
@@ -137,18 +138,21 @@ def test_indexer_topk_sets_equal_brute_force(decode_threshold, q_lens):
   tab = tables(6)
   rng = np.random.default_rng(7)
   cache = make_cache("latent")
-  xs = [rng.standard_normal((c + q, CFG.hidden_size)).astype(np.float32) for c, q in zip(ctx, q_lens)]
+  xs = [rng.standard_normal((c + q, CFG.hidden_size)).astype(np.float32)
+        for c, q in zip(ctx, q_lens)]
   if ctx[1]:  # put request 1's context in the caches first
     md0, lay0 = build_metadata([RequestState(0, ctx[1], tab[1])], block_size=BS, num_blocks=NB,
                                max_blocks_per_seq=MB, index_topk=TOPK)
     _, cache = layer(jnp.asarray(lay0.pack([xs[1][:ctx[1]]])), cache, md0)
-  md, lay = build_metadata([RequestState(c, q, tab[i]) for i, (c, q) in enumerate(zip(ctx, q_lens))],
+  md, lay = build_metadata([RequestState(c, q, tab[i])
+                            for i, (c, q) in enumerate(zip(ctx, q_lens))],
                            block_size=BS, num_blocks=NB, max_blocks_per_seq=MB,
                            decode_threshold=decode_threshold, index_topk=TOPK)
   x = lay.pack([xs[i][ctx[i]:] for i in range(2)])
   _, cache, sel = layer(jnp.asarray(x), cache, md, return_topk=True)
   rows_tables = np.asarray(md.row_block_tables())
-  logits = _indexer_oracle(layer, x, md.positions, cache.indexer, rows_tables, np.asarray(md.seq_lens))
+  logits = _indexer_oracle(layer, x, md.positions, cache.indexer, rows_tables,
+                           np.asarray(md.seq_lens))
   sel = np.asarray(sel)
   for t in np.flatnonzero(np.asarray(md.seq_lens)):
     n_vis = int(md.seq_lens[t])
@@ -177,7 +181,8 @@ def test_given_selection_is_used_instead_of_the_indexer():
   inputs = inputs_for(SCHEDULE, 12)
   _, sels_a, _ = run(layer_a, inputs, SCHEDULE, tables(13), make_cache("latent"))
   given = [[sels_a[i][k] for i in range(2) if SCHEDULE[k][i]] for k in range(len(SCHEDULE))]
-  outs_b, sels_b, cache_b = run(layer_b, inputs, SCHEDULE, tables(13), make_cache("latent"), given=given)
+  outs_b, sels_b, cache_b = run(layer_b, inputs, SCHEDULE, tables(13), make_cache("latent"),
+                                given=given)
   for x, got, sel_a, sel_b in zip(inputs, outs_b, sels_a, sels_b):
     for a, b in zip(sel_a, sel_b):
       np.testing.assert_array_equal(a, b)
@@ -188,7 +193,8 @@ def test_given_selection_is_used_instead_of_the_indexer():
 
 def test_bad_input():
   layer = make_layer()
-  md, lay = build_metadata([RequestState(0, 4, [0])], block_size=BS, num_blocks=NB, max_blocks_per_seq=MB)
+  md, lay = build_metadata([RequestState(0, 4, [0])], block_size=BS, num_blocks=NB,
+                           max_blocks_per_seq=MB)
   x = jnp.zeros((md.num_rows, CFG.hidden_size))
   with pytest.raises(ValueError, match="DSACache"):
     layer(x, LatentCache.allocate(NB, BS, CFG.latent_dim, jnp.float32), md)
@@ -196,7 +202,8 @@ def test_bad_input():
     layer(x, make_cache("latent"), md, topk_positions=jnp.zeros((md.num_rows, TOPK), jnp.float32))
   with pytest.raises(ValueError, match="positions"):
     layer(x, make_cache("latent"), md, topk_positions=jnp.zeros((md.num_rows + 1, TOPK), jnp.int32))
-  dense = DeepseekV2MLAAttention(CFG.replace(index_n_heads=None, index_head_dim=None, index_topk=None),
+  dense = DeepseekV2MLAAttention(CFG.replace(index_n_heads=None, index_head_dim=None,
+                                             index_topk=None),
                                  backend="reference", dtype=jnp.float32, param_dtype=jnp.float32,
                                  rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="V3.2"):
@@ -204,9 +211,11 @@ def test_bad_input():
 
 
 @pytest.mark.parametrize("built, match", [
-    (dict(index_topk=2 * TOPK), "metadata built for index_topk=16 is used by a layer with index_topk=8"),
+    (dict(index_topk=2 * TOPK),
+     "metadata built for index_topk=16 is used by a layer with index_topk=8"),
     (dict(block_size=4), "metadata built for block_size=4, but the indexer cache has block_size=8"),
-    (dict(num_blocks=2 * NB), "metadata built for num_blocks=48, but the indexer cache has num_blocks=24"),
+    (dict(num_blocks=2 * NB),
+     "metadata built for num_blocks=48, but the indexer cache has num_blocks=24"),
     (dict(cache_kind="bfloat16"),
      "metadata built for cache kind=bfloat16, but the latent cache has cache kind=float32"),
 ])
@@ -218,11 +227,14 @@ def test_metadata_built_for_another_cache_or_top_k_is_refused(built, match):
 
 
 def test_slots_past_the_cache_are_masked_not_read():
-  """Selections pointing past the block table or the cache select nothing; NaN elsewhere stays out."""
+  """Selections pointing past the block table or the cache select nothing; NaN elsewhere stays
+  out."""
   layer = make_layer()
-  md, lay = build_metadata([RequestState(0, 4, [0])], block_size=BS, num_blocks=NB, max_blocks_per_seq=MB)
+  md, lay = build_metadata([RequestState(0, 4, [0])], block_size=BS, num_blocks=NB,
+                           max_blocks_per_seq=MB)
   cache = make_cache("latent")
-  cache = DSACache(LatentCache(jnp.full_like(cache.latent.data, jnp.nan), cache.latent.k_scale), cache.indexer)
+  cache = DSACache(LatentCache(jnp.full_like(cache.latent.data, jnp.nan), cache.latent.k_scale),
+                   cache.indexer)
   given = np.full((md.num_rows, TOPK), -1, np.int32)
   given[:4, 0] = np.arange(4)  # the token itself
   given[:4, 1] = MB * BS + 3  # past the block table
@@ -235,7 +247,8 @@ def test_slots_past_the_cache_are_masked_not_read():
 def test_weight_loader_takes_the_indexer_tensors():
   layer = make_layer()
   rng = np.random.default_rng(14)
-  shapes = {"q_a_proj.weight": (32, 64), "q_a_layernorm.weight": (32,), "q_b_proj.weight": (4 * 48, 32),
+  shapes = {"q_a_proj.weight": (32, 64), "q_a_layernorm.weight": (32,),
+            "q_b_proj.weight": (4 * 48, 32),
             "kv_a_proj_with_mqa.weight": (144, 64), "kv_a_layernorm.weight": (128,),
             "kv_b_proj.weight": (4 * 64, 128), "o_proj.weight": (64, 4 * 32),
             "indexer.wq_b.weight": (4 * 32, 32), "indexer.wk.weight": (32, 64),
@@ -243,8 +256,10 @@ def test_weight_loader_takes_the_indexer_tensors():
             "indexer.weights_proj.weight": (4, 64)}
   tensors = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
   load_attention_weights(layer, tensors)
-  np.testing.assert_array_equal(np.asarray(layer.indexer.wq_b.kernel[...]), tensors["indexer.wq_b.weight"].T)
-  np.testing.assert_array_equal(np.asarray(layer.indexer.k_norm.bias[...]), tensors["indexer.k_norm.bias"])
+  np.testing.assert_array_equal(np.asarray(layer.indexer.wq_b.kernel[...]),
+                                tensors["indexer.wq_b.weight"].T)
+  np.testing.assert_array_equal(np.asarray(layer.indexer.k_norm.bias[...]),
+                                tensors["indexer.k_norm.bias"])
   del tensors["indexer.k_norm.bias"]
   with pytest.raises(ValueError, match="indexer.k_norm.bias"):
     load_attention_weights(layer, tensors)

@@ -78,7 +78,8 @@ def test_indexer_rope_is_neox_on_the_leading_dims(layer, inputs):
   want_k = np.concatenate([rotate_np(h[:, :r], positions, c.rope_theta, "halves"), h[:, r:]], -1)
   np.testing.assert_allclose(k, want_k, rtol=1e-3, atol=2e-3)
   qh = (q_c.astype(np.float64) @ kernel(layer.indexer.wq_b)).reshape(6, c.index_n_heads, -1)
-  want_q = np.concatenate([rotate_np(qh[..., :r], positions, c.rope_theta, "halves"), qh[..., r:]], -1)
+  want_q = np.concatenate([rotate_np(qh[..., :r], positions, c.rope_theta, "halves"), qh[..., r:]],
+                          -1)
   np.testing.assert_allclose(q, want_q, rtol=1e-3, atol=2e-3)
 
 

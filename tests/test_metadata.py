@@ -1,4 +1,5 @@
-"""build_metadata: decode-first layout, slots, decode tables, buckets, context chunks, validation."""
+"""build_metadata: decode-first layout, slots, decode tables, buckets, context chunks,
+validation."""
 
 import jax
 import numpy as np
@@ -11,13 +12,15 @@ BS, NB, MB = 4, 64, 16
 # Original order mixes decodes and prefills; decode_threshold=4 makes request 3 (q=3) a decode.
 MIXED = [
     RequestState(context_len=5, query_len=5, block_table=[10, 3, 40]),
-    RequestState(context_len=10, query_len=1, block_table=[7, 8, 9, -1]),  # -1 past the length is fine
+    # -1 past the length is fine
+    RequestState(context_len=10, query_len=1, block_table=[7, 8, 9, -1]),
     RequestState(context_len=0, query_len=5, block_table=[50, 51]),
     RequestState(context_len=6, query_len=3, block_table=[60, 61, 2]),
     RequestState(context_len=20, query_len=5, block_table=[11, 12, 13, 14, 15, 16, 17]),
 ]
 # Decode rows 0..3 (bucket 8), prefill rows from 8 (15 tokens, bucket 16): 24 rows.
-MIXED_ROWS = {1: [0], 3: [1, 2, 3], 0: list(range(8, 13)), 2: list(range(13, 18)), 4: list(range(18, 23))}
+MIXED_ROWS = {1: [0], 3: [1, 2, 3], 0: list(range(8, 13)), 2: list(range(13, 18)),
+              4: list(range(18, 23))}
 
 
 def _slot(table, pos):
@@ -153,7 +156,8 @@ def test_same_buckets_same_shapes_and_structure():
 
 def test_different_buckets_different_shapes():
   md_a, _ = _build(MIXED)
-  md_c, _ = _build(MIXED + [RequestState(0, 1, [20 + k]) for k in range(5)])  # 9 decode -> bucket 16
+  # 9 decode -> bucket 16
+  md_c, _ = _build(MIXED + [RequestState(0, 1, [20 + k]) for k in range(5)])
   assert md_c.num_decode_rows == 16 and md_a.num_decode_rows == 8
 
 
@@ -195,8 +199,10 @@ def test_bad_blocks_past_the_length_are_allowed():
 
 
 @pytest.mark.parametrize("requests, match", [
-    ([RequestState(0, 2, [1]), RequestState(1, 1, [1])], "requests 0 and 1 both write cache slot 5"),
-    ([RequestState(0, 1, [3]), RequestState(0, 1, [3])], "requests 0 and 1 both write cache slot 12"),
+    ([RequestState(0, 2, [1]), RequestState(1, 1, [1])],
+     "requests 0 and 1 both write cache slot 5"),
+    ([RequestState(0, 1, [3]), RequestState(0, 1, [3])],
+     "requests 0 and 1 both write cache slot 12"),
     ([RequestState(0, 8, [6, 6])], "request 0 writes twice to cache slot 2[4-7]"),
     ([RequestState(6, 1, [2, 9]), RequestState(0, 2, [9])], "request 1 writes cache slot 36, which "
      "request 0 reads"),
@@ -234,5 +240,6 @@ def test_numpy_integers_are_accepted_everywhere():
   np_requests = [RequestState(np.int64(r.context_len), np.int32(r.query_len),
                               np.asarray(r.block_table, np.int16)) for r in MIXED]
   got, _ = _build(np_requests, block_size=np.int64(BS), num_blocks=np.uint32(NB),
-                  max_blocks_per_seq=np.int8(MB), decode_threshold=np.int64(4), index_topk=np.int32(8))
+                  max_blocks_per_seq=np.int8(MB), decode_threshold=np.int64(4),
+                  index_topk=np.int32(8))
   jax.tree.map(np.testing.assert_array_equal, got, want)

@@ -1,4 +1,5 @@
-"""The small decoder: checkpoint loading, greedy generation batched and alone, full-forward logits."""
+"""The small decoder: checkpoint loading, greedy generation batched and alone, full-forward
+logits."""
 
 import dataclasses
 import shutil
@@ -43,7 +44,8 @@ def test_from_checkpoint_fills_every_parameter(tiny):
   path, model = tiny
   ckpt = Checkpoint(path)
   assert model.config.attention.has_indexer == ("index_topk" in ckpt.config)
-  want = ckpt.load(["model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.down_proj.weight",
+  want = ckpt.load(["model.embed_tokens.weight", "lm_head.weight",
+                    "model.layers.1.mlp.down_proj.weight",
                     "model.layers.0.post_attention_layernorm.weight"])
   layer = model.layers[1]
   np.testing.assert_array_equal(np.asarray(model.embed_tokens.embedding[...]),
@@ -188,5 +190,6 @@ def test_batch_invariant_reaches_every_layers_decode(tiny):
   path, model = tiny
   inv = DeepseekForCausalLM.from_checkpoint(path, backend="reference", dtype=jnp.float32,
                                             batch_invariant=True)
-  assert [layer.self_attn.mla_attn.batch_invariant for layer in inv.layers] == [True] * len(inv.layers)
+  assert ([layer.self_attn.mla_attn.batch_invariant for layer in inv.layers]
+          == [True] * len(inv.layers))
   assert not any(layer.self_attn.mla_attn.batch_invariant for layer in model.layers)

@@ -37,10 +37,12 @@ def test_notebook_runs_without_error(path, tmp_path, monkeypatch):
       "display_name": "mla-jax tests", "language": "python"}))
   monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
   # The checkout's mla_jax, also where it is not installed.
-  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+  monkeypatch.setenv("PYTHONPATH",
+                     os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
   nb = nbformat.read(path, as_version=4)
   client = nbclient.NotebookClient(nb, kernel_name="mla-jax-test", timeout=300,
                                    resources={"metadata": {"path": str(ROOT)}})
   client.execute()  # raises CellExecutionError at the first failing cell
-  errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+  errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+            if o.output_type == "error"]
   assert not errors

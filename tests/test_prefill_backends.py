@@ -83,7 +83,8 @@ class TestPallasMosaicPrefill(PrefillContract):
 
   def prefill(self, q, *args, **kwargs):
     if q.dtype.name not in mosaic_prefill.DTYPES:
-      pytest.skip(f"pallas_mosaic's prefill kernel takes {mosaic_prefill.DTYPES} only, got {q.dtype}")
+      pytest.skip(f"pallas_mosaic's prefill kernel takes {mosaic_prefill.DTYPES} only, "
+                  f"got {q.dtype}")
     return super().prefill(q, *args, **kwargs)
 
   # Requests starting off a multiple of 8 rows (bulk-copy boxes start aligned), of several 64-key
@@ -106,7 +107,8 @@ class TestPallasMosaicPrefill(PrefillContract):
     magnitude, _ = varlen_attention_np(f32(q), f32(k), np.abs(f32(v)), cu_q, cu_k, SCALE, causal)
     assert_close(f32(o), ref_o, jnp.bfloat16, magnitude)
     assert_close(lse, ref_lse, jnp.bfloat16)
-    assert (f32(o[int(cu_q[-1]):]) == 0).all() and (np.asarray(lse[int(cu_q[-1]):]) == -np.inf).all()
+    assert ((f32(o[int(cu_q[-1]):]) == 0).all()
+            and (np.asarray(lse[int(cu_q[-1]):]) == -np.inf).all())
 
   def test_persistent_heads_fastest(self):
     # From 64 heads the queue's items run heads fastest (2 programs, 2 blocks x 64 heads each).

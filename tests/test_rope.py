@@ -34,7 +34,8 @@ def _rotate_np(x, positions, inv_freq, neox, scale=1.0, f32_angles=True):
   """x [T, H, D] rotated in float64; angles rounded as float32 products when f32_angles."""
   x = np.asarray(x, np.float64)
   if f32_angles:
-    ang = (positions.astype(np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]).astype(np.float64)
+    ang = (positions.astype(np.float32)[:, None]
+           * inv_freq.astype(np.float32)[None, :]).astype(np.float64)
   else:
     ang = positions.astype(np.float64)[:, None] * inv_freq[None, :]
   cos, sin = np.cos(ang)[:, None] * scale, np.sin(ang)[:, None] * scale
@@ -61,10 +62,13 @@ def test_v3_yarn_inv_freq():
   assert np.all((want[11:23] < plain[11:23]) & (want[11:23] > plain[11:23] / 40))
 
 
-@pytest.mark.parametrize("dim, base, factor, orig", [(128, 50000.0, 8.0, 8192), (32, 10000.0, 4.0, 2048)])
+@pytest.mark.parametrize("dim, base, factor, orig",
+                         [(128, 50000.0, 8.0, 8192), (32, 10000.0, 4.0, 2048)])
 def test_yarn_inv_freq_other_configs(dim, base, factor, orig):
-  rope = RotaryEmbedding(dim, base, RopeScaling(factor=factor, original_max_position_embeddings=orig))
-  np.testing.assert_allclose(rope.inv_freq, _yarn_inv_freq_np(dim, base, factor, orig, 32, 1), rtol=1e-13)
+  rope = RotaryEmbedding(dim, base,
+                         RopeScaling(factor=factor, original_max_position_embeddings=orig))
+  np.testing.assert_allclose(rope.inv_freq, _yarn_inv_freq_np(dim, base, factor, orig, 32, 1),
+                             rtol=1e-13)
 
 
 def test_plain_inv_freq():
@@ -74,7 +78,8 @@ def test_plain_inv_freq():
   assert rope.cos_sin_scale == 1.0
 
 
-@pytest.mark.parametrize("mscale, mscale_all_dim", [(1.0, 1.0), (0.707, 0.707), (1.0, 0.707), (0.5, 1.0)])
+@pytest.mark.parametrize("mscale, mscale_all_dim",
+                         [(1.0, 1.0), (0.707, 0.707), (1.0, 0.707), (0.5, 1.0)])
 def test_cos_sin_scale(mscale, mscale_all_dim):
   s = RopeScaling(factor=40.0, mscale=mscale, mscale_all_dim=mscale_all_dim)
   rope = RotaryEmbedding(64, 10000.0, s)
@@ -83,7 +88,8 @@ def test_cos_sin_scale(mscale, mscale_all_dim):
   if mscale != mscale_all_dim:
     assert abs(want - 1) > 0.05  # the non-trivial case really is non-trivial
   cos, sin = rope.cos_sin(jnp.asarray(POSITIONS))
-  ang = (POSITIONS.astype(np.float32)[:, None] * rope.inv_freq.astype(np.float32)).astype(np.float64)
+  ang = (POSITIONS.astype(np.float32)[:, None]
+         * rope.inv_freq.astype(np.float32)).astype(np.float64)
   np.testing.assert_allclose(np.asarray(cos), np.cos(ang) * want, rtol=1e-5, atol=2e-6)
   np.testing.assert_allclose(np.asarray(sin), np.sin(ang) * want, rtol=1e-5, atol=2e-6)
 
@@ -114,7 +120,8 @@ def test_rotation_matches_numpy(neox, scaling):
   rope = RotaryEmbedding(d, 10000.0, scaling, neox=neox)
   inv = (1.0 / 10000.0 ** (np.arange(0, d, 2) / d) if scaling is None
          else _yarn_inv_freq_np(d, 10000.0, scaling.factor, 4096, 32, 1))
-  scale = 1.0 if scaling is None else _mscale(40.0, scaling.mscale) / _mscale(40.0, scaling.mscale_all_dim)
+  scale = (1.0 if scaling is None
+           else _mscale(40.0, scaling.mscale) / _mscale(40.0, scaling.mscale_all_dim))
   got = np.asarray(rope(jnp.asarray(positions), jnp.asarray(x)))
   assert got.shape == x.shape and got.dtype == np.float32
   np.testing.assert_allclose(got, _rotate_np(x, positions, inv, neox, scale), rtol=1e-4, atol=1e-4)
@@ -127,8 +134,10 @@ def test_rotation_preserves_pair_norms(neox):
   rng = np.random.default_rng(1)
   positions = rng.integers(0, 150000, 16).astype(np.int32)
   x = rng.standard_normal((16, 2, 64)).astype(np.float32)
-  got = np.asarray(RotaryEmbedding(64, 10000.0, V3.rope_scaling, neox=neox)(jnp.asarray(positions), jnp.asarray(x)))
-  pairs = (lambda a: np.stack([a[..., :32], a[..., 32:]], -1)) if neox else (lambda a: a.reshape(16, 2, 32, 2))
+  got = np.asarray(RotaryEmbedding(64, 10000.0, V3.rope_scaling, neox=neox)(jnp.asarray(positions),
+                                                                            jnp.asarray(x)))
+  pairs = ((lambda a: np.stack([a[..., :32], a[..., 32:]], -1)) if neox
+           else (lambda a: a.reshape(16, 2, 32, 2)))
   np.testing.assert_allclose(np.linalg.norm(pairs(got), axis=-1), np.linalg.norm(pairs(x), axis=-1),
                              rtol=1e-5, atol=1e-6)
 
@@ -146,7 +155,8 @@ def test_two_dim_input_single_head():
   x = rng.standard_normal((5, 64)).astype(np.float32)
   rope = RotaryEmbedding(64, 10000.0, V3.rope_scaling)
   got = np.asarray(rope(jnp.asarray(positions), jnp.asarray(x)))
-  want = _rotate_np(x[:, None], positions, _yarn_inv_freq_np(64, 10000.0, 40.0, 4096, 32, 1), False)[:, 0]
+  want = _rotate_np(x[:, None], positions, _yarn_inv_freq_np(64, 10000.0, 40.0, 4096, 32, 1),
+                    False)[:, 0]
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 

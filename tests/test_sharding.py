@@ -98,7 +98,8 @@ def test_compiled_step_moves_activations_not_the_cache(report, case):
   colls = r["collectives"]
   gathered = merge == "all_gather" and dcp > 1
   # No permute or all-to-all; all-gathers only of the partial attentions (all_gather merge).
-  assert all(c["op"] == "all-reduce" or (gathered and c["op"] == "all-gather") for c in colls), colls
+  assert all(c["op"] == "all-reduce" or (gathered and c["op"] == "all-gather")
+             for c in colls), colls
   sizes = [math.prod(dims) for c in colls for _, dims in c["shapes"]]
   assert all(n < r["cache_shard_elements"] for n in sizes), (sizes, r["cache_shard_elements"])
   shapes = {tuple(dims) for c in colls for _, dims in c["shapes"]}

@@ -49,10 +49,12 @@ def test_load_fills_every_parameter(q_lora_rank, prefix):
   linears = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
   linears += ["q_proj"] if q_lora_rank is None else ["q_a_proj", "q_b_proj"]
   for name in linears:
-    np.testing.assert_array_equal(np.asarray(getattr(m, name).kernel[...]), tensors[f"{name}.weight"].T)
+    np.testing.assert_array_equal(np.asarray(getattr(m, name).kernel[...]),
+                                  tensors[f"{name}.weight"].T)
   norms = ["kv_a_layernorm"] + ([] if q_lora_rank is None else ["q_a_layernorm"])
   for name in norms:
-    np.testing.assert_array_equal(np.asarray(getattr(m, name).scale[...]), tensors[f"{name}.weight"])
+    np.testing.assert_array_equal(np.asarray(getattr(m, name).scale[...]),
+                                  tensors[f"{name}.weight"])
   assert hasattr(m, "q_proj") == (q_lora_rank is None)
 
 
