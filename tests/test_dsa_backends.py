@@ -1,4 +1,5 @@
-"""Every backend's DSA functions against the float64 oracles; Pallas runs in interpret mode on CPUs."""
+"""Every backend's DSA functions against the float64 oracles; Pallas runs in interpret mode on
+CPUs."""
 
 import functools
 import os
@@ -43,7 +44,8 @@ class TestPallasTritonSparseAttention(SparseAttentionContract):
     slots[3] = -1
     q = jnp.asarray(rng.standard_normal((4, 20, L + R)), jnp.float32)
     o, lse = pallas_sparse.sparse_attention(q, cache.data, jnp.asarray(slots), scale=0.05,
-                                            kv_lora_rank=L, num_splits=3, block_k=16, interpret=True)
+                                            kv_lora_rank=L, num_splits=3, block_k=16,
+                                            interpret=True)
     o_ref, lse_ref = backends.REFERENCE.sparse_attention(q, cache, jnp.asarray(slots), scale=0.05,
                                                          kv_lora_rank=L)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=1e-5, atol=1e-5)
@@ -65,8 +67,8 @@ class TestPallasTritonSparseAttention(SparseAttentionContract):
   ])
   def test_bad_input_raises(self, change, message):
     args = dict(q=jnp.zeros((2, 16, L + R), jnp.bfloat16),
-                kv_cache=jnp.zeros((4, 16, L + R), jnp.bfloat16), slots=jnp.zeros((2, 8), jnp.int32),
-                kv_lora_rank=L)
+                kv_cache=jnp.zeros((4, 16, L + R), jnp.bfloat16),
+                slots=jnp.zeros((2, 8), jnp.int32), kv_lora_rank=L)
     with pytest.raises(ValueError, match=message):
       pallas_sparse.sparse_attention(**change(args), scale=0.1, interpret=True)
 
@@ -118,7 +120,8 @@ class TestPallasTritonIndexer(IndexerContract):
   ])
   def test_bad_input_raises(self, change, message):
     args = dict(q=jnp.zeros((2, 4, 32), jnp.bfloat16), weights=jnp.zeros((2, 4), jnp.float32),
-                k_values=jnp.zeros((3, 16, 32), jnp.bfloat16), k_scales=jnp.ones((3, 16), jnp.float32),
+                k_values=jnp.zeros((3, 16, 32), jnp.bfloat16),
+                k_scales=jnp.ones((3, 16), jnp.float32),
                 block_tables=jnp.zeros((2, 3), jnp.int32), seq_lens=jnp.ones((2,), jnp.int32))
     with pytest.raises(ValueError, match=message):
       pallas_indexer.indexer_logits(**change(args), interpret=True)
@@ -205,7 +208,8 @@ def assert_logits_close(got, want):
 
 
 _ROWS4_HANG = pytest.mark.skip(
-    reason="known defect: the Mosaic GPU interpreter intermittently deadlocks on the rows=4 variant on 2 cores (memory warpgroup starved); the H200 test covers it")
+    reason="known defect: the Mosaic GPU interpreter intermittently deadlocks on the rows=4 "
+    "variant on 2 cores (memory warpgroup starved); the H200 test covers it")
 
 
 class TestPallasMosaicIndexer(IndexerContract):
@@ -369,7 +373,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     o, lse = self.fn()(q, cache, jnp.asarray(slots), scale=0.05, kv_lora_rank=lora)
     assert o.dtype == jnp.bfloat16 and o.shape == (4, n, lora) and lse.shape == (4, n)
     qf = np.asarray(q.astype(jnp.float32))
-    o_ref, lse_ref = sparse_np(qf, lambda s: rows[s].astype(np.float64), slots, num_slots, 0.05, lora)
+    o_ref, lse_ref = sparse_np(qf, lambda s: rows[s].astype(np.float64), slots, num_slots, 0.05,
+                               lora)
     o, lse = np.asarray(o.astype(jnp.float32), np.float64), np.asarray(lse, np.float64)
     assert np.isfinite(o).all()
     np.testing.assert_array_equal(lse[1], -np.inf)
@@ -421,8 +426,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
   ])
   def test_bad_input_raises(self, change, message):
     args = dict(q=jnp.zeros((2, 16, L + R), jnp.bfloat16),
-                kv_cache=jnp.zeros((4, 16, L + R), jnp.bfloat16), slots=jnp.zeros((2, 8), jnp.int32),
-                kv_lora_rank=L)
+                kv_cache=jnp.zeros((4, 16, L + R), jnp.bfloat16),
+                slots=jnp.zeros((2, 8), jnp.int32), kv_lora_rank=L)
     with pytest.raises(ValueError, match=message):
       mosaic_sparse.sparse_attention(**change(args), scale=0.1, interpret=True)
 
