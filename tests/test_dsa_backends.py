@@ -207,9 +207,22 @@ def assert_logits_close(got, want):
   np.testing.assert_allclose(got[fin], want[fin], rtol=1e-4, atol=1e-4)
 
 
-_ROWS4_HANG = pytest.mark.skip(
-    reason="known defect: the Mosaic GPU interpreter intermittently deadlocks on the rows=4 "
-    "variant on 2 cores (memory warpgroup starved); the H200 test covers it")
+# Mosaic GPU's interpreter runs each warpgroup as its own XLA CPU computation, and a barrier wait
+# blocks the XLA thread running it. On a 2-core host XLA's pool had 2 threads: two warpgroups
+# waited on barriers while the memory warpgroup that would release them never started (seen in
+# thread stacks; the "deadlock" of the fp8_ds_mla path and the rows=4 indexer). With 8 host
+# devices the same cases finish, so the Mosaic sparse cases and the rows=4 indexer cases run in a
+# subprocess that has them (the other tests expect one device).
+WIDE_POOL = "--xla_force_host_platform_device_count=8"
+
+
+def in_wide_pool():
+  return WIDE_POOL in os.environ.get("XLA_FLAGS", "")
+
+
+# Cases that run only in the wide pool, besides TestPallasMosaicSparseAttention.
+WIDE_POOL_ONLY = pytest.mark.skipif(
+    not in_wide_pool(), reason="runs in test_mosaic_cases_in_a_wide_interpreter_pool's subprocess")
 
 
 class TestPallasMosaicIndexer(IndexerContract):
@@ -218,7 +231,8 @@ class TestPallasMosaicIndexer(IndexerContract):
   # Lengths not a multiple of a step, rows that see nothing, pages behind -1; several programs per
   # row (chunk 256); rows=4 groups (shared tables, 5 rows: one padded group) and rows=1.
   @pytest.mark.parametrize("rows,lens", [(1, [300, 70, 0, 512, 1]),
-                                         pytest.param(4, [512, 450, 1, 0, 129], marks=_ROWS4_HANG)])
+                                         pytest.param(4, [512, 450, 1, 0, 129], id="rows4",
+                                                      marks=WIDE_POOL_ONLY)])
   def test_rows_and_chunks_match_reference(self, rows, lens):
     q, w, k_vals, k_scale, tables = mosaic_indexer_case(20 + rows, 5, shared=rows == 4)
     lens = jnp.asarray(lens, jnp.int32)
@@ -226,7 +240,8 @@ class TestPallasMosaicIndexer(IndexerContract):
                                         interpret=True)
     assert_logits_close(got, reference.indexer_logits(q, w, k_vals, k_scale, tables, lens))
 
-  @pytest.mark.parametrize("shared", [pytest.param(True, marks=_ROWS4_HANG), False])
+  @pytest.mark.parametrize("shared", [pytest.param(True, id="shared", marks=WIDE_POOL_ONLY),
+                                      False])
   def test_variant_chosen_by_tables(self, shared):
     # rows=None: groups of 4 rows with one table take rows=4, else rows=1; both exact here.
     q, w, k_vals, k_scale, tables = mosaic_indexer_case(30, 4, nb=8, mb=4, shared=shared)
@@ -308,26 +323,15 @@ def poisoned_case(seed, n, kind, lora=L, t=4, k=80):
   return q, cache, slots, rows
 
 
-# Mosaic GPU's interpreter runs each warpgroup as its own XLA CPU computation, and a barrier wait
-# blocks the XLA thread running it. On a 2-core host XLA's pool had 2 threads: two warpgroups
-# waited on barriers while the memory warpgroup that would release them never started (seen in
-# thread stacks; the "deadlock" of the fp8_ds_mla path and the rows=4 indexer). With 8 host
-# devices the same cases finish, so the Mosaic sparse cases run in a subprocess that has them (the
-# other tests expect one device).
-WIDE_POOL = "--xla_force_host_platform_device_count=8"
-
-
-def in_wide_pool():
-  return WIDE_POOL in os.environ.get("XLA_FLAGS", "")
-
-
-def test_mosaic_sparse_cases_in_a_wide_interpreter_pool():
+def test_mosaic_cases_in_a_wide_interpreter_pool():
   if in_wide_pool():
     pytest.skip("this process is the wide pool: the class's own cases run here")
   env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {WIDE_POOL}".strip()}
   run = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
-       f"{__file__}::TestPallasMosaicSparseAttention"],
+       f"{__file__}::TestPallasMosaicSparseAttention",
+       f"{__file__}::TestPallasMosaicIndexer::test_rows_and_chunks_match_reference[rows4]",
+       f"{__file__}::TestPallasMosaicIndexer::test_variant_chosen_by_tables[shared]"],
       env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
       capture_output=True, text=True, timeout=3000)
   assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
@@ -352,7 +356,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
   @pytest.fixture(autouse=True)
   def _wide_pool(self):
     if not in_wide_pool():
-      pytest.skip("runs in test_mosaic_sparse_cases_in_a_wide_interpreter_pool's subprocess")
+      pytest.skip("runs in test_mosaic_cases_in_a_wide_interpreter_pool's subprocess")
 
   def fn(self):
     run = super().fn()
