@@ -56,7 +56,7 @@ from mla_jax.cache import LatentCache
 from mla_jax.config import MLAConfig
 from mla_jax.metadata import RequestState, bucket, build_metadata
 from mla_jax.modules import DeepseekV2MLAAttention, jitted_step
-from mla_jax.sharded_backend import DCP_AXIS, DCP_MERGES, mesh_axis
+from mla_jax.sharded_backend import DCP_AXIS, DCP_MERGES, dcp_size, mesh_axis
 
 CONFIG = MLAConfig.preset("DeepSeek-V3")
 # V3's head and latent sizes (what the kernels take), a narrow model: 16 heads, hidden 256.
@@ -100,10 +100,6 @@ def make_stack(config, layers, backend, dtype, layout, dcp_merge):
     return stack, None
   mesh = sharding.make_mesh(**layout)
   return sharding.shard_layer(stack, mesh, dcp_merge=dcp_merge), mesh
-
-
-def dcp_size(mesh):
-  return 1 if mesh is None else mesh.shape.get(DCP_AXIS, 1)
 
 
 def place_caches(caches, mesh):

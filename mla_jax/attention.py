@@ -18,7 +18,7 @@ from mla_jax import cache as caches
 from mla_jax.cache import LatentCache
 from mla_jax.config import MLAConfig
 from mla_jax.metadata import AttentionMetadata
-from mla_jax.sharded_backend import DCP_AXIS, shard_backend
+from mla_jax.sharded_backend import dcp_size, shard_backend
 
 
 def merge_attn_states(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array,
@@ -74,10 +74,7 @@ class MLAAttention(nnx.Module):
 
   def check_dcp(self, md: AttentionMetadata) -> None:
     """Trace time: the metadata must carry the dcp tables of the layer's mesh (none without)."""
-    dcp = 1 if self.mesh is None else self.mesh.shape.get(DCP_AXIS, 1)
-    if md.dcp_size != dcp:
-      raise ValueError(f"metadata built for dcp={md.dcp_size}, but the layer runs with dcp={dcp}: "
-                       f"build_metadata(..., dcp={dcp})")
+    md.check_dcp(dcp_size(self.mesh), "the layer's mesh")
 
   def absorb(self, kv_b_kernel: jax.Array) -> None:
     """Splits kv_b_proj's kernel [L, N*(P+V)] (per head `[k_nope P | v V]`) into W_UK_T and W_UV."""

@@ -67,6 +67,12 @@ class AttentionMetadata:
     """The decode-context-parallel size the metadata was built for (1: none)."""
     return 1 if self.dcp_block_tables is None else self.dcp_block_tables.shape[0]
 
+  def check_dcp(self, dcp: int, where: str) -> None:
+    """The metadata must carry the dcp tables of `where`'s `dcp` devices (none for 1)."""
+    if self.dcp_size != dcp:
+      raise ValueError(f"metadata built for dcp={self.dcp_size}, but {where} has dcp={dcp}: "
+                       f"build_metadata(..., dcp={dcp})")
+
   def dcp_row_views(self, start: int = 0,
                     stop: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Each dcp device's view of rows start:stop: (block tables [dcp, rows, MB] of the blocks it

@@ -35,7 +35,7 @@ from mla_jax.metadata import (MIN_BUCKET, AttentionMetadata, BatchLayout, Reques
 from mla_jax.modules import DeepseekV2MLAAttention
 from mla_jax.nn import linear
 from mla_jax.sampling import GREEDY, SamplingParams, sample
-from mla_jax.sharded_backend import DCP_AXIS
+from mla_jax.sharded_backend import dcp_size
 from mla_jax.sharding import place, place_metadata, shard_cache
 from mla_jax.weights import (Target, assign, attention_targets, check_tensors, linear_target,
                              param_target)
@@ -250,13 +250,13 @@ class _Paging:
 
   @property
   def dcp(self) -> int:
-    return 1 if self.mesh is None else self.mesh.shape.get(DCP_AXIS, 1)
+    return dcp_size(self.mesh)
 
   @classmethod
   def for_lengths(cls, model: DeepseekForCausalLM, capacity: Sequence[int], block_size: int,
                   num_blocks: int | None = None) -> "_Paging":
     mesh = model.mesh
-    dcp = 1 if mesh is None else mesh.shape.get(DCP_AXIS, 1)
+    dcp = dcp_size(mesh)
     blocks = [-(-n // block_size) for n in capacity]
     starts = np.cumsum([0] + blocks)
     if num_blocks is not None and num_blocks < starts[-1]:

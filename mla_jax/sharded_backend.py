@@ -47,6 +47,11 @@ DCP_AXIS = "dcp"
 DCP_MERGES = ("all_reduce", "all_gather")
 
 
+def dcp_size(mesh: Mesh | None) -> int:
+  """How many devices `mesh` splits the cache over (1: no mesh, or no dcp axis)."""
+  return 1 if mesh is None else mesh.shape.get(DCP_AXIS, 1)
+
+
 def mesh_axis(mesh: Mesh, name: str) -> str | None:
   """`name` when `mesh` splits over it; None for an absent or size-1 axis (nothing to split or
   reduce over, so no specs mention it and no collective over it is emitted)."""

@@ -31,7 +31,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from mla_jax.attention import MLAAttention
 from mla_jax.cache import DSACache, LatentCache
 from mla_jax.metadata import AttentionMetadata
-from mla_jax.sharded_backend import DCP_AXIS, DCP_MERGES, TP_AXIS, mesh_axis
+from mla_jax.sharded_backend import DCP_AXIS, DCP_MERGES, TP_AXIS, dcp_size, mesh_axis
 
 # Parameter path suffix -> its split. Per-head weights are head-major along the split axis, so
 # contiguous shards are whole heads. Everything else (the down projections, norms, the V3.2
@@ -102,7 +102,7 @@ def shard_cache(cache: LatentCache | DSACache, mesh: Mesh) -> LatentCache | DSAC
   (a LatentCache's data; a V3.2 DSACache's latent cache, dense or fp8_ds_mla, and indexer K cache),
   replicated over tp; scales replicated."""
   _check_mesh(mesh)
-  dcp = mesh.shape.get(DCP_AXIS, 1)
+  dcp = dcp_size(mesh)
   if cache.num_blocks % dcp:
     raise ValueError(f"the cache's {cache.num_blocks} blocks do not divide over dcp={dcp}")
   return jax.device_put(cache, cache.dcp_shardings(
@@ -120,10 +120,8 @@ def place_metadata(md: AttentionMetadata, mesh: Mesh | None) -> AttentionMetadat
   another dcp size than the mesh's."""
   if mesh is None:
     return md
-  dcp = mesh.shape.get(DCP_AXIS, 1)
-  if md.dcp_size != dcp:
-    raise ValueError(f"metadata built for dcp={md.dcp_size} on a mesh with dcp={dcp}: "
-                     f"build_metadata(..., dcp={dcp})")
+  dcp = dcp_size(mesh)
+  md.check_dcp(dcp, "the mesh")
   split = NamedSharding(mesh, P(mesh_axis(mesh, DCP_AXIS)))
   return jax.device_put(md, dataclasses.replace(
       jax.tree.map(lambda _: NamedSharding(mesh, P()), md),
