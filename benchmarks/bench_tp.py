@@ -22,11 +22,13 @@ and placed on the mesh once (`sharding.place_metadata`), as generate does.
    union of its kernels' intervals on its streams, and the shares of Pallas kernels, matmuls,
    collectives (NCCL) and the rest; "busy" is the busiest GPU's. Wall minus busy is host and
    launch time the devices waited for.
-5. The bound of each layout: the bytes one device must read per step (its share of the caches:
-   all of them under tp, 1/dcp under dcp; its shards of the weights) at the H200's copy rate
-   (benchmarks.common.H200_COPY_GBPS), and the speedup that bound allows over 1 GPU.
-`--dcp-merge all_gather` merges dcp's partial attentions by an all-gather of (o in bf16, lse in
-float32) instead of one float32 all-reduce (`sharded_backend.DCP_MERGES`).
+5. The bound of each layout: the longer of the bytes one device must read per step (its share of
+   the caches: all of them under tp, 1/dcp under dcp; its shards of the weights) at the H200's
+   copy rate (benchmarks.common.H200_COPY_GBPS) and its FLOPs (1/tp of the heads, 1/dcp of the
+   tokens) at the bf16 rate, "bound by" saying which; and the speedup that bound allows over 1 GPU.
+`--dcp-merge` picks how dcp merges its partial attentions (`sharded_backend.DCP_MERGES`): one
+float32 all-reduce of o (all_reduce), an all-gather of (o in bf16, lse in float32) (all_gather), or
+only the lse reduced, the weighted parts summed by o_proj's all-reduce (o_proj).
 `--quick`: a small config (hidden 256, 16 heads), 2 layers, B=4, S=256: a smoke run. `--on-cpu`
 runs on host CPU devices with the reference backend (set
 XLA_FLAGS=--xla_force_host_platform_device_count=8 first): a check that the benchmark runs, with
@@ -50,13 +52,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from benchmarks.common import H200_COPY_GBPS, make_parser, require_gpu, time_steps, write_results
+from benchmarks.common import (H200_BF16_TFLOPS, H200_COPY_GBPS, make_parser, require_gpu,
+                               time_steps, write_results)
 from mla_jax import backends, sharding
 from mla_jax.cache import LatentCache
 from mla_jax.config import MLAConfig
 from mla_jax.metadata import RequestState, bucket, build_metadata
 from mla_jax.modules import DeepseekV2MLAAttention, jitted_step
-from mla_jax.sharded_backend import DCP_AXIS, DCP_MERGES, dcp_size, mesh_axis
+from mla_jax.sharded_backend import DCP_AXIS, DCP_MERGES, TP_AXIS, dcp_size, mesh_axis
 
 CONFIG = MLAConfig.preset("DeepSeek-V3")
 # V3's head and latent sizes (what the kernels take), a narrow model: 16 heads, hidden 256.
@@ -112,7 +115,7 @@ def place_step(x, md, mesh):
   return (x, md) if mesh is None else (sharding.place(x, mesh), sharding.place_metadata(md, mesh))
 
 
-def check_prefill_decode(config, backend, layouts):
+def check_prefill_decode(config, backend, layouts, merges):
   """Check 1 for one backend: {layout: (max output diff / max |1-GPU output|, caches equal)}."""
   rng = np.random.default_rng(0)
   tables = rng.permutation(SMALL_BLOCKS)[:2 * SMALL_TABLE].reshape(2, SMALL_TABLE)
@@ -123,8 +126,8 @@ def check_prefill_decode(config, backend, layouts):
                           jnp.float32(1))
   results = {}
   with jax.default_matmul_precision("highest"):
-    for name, layout in fitting_layouts(layouts).items():
-      stack, mesh = make_stack(config, 1, backend, jnp.float32, layout, "all_reduce")
+    for name, layout, merge in layout_runs(layouts, merges):
+      stack, mesh = make_stack(config, 1, backend, jnp.float32, layout, merge)
       step, caches = jitted_step(stack), place_caches((nan_cache,), mesh)
       outs, done = [], [0, 0]
       for q_lens, x in zip(SCHEDULE, xs):
@@ -150,6 +153,17 @@ def fitting_layouts(names=None):
   n = len(jax.devices())
   return {k: v for k, v in LAYOUTS.items() if v.get("tp", 1) * v.get("dcp", 1) <= n
           and (names is None or k in names or not v)}
+
+
+def layout_runs(names, merges):
+  """(name, layout, dcp merge) of every fitting layout of `names`, each dcp layout once per merge
+  of `merges` (its name then saying which), the others once."""
+  runs = []
+  for name, layout in fitting_layouts(names).items():
+    for merge in (merges if "dcp" in layout else merges[:1]):
+      runs.append((f"{name} ({merge})" if "dcp" in layout and len(merges) > 1 else name, layout,
+                   merge))
+  return runs
 
 
 def decode_inputs(config, batch, seq):
@@ -219,22 +233,33 @@ def busy_from_events(events, steps: int) -> dict | None:
 
 
 def traced(step, x, caches, md, steps):
-  """Device busy figures of `steps` traced steps (see `device_busy`), and the caches."""
+  """Device busy figures of `steps` traced steps (see `device_busy`). The caches it takes are
+  donated and dropped: a layout's caches must be gone before the next layout's are made (at
+  B=256, S=32K one GPU holds 77 GB of them, and tp=2 wants as much again on each GPU)."""
   with tempfile.TemporaryDirectory() as d:
     with jax.profiler.trace(d, create_perfetto_trace=True):
       for _ in range(steps):
         out, caches = step(x, caches, md)
       jax.block_until_ready((out, caches))
-    return device_busy(d, steps), caches
+    return device_busy(d, steps)
 
 
-def bound_ms(stack, caches):
-  """ms to read, on one device, its shards of the caches and of the weights a decode step reads
-  (kv_b_proj's kernel is read as the absorbed W_UK_T and W_UV) at H200_COPY_GBPS."""
-  shard_bytes = lambda a: a.addressable_shards[0].data.nbytes
+def bound_ms(stack, caches, config, batch, seq, mesh):
+  """(ms, "bytes" or "flops"): the least time one device needs per step, the longer of reading
+  its shards of the caches and of the weights a decode step reads (kv_b_proj's kernel is read as
+  the absorbed W_UK_T and W_UV) at H200_COPY_GBPS, and its FLOPs at H200_BF16_TFLOPS: 2 per
+  weight element and token, and the attention's 2 * (N/tp) * (S/dcp) * (576 + 512) per layer and
+  token (at 128 heads the decode kernel is bound by FLOPs, not bytes)."""
+  local = lambda a: a.addressable_shards[0].data
   weights = [a for path, a in jax.tree_util.tree_flatten_with_path(nnx.state(stack))[0]
              if "kv_b_proj" not in jax.tree_util.keystr(path)]
-  return sum(shard_bytes(a) for a in weights + [c.data for c in caches]) / H200_COPY_GBPS / 1e6
+  read_ms = sum(local(a).nbytes for a in weights + [c.data for c in caches]) / H200_COPY_GBPS / 1e6
+  tp = 1 if mesh is None else mesh.shape.get(TP_AXIS, 1)
+  attn = 2 * (config.num_heads // tp) * (seq // dcp_size(mesh)) * (
+      config.latent_dim + config.kv_lora_rank) * len(caches)
+  flops = batch * (2 * sum(local(a).size for a in weights) + attn)
+  flop_ms = flops / H200_BF16_TFLOPS / 1e9
+  return (read_ms, "bytes") if read_ms >= flop_ms else (flop_ms, "flops")
 
 
 def measure(args, config, backend, batch, seq, ref, failures):
@@ -242,14 +267,14 @@ def measure(args, config, backend, batch, seq, ref, failures):
   x, key, tables = decode_inputs(config, batch, seq)
   num_blocks = tables.size
   rows = []
-  for name, layout in fitting_layouts(args.layouts).items():
+  for name, layout, merge in layout_runs(args.layouts, args.dcp_merge):
     row = {"layout": name, "B": batch, "S": seq, "layers": args.layers}
     try:
-      stack, mesh = make_stack(config, args.layers, backend, jnp.bfloat16, layout, args.dcp_merge)
+      stack, mesh = make_stack(config, args.layers, backend, jnp.bfloat16, layout, merge)
       caches = random_caches(config, key, num_blocks, args.layers, mesh)
       xs, md = place_step(x, step_metadata(tables, seq, num_blocks, mesh), mesh)
       step = jitted_step(stack)
-      row["bound ms"] = bound_ms(stack, caches)
+      row["bound ms"], row["bound by"] = bound_ms(stack, caches, config, batch, seq, mesh)
       out, caches = step(xs, caches, md)
       out = np.asarray(out.astype(jnp.float32))[:batch]
       if not layout:
@@ -269,8 +294,8 @@ def measure(args, config, backend, batch, seq, ref, failures):
       row["bound speedup"] = ref["bound"] / row["bound ms"] if "bound" in ref else float("nan")
       row["% of bound"] = 100 * row["bound ms"] / ms
       try:  # time_steps donated the caches: fresh ones for the trace
-        busy, _ = traced(step, xs, random_caches(config, key, num_blocks, args.layers, mesh), md,
-                         args.trace_steps)
+        busy = traced(step, xs, random_caches(config, key, num_blocks, args.layers, mesh), md,
+                      args.trace_steps)
       except Exception as e:  # noqa: BLE001 - the timings stand without the trace
         traceback.print_exc()
         busy, row["trace error"] = None, f"{type(e).__name__}: {str(e)[:80]}"
@@ -302,8 +327,9 @@ def main(argv=None):
                            "check 1 also runs the reference)")
   parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=None,
                       help="the layouts to run (1 GPU always runs; default: all that fit)")
-  parser.add_argument("--dcp-merge", default="all_reduce", choices=DCP_MERGES,
-                      help="how dcp merges its partial attentions")
+  parser.add_argument("--dcp-merge", nargs="+", default=["all_reduce"], choices=DCP_MERGES,
+                      help="how dcp merges its partial attentions (several: each dcp layout runs "
+                           "once per merge)")
   parser.add_argument("--iters", type=int, default=20, help="back-to-back steps per timing")
   parser.add_argument("--repeats", type=int, default=5, help="timings; the median is reported")
   parser.add_argument("--trace-steps", type=int, default=5, help="steps in the profiler trace")
@@ -327,13 +353,14 @@ def main(argv=None):
     args.iters, args.repeats, args.trace_steps = 3, 1, 2
   print(f"devices: {jax.devices()}; backend {backend}; "
         f"layouts {list(fitting_layouts(args.layouts))}; "
-        f"{args.layers} layers; page {PAGE}; dcp merge {args.dcp_merge}", flush=True)
+        f"{args.layers} layers; page {PAGE}; dcp merges {args.dcp_merge}", flush=True)
   failures = []
 
   if not args.skip_check1:
     for be in dict.fromkeys(["reference", backend]):
       try:
-        for name, (rel, cache_ok) in check_prefill_decode(config, be, args.layouts).items():
+        for name, (rel, cache_ok) in check_prefill_decode(config, be, args.layouts,
+                                                             args.dcp_merge).items():
           ok = rel <= 1e-4 and cache_ok
           print(f"check 1 ({be}, fp32, prefill + decode) {name}: max diff {rel:.2e} of the "
                 f"largest output, cache {'same' if cache_ok else 'DIFFERENT'}: "

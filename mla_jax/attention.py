@@ -41,6 +41,18 @@ def merge_attn_states(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array,
   return o.astype(o_a.dtype), lse
 
 
+def concat_rows(blocks: list[jax.Array]) -> jax.Array:
+  """Row blocks [T_i, N, V] -> [sum T_i, N, V]. Blocks given as dcp parts [dcp, T_i, N, V] (the
+  "o_proj" dcp merge: parts summed later, by o_proj's all-reduce) make the result parts too, a
+  block without parts going whole into part 0 (zeros elsewhere, so the sum is exact)."""
+  dcp = next((b.shape[0] for b in blocks if b.ndim == 4), None)
+  if dcp is not None:
+    first = (jnp.arange(dcp) == 0)[:, None, None, None]
+    blocks = [b if b.ndim == 4 else jnp.where(first, b[None], jnp.zeros((), b.dtype))
+              for b in blocks]
+  return jnp.concatenate(blocks, axis=-3) if len(blocks) > 1 else blocks[0]
+
+
 class AbsorbedWeight(nnx.Variable):
   """A weight derived from the checkpoint's (kv_b_proj) at load time, not trained itself."""
 
@@ -88,7 +100,8 @@ class MLAAttention(nnx.Module):
 
   def __call__(self, q: jax.Array, kv_c_normed: jax.Array, k_pe: jax.Array, cache: LatentCache,
                md: AttentionMetadata) -> tuple[jax.Array, LatentCache]:
-    """q [T, N, P+R] and k_pe [T, R] after RoPE, kv_c_normed [T, L] -> (out [T, N*V], new cache)."""
+    """q [T, N, P+R] and k_pe [T, R] after RoPE, kv_c_normed [T, L] -> (out [T, N*V], new cache);
+    out is dcp parts [dcp, T, N*V] on a mesh with the "o_proj" dcp merge (`concat_rows`)."""
     c = self.config
     t = md.num_rows
     if q.shape != (t, c.num_heads, c.qk_head_dim):
@@ -107,13 +120,13 @@ class MLAAttention(nnx.Module):
 
     cache = be.write_cache(cache, kv_c_normed, k_pe, md.slot_mapping)
     td = md.num_decode_rows
-    parts = []
+    blocks = []
     if td:
-      parts.append(self._decode(q[:td], cache, md))
+      blocks.append(self._decode(q[:td], cache, md))
     if t > td:
-      parts.append(self._prefill(q[td:], kv_c_normed[td:], k_pe[td:], cache, md))
-    out = jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
-    return out.reshape(t, c.num_heads * c.v_head_dim), cache
+      blocks.append(self._prefill(q[td:], kv_c_normed[td:], k_pe[td:], cache, md))
+    out = concat_rows(blocks)
+    return out.reshape(out.shape[:-3] + (t, c.num_heads * c.v_head_dim)), cache
 
   def _absorb_query(self, q):
     """q [T, N, P+R] -> the latent-space query [T, N, L+R] = [q_nope @ W_UK_T | q_pe]."""
@@ -129,14 +142,14 @@ class MLAAttention(nnx.Module):
                     else (md.row_block_tables(0, td), md.seq_lens[:td]))
     o, _ = self.backend.decode(self._absorb_query(q), cache, tables, lens, scale=c.softmax_scale,
                                kv_lora_rank=c.kv_lora_rank, batch_invariant=self.batch_invariant)
-    return jnp.einsum("TNL,NLV->TNV", o.astype(self.dtype), self.W_UV[...])
+    return jnp.einsum("...NL,NLV->...NV", o.astype(self.dtype), self.W_UV[...])
 
   def sparse(self, q: jax.Array, kv_c_normed: jax.Array, k_pe: jax.Array,
              cache: caches.LatentCacheKind, md: AttentionMetadata,
              positions: jax.Array) -> tuple[jax.Array, caches.LatentCacheKind]:
     """DSA: every row attends (absorbed, in latent space) to its selected request-local
     `positions` [T, K] only (-1: none). cache is a LatentCache or a DSMLACache (fp8_ds_mla).
-    Returns (out [T, N*V], new cache)."""
+    Returns (out [T, N*V], or dcp parts as `__call__` says, new cache)."""
     c = self.config
     t = md.num_rows
     if q.shape != (t, c.num_heads, c.qk_head_dim) or positions.shape[0] != t or positions.ndim != 2:
@@ -152,8 +165,8 @@ class MLAAttention(nnx.Module):
                                          cache.num_blocks)
     o, _ = be.sparse_attention(self._absorb_query(q), cache, slots, scale=c.softmax_scale,
                                kv_lora_rank=c.kv_lora_rank)
-    out = jnp.einsum("TNL,NLV->TNV", o.astype(self.dtype), self.W_UV[...])
-    return out.reshape(t, c.num_heads * c.v_head_dim), cache
+    out = jnp.einsum("...NL,NLV->...NV", o.astype(self.dtype), self.W_UV[...])
+    return out.reshape(out.shape[:-3] + (t, c.num_heads * c.v_head_dim)), cache
 
   def _up_project(self, kv_c, k_pe):
     """Latents [T, L] and k_pe [T, R] -> per-head keys [T, N, P+R] and values [T, N, V]."""

@@ -161,7 +161,7 @@ class DeepseekV2MLAAttention(nnx.Module):
     p = self.project(x, md.positions)
     if not self.config.has_indexer:
       attn, cache = self.mla_attn(p.q, p.kv_c_normed, p.k_pe, cache, md)
-      return self.o_proj(attn), cache
+      return self.project_out(attn), cache
     indexer_cache = cache.indexer
     if topk_positions is None:
       topk_positions, indexer_cache = self.indexer(x, p.q_c, cache.indexer, md,
@@ -172,8 +172,14 @@ class DeepseekV2MLAAttention(nnx.Module):
     else:
       attn, latent = self.mla_attn.sparse(p.q, p.kv_c_normed, p.k_pe, cache.latent, md,
                                           topk_positions)
-    out, cache = self.o_proj(attn), DSACache(latent, indexer_cache)
+    out, cache = self.project_out(attn), DSACache(latent, indexer_cache)
     return (out, cache, topk_positions) if return_topk else (out, cache)
+
+  def project_out(self, attn: jax.Array) -> jax.Array:
+    """o_proj of attn [T, N*V], or of dcp parts [dcp, T, N*V] (the "o_proj" dcp merge), summed
+    after the projection: on a mesh that sum is the all-reduce of o_proj's partial products."""
+    out = self.o_proj(attn)
+    return out if out.ndim == 2 else out.sum(0)
 
   def unabsorbed_forward(self, x: jax.Array, positions: jax.Array,
                          segment_ids: jax.Array | None = None,

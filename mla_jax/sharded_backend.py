@@ -44,7 +44,12 @@ DCP_AXIS = "dcp"
 # "all_reduce": a max of the lse, then one all-reduce of the float32 weights and weighted o.
 # "all_gather": o in its own dtype (bf16: half the bytes) and the float32 lse all-gathered, each
 #   device merging the dcp parts itself (vLLM's all-gather of (o, lse)).
-DCP_MERGES = ("all_reduce", "all_gather")
+# "o_proj": only the lse crosses devices here (its max and the weights' sum, [T, N] float32); each
+#   device returns its part, its o weighted by its share, as parts [dcp, T, N, L] that the layer
+#   carries through W_UV and o_proj unreduced, so that they are summed by the all-reduce of o_proj's
+#   output ([T, hidden] in the activation dtype, which tensor parallelism runs anyway): the merge
+#   moves hidden / (N * L) of o's bytes (1/9 for V3 at 128 heads).
+DCP_MERGES = ("all_reduce", "all_gather", "o_proj")
 
 
 def dcp_size(mesh: Mesh | None) -> int:
@@ -61,7 +66,8 @@ def mesh_axis(mesh: Mesh, name: str) -> str | None:
 def merge_across(axis: str, o, lse, how: str = "all_reduce"):
   """Merges partial attentions over disjoint keys, one per device of `axis`, by their LSEs (the
   collective form of `attention.merge_attn_states`: max-shifted weights, +inf lse counts as -inf,
-  an empty part's o never read)."""
+  an empty part's o never read). With how="o_proj" the o returned is this device's part of the
+  merged o (the parts over `axis` sum to it); the lse is the merged one for every `how`."""
   lse = jnp.where(lse == jnp.inf, -jnp.inf, lse.astype(jnp.float32))
   weigh = lambda w, o: jnp.where(w[..., None] > 0, w[..., None] * o.astype(jnp.float32), 0.0)
   if how == "all_gather":
@@ -75,6 +81,11 @@ def merge_across(axis: str, o, lse, how: str = "all_reduce"):
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     w = jnp.exp(lse - m)
     total, acc = lax.psum((w, weigh(w, o)), axis)
+  elif how == "o_proj":
+    m = lax.pmax(lse, axis)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lse - m)
+    total, acc = lax.psum(w, axis), weigh(w, o)
   else:
     raise ValueError(f"unknown dcp merge {how!r}; supported: {DCP_MERGES}")
   safe = jnp.where(total > 0, total, 1.0)
@@ -111,6 +122,12 @@ def shard_backend(backend: Backend, mesh: Mesh, dcp_merge: str = "all_reduce") -
   # shard_map's tracking of which values vary over which axes: leave that check off.
   smap = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
   merge = functools.partial(merge_across, dcp, how=dcp_merge)
+  # A split attention's o: merged and split by heads, or (the "o_proj" merge) each device's part,
+  # stacked [dcp, T, N, L] along a leading axis split over dcp.
+  if dcp_merge == "o_proj" and dcp:
+    split_o, as_part = P(dcp, None, tp), lambda o, lse: (o[None], lse)
+  else:
+    split_o, as_part = heads, lambda o, lse: (o, lse)
 
   def placement(cache):
     """(the cache's partition specs, whether its blocks are split over dcp): the cache says."""
@@ -138,8 +155,8 @@ def shard_backend(backend: Backend, mesh: Mesh, dcp_merge: str = "all_reduce") -
                        f"build_metadata(..., dcp={dcp_size})")
 
     def per_shard(q, cache, block_tables, seq_lens):
-      return merge(*backend.decode(q, cache, block_tables[0], seq_lens[0], **kw))
-    return smap(per_shard, in_specs=(heads, specs, blocks, blocks), out_specs=(heads, heads))(
+      return as_part(*merge(*backend.decode(q, cache, block_tables[0], seq_lens[0], **kw)))
+    return smap(per_shard, in_specs=(heads, specs, blocks, blocks), out_specs=(split_o, heads))(
         q, cache, block_tables, seq_lens)
 
   def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
@@ -176,8 +193,9 @@ def shard_backend(backend: Backend, mesh: Mesh, dcp_merge: str = "all_reduce") -
 
     def per_shard(q, cache, slots):
       o, lse = backend.sparse_attention(q, cache, local_slots(slots, cache, split), **kw)
-      return merge(o, lse) if split else (o, lse)
-    return smap(per_shard, in_specs=(heads, specs, rep), out_specs=(heads, heads))(
+      return as_part(*merge(o, lse)) if split else (o, lse)
+    return smap(per_shard, in_specs=(heads, specs, rep),
+                out_specs=(split_o if split else heads, heads))(
         q, cache, slots)
 
   def indexer_logits(q, weights, k_cache, block_tables, seq_lens):

@@ -29,9 +29,12 @@ CFG = dense.SMALL.replace(num_heads=8)
 # (tp, dcp, how dcp merges)
 DENSE_CASES = [(1, 1, "all_reduce"), (2, 1, "all_reduce"), (8, 1, "all_reduce"),
                (1, 2, "all_reduce"), (1, 4, "all_reduce"), (2, 4, "all_reduce"),
-               (2, 2, "all_gather")]
-# (tp, dcp, latent cache kind): V3.2, prompts longer than top-k in a mixed prefill/decode schedule.
-DSA_CASES = [(2, 1, "ds_mla"), (1, 2, "latent"), (2, 2, "ds_mla"), (1, 4, "latent")]
+               (2, 2, "all_gather"), (1, 2, "o_proj"), (2, 2, "o_proj")]
+# (tp, dcp, latent cache kind, how dcp merges): V3.2, prompts longer than top-k in a mixed
+# prefill/decode schedule.
+DSA_CASES = [(2, 1, "ds_mla", "all_reduce"), (1, 2, "latent", "all_reduce"),
+             (2, 2, "ds_mla", "all_reduce"), (1, 4, "latent", "all_reduce"),
+             (2, 2, "ds_mla", "o_proj")]
 # Prefill (request 0's prompt in two chunks, its context read back 8 rows at a time), then decodes.
 SCHEDULE = [[10, 5, 25], [7, 1, 1], [0, 1, 1], [0, 1, 1], [0, 0, 1], [0, 0, 1]]
 WORKSPACE = 8
@@ -111,14 +114,14 @@ def jitted_dsa(layer):
   return lambda x, cache, md, return_topk: step(layer, x, cache, md)
 
 
-def dsa_case(tp, dcp, kind):
+def dsa_case(tp, dcp, kind, merge):
   """V3.2: the indexer replicated over tp, sparse attention split by heads; under dcp every cache
   split by blocks, each device selecting among its own tokens, the selections merged."""
   inputs, tables = dsa.inputs_for(dsa.SCHEDULE, 1), dsa.tables(2)
   ref, ref_sels, ref_cache = dsa.run(jitted_dsa(dsa.make_layer()), inputs, dsa.SCHEDULE, tables,
                                      dsa.make_cache(kind))
   mesh = sharding.make_mesh(tp=tp, dcp=dcp)
-  layer = sharding.shard_layer(dsa.make_layer(), mesh)
+  layer = sharding.shard_layer(dsa.make_layer(), mesh, dcp_merge=merge)
   cache = sharding.shard_cache(dsa.make_cache(kind), mesh)
   got, sels, cache = dsa.run(jitted_dsa(layer), inputs, dsa.SCHEDULE, tables, cache, dcp=dcp)
   same = all(set(np.asarray(a[t]).tolist()) == set(np.asarray(b[t]).tolist())

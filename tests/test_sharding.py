@@ -103,22 +103,27 @@ def test_compiled_step_moves_activations_not_the_cache(report, case):
   sizes = [math.prod(dims) for c in colls for _, dims in c["shapes"]]
   assert all(n < r["cache_shard_elements"] for n in sizes), (sizes, r["cache_shard_elements"])
   shapes = {tuple(dims) for c in colls for _, dims in c["shapes"]}
-  # o_proj's head-split contraction, reduced by the all-reduce XLA inserts.
-  assert ((r["rows"], CFG.hidden_size) in shapes) == (tp > 1), shapes
-  # dcp: the decode rows' partial (o, lse) of this device's heads merged across the cache shards,
-  # and the prefill context rows gathered from their owners.
+  deferred = merge == "o_proj" and dcp > 1
+  # o_proj's head-split contraction (and the "o_proj" merge's dcp parts), reduced by the
+  # all-reduce XLA inserts.
+  assert ((r["rows"], CFG.hidden_size) in shapes) == (tp > 1 or deferred), shapes
+  # dcp: the decode rows' partial (o, lse) of this device's heads merged across the cache shards
+  # (only the lse for the "o_proj" merge), and the prefill context rows gathered from their owners.
   local = (r["decode_rows"], CFG.num_heads // tp)
-  parts = ({(dcp,) + local + (CFG.kv_lora_rank,), (dcp,) + local} if gathered
-           else {local + (CFG.kv_lora_rank,), local})
+  o_part = local + (CFG.kv_lora_rank,)
+  parts = ({(dcp,) + o_part, (dcp,) + local} if gathered else {local} if deferred
+           else {o_part, local})
   expected = parts | {(WORKSPACE, CFG.latent_dim)}
   assert expected <= shapes if dcp > 1 else not expected & shapes, shapes
+  if deferred:  # no attention output of any width crosses devices before o_proj
+    assert not any(len(s) == 3 and s[:2] == local for s in shapes), shapes
   if tp == dcp == 1:
     assert not colls
 
 
 @pytest.mark.parametrize("case", DSA_CASES, ids=lambda c: case_name(*c))
 def test_v32_sparse_layer_equals_single_device(report, case):
-  tp, dcp, _ = case
+  tp, dcp, *_ = case
   r = report["dsa"][case_name(*case)]
   # The replicated indexer (tp), or each device's own candidates merged (dcp), picks exactly what
   # the single device picks, at every row of a mixed prefill/decode schedule.
