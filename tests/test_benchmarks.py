@@ -83,12 +83,15 @@ def test_bench_tp_reads_device_busy_time_from_trace_events():
 
 def test_bench_tp_runs_on_host_devices():
   """The whole benchmark (layers on meshes, equality check, timing, trace) in its smoke form on
-  8 host CPU devices: 1 GPU and dcp=2 x tp=2."""
+  8 host CPU devices: 1 GPU and dcp=2 x tp=2 under two dcp merges."""
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
          "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
   done = subprocess.run([sys.executable, "-m", "benchmarks.bench_tp", "--quick", "--on-cpu",
-                         "--skip-check1", "--layouts", "dcp=2 x tp=2", "--out",
+                         "--skip-check1", "--layouts", "dcp=2 x tp=2", "--dcp-merge",
+                         "all_reduce", "o_proj", "--out",
                          str(ROOT / "benchmarks" / "out" / "cpu_smoke")], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=900)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-  assert "| dcp=2 x tp=2 | 4 | 256 | 2 |" in done.stdout and "all checks passed" in done.stdout
+  for merge in ("all_reduce", "o_proj"):
+    assert f"| dcp=2 x tp=2 ({merge}) | 4 | 256 | 2 |" in done.stdout, done.stdout[-3000:]
+  assert "all checks passed" in done.stdout
