@@ -398,8 +398,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     np.testing.assert_allclose(np.asarray(l3), np.asarray(l1), rtol=1e-5, atol=1e-5)
 
   @pytest.mark.parametrize("n,fp8,gather", [(128, False, "cp_async"), (16, False, "cp_async"),
-                                             (128, False, "bulk"), (128, True, None),
-                                             (32, True, None)])
+                                             (128, False, "bulk"), (128, True, "cp_async"),
+                                             (32, True, "cp_async"), (128, True, "bulk")])
   def test_lowers_for_hopper(self, n, fp8, gather):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # layouts, bulk-copy boxes, the untiled aliases, and that shared memory fits 227 KB.
@@ -410,7 +410,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
       traced = mosaic_sparse.sparse_attention_fp8_ds_mla.trace(
           q, jax.ShapeDtypeStruct((tokens // 64, 64, 512), jnp.float8_e4m3fn),
           jax.ShapeDtypeStruct((tokens // 64, 64, 4), jnp.float32),
-          jax.ShapeDtypeStruct((tokens // 64, 64, 64), jnp.bfloat16), slots, scale=0.1)
+          jax.ShapeDtypeStruct((tokens // 64, 64, 64), jnp.bfloat16), slots, scale=0.1,
+          gather=gather)
     else:
       traced = mosaic_sparse.sparse_attention.trace(
           q, jax.ShapeDtypeStruct((tokens // 64, 64, 576), jnp.bfloat16), slots, scale=0.1,
