@@ -402,8 +402,19 @@ def _check(q, slots, lora, num_splits):
     raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
 
+def split_count(rule, num_tokens, head_tiles, max_len, sms):
+  """Splits of each token's slot list (before the cap of one step a split). "fill": the decode
+  kernels' rule (`default_num_kv_splits`: about 2 programs a SM). "one_wave": this kernel's shared
+  memory holds one program a SM, so splits help only while tokens x head tiles leave SMs idle;
+  every split costs a float32 partial output and the merge's read of it (T=128: 1 split where
+  "fill" gives 4 at N <= 64 and 2 at N=128)."""
+  if rule == "fill":
+    return default_num_kv_splits(num_tokens, head_tiles, max_len, sms)
+  return max(1, sms // (num_tokens * head_tiles))
+
+
 def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_splits, auto_barriers,
-                 gather, interpret):
+                 gather, split_rule, interpret):
   """Pads heads to 64-row tiles and slots to 64-slot steps, runs the kernel, merges splits."""
   t, n, d = q.shape
   head_tiles = pl.cdiv(n, _TILE_H)
@@ -417,7 +428,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   # Walk only up to each row's last valid slot: top-k lists of short rows are mostly -1 padding.
   extent = jnp.max(jnp.where(valid, jnp.arange(1, k + 1, dtype=jnp.int32), 0), axis=1)
   steps = lax.div(extent + (_STEP - 1), _STEP)
-  splits = num_splits or default_num_kv_splits(t, head_tiles, k, sm_count())
+  splits = num_splits or split_count(split_rule, t, head_tiles, k, sm_count())
   splits = max(min(splits, k // _STEP), 1)
   out_dtype = q.dtype if splits == 1 else jnp.float32
   if interpret is True:
@@ -488,39 +499,46 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   return o[:, :n], lse[:, :n]
 
 
-_STATIC = ("scale", "num_splits", "auto_barriers", "interpret")
+_STATIC = ("scale", "num_splits", "auto_barriers", "interpret", "gather", "split_rule")
 GATHERS = ("cp_async", "bulk")
+SPLIT_RULES = ("fill", "one_wave")
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicSparseConfig:
   """Launch knobs; the field names are both jit entries' keyword arguments. Heads per program
   (64, the M of a wgmma), slots per step (64) and row slots (2 for bf16, 1 for fp8_ds_mla) are
-  fixed by wgmma and shared memory; the gather is the choice (H200, bf16: cp_async 2.2-2.6x bulk,
-  benchmarks/RESULTS.md, "DSA sparse attention (pallas_mosaic)", v2)."""
+  fixed by wgmma and shared memory; the gather (H200: cp_async 2.2-2.6x bulk for bf16, 1.4x for
+  fp8_ds_mla, benchmarks/RESULTS.md, "DSA sparse attention (pallas_mosaic)", v2 and v3) and the
+  split rule (`split_count`; "one_wave" not yet timed) are the choices."""
   gather: str = "cp_async"
+  split_rule: str = "fill"
 
   def __post_init__(self):
     if self.gather not in GATHERS:
       raise ValueError(f"gather must be one of {GATHERS}, got {self.gather!r}")
+    if self.split_rule not in SPLIT_RULES:
+      raise ValueError(f"split_rule must be one of {SPLIT_RULES}, got {self.split_rule!r}")
 
 
 CONFIG = MosaicSparseConfig()
 # The sweep space: the variants `benchmarks/bench_sparse.py` times beside the chosen one.
-SWEEP = tuple(MosaicSparseConfig(gather) for gather in GATHERS)
+SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rule="one_wave"))
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank", "gather"))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))
 def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, scale: float,
                      kv_lora_rank: int = 512, num_splits: int | None = None,
                      auto_barriers: bool = False, gather: str = CONFIG.gather,
+                     split_rule: str = CONFIG.split_rule,
                      interpret: bool | plgpu.InterpretGPUParams = False
                      ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over a bf16 latent cache (semantics of `mla_jax.reference.sparse_attention`).
 
   q [T, N, L+R] bf16 (any N: heads are padded to tiles of 64); kv_cache [num_blocks, page, L+R]
   bf16; slots [T, K] int32 (block * page + offset; -1 or past the cache: skipped). num_splits=None
-  picks a split count of the slot axis from static shapes. auto_barriers=True lets Pallas put a
+  picks a split count of the slot axis from static shapes by split_rule (`split_count`).
+  auto_barriers=True lets Pallas put a
   warpgroup barrier before every bulk copy and around every shared-memory store (its safe default,
   kept to measure against). gather: "cp_async" (the 128 lanes of the memory warpgroup copy 16
   bytes each into the swizzled row slot) or "bulk" (one bulk copy per row and 64-column chunk, 9 a
@@ -529,7 +547,7 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   lse [T, N] float32 (natural log); a row with no valid slot gives (0, -inf).
   """
   _check(q, slots, kv_lora_rank, num_splits)
-  MosaicSparseConfig(gather)  # checks it
+  MosaicSparseConfig(gather, split_rule)  # checks them
   if kv_cache.ndim != 3 or kv_cache.shape[2] != q.shape[2] or kv_cache.dtype != jnp.bfloat16:
     raise ValueError(f"want a bfloat16 kv_cache [num_blocks, page, {q.shape[2]}] (q's head dim), "
                      f"got {kv_cache.dtype.name}{kv_cache.shape}")
@@ -537,14 +555,15 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   rows = kv_cache.reshape(num_slots, q.shape[2] // _COLS, _COLS)
   return _sparse_call(q, slots, (rows,), scale=scale, lora=kv_lora_rank, num_slots=num_slots,
                       fp8=False, num_splits=num_splits, auto_barriers=auto_barriers,
-                      gather=gather, interpret=interpret)
+                      gather=gather, split_rule=split_rule, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("gather",))
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.Array,
                                 rope: jax.Array, slots: jax.Array, *, scale: float,
                                 num_splits: int | None = None, auto_barriers: bool = False,
                                 gather: str = CONFIG.gather,
+                                split_rule: str = CONFIG.split_rule,
                                 interpret: bool | plgpu.InterpretGPUParams = False
                                 ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over an fp8_ds_mla cache, widened to bf16 once per gathered row.
@@ -563,10 +582,11 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                      f"[NB, BS, L/{DS_MLA_TILE}] f32, rope [NB, BS, R] bf16 and q [T, N, L+R]; got "
                      f"{nope.dtype.name}{nope.shape}, {tile_scales.dtype.name}{tile_scales.shape}, "
                      f"{rope.dtype.name}{rope.shape}, q {q.shape}")
-  MosaicSparseConfig(gather)  # checks it
+  MosaicSparseConfig(gather, split_rule)  # checks them
   num_slots = nb * page
   # Rows as 128-byte chunks [S, C, w], what either gather copies.
   chunked = lambda x: x.reshape(num_slots, -1, _CHUNK_BYTES // x.dtype.itemsize)
   return _sparse_call(q, slots, (chunked(nope), chunked(rope), tile_scales.reshape(num_slots, -1)),
                       scale=scale, lora=lora, num_slots=num_slots, fp8=True, num_splits=num_splits,
-                      auto_barriers=auto_barriers, gather=gather, interpret=interpret)
+                      auto_barriers=auto_barriers, gather=gather, split_rule=split_rule,
+                      interpret=interpret)
