@@ -3,8 +3,8 @@
 Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 128, fp8 keys):
   sparse   sparse attention, T in {64, 128, 4096}, N in {16, 32, 64, 128}, bf16 and fp8_ds_mla
            caches, each case timed for pallas_triton and pallas_mosaic (the Mosaic GPU kernel pads
-           N < 64 to 64 heads inside; FLOPs count the N asked for), bf16 also for the Mosaic
-           kernel's bulk-copy gather (cache "bf16 bulk gather").
+           N < 64 to 64 heads inside; FLOPs count the N asked for), and for the Mosaic kernel's
+           other configs (its SWEEP; cache "<cache> <field>=<value>"; not with --no-sweep-rows).
            Decode rows (T <= 128) pick 2048 slots each, uniformly from a 1M-token cache (1.2 GB
            bf16), so gathers do not hit L2; a 4096-row prefill chunk picks from one 32K-token
            context (one request: rows share rows, and L2 helps). Bytes = T*2048*row bytes (1152
@@ -132,17 +132,26 @@ def run_sparse(args, t, n, kind, cache):
                     case_bytes, flops)]
   rows.append(timed_row(args, case_row("sparse", t, n=n, context=span, cache=kind), fn, sets,
                         case_bytes, flops, xla_ms=rows[0].get("xla ms"), backend="pallas_mosaic"))
-  # The Mosaic kernel's other gathers (bf16 rows): its SWEEP beside the chosen CONFIG.
-  for cfg in pallas_mosaic_sparse.SWEEP if kind == "bf16" else ():
+  # The Mosaic kernel's other configs: its SWEEP beside the chosen CONFIG.
+  for cfg in () if args.no_sweep_rows else pallas_mosaic_sparse.SWEEP:
     if cfg == pallas_mosaic_sparse.CONFIG:
       continue
-    other = lambda be, cfg=cfg: jax.jit(lambda q, c, s: pallas_mosaic_sparse.sparse_attention(
-        q, c.data, s, scale=SCALE, kv_lora_rank=L, **dataclasses.asdict(cfg)))
-    rows.append(timed_row(args, case_row("sparse", t, n=n, context=span,
-                                         cache=f"bf16 {cfg.gather} gather"),
+    other = lambda be, cfg=cfg: jax.jit(functools.partial(mosaic_sparse_variant, cfg=cfg))
+    changed = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()
+                        if v != getattr(pallas_mosaic_sparse.CONFIG, k))
+    rows.append(timed_row(args, case_row("sparse", t, n=n, context=span, cache=f"{kind} {changed}"),
                           other, sets, case_bytes, flops, xla_ms=rows[0].get("xla ms"),
                           backend="pallas_mosaic"))
   return rows
+
+
+def mosaic_sparse_variant(q, cache, slots, *, cfg):
+  """The Mosaic sparse kernel with config cfg over either cache layout."""
+  if isinstance(cache, DSMLACache):
+    return pallas_mosaic_sparse.sparse_attention_fp8_ds_mla(
+        q, cache.nope, cache.tile_scales, cache.rope, slots, scale=SCALE, **dataclasses.asdict(cfg))
+  return pallas_mosaic_sparse.sparse_attention(q, cache.data, slots, scale=SCALE, kv_lora_rank=L,
+                                               **dataclasses.asdict(cfg))
 
 
 def run_indexer(args, t, context):
@@ -308,6 +317,8 @@ def main(argv=None):
                       choices=["bf16", "fp8_ds_mla"], help="sparse cases' cache layouts")
   parser.add_argument("--sweep", action="store_true", help="time each kernel's tuning variants")
   parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference")
+  parser.add_argument("--no-sweep-rows", action="store_true",
+                      help="sparse cases: only the Mosaic kernel's chosen config, not its SWEEP")
   parser.add_argument("--iters", type=int, default=20, help="back-to-back calls per timing")
   parser.add_argument("--repeats", type=int, default=5, help="timings; the median is reported")
   parser.add_argument("--out", default="benchmarks/out", help="directory for the result tables")

@@ -229,16 +229,17 @@ PALLAS_MOSAIC = dataclasses.replace(
 # 8 x 1024); at 1024 tokens and 16 heads it measured slower (0.49x, before its persistent grid).
 # Decode: 1.85-1.92x at 128 heads, 0.85-0.94x at 16; 64 heads fill one 64-row tile as each half of
 # 128 does.
-# Sparse attention (RESULTS.md, "DSA sparse attention (pallas_mosaic)", v2): with its cp.async
-# gather the Mosaic kernel measured 1.72x Triton at T=128, N=128 over a bf16 cache and 0.69x at
-# N=16; its time does not move with N inside a 64-head tile (v1: N 16, 32, 64 within 2%), so 64
-# heads take it as 128 do. T=4096 and fp8_ds_mla caches stay Triton's (not measured faster).
+# Sparse attention (RESULTS.md, "DSA sparse attention (pallas_mosaic)", v3: cp.async gather for
+# both caches, T in {128, 4096} x N in {16, 32, 64, 128}): the Mosaic kernel measured faster at
+# every N >= 32, bf16 1.10-1.91x and fp8_ds_mla 1.22-1.81x, and slower at N=16 in all four
+# (bf16 0.74x / 0.65x, fp8_ds_mla 0.93x / 0.98x at T=128 / 4096). Its time does not move with N
+# inside a 64-head tile (v3, N 16, 32, 64: within 4% at T=128, 11% at T=4096) while Triton's
+# grows with N, hence a head threshold and no token bound. 17-31 heads were not measured: Triton's.
 _MOSAIC_PREFILL_MIN_TOKENS = 4096
 _MOSAIC_PREFILL_MANY_HEADS = 64  # from this many heads, Mosaic from fewer tokens:
 _MOSAIC_PREFILL_MIN_TOKENS_MANY_HEADS = 1024
 _MOSAIC_DECODE_MIN_HEADS = 64
-_MOSAIC_SPARSE_MIN_HEADS = 64
-_MOSAIC_SPARSE_MAX_TOKENS = 128
+_MOSAIC_SPARSE_MIN_HEADS = 32
 
 
 def _on_hopper() -> bool:
@@ -282,11 +283,11 @@ def _fastest_indexer_logits(q, weights, k_cache, block_tables, seq_lens):
 
 
 def _fastest_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
-  """pallas_mosaic's sparse attention where it measured faster: bf16 q over a bf16 latent cache,
-  64 heads or more, decode-sized batches (T <= 128), on Hopper; else pallas_triton's."""
-  mosaic = (q.dtype == jnp.bfloat16 and cache.dtype_name == "bfloat16"
-            and cache.scale_or_none is None and q.shape[1] >= _MOSAIC_SPARSE_MIN_HEADS
-            and q.shape[0] <= _MOSAIC_SPARSE_MAX_TOKENS
+  """pallas_mosaic's sparse attention where it measured faster: bf16 q over a bf16 latent cache or
+  an fp8_ds_mla cache, 32 heads or more, on Hopper; else pallas_triton's."""
+  layout = (cache.dtype_name == caches.FP8_DS_MLA
+            or (cache.dtype_name == "bfloat16" and cache.scale_or_none is None))
+  mosaic = (q.dtype == jnp.bfloat16 and layout and q.shape[1] >= _MOSAIC_SPARSE_MIN_HEADS
             and pallas_mosaic_sparse.head_dims_fit(q.shape[2], kv_lora_rank) and _on_hopper())
   sparse = PALLAS_MOSAIC.sparse_attention if mosaic else PALLAS_TRITON.sparse_attention
   return sparse(q, cache, slots, scale=scale, kv_lora_rank=kv_lora_rank)

@@ -8,14 +8,15 @@ RoPE). The structure is `mosaic_decode`'s, with per-token slot lists instead of 
 (CTA) per (64-head tile, split, token) gathers each selected row once for all 64 heads, with three
 warpgroups:
 - memory (warpgroup 2): the token's query tile, then per step of 64 slots their indices (a ring
-  of 4 steps, fetched two steps ahead) and the 64 rows they name. Hopper has no gather copy; bf16
-  rows on the GPU are gathered warp-cooperatively (`gather="cp_async"`, `_cp_async_rows`): each
-  of the 128 lanes issues 16-byte `cp.async` copies into the swizzled tiles, 4608 a step. The
-  other gather (`"bulk"`, and fp8_ds_mla's rows, and every row in the interpreter) is one bulk
-  copy per row and 64-column chunk (a 128-byte chunk is the widest box the 128-byte swizzle that
-  wgmma reads allows); issued by one thread, 576 a step, it measured 2.2-2.6x slower. Invalid
-  slots become the row index past the cache: both gathers read nothing there and fill zeros, so
-  their P V terms are 0 * 0, never 0 * NaN.
+  of 4 steps, fetched two steps ahead) and the 64 rows they name (`gather_step`, for both
+  caches). Hopper has no gather copy; on the GPU rows are gathered warp-cooperatively
+  (`gather="cp_async"`, `_cp_async_rows`): each of the 128 lanes issues 16-byte `cp.async` copies
+  into the swizzled tiles (a bf16 row is 9 chunks of 128 bytes, 4608 copies a step; an
+  fp8_ds_mla row 4 e4m3 chunks + 1 bf16 RoPE chunk, 2560). The other gather (`"bulk"`, and every
+  row in the interpreter) is one bulk copy per row and 128-byte chunk (the widest box the
+  128-byte swizzle that wgmma reads allows); issued by one thread, 576 a bf16 step, it measured
+  2.2-2.6x slower. Invalid slots become the row index past the cache: both gathers read nothing
+  there and fill zeros, so their P V terms are 0 * 0, never 0 * NaN.
   fp8_ds_mla: the rows land in a staging buffer (e4m3 NoPE, bf16 RoPE, the step's tile scales,
   gathered by XLA beforehand, 16 bytes a row); this warpgroup widens them into the bf16 tile the
   consumers read (e4m3 times a power-of-two scale is exact in bf16), then fetches the next step.
@@ -81,36 +82,46 @@ def _copy_row_chunk(src, tiled, raw, r, c, barrier):
 _WG_THREADS = 128
 _SEG = 16  # bytes a lane moves per cp.async
 _SWIZZLE_ROWS = 8  # the 128-byte swizzle permutes 16-byte units by the row's place in 8 rows
+_CHUNK_BYTES = 128  # a tile row: the swizzle width
 
 
-def _cp_async_rows(kv_ref, slot, idx, *, num_slots):
-  """Warp-cooperative gather of a step's 64 rows into one row slot, issued by every lane of the
-  memory warpgroup (then one `cp.async` group committed).
+def _cp_async_rows(parts, idx, *, num_slots):
+  """Warp-cooperative gather of a step's 64 rows, issued by every lane of the memory warpgroup
+  (then one `cp.async` group committed).
 
-  kv_ref [S, C, 64] bf16 (GMEM, C chunks of 64 columns a row); slot [C, 64, 64] bf16 in the tiled,
-  128-byte-swizzled layout wgmma reads (8 KB a chunk, 128 B a row); idx [64] int32 (the rows; an
-  index >= num_slots is an invalid slot). Each lane copies 16 bytes at a time: 8 lanes cover one
-  row's 128-byte chunk, a warp 4 rows, so each warp instruction reads 4 whole 128-byte lines; a
-  warp takes 16 rows, 4 x C instructions. The destination of row r, chunk c, unit u is
-  c * 8 KB + r * 128 + (u ^ (r % 8)) * 16 (the 128-byte swizzle). An invalid row copies 0 source
-  bytes: cp.async fills the 16 bytes with zeros and reads nothing.
+  parts: (src, dst) pairs, one per part of a row (bf16: the whole row; fp8_ds_mla: the e4m3 NoPE
+  and the bf16 RoPE). src [S, C, w] (GMEM, C chunks of 128 bytes a row); dst [C, 64, w] in the
+  tiled, 128-byte-swizzled layout wgmma reads (8 KB a chunk, 128 B a row); idx [64] int32 (the
+  rows; an index >= num_slots is an invalid slot). Each lane copies 16 bytes at a time: 8 lanes
+  cover one row's 128-byte chunk, a warp 4 rows, so each warp instruction reads 4 whole 128-byte
+  lines; a warp takes 16 rows, 4 x C instructions a part. The destination of row r, chunk c,
+  unit u is c * 8 KB + r * 128 + (u ^ (r % 8)) * 16 (the 128-byte swizzle). An invalid row
+  copies 0 source bytes: cp.async fills the 16 bytes with zeros and reads nothing.
   """
-  chunks, rows, cols = slot.shape
-  unit_per_row = cols * 2 // _SEG  # 16-byte units in a 128-byte chunk row
+  rows = parts[0][1].shape[1]
+  unit_per_row = _CHUNK_BYTES // _SEG
   rows_per_instr = 32 // unit_per_row
-  swizzle = (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(128))
+  arg_types = [plgpu.RefType()]
+  chunk_counts = [dst.shape[0] for _, dst in parts]
+  for src, dst in parts:
+    width = _CHUNK_BYTES // jnp.dtype(dst.dtype).itemsize
+    if src.shape[1:] != dst.shape[::2] or dst.shape[1:] != (rows, width):
+      raise ValueError(f"want src [S, C, {width}] and dst [C, {rows}, {width}], got {src.shape} "
+                       f"and {dst.shape}")
+    swizzle = (plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(_CHUNK_BYTES))
+    arg_types += [plgpu.RefType(), plgpu.RefType(swizzle)]
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(swizzle), plgpu.RefType()))
-  def issue(_, src, dst, rows_ref):
+  @plgpu.inline_mgpu(arg_types=tuple(arg_types))
+  def issue(_, rows_ref, *refs):
     i32, i64, i8 = (ir.IntegerType.get_signless(w) for w in (32, 64, 8))
     c32 = lambda v: arith.constant(i32, v)
     tid = arith.remui(mgpu_utils.thread_idx(), c32(_WG_THREADS))
     lane, warp = arith.remui(tid, c32(32)), arith.divui(tid, c32(32))
     unit = arith.remui(lane, c32(unit_per_row))
-    src_base = llvm.addrspacecast(llvm.PointerType.get(address_space=1),
-                                  mgpu_utils.memref_ptr(src))
-    dst_base = mgpu_utils.memref_ptr(dst)
-    row_bytes = chunks * cols * 2
+    global_ptr = llvm.PointerType.get(address_space=1)
+    bases = [(llvm.addrspacecast(global_ptr, mgpu_utils.memref_ptr(src)),
+              mgpu_utils.memref_ptr(dst), chunks)
+             for src, dst, chunks in zip(refs[::2], refs[1::2], chunk_counts)]
     for g in range(rows // 4 // rows_per_instr):
       r = arith.addi(arith.muli(warp, c32(rows // 4)),
                      arith.addi(c32(g * rows_per_instr), arith.divui(lane, c32(unit_per_row))))
@@ -118,20 +129,23 @@ def _cp_async_rows(kv_ref, slot, idx, *, num_slots):
       valid = arith.cmpi(arith.CmpIPredicate.ult, row, c32(num_slots))
       row = arith.select(valid, row, c32(0))
       size = arith.select(valid, c32(_SEG), c32(0))
-      src_off = arith.addi(arith.muli(arith.extui(i64, row), arith.constant(i64, row_bytes)),
-                           arith.extui(i64, arith.muli(unit, c32(_SEG))))
+      unit_off = arith.extui(i64, arith.muli(unit, c32(_SEG)))
       swz = arith.xori(unit, arith.remui(r, c32(_SWIZZLE_ROWS)))
-      dst_off = arith.addi(arith.muli(r, c32(cols * 2)), arith.muli(swz, c32(_SEG)))
-      for c in range(chunks):
-        src_ptr = mgpu_utils.getelementptr(
-            src_base, [arith.addi(src_off, arith.constant(i64, c * cols * 2))], i8)
-        dst_ptr = mgpu_utils.getelementptr(
-            dst_base, [arith.addi(dst_off, c32(c * rows * cols * 2))], i8)
-        nvvm.cp_async_shared_global(dst_ptr, src_ptr, _SEG, nvvm.LoadCacheModifierKind.CG,
-                                    cp_size=size)
+      dst_off = arith.addi(arith.muli(r, c32(_CHUNK_BYTES)), arith.muli(swz, c32(_SEG)))
+      for src_base, dst_base, chunks in bases:
+        src_off = arith.addi(
+            arith.muli(arith.extui(i64, row), arith.constant(i64, chunks * _CHUNK_BYTES)),
+            unit_off)
+        for c in range(chunks):
+          src_ptr = mgpu_utils.getelementptr(
+              src_base, [arith.addi(src_off, arith.constant(i64, c * _CHUNK_BYTES))], i8)
+          dst_ptr = mgpu_utils.getelementptr(
+              dst_base, [arith.addi(dst_off, c32(c * rows * _CHUNK_BYTES))], i8)
+          nvvm.cp_async_shared_global(dst_ptr, src_ptr, _SEG, nvvm.LoadCacheModifierKind.CG,
+                                      cp_size=size)
     nvvm.cp_async_commit_group()
 
-  issue(kv_ref, slot, idx)
+  issue(idx, *(ref for part in parts for ref in part))
 
 
 def _cp_async_wait(pending):
@@ -148,16 +162,17 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
             interpret):
   # GMEM: q_ref [T, Np, D] bf16; idx_ref [T, Kp] int32 (slot, or num_slots where invalid);
   # steps_ref [T] int32 (steps of 64 slots up to the last valid one). bf16: kv_ref [S, D/64, 64]
-  # bf16. fp8: nope_ref [S, L] e4m3, rope_ref [S, R] bf16, scales_ref [T, Kp/64, L/128, 64] f32
-  # (the selected rows' tile scales, a block a step). o_ref [T, splits, Np, L]; lse_ref
-  # [T, splits, Np] f32.
+  # bf16. fp8: nope_ref [S, L/128, 128] e4m3, rope_ref [S, R/64, 64] bf16, scales_ref
+  # [T, Kp/64, L/128, 64] f32 (the selected rows' tile scales, a block a step). o_ref
+  # [T, splits, Np, L]; lse_ref [T, splits, Np] f32.
   # SMEM: buffers = union of (q_smem [64, D], kv [stages, D/64, 64, 64]) bf16 tiled, and
   # (o_smem [2, 64, L/2], lse_smem [64]) (and on the GPU, for the bulk bf16 gather, the untiled
   # alias kv_raw [stages, D/64 * 8, 8, 64]); fp8: staging = union of (stage_nope [L/128, 64, 128]
-  # e4m3 and stage_rope [R/64, 64, 64] bf16, tiled) and (on the GPU) their untiled aliases;
+  # e4m3 and stage_rope [R/64, 64, 64] bf16, tiled) and (on the GPU, bulk) their untiled aliases;
   # stage_scales [L/128, 64] f32; p_smem [64, 64] bf16; row_smem [64] f32; idx_smem [4, 64] int32.
   # Barriers: q_bar; ready [stages] (a slot holds its step's rows); consumed [stages]; p_ready,
-  # p_free (the P hand-off); idx_bar [4]; fp8: staged (the staging buffer landed).
+  # p_free (the P hand-off); idx_bar [4]; fp8: staged (the scales, and with the bulk gather the
+  # rows, landed in the staging buffer).
   if fp8:
     (nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buffers, staging, stage_scales, p_smem,
      row_smem, idx_smem, q_bar, ready, consumed, p_ready, p_free, idx_bar, staged) = rest
@@ -258,11 +273,24 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
     plgpu.copy_gmem_to_smem(idx_ref.at[t, pl.ds((first + i) * _STEP, _STEP)], idx_smem.at[ring],
                             idx_bar.at[ring])
 
-  def gather_rows(i, copy_row):
-    """copy_row(r, row) for the step's 64 rows, once its indices have landed."""
+  def gather_step(i, parts, barrier):
+    """Issues step i's 64 rows once its indices have landed. parts: (src [S, C, w], tiled dst
+    [C, 64, w], its untiled alias or None) per part of a row. cp_async: one committed group of
+    the warpgroup's copies (the caller waits for it); bulk: every row chunk's copy arrives on
+    barrier."""
     ring = lax.rem(i, _IDX_RING)
     plgpu.barrier_wait(idx_bar.at[ring])
-    pl.loop(0, _STEP)(lambda r: copy_row(r, idx_smem[ring, r]))
+    if gather == "cp_async":
+      _cp_async_rows(tuple((src, dst) for src, dst, _ in parts), idx_smem.at[ring],
+                     num_slots=num_slots)
+      return
+
+    @pl.loop(0, _STEP)
+    def _(r):
+      row = idx_smem[ring, r]
+      for src, tiled, raw in parts:
+        for c in range(tiled.shape[0]):
+          _copy_row_chunk(src.at[pl.ds(row, 1), c], tiled, raw, r, c, barrier)
 
   @pl.when(wg == _VALUE_WGS)
   def _memory():
@@ -275,47 +303,34 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
     for i in range(2):
       pl.when(i < n)(functools.partial(fetch_indices, i))
 
-    if not fp8 and gather == "cp_async":
-      @pl.loop(0, n)
-      def _(i):
-        slot = lax.rem(i, stages)
-        ring = lax.rem(i, _IDX_RING)
-        pl.when(i >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
-        pl.when(i + 2 < n)(functools.partial(fetch_indices, i + 2))
-        plgpu.barrier_wait(idx_bar.at[ring])
-        _cp_async_rows(kv_ref, kv.at[slot], idx_smem.at[ring], num_slots=num_slots)
-
-        # The previous step's rows have landed once at most this step's group is in flight; the
-        # fence (in commit_smem) makes these generic-proxy writes visible to wgmma's async proxy.
-        @pl.when(i > 0)
-        def _():
-          _cp_async_wait(1)
-          plgpu.commit_smem()
-          plgpu.barrier_arrive(ready.at[lax.rem(i - 1, stages)])
-
-      @pl.when(n > 0)
-      def _():
-        _cp_async_wait(0)
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(ready.at[lax.rem(n - 1, stages)])
-
-      @pl.loop(jnp.maximum(n - stages, 0), n)
-      def _(i):
-        plgpu.barrier_wait(consumed.at[lax.rem(i, stages)])
-      return
+    def rows_landed():
+      """cp_async: this lane's last group has landed; the fence (in commit_smem) makes the
+      generic-proxy writes visible to wgmma's async proxy, its warpgroup barrier every lane's rows
+      to every lane."""
+      _cp_async_wait(0)
+      plgpu.commit_smem()
 
     if not fp8:
-      def bf16_rows(slot, r, row):
-        for c in range(chunks):
-          _copy_row_chunk(kv_ref.at[pl.ds(row, 1), c], kv.at[slot],
-                          None if kv_raw is None else kv_raw.at[slot], r, c, ready.at[slot])
-
       @pl.loop(0, n)
       def _(i):
         slot = lax.rem(i, stages)
         pl.when(i >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
         pl.when(i + 2 < n)(functools.partial(fetch_indices, i + 2))
-        gather_rows(i, functools.partial(bf16_rows, slot))
+        gather_step(i, ((kv_ref, kv.at[slot], None if kv_raw is None else kv_raw.at[slot]),),
+                    ready.at[slot])
+        if gather == "cp_async":
+          # The previous step's rows have landed once at most this step's group is in flight.
+          @pl.when(i > 0)
+          def _():
+            _cp_async_wait(1)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(ready.at[lax.rem(i - 1, stages)])
+
+      if gather == "cp_async":
+        @pl.when(n > 0)
+        def _():
+          rows_landed()
+          plgpu.barrier_arrive(ready.at[lax.rem(n - 1, stages)])
 
       # Sees the last uses of the slots out too (a warpgroup waits on every phase of a barrier).
       @pl.loop(jnp.maximum(n - stages, 0), n)
@@ -323,23 +338,17 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
         plgpu.barrier_wait(consumed.at[lax.rem(i, stages)])
       return
 
-    def staged_rows(r, row):
-      for j in range(stage_nope.shape[0]):
-        _copy_row_chunk(nope_ref.at[pl.ds(row, 1), pl.ds(j * DS_MLA_TILE, DS_MLA_TILE)],
-                        stage_nope, nope_raw, r, j, staged)
-      for j in range(stage_rope.shape[0]):
-        _copy_row_chunk(rope_ref.at[pl.ds(row, 1), pl.ds(j * _COLS, _COLS)], stage_rope, rope_raw,
-                        r, j, staged)
-
     def stage(i):
       plgpu.copy_gmem_to_smem(scales_ref.at[t, first + i], stage_scales, staged)
-      gather_rows(i, staged_rows)
+      gather_step(i, ((nope_ref, stage_nope, nope_raw), (rope_ref, stage_rope, rope_raw)), staged)
 
     pl.when(n > 0)(functools.partial(stage, 0))
 
     @pl.loop(0, n)
     def _(i):
       plgpu.barrier_wait(staged)
+      if gather == "cp_async":
+        rows_landed()
       pl.when(i > 0)(lambda: plgpu.barrier_wait(consumed.at[0]))
       wgmma_layout = plgpu.Layout.WGMMA
 
@@ -393,8 +402,19 @@ def _check(q, slots, lora, num_splits):
     raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
 
+def split_count(rule, num_tokens, head_tiles, max_len, sms):
+  """Splits of each token's slot list (before the cap of one step a split). "fill": the decode
+  kernels' rule (`default_num_kv_splits`: about 2 programs a SM). "one_wave": this kernel's shared
+  memory holds one program a SM, so splits help only while tokens x head tiles leave SMs idle;
+  every split costs a float32 partial output and the merge's read of it (T=128: 1 split where
+  "fill" gives 4 at N <= 64 and 2 at N=128)."""
+  if rule == "fill":
+    return default_num_kv_splits(num_tokens, head_tiles, max_len, sms)
+  return max(1, sms // (num_tokens * head_tiles))
+
+
 def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_splits, auto_barriers,
-                 gather, interpret):
+                 gather, split_rule, interpret):
   """Pads heads to 64-row tiles and slots to 64-slot steps, runs the kernel, merges splits."""
   t, n, d = q.shape
   head_tiles = pl.cdiv(n, _TILE_H)
@@ -408,12 +428,12 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   # Walk only up to each row's last valid slot: top-k lists of short rows are mostly -1 padding.
   extent = jnp.max(jnp.where(valid, jnp.arange(1, k + 1, dtype=jnp.int32), 0), axis=1)
   steps = lax.div(extent + (_STEP - 1), _STEP)
-  splits = num_splits or default_num_kv_splits(t, head_tiles, k, sm_count())
+  splits = num_splits or split_count(split_rule, t, head_tiles, k, sm_count())
   splits = max(min(splits, k // _STEP), 1)
   out_dtype = q.dtype if splits == 1 else jnp.float32
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
-  if interpret or fp8:
+  if interpret:
     gather = "bulk"  # the interpreter runs no inline Mosaic GPU code
   stages = 1 if fp8 else 2
   chunks = d // _COLS
@@ -434,7 +454,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
     tiles = lora // DS_MLA_TILE, (d - lora) // _COLS
     staging = [(swizzled((tiles[0], _STEP, DS_MLA_TILE), F8),
                 swizzled((tiles[1], _STEP, _COLS), jnp.bfloat16))]
-    if not interpret:
+    if not interpret and gather == "bulk":
       staging.append((_raw((tiles[0], _STEP, DS_MLA_TILE), F8),
                        _raw((tiles[1], _STEP, _COLS), jnp.bfloat16)))
     scratch += [plgpu.RefUnion(*staging), plgpu.SMEM((tiles[0], _STEP), jnp.float32)]
@@ -447,7 +467,8 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
               plgpu.Barrier(num_arrivals=_VALUE_WGS, num_barriers=stages),
               plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(num_barriers=_IDX_RING)]
   if fp8:
-    scratch.append(plgpu.Barrier(num_arrivals=_STEP * sum(tiles) + 1))  # row copies + scales
+    # The scales' copy, and with the bulk gather every row chunk's copy.
+    scratch.append(plgpu.Barrier(num_arrivals=1 + (_STEP * sum(tiles) if gather == "bulk" else 0)))
 
   kernel = functools.partial(_kernel, scale=scale, lora=lora, num_splits=splits, fp8=fp8,
                              num_slots=num_slots, gather=gather, interpret=bool(interpret))
@@ -478,39 +499,46 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   return o[:, :n], lse[:, :n]
 
 
-_STATIC = ("scale", "num_splits", "auto_barriers", "interpret")
+_STATIC = ("scale", "num_splits", "auto_barriers", "interpret", "gather", "split_rule")
 GATHERS = ("cp_async", "bulk")
+SPLIT_RULES = ("fill", "one_wave")
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicSparseConfig:
-  """Launch knobs; the field names are the bf16 jit entry's keyword arguments. Heads per program
+  """Launch knobs; the field names are both jit entries' keyword arguments. Heads per program
   (64, the M of a wgmma), slots per step (64) and row slots (2 for bf16, 1 for fp8_ds_mla) are
-  fixed by wgmma and shared memory; the gather is the choice (H200: cp_async 2.2-2.6x bulk,
-  benchmarks/RESULTS.md, "DSA sparse attention (pallas_mosaic)", v2)."""
+  fixed by wgmma and shared memory; the gather (H200: cp_async 2.2-2.6x bulk for bf16, 1.4x for
+  fp8_ds_mla, benchmarks/RESULTS.md, "DSA sparse attention (pallas_mosaic)", v2 and v3) and the
+  split rule (`split_count`; "one_wave" not yet timed) are the choices."""
   gather: str = "cp_async"
+  split_rule: str = "fill"
 
   def __post_init__(self):
     if self.gather not in GATHERS:
       raise ValueError(f"gather must be one of {GATHERS}, got {self.gather!r}")
+    if self.split_rule not in SPLIT_RULES:
+      raise ValueError(f"split_rule must be one of {SPLIT_RULES}, got {self.split_rule!r}")
 
 
 CONFIG = MosaicSparseConfig()
 # The sweep space: the variants `benchmarks/bench_sparse.py` times beside the chosen one.
-SWEEP = tuple(MosaicSparseConfig(gather) for gather in GATHERS)
+SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rule="one_wave"))
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank", "gather"))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))
 def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, scale: float,
                      kv_lora_rank: int = 512, num_splits: int | None = None,
                      auto_barriers: bool = False, gather: str = CONFIG.gather,
+                     split_rule: str = CONFIG.split_rule,
                      interpret: bool | plgpu.InterpretGPUParams = False
                      ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over a bf16 latent cache (semantics of `mla_jax.reference.sparse_attention`).
 
   q [T, N, L+R] bf16 (any N: heads are padded to tiles of 64); kv_cache [num_blocks, page, L+R]
   bf16; slots [T, K] int32 (block * page + offset; -1 or past the cache: skipped). num_splits=None
-  picks a split count of the slot axis from static shapes. auto_barriers=True lets Pallas put a
+  picks a split count of the slot axis from static shapes by split_rule (`split_count`).
+  auto_barriers=True lets Pallas put a
   warpgroup barrier before every bulk copy and around every shared-memory store (its safe default,
   kept to measure against). gather: "cp_async" (the 128 lanes of the memory warpgroup copy 16
   bytes each into the swizzled row slot) or "bulk" (one bulk copy per row and 64-column chunk, 9 a
@@ -519,7 +547,7 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   lse [T, N] float32 (natural log); a row with no valid slot gives (0, -inf).
   """
   _check(q, slots, kv_lora_rank, num_splits)
-  MosaicSparseConfig(gather)  # checks it
+  MosaicSparseConfig(gather, split_rule)  # checks them
   if kv_cache.ndim != 3 or kv_cache.shape[2] != q.shape[2] or kv_cache.dtype != jnp.bfloat16:
     raise ValueError(f"want a bfloat16 kv_cache [num_blocks, page, {q.shape[2]}] (q's head dim), "
                      f"got {kv_cache.dtype.name}{kv_cache.shape}")
@@ -527,13 +555,15 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   rows = kv_cache.reshape(num_slots, q.shape[2] // _COLS, _COLS)
   return _sparse_call(q, slots, (rows,), scale=scale, lora=kv_lora_rank, num_slots=num_slots,
                       fp8=False, num_splits=num_splits, auto_barriers=auto_barriers,
-                      gather=gather, interpret=interpret)
+                      gather=gather, split_rule=split_rule, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.Array,
                                 rope: jax.Array, slots: jax.Array, *, scale: float,
                                 num_splits: int | None = None, auto_barriers: bool = False,
+                                gather: str = CONFIG.gather,
+                                split_rule: str = CONFIG.split_rule,
                                 interpret: bool | plgpu.InterpretGPUParams = False
                                 ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over an fp8_ds_mla cache, widened to bf16 once per gathered row.
@@ -552,8 +582,11 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                      f"[NB, BS, L/{DS_MLA_TILE}] f32, rope [NB, BS, R] bf16 and q [T, N, L+R]; got "
                      f"{nope.dtype.name}{nope.shape}, {tile_scales.dtype.name}{tile_scales.shape}, "
                      f"{rope.dtype.name}{rope.shape}, q {q.shape}")
+  MosaicSparseConfig(gather, split_rule)  # checks them
   num_slots = nb * page
-  flat = lambda x: x.reshape(num_slots, x.shape[-1])
-  return _sparse_call(q, slots, (flat(nope), flat(rope), flat(tile_scales)), scale=scale, lora=lora,
-                      num_slots=num_slots, fp8=True, num_splits=num_splits,
-                      auto_barriers=auto_barriers, gather="bulk", interpret=interpret)
+  # Rows as 128-byte chunks [S, C, w], what either gather copies.
+  chunked = lambda x: x.reshape(num_slots, -1, _CHUNK_BYTES // x.dtype.itemsize)
+  return _sparse_call(q, slots, (chunked(nope), chunked(rope), tile_scales.reshape(num_slots, -1)),
+                      scale=scale, lora=lora, num_slots=num_slots, fp8=True, num_splits=num_splits,
+                      auto_barriers=auto_barriers, gather=gather, split_rule=split_rule,
+                      interpret=interpret)

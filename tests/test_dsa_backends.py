@@ -346,6 +346,15 @@ def test_mosaic_sparse_register_split_fits_the_launch():
     assert consumer % 8 == 0 and memory % 8 == 0
 
 
+@pytest.mark.parametrize("t,tiles,want_fill,want_one_wave", [
+    (128, 1, 4, 1), (128, 2, 2, 1), (64, 1, 4, 2), (4096, 2, 1, 1), (1, 1, 4, 132)])
+def test_mosaic_sparse_split_rules(t, tiles, want_fill, want_one_wave):
+  # "one_wave": one resident program a SM, so splits only fill SMs that tokens x tiles leave idle.
+  # (_sparse_call caps either at one step a split: 32 for 2048 slots.)
+  assert mosaic_sparse.split_count("fill", t, tiles, 2048, 132) == want_fill
+  assert mosaic_sparse.split_count("one_wave", t, tiles, 2048, 132) == want_one_wave
+
+
 class TestPallasMosaicSparseAttention(SparseAttentionContract):
   """The Mosaic GPU kernel in Mosaic GPU's interpreter on CPUs (in a wide pool, above). It takes
   bf16 q over bf16 or fp8_ds_mla caches: the contract cases with float32 q or a per-tensor fp8
@@ -398,8 +407,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     np.testing.assert_allclose(np.asarray(l3), np.asarray(l1), rtol=1e-5, atol=1e-5)
 
   @pytest.mark.parametrize("n,fp8,gather", [(128, False, "cp_async"), (16, False, "cp_async"),
-                                             (128, False, "bulk"), (128, True, None),
-                                             (32, True, None)])
+                                             (128, False, "bulk"), (128, True, "cp_async"),
+                                             (32, True, "cp_async"), (128, True, "bulk")])
   def test_lowers_for_hopper(self, n, fp8, gather):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # layouts, bulk-copy boxes, the untiled aliases, and that shared memory fits 227 KB.
@@ -410,7 +419,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
       traced = mosaic_sparse.sparse_attention_fp8_ds_mla.trace(
           q, jax.ShapeDtypeStruct((tokens // 64, 64, 512), jnp.float8_e4m3fn),
           jax.ShapeDtypeStruct((tokens // 64, 64, 4), jnp.float32),
-          jax.ShapeDtypeStruct((tokens // 64, 64, 64), jnp.bfloat16), slots, scale=0.1)
+          jax.ShapeDtypeStruct((tokens // 64, 64, 64), jnp.bfloat16), slots, scale=0.1,
+          gather=gather)
     else:
       traced = mosaic_sparse.sparse_attention.trace(
           q, jax.ShapeDtypeStruct((tokens // 64, 64, 576), jnp.bfloat16), slots, scale=0.1,
@@ -427,6 +437,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
       (lambda a: {**a, "kv_cache": a["kv_cache"].astype(jnp.float8_e4m3fn)}, "bfloat16 kv_cache"),
       (lambda a: {**a, "num_splits": 0}, "num_splits"),
       (lambda a: {**a, "gather": "tma"}, "gather must be one of"),
+      (lambda a: {**a, "split_rule": "many"}, "split_rule must be one of"),
   ])
   def test_bad_input_raises(self, change, message):
     args = dict(q=jnp.zeros((2, 16, L + R), jnp.bfloat16),
