@@ -60,10 +60,15 @@ class TopkConfig:
   num_warps: int  # threshold kernel
   num_stages: int  # threshold, theta and select kernels
   select_warps: int  # select kernel
+  # Threshold kernel: candidates into per-lane slots (`_lane_threshold_kernel`, v3) instead of a
+  # block-wide cumsum per chunk (`_threshold_kernel`, v2).
+  per_lane: bool = True
 
   def __post_init__(self):
     check_triton_config(self, ("chunk",))
     check_pow2("select_warps", self.select_warps)
+    if not isinstance(self.per_lane, bool):
+      raise ValueError(f"per_lane must be a bool, got {self.per_lane!r}")
 
 
 # The chosen configs, from H200 sweeps of each kernel alone (benchmarks/RESULTS.md, "DSA
@@ -74,8 +79,9 @@ class TopkConfig:
 DEFAULT = TopkConfig(1024, 4, 1, 8)
 DEFAULT_MANY_ROWS = TopkConfig(1024, 4, 1, 4)
 # The sweep space: the variants `benchmarks/bench_sparse.py --sweep` times (128 x 131072).
-SWEEP = tuple(TopkConfig(*v) for v in [(1024, 4, 1, 8), (2048, 8, 1, 8), (1024, 8, 1, 8),
-                                       (2048, 4, 1, 8), (1024, 4, 1, 4), (1024, 4, 2, 8)])
+SWEEP = tuple(TopkConfig(*v) for v in [
+    (1024, 4, 1, 8), (2048, 4, 1, 8), (2048, 8, 1, 8), (4096, 8, 1, 8), (1024, 4, 2, 8),
+    (512, 4, 1, 8), (1024, 4, 1, 8, False), (2048, 8, 1, 8, False)])
 
 
 def _keys(x, inside):
@@ -180,6 +186,57 @@ def _threshold_kernel(theta_ref, logits_ref, len_ref, cand_key_ref, cand_pos_ref
   _, count = lax.fori_loop(0, pl.cdiv(jnp.maximum(end - start, 0), chunk), body,
                            (_row_keys(logits_ref, t, end, start, chunk), jnp.int32(0)))
   count_ref[t, p] = count
+
+
+def _lane_threshold_kernel(theta_ref, logits_ref, len_ref, slot_key_ref, slot_pos_ref,
+                           cand_key_ref, cand_pos_ref, count_ref, *, chunk, segment, interpret):
+  # As `_threshold_kernel`, but the stream keeps no block-wide state: lane j of the chunk (positions
+  # j, j + chunk, ...) stores its candidates in its own slots, slot s at slot_*_ref[s * chunk + j]
+  # ([slots * chunk] int32, this row's and segment's), so a chunk costs no cumsum. After the stream,
+  # one cumsum of the lanes' counts places every lane's slots in the cap places of the candidate
+  # list (lane order, not position order: the select needs no order). A lane that fills its slots
+  # marks the segment as overflowed (count past cap: the select's exact row path).
+  t, p = pl.program_id(0), pl.program_id(1)
+  cap = cand_key_ref.shape[0]
+  slots = slot_key_ref.shape[0] // chunk
+  theta = theta_ref[t]
+  start = p * segment
+  end = jnp.minimum(start + segment, jnp.clip(len_ref[t], 0, logits_ref.shape[1]))
+  lane = jnp.arange(chunk, dtype=jnp.int32)
+  past = slots * chunk
+
+  def body(i, carry):
+    (key, pos), filled = carry
+    nxt = _row_keys(logits_ref, t, end, start + (i + 1) * chunk, chunk)
+    take = (key >= theta) & (key > _INT_MIN)
+    dst = jnp.where(take & (filled < slots), filled * chunk + lane, past)
+    plgpu.store(slot_key_ref.at[dst], key, mask=dst < past)
+    plgpu.store(slot_pos_ref.at[dst], pos, mask=dst < past)
+    return nxt, filled + take.astype(jnp.int32)
+
+  _, filled = lax.fori_loop(0, pl.cdiv(jnp.maximum(end - start, 0), chunk), body,
+                            (_row_keys(logits_ref, t, end, start, chunk),
+                             jnp.zeros((chunk,), jnp.int32)))
+  # The slots are read back by other threads than wrote them: a block barrier makes the writes
+  # visible (the interpreter runs a program sequentially, and has no barrier).
+  if not interpret:
+    plgpu.debug_barrier()
+  most = filled.max()
+  kept = jnp.minimum(filled, slots)
+  base = jnp.cumsum(kept) - kept
+
+  def move(s, carry):
+    has = s < kept
+    src = jnp.where(has, s * chunk + lane, past)
+    key = plgpu.load(slot_key_ref.at[src], mask=has, other=0)
+    pos = plgpu.load(slot_pos_ref.at[src], mask=has, other=0)
+    dst = jnp.where(has & (base + s < cap), base + s, cap)
+    plgpu.store(cand_key_ref.at[dst], key, mask=dst < cap)
+    plgpu.store(cand_pos_ref.at[dst], pos, mask=dst < cap)
+    return carry
+
+  lax.fori_loop(0, jnp.minimum(most, slots), move, 0)
+  count_ref[t, p] = jnp.where(most > slots, jnp.maximum(filled.sum(), cap + 1), filled.sum())
 
 
 def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref, len_ref, out_ref,
@@ -321,28 +378,52 @@ def row_theta(maxima: jax.Array, topk: int, params: plgpu.CompilerParams, *,
   )(maxima)
 
 
+def threshold_segments(num_rows: int, num_positions: int, chunk: int) -> tuple[int, int]:
+  """(segments a row, positions a segment): rows split until the grid holds ~4 programs per SM,
+  each segment at least 4 chunks long."""
+  segments = max(1, min(pl.cdiv(num_positions, 4 * chunk), pl.cdiv(4 * sm_count(), num_rows)))
+  segment = pl.cdiv(pl.cdiv(num_positions, segments), chunk) * chunk
+  return pl.cdiv(num_positions, segment), segment
+
+
+def lane_slots(cap: int, segments: int, chunk: int) -> int:
+  """Candidate slots a lane of the per-lane threshold kernel keeps: twice a lane's share of cap
+  (the candidates typically fill ~0.3 cap), at least 8, so random rows do not overflow."""
+  return max(8, next_pow2(2 * cap // (segments * chunk)))
+
+
 def threshold_candidates(theta: jax.Array, logits: jax.Array, seq_lens: jax.Array, cap: int,
-                         chunk: int, params: plgpu.CompilerParams, *,
+                         chunk: int, params: plgpu.CompilerParams, *, slots: int = 0,
                          interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Step 3: (keys, positions) int32 [T, P * cap] of each row's candidates, each of its P segments'
-  at its own `cap` places, and their counts [T, P] (past cap when they overflowed)."""
+  at its own `cap` places, and their counts [T, P] (past cap when they overflowed). slots: 0 for
+  the block-wide compaction per chunk (`_threshold_kernel`), else the slots a lane keeps
+  (`_lane_threshold_kernel`)."""
   t, s = logits.shape
-  # Rows split into segments until the grid holds ~4 programs per SM, each at least 4 chunks long.
-  segments = max(1, min(pl.cdiv(s, 4 * chunk), pl.cdiv(4 * sm_count(), t)))
-  segment = pl.cdiv(pl.cdiv(s, segments), chunk) * chunk
-  segments = pl.cdiv(s, segment)
-  places = pl.BlockSpec((None, cap), lambda i, p: (i, p))
-  return pl.pallas_call(
-      functools.partial(_threshold_kernel, chunk=chunk, segment=segment),
+  segments, segment = threshold_segments(t, s, chunk)
+  places = lambda width: pl.BlockSpec((None, width), lambda i, p: (i, p))
+  counts = [pl.BlockSpec((t, segments), lambda i, p: (0, 0))]
+  lists = [jax.ShapeDtypeStruct((t, segments * cap), jnp.int32)] * 2
+  counts_shape = [jax.ShapeDtypeStruct((t, segments), jnp.int32)]
+  if slots:
+    kernel = functools.partial(_lane_threshold_kernel, chunk=chunk, segment=segment,
+                               interpret=interpret)
+    out_specs = [places(slots * chunk)] * 2 + [places(cap)] * 2 + counts
+    out_shape = [jax.ShapeDtypeStruct((t, segments * slots * chunk), jnp.int32)] * 2 + lists
+  else:
+    kernel = functools.partial(_threshold_kernel, chunk=chunk, segment=segment)
+    out_specs, out_shape = [places(cap)] * 2 + counts, lists
+  out = pl.pallas_call(
+      kernel,
       grid=(t, segments),
       in_specs=[_whole(theta), _whole(logits), _whole(seq_lens)],
-      out_specs=[places, places, pl.BlockSpec((t, segments), lambda i, p: (0, 0))],
-      out_shape=[jax.ShapeDtypeStruct((t, segments * cap), jnp.int32)] * 2
-                + [jax.ShapeDtypeStruct((t, segments), jnp.int32)],
+      out_specs=out_specs,
+      out_shape=out_shape + counts_shape,
       compiler_params=params,
       interpret=interpret,
-      name="topk_threshold",
+      name="topk_threshold_lanes" if slots else "topk_threshold",
   )(theta, logits, seq_lens)
+  return tuple(out[-3:])
 
 
 def select_positions(theta: jax.Array, cand_keys: jax.Array, cand_pos: jax.Array,
@@ -366,17 +447,18 @@ def select_positions(theta: jax.Array, cand_keys: jax.Array, cand_pos: jax.Array
 
 
 @functools.partial(jax.jit, static_argnames=("topk", "chunk", "num_warps", "num_stages",
-                                             "select_warps", "use_xla_maxima", "interpret"))
+                                             "select_warps", "per_lane", "use_xla_maxima",
+                                             "interpret"))
 def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None,
-                   select_warps: int | None = None, use_xla_maxima: bool = False,
-                   interpret: bool = False) -> jax.Array:
+                   select_warps: int | None = None, per_lane: bool | None = None,
+                   use_xla_maxima: bool = False, interpret: bool = False) -> jax.Array:
   """Top-`topk` positions of each row within its window (semantics of
   `mla_jax.reference.topk_positions`): logits [T, S] float32, seq_lens [T] int32 (row t sees
   s < seq_lens[t]) -> int32 [T, topk], -1 padded, in no particular order; of positions tied at the
-  k-th largest value, the lowest. chunk, num_warps, num_stages, select_warps: `TopkConfig`'s (None:
-  `default_config`'s). use_xla_maxima: step 1 in XLA (the previous form, for the benchmark's
-  comparison).
+  k-th largest value, the lowest. chunk, num_warps, num_stages, select_warps, per_lane:
+  `TopkConfig`'s (None: `default_config`'s). use_xla_maxima: step 1 in XLA (the previous form,
+  for the benchmark's comparison).
   """
   if logits.ndim != 2 or seq_lens.shape != logits.shape[:1]:
     raise ValueError(f"want logits [T, S] and seq_lens [T]; got {logits.shape} and "
@@ -387,7 +469,7 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: 
   if not isinstance(topk, int) or topk < 1:
     raise ValueError(f"topk must be a positive int, got {topk!r}")
   config = with_overrides(default_config(logits.shape[0]), chunk=chunk, num_warps=num_warps,
-                          num_stages=num_stages, select_warps=select_warps)
+                          num_stages=num_stages, select_warps=select_warps, per_lane=per_lane)
   t, s = logits.shape
   if t == 0 or s == 0:
     return jnp.full((t, topk), -1, jnp.int32)
@@ -401,8 +483,9 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: 
   else:
     maxima = group_maxima(logits, seq_lens, g, width, interpret=interpret)
   theta = row_theta(maxima, topk, params(_THETA_WARPS), interpret=interpret)
+  slots = lane_slots(cap, threshold_segments(t, s, chunk)[0], chunk) if config.per_lane else 0
   cand_keys, cand_pos, counts = threshold_candidates(theta, logits, seq_lens, cap, chunk,
-                                                     params(config.num_warps),
+                                                     params(config.num_warps), slots=slots,
                                                      interpret=interpret)
   return select_positions(theta, cand_keys, cand_pos, counts, logits, seq_lens, topk, chunk,
                           params(config.select_warps), interpret=interpret)
