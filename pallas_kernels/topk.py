@@ -4,7 +4,7 @@ Selection works on int32 keys that order like the floats (`_keys`); positions ou
 window, -inf and NaN logits get INT32_MIN, which nothing selects (`reference.topk_positions` reports
 those as -1 too). The k-th largest key v of a row decides everything: positions with key > v are in,
 and of those with key == v the lowest positions, enough to make k (what `lax.top_k` takes). Four
-kernels, each reading the logits at most once:
+kernels, each reading the logits at most once (steps 1 and 2 fuse into one where rows are many):
 
 1. maxima: the maximum of each strided group {j, j+m, j+2m, ...} of G positions (G a power of two
    with m = S/G between 4k and 8k groups; strided groups decorrelate neighbouring positions), a
@@ -12,10 +12,14 @@ kernels, each reading the logits at most once:
    benchmarks/RESULTS.md).
 2. theta: a lower bound of the k-th largest group maximum (at least k groups reach it, so v >=
    theta), found by bisection on the key bits between the row's smallest and largest maximum, only
-   the top `_THETA_BITS` bits: a lower theta only admits a few more candidates.
+   the top `_THETA_BITS` bits: a lower theta only admits a few more candidates. Where rows alone
+   fill the SMs, one program a row takes its maxima in registers and theta from them (no maxima
+   written).
 3. threshold: a row is split into segments (several per row when rows are few); each streams its
-   segment once and compacts every position with key >= theta (cumsum) into its own `cap` = 4k
-   places of the row's candidate list, in position order. Typically ~1.16k candidates a row (H200,
+   segment once and keeps every position with key >= theta: each lane of the streamed chunk in its
+   own slots (no cross-lane work per chunk), compacted by one cumsum of the lanes' counts at the
+   end into the segment's own `cap` = 4k places of the row's candidate list (v2 compacted each
+   chunk by a block-wide cumsum, `per_lane=False`). Typically ~1.16k candidates a row (H200,
    random rows); at most k*G plus ties.
 4. select, a program per row: v by bisection over the candidates (in registers; bits shared by
    theta and the largest candidate are known), then the lowest positions among ties at v (a second
@@ -63,12 +67,16 @@ class TopkConfig:
   # Threshold kernel: candidates into per-lane slots (`_lane_threshold_kernel`, v3) instead of a
   # block-wide cumsum per chunk (`_threshold_kernel`, v2).
   per_lane: bool = True
+  # Group maxima and theta in one kernel, a program per row (`_maxima_theta_kernel`, v3): saves the
+  # maxima's round trip through memory where rows alone fill the SMs.
+  fused_theta: bool = False
 
   def __post_init__(self):
     check_triton_config(self, ("chunk",))
     check_pow2("select_warps", self.select_warps)
-    if not isinstance(self.per_lane, bool):
-      raise ValueError(f"per_lane must be a bool, got {self.per_lane!r}")
+    for name in ("per_lane", "fused_theta"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 # The chosen configs, from H200 sweeps of each kernel alone (benchmarks/RESULTS.md, "DSA
@@ -77,7 +85,7 @@ class TopkConfig:
 # most 2 per SM (128 rows: 0.041 ms, 4 warps 0.058), else 4 (4096 rows: 0.204 ms, 8 warps 0.318):
 # many rows fill the SMs, and 4 warps let more reside.
 DEFAULT = TopkConfig(1024, 4, 1, 8)
-DEFAULT_MANY_ROWS = TopkConfig(1024, 4, 1, 4)
+DEFAULT_MANY_ROWS = TopkConfig(1024, 4, 1, 4, fused_theta=True)
 # The sweep space: the variants `benchmarks/bench_sparse.py --sweep` times (128 x 131072).
 SWEEP = tuple(TopkConfig(*v) for v in [
     (1024, 4, 1, 8), (2048, 4, 1, 8), (2048, 8, 1, 8), (4096, 8, 1, 8), (1024, 4, 2, 8),
@@ -153,13 +161,39 @@ def _maxima_kernel(logits_ref, len_ref, max_ref, *, groups):
   max_ref[...] = _keys(x, inside).max(axis=0)
 
 
-def _theta_kernel(max_ref, theta_ref, *, k, bits):
-  # max_ref [mp] int32 (this row's group maxima, INT_MIN padded); theta_ref [T] int32
-  maxima = max_ref[...]
+def _theta(maxima, k, bits):
+  """Theta of a row from its group maxima (INT_MIN padded): the top `bits` bits of the k-th
+  largest."""
   valid = maxima > _INT_MIN
   enough = valid.astype(jnp.int32).sum() >= k
   lo = jnp.where(enough, jnp.where(valid, maxima, _INT_MAX).min(), _INT_MIN)
-  theta_ref[pl.program_id(0)] = _kth_largest(lambda i: maxima, 1, k, lo, maxima.max(), bits)
+  return _kth_largest(lambda i: maxima, 1, k, lo, maxima.max(), bits)
+
+
+def _theta_kernel(max_ref, theta_ref, *, k, bits):
+  # max_ref [mp] int32 (this row's group maxima, INT_MIN padded); theta_ref [T] int32
+  theta_ref[pl.program_id(0)] = _theta(max_ref[...], k, bits)
+
+
+def _maxima_theta_kernel(logits_ref, len_ref, theta_ref, *, k, bits, groups, width):
+  # Steps 1 and 2 in one program per row, the maxima in registers (never written): for many rows,
+  # which fill the SMs a program a row. logits_ref [T, S] f32; len_ref [T] int32; theta_ref [T]
+  # int32. Group c is {c, c + m, c + 2m, ...}, as in `_maxima_kernel`; a step reads one member of
+  # every group (contiguous positions).
+  t = pl.program_id(0)
+  s = logits_ref.shape[1]
+  m = -(-s // groups)
+  col = jnp.arange(width, dtype=jnp.int32)
+  length = jnp.clip(len_ref[t], 0, s)
+
+  def member(g, maxima):
+    pos = g * m + col
+    inside = (pos < length) & (col < m)
+    x = plgpu.load(logits_ref.at[t, pos], mask=inside, other=-jnp.inf)
+    return jnp.maximum(maxima, _keys(x, inside))
+
+  maxima = lax.fori_loop(0, groups, member, jnp.full((width,), _INT_MIN, jnp.int32))
+  theta_ref[t] = _theta(maxima, k, bits)
 
 
 def _threshold_kernel(theta_ref, logits_ref, len_ref, cand_key_ref, cand_pos_ref, count_ref, *,
@@ -351,17 +385,6 @@ def group_maxima(logits: jax.Array, seq_lens: jax.Array, groups: int, width: int
   )(logits, seq_lens)
 
 
-def xla_group_maxima(logits: jax.Array, seq_lens: jax.Array, groups: int,
-                     width: int) -> jax.Array:
-  """Step 1 in XLA (the previous form, kept for the benchmark's comparison): as `group_maxima`."""
-  t, s = logits.shape
-  m = -(-s // groups)
-  keys = _keys(logits, jnp.arange(s)[None, :] < seq_lens[:, None])
-  keys = jnp.pad(keys, ((0, 0), (0, groups * m - s)), constant_values=_INT_MIN)
-  out = keys.reshape(t, groups, m).max(axis=1)
-  return jnp.pad(out, ((0, 0), (0, width - m)), constant_values=_INT_MIN)
-
-
 def row_theta(maxima: jax.Array, topk: int, params: plgpu.CompilerParams, *,
               bits: int = _THETA_BITS, interpret: bool = False) -> jax.Array:
   """Step 2: int32 [T], each row's theta (its top `bits` bits)."""
@@ -376,6 +399,24 @@ def row_theta(maxima: jax.Array, topk: int, params: plgpu.CompilerParams, *,
       interpret=interpret,
       name="topk_theta",
   )(maxima)
+
+
+def fused_row_theta(logits: jax.Array, seq_lens: jax.Array, topk: int, groups: int, width: int,
+                    params: plgpu.CompilerParams, *, bits: int = _THETA_BITS,
+                    interpret: bool = False) -> jax.Array:
+  """Steps 1 and 2 fused, a program per row: int32 [T], each row's theta (as `row_theta` of
+  `group_maxima`)."""
+  t = logits.shape[0]
+  return pl.pallas_call(
+      functools.partial(_maxima_theta_kernel, k=topk, bits=bits, groups=groups, width=width),
+      grid=(t,),
+      in_specs=[_whole(logits), _whole(seq_lens)],
+      out_specs=pl.BlockSpec((t,), lambda i: (0,)),
+      out_shape=jax.ShapeDtypeStruct((t,), jnp.int32),
+      compiler_params=params,
+      interpret=interpret,
+      name="topk_maxima_theta",
+  )(logits, seq_lens)
 
 
 def threshold_segments(num_rows: int, num_positions: int, chunk: int) -> tuple[int, int]:
@@ -447,18 +488,17 @@ def select_positions(theta: jax.Array, cand_keys: jax.Array, cand_pos: jax.Array
 
 
 @functools.partial(jax.jit, static_argnames=("topk", "chunk", "num_warps", "num_stages",
-                                             "select_warps", "per_lane", "use_xla_maxima",
+                                             "select_warps", "per_lane", "fused_theta",
                                              "interpret"))
 def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None,
                    select_warps: int | None = None, per_lane: bool | None = None,
-                   use_xla_maxima: bool = False, interpret: bool = False) -> jax.Array:
+                   fused_theta: bool | None = None, interpret: bool = False) -> jax.Array:
   """Top-`topk` positions of each row within its window (semantics of
   `mla_jax.reference.topk_positions`): logits [T, S] float32, seq_lens [T] int32 (row t sees
   s < seq_lens[t]) -> int32 [T, topk], -1 padded, in no particular order; of positions tied at the
-  k-th largest value, the lowest. chunk, num_warps, num_stages, select_warps, per_lane:
-  `TopkConfig`'s (None: `default_config`'s). use_xla_maxima: step 1 in XLA (the previous form,
-  for the benchmark's comparison).
+  k-th largest value, the lowest. chunk, num_warps, num_stages, select_warps, per_lane,
+  fused_theta: `TopkConfig`'s (None: `default_config`'s).
   """
   if logits.ndim != 2 or seq_lens.shape != logits.shape[:1]:
     raise ValueError(f"want logits [T, S] and seq_lens [T]; got {logits.shape} and "
@@ -469,7 +509,8 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: 
   if not isinstance(topk, int) or topk < 1:
     raise ValueError(f"topk must be a positive int, got {topk!r}")
   config = with_overrides(default_config(logits.shape[0]), chunk=chunk, num_warps=num_warps,
-                          num_stages=num_stages, select_warps=select_warps, per_lane=per_lane)
+                          num_stages=num_stages, select_warps=select_warps, per_lane=per_lane,
+                          fused_theta=fused_theta)
   t, s = logits.shape
   if t == 0 or s == 0:
     return jnp.full((t, topk), -1, jnp.int32)
@@ -478,11 +519,12 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: 
   g = group_size(s, topk)
   width = next_pow2(-(-s // g))
   cap = next_pow2(min(_CAP_PER_K * topk, s))
-  if use_xla_maxima:
-    maxima = xla_group_maxima(logits, seq_lens, g, width)
+  if config.fused_theta:
+    theta = fused_row_theta(logits, seq_lens, topk, g, width, params(_THETA_WARPS),
+                            interpret=interpret)
   else:
     maxima = group_maxima(logits, seq_lens, g, width, interpret=interpret)
-  theta = row_theta(maxima, topk, params(_THETA_WARPS), interpret=interpret)
+    theta = row_theta(maxima, topk, params(_THETA_WARPS), interpret=interpret)
   slots = lane_slots(cap, threshold_segments(t, s, chunk)[0], chunk) if config.per_lane else 0
   cand_keys, cand_pos, counts = threshold_candidates(theta, logits, seq_lens, cap, chunk,
                                                      params(config.num_warps), slots=slots,

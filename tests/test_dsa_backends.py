@@ -126,14 +126,16 @@ class TestPallasTritonIndexer(IndexerContract):
     with pytest.raises(ValueError, match=message):
       pallas_indexer.indexer_logits(**change(args), interpret=True)
 
-  @pytest.mark.parametrize("use_xla_maxima", [False, True])
-  def test_topk_segments_ties_and_overflow_match_reference(self, use_xla_maxima):
+  @pytest.mark.parametrize("variant", [{}, {"fused_theta": True}, {"per_lane": False}])
+  def test_topk_segments_ties_and_overflow_match_reference(self, variant):
     # Small chunks split rows into several segments that claim candidate places concurrently;
     # row 1's ties overflow the candidate list (the slow exact path); row 3 mixes signs and
     # magnitudes so every bit of the keys matters; row 4 ties 5 positions in 4 segments at the
     # k-th value (one fits): the lowest wins, found among the candidates; row 5 repeats each of 625
     # values at 4 of the 8 members of its strided group (G = 8), so 256-512 candidates (past half
-    # the 512-entry list: the full-width select) tie in fours.
+    # the 512-entry list: the full-width select) tie in fours. Variants: the default (per-lane
+    # threshold, separate maxima and theta kernels), theta fused with the maxima, and v2's
+    # block-wide compaction.
     rng = np.random.default_rng(6)
     logits = rng.standard_normal((6, 5000)).astype(np.float32)
     logits[5] = np.where(np.arange(5000) // 625 < 4, np.tile(logits[5, :625], 8), -10)
@@ -143,7 +145,7 @@ class TestPallasTritonIndexer(IndexerContract):
     logits[4, [4900, 3100, 2000, 1500]] = logits[4, kth]
     lens = jnp.asarray([5000, 4999, 1300, 5000, 5000, 5000], jnp.int32)
     got = np.asarray(pallas_topk.topk_positions(jnp.asarray(logits), lens, 100, chunk=256,
-                                                use_xla_maxima=use_xla_maxima, interpret=True))
+                                                interpret=True, **variant))
     for i in range(6):
       g = got[i][got[i] >= 0]
       assert len(set(g.tolist())) == len(g) == 100
@@ -153,17 +155,61 @@ class TestPallasTritonIndexer(IndexerContract):
     params = pallas_topk.plgpu.CompilerParams(num_warps=4, num_stages=1)
     maxima = pallas_topk.group_maxima(jnp.asarray(logits), lens, 8, 1024, interpret=True)
     theta = pallas_topk.row_theta(maxima, 100, params, interpret=True)
+    slots = 8 if variant.get("per_lane", True) else 0
     counts = pallas_topk.threshold_candidates(theta, jnp.asarray(logits), lens, 512, 256, params,
-                                              interpret=True)[2].sum(axis=1)
+                                              slots=slots, interpret=True)[2].sum(axis=1)
     assert counts[1] > 512 and 256 < counts[5] <= 512, counts
 
+  def test_lane_slots_hold_the_candidates_or_overflow(self):
+    # The per-lane threshold kernel with 2 slots a lane (16 lanes, 32 segments of 64 positions: 4
+    # a lane): a segment's list holds exactly its positions with key >= theta, unless a lane had
+    # more than 2 (row 0, segment 0: positions 5, 21, 37 of lane 5), which must mark it past cap;
+    # the select then still finds the exact top-k (the row path).
+    rng = np.random.default_rng(9)
+    logits = rng.standard_normal((2, 2048)).astype(np.float32)
+    logits[0, [5, 21, 37]] = [10.0, 11.0, 12.0]
+    lens = jnp.asarray([2048, 2000], jnp.int32)
+    x = jnp.asarray(logits)
+    params = pallas_topk.plgpu.CompilerParams(num_warps=4, num_stages=1)
+    theta = pallas_topk.row_theta(pallas_topk.group_maxima(x, lens, 4, 512, interpret=True), 100,
+                                  params, interpret=True)
+    keys, pos, counts = (np.asarray(a) for a in pallas_topk.threshold_candidates(
+        theta, x, lens, 512, 16, params, slots=2, interpret=True))
+    assert pallas_topk.threshold_segments(2, 2048, 16) == (32, 64) and counts.shape == (2, 32)
+    bits = logits.view(np.int32)
+    want_keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    inside = np.arange(2048) < np.asarray(lens)[:, None]
+    taken = (want_keys >= np.asarray(theta)[:, None]) & inside
+    per_lane = taken.reshape(2, 32, 4, 16).sum(axis=2)  # [row, segment, lane]
+    assert per_lane[0, 0, 5] == 3
+    for i, p in np.ndindex(2, 32):
+      if (per_lane[i, p] > 2).any():
+        assert counts[i, p] > 512, (i, p)
+        continue
+      n = taken[i, 64 * p:64 * (p + 1)].sum()
+      assert counts[i, p] == n, (i, p)
+      got_pos = pos[i, 512 * p:512 * p + n]
+      np.testing.assert_array_equal(np.sort(got_pos), 64 * p + np.flatnonzero(
+          taken[i, 64 * p:64 * (p + 1)]))
+      np.testing.assert_array_equal(keys[i, 512 * p:512 * p + n], want_keys[i, got_pos])
+    got = np.asarray(pallas_topk.select_positions(theta, jnp.asarray(keys), jnp.asarray(pos),
+                                                  jnp.asarray(counts), x, lens, 100, 16, params,
+                                                  interpret=True))
+    for i in range(2):
+      assert set(got[i].tolist()) == lowest_index_topk(logits[i], int(lens[i]), 100), i
+
   def test_group_maxima_match_xla(self):
-    # Rows of several lengths (one empty, one not a multiple of anything), G = 4 strided groups.
+    # Rows of several lengths (one empty, one not a multiple of anything), G = 4 strided groups;
+    # the oracle: keys of the window padded to G rows of m, the maximum over the G rows.
     rng = np.random.default_rng(8)
-    logits = jnp.asarray(rng.standard_normal((3, 1000)), jnp.float32)
-    lens = jnp.asarray([1000, 0, 777], jnp.int32)
-    got = pallas_topk.group_maxima(logits, lens, 4, 256, tile=256, interpret=True)
-    np.testing.assert_array_equal(got, pallas_topk.xla_group_maxima(logits, lens, 4, 256))
+    logits = rng.standard_normal((3, 1000)).astype(np.float32)
+    lens = np.array([1000, 0, 777], np.int32)
+    got = pallas_topk.group_maxima(jnp.asarray(logits), jnp.asarray(lens), 4, 256, tile=256,
+                                   interpret=True)
+    bits = logits.view(np.int32)
+    keys = np.where(np.arange(1000) < lens[:, None], bits ^ ((bits >> 31) & 0x7FFFFFFF), -2 ** 31)
+    want = np.pad(keys.reshape(3, 4, 250).max(axis=1), ((0, 0), (0, 6)), constant_values=-2 ** 31)
+    np.testing.assert_array_equal(got, want)
 
   def test_group_size(self):
     # At least 4k strided groups, G a power of two; V3.2 at 128K and 32K context.
