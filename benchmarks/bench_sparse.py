@@ -16,8 +16,9 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            widen_fp8 (e4m3 multiplied as bf16: wgmma instead of f16 mma.sync), pallas_mosaic's
            kernel (fp8 wgmma) and the `pallas` default, against the same XLA.
   topk     top-2048 positions of 128 x 32K, 128 x 128K and 4096 x 32K float32 logits, every
-           position visible. Bytes = one read of the logits + the positions written. A second row
-           times the kernel with its first step (group maxima) in XLA (its old form).
+           position visible. Bytes = one read of the logits + the positions written. Further rows
+           time v2 (the threshold kernel's block-wide compaction per chunk) and v3 with the other
+           theta form (fused with the group maxima or not) than the row count's default.
   step     one layer's DSA decode step: indexer logits + top-k + slots + sparse attention (N=128,
            fp8_ds_mla latent cache), 128 decode rows at 32K context each; pallas_triton's and the
            `pallas` default's.
@@ -182,14 +183,18 @@ def run_topk(args, t, s):
   sets = [(jax.random.normal(jax.random.key(300 + i), (t, s), jnp.float32),
            jnp.full((t,), s, jnp.int32)) for i in range(2)]
   case_bytes = t * s * 4 + t * TOPK * 4
-  row = case_row("topk", t, context=s)
+  row = case_row("topk", t, context=s, cache="v3 (default)")
   fn = lambda be: jax.jit(lambda x, lens: be.topk(x, lens, TOPK))
   rows = [timed_row(args, row, fn, sets, case_bytes, None)]
-  # The old form: the group maxima taken by XLA instead of the maxima kernel.
-  old = lambda be: jax.jit(lambda x, lens: pallas_topk.topk_positions(
-      x, lens, TOPK, use_xla_maxima=True, interpret=jax.default_backend() != "gpu"))
-  rows.append(timed_row(args, case_row("topk", t, context=s, cache="XLA maxima (old)"), old, sets,
-                        case_bytes, None, xla_ms=rows[0].get("xla ms")))
+  # v2 (block-wide compaction per chunk, separate maxima and theta kernels), and v3 with the other
+  # theta form than this row count's default, against the same XLA.
+  fused = pallas_topk.default_config(t).fused_theta
+  for name, knobs in (("v2 (block compaction)", dict(per_lane=False, fused_theta=False)),
+                      (f"v3, fused_theta={not fused}", dict(fused_theta=not fused))):
+    variant = lambda be, knobs=knobs: jax.jit(lambda x, lens: pallas_topk.topk_positions(
+        x, lens, TOPK, interpret=jax.default_backend() != "gpu", **knobs))
+    rows.append(timed_row(args, case_row("topk", t, context=s, cache=name), variant, sets,
+                          case_bytes, None, xla_ms=rows[0].get("xla ms")))
   return rows
 
 

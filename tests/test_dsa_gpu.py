@@ -15,6 +15,7 @@ from gpu_utils import poison_allocator
 from mla_jax import backends, reference
 from mla_jax.cache import DSMLACache, IndexerKCache, LatentCache
 from mla_jax.quant import quantize_indexer_q
+from pallas_kernels import topk as pallas_topk
 from sparse_contract import cosine_diff, lowest_index_topk
 
 pytestmark = pytest.mark.gpu
@@ -145,8 +146,11 @@ def test_indexer_logits_fp8_match_reference(backend, requests, per_req):
     assert cosine_diff(got[i][fin[i]], want[i][fin[i]]) < 1e-3, i
 
 
+@pytest.mark.parametrize("fused_theta", [False, True])
 @pytest.mark.parametrize("kind", ["normal", "ties", "few_ties"])
-def test_topk_sets_match_lax_top_k(kind):
+def test_topk_sets_match_lax_top_k(kind, fused_theta):
+  # fused_theta: the group maxima and theta in one program a row (the default from 2 rows per SM;
+  # forced here on 128 rows), else through the backend (the default for 128 rows).
   t, s = 128, 32768
   x = jax.random.normal(jax.random.key(2), (t, s), jnp.float32)
   if kind == "ties":  # a few values only: the candidate list overflows on some rows
@@ -157,7 +161,10 @@ def test_topk_sets_match_lax_top_k(kind):
       jnp.asarray([s, 0, 1, TOPK], jnp.int32))
   want = np.asarray(jax.jit(reference.topk_positions, static_argnums=2)(x, lens, TOPK))
   poison_allocator()
-  got = np.asarray(backends.get_backend("pallas_triton").topk(x, lens, TOPK))
+  if fused_theta:
+    got = np.asarray(pallas_topk.topk_positions(x, lens, TOPK, fused_theta=True))
+  else:
+    got = np.asarray(backends.get_backend("pallas_triton").topk(x, lens, TOPK))
   xs = np.asarray(x)
   for i in range(t):
     g, w = got[i][got[i] >= 0], want[i][want[i] >= 0]
