@@ -17,8 +17,9 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            kernel (fp8 wgmma) and the `pallas` default, against the same XLA.
   topk     top-2048 positions of 128 x 32K, 128 x 128K and 4096 x 32K float32 logits, every
            position visible. Bytes = one read of the logits + the positions written. Further rows
-           time v2 (the threshold kernel's block-wide compaction per chunk) and v3 with the other
-           theta form (fused with the group maxima or not) than the row count's default.
+           time v2 (the threshold kernel's block-wide compaction per chunk, separate maxima and
+           theta kernels) and the shape's default with either v3 choice flipped (per-lane
+           threshold; theta fused with the group maxima).
   step     one layer's DSA decode step: indexer logits + top-k + slots + sparse attention (N=128,
            fp8_ds_mla latent cache), 128 decode rows at 32K context each; pallas_triton's and the
            `pallas` default's.
@@ -186,11 +187,17 @@ def run_topk(args, t, s):
   row = case_row("topk", t, context=s, cache="v3 (default)")
   fn = lambda be: jax.jit(lambda x, lens: be.topk(x, lens, TOPK))
   rows = [timed_row(args, row, fn, sets, case_bytes, None)]
-  # v2 (block-wide compaction per chunk, separate maxima and theta kernels), and v3 with the other
-  # theta form than this row count's default, against the same XLA.
-  fused = pallas_topk.default_config(t).fused_theta
-  for name, knobs in (("v2 (block compaction)", dict(per_lane=False, fused_theta=False)),
-                      (f"v3, fused_theta={not fused}", dict(fused_theta=not fused))):
+  # v2 (block-wide compaction per chunk, separate maxima and theta kernels), and the default with
+  # either v3 choice flipped (unless that is v2), against the same XLA.
+  default = pallas_topk.default_config(t, s)
+  v2 = dict(per_lane=False, fused_theta=False)
+  variants = {"v2 (block compaction)": v2}
+  for name in ("per_lane", "fused_theta"):
+    knobs = dict(per_lane=default.per_lane, fused_theta=default.fused_theta)
+    knobs[name] = not knobs[name]
+    if knobs != v2:
+      variants[f"v3, {name}={knobs[name]}"] = knobs
+  for name, knobs in variants.items():
     variant = lambda be, knobs=knobs: jax.jit(lambda x, lens: pallas_topk.topk_positions(
         x, lens, TOPK, interpret=jax.default_backend() != "gpu", **knobs))
     rows.append(timed_row(args, case_row("topk", t, context=s, cache=name), variant, sets,

@@ -83,9 +83,17 @@ class TopkConfig:
 # selection", v2). Threshold: 1024 positions x 4 warps 0.080 / 0.489 ms at 128 x 131072 / 4096 x
 # 32768, against 2048 x 8 0.086 / 0.565 (2048 x 4: 0.112 / 0.706). Select: 8 warps while rows are at
 # most 2 per SM (128 rows: 0.041 ms, 4 warps 0.058), else 4 (4096 rows: 0.204 ms, 8 warps 0.318):
-# many rows fill the SMs, and 4 warps let more reside.
+# many rows fill the SMs, and 4 warps let more reside. v3 (RESULTS.md "DSA selection" v3, whole
+# top-k and each kernel alone): the per-lane threshold kernel where rows are at most 2 per SM
+# (0.0725 against 0.0864 ms alone at 128 x 131072), not where they are many (0.716 against 0.495 at
+# 4096 x 32768: its scattered slot stores cost more than the block-wide cumsums); theta fused with
+# the maxima where a row's maxima program reads at most 32K positions or rows are many (4096 x
+# 32768: 0.179 against 0.268 ms alone; 128 x 32768: 0.0616 against 0.0678 whole), not at 128 x
+# 131072 (0.138 against 0.119 whole: 128 programs of 512 KB each stream too slowly).
 DEFAULT = TopkConfig(1024, 4, 1, 8)
-DEFAULT_MANY_ROWS = TopkConfig(1024, 4, 1, 4, fused_theta=True)
+DEFAULT_SHORT_ROWS = TopkConfig(1024, 4, 1, 8, fused_theta=True)
+DEFAULT_MANY_ROWS = TopkConfig(1024, 4, 1, 4, per_lane=False, fused_theta=True)
+_FUSED_THETA_MAX_POSITIONS = 32768
 # The sweep space: the variants `benchmarks/bench_sparse.py --sweep` times (128 x 131072).
 SWEEP = tuple(TopkConfig(*v) for v in [
     (1024, 4, 1, 8), (2048, 4, 1, 8), (2048, 8, 1, 8), (4096, 8, 1, 8), (1024, 4, 2, 8),
@@ -255,22 +263,20 @@ def _lane_threshold_kernel(theta_ref, logits_ref, len_ref, slot_key_ref, slot_po
   # visible (the interpreter runs a program sequentially, and has no barrier).
   if not interpret:
     plgpu.debug_barrier()
-  most = filled.max()
   kept = jnp.minimum(filled, slots)
   base = jnp.cumsum(kept) - kept
-
-  def move(s, carry):
-    has = s < kept
-    src = jnp.where(has, s * chunk + lane, past)
+  # Unrolled over the slots, so their loads are all in flight at once (a loop waited for each; the
+  # slots past a lane's count are masked off and cost no memory traffic).
+  for slot in range(slots):
+    has = slot < kept
+    src = jnp.where(has, slot * chunk + lane, past)
     key = plgpu.load(slot_key_ref.at[src], mask=has, other=0)
     pos = plgpu.load(slot_pos_ref.at[src], mask=has, other=0)
-    dst = jnp.where(has & (base + s < cap), base + s, cap)
+    dst = jnp.where(has & (base + slot < cap), base + slot, cap)
     plgpu.store(cand_key_ref.at[dst], key, mask=dst < cap)
     plgpu.store(cand_pos_ref.at[dst], pos, mask=dst < cap)
-    return carry
-
-  lax.fori_loop(0, jnp.minimum(most, slots), move, 0)
-  count_ref[t, p] = jnp.where(most > slots, jnp.maximum(filled.sum(), cap + 1), filled.sum())
+  count_ref[t, p] = jnp.where(filled.max() > slots, jnp.maximum(filled.sum(), cap + 1),
+                              filled.sum())
 
 
 def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref, len_ref, out_ref,
@@ -347,9 +353,11 @@ def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref,
   lax.fori_loop(0, pl.cdiv(k, fill), pad, 0)
 
 
-def default_config(rows: int) -> TopkConfig:
-  """The chosen config for `rows` rows (the select kernel's warps depend on how many)."""
-  return DEFAULT if rows <= 2 * sm_count() else DEFAULT_MANY_ROWS
+def default_config(rows: int, positions: int) -> TopkConfig:
+  """The chosen config for `rows` rows of `positions` logits."""
+  if rows > 2 * sm_count():
+    return DEFAULT_MANY_ROWS
+  return DEFAULT_SHORT_ROWS if positions <= _FUSED_THETA_MAX_POSITIONS else DEFAULT
 
 
 def group_size(num_positions: int, k: int) -> int:
@@ -508,7 +516,7 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: 
                      f"{seq_lens.dtype.name}")
   if not isinstance(topk, int) or topk < 1:
     raise ValueError(f"topk must be a positive int, got {topk!r}")
-  config = with_overrides(default_config(logits.shape[0]), chunk=chunk, num_warps=num_warps,
+  config = with_overrides(default_config(*logits.shape), chunk=chunk, num_warps=num_warps,
                           num_stages=num_stages, select_warps=select_warps, per_lane=per_lane,
                           fused_theta=fused_theta)
   t, s = logits.shape

@@ -126,16 +126,16 @@ class TestPallasTritonIndexer(IndexerContract):
     with pytest.raises(ValueError, match=message):
       pallas_indexer.indexer_logits(**change(args), interpret=True)
 
-  @pytest.mark.parametrize("variant", [{}, {"fused_theta": True}, {"per_lane": False}])
+  @pytest.mark.parametrize("variant", [{}, {"fused_theta": False}, {"per_lane": False}])
   def test_topk_segments_ties_and_overflow_match_reference(self, variant):
     # Small chunks split rows into several segments that claim candidate places concurrently;
     # row 1's ties overflow the candidate list (the slow exact path); row 3 mixes signs and
     # magnitudes so every bit of the keys matters; row 4 ties 5 positions in 4 segments at the
     # k-th value (one fits): the lowest wins, found among the candidates; row 5 repeats each of 625
     # values at 4 of the 8 members of its strided group (G = 8), so 256-512 candidates (past half
-    # the 512-entry list: the full-width select) tie in fours. Variants: the default (per-lane
-    # threshold, separate maxima and theta kernels), theta fused with the maxima, and v2's
-    # block-wide compaction.
+    # the 512-entry list: the full-width select) tie in fours. Variants: the default for these
+    # rows (per-lane threshold, theta fused with the maxima), separate maxima and theta kernels
+    # (long rows' default), and the block-wide compaction per chunk (many rows' default).
     rng = np.random.default_rng(6)
     logits = rng.standard_normal((6, 5000)).astype(np.float32)
     logits[5] = np.where(np.arange(5000) // 625 < 4, np.tile(logits[5, :625], 8), -10)

@@ -146,11 +146,12 @@ def test_indexer_logits_fp8_match_reference(backend, requests, per_req):
     assert cosine_diff(got[i][fin[i]], want[i][fin[i]]) < 1e-3, i
 
 
-@pytest.mark.parametrize("fused_theta", [False, True])
+@pytest.mark.parametrize("variant", [{}, {"per_lane": False}, {"fused_theta": False}])
 @pytest.mark.parametrize("kind", ["normal", "ties", "few_ties"])
-def test_topk_sets_match_lax_top_k(kind, fused_theta):
-  # fused_theta: the group maxima and theta in one program a row (the default from 2 rows per SM;
-  # forced here on 128 rows), else through the backend (the default for 128 rows).
+def test_topk_sets_match_lax_top_k(kind, variant):
+  # variant: {} through the backend (this shape's default: per-lane threshold, theta fused with the
+  # maxima); else that default with one kernel swapped (the block-wide threshold that many rows
+  # take; the separate maxima and theta kernels that long rows take).
   t, s = 128, 32768
   x = jax.random.normal(jax.random.key(2), (t, s), jnp.float32)
   if kind == "ties":  # a few values only: the candidate list overflows on some rows
@@ -161,8 +162,8 @@ def test_topk_sets_match_lax_top_k(kind, fused_theta):
       jnp.asarray([s, 0, 1, TOPK], jnp.int32))
   want = np.asarray(jax.jit(reference.topk_positions, static_argnums=2)(x, lens, TOPK))
   poison_allocator()
-  if fused_theta:
-    got = np.asarray(pallas_topk.topk_positions(x, lens, TOPK, fused_theta=True))
+  if variant:
+    got = np.asarray(pallas_topk.topk_positions(x, lens, TOPK, **variant))
   else:
     got = np.asarray(backends.get_backend("pallas_triton").topk(x, lens, TOPK))
   xs = np.asarray(x)
