@@ -184,7 +184,7 @@ def run_topk(args, t, s):
   sets = [(jax.random.normal(jax.random.key(300 + i), (t, s), jnp.float32),
            jnp.full((t,), s, jnp.int32)) for i in range(2)]
   case_bytes = t * s * 4 + t * TOPK * 4
-  row = case_row("topk", t, context=s, cache="v3 (default)")
+  row = case_row("topk", t, context=s, cache="default")
   fn = lambda be: jax.jit(lambda x, lens: be.topk(x, lens, TOPK))
   rows = [timed_row(args, row, fn, sets, case_bytes, None)]
   # v2 (block-wide compaction per chunk, separate maxima and theta kernels), and the default with

@@ -14,18 +14,24 @@ kernels, each reading the logits at most once (steps 1 and 2 fuse into one where
    theta), found by bisection on the key bits between the row's smallest and largest maximum, only
    the top `_THETA_BITS` bits: a lower theta only admits a few more candidates. Where rows alone
    fill the SMs, one program a row takes its maxima in registers and theta from them (no maxima
-   written).
+   written: `fused_theta`).
 3. threshold: a row is split into segments (several per row when rows are few); each streams its
-   segment once and keeps every position with key >= theta: each lane of the streamed chunk in its
-   own slots (no cross-lane work per chunk), compacted by one cumsum of the lanes' counts at the
-   end into the segment's own `cap` = 4k places of the row's candidate list (v2 compacted each
-   chunk by a block-wide cumsum, `per_lane=False`). Typically ~1.16k candidates a row (H200,
-   random rows); at most k*G plus ties.
+   segment once and compacts every position with key >= theta into its own `cap` = 4k places of
+   the row's candidate list: by a block-wide cumsum per chunk, in position order, or (`per_lane`,
+   for few long rows) into each lane's own slots, with no cross-lane work per chunk, moved into
+   the list by one cumsum of the lanes' counts at the end. Typically ~1.16k candidates a row
+   (H200, random rows); at most k*G plus ties.
 4. select, a program per row: v by bisection over the candidates (in registers; bits shared by
    theta and the largest candidate are known), then the lowest positions among ties at v (a second
    bisection, only when more tie than fit), and the selection compacted into the output, -1
    padded. A row whose candidates overflowed `cap` (many ties at theta) takes an exact but slow
    path: the bisections stream the whole row.
+
+Not a radix select: a histogram of the keys' high bits needs scatter-adds into shared memory (or a
+warp's match), which Pallas-Triton and Mosaic GPU (jax 0.11.2) do not offer short of inline
+assembly; global atomics would serialize on the few hot buckets (RESULTS.md, "DSA selection" v3).
+The maxima play the histogram's part: theta bounds v from below as the histogram's boundary
+bucket would.
 
 Stores compact by cumsum; lanes that do not store point one past the end of their ref (masked off
 on the GPU; interpret mode's scatter drops out-of-range indices) so they never collide with a lane
@@ -66,9 +72,9 @@ class TopkConfig:
   select_warps: int  # select kernel
   # Threshold kernel: candidates into per-lane slots (`_lane_threshold_kernel`, v3) instead of a
   # block-wide cumsum per chunk (`_threshold_kernel`, v2).
-  per_lane: bool = True
-  # Group maxima and theta in one kernel, a program per row (`_maxima_theta_kernel`, v3): saves the
-  # maxima's round trip through memory where rows alone fill the SMs.
+  per_lane: bool = False
+  # Group maxima and theta in one kernel, a program per row (`_maxima_theta_kernel`, v3), instead
+  # of the maxima kernel (a program per tile) and the theta kernel.
   fused_theta: bool = False
 
   def __post_init__(self):
@@ -84,20 +90,23 @@ class TopkConfig:
 # 32768, against 2048 x 8 0.086 / 0.565 (2048 x 4: 0.112 / 0.706). Select: 8 warps while rows are at
 # most 2 per SM (128 rows: 0.041 ms, 4 warps 0.058), else 4 (4096 rows: 0.204 ms, 8 warps 0.318):
 # many rows fill the SMs, and 4 warps let more reside. v3 (RESULTS.md "DSA selection" v3, whole
-# top-k and each kernel alone): the per-lane threshold kernel where rows are at most 2 per SM
-# (0.0725 against 0.0864 ms alone at 128 x 131072), not where they are many (0.716 against 0.495 at
-# 4096 x 32768: its scattered slot stores cost more than the block-wide cumsums); theta fused with
-# the maxima where a row's maxima program reads at most 32K positions or rows are many (4096 x
-# 32768: 0.179 against 0.268 ms alone; 128 x 32768: 0.0616 against 0.0678 whole), not at 128 x
-# 131072 (0.138 against 0.119 whole: 128 programs of 512 KB each stream too slowly).
+# top-k): the per-lane threshold kernel only for rows over 32K positions at most 2 rows per SM
+# (128 x 131072: 0.120 ms against 0.132; alone 0.0725 against 0.0864); at 128 x 32768 it measured
+# slower (0.0645 against 0.059 with theta fused; its fixed cost, a cumsum and the slots' move at the
+# end, is not paid back over 7 chunks), and at 4096 x 32768 too (1.08 against 0.838; alone 0.716
+# against 0.495: each candidate's slot store is a 32-byte sector of its own, where the block-wide
+# compaction writes them contiguously). Theta fused with the maxima where rows are many (4096 x
+# 32768: 0.838 against 0.925; alone 0.179 against 0.268, the maxima no longer written and read
+# back); at 128 rows, no faster at 32768 (0.059 against 0.0584) and slower at 131072 (0.139 against
+# 0.120: 128 programs each streaming 512 KB).
 DEFAULT = TopkConfig(1024, 4, 1, 8)
-DEFAULT_SHORT_ROWS = TopkConfig(1024, 4, 1, 8, fused_theta=True)
-DEFAULT_MANY_ROWS = TopkConfig(1024, 4, 1, 4, per_lane=False, fused_theta=True)
-_FUSED_THETA_MAX_POSITIONS = 32768
+DEFAULT_LONG_ROWS = TopkConfig(1024, 4, 1, 8, per_lane=True)
+DEFAULT_MANY_ROWS = TopkConfig(1024, 4, 1, 4, fused_theta=True)
+_LONG_ROW = 32768  # positions past which few rows take DEFAULT_LONG_ROWS
 # The sweep space: the variants `benchmarks/bench_sparse.py --sweep` times (128 x 131072).
 SWEEP = tuple(TopkConfig(*v) for v in [
-    (1024, 4, 1, 8), (2048, 4, 1, 8), (2048, 8, 1, 8), (4096, 8, 1, 8), (1024, 4, 2, 8),
-    (512, 4, 1, 8), (1024, 4, 1, 8, False), (2048, 8, 1, 8, False)])
+    (1024, 4, 1, 8, True), (2048, 4, 1, 8, True), (2048, 8, 1, 8, True), (4096, 8, 1, 8, True),
+    (512, 4, 1, 8, True), (1024, 4, 2, 8, True), (1024, 4, 1, 8), (2048, 8, 1, 8)])
 
 
 def _keys(x, inside):
@@ -357,7 +366,7 @@ def default_config(rows: int, positions: int) -> TopkConfig:
   """The chosen config for `rows` rows of `positions` logits."""
   if rows > 2 * sm_count():
     return DEFAULT_MANY_ROWS
-  return DEFAULT_SHORT_ROWS if positions <= _FUSED_THETA_MAX_POSITIONS else DEFAULT
+  return DEFAULT_LONG_ROWS if positions > _LONG_ROW else DEFAULT
 
 
 def group_size(num_positions: int, k: int) -> int:

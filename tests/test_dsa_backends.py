@@ -92,6 +92,13 @@ class TestPallasTritonSparseAttention(SparseAttentionContract):
 class TestPallasTritonIndexer(IndexerContract):
   backend = "pallas_triton"
 
+  def topk_variants(self):
+    # The contract's small rows take the block-wide threshold and separate maxima and theta
+    # kernels; the per-lane threshold (few long rows) and the fused theta (many rows) too.
+    return super().topk_variants() + [
+        functools.partial(pallas_topk.topk_positions, interpret=True, **knobs)
+        for knobs in ({"per_lane": True}, {"fused_theta": True})]
+
   @pytest.mark.parametrize("dtype,widen_fp8", [(jnp.bfloat16, False), (jnp.float8_e4m3fn, True)])
   def test_chunks_and_steps_match_reference(self, dtype, widen_fp8):
     # Several programs per row and several steps per program, pages smaller than a step.
@@ -126,7 +133,7 @@ class TestPallasTritonIndexer(IndexerContract):
     with pytest.raises(ValueError, match=message):
       pallas_indexer.indexer_logits(**change(args), interpret=True)
 
-  @pytest.mark.parametrize("variant", [{}, {"fused_theta": False}, {"per_lane": False}])
+  @pytest.mark.parametrize("variant", [{}, {"per_lane": True}, {"fused_theta": True}])
   def test_topk_segments_ties_and_overflow_match_reference(self, variant):
     # Small chunks split rows into several segments that claim candidate places concurrently;
     # row 1's ties overflow the candidate list (the slow exact path); row 3 mixes signs and
@@ -134,8 +141,8 @@ class TestPallasTritonIndexer(IndexerContract):
     # k-th value (one fits): the lowest wins, found among the candidates; row 5 repeats each of 625
     # values at 4 of the 8 members of its strided group (G = 8), so 256-512 candidates (past half
     # the 512-entry list: the full-width select) tie in fours. Variants: the default for these
-    # rows (per-lane threshold, theta fused with the maxima), separate maxima and theta kernels
-    # (long rows' default), and the block-wide compaction per chunk (many rows' default).
+    # rows (block-wide threshold, separate maxima and theta kernels), the per-lane threshold (long
+    # rows' default) and theta fused with the maxima (many rows' default).
     rng = np.random.default_rng(6)
     logits = rng.standard_normal((6, 5000)).astype(np.float32)
     logits[5] = np.where(np.arange(5000) // 625 < 4, np.tile(logits[5, :625], 8), -10)
@@ -155,7 +162,7 @@ class TestPallasTritonIndexer(IndexerContract):
     params = pallas_topk.plgpu.CompilerParams(num_warps=4, num_stages=1)
     maxima = pallas_topk.group_maxima(jnp.asarray(logits), lens, 8, 1024, interpret=True)
     theta = pallas_topk.row_theta(maxima, 100, params, interpret=True)
-    slots = 8 if variant.get("per_lane", True) else 0
+    slots = 8 if variant.get("per_lane") else 0
     counts = pallas_topk.threshold_candidates(theta, jnp.asarray(logits), lens, 512, 256, params,
                                               slots=slots, interpret=True)[2].sum(axis=1)
     assert counts[1] > 512 and 256 < counts[5] <= 512, counts

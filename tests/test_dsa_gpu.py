@@ -146,12 +146,12 @@ def test_indexer_logits_fp8_match_reference(backend, requests, per_req):
     assert cosine_diff(got[i][fin[i]], want[i][fin[i]]) < 1e-3, i
 
 
-@pytest.mark.parametrize("variant", [{}, {"per_lane": False}, {"fused_theta": False}])
+@pytest.mark.parametrize("variant", [{}, {"per_lane": True}, {"fused_theta": True}])
 @pytest.mark.parametrize("kind", ["normal", "ties", "few_ties"])
 def test_topk_sets_match_lax_top_k(kind, variant):
-  # variant: {} through the backend (this shape's default: per-lane threshold, theta fused with the
-  # maxima); else that default with one kernel swapped (the block-wide threshold that many rows
-  # take; the separate maxima and theta kernels that long rows take).
+  # variant: {} through the backend (this shape's default: block-wide threshold, separate maxima
+  # and theta kernels); else one kernel swapped for the one that long rows (per-lane threshold) or
+  # many rows (theta fused with the maxima) take.
   t, s = 128, 32768
   x = jax.random.normal(jax.random.key(2), (t, s), jnp.float32)
   if kind == "ties":  # a few values only: the candidate list overflows on some rows
