@@ -268,8 +268,8 @@ def _lane_threshold_kernel(theta_ref, logits_ref, len_ref, slot_key_ref, slot_po
   _, filled = lax.fori_loop(0, pl.cdiv(jnp.maximum(end - start, 0), chunk), body,
                             (_row_keys(logits_ref, t, end, start, chunk),
                              jnp.zeros((chunk,), jnp.int32)))
-  # The slots are read back by other threads than wrote them: a block barrier makes the writes
-  # visible (the interpreter runs a program sequentially, and has no barrier).
+  # A lane's slots may be read back by other threads than wrote them: a block barrier makes the
+  # writes visible (the interpreter runs a program sequentially, and has no barrier).
   if not interpret:
     plgpu.debug_barrier()
   kept = jnp.minimum(filled, slots)

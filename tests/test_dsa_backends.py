@@ -230,6 +230,7 @@ class TestPallasTritonIndexer(IndexerContract):
       (lambda a: {**a, "logits": a["logits"].astype(jnp.bfloat16)}, "float32"),
       (lambda a: {**a, "topk": 0}, "topk"),
       (lambda a: {**a, "chunk": 100}, "chunk"),
+      (lambda a: {**a, "per_lane": 1}, "per_lane"),
   ])
   def test_topk_bad_input_raises(self, change, message):
     args = dict(logits=jnp.zeros((2, 64), jnp.float32), seq_lens=jnp.ones((2,), jnp.int32), topk=8)
