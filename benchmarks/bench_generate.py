@@ -10,7 +10,8 @@ weights: hidden 7168, 128 heads, q_lora 1536, kv_lora 512 + rope 64, dense MLP 1
 tokens and `--new` new tokens (greedy, no stop token):
   prefill tok/s   `prefill` (one step over every prompt, first token chosen), second run timed.
   gen tok/s       `decode` of the prefilled batch to the end: B*(new-1) tokens over its wall
-                  time, host work and syncs included (median of `--repeats`), per
+                  time until it returns the token lists, host work and syncs included (median
+                  of `--repeats`), per
                   steps-per-dispatch value. Dispatches run a fixed number of steps (a loop of
                   known trip count), the last, shorter one a loop that may end early.
   gen exit tok/s  the same with a stop token no row emits: every dispatch runs the loop that may
@@ -118,7 +119,13 @@ def run_case(args: argparse.Namespace, variant: str, model: DeepseekForCausalLM,
       decode(model, copies.pop(), steps_per_dispatch=k)  # compiles its loops
       times = []
       for copy in copies:
-        times.append(wall(lambda: decode(model, copy, steps_per_dispatch=k))[0])
+        # decode returns host lists it read from the device, so its device work is done when it
+        # returns: no jax.block_until_ready, whose walk over B x new Python ints costs ~0.6 us per
+        # int (0.16 ms per step at B=256 on the H200 host), which v1 and v2 of RESULTS.md timed as
+        # generation.
+        start_s = time.perf_counter()
+        decode(model, copy, steps_per_dispatch=k)
+        times.append(time.perf_counter() - start_s)
       rate = batch_size * (args.new - 1) / statistics.median(times)
       row |= {f"{label} tok/s": rate, f"{label} ms/token": 1e3 * batch_size / rate,
               f"{label} ratio": rate / row["step tok/s"]}
