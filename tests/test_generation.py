@@ -2,7 +2,9 @@
 against build_metadata, several steps per dispatch against one, greedy tokens against the
 host-loop `generate` this replaced, and no retrace between dispatches."""
 
+import collections
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -209,6 +211,32 @@ def test_full_dispatches_take_the_fixed_trip_loop(tiny, monkeypatch):
                                      sampling=GREEDY).compile().as_text()
   assert '"known_trip_count":{"n":"4"}' in hlo(None)
   assert "known_trip_count" not in hlo(4)
+
+
+@pytest.mark.parametrize("num_steps", [None, 4])
+def test_decode_loop_writes_the_caches_in_place(tiny, num_steps):
+  """In the compiled decode loop (fixed-trip and early-exit), every cache array is donated and
+  aliased to its output, and no cache-shaped buffer is copied: each step writes its rows into the
+  caches in place instead of copying every request's cache per step or per dispatch."""
+  _, model = tiny
+  batch = prefill(model, PROMPTS, NEW_TOKENS, **POOL)
+  graphdef, params = nnx.split(model)
+  hlo = decode_steps.lower(graphdef, params, batch.caches, batch.state, num_steps, max_steps=4,
+                           block_size=POOL["block_size"], sampling=GREEDY).compile().as_text()
+  dims = lambda text: tuple(int(d) for d in text.split(",") if d)
+  # The header: input_output_alias={ {out}: (param, {}, may-alias), ... } and
+  # entry_computation_layout={(param shapes)->(...)}; jit drops unused parameters, so the cache
+  # parameters are found by shape, not by their place among the arguments' leaves.
+  header = hlo.splitlines()[0]
+  inputs = re.search(r"entry_computation_layout=\{\((.*?)\)->", header).group(1)
+  param_dims = [dims(d) for d in re.findall(r"\w+\[([\d,]*)\]", inputs)]
+  aliased = collections.Counter(
+      param_dims[int(p)] for p in re.findall(r"\{\d+\}: \((\d+), \{\}, m(?:ay|ust)-alias\)",
+                                             header))
+  caches = jax.tree.leaves(batch.caches)
+  assert not collections.Counter(c.shape for c in caches) - aliased  # all donated and aliased
+  copied = {dims(d) for d in re.findall(r"= \w+\[([\d,]+)\]\{[\d,]*\} copy(?:-start)?\(", hlo)}
+  assert not copied & {c.shape for c in caches if c.ndim >= 2}
 
 
 @pytest.mark.parametrize("steps", [3, 16])
