@@ -78,12 +78,15 @@ def with_stop(batch: PrefilledBatch, stop: int | None) -> PrefilledBatch:
 
 def step_ms(model: DeepseekForCausalLM, batch: PrefilledBatch, seq: int, iters: int,
             repeats: int) -> float:
-  """Median ms of the jitted decode step, `iters` back to back, every request at `seq` tokens."""
+  """Median ms of the jitted decode step, `iters` back to back, every request at `seq` tokens.
+  V3.2: the metadata knows top-k, as generate's does, so that both take the same path (dense
+  attention while every window fits in top-k; without it the step ran the sparse path)."""
   tables = np.asarray(batch.state.block_tables)
   md, _ = build_metadata([RequestState(seq - 1, 1, tables[i][tables[i] >= 0])
                           for i in range(batch.num_requests)],
                          block_size=PAGE, num_blocks=batch.paging.num_blocks,
-                         max_blocks_per_seq=tables.shape[1])
+                         max_blocks_per_seq=tables.shape[1],
+                         index_topk=model.config.attention.index_topk)
   tokens, caches = jnp.zeros(md.num_rows, jnp.int32), jax.tree.map(jnp.copy, batch.caches)
   return time_steps(jitted_step(model), tokens, caches, md, iters=iters, repeats=repeats)
 

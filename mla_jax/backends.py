@@ -235,6 +235,8 @@ PALLAS_MOSAIC = dataclasses.replace(
 # (bf16 0.74x / 0.65x, fp8_ds_mla 0.93x / 0.98x at T=128 / 4096). Its time does not move with N
 # inside a 64-head tile (v3, N 16, 32, 64: within 4% at T=128, 11% at T=4096) while Triton's
 # grows with N, hence a head threshold and no token bound. 17-31 heads were not measured: Triton's.
+# v4 (the "one_wave" split rule, T=128): Mosaic 0.95x Triton at N=16 bf16, 1.10x fp8_ds_mla (still
+# 0.98x at T=4096, where the rule changes nothing), 1.56x / 1.46x at N=32, 2.18x / 1.73x at N=128.
 _MOSAIC_PREFILL_MIN_TOKENS = 4096
 _MOSAIC_PREFILL_MANY_HEADS = 64  # from this many heads, Mosaic from fewer tokens:
 _MOSAIC_PREFILL_MIN_TOKENS_MANY_HEADS = 1024

@@ -510,9 +510,10 @@ class MosaicSparseConfig:
   (64, the M of a wgmma), slots per step (64) and row slots (2 for bf16, 1 for fp8_ds_mla) are
   fixed by wgmma and shared memory; the gather (H200: cp_async 2.2-2.6x bulk for bf16, 1.4x for
   fp8_ds_mla, benchmarks/RESULTS.md, "DSA sparse attention (pallas_mosaic)", v2 and v3) and the
-  split rule (`split_count`; "one_wave" not yet timed) are the choices."""
+  split rule (`split_count`; H200, T=128: "one_wave" 1.14-1.38x "fill" at N 16, 32, 128 for both
+  caches, v4; once tokens x head tiles >= 2 x 132 both give 1 split) are the choices."""
   gather: str = "cp_async"
-  split_rule: str = "fill"
+  split_rule: str = "one_wave"
 
   def __post_init__(self):
     if self.gather not in GATHERS:
@@ -523,7 +524,7 @@ class MosaicSparseConfig:
 
 CONFIG = MosaicSparseConfig()
 # The sweep space: the variants `benchmarks/bench_sparse.py` times beside the chosen one.
-SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rule="one_wave"))
+SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rule="fill"))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))
