@@ -466,11 +466,12 @@ def decode(model: DeepseekForCausalLM, batch: PrefilledBatch, *,
     """Appends one dispatch's emitted tokens; True while some request is unfinished."""
     step_tokens = np.asarray(step_tokens)[:, :n]  # the one host sync per dispatch
     step_logits = None if step_logits is None else np.asarray(step_logits)[:, :n]
-    for i in range(n):
-      emitted = np.flatnonzero(step_tokens[:, i] >= 0)
-      tokens[i].extend(step_tokens[emitted, i].tolist())
+    # One conversion to Python ints per dispatch, not one numpy call per row: at B=256 the
+    # per-row form took ~1.4 ms of host time a dispatch.
+    for i, row in enumerate(step_tokens.T.tolist()):
+      tokens[i].extend(tok for tok in row if tok >= 0)
       if logits is not None:
-        logits[i].extend(step_logits[emitted, i])
+        logits[i].extend(step_logits[np.flatnonzero(step_tokens[:, i] >= 0), i])
     if bar is not None:
       bar.update(int(np.any(step_tokens >= 0, axis=1).sum()))
     return not all(finished(i) for i in range(n))
@@ -499,6 +500,11 @@ def decode(model: DeepseekForCausalLM, batch: PrefilledBatch, *,
         block_size=batch.paging.block_size, sampling=batch.sampling, within_topk=within,
         return_logits=logits is not None, num_blocks=batch.paging.num_blocks)
     t += num_steps
+    # Queue the ids' copy to the host now, behind this dispatch only: read later, they are not
+    # then waiting for the next dispatch, which the device is running by then.
+    for a in out:
+      if a is not None:
+        a.copy_to_host_async()
     pending.append(out)
     if len(pending) > 1:  # read the previous dispatch while this one runs
       live = collect(*pending.pop(0))
