@@ -208,6 +208,18 @@ def _mosaic_indexer_logits(q, weights, k_cache, block_tables, seq_lens):
   return _indexer_logits(_off_gpu_interpreted(fn))(q, weights, k_cache, block_tables, seq_lens)
 
 
+# The Mosaic decode kernel's launch config wherever a backend runs it (pallas_mosaic, and pallas on
+# Hopper), read at each call: its fp8_pipeline ("serial" or "half_pages", see
+# `pallas_kernels.mosaic_decode.MosaicDecodeConfig`) is the one knob a backend passes on.
+MOSAIC_DECODE_CONFIG = pallas_mosaic_decode.CONFIG
+
+
+def _mosaic_decode(q, kv_cache, block_tables, seq_lens, **kwargs):
+  return pallas_mosaic_decode.latent_decode(q, kv_cache, block_tables, seq_lens,
+                                            fp8_pipeline=MOSAIC_DECODE_CONFIG.fp8_pipeline,
+                                            **kwargs)
+
+
 # The Mosaic GPU (Hopper wgmma) decode, prefill, sparse attention and indexer kernels; the others
 # are pallas_triton's. The decode kernel reads bf16 or fp8 (e4m3, per-tensor scale) caches with
 # bf16 q, pages of a multiple of 64 tokens only; the prefill kernel takes bf16 q, k, v only; the
@@ -215,7 +227,7 @@ def _mosaic_indexer_logits(q, weights, k_cache, block_tables, seq_lens):
 PALLAS_MOSAIC = dataclasses.replace(
     PALLAS_TRITON,
     name="pallas_mosaic",
-    decode=_latent_decode(_off_gpu_interpreted(pallas_mosaic_decode.latent_decode)),
+    decode=_latent_decode(_off_gpu_interpreted(_mosaic_decode)),
     prefill=_off_gpu_interpreted(pallas_mosaic_prefill.mla_prefill),
     indexer_logits=_mosaic_indexer_logits,
     sparse_attention=_pallas_mosaic_sparse_attention,

@@ -242,11 +242,12 @@ def check_prefill_args(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: j
                      "the call")
 
 
-def swizzled(shape: tuple[int, ...], dtype: jnp.dtype) -> pl.MemoryRef:
-  """A shared-memory buffer in the tiled, 128-byte-swizzled layout that wgmma reads."""
-  elems = SWIZZLE // jnp.dtype(dtype).itemsize
+def swizzled(shape: tuple[int, ...], dtype: jnp.dtype, swizzle: int = SWIZZLE) -> pl.MemoryRef:
+  """A shared-memory buffer in the tiled, swizzled layout that wgmma reads (128 bytes unless a
+  product needs a narrower one: wgmma's K must be a multiple of the swizzle's width)."""
+  elems = swizzle // jnp.dtype(dtype).itemsize
   return plmgpu.SMEM(shape, dtype, transforms=(plmgpu.TilingTransform((8, elems)),
-                                               plmgpu.SwizzleTransform(SWIZZLE)))
+                                               plmgpu.SwizzleTransform(swizzle)))
 
 
 def row_broadcast(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:

@@ -37,21 +37,35 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import (F8, LOG2E, check_decode_shapes, check_split_args,
                                    default_num_kv_splits, feed_ring, hand_over_p, merge_splits,
                                    num_fixed_splits, partials_dtype, row_broadcast, run_scores,
-                                   run_values, sm_count, softmax_step, split_range, swizzled)
+                                   run_values, sm_count, softmax_step, split_range, swizzled,
+                                   SWIZZLE)
+
+
+FP8_PIPELINES = ("serial", "half_pages")
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicDecodeConfig:
-  """The kernel's fixed launch knobs (no sweep: the one config that fits; only the split count
-  varies per call, see benchmarks/RESULTS.md, "Latent decode (pallas_mosaic)")."""
+  """The kernel's launch knobs. Heads, rows per bulk copy and page slots are fixed by wgmma and
+  shared memory; fp8_pipeline is how an fp8 cache's pages are widened to bf16 (bf16 caches ignore
+  it):
+  - "serial": one 64-row bf16 slot; the memory warpgroup widens page i + 1 into it only once both
+    value warpgroups are done with page i, so widening and the products take turns (H200, B=128,
+    N=128, S=4096: 0.842 ms against bf16's 0.367; benchmarks/RESULTS.md, "Latent decode
+    (pallas_mosaic)", session 5);
+  - "half_pages": the same 72 KB as two 32-row slots, and the consumers step 32 tokens at a time,
+    so the memory warpgroup widens half-page j + 1 while they run half-page j's products (not yet
+    timed)."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
+  fp8_pipeline: str = "serial"
 
   def __post_init__(self):
     if self.block_h != 64:
@@ -62,14 +76,25 @@ class MosaicDecodeConfig:
     if self.num_stages != 2:
       raise ValueError(f"num_stages must be 2 (what fits in shared memory beside the query tile), "
                        f"got {self.num_stages}")
+    if self.fp8_pipeline not in FP8_PIPELINES:
+      raise ValueError(f"fp8_pipeline must be one of {FP8_PIPELINES}, got {self.fp8_pipeline!r}")
 
 
 CONFIG = MosaicDecodeConfig()
+# The sweep space: the variants `benchmarks/bench_decode.py --mosaic-configs` times beside CONFIG.
+SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="half_pages"))
 _TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
-# fp8 caches: one bf16 slot (what the products read) and 2 slots of e4m3 bytes (36 KB each) that
-# the memory warpgroup widens into it, so the shared memory is the bf16 kernel's.
+# fp8 caches: 2 slots of e4m3 bytes (36 KB each) that the memory warpgroup widens into the bf16
+# slots the products read ("serial": one of 64 rows; "half_pages": two of 32 rows), so the shared
+# memory is the bf16 kernel's.
 _FP8_STAGES = 2
 _FP8_COLS = 64  # e4m3 columns per shared-memory tile: 64 bytes, the 64-byte swizzle
+_HALF = _STEP // 2  # rows per bf16 slot and consumer step with fp8_pipeline="half_pages"
+# Registers of a [32, 64] widening chunk with fp8_pipeline="half_pages": the WGMMA layout's 8 x 8
+# core matrices (2 adjacent columns a thread), each warp 8 rows instead of 16, since the WGMMA
+# layout needs 64 rows.
+_HALF_LAYOUT = plgpu.Layout.TILED(mgpu_fa.Tiling(((_HALF, 8), (8, 8), (2,))), warp_dims=(-5,),
+                                  lane_dims=(-3, -2), vector_dim=-1)
 _VALUE_WGS = 2  # warpgroups sharing the value columns; warpgroup 0 also computes the scores
 # Value columns per P V product in the interpreter's form: each lands in a fresh 64 x 128 float32
 # accumulator (64 registers a thread) that is added to the running output (128), which keeps a
@@ -90,16 +115,18 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
   # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64); kv_ref [num_blocks, page, D] bf16 or
   # e4m3; bt_ref [T, max_blocks] int32; len_ref [T] int32; ks_ref [1] f32 (the cache's scale, 1
   # for bf16); o_ref [T, splits, Np, L]; lse_ref [T, splits, Np] f32. SMEM: buffers = union of
-  # (q_smem [64, D], kv_smem [slots, 64, D]) bf16 (slots: 2, or 1 with an fp8 cache), live while
-  # the steps run, and (o_smem [2, 64, L/2] o dtype, lse_smem [64] f32), live after; p_smem
-  # [64, 64] bf16 (this step's P); row_smem [64] f32 (this step's rescale factors, then l).
+  # (q_smem [64, D], kv_smem [slots, rows, D]) bf16 (2 x 64 rows; with an fp8 cache 1 x 64, or
+  # 2 x 32 with fp8_pipeline="half_pages"), live while the steps run, and (o_smem [2, 64, L/2] o
+  # dtype, lse_smem [64] f32), live after; p_smem [64, rows] bf16 (this step's P); row_smem [64]
+  # f32 (this step's rescale factors, then l). The consumers step `rows` tokens at a time.
   # Barriers: q_bar (query tile landed); ready [slots] (slot holds its step's bf16 rows);
   # consumed [slots] (both value warpgroups done with the slot); p_ready (P and row_smem
   # written); p_free (warpgroup 1 done reading them). fp8 only, staging = (stage [FP8_STAGES, 64,
   # D] e4m3, 64-byte swizzled; staged [FP8_STAGES] barriers: a stage slot's bytes landed).
   (q_smem, kv_smem), (o_smem, lse_smem) = buffers
   fp8 = bool(staging)
-  slots = kv_smem.shape[0]
+  slots, step_rows = kv_smem.shape[:2]
+  pieces = _STEP // step_rows  # consumer steps per 64-row bulk copy
   consumer_regs, memory_regs = _REGS[fp8]
   h, split, t = lax.axis_index("heads"), lax.axis_index("splits"), lax.axis_index("tokens")
   wg = lax.axis_index("wg")
@@ -117,7 +144,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
 
   length = jnp.minimum(jnp.maximum(len_ref[t], 0), max_blocks * page)
   first, end = split_range(pl.cdiv(length, _STEP), split, num_splits, split_steps)
-  # Steps of this program; every warpgroup derives the same count, so their barrier phases agree.
+  # 64-row steps of this program (consumer steps: n * pieces); every warpgroup derives the same
+  # count, so their barrier phases agree.
   n = jnp.maximum(end - first, 0)
 
   def step_source(i):
@@ -128,6 +156,11 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
     rows = jnp.minimum(jnp.maximum(length - step * _STEP, 0), _STEP)
     return (jnp.where(block_ok, block, 0), lax.rem(step, steps_per_page) * _STEP,
             jnp.where(block_ok, rows, 0))
+
+  def piece_rows(k):
+    """Rows that count in consumer step k (its part of 64-row step k // pieces)."""
+    rows = step_source(lax.div(k, pieces))[2]
+    return jnp.clip(rows - lax.rem(k, pieces) * step_rows, 0, step_rows)
 
   def zero_acc():
     return tuple(plgpu.layout_cast(jnp.zeros((_TILE_H, width), jnp.float32), plgpu.Layout.WGMMA)
@@ -183,33 +216,33 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
     def step(i, carry):
       m, l, acc = carry
       slot = lax.rem(i, slots)
-      _, _, rows = step_source(i)
+      rows = piece_rows(i)
       plgpu.barrier_wait(ready.at[slot])
       # Only the last page of a row (and a bad table entry) has rows that do not count; an fp8
       # tile is masked as it is widened.
       if not fp8:
         pl.when(rows < _STEP)(functools.partial(zero_rows, slot, rows))
 
-      def scores(acc_ref):  # acc_ref [64 heads, 64 rows] f32
+      def scores(acc_ref):  # acc_ref [64 heads, step_rows] f32
         plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
         return acc_ref[...]
 
-      s = pl.run_scoped(scores, plgpu.ACC((_TILE_H, _STEP), jnp.float32))
+      s = pl.run_scoped(scores, plgpu.ACC((_TILE_H, step_rows), jnp.float32))
       # Made in the step, not carried: a 64 x 64 int32 iota is 32 registers a thread.
-      cols = plgpu.broadcasted_iota(jnp.int32, (_TILE_H, _STEP), 1, layout=plgpu.Layout.WGMMA)
+      cols = plgpu.broadcasted_iota(jnp.int32, (_TILE_H, step_rows), 1, layout=plgpu.Layout.WGMMA)
       m_new, alpha, p, l = softmax_step(jnp.where(cols < rows, s * qk_scale, -jnp.inf), m, l)
       p16 = hand_over_p(i, p, alpha, p_smem, row_smem, p_ready, p_free)
       acc = accumulate_values(acc, alpha, slot, 0, p16 if in_place else None)
       plgpu.barrier_arrive(consumed.at[slot])
       return m_new, l, acc
 
-    run_scores(n, step, zero_acc(), row_smem=row_smem, p_ready=p_ready, p_free=p_free, **out(0),
-               lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out])
+    run_scores(n * pieces, step, zero_acc(), row_smem=row_smem, p_ready=p_ready, p_free=p_free,
+               **out(0), lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out])
 
   @pl.when(wg == 1)
   def _values():
     plgpu.set_max_registers(consumer_regs, action="increase")
-    run_values(n, slots, lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, 1),
+    run_values(n * pieces, slots, lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, 1),
                zero_acc(), ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready,
                p_free=p_free, **out(1))
 
@@ -235,37 +268,62 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
 
 def _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, stage, staged):
   """The memory warpgroup's loop for an fp8 cache: e4m3 page tiles are fetched 2 steps ahead into
-  the stage ring, and each is widened (exactly: every e4m3 value is a bf16 one) into the single
-  bf16 slot once both value warpgroups are done with the previous step. Rows that do not count
-  become 0 as they are widened (they may hold NaN bytes)."""
+  the stage ring, and each is widened (exactly: every e4m3 value is a bf16 one) into the bf16
+  slots, a slot once both value warpgroups are done with its previous rows: the tile's 64 rows
+  into the one slot ("serial"), or rows 0-31 into slot 0, then rows 32-63 into slot 1
+  ("half_pages": the consumers already compute on slot 0 while slot 1 is widened). Rows that do
+  not count become 0 as they are widened (they may hold NaN bytes)."""
+  slots, step_rows = kv_smem.shape[:2]
+
   def fetch(i, s):
     block, offset, _ = step_source(i)
     plgpu.copy_gmem_to_smem(kv_ref.at[block, pl.ds(offset, _STEP)], stage.at[s], staged.at[s])
 
   for i in range(_FP8_STAGES):
     pl.when(i < n)(functools.partial(fetch, i, i))
-  row_ids = plgpu.broadcasted_iota(jnp.int32, (_STEP,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
+  # Whole pages' row ids, made once ("serial" only: an unused annotated iota leaves Mosaic GPU's
+  # layout inference (jax 0.11.2) searching until it gives up).
+  row_ids = (plgpu.broadcasted_iota(jnp.int32, (_STEP,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
+             if step_rows == _STEP else None)
 
-  @pl.loop(0, n)
-  def _(i):
-    s = lax.rem(i, _FP8_STAGES)
-    _, _, rows = step_source(i)
+  def widen_page(s, rows):
     keep = row_ids < rows
-    plgpu.barrier_wait(staged.at[s])
-    pl.when(i > 0)(lambda: plgpu.barrier_wait(consumed.at[0]))
     for c in range(kv_smem.shape[-1] // _FP8_COLS):
       # [64 rows, 64] e4m3 -> f16 (one instruction per pair) -> f32 -> bf16, all exact
       x = stage[s, :, pl.ds(c * _FP8_COLS, _FP8_COLS)].astype(jnp.float16).astype(jnp.float32)
       x = plgpu.layout_cast(x, plgpu.Layout.WGMMA)
       x = jnp.where(row_broadcast(keep, x.shape), x, 0.0)
       kv_smem[0, :, pl.ds(c * _FP8_COLS, _FP8_COLS)] = x.astype(kv_smem.dtype)
-    # Also a warpgroup barrier: every thread's reads of stage slot s are done before its refill.
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(ready.at[0])
+
+  def widen_half(s, part, rows):
+    # The WGMMA layout takes 64 rows: each [32, 64] chunk is loaded in _HALF_LAYOUT.
+    keep = plgpu.broadcasted_iota(jnp.int32, (_HALF, _FP8_COLS), 0, layout=_HALF_LAYOUT) < (
+        rows - part * _HALF)
+    for c in range(kv_smem.shape[-1] // _FP8_COLS):
+      cols = pl.ds(c * _FP8_COLS, _FP8_COLS)
+      x = plgpu.load(stage.at[s, pl.ds(part * _HALF, _HALF), cols], layout=_HALF_LAYOUT)
+      x = jnp.where(keep, x.astype(jnp.float16).astype(jnp.float32), 0.0)
+      kv_smem[part, :, cols] = x.astype(kv_smem.dtype)
+
+  @pl.loop(0, n)
+  def _(i):
+    s = lax.rem(i, _FP8_STAGES)
+    _, _, rows = step_source(i)
+    plgpu.barrier_wait(staged.at[s])
+    # Slot `part` took consumer step i * slots + part - slots before: wait until it is free.
+    for part in range(slots):
+      pl.when(i > 0)(functools.partial(plgpu.barrier_wait, consumed.at[part]))
+      if step_rows == _STEP:
+        widen_page(s, rows)
+      else:
+        widen_half(s, part, rows)
+      # Also a warpgroup barrier: every thread's reads of stage slot s are done before its refill.
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(ready.at[part])
     pl.when(i + _FP8_STAGES < n)(functools.partial(fetch, i + _FP8_STAGES, s))
 
-  pl.when(n > 0)(lambda: plgpu.barrier_wait(consumed.at[0]))
-
+  for part in range(slots):  # the last use of each slot
+    pl.when(n > 0)(functools.partial(plgpu.barrier_wait, consumed.at[part]))
 
 
 def num_kv_splits_for(num_tokens: int, num_heads: int, max_len: int) -> int:
@@ -304,11 +362,11 @@ def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_sp
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits",
-                                             "split_tokens", "interpret"))
+                                             "split_tokens", "fp8_pipeline", "interpret"))
 def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
                   *, scale: float, kv_lora_rank: int = 512,
                   k_scale: jax.Array | float | None = None, num_kv_splits: int | None = None,
-                  split_tokens: int | None = None,
+                  split_tokens: int | None = None, fp8_pipeline: str = CONFIG.fp8_pipeline,
                   interpret: bool | plgpu.InterpretGPUParams = False
                   ) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
@@ -320,10 +378,13 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   from static shapes; 1 makes each row's result independent of the batch. split_tokens (instead of
   num_kv_splits, a multiple of 64): splits of that many tokens merged in a fixed order, so each
   row's result is bit-identical in any batch and with any table width (batch-invariant mode).
-  interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
-  o [T, N, L] bf16 and lse [T, N] float32 (natural log).
+  fp8_pipeline: how an fp8 cache's pages are widened ("serial" or "half_pages", see
+  `MosaicDecodeConfig`; a bf16 cache ignores it). interpret: True or a `plgpu.InterpretGPUParams`
+  runs Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and lse [T, N] float32 (natural
+  log).
   """
   _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits, split_tokens)
+  MosaicDecodeConfig(fp8_pipeline=fp8_pipeline)  # checks it
   t, n, d = q.shape
   page = kv_cache.shape[1]
   head_tiles = pl.cdiv(n, _TILE_H)
@@ -345,7 +406,13 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                              split_steps=split_tokens and split_tokens // _STEP,
                              in_place=not interpret)
   fp8 = kv_cache.dtype == F8
-  slots = 1 if fp8 else _STAGES
+  half_pages = fp8 and fp8_pipeline == "half_pages"
+  # bf16 slots x rows (the consumers' step). wgmma's K must be a multiple of its operands' swizzle
+  # width, and P V's K is the step: 32-row steps take 64-byte swizzles (32 bf16) for the query,
+  # the slots and P alike (one wgmma takes one swizzle). Half pages: 72 + 2 x 36 (bf16 slots) +
+  # 2 x 36 (e4m3 stage) + 4 KB (P) + 0.25 = 220.3 KB of the 227.
+  slots, step_rows = (2, _HALF) if half_pages else (1, _STEP) if fp8 else (_STAGES, _STEP)
+  sw = 2 * _HALF if half_pages else SWIZZLE
   staging = ()
   if fp8:
     staging = (plgpu.SMEM((_FP8_STAGES, _STEP, d), F8,
@@ -360,10 +427,10 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                 jax.ShapeDtypeStruct((t, splits, np_), jnp.float32)),
       scratch_types=(
           plgpu.RefUnion(
-              (swizzled((_TILE_H, d), q.dtype), swizzled((slots, _STEP, d), q.dtype)),
+              (swizzled((_TILE_H, d), q.dtype, sw), swizzled((slots, step_rows, d), q.dtype, sw)),
               (swizzled((_VALUE_WGS, _TILE_H, kv_lora_rank // _VALUE_WGS), out_dtype),
                plgpu.SMEM((_TILE_H,), jnp.float32))),
-          swizzled((_TILE_H, _STEP), q.dtype),
+          swizzled((_TILE_H, step_rows), q.dtype, sw),
           plgpu.SMEM((_TILE_H,), jnp.float32),
           plgpu.Barrier(),
           plgpu.Barrier(num_barriers=slots),
@@ -381,7 +448,8 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
       # reduction scratch (2 KB by default) is not needed, and it would not fit.
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
       interpret=interpret or None,
-      kernel_name=f"mosaic_latent_decode_{'fp8' if fp8 else 'bf16'}_p{page}_s{splits}",
+      kernel_name=(f"mosaic_latent_decode_{'fp8' if fp8 else 'bf16'}{'_half' if half_pages else ''}"
+                   f"_p{page}_s{splits}"),
   )(q, kv_cache, block_tables, seq_lens, k_scale)
 
   if splits == 1 and not fixed_order:

@@ -163,18 +163,21 @@ class DecodeContract:
   def test_bad_table_entries_inside_length_are_masked(self):
     self.check_bad_table_entries(page=16, req_lens=[80, 50])
 
-  def check_bad_table_entries(self, *, page, req_lens):
+  def check_bad_table_entries(self, *, page, req_lens, cache_dtype=jnp.bfloat16):
     """A -1 and an out-of-range entry inside the length (rows 0 and 1, their 2nd and 3rd page)."""
-    q, cache, tables, lens = make_case(40, n=16, page=page, req_lens=req_lens, spare_blocks=0)
+    q, cache, tables, lens = make_case(40, n=16, page=page, req_lens=req_lens, spare_blocks=0,
+                                       cache_dtype=cache_dtype)
+    k_scale = FP8_SCALE if jnp.dtype(cache_dtype) == jnp.float8_e4m3fn else None
     num_blocks = cache.shape[0]
     tables[0, 1], tables[1, 2] = -1, num_blocks + 5
     o, lse = self.decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(tables), jnp.asarray(lens),
-                         num_kv_splits=2)
+                         k_scale=k_scale, num_kv_splits=2)
     # Oracle: attention over the positions whose table entry is a real block.
     ref_o, ref_lse = np.zeros(o.shape), np.zeros(lse.shape)
     for i, length in enumerate(lens):
       rows = np.stack([cache[tables[i, p // page], p % page] for p in range(length)
                        if 0 <= tables[i, p // page] < num_blocks]).astype(np.float64)
+      rows *= k_scale or 1.0
       out = attention_np(q[i:i + 1].astype(np.float32), rows, rows[:, :L], SCALE)
       ref_o[i], ref_lse[i] = out[0][0], out[1][0]
     assert_decode_close(np.asarray(o.astype(jnp.float32)), lse, ref_o, ref_lse)

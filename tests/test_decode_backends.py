@@ -96,6 +96,16 @@ class TestPallasTritonDecode(DecodeContract):
       np.testing.assert_array_equal(np.asarray(a[1:2]), np.asarray(b))
 
 
+def _skip_unless_mosaic_takes(q, kv_cache):
+  try:
+    backends.get_backend("pallas_mosaic").check(cache_dtype=kv_cache.dtype,
+                                                block_size=kv_cache.shape[1], num_heads=q.shape[1])
+  except ValueError as e:
+    pytest.skip(str(e))
+  if q.dtype != jnp.bfloat16:
+    pytest.skip(f"pallas_mosaic's decode kernel takes bfloat16 q only, got {q.dtype}")
+
+
 class TestPallasMosaicDecode(DecodeContract):
   """The Mosaic GPU kernel, in Mosaic GPU's interpreter on CPUs. Contract cases it cannot take
   (f16 or f32; pages not a multiple of 64) skip, naming why; the page-64 cases below cover what
@@ -103,13 +113,7 @@ class TestPallasMosaicDecode(DecodeContract):
   backend = "pallas_mosaic"
 
   def decode(self, q, kv_cache, *args, **kwargs):
-    try:
-      backends.get_backend(self.backend).check(cache_dtype=kv_cache.dtype,
-                                               block_size=kv_cache.shape[1], num_heads=q.shape[1])
-    except ValueError as e:
-      pytest.skip(str(e))
-    if q.dtype != jnp.bfloat16:
-      pytest.skip(f"pallas_mosaic's decode kernel takes bfloat16 q only, got {q.dtype}")
+    _skip_unless_mosaic_takes(q, kv_cache)
     return super().decode(q, kv_cache, *args, **kwargs)
 
   @pytest.mark.parametrize("seed,n,splits,page,req_lens", [
@@ -134,29 +138,33 @@ class TestPallasMosaicDecode(DecodeContract):
     for a, b in zip(run(q, cache, tables, lens), run(q[1:2], cache, tables[1:2], lens[1:2])):
       np.testing.assert_array_equal(np.asarray(a[1:2]), np.asarray(b))
 
-  @pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
-  def test_no_races_in_the_interpreter(self, cache_dtype):
+  @pytest.mark.parametrize("cache_dtype,fp8_pipeline", [
+      (jnp.bfloat16, "serial"), (jnp.float8_e4m3fn, "serial"), (jnp.float8_e4m3fn, "half_pages")])
+  def test_no_races_in_the_interpreter(self, cache_dtype, fp8_pipeline):
     # The interpreter's race detector sees plain loads and stores and bulk copies (the P and
     # rescale hand-off between the warpgroups, the output staged over the page memory, fp8's
-    # stage ring and its widening), not the operand reads of wgmma. jax 0.11.2 reports it only
-    # through a private module.
+    # stage ring and its widening into one or two slots), not the operand reads of wgmma. jax
+    # 0.11.2 reports it only through a private module.
     report = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
     q, cache, tables, lens = make_case(62, n=16, page=64, req_lens=[200, 1, 0],
                                        cache_dtype=cache_dtype)
     k_scale = FP8_SCALE if cache_dtype == jnp.float8_e4m3fn else None
     o, lse = mosaic_decode.latent_decode(q, cache, tables, lens, scale=SCALE, num_kv_splits=2,
-                                         k_scale=k_scale,
+                                         k_scale=k_scale, fp8_pipeline=fp8_pipeline,
                                          interpret=plgpu.InterpretGPUParams(detect_races=True))
     jax.block_until_ready(o)
     assert not report.get_races().races_found
     assert_decode_close(np.asarray(o.astype(jnp.float32)), lse, *latent_decode_np(
         q.astype(np.float32), cache, tables, lens, SCALE, L, k_scale or 1.0))
 
-  @pytest.mark.parametrize("batch,n,seq,splits,cache_dtype", [
-      (128, 128, 8192, None, jnp.bfloat16), (128, 16, 32768, None, jnp.bfloat16),
-      (4, 20, 4096, 1, jnp.bfloat16), (128, 128, 8192, None, jnp.float8_e4m3fn),
-      (128, 16, 8192, None, jnp.float8_e4m3fn)])
-  def test_lowers_for_hopper(self, batch, n, seq, splits, cache_dtype):
+  @pytest.mark.parametrize("batch,n,seq,splits,cache_dtype,fp8_pipeline", [
+      (128, 128, 8192, None, jnp.bfloat16, "serial"),
+      (128, 16, 32768, None, jnp.bfloat16, "serial"), (4, 20, 4096, 1, jnp.bfloat16, "serial"),
+      (128, 128, 8192, None, jnp.float8_e4m3fn, "serial"),
+      (128, 16, 8192, None, jnp.float8_e4m3fn, "serial"),
+      (128, 128, 4096, None, jnp.float8_e4m3fn, "half_pages"),
+      (128, 16, 8192, 1, jnp.float8_e4m3fn, "half_pages")])
+  def test_lowers_for_hopper(self, batch, n, seq, splits, cache_dtype, fp8_pipeline):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # shapes and layouts, bulk-copy boxes, and that shared memory fits a Hopper block's 227 KB.
     q = jax.ShapeDtypeStruct((batch, n, 576), jnp.bfloat16)
@@ -165,7 +173,8 @@ class TestPallasMosaicDecode(DecodeContract):
     lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
     k_scale = jnp.float32(FP8_SCALE) if cache_dtype == jnp.float8_e4m3fn else None
     traced = mosaic_decode.latent_decode.trace(q, cache, tables, lens, scale=SCALE,
-                                               k_scale=k_scale, num_kv_splits=splits)
+                                               k_scale=k_scale, num_kv_splits=splits,
+                                               fp8_pipeline=fp8_pipeline)
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
   def test_register_split_fits_the_launch(self):
@@ -193,6 +202,7 @@ class TestPallasMosaicDecode(DecodeContract):
       (lambda a: {**a, "num_kv_splits": 0}, "num_kv_splits"),
       (lambda a: {**a, "num_kv_splits": 2, "split_tokens": 64}, "not both"),
       (lambda a: {**a, "split_tokens": 96}, "multiple of the kernel's step"),
+      (lambda a: {**a, "fp8_pipeline": "quarter_pages"}, "fp8_pipeline must be one of"),
   ])
   def test_bad_input_raises(self, change, message):
     q, cache, tables, lens = (jnp.asarray(a)
@@ -200,6 +210,45 @@ class TestPallasMosaicDecode(DecodeContract):
     args = dict(q=q, kv_cache=cache, block_tables=tables, seq_lens=lens, kv_lora_rank=512)
     with pytest.raises(ValueError, match=message):
       mosaic_decode.latent_decode(**change(args), scale=0.1, interpret=True)
+
+
+class TestPallasMosaicDecodeHalfPages(DecodeContract):
+  """The Mosaic kernel's fp8_pipeline="half_pages" (two 32-row bf16 slots, 32-token consumer
+  steps) through the backend's MOSAIC_DECODE_CONFIG: the contract's fp8 cases (16 and 128 heads)
+  and the rows a half page can cut: lengths ending in either half or on its edge, a half with no
+  row that counts, bad table entries. bf16 caches ignore the pipeline (TestPallasMosaicDecode)."""
+  backend = "pallas_mosaic"
+
+  @pytest.fixture(autouse=True)
+  def _half_pages(self, monkeypatch):
+    monkeypatch.setattr(backends, "MOSAIC_DECODE_CONFIG",
+                        mosaic_decode.MosaicDecodeConfig(fp8_pipeline="half_pages"))
+
+  def decode(self, q, kv_cache, *args, **kwargs):
+    if kv_cache.dtype != jnp.float8_e4m3fn:
+      pytest.skip("fp8_pipeline only changes fp8 caches")
+    _skip_unless_mosaic_takes(q, kv_cache)
+    return super().decode(q, kv_cache, *args, **kwargs)
+
+  @pytest.mark.parametrize("seed,n,splits", [(110, 16, 3), (111, 128, None)])
+  def test_fp8_half_page_edges(self, seed, n, splits):
+    case = make_case(seed, n=n, page=64, req_lens=[32, 33, 95, 1, 64, 0, 161, 31],
+                     cache_dtype=jnp.float8_e4m3fn)
+    self.check(*case, k_scale=FP8_SCALE, num_kv_splits=splits)
+
+  def test_fp8_bad_table_entries(self):
+    self.check_bad_table_entries(page=64, req_lens=[200, 150], cache_dtype=jnp.float8_e4m3fn)
+
+  def test_backend_passes_the_pipeline(self, monkeypatch):
+    # Without this the cases above would also pass on the default pipeline.
+    seen = []
+    monkeypatch.setattr(mosaic_decode, "latent_decode",
+                        lambda *a, fp8_pipeline, **k: seen.append(fp8_pipeline) or (None, None))
+    q, cache, tables, lens = make_case(112, n=16, page=64, req_lens=[5],
+                                       cache_dtype=jnp.float8_e4m3fn)
+    self.decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(tables), jnp.asarray(lens),
+                k_scale=FP8_SCALE)
+    assert seen == ["half_pages"]
 
 
 def _stage1_splits(jaxpr):
