@@ -7,7 +7,10 @@ Several input sets are rotated so the 60 MB L2 never holds a whole set. `--sweep
 Triton kernel's (block_h, num_warps, num_stages) variants and then split counts (and the Mosaic
 kernel's split counts) instead of the reference. Mosaic columns: "mosaic ms", "triton/mosaic"
 (> 1: Mosaic faster) and the largest difference between the two kernels' outputs.
-`--batch-invariant` adds each kernel's batch-invariant mode (fixed splits of
+`--mosaic-configs` adds the Mosaic kernel's other configs (its SWEEP, e.g. fp8_pipeline=half_pages
+for fp8 caches): "mosaic <field>=<value> ms" and the largest difference from the chosen config's
+output. `--no-triton` leaves the Triton kernel out (then also the reference; the row's "ms" is the
+Mosaic kernel's). `--batch-invariant` adds each kernel's batch-invariant mode (fixed splits of
 BATCH_INVARIANT_SPLIT_TOKENS tokens, merged in a fixed order): "<kernel> inv ms" and its cost
 against the default splits in %.
 """
@@ -91,13 +94,22 @@ def run_case(args, batch, heads, seq, dtype_name):
       rows += [variant(mosaic, num_kv_splits=k) for k in (1, 2, 4, 8, 16)]
     return rows
 
+  if args.no_triton:
+    row = mosaic_configs(base, kernel_fn, timed, sets, case_bytes, flops)
+    print(row, flush=True)
+    return [row]
   cfg = kernel.tuned_config(heads, args.page, kernel.operand_kind(jnp.bfloat16, dtype))
   splits = kernel_common.default_num_kv_splits(batch, -(-heads // cfg.block_h), seq,
                                                kernel_common.sm_count())
   row = {**base,
          "config": f"h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} k{splits}",
          **rates(timed(kernel_fn()), bytes_moved=case_bytes, flops=flops)}
-  if not args.no_mosaic:
+  if args.mosaic_configs and not args.no_mosaic:
+    row.update({k: v for k, v in mosaic_configs(base, kernel_fn, timed, sets, case_bytes,
+                                                flops).items() if k.startswith("mosaic ")})
+    if "mosaic ms" in row:
+      row["triton/mosaic"] = row["ms"] / row["mosaic ms"]
+  elif not args.no_mosaic:
     # The Mosaic kernel on the same inputs; one that does not compile is recorded, not fatal.
     row["mosaic config"] = f"k{mosaic.num_kv_splits_for(batch, heads, seq)}"
     try:
@@ -122,6 +134,35 @@ def run_case(args, batch, heads, seq, dtype_name):
   return [row]
 
 
+def mosaic_configs(base, kernel_fn, timed, sets, case_bytes, flops):
+  """The Mosaic kernel's chosen config ("mosaic ms") and each other config of its SWEEP ("mosaic
+  <field>=<value> ms" and "... max diff" from the chosen config's output); one that does not
+  compile is recorded, not fatal."""
+  row = dict(base)
+  try:
+    chosen = kernel_fn(mosaic)
+    ref = chosen(*sets[0])[0].astype(jnp.float32)
+    row.update(rates(timed(chosen), bytes_moved=case_bytes, flops=flops))
+    row["mosaic ms"] = row["ms"]
+  except Exception as e:  # noqa: BLE001
+    row["mosaic error"] = f"{type(e).__name__}: {str(e)[:80]}"
+    return row
+  for cfg in mosaic.SWEEP:
+    changed = {k: v for k, v in dataclasses.asdict(cfg).items()
+               if v != getattr(mosaic.CONFIG, k)}
+    if not changed:
+      continue
+    name = "mosaic " + " ".join(f"{k}={v}" for k, v in changed.items())
+    try:
+      fn = kernel_fn(mosaic, **changed)
+      row[f"{name} max diff"] = float(jnp.abs(fn(*sets[0])[0].astype(jnp.float32) - ref).max())
+      row[f"{name} ms"] = timed(fn)
+      row[f"{name} speedup"] = row["mosaic ms"] / row[f"{name} ms"]
+    except Exception as e:  # noqa: BLE001
+      row[f"{name} error"] = f"{type(e).__name__}: {str(e)[:80]}"
+  return row
+
+
 def main(argv=None):
   parser = make_parser("benchmarks.bench_decode", __doc__)
   parser.add_argument("--batch", type=int, nargs="+", default=[32, 128], help="requests B")
@@ -136,6 +177,10 @@ def main(argv=None):
                       help="time the kernels' tuning variants and split counts, no reference")
   parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference")
   parser.add_argument("--no-mosaic", action="store_true", help="skip the Mosaic GPU kernel")
+  parser.add_argument("--mosaic-configs", action="store_true",
+                      help="also time the Mosaic kernel's other configs (its SWEEP)")
+  parser.add_argument("--no-triton", action="store_true",
+                      help="time the Mosaic kernel (and its configs) only, no Triton, no reference")
   parser.add_argument("--batch-invariant", action="store_true",
                       help="also time each kernel's batch-invariant mode (fixed splits)")
   parser.add_argument("--iters", type=int, default=20, help="back-to-back calls per timing")

@@ -83,6 +83,25 @@ def test_matches_reference(kernel, seed, batch, max_len, n, cache_dtype, splits)
   assert_decode_close(np.asarray(o.astype(jnp.float32)), np.asarray(lse), ref_o, ref_lse)
 
 
+@pytest.mark.parametrize("seed,batch,max_len,n,splits", [
+    (2, 128, 4096, 128, None),  # the timed shape (bench_decode --mosaic-configs)
+    (7, 128, 8192, 16, None),
+    (3, 128, 32768, 16, 1),  # 2**31+ e4m3 values
+])
+def test_fp8_half_pages_matches_reference(seed, batch, max_len, n, splits):
+  # The Mosaic kernel's fp8_pipeline="half_pages" (two 32-row bf16 slots) at serving sizes.
+  q, cache, tables, lens = serving_case(seed, batch=batch, max_len=max_len, n=n,
+                                        cache_dtype=jnp.float8_e4m3fn)
+  k_scale = jnp.float32(FP8_SCALE)
+  ref = jax.jit(reference.latent_decode, static_argnames=("scale", "kv_lora_rank"))
+  ref_o, ref_lse = (np.asarray(a, np.float64) for a in
+                    ref(q, cache, tables, lens, scale=SCALE, kv_lora_rank=L, k_scale=k_scale))
+  poison_allocator()
+  o, lse = mosaic_decode.latent_decode(q, cache, tables, lens, scale=SCALE, k_scale=k_scale,
+                                       num_kv_splits=splits, fp8_pipeline="half_pages")
+  assert_decode_close(np.asarray(o.astype(jnp.float32)), np.asarray(lse), ref_o, ref_lse)
+
+
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_one_split_is_batch_independent(kernel):
   q, cache, tables, lens = serving_case(5, batch=128, max_len=4096, n=16, cache_dtype=jnp.bfloat16)
