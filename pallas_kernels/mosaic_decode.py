@@ -18,7 +18,11 @@ result depends only on that row's inputs.
 
 Shared memory: the query tile and the 2 page slots (3 x 72 KB) + P (8 KB) + 64 floats = 224.3 KB of
 the 227 KB a block may have; the output staging (two 64 x 256 tiles, 64 KB each in float32) reuses
-the query and page memory once every step is done.
+the query and page memory once every step is done. An fp8 (e4m3) cache lands in 2 slots of bytes
+(36 KB each) that the memory warpgroup widens to bf16 for the products: into one 64-row slot
+(fp8_pipeline "serial", widening and products take turns), or into two 32-row slots that the
+consumers use 32 tokens a step ("half_pages", widening overlaps the products; 64-byte swizzles,
+220.3 KB); see `MosaicDecodeConfig`.
 
 `interpret=True` (or an `InterpretGPUParams`) runs the same kernel on the CPU through Mosaic GPU's
 interpreter, which simulates the warpgroups, barriers, bulk copies and wgmma, but not registers,
