@@ -25,7 +25,11 @@ warpgroups:
 - values (warpgroup 1): O[:, L/2:] += P V.
 bf16 caches use 2 row slots (the next step's rows land while this one computes); fp8_ds_mla uses
 1 bf16 slot + the staging buffer (two bf16 slots, the query tile and the staging do not fit in a
-block's 227 KB). Splits of a token's slot list are merged by their log-sum-exps (`merge_splits`).
+block's 227 KB). `MosaicSparseConfig(fp8_stages=2)` pipelines that warpgroup instead: two stages
+of e4m3 NoPE rows (step i + 2's gathered while step i is consumed) and each step's RoPE rows
+copied straight into the row slot once warpgroup 0's Q K^T of the step before has read that tile
+(225,376 bytes of shared memory, `smem_bytes`). Splits of a token's slot list are merged by their
+log-sum-exps (`merge_splits`).
 
 Shared memory holds a row slot as 9 tiles of 64 rows x 64 columns, each in the tiled, 128-byte-
 swizzled layout wgmma reads. The cp.async gather computes each 16-byte unit's swizzled address
