@@ -25,11 +25,7 @@ warpgroups:
 - values (warpgroup 1): O[:, L/2:] += P V.
 bf16 caches use 2 row slots (the next step's rows land while this one computes); fp8_ds_mla uses
 1 bf16 slot + the staging buffer (two bf16 slots, the query tile and the staging do not fit in a
-block's 227 KB). `MosaicSparseConfig(fp8_stages=2)` pipelines that warpgroup instead: two stages
-of e4m3 NoPE rows (step i + 2's gathered while step i is consumed) and each step's RoPE rows
-copied straight into the row slot once warpgroup 0's Q K^T of the step before has read that tile
-(225,376 bytes of shared memory, `smem_bytes`). Splits of a token's slot list are merged by their
-log-sum-exps (`merge_splits`).
+block's 227 KB). Splits of a token's slot list are merged by their log-sum-exps (`merge_splits`).
 
 Shared memory holds a row slot as 9 tiles of 64 rows x 64 columns, each in the tiled, 128-byte-
 swizzled layout wgmma reads. The cp.async gather computes each 16-byte unit's swizzled address
@@ -45,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +61,6 @@ _COLS = 64  # columns per shared-memory tile: 128 bytes of bf16, the swizzle wid
 _VALUE_WGS = 2
 _IDX_RING = 4  # steps of slot indices in shared memory: fetched 2 ahead, read until consumed
 _MAX_HEAD_DIM = 576
-_SMEM_LIMIT = 227 * 1024  # a Hopper block's shared memory (opt-in maximum)
 # (consumer, memory) registers a thread: 2 x consumer + memory <= common.REGISTER_POOL.
 # fp8_ds_mla's memory warpgroup widens tiles. (224, 64) asked for 512 and hung on the H200.
 _REGS = {False: (232, 40), True: (224, 56)}
@@ -164,8 +158,8 @@ def _cp_async_wait(pending):
   wait()
 
 
-def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, fp8_stages, num_slots,
-            gather, interpret):
+def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_slots, gather,
+            interpret):
   # GMEM: q_ref [T, Np, D] bf16; idx_ref [T, Kp] int32 (slot, or num_slots where invalid);
   # steps_ref [T] int32 (steps of 64 slots up to the last valid one). bf16: kv_ref [S, D/64, 64]
   # bf16. fp8: nope_ref [S, L/128, 128] e4m3, rope_ref [S, R/64, 64] bf16, scales_ref
@@ -173,27 +167,18 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, fp8_
   # [T, splits, Np, L]; lse_ref [T, splits, Np] f32.
   # SMEM: buffers = union of (q_smem [64, D], kv [stages, D/64, 64, 64]) bf16 tiled, and
   # (o_smem [2, 64, L/2], lse_smem [64]) (and on the GPU, for the bulk bf16 gather, the untiled
-  # alias kv_raw [stages, D/64 * 8, 8, 64]; also for fp8_stages=2's bulk RoPE copies); fp8:
-  # staging = union of (stage_nope [L/128, 64, 128] e4m3 and stage_rope [R/64, 64, 64] bf16, tiled)
-  # and (on the GPU, bulk) their untiled aliases; fp8_stages=2: stage_nope [2, L/128, 64, 128]
-  # only (and its alias), the RoPE goes straight into the row slot; stage_scales [fp8_stages,
-  # L/128, 64] f32; p_smem [64, 64] bf16; row_smem [64] f32; idx_smem [4, 64] int32.
+  # alias kv_raw [stages, D/64 * 8, 8, 64]); fp8: staging = union of (stage_nope [L/128, 64, 128]
+  # e4m3 and stage_rope [R/64, 64, 64] bf16, tiled) and (on the GPU, bulk) their untiled aliases;
+  # stage_scales [L/128, 64] f32; p_smem [64, 64] bf16; row_smem [64] f32; idx_smem [4, 64] int32.
   # Barriers: q_bar; ready [stages] (a slot holds its step's rows); consumed [stages]; p_ready,
-  # p_free (the P hand-off); idx_bar [4]; fp8: staged [fp8_stages] (the scales, and with the bulk
-  # gather the rows, landed); fp8_stages=2: rope_free (warpgroup 0's Q K^T has read the RoPE tile).
-  rope_free = None
+  # p_free (the P hand-off); idx_bar [4]; fp8: staged (the scales, and with the bulk gather the
+  # rows, landed in the staging buffer).
   if fp8:
     (nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buffers, staging, stage_scales, p_smem,
-     row_smem, idx_smem, q_bar, ready, consumed, p_ready, p_free, idx_bar, staged,
-     *rope_free) = rest
-    rope_free = rope_free[0] if rope_free else None
+     row_smem, idx_smem, q_bar, ready, consumed, p_ready, p_free, idx_bar, staged) = rest
     kv_ref = None
-    staged_bufs, *raw = staging
-    raw = raw[0] if raw else (None,) * len(staged_bufs)
-    if fp8_stages == 1:
-      (stage_nope, stage_rope), (nope_raw, rope_raw) = staged_bufs, raw
-    else:
-      (stage_nope,), (nope_raw,) = staged_bufs, raw
+    (stage_nope, stage_rope), *raw = staging
+    nope_raw, rope_raw = raw[0] if raw else (None, None)
   else:
     (kv_ref, o_ref, lse_ref, buffers, p_smem, row_smem, idx_smem, q_bar, ready, consumed, p_ready,
      p_free, idx_bar) = rest
@@ -265,8 +250,6 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, fp8_
         return acc_ref[...]
 
       s = pl.run_scoped(scores, plgpu.ACC((_TILE_H, _STEP), jnp.float32))
-      if rope_free is not None:  # S is in registers: its wgmmas are done with the RoPE tile
-        plgpu.barrier_arrive(rope_free)
       idx = plgpu.load(idx_smem.at[ring], layout=cols_layout)
       valid = lax.broadcast_in_dim(idx < num_slots, s.shape, [1])
       m_new, alpha, p, l = softmax_step(jnp.where(valid, s * qk_scale, -jnp.inf), m, l)
@@ -290,15 +273,13 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, fp8_
     plgpu.copy_gmem_to_smem(idx_ref.at[t, pl.ds((first + i) * _STEP, _STEP)], idx_smem.at[ring],
                             idx_bar.at[ring])
 
-  def gather_step(i, parts, barrier, indices_landed=False):
-    """Issues step i's 64 rows once its indices have landed (waited here unless indices_landed:
-    a warpgroup's waits consume a barrier's phases, one each). parts: (src [S, C, w], tiled dst
+  def gather_step(i, parts, barrier):
+    """Issues step i's 64 rows once its indices have landed. parts: (src [S, C, w], tiled dst
     [C, 64, w], its untiled alias or None) per part of a row. cp_async: one committed group of
     the warpgroup's copies (the caller waits for it); bulk: every row chunk's copy arrives on
     barrier."""
     ring = lax.rem(i, _IDX_RING)
-    if not indices_landed:
-      plgpu.barrier_wait(idx_bar.at[ring])
+    plgpu.barrier_wait(idx_bar.at[ring])
     if gather == "cp_async":
       _cp_async_rows(tuple((src, dst) for src, dst, _ in parts), idx_smem.at[ring],
                      num_slots=num_slots)
@@ -357,86 +338,36 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, fp8_
         plgpu.barrier_wait(consumed.at[lax.rem(i, stages)])
       return
 
-    wgmma_layout = plgpu.Layout.WGMMA
+    def stage(i):
+      plgpu.copy_gmem_to_smem(scales_ref.at[t, first + i], stage_scales, staged)
+      gather_step(i, ((nope_ref, stage_nope, nope_raw), (rope_ref, stage_rope, rope_raw)), staged)
 
-    def widen(nope, scales):
-      """Writes the e4m3 tiles nope [L/128, 64, 128] times their scales [L/128, 64] into the row
-      slot's latent tiles. e4m3 times its tile's power-of-two scale is exact in bf16 (e4m3 widens
-      to f16 in hardware, f16 to f32 exactly)."""
-      @pl.loop(0, nope.shape[0])
+    pl.when(n > 0)(functools.partial(stage, 0))
+
+    @pl.loop(0, n)
+    def _(i):
+      plgpu.barrier_wait(staged)
+      if gather == "cp_async":
+        rows_landed()
+      pl.when(i > 0)(lambda: plgpu.barrier_wait(consumed.at[0]))
+      wgmma_layout = plgpu.Layout.WGMMA
+
+      # e4m3 times its tile's power-of-two scale is exact in bf16 (e4m3 widens to f16 in hardware,
+      # f16 to f32 exactly).
+      @pl.loop(0, stage_nope.shape[0])
       def _(j):
-        x = plgpu.layout_cast(nope[j].astype(jnp.float16).astype(jnp.float32), wgmma_layout)
-        tile_scale = plgpu.load(scales.at[j], layout=rows_layout)
+        x = plgpu.layout_cast(stage_nope[j].astype(jnp.float16).astype(jnp.float32), wgmma_layout)
+        tile_scale = plgpu.load(stage_scales.at[j], layout=rows_layout)
         y = (x * row_broadcast(tile_scale, x.shape)).astype(kv.dtype)  # [64, 128]
         kv[0, 2 * j] = y[:, :_COLS]
         kv[0, 2 * j + 1] = y[:, _COLS:]
 
-    def stage(i, s=0, rope=True):
-      """Step i's tile scales and NoPE rows into stage s (and its RoPE rows into the staging)."""
-      plgpu.copy_gmem_to_smem(scales_ref.at[t, first + i], stage_scales.at[s], staged.at[s])
-      parts = ((nope_ref, stage_nope.at[s] if fp8_stages > 1 else stage_nope,
-                None if nope_raw is None else nope_raw.at[s] if fp8_stages > 1 else nope_raw),)
-      if rope:
-        parts += ((rope_ref, stage_rope, rope_raw),)
-      gather_step(i, parts, staged.at[s])
-
-    if fp8_stages == 1:
-      pl.when(n > 0)(functools.partial(stage, 0))
-
-      @pl.loop(0, n)
-      def _(i):
-        plgpu.barrier_wait(staged.at[0])
-        if gather == "cp_async":
-          rows_landed()
-        pl.when(i > 0)(lambda: plgpu.barrier_wait(consumed.at[0]))
-        widen(stage_nope, stage_scales.at[0])
-        for j in range(stage_rope.shape[0]):
-          kv[0, lora // _COLS + j] = plgpu.load(stage_rope.at[j], layout=wgmma_layout)
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(ready.at[0])
-        pl.when(i + 2 < n)(functools.partial(fetch_indices, i + 2))
-        pl.when(i + 1 < n)(functools.partial(stage, i + 1))
-
-      pl.when(n > 0)(lambda: plgpu.barrier_wait(consumed.at[0]))
-      return
-
-    # fp8_stages=2: step i + 1's NoPE rows land in the other stage while step i is widened and
-    # consumed; the RoPE rows go straight into the row slot's last tile once warpgroup 0's Q K^T
-    # of the step before has read it (rope_free), so they land while that step's P V runs.
-    # cp.async groups a lane commits, in order: N0 R0 N1, then each step i: R(i+1) N(i+2); so at
-    # the top of step i, N(i) and R(i) have landed once at most N(i+1) is in flight.
-    rope_tiles = (kv.shape[1] - lora // _COLS)
-    rope_dst = (rope_ref, kv.at[0, pl.ds(lora // _COLS, rope_tiles)],
-                None if kv_raw is None else kv_raw.at[0, pl.ds(lora // _COLS * 8, rope_tiles * 8)])
-
-    def fetch_rope(i):  # after stage_nope_rows(i), which waited for the indices
-      gather_step(i, (rope_dst,), staged.at[lax.rem(i, 2)], indices_landed=True)
-
-    def stage_nope_rows(i):
-      stage(i, lax.rem(i, 2), rope=False)
-
-    pl.when(n > 0)(functools.partial(stage_nope_rows, 0))
-    pl.when(n > 0)(functools.partial(fetch_rope, 0))
-    pl.when(n > 1)(functools.partial(stage_nope_rows, 1))
-
-    @pl.loop(0, n)
-    def _(i):
-      s = lax.rem(i, 2)
-      # Ring entry (i + 2) % 4 was last read for step i - 2, whose consumers arrived on consumed
-      # before this warpgroup widened step i - 1.
-      pl.when(i + 2 < n)(functools.partial(fetch_indices, i + 2))
-      plgpu.barrier_wait(staged.at[s])
-      if gather == "cp_async":
-        pl.when(i + 1 < n)(lambda: _cp_async_wait(1))
-        pl.when(i + 1 >= n)(lambda: _cp_async_wait(0))
-        plgpu.commit_smem()  # every lane widens rows other lanes copied; RoPE to wgmma's proxy
-      pl.when(i > 0)(lambda: plgpu.barrier_wait(consumed.at[0]))
-      widen(stage_nope.at[s], stage_scales.at[s])
-      plgpu.commit_smem()  # also: every lane is done reading stage s before it is refilled
+      for j in range(stage_rope.shape[0]):
+        kv[0, lora // _COLS + j] = plgpu.load(stage_rope.at[j], layout=wgmma_layout)
+      plgpu.commit_smem()
       plgpu.barrier_arrive(ready.at[0])
-      plgpu.barrier_wait(rope_free)  # every phase: the last one too
-      pl.when(i + 1 < n)(functools.partial(fetch_rope, i + 1))
-      pl.when(i + 2 < n)(functools.partial(stage_nope_rows, i + 2))
+      pl.when(i + 2 < n)(functools.partial(fetch_indices, i + 2))
+      pl.when(i + 1 < n)(functools.partial(stage, i + 1))
 
     pl.when(n > 0)(lambda: plgpu.barrier_wait(consumed.at[0]))
 
@@ -482,27 +413,8 @@ def split_count(rule, num_tokens, head_tiles, max_len, sms):
   return max(1, sms // (num_tokens * head_tiles))
 
 
-def smem_bytes(scratch):
-  """Bytes of shared memory Pallas Mosaic GPU (jax 0.11.2) allocates for these scratch types: each
-  buffer, and each buffer of a `RefUnion` member, starts 1024-byte aligned; a union takes its
-  largest member; a barrier takes 8 bytes. `_sparse_call` refuses a launch past _SMEM_LIMIT."""
-  align = lambda x: -(-x // 1024) * 1024
-
-  def size(ref):
-    if isinstance(ref, plgpu.RefUnion):
-      return max(functools.reduce(lambda acc, r: align(acc) + size(r), jax.tree.leaves(m), 0)
-                 for m in ref.refs)
-    if isinstance(ref, plgpu.Barrier):
-      return 0
-    return math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
-
-  buffers = sum(align(size(ref)) for ref in scratch)
-  barriers = sum(math.prod(ref.num_barriers) for ref in scratch if isinstance(ref, plgpu.Barrier))
-  return buffers + 8 * barriers
-
-
 def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_splits, auto_barriers,
-                 gather, split_rule, fp8_stages, interpret):
+                 gather, split_rule, interpret):
   """Pads heads to 64-row tiles and slots to 64-slot steps, runs the kernel, merges splits."""
   t, n, d = q.shape
   head_tiles = pl.cdiv(n, _TILE_H)
@@ -528,8 +440,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   groups = [(swizzled((_TILE_H, d), q.dtype), swizzled((stages, chunks, _STEP, _COLS), q.dtype)),
             (swizzled((_VALUE_WGS, _TILE_H, lora // _VALUE_WGS), out_dtype),
              plgpu.SMEM((_TILE_H,), jnp.float32))]
-  if (not fp8 or fp8_stages == 2) and not interpret and gather == "bulk":
-    # fp8_stages=2 copies the RoPE rows into the row slot: through the alias as bf16 rows are.
+  if not fp8 and not interpret and gather == "bulk":
     groups.append((plgpu.SMEM((_TILE_H, d), q.dtype),
                    _raw((stages, chunks, _STEP, _COLS), q.dtype)))
   scratch = [plgpu.RefUnion(*groups)]
@@ -541,16 +452,12 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
     scales = scales.reshape(t, k // _STEP, _STEP, -1).transpose(0, 1, 3, 2)
     cache_args = (nope, rope, scales)
     tiles = lora // DS_MLA_TILE, (d - lora) // _COLS
-    # fp8_stages=1: one stage of NoPE and RoPE rows; 2: two stages of NoPE rows (the RoPE rows go
-    # to the row slot).
-    nope_stages = () if fp8_stages == 1 else (fp8_stages,)
-    staged_shapes = [((*nope_stages, tiles[0], _STEP, DS_MLA_TILE), F8)]
-    if fp8_stages == 1:
-      staged_shapes.append(((tiles[1], _STEP, _COLS), jnp.bfloat16))
-    staging = [tuple(swizzled(*shape) for shape in staged_shapes)]
+    staging = [(swizzled((tiles[0], _STEP, DS_MLA_TILE), F8),
+                swizzled((tiles[1], _STEP, _COLS), jnp.bfloat16))]
     if not interpret and gather == "bulk":
-      staging.append(tuple(_raw(*shape) for shape in staged_shapes))
-    scratch += [plgpu.RefUnion(*staging), plgpu.SMEM((fp8_stages, tiles[0], _STEP), jnp.float32)]
+      staging.append((_raw((tiles[0], _STEP, DS_MLA_TILE), F8),
+                       _raw((tiles[1], _STEP, _COLS), jnp.bfloat16)))
+    scratch += [plgpu.RefUnion(*staging), plgpu.SMEM((tiles[0], _STEP), jnp.float32)]
   scratch += [swizzled((_TILE_H, _STEP), q.dtype), plgpu.SMEM((_TILE_H,), jnp.float32),
               plgpu.SMEM((_IDX_RING, _STEP), jnp.int32),
               plgpu.Barrier(),
@@ -560,20 +467,11 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
               plgpu.Barrier(num_arrivals=_VALUE_WGS, num_barriers=stages),
               plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(num_barriers=_IDX_RING)]
   if fp8:
-    # A step's scales copy, and with the bulk gather every row chunk's copy (fp8_stages=2: its RoPE
-    # rows' too, though they land in the row slot).
-    scratch.append(plgpu.Barrier(num_arrivals=1 + (_STEP * sum(tiles) if gather == "bulk" else 0),
-                                 num_barriers=fp8_stages))
-    if fp8_stages == 2:
-      scratch.append(plgpu.Barrier())  # rope_free
-  used = smem_bytes(scratch)
-  if used > _SMEM_LIMIT:
-    raise ValueError(f"the kernel's shared memory ({used} bytes: fp8_ds_mla {fp8}, fp8_stages "
-                     f"{fp8_stages}, gather {gather}) exceeds a Hopper block's {_SMEM_LIMIT}")
+    # The scales' copy, and with the bulk gather every row chunk's copy.
+    scratch.append(plgpu.Barrier(num_arrivals=1 + (_STEP * sum(tiles) if gather == "bulk" else 0)))
 
   kernel = functools.partial(_kernel, scale=scale, lora=lora, num_splits=splits, fp8=fp8,
-                             fp8_stages=fp8_stages, num_slots=num_slots, gather=gather,
-                             interpret=bool(interpret))
+                             num_slots=num_slots, gather=gather, interpret=bool(interpret))
   o_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((t, splits, np_, lora), out_dtype),
@@ -592,8 +490,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
                                            unsafe_no_auto_barriers=not auto_barriers),
       interpret=interpret or None,
-      kernel_name=(f"mosaic_sparse_{f'ds_mla{fp8_stages}' if fp8 else 'bf16'}_{gather}"
-                   f"_s{splits}"),
+      kernel_name=f"mosaic_sparse_{'ds_mla' if fp8 else 'bf16'}_{gather}_s{splits}",
   )(q, idx, steps, *cache_args)
   if splits == 1:
     o, lse = o_parts[:, 0], lse_parts[:, 0]
@@ -605,39 +502,29 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
 _STATIC = ("scale", "num_splits", "auto_barriers", "interpret", "gather", "split_rule")
 GATHERS = ("cp_async", "bulk")
 SPLIT_RULES = ("fill", "one_wave")
-FP8_STAGES = (1, 2)
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicSparseConfig:
-  """Launch knobs; the field names are the jit entries' keyword arguments (fp8_stages the
-  fp8_ds_mla entry's only). Heads per program
+  """Launch knobs; the field names are both jit entries' keyword arguments. Heads per program
   (64, the M of a wgmma), slots per step (64) and row slots (2 for bf16, 1 for fp8_ds_mla) are
   fixed by wgmma and shared memory; the gather (H200: cp_async 2.2-2.6x bulk for bf16, 1.4x for
   fp8_ds_mla, benchmarks/RESULTS.md, "DSA sparse attention (pallas_mosaic)", v2 and v3) and the
   split rule (`split_count`; H200, T=128: "one_wave" 1.14-1.38x "fill" at N 16, 32, 128 for both
-  caches, v4; once tokens x head tiles >= 2 x 132 both give 1 split) are the choices. fp8_stages
-  (the fp8_ds_mla entry only): 1 stages a step's NoPE and RoPE rows once, its memory warpgroup
-  widening step i before it gathers step i + 1; 2 stages the NoPE rows twice and copies the RoPE
-  rows into the row slot, so step i + 1's rows are in flight while step i is widened (not timed
-  yet)."""
+  caches, v4; once tokens x head tiles >= 2 x 132 both give 1 split) are the choices."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
-  fp8_stages: int = 1
 
   def __post_init__(self):
     if self.gather not in GATHERS:
       raise ValueError(f"gather must be one of {GATHERS}, got {self.gather!r}")
     if self.split_rule not in SPLIT_RULES:
       raise ValueError(f"split_rule must be one of {SPLIT_RULES}, got {self.split_rule!r}")
-    if self.fp8_stages not in FP8_STAGES:
-      raise ValueError(f"fp8_stages must be one of {FP8_STAGES}, got {self.fp8_stages!r}")
 
 
 CONFIG = MosaicSparseConfig()
 # The sweep space: the variants `benchmarks/bench_sparse.py` times beside the chosen one.
-SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rule="fill"),
-         MosaicSparseConfig(fp8_stages=2))
+SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rule="fill"))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))
@@ -669,24 +556,23 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   rows = kv_cache.reshape(num_slots, q.shape[2] // _COLS, _COLS)
   return _sparse_call(q, slots, (rows,), scale=scale, lora=kv_lora_rank, num_slots=num_slots,
                       fp8=False, num_splits=num_splits, auto_barriers=auto_barriers,
-                      gather=gather, split_rule=split_rule, fp8_stages=1, interpret=interpret)
+                      gather=gather, split_rule=split_rule, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("fp8_stages",))
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.Array,
                                 rope: jax.Array, slots: jax.Array, *, scale: float,
                                 num_splits: int | None = None, auto_barriers: bool = False,
                                 gather: str = CONFIG.gather,
                                 split_rule: str = CONFIG.split_rule,
-                                fp8_stages: int = CONFIG.fp8_stages,
                                 interpret: bool | plgpu.InterpretGPUParams = False
                                 ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over an fp8_ds_mla cache, widened to bf16 once per gathered row.
 
   q [T, N, L+R] bf16; nope [num_blocks, page, L] float8_e4m3fn; tile_scales [num_blocks, page,
   L/128] float32 (row value = nope * its tile's scale, a power of two); rope [num_blocks, page, R]
-  bfloat16; slots and options as in `sparse_attention`; fp8_stages: `MosaicSparseConfig`'s. Returns
-  o [T, N, L] bf16 and lse [T, N] float32.
+  bfloat16; slots and options as in `sparse_attention`. Returns o [T, N, L] bf16 and lse [T, N]
+  float32.
   """
   nb, page, lora = nope.shape
   _check(q, slots, lora, num_splits)
@@ -697,11 +583,11 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                      f"[NB, BS, L/{DS_MLA_TILE}] f32, rope [NB, BS, R] bf16 and q [T, N, L+R]; got "
                      f"{nope.dtype.name}{nope.shape}, {tile_scales.dtype.name}{tile_scales.shape}, "
                      f"{rope.dtype.name}{rope.shape}, q {q.shape}")
-  MosaicSparseConfig(gather, split_rule, fp8_stages)  # checks them
+  MosaicSparseConfig(gather, split_rule)  # checks them
   num_slots = nb * page
   # Rows as 128-byte chunks [S, C, w], what either gather copies.
   chunked = lambda x: x.reshape(num_slots, -1, _CHUNK_BYTES // x.dtype.itemsize)
   return _sparse_call(q, slots, (chunked(nope), chunked(rope), tile_scales.reshape(num_slots, -1)),
                       scale=scale, lora=lora, num_slots=num_slots, fp8=True, num_splits=num_splits,
                       auto_barriers=auto_barriers, gather=gather, split_rule=split_rule,
-                      fp8_stages=fp8_stages, interpret=interpret)
+                      interpret=interpret)

@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 
 from mla_jax import backends, reference
 from mla_jax.cache import DSMLACache, LatentCache
@@ -346,11 +345,11 @@ class TestPallasMosaicIndexer(IndexerContract):
       mosaic_indexer.indexer_logits(**change(args), interpret=True)
 
 
-def poisoned_case(seed, n, kind, lora=L, t=4, k=80, nb=6):
+def poisoned_case(seed, n, kind, lora=L, t=4, k=80):
   """bf16 q, a cache whose rows no slot selects hold NaN, and slots with -1, past-the-cache entries
   and a row (1) that selects nothing. Returns (q, cache, slots, dequantized rows [S, L+R])."""
   rng = np.random.default_rng(seed)
-  bs = 16
+  nb, bs = 6, 16
   num_slots = nb * bs
   slots = random_slots(rng, t, k, num_slots)
   slots[1] = -1
@@ -385,7 +384,6 @@ def test_mosaic_cases_in_a_wide_interpreter_pool():
   run = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
        f"{__file__}::TestPallasMosaicSparseAttention",
-       f"{__file__}::TestPallasMosaicSparseAttentionFp8Stages2",
        f"{__file__}::TestPallasMosaicIndexer::test_rows_and_chunks_match_reference[rows4]",
        f"{__file__}::TestPallasMosaicIndexer::test_variant_chosen_by_tables[shared]"],
       env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -417,7 +415,6 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
   cache skip, naming why; the bf16-q cases below cover what they test (NaN in unselected rows, -1
   and past-the-cache slots, a row with nothing selected, 16 and 128 heads, both caches)."""
   backend = "pallas_mosaic"
-  fp8_stages = mosaic_sparse.CONFIG.fp8_stages  # what the fp8_ds_mla cases run
 
   @pytest.fixture(autouse=True)
   def _wide_pool(self):
@@ -432,13 +429,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
         pytest.skip(f"pallas_mosaic's sparse kernel takes bfloat16 q only, got {q.dtype}")
       if isinstance(cache, LatentCache) and cache.scale_or_none is not None:
         pytest.skip("pallas_mosaic's sparse kernel reads no per-tensor float8 latent cache")
-      if self.fp8_stages == mosaic_sparse.CONFIG.fp8_stages:
-        return run(q, cache, slots, scale=scale, kv_lora_rank=kv_lora_rank)
-      if not isinstance(cache, DSMLACache):
-        pytest.skip("fp8_stages changes only the fp8_ds_mla path")
-      return mosaic_sparse.sparse_attention_fp8_ds_mla(
-          q, cache.nope, cache.tile_scales, cache.rope, slots, scale=scale,
-          fp8_stages=self.fp8_stages, interpret=True)
+      return run(q, cache, slots, scale=scale, kv_lora_rank=kv_lora_rank)
     return checked
 
   @pytest.mark.parametrize("kind,n,lora", [("bf16", 16, L), ("bf16", 128, L),
@@ -460,25 +451,6 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     np.testing.assert_allclose(lse[lse_ref > -np.inf], lse_ref[lse_ref > -np.inf], rtol=1e-4,
                                atol=1e-4)
 
-  # Several steps in one split (num_splits=1): 320 slots, the last step partly -1 padding, so
-  # fp8_stages=2's two NoPE stages alternate 5 times, the index ring wraps, and each step's RoPE
-  # rows land in the row slot while the step before is consumed.
-  @pytest.mark.parametrize("n,lora", [(16, 256), (128, L)])
-  def test_fp8_ds_mla_steps_of_one_split_match_oracle(self, n, lora):
-    q, cache, slots, rows = poisoned_case(40 + n, n, "fp8_ds_mla", lora, t=3, k=300, nb=22)
-    o, lse = mosaic_sparse.sparse_attention_fp8_ds_mla(
-        q, cache.nope, cache.tile_scales, cache.rope, jnp.asarray(slots), scale=0.05, num_splits=1,
-        fp8_stages=self.fp8_stages, interpret=True)
-    qf = np.asarray(q.astype(jnp.float32))
-    o_ref, lse_ref = sparse_np(qf, lambda s: rows[s].astype(np.float64), slots, rows.shape[0],
-                               0.05, lora)
-    o, lse = np.asarray(o.astype(jnp.float32), np.float64), np.asarray(lse, np.float64)
-    np.testing.assert_array_equal(lse[1], -np.inf)
-    np.testing.assert_array_equal(o[1], 0.0)
-    assert cosine_diff(o, o_ref) < 1e-5
-    np.testing.assert_allclose(o, o_ref, rtol=2 / 128, atol=1e-2)
-    np.testing.assert_allclose(lse[1:], lse_ref[1:], rtol=1e-4, atol=1e-4)
-
   def test_splits_match_one_split(self):
     q, cache, slots, _ = poisoned_case(31, 16, "bf16", k=90)  # 2 steps of 64 slots
     run = lambda s: mosaic_sparse.sparse_attention(q, cache.data, jnp.asarray(slots), scale=0.05,
@@ -488,20 +460,13 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
                                atol=1e-2)  # bf16 outputs: a split merge may round 1 ulp apart
     np.testing.assert_allclose(np.asarray(l3), np.asarray(l1), rtol=1e-5, atol=1e-5)
 
-  @pytest.mark.parametrize("n,fp8,gather,fp8_stages", [
-      (128, False, "cp_async", 1), (16, False, "cp_async", 1), (128, False, "bulk", 1),
-      (128, True, "cp_async", 1), (32, True, "cp_async", 1), (128, True, "bulk", 1),
-      (128, True, "cp_async", 2), (32, True, "cp_async", 2), (128, True, "bulk", 2)])
-  def test_lowers_for_hopper(self, n, fp8, gather, fp8_stages, monkeypatch):
+  @pytest.mark.parametrize("n,fp8,gather", [(128, False, "cp_async"), (16, False, "cp_async"),
+                                             (128, False, "bulk"), (128, True, "cp_async"),
+                                             (32, True, "cp_async"), (128, True, "bulk")])
+  def test_lowers_for_hopper(self, n, fp8, gather):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
-    # layouts, bulk-copy boxes, the untiled aliases, the cp.async code, and that shared memory
-    # fits 227 KB; with the limit at 0, Mosaic GPU's error names the bytes it counts, which must
-    # be smem_bytes' (the count _sparse_call checks before any launch).
+    # layouts, bulk-copy boxes, the untiled aliases, and that shared memory fits 227 KB.
     t, k, tokens = 128, 2048, 1 << 20
-    counted = []  # what _sparse_call counts while tracing
-    monkeypatch.setattr(mosaic_sparse, "smem_bytes",
-                        lambda scratch, count=mosaic_sparse.smem_bytes: counted.append(
-                            count(scratch)) or counted[-1])
     q = jax.ShapeDtypeStruct((t, n, 576), jnp.bfloat16)
     slots = jax.ShapeDtypeStruct((t, k), jnp.int32)
     if fp8:
@@ -509,29 +474,12 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
           q, jax.ShapeDtypeStruct((tokens // 64, 64, 512), jnp.float8_e4m3fn),
           jax.ShapeDtypeStruct((tokens // 64, 64, 4), jnp.float32),
           jax.ShapeDtypeStruct((tokens // 64, 64, 64), jnp.bfloat16), slots, scale=0.1,
-          gather=gather, fp8_stages=fp8_stages)
+          gather=gather)
     else:
       traced = mosaic_sparse.sparse_attention.trace(
           q, jax.ShapeDtypeStruct((tokens // 64, 64, 576), jnp.bfloat16), slots, scale=0.1,
           gather=gather)
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
-    assert counted[-1] <= 227 * 1024
-    jax.clear_caches()
-    monkeypatch.setattr(mosaic_gpu_core, "_SMEM_SIZE_BOUND", 0)
-    with pytest.raises(ValueError, match=f"smem_bytes={counted[-1]} "):
-      traced.lower(lowering_platforms=("cuda",))
-
-  def test_shared_memory_past_the_limit_raises(self, monkeypatch):
-    # fp8_stages=2 at L=512 counts 225,376 bytes (v5 in RESULTS); past the limit: a ValueError.
-    monkeypatch.setattr(mosaic_sparse, "_SMEM_LIMIT", 225_375)
-    q = jax.ShapeDtypeStruct((4, 64, 576), jnp.bfloat16)
-    args = (q, jax.ShapeDtypeStruct((16, 64, 512), jnp.float8_e4m3fn),
-            jax.ShapeDtypeStruct((16, 64, 4), jnp.float32),
-            jax.ShapeDtypeStruct((16, 64, 64), jnp.bfloat16),
-            jax.ShapeDtypeStruct((4, 64), jnp.int32))
-    mosaic_sparse.sparse_attention_fp8_ds_mla.trace(*args, scale=0.1)  # 199,760 bytes: fits
-    with pytest.raises(ValueError, match="225376 bytes.*exceeds"):
-      mosaic_sparse.sparse_attention_fp8_ds_mla.trace(*args, scale=0.1, fp8_stages=2)
 
   @pytest.mark.parametrize("change,message", [
       (lambda a: {**a, "q": a["q"][0]}, "want q"),
@@ -559,19 +507,3 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
       mosaic_sparse.sparse_attention_fp8_ds_mla(q, nope, jnp.zeros((4, 16, 2), jnp.float32),
                                                 jnp.zeros((4, 16, R), jnp.bfloat16), slots,
                                                 scale=0.1, interpret=True)
-    with pytest.raises(ValueError, match="fp8_stages must be one of"):
-      mosaic_sparse.sparse_attention_fp8_ds_mla(q, nope, jnp.zeros((4, 16, 1), jnp.float32),
-                                                jnp.zeros((4, 16, R), jnp.bfloat16), slots,
-                                                scale=0.1, fp8_stages=3, interpret=True)
-
-
-class TestPallasMosaicSparseAttentionFp8Stages2(TestPallasMosaicSparseAttention):
-  """The fp8_ds_mla cases again with fp8_stages=2 (two NoPE stages, RoPE straight into the row
-  slot): the contract's, the poisoned ones and the multi-step one; bf16 caches skip, naming why."""
-  fp8_stages = 2
-  # Cases that read no fp8_ds_mla cache through fn, or check every variant already: the parent's.
-  test_splits_match_one_split = None
-  test_lowers_for_hopper = None
-  test_shared_memory_past_the_limit_raises = None
-  test_bad_input_raises = None
-  test_bad_ds_mla_layout_raises = None

@@ -15,7 +15,6 @@ from gpu_utils import poison_allocator
 from mla_jax import backends, reference
 from mla_jax.cache import DSMLACache, IndexerKCache, LatentCache
 from mla_jax.quant import quantize_indexer_q
-from pallas_kernels import mosaic_sparse
 from pallas_kernels import topk as pallas_topk
 from sparse_contract import cosine_diff, lowest_index_topk
 
@@ -72,29 +71,13 @@ def sparse_case(seed, n, kind):
     ("bf16", "pallas_triton"), ("fp8", "pallas_triton"), ("fp8_ds_mla", "pallas_triton"),
     ("bf16", "pallas_mosaic"), ("fp8_ds_mla", "pallas_mosaic")])
 def test_sparse_attention_matches_reference(n, kind, backend):
-  check_sparse_attention(n, kind, backends.get_backend(backend).sparse_attention)
-
-
-# The Mosaic kernel's other fp8_ds_mla memory pipeline (MosaicSparseConfig.fp8_stages=2: two NoPE
-# stages, the RoPE rows straight into the row slot), which the backend table does not take yet.
-@pytest.mark.parametrize("n", [128, 16])
-@pytest.mark.parametrize("fp8_stages", [2])
-def test_mosaic_sparse_fp8_stages_match_reference(n, fp8_stages):
-  def run(q, cache, slots, *, scale, kv_lora_rank):
-    assert kv_lora_rank == cache.kv_lora_rank
-    return mosaic_sparse.sparse_attention_fp8_ds_mla(q, cache.nope, cache.tile_scales, cache.rope,
-                                                     slots, scale=scale, fp8_stages=fp8_stages)
-  check_sparse_attention(n, "fp8_ds_mla", run)
-
-
-def check_sparse_attention(n, kind, sparse_attention):
-  """sparse_attention (the backend contract's signature) against the XLA reference on the GPU."""
   q, cache, slots = sparse_case(n + len(kind), n, kind)
   ref = jax.jit(backends.REFERENCE.sparse_attention, static_argnames=("scale", "kv_lora_rank"))
   ref_o, ref_lse = (np.asarray(a, np.float64)
                     for a in ref(q, cache, slots, scale=SCALE, kv_lora_rank=L))
   poison_allocator()
-  o, lse = sparse_attention(q, cache, slots, scale=SCALE, kv_lora_rank=L)
+  o, lse = backends.get_backend(backend).sparse_attention(q, cache, slots, scale=SCALE,
+                                                          kv_lora_rank=L)
   assert o.dtype == q.dtype and lse.dtype == jnp.float32
   o, lse = np.asarray(o.astype(jnp.float32), np.float64), np.asarray(lse, np.float64)
   assert not np.isnan(o).any() and not np.isnan(lse).any(), (
