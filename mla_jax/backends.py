@@ -241,6 +241,8 @@ PALLAS_MOSAIC = dataclasses.replace(
 # 8 x 1024); at 1024 tokens and 16 heads it measured slower (0.49x, before its persistent grid).
 # Decode: 1.85-1.92x at 128 heads, 0.85-0.94x at 16; 64 heads fill one 64-row tile as each half of
 # 128 does.
+# fp8 decode (the "half_pages" pipeline, session 6): 0.620 ms at N=128 B=128 S=4096 against
+# Triton's 1.015 (session 5); at N=16 0.612 ms against Triton's 0.459 (B=128, S=8192).
 # Sparse attention (RESULTS.md, "DSA sparse attention (pallas_mosaic)", v3: cp.async gather for
 # both caches, T in {128, 4096} x N in {16, 32, 64, 128}): the Mosaic kernel measured faster at
 # every N >= 32, bf16 1.10-1.91x and fp8_ds_mla 1.22-1.81x, and slower at N=16 in all four

@@ -63,13 +63,14 @@ class MosaicDecodeConfig:
     value warpgroups are done with page i, so widening and the products take turns (H200, B=128,
     N=128, S=4096: 0.842 ms against bf16's 0.367; benchmarks/RESULTS.md, "Latent decode
     (pallas_mosaic)", session 5);
-  - "half_pages": the same 72 KB as two 32-row slots, and the consumers step 32 tokens at a time,
-    so the memory warpgroup widens half-page j + 1 while they run half-page j's products (not yet
-    timed)."""
+  - "half_pages" (the default): the same 72 KB as two 32-row slots, and the consumers step 32
+    tokens at a time, so the memory warpgroup widens half-page j + 1 while they run half-page j's
+    products (H200, B=128: 1.35x "serial" at N=128 S=4096 and N=16 S=8192, 1.37x at N=128 S=8192;
+    RESULTS.md, session 6)."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
-  fp8_pipeline: str = "serial"
+  fp8_pipeline: str = "half_pages"
 
   def __post_init__(self):
     if self.block_h != 64:
@@ -86,7 +87,7 @@ class MosaicDecodeConfig:
 
 CONFIG = MosaicDecodeConfig()
 # The sweep space: the variants `benchmarks/bench_decode.py --mosaic-configs` times beside CONFIG.
-SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="half_pages"))
+SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"))
 _TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
 # fp8 caches: 2 slots of e4m3 bytes (36 KB each) that the memory warpgroup widens into the bf16
 # slots the products read ("serial": one of 64 rows; "half_pages": two of 32 rows), so the shared

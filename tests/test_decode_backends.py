@@ -218,11 +218,12 @@ class TestPallasMosaicDecodeHalfPages(DecodeContract):
   and the rows a half page can cut: lengths ending in either half or on its edge, a half with no
   row that counts, bad table entries. bf16 caches ignore the pipeline (TestPallasMosaicDecode)."""
   backend = "pallas_mosaic"
+  pipeline = "half_pages"
 
   @pytest.fixture(autouse=True)
-  def _half_pages(self, monkeypatch):
+  def _pipeline(self, monkeypatch):
     monkeypatch.setattr(backends, "MOSAIC_DECODE_CONFIG",
-                        mosaic_decode.MosaicDecodeConfig(fp8_pipeline="half_pages"))
+                        mosaic_decode.MosaicDecodeConfig(fp8_pipeline=self.pipeline))
 
   def decode(self, q, kv_cache, *args, **kwargs):
     if kv_cache.dtype != jnp.float8_e4m3fn:
@@ -248,7 +249,13 @@ class TestPallasMosaicDecodeHalfPages(DecodeContract):
                                        cache_dtype=jnp.float8_e4m3fn)
     self.decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(tables), jnp.asarray(lens),
                 k_scale=FP8_SCALE)
-    assert seen == ["half_pages"]
+    assert seen == [self.pipeline]
+
+
+class TestPallasMosaicDecodeSerialFp8(TestPallasMosaicDecodeHalfPages):
+  """The other fp8 pipeline, "serial" (one 64-row bf16 slot; the SWEEP's alternative), on the same
+  cases."""
+  pipeline = "serial"
 
 
 def _stage1_splits(jaxpr):
