@@ -14,7 +14,8 @@ sdpa" and the largest difference of its output from the Triton kernel's; "grid m
 "grid/persistent" time the same kernel with one program per (query slot, head, request) instead of
 its persistent queue; a compile or run failure is recorded in "mosaic error" and the row goes on.
 `--sweep` times the Triton kernel's (block_q, block_k, num_warps, num_stages) variants and the
-Mosaic kernel's (block_k, num_stages, ping_pong) ones instead.
+Mosaic kernel's (its SWEEP: block_k, num_stages, ping_pong, the persistent queue and its L2
+sections) ones instead; `--no-triton` leaves the Triton variants out.
 
 `--context R NEW CTX` times the chunked-context prefill end to end (SPEC section 5): the MLA layer's
 prefill path (`MLAAttention._prefill`, DeepSeek-V3 dims, N heads, bf16, `--backend`) for R requests
@@ -125,7 +126,7 @@ def run_case(args, batch, seq, heads):
 
   if args.sweep:
     rows = []
-    for config in kernel.SWEEP:
+    for config in () if args.no_triton else kernel.SWEEP:
       cfg = dataclasses.asdict(config)
       try:  # a variant may not compile (shared memory): record that and go on
         row = {**base, **cfg, **rates(timed(pallas_fn(seq, **cfg)), flops=flops)}
@@ -260,6 +261,8 @@ def main(argv=None):
                       choices=["xla", "cudnn", "sdpa"], help="implementations timed beside ours")
   parser.add_argument("--no-mosaic", action="store_true", help="skip the Mosaic GPU kernel")
   parser.add_argument("--sweep", action="store_true", help="time kernel variants, no rivals")
+  parser.add_argument("--no-triton", action="store_true",
+                      help="with --sweep: time the Mosaic kernel's variants only")
   parser.add_argument("--iters", type=int, default=10, help="back-to-back calls per timing")
   parser.add_argument("--repeats", type=int, default=5, help="timings; the median is reported")
   parser.add_argument("--context", type=int, nargs=3, metavar=("R", "NEW", "CTX"),

@@ -21,7 +21,8 @@ stays, and is the default from there (`persistent`). Three warpgroups a program:
 Both compute warpgroups walk the same steps (those the block's last row needs), so they share every
 slot; the diagonal, ragged and misaligned steps are masked, the others are not.
 Items (programs) run heads fastest from 64 heads (blocks of equal causal work side by side), query
-blocks fastest below (one head's K/V shared in L2).
+blocks fastest below (one head's K/V shared in L2); `l2_section_bytes` instead walks the queue in
+sections of a few heads whose K/V fits in L2, heads fastest within a section.
 
 Bulk copies move whole boxes and cannot mask rows, so:
 - Mosaic GPU copies (8, 64)-tiled buffers as whole tiles of the global array, so a box must start
@@ -99,6 +100,12 @@ class MosaicPrefillConfig:
   # below _PERSISTENT_MAX_TOKENS query rows, where it measured faster.
   persistent: bool | None = None
   num_programs: int | None = None  # persistent programs; None: the device's SM count
+  # The persistent queue in sections of as many heads as have their K/V (all of the batch's keys)
+  # within this many bytes: a section's blocks, heaviest first, heads fastest, before the next
+  # section's, so that the programs at work share a few heads' K/V in L2 (FlashAttention-3's L2
+  # swizzle, which budgets 32 MiB); None: all heads one section from _HEADS_FIRST_MIN heads, else
+  # one head a section. Needs persistent=True.
+  l2_section_bytes: int | None = None
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -111,6 +118,11 @@ class MosaicPrefillConfig:
       raise ValueError(f"persistent must be a bool or None, got {self.persistent!r}")
     if self.num_programs is not None:
       check_at_least("num_programs", self.num_programs, 1)
+    if self.l2_section_bytes is not None:
+      check_at_least("l2_section_bytes", self.l2_section_bytes, 1)
+      if self.persistent is not True:
+        raise ValueError("l2_section_bytes orders the persistent queue: it needs persistent=True, "
+                         f"got persistent={self.persistent!r}")
 
 
 # The chosen config (128-key steps, ring as deep as fits, ping-pong) and the sweep space
@@ -118,7 +130,11 @@ class MosaicPrefillConfig:
 # (pallas_mosaic)".
 DEFAULT = MosaicPrefillConfig()
 SWEEP = tuple(MosaicPrefillConfig(*v) for v in [(128, 2, True), (128, 2, False), (64, 4, True),
-                                                (64, 3, True), (64, 4, False)])
+                                                (64, 3, True), (64, 4, False)]) + (
+    # The queue as it is, and in L2 sections (prepared, not timed; benchmarks/RESULTS.md).
+    MosaicPrefillConfig(persistent=True),
+    MosaicPrefillConfig(persistent=True, l2_section_bytes=32 << 20),
+    MosaicPrefillConfig(persistent=True, l2_section_bytes=8 << 20))
 
 
 def _smem_bytes(dk, dv, block_k, stages):
@@ -171,7 +187,7 @@ def _block_keys(qs, q_lead, q_len, k_len, causal):
 
 def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
                     qv_smem, *rest, scale, causal, num_q_programs, block_k, ping_pong,
-                    p_in_registers, persistent, heads_first, direct):
+                    p_in_registers, persistent, section_heads, direct):
   # GMEM: cu_q_ref, cu_k_ref [R+1] int32; tile_ref [R] int32 (request's first output tile);
   # queue_ref [2, B+1] int32 (persistent: column 0 row 0 the number of blocks, then per block,
   # heaviest first, its request (row 0) and index in the request (row 1); otherwise unused);
@@ -212,9 +228,11 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
                 q_base=q_base, k_base=k_base, q_lead=q_start - q_base, k_lead=k_start - k_base)
 
   if persistent:
-    # Program p takes items p, p + P, ... of the queue: blocks heaviest first, each for every
-    # head (heads fastest: items side by side do equal work) or each head for every block (blocks
-    # fastest: items side by side share a head's K/V in L2).
+    # Program p takes items p, p + P, ... of the queue: the heads in sections of section_heads,
+    # one section after another; in a section the blocks heaviest first, each for the section's
+    # heads (heads fastest: items side by side do equal work; the section's K/V is what the
+    # programs at work read, so it can stay in L2). All heads one section: every block for every
+    # head; one head a section: each head for every block.
     prog, num_programs = lax.axis_index("programs"), lax.axis_size("programs")
     num_blocks = queue_ref[0, 0]
     trips = lax.div(jnp.maximum(num_blocks * num_heads - prog, 0) + (num_programs - 1),
@@ -222,10 +240,8 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
 
     def item(trip):
       i = prog + trip * num_programs
-      if heads_first:
-        block, h = lax.div(i, num_heads), lax.rem(i, num_heads)
-      else:
-        block, h = lax.rem(i, num_blocks), lax.div(i, num_blocks)
+      section, i = lax.div(i, section_heads * num_blocks), lax.rem(i, section_heads * num_blocks)
+      block, h = lax.div(i, section_heads), section * section_heads + lax.rem(i, section_heads)
       r = queue_ref[0, block + 1]
       return _Item(h=h, qs=queue_ref[1, block + 1] * _BLOCK_Q, **request(r))
   else:
@@ -539,6 +555,13 @@ def _work_queue(cu_q, cu_k, tq, causal, direct):
   return jnp.concatenate([count, jnp.stack([r[order], b[order]])], axis=1).astype(jnp.int32)
 
 
+def _section_heads(num_heads, head_kv_bytes, budget):
+  """Heads a section of the persistent queue holds: the most whose K/V (head_kv_bytes each) fit
+  in `budget` bytes, at least 1, rounded down to a divisor of num_heads (whole sections)."""
+  most = max(1, budget // head_kv_bytes)
+  return max(d for d in range(1, min(most, num_heads) + 1) if num_heads % d == 0)
+
+
 def _sm_count():
   """Streaming multiprocessors of the first device (132 on the H200 if it does not say)."""
   return getattr(jax.devices()[0], "core_count", None) or 132
@@ -546,12 +569,13 @@ def _sm_count():
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "max_seqlen_q", "block_k",
                                              "num_stages", "ping_pong", "persistent",
-                                             "num_programs", "interpret"))
+                                             "num_programs", "l2_section_bytes", "interpret"))
 def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
                 cu_seqlens_k: jax.Array, *, scale: float, causal: bool, max_seqlen_q: int,
                 block_k: int = DEFAULT.block_k, num_stages: int | None = DEFAULT.num_stages,
                 ping_pong: bool = DEFAULT.ping_pong, persistent: bool | None = DEFAULT.persistent,
                 num_programs: int | None = DEFAULT.num_programs,
+                l2_section_bytes: int | None = DEFAULT.l2_section_bytes,
                 interpret: bool | plgpu.InterpretGPUParams = False
                 ) -> tuple[jax.Array, jax.Array]:
   """Variable-length attention with a running LSE; see the module docstring for the layout.
@@ -564,11 +588,13 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   (num_programs; default the device's SM count, 4 in the interpreter, so that each takes several
   items) walk a queue of (query block, head) items, the heaviest blocks first; else one program per
   (query slot, head, request); default (None): persistent below 4096 query rows, where it measured
-  faster. interpret: True or a
+  faster. l2_section_bytes (persistent only): walk the queue in sections of as many heads as have
+  their K/V within that many bytes (see MosaicPrefillConfig). interpret: True or a
   `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns o [Tq, N, Dv] bf16 and
   lse [Tq, N] float32 (natural log); rows past cu_q[-1], and rows that see no key, give (0, -inf).
   """
-  config = MosaicPrefillConfig(block_k, num_stages, ping_pong, persistent, num_programs)
+  config = MosaicPrefillConfig(block_k, num_stages, ping_pong, persistent, num_programs,
+                               l2_section_bytes)
   _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, config)
   tq, n, dk = q.shape
   tk, dv = k.shape[0], v.shape[2]
@@ -607,11 +633,15 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   # wave reads one or two heads' K/V, which stay in L2 (+2.5% at N=16).
   heads_first = n >= _HEADS_FIRST_MIN
   if persistent:
+    section_heads = (_section_heads(n, k.shape[0] * (dk + dv) * k.dtype.itemsize,
+                                    l2_section_bytes) if l2_section_bytes
+                     else n if heads_first else 1)
     queue = _work_queue(cu_seqlens_q, cu_seqlens_k, q.shape[0], causal, direct)
     num_programs = num_programs or (4 if interpret else _sm_count())
     grid, grid_names = (min(num_programs, (queue.shape[1] - 1) * n),), ("programs",)
   else:
     queue = jnp.zeros((2, 1), jnp.int32)  # unused
+    section_heads = None  # the grid has no queue
     if heads_first:
       grid, grid_names = (n, num_q_programs, num_requests), ("heads", "q", "requests")
     else:
@@ -619,7 +649,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   kernel = functools.partial(_prefill_kernel, scale=scale, causal=causal,
                              num_q_programs=num_q_programs, block_k=block_k, ping_pong=ping_pong,
                              p_in_registers=p_in_registers, persistent=persistent,
-                             heads_first=heads_first, direct=direct)
+                             section_heads=section_heads, direct=direct)
   out_rows = q.shape[0] if direct else num_tiles * _TILE
   o_tiles, lse_tiles = plgpu.kernel(
       kernel,

@@ -197,6 +197,9 @@ class TestPallasMosaicPrefill(PrefillContract):
       (4096, 64, 2, True, dict(block_k=64, num_stages=4, ping_pong=False)),
       # Each grid where it is not the default (persistent below 4096 query rows).
       (16384, 128, 1, True, dict(persistent=True)), (1024, 16, 1, True, dict(persistent=False)),
+      # The queue in L2 sections (2 heads of 128 at 16K keys, 8 at 4096 keys).
+      (16384, 128, 1, True, dict(persistent=True, l2_section_bytes=32 << 20)),
+      (4096, 128, 4, True, dict(persistent=True, l2_section_bytes=32 << 20)),
   ])
   def test_lowers_for_hopper(self, tokens, n, requests, causal, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
@@ -220,6 +223,8 @@ class TestPallasMosaicPrefill(PrefillContract):
       (dict(num_stages=3), r"num_stages must be in \[2, 2\]"),  # 128-key steps: 2 fit
       (dict(num_programs=0), "num_programs must be an int >= 1"),
       (dict(persistent="yes"), "persistent must be a bool or None"),
+      (dict(persistent=True, l2_section_bytes=0), "l2_section_bytes must be an int >= 1"),
+      (dict(l2_section_bytes=1 << 20), "needs persistent=True"),
       (dict(cu_seqlens_q=jnp.array([0.0, 8.0])), "int32"),
       (dict(cu_seqlens_k=jnp.array([0, 4, 8], jnp.int32)), "differ in length"),
   ])
@@ -230,3 +235,29 @@ class TestPallasMosaicPrefill(PrefillContract):
     args.update(change)
     with pytest.raises(ValueError, match=message):
       mosaic_prefill.mla_prefill(**args, scale=SCALE, causal=True, max_seqlen_q=8, interpret=True)
+
+
+class TestPallasMosaicPrefillL2Sections(PrefillContract):
+  """The contract on the persistent queue walked in L2 sections (`l2_section_bytes`), in the
+  interpreter: a budget of two heads' K/V, so 16 heads run in 8 sections and 4 in 2 (items of a
+  later section must land on its own heads), 3 programs each taking several items."""
+
+  def prefill(self, q, k, v, *args, **kwargs):
+    if q.dtype.name not in mosaic_prefill.DTYPES:
+      pytest.skip(f"pallas_mosaic's prefill kernel takes {mosaic_prefill.DTYPES} only, "
+                  f"got {q.dtype}")
+    # The kernel pads k to whole boxes of block_k (128) keys: a head's K/V is that many rows.
+    rows = mosaic_prefill._pad_rows(k, mosaic_prefill.DEFAULT.block_k).shape[0]
+    budget = 2 * rows * (DK + DV) * k.dtype.itemsize
+    return mosaic_prefill.mla_prefill(q, k, v, *args, **kwargs, persistent=True, num_programs=3,
+                                      l2_section_bytes=budget, interpret=True)
+
+  @pytest.mark.parametrize("heads, head_kv_bytes, budget, want", [
+      (128, 16384 * 640, 32 << 20, 2),  # 16K keys: 10.5 MB a head, 3 fit, 2 divide 128
+      (128, 4096 * 640, 32 << 20, 8),  # 4096 keys: 12 fit
+      (6, 100, 400, 3),  # 4 fit, 3 divide 6
+      (16, 100, 99, 1),  # not one head fits: one a section
+      (16, 100, 10**6, 16),  # all heads
+  ])
+  def test_section_heads(self, heads, head_kv_bytes, budget, want):
+    assert mosaic_prefill._section_heads(heads, head_kv_bytes, budget) == want

@@ -5,6 +5,8 @@ bulk-copy boxes and its output tiles (the poisoned allocator shows a row it neve
 short cases its persistent grid.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 from gpu_utils import poison_allocator
 from mla_jax import reference
 from mla_jax.backends import get_backend
+from pallas_kernels import mosaic_prefill
 from prefill_contract import DK, DV, SCALE, assert_close, cumulative
 
 pytestmark = pytest.mark.gpu
@@ -33,6 +36,19 @@ CASES = {
 @pytest.mark.parametrize("backend", ["pallas", "pallas_triton", "pallas_mosaic"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_prefill_matches_reference(case, backend):
+  check_case(case, get_backend(backend).prefill)
+
+
+# The Mosaic kernel's persistent queue walked in L2 sections of heads (the SWEEP's variant): 16384
+# tokens of 128 heads in 4 requests (2 heads a section), the short packed batch (32 a section).
+@pytest.mark.parametrize("case", ["n128_causal", "n128_causal_short"])
+def test_mosaic_l2_sections_match_reference(case):
+  check_case(case, functools.partial(mosaic_prefill.mla_prefill, persistent=True,
+                                     l2_section_bytes=32 << 20))
+
+
+def check_case(case, prefill):
+  """prefill on CASES[case] (poisoned allocator) against the XLA reference."""
   n, causal, len_q, len_k = CASES[case]
   cu_q, cu_k = cumulative(len_q), cumulative(len_k)
   tq, tk = int(cu_q[-1]) + 37, int(cu_k[-1]) + 5  # padded rows and stray keys past the last request
@@ -41,7 +57,6 @@ def test_prefill_matches_reference(case, backend):
   k = jax.random.normal(keys[1], (tk, n, DK), jnp.bfloat16)
   v = jax.random.normal(keys[2], (tk, n, DV), jnp.bfloat16)
   cu_q, cu_k = jnp.asarray(cu_q), jnp.asarray(cu_k)
-  prefill = get_backend(backend).prefill
   poison_allocator()
   o, lse = prefill(q, k, v, cu_q, cu_k, scale=SCALE, causal=causal, max_seqlen_q=max(len_q))
   ref = jax.jit(reference.mha_prefill, static_argnames=("scale", "causal"))
