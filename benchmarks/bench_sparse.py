@@ -27,7 +27,7 @@ Columns: S is the context a row selects from or scores (positions). Two input se
 per case. `--quick` (~3 minutes on the H200): T=128 for sparse and indexer, the two 128-row top-k
 cases and the step. `--sweep` times each kernel's tuning variants (SWEEPS) at one case a part
 instead: sparse at T=128, N=128 (both caches), indexer at T=2048 over 32K (and pallas_mosaic's at
-T=128 over 128K too), top-k at 128 x 131072.
+T=128 over 128K too), top-k at 128 x 131072; `--sweep-kernels` narrows it to some kernels.
 """
 
 from __future__ import annotations
@@ -61,8 +61,10 @@ SWEEPS = {
     "sparse": [dataclasses.asdict(config) for config in pallas_sparse.SWEEP],
     "indexer": [dataclasses.asdict(config) for config in pallas_indexer.SWEEP],
     # pallas_mosaic's indexer: rows, positions and ring slots per program, at T=2048 over 32K
-    # (rows=4, one request) and at T=128 over 128K (rows=1, a request per row).
-    "mosaic_indexer": [dict(rows=rows, chunk=config.chunk, stages=config.stages)
+    # (rows=4, one request) and at T=128 over 128K (rows=1, a request per row); pingpong: the
+    # compute warpgroups' products strictly alternate.
+    "mosaic_indexer": [dict(rows=rows, chunk=config.chunk, stages=config.stages,
+                            pingpong=config.pingpong)
                        for rows, config in pallas_mosaic_indexer.SWEEP],
     "topk": [dataclasses.asdict(config) for config in pallas_topk.SWEEP],
 }
@@ -256,7 +258,7 @@ def run_sweep(args):
       sets = [(jax.random.normal(jax.random.key(100 + i), (t, n, L + R), jnp.bfloat16), cache,
                jax.random.randint(jax.random.key(110 + i), (t, TOPK), 0, DECODE_CACHE_TOKENS,
                                   jnp.int32)) for i in range(2)]
-      for cfg in SWEEPS["sparse"]:
+      for cfg in SWEEPS["sparse"] if "sparse" in args.sweep_kernels else ():
         if kind == "bf16":
           fn = lambda q, c, s, cfg=cfg: pallas_sparse.sparse_attention(
               q, c.data, s, scale=SCALE, kv_lora_rank=L, **cfg)
@@ -271,14 +273,15 @@ def run_sweep(args):
     t, context = 2048, 32768
     sets = [kernel_inputs(*indexer_inputs(t, context, False, jax.random.key(200 + i)))
             for i in range(2)]
-    for cfg in SWEEPS["indexer"]:
+    for cfg in SWEEPS["indexer"] if "indexer" in args.sweep_kernels else ():
       timed({**case_row("indexer", t, context=context, cache="fp8 x fp8"), **cfg},
             functools.partial(pallas_indexer.indexer_logits, **cfg), sets,
             context * K_TOKEN_BYTES + t * context * 4, 2 * H * D * int(sets[0][5].sum()))
-    for cfg in SWEEPS["mosaic_indexer"]:
+    for cfg in SWEEPS["mosaic_indexer"] if "mosaic_indexer" in args.sweep_kernels else ():
       t, context = (2048, 32768) if cfg["rows"] == 4 else (128, 131072)
-      sets = [kernel_inputs(*indexer_inputs(t, context, cfg["rows"] == 1, jax.random.key(200 + i)))
-              for i in range(2)]
+      if sets[0][0].shape[0] != t:  # new inputs when the case changes (the SWEEP groups by rows)
+        sets = [kernel_inputs(*indexer_inputs(t, context, cfg["rows"] == 1,
+                                              jax.random.key(200 + i))) for i in range(2)]
       distinct = context if cfg["rows"] == 4 else t * context
       timed({**case_row("indexer", t, context=context, cache="fp8 pallas_mosaic"), **cfg},
             functools.partial(pallas_mosaic_indexer.indexer_logits, **cfg), sets,
@@ -287,7 +290,7 @@ def run_sweep(args):
     t, s = 128, 131072
     sets = [(jax.random.normal(jax.random.key(300 + i), (t, s), jnp.float32),
              jnp.full((t,), s, jnp.int32)) for i in range(2)]
-    for cfg in SWEEPS["topk"]:
+    for cfg in SWEEPS["topk"] if "topk" in args.sweep_kernels else ():
       timed({**case_row("topk", t, context=s), **cfg},
             lambda x, lens, cfg=cfg: pallas_topk.topk_positions(x, lens, TOPK, **cfg), sets,
             t * s * 4 + t * TOPK * 4, None)
@@ -328,6 +331,8 @@ def main(argv=None):
   parser.add_argument("--sparse-caches", nargs="+", default=["bf16", "fp8_ds_mla"],
                       choices=["bf16", "fp8_ds_mla"], help="sparse cases' cache layouts")
   parser.add_argument("--sweep", action="store_true", help="time each kernel's tuning variants")
+  parser.add_argument("--sweep-kernels", nargs="+", default=list(SWEEPS), choices=list(SWEEPS),
+                      help="--sweep: only these kernels' variants (default all)")
   parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference")
   parser.add_argument("--no-sweep-rows", action="store_true",
                       help="sparse cases: only the Mosaic kernel's chosen config, not its SWEEP")
