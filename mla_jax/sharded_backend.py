@@ -76,16 +76,14 @@ def merge_across(axis: str, o, lse, how: str = "all_reduce"):
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     w = jnp.exp(lses - m)
     total, acc = jnp.sum(w, axis=0), jnp.sum(weigh(w, os), axis=0)
-  elif how == "all_reduce":
+  elif how in ("all_reduce", "o_proj"):
     m = lax.pmax(lse, axis)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     w = jnp.exp(lse - m)
-    total, acc = lax.psum((w, weigh(w, o)), axis)
-  elif how == "o_proj":
-    m = lax.pmax(lse, axis)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    w = jnp.exp(lse - m)
-    total, acc = lax.psum(w, axis), weigh(w, o)
+    if how == "all_reduce":
+      total, acc = lax.psum((w, weigh(w, o)), axis)
+    else:  # this device's part: the sum over devices is left to o_proj's all-reduce
+      total, acc = lax.psum(w, axis), weigh(w, o)
   else:
     raise ValueError(f"unknown dcp merge {how!r}; supported: {DCP_MERGES}")
   safe = jnp.where(total > 0, total, 1.0)

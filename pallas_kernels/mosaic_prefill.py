@@ -68,7 +68,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import (LN2, LOG2E, M_INIT, check_at_least, check_prefill_args,
-                                   row_broadcast, swizzled)
+                                   row_broadcast, sm_count, swizzled)
 
 DTYPES = ("bfloat16",)  # what q, k, v may be (the wgmma operands here are 16-bit, f16 untested)
 _TILE = 64  # query rows per compute warpgroup: the M of every Hopper wgmma
@@ -562,11 +562,6 @@ def _section_heads(num_heads, head_kv_bytes, budget):
   return max(d for d in range(1, min(most, num_heads) + 1) if num_heads % d == 0)
 
 
-def _sm_count():
-  """Streaming multiprocessors of the first device (132 on the H200 if it does not say)."""
-  return getattr(jax.devices()[0], "core_count", None) or 132
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "max_seqlen_q", "block_k",
                                              "num_stages", "ping_pong", "persistent",
                                              "num_programs", "l2_section_bytes", "interpret"))
@@ -637,7 +632,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                                     l2_section_bytes) if l2_section_bytes
                      else n if heads_first else 1)
     queue = _work_queue(cu_seqlens_q, cu_seqlens_k, q.shape[0], causal, direct)
-    num_programs = num_programs or (4 if interpret else _sm_count())
+    num_programs = num_programs or (4 if interpret else sm_count())
     grid, grid_names = (min(num_programs, (queue.shape[1] - 1) * n),), ("programs",)
   else:
     queue = jnp.zeros((2, 1), jnp.int32)  # unused
