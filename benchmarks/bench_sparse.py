@@ -61,10 +61,8 @@ SWEEPS = {
     "sparse": [dataclasses.asdict(config) for config in pallas_sparse.SWEEP],
     "indexer": [dataclasses.asdict(config) for config in pallas_indexer.SWEEP],
     # pallas_mosaic's indexer: rows, positions and ring slots per program, at T=2048 over 32K
-    # (rows=4, one request) and at T=128 over 128K (rows=1, a request per row); pingpong: the
-    # compute warpgroups' products strictly alternate.
-    "mosaic_indexer": [dict(rows=rows, chunk=config.chunk, stages=config.stages,
-                            pingpong=config.pingpong)
+    # (rows=4, one request) and at T=128 over 128K (rows=1, a request per row).
+    "mosaic_indexer": [dict(rows=rows, chunk=config.chunk, stages=config.stages)
                        for rows, config in pallas_mosaic_indexer.SWEEP],
     "topk": [dataclasses.asdict(config) for config in pallas_topk.SWEEP],
 }

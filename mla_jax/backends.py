@@ -236,9 +236,9 @@ PALLAS_MOSAIC = dataclasses.replace(
 )
 
 # Where the Mosaic GPU kernels measured faster than the Pallas-Triton ones on the H200
-# (benchmarks/RESULTS.md, "pallas_mosaic" sections). Prefill: bf16 batches of 4096 tokens or more
-# (1.3-1.9x), and from 1024 tokens at 64 heads or more (1.43x at 1024 tokens and N=128, 1.14x at
-# 8 x 1024); at 1024 tokens and 16 heads it measured slower (0.49x, before its persistent grid).
+# (benchmarks/RESULTS.md, "pallas_mosaic" sections). Prefill: bf16 from 1024 tokens at 16 and 128
+# heads (session 7, the queue in L2 sections: 1.13x at 1x1024 and 1.21x at 8 x 1024 for N=16,
+# 1.32-1.77x elsewhere); fewer tokens were not measured.
 # Decode: 1.85-1.92x at 128 heads, 0.85-0.94x at 16; 64 heads fill one 64-row tile as each half of
 # 128 does.
 # fp8 decode (the "half_pages" pipeline, session 6): 0.620 ms at N=128 B=128 S=4096 against
@@ -251,9 +251,7 @@ PALLAS_MOSAIC = dataclasses.replace(
 # grows with N, hence a head threshold and no token bound. 17-31 heads were not measured: Triton's.
 # v4 (the "one_wave" split rule, T=128): Mosaic 0.95x Triton at N=16 bf16, 1.10x fp8_ds_mla (still
 # 0.98x at T=4096, where the rule changes nothing), 1.56x / 1.46x at N=32, 2.18x / 1.73x at N=128.
-_MOSAIC_PREFILL_MIN_TOKENS = 4096
-_MOSAIC_PREFILL_MANY_HEADS = 64  # from this many heads, Mosaic from fewer tokens:
-_MOSAIC_PREFILL_MIN_TOKENS_MANY_HEADS = 1024
+_MOSAIC_PREFILL_MIN_TOKENS = 1024
 _MOSAIC_DECODE_MIN_HEADS = 64
 _MOSAIC_SPARSE_MIN_HEADS = 32
 
@@ -267,9 +265,7 @@ def _fastest_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_
   """pallas_mosaic's prefill where it measured faster (a static choice on shapes and the device),
   else pallas_triton's."""
   mosaic = (q.dtype == k.dtype == v.dtype == jnp.bfloat16
-            and q.shape[0] >= (_MOSAIC_PREFILL_MIN_TOKENS_MANY_HEADS
-                               if q.shape[1] >= _MOSAIC_PREFILL_MANY_HEADS
-                               else _MOSAIC_PREFILL_MIN_TOKENS)
+            and q.shape[0] >= _MOSAIC_PREFILL_MIN_TOKENS
             and pallas_mosaic_prefill.head_sizes_fit(q.shape[2], v.shape[2]) and _on_hopper())
   prefill = PALLAS_MOSAIC.prefill if mosaic else PALLAS_TRITON.prefill
   return prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal,

@@ -16,11 +16,9 @@ One program (CTA) per (group of `rows` rows, chunk of positions), three warpgrou
   block_k keys, N = rows * 64 heads, K = 128), so that the weighted sum over heads is a per-row
   reduction of the accumulator; relu, the weights (a column broadcast), the sum, the key scales,
   the masks; the [rows, block_k] result is staged in shared memory and bulk-copied out.
-The two compute warpgroups are meant to overlap one's epilogue with the other's product; nothing
-keeps them from running in lockstep, though (both products at once, then both epilogues while the
-tensor cores idle). `pingpong=True` orders them: a warpgroup starts its product only once the other
-warpgroup's previous product has completed (a handoff barrier per warpgroup), so the products run
-one after the other and each epilogue runs beside the other warpgroup's product.
+The two compute warpgroups are meant to overlap one's epilogue with the other's product; forcing
+strict turns through barriers measured no faster (H200: 0.99x; benchmarks/RESULTS.md, "DSA
+selection", v4 timed), so nothing orders them.
 
 The rows of a group share the keys they read, so they must share a block table: `rows=4` (N = 256)
 suits one request's prefill rows, `rows=1` (N = 64, block_k = 256) decode rows of distinct
@@ -64,7 +62,6 @@ class MosaicIndexerConfig:
   block_k: int  # positions per step; block_k * rows = 256 keeps the accumulator at 128 registers
   chunk: int  # positions per program
   stages: int  # slots in the key ring, even: slot s is always consumed by warpgroup s % 2
-  pingpong: bool = False  # products strictly alternate between the compute warpgroups (docstring)
 
   def __post_init__(self):
     check_pow2("block_k", self.block_k, _TILE)
@@ -72,8 +69,6 @@ class MosaicIndexerConfig:
     check_at_least("stages", self.stages, 2)
     if self.stages % 2:
       raise ValueError(f"stages must be even, got {self.stages}")
-    if not isinstance(self.pingpong, bool):
-      raise ValueError(f"pingpong must be a bool, got {self.pingpong!r}")
 
 
 _C = MosaicIndexerConfig
@@ -86,21 +81,18 @@ TUNING = {
 # The sweep space, (rows, config): the variants `benchmarks/bench_sparse.py --sweep` times.
 SWEEP = (
     *((4, _C(64, c, s)) for c, s in [(2048, 4), (4096, 4), (2048, 2), (2048, 8), (4096, 8)]),
-    # Prepared for issue 14's 800 TFLOP/s, not yet timed: RESULTS "DSA selection" v4.
-    *((4, _C(64, 2048, s, pingpong=True)) for s in (4, 8)),
     *((1, _C(256, 4096, s)) for s in (4, 2, 6)),
 )
 
 
 def _kernel(q_ref, w_ref, k_ref, ks_ref, bt_ref, len_ref, o_ref, q_smem, w_smem, k_smem, ks_smem,
-            o_smem, q_bar, ready, consumed, *turn, rows, block_k, chunk, stages):
+            o_smem, q_bar, ready, consumed, *, rows, block_k, chunk, stages):
   # GMEM: q_ref [Tp * 64, 128] e4m3 (row t's heads at t * 64); w_ref [Tp, 64] f32; k_ref
   # [num_blocks, page, 128] e4m3; ks_ref [num_blocks, page] f32; bt_ref [Tp, max_blocks] int32;
   # len_ref [Tp] int32; o_ref [Tp, width] f32. SMEM: q_smem [rows * 64, 128] e4m3; w_smem [rows,
   # 64] f32; k_smem [stages, block_k, 128] e4m3; ks_smem [stages, block_k] f32; o_smem [2 wgs, 2,
   # rows, block_k] f32 (each warpgroup's output staging, double-buffered). Barriers: q_bar (queries
-  # and weights landed); ready [stages] (slot landed); consumed [stages] (its warpgroup is done);
-  # with pingpong, turn = (done [2],): done[w] (warpgroup w's product of its step completed).
+  # and weights landed); ready [stages] (slot landed); consumed [stages] (its warpgroup is done).
   g, c = lax.axis_index("groups"), lax.axis_index("chunks")
   wg = lax.axis_index("wg")
   t0 = g * rows
@@ -153,14 +145,7 @@ def _kernel(q_ref, w_ref, k_ref, ks_ref, bt_ref, len_ref, o_ref, q_smem, w_smem,
           plgpu.wgmma(acc_ref, k_smem.at[slot], q_smem.transpose((1, 0)))
           return acc_ref[...]
 
-        if turn:
-          # Step i's product follows step i - 1's (the other warpgroup's), completed; that
-          # warpgroup never runs two products ahead of this wait, so the phases cannot alias.
-          pl.when(i > 0)(lambda: plgpu.barrier_wait(turn[0].at[1 - wg]))
         s = pl.run_scoped(scores, plgpu.ACC((block_k, rows * HEADS), jnp.float32))
-        if turn:  # reading the accumulator waited for the product: hand the tensor cores over
-          # (not after the last step: every phase of a barrier is waited for, none left behind)
-          pl.when(i + 1 < n)(lambda: plgpu.barrier_arrive(turn[0].at[wg]))
         scale = plgpu.load(ks_smem.at[slot], layout=row_layout)
         plgpu.barrier_arrive(consumed.at[slot])
         for j in range(rows):
@@ -209,7 +194,7 @@ def fits(q: jax.Array, k_values: jax.Array) -> bool:
           and k_values.shape[1] % PAGE_MULTIPLE == 0)
 
 
-def _check(q, weights, k_values, k_scales, block_tables, seq_lens, rows, chunk, stages, pingpong):
+def _check(q, weights, k_values, k_scales, block_tables, seq_lens, rows, chunk, stages):
   check_indexer_args(q, weights, k_values, k_scales, block_tables, seq_lens)
   if q.dtype != F8 or k_values.dtype != F8:
     raise ValueError(f"q and k_values must be float8_e4m3fn (fp8 wgmma), got {q.dtype.name} and "
@@ -226,19 +211,16 @@ def _check(q, weights, k_values, k_scales, block_tables, seq_lens, rows, chunk, 
     raise ValueError(f"chunk must be a power of two >= 256, got {chunk}")
   if stages is not None and not (stages >= 2 and stages % 2 == 0):
     raise ValueError(f"stages must be even and >= 2, got {stages}")
-  if pingpong is not None and not isinstance(pingpong, bool):
-    raise ValueError(f"pingpong must be a bool or None, got {pingpong!r}")
 
 
 def _call(q, weights, k_values, k_scales, block_tables, seq_lens, *, rows, chunk, stages,
-          pingpong, interpret):
+          interpret):
   """The kernel over rows padded to a multiple of `rows` -> logits [Tp, width] f32."""
   t = q.shape[0]
   nb, page, d = k_values.shape
   span = block_tables.shape[1] * page
   tuned = TUNING[rows]
   block_k, stages = tuned.block_k, stages or tuned.stages
-  pingpong = tuned.pingpong if pingpong is None else pingpong
   chunk = max(block_k, min(chunk or tuned.chunk, next_pow2(span)))
   width = pl.cdiv(span, chunk) * chunk
   tp = pl.cdiv(t, rows) * rows
@@ -261,7 +243,6 @@ def _call(q, weights, k_values, k_scales, block_tables, seq_lens, *, rows, chunk
           plgpu.Barrier(num_arrivals=2),
           plgpu.Barrier(num_arrivals=2 * (block_k // _TILE), num_barriers=stages),
           plgpu.Barrier(num_barriers=stages),
-          *([plgpu.Barrier(num_barriers=_COMPUTE_WGS)] if pingpong else []),
       ),
       # Groups vary fastest: the groups of one request read the same chunk of keys together (L2).
       grid=(tp // rows, width // chunk),
@@ -271,7 +252,7 @@ def _call(q, weights, k_values, k_scales, block_tables, seq_lens, *, rows, chunk
       # Row reductions of the WGMMA layout stay within a warp (shuffles): no cross-warp scratch.
       compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
       interpret=interpret or None,
-      kernel_name=f"mosaic_indexer_logits_r{rows}_c{chunk}_s{stages}{'_pp' if pingpong else ''}",
+      kernel_name=f"mosaic_indexer_logits_r{rows}_c{chunk}_s{stages}",
   )(q.reshape(tp * HEADS, d), weights, k_values, k_scales, block_tables, seq_lens)
 
 
@@ -285,11 +266,10 @@ def groups_share_tables(block_tables: jax.Array, rows: int = _GROUP_ROWS) -> jax
   return jnp.all(groups == groups[:, :1])
 
 
-@functools.partial(jax.jit, static_argnames=("rows", "chunk", "stages", "pingpong", "interpret"))
+@functools.partial(jax.jit, static_argnames=("rows", "chunk", "stages", "interpret"))
 def indexer_logits(q: jax.Array, weights: jax.Array, k_values: jax.Array, k_scales: jax.Array,
                    block_tables: jax.Array, seq_lens: jax.Array, *, rows: int | None = None,
                    chunk: int | None = None, stages: int | None = None,
-                   pingpong: bool | None = None,
                    interpret: bool | plgpu.InterpretGPUParams = False) -> jax.Array:
   """Indexer logits over a paged fp8 K cache (semantics of `mla_jax.reference.indexer_logits`).
 
@@ -299,12 +279,10 @@ def indexer_logits(q: jax.Array, weights: jax.Array, k_values: jax.Array, k_scal
   sees positions s < seq_lens[t]). rows: rows per program (4: groups of 4 rows must share a table;
   1: any tables; None: 4 where every group shares one, else 1, decided on the device). chunk:
   positions per program, a power of two >= 256. stages: slots in the key ring, even and >= 2.
-  pingpong: the compute warpgroups' products strictly alternate (module docstring); None: the
-  tuned config's.
   interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
   logits [T, MB*BS] float32, -inf outside the window and on -1 / out-of-range blocks.
   """
-  _check(q, weights, k_values, k_scales, block_tables, seq_lens, rows, chunk, stages, pingpong)
+  _check(q, weights, k_values, k_scales, block_tables, seq_lens, rows, chunk, stages)
   t, h, _ = q.shape
   span = block_tables.shape[1] * k_values.shape[1]
   if t == 0 or span == 0:
@@ -315,7 +293,7 @@ def indexer_logits(q: jax.Array, weights: jax.Array, k_values: jax.Array, k_scal
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
   run = lambda r: _call(q, weights, k_values, k_scales, block_tables, seq_lens, rows=r, chunk=chunk,
-                        stages=stages, pingpong=pingpong, interpret=interpret)[:t, :span]
+                        stages=stages, interpret=interpret)[:t, :span]
   if rows is not None:
     return run(rows)
   if t < _GROUP_ROWS:

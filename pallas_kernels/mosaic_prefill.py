@@ -5,11 +5,16 @@ variable-length requests, bottom-right causal alignment, Dk != Dv, f32 natural-l
 cu_q[-1] give 0 / -inf), for bfloat16 q, k, v with Dv <= Dk. The structure is jax's
 FlashAttention-3 port (`jax.experimental.pallas.ops.gpu.attention_mgpu`), 128 query rows a block,
 persistent: as many programs (CTAs) as SMs walk a queue of (query block, head) work items built in
-the jitted entry from the cu_seqlens, blocks heaviest first (most keys), so that short and packed
-requests keep the SMs full and one block's epilogue overlaps the next one's K/V loads (the memory
-warpgroup runs ahead through the ring across items). It measured faster than the earlier grid of
-one program per (query-block slot, head, request) only below 4096 query rows (H200), so that grid
-stays, and is the default from there (`persistent`). Three warpgroups a program:
+the jitted entry from the cu_seqlens, in sections of a few heads whose K/V fits in L2
+(FlashAttention-3's L2 order), blocks heaviest first (most keys) within a section, so that short
+and packed requests keep the SMs full, the programs at work share a few heads' K/V in L2, and one
+block's epilogue overlaps the next one's K/V loads (the memory warpgroup runs ahead through the
+ring across items). It measured faster than the grid of one program per (query-block slot, head,
+request) below 8192 query rows at 128 heads and below 4096 at 16 (H200: 1.13-1.24x at 1024 and
+4096 tokens and 8 x 1024 at N=128), slower from there (0.90-0.97x at 16K and 4 x 4096 tokens), so
+the grid stays and is the default from there (`persistent`). Three warpgroups a program:
+Three warpgroups a program:
+Three warpgroups a program:
 - compute (warpgroups 0 and 1): each bulk-copies its own 64-row query tile (columns [0, Dv) and
   [Dv, Dk) into two buffers: the first later stages the output), then per step of block_k keys
   S = Q K^T (two wgmma, M = 64 rows, N = block_k keys), the float32 online softmax in exp2,
@@ -20,9 +25,9 @@ stays, and is the default from there (`persistent`). Three warpgroups a program:
   ring of slots, refilled as soon as both compute warpgroups are done with a slot's K (or V).
 Both compute warpgroups walk the same steps (those the block's last row needs), so they share every
 slot; the diagonal, ragged and misaligned steps are masked, the others are not.
-Items (programs) run heads fastest from 64 heads (blocks of equal causal work side by side), query
-blocks fastest below (one head's K/V shared in L2); `l2_section_bytes` instead walks the queue in
-sections of a few heads whose K/V fits in L2, heads fastest within a section.
+Items run in sections of `l2_section_bytes` worth of heads' K/V, heads fastest within a section;
+without sections (None) and in the grid, heads fastest from 64 heads (blocks of equal causal work
+side by side), query blocks fastest below (one head's K/V shared in L2).
 
 Bulk copies move whole boxes and cannot mask rows, so:
 - Mosaic GPU copies (8, 64)-tiled buffers as whole tiles of the global array, so a box must start
@@ -78,9 +83,11 @@ _MAX_STAGES = 4
 # Head counts from which programs launch heads fastest (H200: faster at 64 and 128 heads, slower
 # at 16; see mla_prefill).
 _HEADS_FIRST_MIN = 64
-# Batches of fewer query rows take the persistent grid by default (H200, N=128: 1.20x the grid at
-# 1024 tokens; 0.98x at 4096, 0.88-0.90x at 16K and 4 x 4096; benchmarks/RESULTS.md).
+# Batches of fewer query rows take the persistent queue by default, more the grid (H200, the
+# queue in 32 MiB sections against the grid: 1.13x at 1x4096 and 0.94x at 4 x 4096 for N=128;
+# 0.95x at 1x4096 for N=16; benchmarks/RESULTS.md).
 _PERSISTENT_MAX_TOKENS = 4096
+_PERSISTENT_MAX_TOKENS_MANY_HEADS = 8192  # from _HEADS_FIRST_MIN heads
 _SMEM_BYTES = 227 * 1024  # what one Hopper block may have
 _CONSUMER_REGS = 232  # 2 x 232 + 40 (memory warpgroup) registers x 128 threads fit the 64K file
 _MEMORY_REGS = 40
@@ -97,15 +104,16 @@ class MosaicPrefillConfig:
   num_stages: int | None = None  # K/V ring depth; None: the deepest that fits (_stages_for)
   ping_pong: bool = True  # the two compute warpgroups take turns on the tensor cores
   # Programs walk a queue of work items, else one per (query slot, head, request); None: the queue
-  # below _PERSISTENT_MAX_TOKENS query rows, where it measured faster.
+  # below _PERSISTENT_MAX_TOKENS(_MANY_HEADS) query rows, where it measured faster.
   persistent: bool | None = None
   num_programs: int | None = None  # persistent programs; None: the device's SM count
   # The persistent queue in sections of as many heads as have their K/V (all of the batch's keys)
   # within this many bytes: a section's blocks, heaviest first, heads fastest, before the next
   # section's, so that the programs at work share a few heads' K/V in L2 (FlashAttention-3's L2
-  # swizzle, which budgets 32 MiB); None: all heads one section from _HEADS_FIRST_MIN heads, else
-  # one head a section. Needs persistent=True.
-  l2_section_bytes: int | None = None
+  # swizzle, which budgets 32 MiB; H200, N=128: 1.10-1.15x the unsectioned queue); None: all
+  # heads one section from _HEADS_FIRST_MIN heads, else one head a section. The grid has no
+  # queue and ignores it.
+  l2_section_bytes: int | None = 32 << 20
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -120,21 +128,18 @@ class MosaicPrefillConfig:
       check_at_least("num_programs", self.num_programs, 1)
     if self.l2_section_bytes is not None:
       check_at_least("l2_section_bytes", self.l2_section_bytes, 1)
-      if self.persistent is not True:
-        raise ValueError("l2_section_bytes orders the persistent queue: it needs persistent=True, "
-                         f"got persistent={self.persistent!r}")
 
 
-# The chosen config (128-key steps, ring as deep as fits, ping-pong) and the sweep space
+# The chosen config (128-key steps, ring as deep as fits, ping-pong, the queue in 32 MiB sections)
+# and the sweep space
 # `benchmarks/bench_prefill.py --sweep` times; figures: benchmarks/RESULTS.md, "MLA prefill
 # (pallas_mosaic)".
 DEFAULT = MosaicPrefillConfig()
-SWEEP = tuple(MosaicPrefillConfig(*v) for v in [(128, 2, True), (128, 2, False), (64, 4, True),
-                                                (64, 3, True), (64, 4, False)]) + (
-    # The queue as it is, and in L2 sections (prepared, not timed; benchmarks/RESULTS.md).
-    MosaicPrefillConfig(persistent=True),
-    MosaicPrefillConfig(persistent=True, l2_section_bytes=32 << 20),
-    MosaicPrefillConfig(persistent=True, l2_section_bytes=8 << 20))
+SWEEP = (DEFAULT, MosaicPrefillConfig(persistent=True),
+         MosaicPrefillConfig(persistent=True, l2_section_bytes=8 << 20),
+         MosaicPrefillConfig(persistent=True, l2_section_bytes=None)) + tuple(
+    MosaicPrefillConfig(*v, persistent=False)
+    for v in [(128, 2, True), (128, 2, False), (64, 4, True), (64, 3, True), (64, 4, False)])
 
 
 def _smem_bytes(dk, dv, block_k, stages):
@@ -582,11 +587,12 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   warpgroups take turns on the tensor cores) are tuning knobs. persistent: as many programs
   (num_programs; default the device's SM count, 4 in the interpreter, so that each takes several
   items) walk a queue of (query block, head) items, the heaviest blocks first; else one program per
-  (query slot, head, request); default (None): persistent below 4096 query rows, where it measured
-  faster. l2_section_bytes (persistent only): walk the queue in sections of as many heads as have
-  their K/V within that many bytes (see MosaicPrefillConfig). interpret: True or a
-  `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns o [Tq, N, Dv] bf16 and
-  lse [Tq, N] float32 (natural log); rows past cu_q[-1], and rows that see no key, give (0, -inf).
+  (query slot, head, request); default (None): the queue below 8192 query rows at 64 heads or more,
+  below 4096 at fewer, where it measured faster. l2_section_bytes (persistent only): walk the queue
+  in sections of as many heads as have their K/V within that many bytes (see MosaicPrefillConfig).
+  interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
+  o [Tq, N, Dv] bf16 and lse [Tq, N] float32 (natural log); rows past cu_q[-1], and rows that see
+  no key, give (0, -inf).
   """
   config = MosaicPrefillConfig(block_k, num_stages, ping_pong, persistent, num_programs,
                                l2_section_bytes)
@@ -597,7 +603,8 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   if tq == 0 or tk == 0 or num_requests == 0:  # nothing to attend
     return jnp.zeros((tq, n, dv), q.dtype), jnp.full((tq, n), -jnp.inf, jnp.float32)
   if persistent is None:
-    persistent = tq < _PERSISTENT_MAX_TOKENS
+    persistent = tq < (_PERSISTENT_MAX_TOKENS_MANY_HEADS if n >= _HEADS_FIRST_MIN
+                       else _PERSISTENT_MAX_TOKENS)
   # One request: the kernel writes o and lse rows in place (no slots to gather from). Its q is then
   # padded to whole 128-row blocks, so that no tile's box is moved back over another tile's rows
   # (a block with none of the request's rows would write 0 over them).

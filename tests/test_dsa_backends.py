@@ -283,19 +283,15 @@ class TestPallasMosaicIndexer(IndexerContract):
   backend = "pallas_mosaic"
 
   # Lengths not a multiple of a step, rows that see nothing, pages behind -1; several programs per
-  # row (chunk 256); rows=4 groups (shared tables, 5 rows: one padded group) and rows=1; each
-  # also with pingpong (the products handed between the warpgroups by barriers, whose waits need
-  # the wide pool). chunk 256 at rows=4 is 4 steps: each warpgroup waits for the other's product.
-  @pytest.mark.parametrize("rows,lens,pingpong", [
-      (1, [300, 70, 0, 512, 1], False),
-      pytest.param(4, [512, 450, 1, 0, 129], False, id="rows4", marks=WIDE_POOL_ONLY),
-      pytest.param(1, [300, 70, 0, 512, 1], True, id="rows1-pingpong", marks=WIDE_POOL_ONLY),
-      pytest.param(4, [512, 450, 1, 0, 129], True, id="rows4-pingpong", marks=WIDE_POOL_ONLY)])
-  def test_rows_and_chunks_match_reference(self, rows, lens, pingpong):
+  # row (chunk 256); rows=4 groups (shared tables, 5 rows: one padded group) and rows=1.
+  @pytest.mark.parametrize("rows,lens", [(1, [300, 70, 0, 512, 1]),
+                                         pytest.param(4, [512, 450, 1, 0, 129], id="rows4",
+                                                      marks=WIDE_POOL_ONLY)])
+  def test_rows_and_chunks_match_reference(self, rows, lens):
     q, w, k_vals, k_scale, tables = mosaic_indexer_case(20 + rows, 5, shared=rows == 4)
     lens = jnp.asarray(lens, jnp.int32)
     got = mosaic_indexer.indexer_logits(q, w, k_vals, k_scale, tables, lens, rows=rows, chunk=256,
-                                        pingpong=pingpong, interpret=True)
+                                        interpret=True)
     assert_logits_close(got, reference.indexer_logits(q, w, k_vals, k_scale, tables, lens))
 
   @pytest.mark.parametrize("shared", [pytest.param(True, id="shared", marks=WIDE_POOL_ONLY),
@@ -308,10 +304,8 @@ class TestPallasMosaicIndexer(IndexerContract):
     got = mosaic_indexer.indexer_logits(q, w, k_vals, k_scale, tables, lens, interpret=True)
     assert_logits_close(got, reference.indexer_logits(q, w, k_vals, k_scale, tables, lens))
 
-  @pytest.mark.parametrize("t,ctx,rows,pingpong", [
-      (2048, 32768, None, None), (128, 131072, 1, None), (5, 4096, 4, None),
-      (2048, 32768, 4, True), (128, 131072, 1, True)])
-  def test_lowers_for_hopper(self, t, ctx, rows, pingpong):
+  @pytest.mark.parametrize("t,ctx,rows", [(2048, 32768, None), (128, 131072, 1), (5, 4096, 4)])
+  def test_lowers_for_hopper(self, t, ctx, rows):
     # Lowering for CUDA (it runs on this CPU) checks wgmma operand layouts, bulk-copy boxes and
     # that shared memory fits, which the interpreter does not.
     s = jax.ShapeDtypeStruct
@@ -319,17 +313,8 @@ class TestPallasMosaicIndexer(IndexerContract):
     args = (s((t, 64, 128), jnp.float8_e4m3fn), s((t, 64), jnp.float32),
             s((4 * pages, 64, 128), jnp.float8_e4m3fn), s((4 * pages, 64), jnp.float32),
             s((t, pages), jnp.int32), s((t,), jnp.int32))
-    traced = mosaic_indexer.indexer_logits.trace(*args, rows=rows, pingpong=pingpong)
-    text = traced.lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-    assert ("_pp" in text) == bool(pingpong)  # the variant asked for is the one lowered
-
-  def test_config_checks_its_fields(self):
-    assert not mosaic_indexer.MosaicIndexerConfig(64, 2048, 4).pingpong  # the default unchanged
-    with pytest.raises(ValueError, match="pingpong"):
-      mosaic_indexer.MosaicIndexerConfig(64, 2048, 4, pingpong=1)
-    with pytest.raises(ValueError, match="even"):
-      mosaic_indexer.MosaicIndexerConfig(64, 2048, 3)
+    traced = mosaic_indexer.indexer_logits.trace(*args, rows=rows)
+    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
   def test_backend_falls_back_where_the_kernel_does_not_fit(self):
     f8 = jnp.float8_e4m3fn
@@ -349,7 +334,6 @@ class TestPallasMosaicIndexer(IndexerContract):
       (lambda a: {**a, "seq_lens": a["seq_lens"].astype(jnp.int16)}, "int32"),
       (lambda a: {**a, "rows": 2}, "rows"),
       (lambda a: {**a, "chunk": 100}, "chunk"),
-      (lambda a: {**a, "pingpong": 1}, "pingpong"),
   ])
   def test_bad_input_raises(self, change, message):
     args = dict(q=jnp.zeros((2, 64, 128), jnp.float8_e4m3fn),
@@ -400,8 +384,7 @@ def test_mosaic_cases_in_a_wide_interpreter_pool():
   run = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
        f"{__file__}::TestPallasMosaicSparseAttention",
-       *(f"{__file__}::TestPallasMosaicIndexer::test_rows_and_chunks_match_reference[{case}]"
-         for case in ("rows4", "rows1-pingpong", "rows4-pingpong")),
+       f"{__file__}::TestPallasMosaicIndexer::test_rows_and_chunks_match_reference[rows4]",
        f"{__file__}::TestPallasMosaicIndexer::test_variant_chosen_by_tables[shared]"],
       env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
       capture_output=True, text=True, timeout=3000)

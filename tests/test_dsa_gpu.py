@@ -15,7 +15,6 @@ from gpu_utils import poison_allocator
 from mla_jax import backends, reference
 from mla_jax.cache import DSMLACache, IndexerKCache, LatentCache
 from mla_jax.quant import quantize_indexer_q
-from pallas_kernels import mosaic_indexer
 from pallas_kernels import topk as pallas_topk
 from sparse_contract import cosine_diff, lowest_index_topk
 
@@ -98,10 +97,8 @@ def test_sparse_attention_matches_reference(n, kind, backend):
 
 
 # 16 requests of 8 rows (like speculative decode: Mosaic takes groups of 4 rows sharing a table)
-# and 128 requests of 1 row (decode: Mosaic's one-row programs). "mosaic_pingpong": the Mosaic
-# kernel called with pingpong=True (its products strictly alternate between the warpgroups; not a
-# default yet), the rows chosen as the backend chooses them.
-@pytest.mark.parametrize("backend", ["pallas_triton", "pallas_mosaic", "mosaic_pingpong"])
+# and 128 requests of 1 row (decode: Mosaic's one-row programs).
+@pytest.mark.parametrize("backend", ["pallas_triton", "pallas_mosaic"])
 @pytest.mark.parametrize("requests,per_req", [(16, 8), (128, 1)])
 def test_indexer_logits_fp8_match_reference(backend, requests, per_req):
   """128 rows over 32K-token contexts, unreadable keys NaN."""
@@ -139,12 +136,8 @@ def test_indexer_logits_fp8_match_reference(backend, requests, per_req):
   want = np.asarray(jax.jit(reference.indexer_logits)(*args))
   poison_allocator()
   q, weights, k_values, k_scales, tables, lens = args
-  if backend == "mosaic_pingpong":
-    got = np.asarray(mosaic_indexer.indexer_logits(q, weights, k_values, k_scales, tables, lens,
-                                                   pingpong=True))
-  else:
-    got = np.asarray(backends.get_backend(backend).indexer_logits(
-        q, weights, IndexerKCache(k_values, k_scales), tables, lens))
+  got = np.asarray(backends.get_backend(backend).indexer_logits(
+      q, weights, IndexerKCache(k_values, k_scales), tables, lens))
   assert not np.isnan(got).any()
   np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
   fin = np.isfinite(want)

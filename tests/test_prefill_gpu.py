@@ -2,7 +2,7 @@
 
 Request starts off a multiple of 8 rows, and padded arrays, exercise the Mosaic kernel's aligned
 bulk-copy boxes and its output tiles (the poisoned allocator shows a row it never writes); the
-short cases its persistent grid.
+short cases its persistent queue with many items a program.
 """
 
 import functools
@@ -27,7 +27,7 @@ CASES = {
     "n16_causal": (16, True, [9000, 5000, 2000, 384], [9000, 5000, 2000, 384]),
     "n16_causal_one_request": (16, True, [4096], [4096]),
     "n16_context": (16, False, [3000, 1000, 0, 200], [2048, 4096, 100, 0]),
-    # Below 4096 tokens: the Mosaic kernel's persistent grid (one request: rows written in place).
+    # Short: several items a program in the Mosaic kernel's queue (one request: rows in place).
     "n128_causal_short": (128, True, [1000, 1, 300, 0, 7], [1000, 1, 300, 50, 7]),
     "n128_causal_short_one_request": (128, True, [1021], [1021]),
 }
@@ -39,12 +39,16 @@ def test_prefill_matches_reference(case, backend):
   check_case(case, get_backend(backend).prefill)
 
 
-# The Mosaic kernel's persistent queue walked in L2 sections of heads (the SWEEP's variant): 16384
-# tokens of 128 heads in 4 requests (2 heads a section), the short packed batch (32 a section).
-@pytest.mark.parametrize("case", ["n128_causal", "n128_causal_short"])
-def test_mosaic_l2_sections_match_reference(case):
-  check_case(case, functools.partial(mosaic_prefill.mla_prefill, persistent=True,
-                                     l2_section_bytes=32 << 20))
+# The Mosaic kernel's other orders beside its default (the grid at 16384 tokens, the queue in
+# 32 MiB L2 sections when short): the queue at 16384 tokens (2 heads a section), the short batch
+# in the queue without sections and in the grid.
+@pytest.mark.parametrize("case, knobs", [
+    ("n128_causal", dict(persistent=True)),
+    ("n128_causal_short", dict(persistent=True, l2_section_bytes=None)),
+    ("n128_causal_short", dict(persistent=False)),
+], ids=["queue", "short-unsectioned", "short-grid"])
+def test_mosaic_variants_match_reference(case, knobs):
+  check_case(case, functools.partial(mosaic_prefill.mla_prefill, **knobs))
 
 
 def check_case(case, prefill):
