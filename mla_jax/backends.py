@@ -209,7 +209,7 @@ def _mosaic_indexer_logits(q, weights, k_cache, block_tables, seq_lens):
 
 
 # The Mosaic decode kernel's launch config wherever a backend runs it (pallas_mosaic, and pallas on
-# Hopper), read at each call: its fp8_pipeline ("serial" or "half_pages", see
+# Hopper), read at each call: its fp8_pipeline (one of its FP8_PIPELINES, see
 # `pallas_kernels.mosaic_decode.MosaicDecodeConfig`) is the one knob a backend passes on.
 MOSAIC_DECODE_CONFIG = pallas_mosaic_decode.CONFIG
 

@@ -325,9 +325,10 @@ def run_scores(n, step, acc, *, row_smem, p_ready, p_free, o_smem, o_gmem, lse_s
 
 
 def run_values(n, num_slots, accumulate, acc, *, ready, consumed, row_smem, p_ready, p_free,
-               o_smem, o_gmem, out_scale=1.0):
+               o_smem, o_gmem, out_scale=1.0, after_step=None):
   """Warpgroup 1's n steps and end: per step, once the slot's rows and warpgroup 0's P and rescale
-  factors are in, acc = accumulate(acc, alpha, slot) (acc * alpha + P V over its columns); then it
+  factors are in, acc = accumulate(acc, alpha, slot) (acc * alpha + P V over its columns), then
+  after_step(i) if given (work of its own while warpgroup 0 computes the next scores); then it
   takes l from warpgroup 0 and stores its output columns."""
   rows_layout = plmgpu.Layout.WGMMA.reduce(1)
 
@@ -340,6 +341,8 @@ def run_values(n, num_slots, accumulate, acc, *, ready, consumed, row_smem, p_re
     acc = accumulate(acc, plmgpu.load(row_smem, layout=rows_layout), slot)
     plmgpu.barrier_arrive(p_free)
     plmgpu.barrier_arrive(consumed.at[slot])
+    if after_step is not None:
+      after_step(i)
     return acc
 
   acc = lax.fori_loop(0, n, step, acc)

@@ -22,7 +22,8 @@ the query and page memory once every step is done. An fp8 (e4m3) cache lands in 
 (36 KB each) that the memory warpgroup widens to bf16 for the products: into one 64-row slot
 (fp8_pipeline "serial", widening and products take turns), or into two 32-row slots that the
 consumers use 32 tokens a step ("half_pages", widening overlaps the products; 64-byte swizzles,
-220.3 KB); see `MosaicDecodeConfig`.
+220.3 KB; "shared_widening": the same, with warpgroup 1 widening its own value columns); see
+`MosaicDecodeConfig`.
 
 `interpret=True` (or an `InterpretGPUParams`) runs the same kernel on the CPU through Mosaic GPU's
 interpreter, which simulates the warpgroups, barriers, bulk copies and wgmma, but not registers,
@@ -51,7 +52,7 @@ from pallas_kernels.common import (F8, LOG2E, check_decode_shapes, check_split_a
                                    SWIZZLE)
 
 
-FP8_PIPELINES = ("serial", "half_pages")
+FP8_PIPELINES = ("serial", "half_pages", "shared_widening")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,12 @@ class MosaicDecodeConfig:
   - "half_pages" (the default): the same 72 KB as two 32-row slots, and the consumers step 32
     tokens at a time, so the memory warpgroup widens half-page j + 1 while they run half-page j's
     products (H200, B=128: 1.35x "serial" at N=128 S=4096 and N=16 S=8192, 1.37x at N=128 S=8192;
-    RESULTS.md, session 6)."""
+    RESULTS.md, session 6);
+  - "shared_widening": "half_pages" with the widening split between two warpgroups: warpgroup 1
+    (values) widens its own value columns (256-511) of half-page j + 2 right after its P V of
+    half-page j, while warpgroup 0 computes the next scores; the memory warpgroup widens the rest
+    (0-255 and the rope columns), 5 of the 9 column tiles instead of all 9 (RESULTS.md, session 7:
+    prepared, not timed)."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -87,7 +93,8 @@ class MosaicDecodeConfig:
 
 CONFIG = MosaicDecodeConfig()
 # The sweep space: the variants `benchmarks/bench_decode.py --mosaic-configs` times beside CONFIG.
-SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"))
+SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"),
+         MosaicDecodeConfig(fp8_pipeline="shared_widening"))
 _TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
 # fp8 caches: 2 slots of e4m3 bytes (36 KB each) that the memory warpgroup widens into the bf16
 # slots the products read ("serial": one of 64 rows; "half_pages": two of 32 rows), so the shared
@@ -116,7 +123,7 @@ _MAX_HEAD_DIM = 576  # 3 x 64 rows x D bf16 + P must fit in shared memory
 
 def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffers, p_smem,
                    row_smem, q_bar, ready, consumed, p_ready, p_free, *staging, scale, lora,
-                   num_splits, split_steps, in_place):
+                   num_splits, split_steps, in_place, shared_widening):
   # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64); kv_ref [num_blocks, page, D] bf16 or
   # e4m3; bt_ref [T, max_blocks] int32; len_ref [T] int32; ks_ref [1] f32 (the cache's scale, 1
   # for bf16); o_ref [T, splits, Np, L]; lse_ref [T, splits, Np] f32. SMEM: buffers = union of
@@ -127,7 +134,9 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
   # Barriers: q_bar (query tile landed); ready [slots] (slot holds its step's bf16 rows);
   # consumed [slots] (both value warpgroups done with the slot); p_ready (P and row_smem
   # written); p_free (warpgroup 1 done reading them). fp8 only, staging = (stage [FP8_STAGES, 64,
-  # D] e4m3, 64-byte swizzled; staged [FP8_STAGES] barriers: a stage slot's bytes landed).
+  # D] e4m3, 64-byte swizzled; staged [FP8_STAGES] barriers: a stage slot's bytes landed), and
+  # with shared_widening (warpgroup 1 widens its value columns; ready then takes 2 arrivals) a
+  # third: stage_free [FP8_STAGES] barriers (warpgroup 1 done reading a stage slot).
   (q_smem, kv_smem), (o_smem, lse_smem) = buffers
   fp8 = bool(staging)
   slots, step_rows = kv_smem.shape[:2]
@@ -244,12 +253,52 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
     run_scores(n * pieces, step, zero_acc(), row_smem=row_smem, p_ready=p_ready, p_free=p_free,
                **out(0), lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out])
 
+  # Column tiles of the stage each widening warpgroup takes (shared_widening: warpgroup 1 its own
+  # value columns, the memory warpgroup the rest; otherwise the memory warpgroup all).
+  all_tiles = range(kv_smem.shape[-1] // _FP8_COLS)
+  value_tiles = range(half // _FP8_COLS, lora // _FP8_COLS) if shared_widening else range(0)
+  memory_tiles = [c for c in all_tiles if c not in value_tiles]
+
   @pl.when(wg == 1)
   def _values():
     plgpu.set_max_registers(consumer_regs, action="increase")
+    after_step = None
+    if shared_widening:
+      stage, staged, stage_free = staging
+      total = n * pieces
+
+      def widen_own(k):
+        """Widens value_tiles of consumer step k (half `part` of 64-row step k // 2) into its
+        slot and arrives on ready (the memory warpgroup's tiles are the other arrival)."""
+        i, part = lax.div(k, slots), lax.rem(k, slots)
+        s = lax.rem(i, _FP8_STAGES)
+        # A stage slot's first half: its bytes must have landed.
+        pl.when(part == 0)(functools.partial(plgpu.barrier_wait, staged.at[s]))
+        _widen_half(stage, kv_smem, s, part, step_source(i)[2], value_tiles)
+        plgpu.commit_smem()  # also a warpgroup barrier: every thread's reads are done
+        pl.when(part == slots - 1)(functools.partial(plgpu.barrier_arrive, stage_free.at[s]))
+        plgpu.barrier_arrive(ready.at[part])
+
+      for k in range(slots):  # the first step's slots, before any was used
+        pl.when(k < total)(functools.partial(widen_own, k))
+
+      def after_step(k):
+        # Slot k % 2 takes step k + 2 once both value warpgroups are done with step k; warpgroup 0
+        # meanwhile runs step k + 1's scores, from the other slot.
+        @pl.when(k + slots < total)
+        def _():
+          plgpu.barrier_wait(consumed.at[lax.rem(k, slots)])
+          widen_own(k + slots)
+
     run_values(n * pieces, slots, lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, 1),
                zero_acc(), ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready,
-               p_free=p_free, **out(1))
+               p_free=p_free, **out(1), after_step=after_step)
+    if shared_widening:
+      # The phases of consumed after_step did not wait on (a warpgroup that waits on some phases
+      # of a barrier waits on all of them).
+      @pl.loop(jnp.maximum(total - slots, 0), total)
+      def _(k):
+        plgpu.barrier_wait(consumed.at[lax.rem(k, slots)])
 
   @pl.when(wg == _VALUE_WGS)
   def _memory():
@@ -260,7 +309,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
       plgpu.copy_gmem_to_smem(q_ref.at[t, pl.ds(h * _TILE_H, _TILE_H)], q_smem, q_bar)
 
     if fp8:
-      _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, *staging)
+      _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, memory_tiles, *staging)
       return
 
     def fetch(i, slot):
@@ -271,13 +320,31 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
     feed_ring(n, _STAGES, consumed, fetch)
 
 
-def _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, stage, staged):
+def _widen_half(stage, kv_smem, s, part, rows, tiles):
+  """Widens the given 64-column tiles of rows part * 32 ... + 31 of stage slot s (e4m3, exactly:
+  every e4m3 value is a bf16 one) into bf16 slot `part`; rows from `rows` on (counted from the
+  page step's first row) become 0 (they may hold NaN bytes)."""
+  # The WGMMA layout takes 64 rows: each [32, 64] tile is loaded in _HALF_LAYOUT.
+  keep = plgpu.broadcasted_iota(jnp.int32, (_HALF, _FP8_COLS), 0, layout=_HALF_LAYOUT) < (
+      rows - part * _HALF)
+  for c in tiles:
+    cols = pl.ds(c * _FP8_COLS, _FP8_COLS)
+    x = plgpu.load(stage.at[s, pl.ds(part * _HALF, _HALF), cols], layout=_HALF_LAYOUT)
+    # e4m3 -> f16 (one instruction per pair) -> f32 -> bf16, all exact
+    x = jnp.where(keep, x.astype(jnp.float16).astype(jnp.float32), 0.0)
+    kv_smem[part, :, cols] = x.astype(kv_smem.dtype)
+
+
+def _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, tiles, stage, staged,
+                   stage_free=None):
   """The memory warpgroup's loop for an fp8 cache: e4m3 page tiles are fetched 2 steps ahead into
   the stage ring, and each is widened (exactly: every e4m3 value is a bf16 one) into the bf16
   slots, a slot once both value warpgroups are done with its previous rows: the tile's 64 rows
   into the one slot ("serial"), or rows 0-31 into slot 0, then rows 32-63 into slot 1
-  ("half_pages": the consumers already compute on slot 0 while slot 1 is widened). Rows that do
-  not count become 0 as they are widened (they may hold NaN bytes)."""
+  ("half_pages": the consumers already compute on slot 0 while slot 1 is widened). Only the
+  column tiles `tiles` (all, unless warpgroup 1 widens the others: then a stage slot is refilled
+  once it also arrives on stage_free). Rows that do not count become 0 as they are widened (they
+  may hold NaN bytes)."""
   slots, step_rows = kv_smem.shape[:2]
 
   def fetch(i, s):
@@ -293,22 +360,17 @@ def _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, stage, stag
 
   def widen_page(s, rows):
     keep = row_ids < rows
-    for c in range(kv_smem.shape[-1] // _FP8_COLS):
+    for c in tiles:
       # [64 rows, 64] e4m3 -> f16 (one instruction per pair) -> f32 -> bf16, all exact
       x = stage[s, :, pl.ds(c * _FP8_COLS, _FP8_COLS)].astype(jnp.float16).astype(jnp.float32)
       x = plgpu.layout_cast(x, plgpu.Layout.WGMMA)
       x = jnp.where(row_broadcast(keep, x.shape), x, 0.0)
       kv_smem[0, :, pl.ds(c * _FP8_COLS, _FP8_COLS)] = x.astype(kv_smem.dtype)
 
-  def widen_half(s, part, rows):
-    # The WGMMA layout takes 64 rows: each [32, 64] chunk is loaded in _HALF_LAYOUT.
-    keep = plgpu.broadcasted_iota(jnp.int32, (_HALF, _FP8_COLS), 0, layout=_HALF_LAYOUT) < (
-        rows - part * _HALF)
-    for c in range(kv_smem.shape[-1] // _FP8_COLS):
-      cols = pl.ds(c * _FP8_COLS, _FP8_COLS)
-      x = plgpu.load(stage.at[s, pl.ds(part * _HALF, _HALF), cols], layout=_HALF_LAYOUT)
-      x = jnp.where(keep, x.astype(jnp.float16).astype(jnp.float32), 0.0)
-      kv_smem[part, :, cols] = x.astype(kv_smem.dtype)
+  def refill(i, s):
+    if stage_free is not None:
+      plgpu.barrier_wait(stage_free.at[s])
+    fetch(i, s)
 
   @pl.loop(0, n)
   def _(i):
@@ -321,14 +383,18 @@ def _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, stage, stag
       if step_rows == _STEP:
         widen_page(s, rows)
       else:
-        widen_half(s, part, rows)
+        _widen_half(stage, kv_smem, s, part, rows, tiles)
       # Also a warpgroup barrier: every thread's reads of stage slot s are done before its refill.
       plgpu.commit_smem()
       plgpu.barrier_arrive(ready.at[part])
-    pl.when(i + _FP8_STAGES < n)(functools.partial(fetch, i + _FP8_STAGES, s))
+    pl.when(i + _FP8_STAGES < n)(functools.partial(refill, i + _FP8_STAGES, s))
 
   for part in range(slots):  # the last use of each slot
     pl.when(n > 0)(functools.partial(plgpu.barrier_wait, consumed.at[part]))
+  if stage_free is not None:  # and of each stage slot (every phase is waited on)
+    @pl.loop(jnp.maximum(n - _FP8_STAGES, 0), n)
+    def _(i):
+      plgpu.barrier_wait(stage_free.at[lax.rem(i, _FP8_STAGES)])
 
 
 def num_kv_splits_for(num_tokens: int, num_heads: int, max_len: int) -> int:
@@ -383,7 +449,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   from static shapes; 1 makes each row's result independent of the batch. split_tokens (instead of
   num_kv_splits, a multiple of 64): splits of that many tokens merged in a fixed order, so each
   row's result is bit-identical in any batch and with any table width (batch-invariant mode).
-  fp8_pipeline: how an fp8 cache's pages are widened ("serial" or "half_pages", see
+  fp8_pipeline: how an fp8 cache's pages are widened (one of FP8_PIPELINES, see
   `MosaicDecodeConfig`; a bf16 cache ignores it). interpret: True or a `plgpu.InterpretGPUParams`
   runs Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and lse [T, N] float32 (natural
   log).
@@ -406,12 +472,13 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
 
+  fp8 = kv_cache.dtype == F8
+  shared_widening = fp8 and fp8_pipeline == "shared_widening"
+  half_pages = fp8 and fp8_pipeline in ("half_pages", "shared_widening")
   # Mosaic GPU's interpreter runs no in-place accumulation (see accumulate_values).
   kernel = functools.partial(_decode_kernel, scale=scale, lora=kv_lora_rank, num_splits=splits,
                              split_steps=split_tokens and split_tokens // _STEP,
-                             in_place=not interpret)
-  fp8 = kv_cache.dtype == F8
-  half_pages = fp8 and fp8_pipeline == "half_pages"
+                             in_place=not interpret, shared_widening=shared_widening)
   # bf16 slots x rows (the consumers' step). wgmma's K must be a multiple of its operands' swizzle
   # width, and P V's K is the step: 32-row steps take 64-byte swizzles (32 bf16) for the query,
   # the slots and P alike (one wgmma takes one swizzle). Half pages: 72 + 2 x 36 (bf16 slots) +
@@ -424,6 +491,8 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                           transforms=(plgpu.TilingTransform((8, _FP8_COLS)),
                                       plgpu.SwizzleTransform(_FP8_COLS))),
                plgpu.Barrier(num_barriers=_FP8_STAGES))
+    if shared_widening:  # stage_free: warpgroup 1 done reading a stage slot
+      staging += (plgpu.Barrier(num_barriers=_FP8_STAGES),)
   k_scale = jnp.ones((1,), jnp.float32) if k_scale is None else (
       jnp.asarray(k_scale, jnp.float32).reshape(1))
   o_parts, lse_parts = plgpu.kernel(
@@ -438,7 +507,9 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
           swizzled((_TILE_H, step_rows), q.dtype, sw),
           plgpu.SMEM((_TILE_H,), jnp.float32),
           plgpu.Barrier(),
-          plgpu.Barrier(num_barriers=slots),
+          # ready: the memory warpgroup's bulk copy or widening, and warpgroup 1's widening too
+          # with shared_widening.
+          plgpu.Barrier(num_arrivals=1 + shared_widening, num_barriers=slots),
           plgpu.Barrier(num_arrivals=_VALUE_WGS, num_barriers=slots),
           plgpu.Barrier(),
           plgpu.Barrier(),
@@ -454,7 +525,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
       interpret=interpret or None,
       kernel_name=(f"mosaic_latent_decode_{'fp8' if fp8 else 'bf16'}{'_half' if half_pages else ''}"
-                   f"_p{page}_s{splits}"),
+                   f"{'_shared' if shared_widening else ''}_p{page}_s{splits}"),
   )(q, kv_cache, block_tables, seq_lens, k_scale)
 
   if splits == 1 and not fixed_order:

@@ -139,7 +139,8 @@ class TestPallasMosaicDecode(DecodeContract):
       np.testing.assert_array_equal(np.asarray(a[1:2]), np.asarray(b))
 
   @pytest.mark.parametrize("cache_dtype,fp8_pipeline", [
-      (jnp.bfloat16, "serial"), (jnp.float8_e4m3fn, "serial"), (jnp.float8_e4m3fn, "half_pages")])
+      (jnp.bfloat16, "serial"), (jnp.float8_e4m3fn, "serial"), (jnp.float8_e4m3fn, "half_pages"),
+      (jnp.float8_e4m3fn, "shared_widening")])
   def test_no_races_in_the_interpreter(self, cache_dtype, fp8_pipeline):
     # The interpreter's race detector sees plain loads and stores and bulk copies (the P and
     # rescale hand-off between the warpgroups, the output staged over the page memory, fp8's
@@ -163,7 +164,9 @@ class TestPallasMosaicDecode(DecodeContract):
       (128, 128, 8192, None, jnp.float8_e4m3fn, "serial"),
       (128, 16, 8192, None, jnp.float8_e4m3fn, "serial"),
       (128, 128, 4096, None, jnp.float8_e4m3fn, "half_pages"),
-      (128, 16, 8192, 1, jnp.float8_e4m3fn, "half_pages")])
+      (128, 16, 8192, 1, jnp.float8_e4m3fn, "half_pages"),
+      (128, 128, 4096, None, jnp.float8_e4m3fn, "shared_widening"),
+      (128, 16, 8192, 1, jnp.float8_e4m3fn, "shared_widening")])
   def test_lowers_for_hopper(self, batch, n, seq, splits, cache_dtype, fp8_pipeline):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # shapes and layouts, bulk-copy boxes, and that shared memory fits a Hopper block's 227 KB.
@@ -256,6 +259,13 @@ class TestPallasMosaicDecodeSerialFp8(TestPallasMosaicDecodeHalfPages):
   """The other fp8 pipeline, "serial" (one 64-row bf16 slot; the SWEEP's alternative), on the same
   cases."""
   pipeline = "serial"
+
+
+class TestPallasMosaicDecodeSharedWidening(TestPallasMosaicDecodeHalfPages):
+  """fp8_pipeline="shared_widening" (half pages, warpgroup 1 widening its value columns of the
+  half-page after next, the memory warpgroup the rest) on the same cases: every half-page's
+  columns come from two warpgroups, and the stage ring is refilled only once both are done."""
+  pipeline = "shared_widening"
 
 
 def _stage1_splits(jaxpr):

@@ -88,8 +88,10 @@ def test_matches_reference(kernel, seed, batch, max_len, n, cache_dtype, splits)
     (7, 128, 8192, 16, None),
     (3, 128, 32768, 16, 1),  # 2**31+ e4m3 values
 ])
-def test_fp8_half_pages_matches_reference(seed, batch, max_len, n, splits):
-  # The Mosaic kernel's fp8_pipeline="half_pages" (two 32-row bf16 slots) at serving sizes.
+@pytest.mark.parametrize("pipeline", ["half_pages", "shared_widening"])
+def test_fp8_half_pages_matches_reference(pipeline, seed, batch, max_len, n, splits):
+  # The Mosaic kernel's half-page fp8 pipelines (two 32-row bf16 slots; "shared_widening" also
+  # widens in warpgroup 1) at serving sizes.
   q, cache, tables, lens = serving_case(seed, batch=batch, max_len=max_len, n=n,
                                         cache_dtype=jnp.float8_e4m3fn)
   k_scale = jnp.float32(FP8_SCALE)
@@ -98,7 +100,7 @@ def test_fp8_half_pages_matches_reference(seed, batch, max_len, n, splits):
                     ref(q, cache, tables, lens, scale=SCALE, kv_lora_rank=L, k_scale=k_scale))
   poison_allocator()
   o, lse = mosaic_decode.latent_decode(q, cache, tables, lens, scale=SCALE, k_scale=k_scale,
-                                       num_kv_splits=splits, fp8_pipeline="half_pages")
+                                       num_kv_splits=splits, fp8_pipeline=pipeline)
   assert_decode_close(np.asarray(o.astype(jnp.float32)), np.asarray(lse), ref_o, ref_lse)
 
 
