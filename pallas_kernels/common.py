@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plmgpu
 from jax.experimental.pallas import triton as pltriton
 
@@ -40,6 +41,12 @@ SWIZZLE = 128  # bytes: the widest swizzle; wgmma operands and bulk copies use t
 # forever for registers the block does not hold: a hang on the GPU, which the interpreter (no
 # registers) does not show.
 REGISTER_POOL = 65536 // 384 // 8 * 8 * 3
+HALF_ROWS = 32  # rows of a half step: the fp8 caches' bf16 slots in mosaic_decode and mosaic_sparse
+# Registers of a [32, w] chunk (w a multiple of 8) that a memory warpgroup widens into a 32-row
+# bf16 slot: the WGMMA layout's 8 x 8 core matrices (2 adjacent columns a thread), each warp 8
+# rows instead of 16, since the WGMMA layout needs 64 rows.
+HALF_ROWS_LAYOUT = plmgpu.Layout.TILED(mgpu_fa.Tiling(((HALF_ROWS, 8), (8, 8), (2,))),
+                                       warp_dims=(-5,), lane_dims=(-3, -2), vector_dim=-1)
 
 
 def is_pow2(x: int) -> bool:

@@ -42,14 +42,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import (F8, LOG2E, check_decode_shapes, check_split_args,
-                                   default_num_kv_splits, feed_ring, hand_over_p, merge_splits,
-                                   num_fixed_splits, partials_dtype, row_broadcast, run_scores,
-                                   run_values, sm_count, softmax_step, split_range, swizzled,
-                                   SWIZZLE)
+from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E, check_decode_shapes,
+                                   check_split_args, default_num_kv_splits, feed_ring,
+                                   hand_over_p, merge_splits, num_fixed_splits, partials_dtype,
+                                   row_broadcast, run_scores, run_values, sm_count, softmax_step,
+                                   split_range, swizzled, SWIZZLE)
 
 
 FP8_PIPELINES = ("serial", "half_pages", "shared_widening")
@@ -101,12 +100,7 @@ _TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
 # memory is the bf16 kernel's.
 _FP8_STAGES = 2
 _FP8_COLS = 64  # e4m3 columns per shared-memory tile: 64 bytes, the 64-byte swizzle
-_HALF = _STEP // 2  # rows per bf16 slot and consumer step with fp8_pipeline="half_pages"
-# Registers of a [32, 64] widening chunk with fp8_pipeline="half_pages": the WGMMA layout's 8 x 8
-# core matrices (2 adjacent columns a thread), each warp 8 rows instead of 16, since the WGMMA
-# layout needs 64 rows.
-_HALF_LAYOUT = plgpu.Layout.TILED(mgpu_fa.Tiling(((_HALF, 8), (8, 8), (2,))), warp_dims=(-5,),
-                                  lane_dims=(-3, -2), vector_dim=-1)
+_HALF = HALF_ROWS  # rows per bf16 slot and consumer step with fp8_pipeline="half_pages"
 _VALUE_WGS = 2  # warpgroups sharing the value columns; warpgroup 0 also computes the scores
 # Value columns per P V product in the interpreter's form: each lands in a fresh 64 x 128 float32
 # accumulator (64 registers a thread) that is added to the running output (128), which keeps a
@@ -324,12 +318,12 @@ def _widen_half(stage, kv_smem, s, part, rows, tiles):
   """Widens the given 64-column tiles of rows part * 32 ... + 31 of stage slot s (e4m3, exactly:
   every e4m3 value is a bf16 one) into bf16 slot `part`; rows from `rows` on (counted from the
   page step's first row) become 0 (they may hold NaN bytes)."""
-  # The WGMMA layout takes 64 rows: each [32, 64] tile is loaded in _HALF_LAYOUT.
-  keep = plgpu.broadcasted_iota(jnp.int32, (_HALF, _FP8_COLS), 0, layout=_HALF_LAYOUT) < (
-      rows - part * _HALF)
+  # The WGMMA layout takes 64 rows: each [32, 64] tile is loaded in HALF_ROWS_LAYOUT.
+  keep = plgpu.broadcasted_iota(jnp.int32, (_HALF, _FP8_COLS), 0,
+                                layout=HALF_ROWS_LAYOUT) < rows - part * _HALF
   for c in tiles:
     cols = pl.ds(c * _FP8_COLS, _FP8_COLS)
-    x = plgpu.load(stage.at[s, pl.ds(part * _HALF, _HALF), cols], layout=_HALF_LAYOUT)
+    x = plgpu.load(stage.at[s, pl.ds(part * _HALF, _HALF), cols], layout=HALF_ROWS_LAYOUT)
     # e4m3 -> f16 (one instruction per pair) -> f32 -> bf16, all exact
     x = jnp.where(keep, x.astype(jnp.float16).astype(jnp.float32), 0.0)
     kv_smem[part, :, cols] = x.astype(kv_smem.dtype)
