@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -51,9 +52,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
 
-from pallas_kernels.common import (DS_MLA_TILE, F8, LOG2E, default_num_kv_splits, hand_over_p,
-                                   merge_splits, row_broadcast, run_scores, run_values, sm_count,
-                                   softmax_step, swizzled)
+from pallas_kernels.common import (DS_MLA_TILE, F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
+                                   default_num_kv_splits, hand_over_p, merge_splits, row_broadcast,
+                                   run_scores, run_values, sm_count, softmax_step, swizzled,
+                                   SWIZZLE)
 
 _TILE_H = 64  # heads per program: the M of every Hopper wgmma
 _STEP = 64  # slots per step: N of S = Q K^T, K of P V
@@ -61,6 +63,7 @@ _COLS = 64  # columns per shared-memory tile: 128 bytes of bf16, the swizzle wid
 _VALUE_WGS = 2
 _IDX_RING = 4  # steps of slot indices in shared memory: fetched 2 ahead, read until consumed
 _MAX_HEAD_DIM = 576
+_SMEM_LIMIT = 227 * 1024  # a Hopper block's shared memory (opt-in maximum)
 # (consumer, memory) registers a thread: 2 x consumer + memory <= common.REGISTER_POOL.
 # fp8_ds_mla's memory warpgroup widens tiles. (224, 64) asked for 512 and hung on the H200.
 _REGS = {False: (232, 40), True: (224, 56)}
@@ -68,14 +71,14 @@ _REGS = {False: (232, 40), True: (224, 56)}
 
 def _copy_row_chunk(src, tiled, raw, r, c, barrier):
   """Copies src [1, w] (128 bytes of one cache row) into row r of tile column c of tiled
-  [tiles, 64, w] (tiled by 8 rows, 128-byte swizzled). Mosaic GPU slices tiled buffers by whole
+  [tiles, rows, w] (tiled by 8 rows, 128-byte swizzled). Mosaic GPU slices tiled buffers by whole
   8-row tiles only, so on the GPU the copy goes to the same bytes through the untiled, swizzled
-  alias raw [tiles * 8, 8, w] (the bulk copy swizzles by destination address); raw=None (the
-  interpreter, which neither aliases union members nor swizzles) copies into tiled."""
+  alias raw [tiles * rows / 8, 8, w] (the bulk copy swizzles by destination address); raw=None
+  (the interpreter, which neither aliases union members nor swizzles) copies into tiled."""
   if raw is None:
     dst = tiled.at[c, pl.ds(r, 1)]
   else:
-    dst = raw.at[c * 8 + lax.div(r, 8), pl.ds(lax.rem(r, 8), 1)]
+    dst = raw.at[c * (tiled.shape[1] // 8) + lax.div(r, 8), pl.ds(lax.rem(r, 8), 1)]
   plgpu.copy_gmem_to_smem(src, dst, barrier)
 
 
@@ -86,16 +89,16 @@ _CHUNK_BYTES = 128  # a tile row: the swizzle width
 
 
 def _cp_async_rows(parts, idx, *, num_slots):
-  """Warp-cooperative gather of a step's 64 rows, issued by every lane of the memory warpgroup
-  (then one `cp.async` group committed).
+  """Warp-cooperative gather of a step's 64 rows (or a half step's 32), issued by every lane of
+  the memory warpgroup (then one `cp.async` group committed).
 
   parts: (src, dst) pairs, one per part of a row (bf16: the whole row; fp8_ds_mla: the e4m3 NoPE
-  and the bf16 RoPE). src [S, C, w] (GMEM, C chunks of 128 bytes a row); dst [C, 64, w] in the
-  tiled, 128-byte-swizzled layout wgmma reads (8 KB a chunk, 128 B a row); idx [64] int32 (the
-  rows; an index >= num_slots is an invalid slot). Each lane copies 16 bytes at a time: 8 lanes
-  cover one row's 128-byte chunk, a warp 4 rows, so each warp instruction reads 4 whole 128-byte
-  lines; a warp takes 16 rows, 4 x C instructions a part. The destination of row r, chunk c,
-  unit u is c * 8 KB + r * 128 + (u ^ (r % 8)) * 16 (the 128-byte swizzle). An invalid row
+  and the bf16 RoPE). src [S, C, w] (GMEM, C chunks of 128 bytes a row); dst [C, rows, w] in the
+  tiled, 128-byte-swizzled layout (rows x 128 B a chunk); idx [rows] int32 (the rows; an index
+  >= num_slots is an invalid slot). Each lane copies 16 bytes at a time: 8 lanes cover one row's
+  128-byte chunk, a warp 4 rows, so each warp instruction reads 4 whole 128-byte lines; a warp
+  takes rows / 4 rows, rows / 16 x C instructions a part. The destination of row r, chunk c,
+  unit u is c * rows * 128 + r * 128 + (u ^ (r % 8)) * 16 (the 128-byte swizzle). An invalid row
   copies 0 source bytes: cp.async fills the 16 bytes with zeros and reads nothing.
   """
   rows = parts[0][1].shape[1]
@@ -165,14 +168,17 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
   # bf16. fp8: nope_ref [S, L/128, 128] e4m3, rope_ref [S, R/64, 64] bf16, scales_ref
   # [T, Kp/64, L/128, 64] f32 (the selected rows' tile scales, a block a step). o_ref
   # [T, splits, Np, L]; lse_ref [T, splits, Np] f32.
-  # SMEM: buffers = union of (q_smem [64, D], kv [stages, D/64, 64, 64]) bf16 tiled, and
+  # SMEM: buffers = union of (q_smem [64, D], kv [slots, D/64, rows, 64]) bf16 tiled, and
   # (o_smem [2, 64, L/2], lse_smem [64]) (and on the GPU, for the bulk bf16 gather, the untiled
-  # alias kv_raw [stages, D/64 * 8, 8, 64]); fp8: staging = union of (stage_nope [L/128, 64, 128]
+  # alias kv_raw [slots, D/64 * 8, 8, 64]); fp8: staging = union of (stage_nope [L/128, 64, 128]
   # e4m3 and stage_rope [R/64, 64, 64] bf16, tiled) and (on the GPU, bulk) their untiled aliases;
-  # stage_scales [L/128, 64] f32; p_smem [64, 64] bf16; row_smem [64] f32; idx_smem [4, 64] int32.
-  # Barriers: q_bar; ready [stages] (a slot holds its step's rows); consumed [stages]; p_ready,
+  # stage_scales [L/128, 64] f32; p_smem [64, rows] bf16; row_smem [64] f32; idx_smem [4, 64]
+  # int32. Barriers: q_bar; ready [slots] (a slot holds its rows); consumed [slots]; p_ready,
   # p_free (the P hand-off); idx_bar [4]; fp8: staged (the scales, and with the bulk gather the
   # rows, landed in the staging buffer).
+  # rows (the consumers' step): 64, or with fp8_pipeline="half_rows" 32 in 2 slots, 64-byte
+  # swizzled (query, slots and P); its staging is then 2 halves of 32 rows (a leading [2] on
+  # stage_nope, stage_rope, stage_scales and staged), each refilled once it has been widened.
   if fp8:
     (nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buffers, staging, stage_scales, p_smem,
      row_smem, idx_smem, q_bar, ready, consumed, p_ready, p_free, idx_bar, staged) = rest
@@ -186,7 +192,8 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
   kv_raw = raw[0][1] if raw else None
   h, split, t = lax.axis_index("heads"), lax.axis_index("splits"), lax.axis_index("tokens")
   wg = lax.axis_index("wg")
-  stages, chunks = kv.shape[0], kv.shape[1]
+  slots, chunks, step_rows = kv.shape[:3]
+  pieces = _STEP // step_rows  # consumer steps a step of 64 slots
   value_chunks = lora // _COLS // _VALUE_WGS  # tiles of value columns per consumer warpgroup
   half = lora // _VALUE_WGS
   qk_scale = scale * LOG2E
@@ -195,7 +202,8 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
   per_split = lax.div(num_steps + (num_splits - 1), num_splits)
   first = split * per_split
   n = jnp.maximum(jnp.minimum(first + per_split, num_steps) - first, 0)
-  rows_layout = plgpu.Layout.WGMMA.reduce(1)
+  # Consumer steps of this program (the 64-slot steps when pieces is 1, traced as they were).
+  consumer_steps = n if pieces == 1 else n * pieces
   cols_layout = plgpu.Layout.WGMMA.reduce(0)
 
   def zero_acc():
@@ -238,19 +246,25 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
 
     def step(i, carry):
       m, l, acc = carry
-      slot = lax.rem(i, stages)
-      ring = lax.rem(i, _IDX_RING)
-      plgpu.barrier_wait(idx_bar.at[ring])
+      slot = lax.rem(i, slots)
+      ring = lax.rem(i if pieces == 1 else lax.div(i, pieces), _IDX_RING)
+      wait_indices = functools.partial(plgpu.barrier_wait, idx_bar.at[ring])
+      if pieces == 1:
+        wait_indices()
+      else:  # once a step of 64 slots: a warpgroup waits on each phase once
+        pl.when(lax.rem(i, pieces) == 0)(wait_indices)
       plgpu.barrier_wait(ready.at[slot])
 
-      def scores(acc_ref):  # acc_ref [64 heads, 64 rows] f32
+      def scores(acc_ref):  # acc_ref [64 heads, rows] f32
         for c in range(chunks):
           plgpu.wgmma(acc_ref, q_smem.at[:, pl.ds(c * _COLS, _COLS)],
                       kv.at[slot, c].transpose((1, 0)))
         return acc_ref[...]
 
-      s = pl.run_scoped(scores, plgpu.ACC((_TILE_H, _STEP), jnp.float32))
-      idx = plgpu.load(idx_smem.at[ring], layout=cols_layout)
+      s = pl.run_scoped(scores, plgpu.ACC((_TILE_H, step_rows), jnp.float32))
+      piece = idx_smem.at[ring] if pieces == 1 else idx_smem.at[
+          ring, pl.ds(lax.rem(i, pieces) * step_rows, step_rows)]
+      idx = plgpu.load(piece, layout=cols_layout)
       valid = lax.broadcast_in_dim(idx < num_slots, s.shape, [1])
       m_new, alpha, p, l = softmax_step(jnp.where(valid, s * qk_scale, -jnp.inf), m, l)
       p16 = hand_over_p(i, p, alpha, p_smem, row_smem, p_ready, p_free)
@@ -258,13 +272,14 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
       plgpu.barrier_arrive(consumed.at[slot])
       return m_new, l, acc
 
-    run_scores(n, step, zero_acc(), row_smem=row_smem, p_ready=p_ready, p_free=p_free, **out(0),
-               lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out])
+    run_scores(consumer_steps, step, zero_acc(), row_smem=row_smem, p_ready=p_ready, p_free=p_free,
+               **out(0), lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out])
 
   @pl.when(wg == 1)
   def _values():
     plgpu.set_max_registers(consumer_regs, action="increase")
-    run_values(n, stages, lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, 1),
+    run_values(consumer_steps, slots,
+               lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, 1),
                zero_acc(), ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready,
                p_free=p_free, **out(1))
 
@@ -273,21 +288,24 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
     plgpu.copy_gmem_to_smem(idx_ref.at[t, pl.ds((first + i) * _STEP, _STEP)], idx_smem.at[ring],
                             idx_bar.at[ring])
 
-  def gather_step(i, parts, barrier):
-    """Issues step i's 64 rows once its indices have landed. parts: (src [S, C, w], tiled dst
-    [C, 64, w], its untiled alias or None) per part of a row. cp_async: one committed group of
-    the warpgroup's copies (the caller waits for it); bulk: every row chunk's copy arrives on
-    barrier."""
+  def gather_step(i, parts, barrier, half=None):
+    """Issues step i's 64 rows (or rows 32 * half to 32 * half + 31) once its indices have landed
+    (waited for here, but not again for half 1: a warpgroup waits on each phase once). parts:
+    (src [S, C, w], tiled dst [C, rows, w], its untiled alias or None) per part of a row.
+    cp_async: one committed group of the warpgroup's copies (the caller waits for it); bulk:
+    every row chunk's copy arrives on barrier."""
     ring = lax.rem(i, _IDX_RING)
-    plgpu.barrier_wait(idx_bar.at[ring])
+    if half != 1:
+      plgpu.barrier_wait(idx_bar.at[ring])
+    rows, first_row = (_STEP, 0) if half is None else (HALF_ROWS, half * HALF_ROWS)
     if gather == "cp_async":
-      _cp_async_rows(tuple((src, dst) for src, dst, _ in parts), idx_smem.at[ring],
-                     num_slots=num_slots)
+      _cp_async_rows(tuple((src, dst) for src, dst, _ in parts),
+                     idx_smem.at[ring, pl.ds(first_row, rows)], num_slots=num_slots)
       return
 
-    @pl.loop(0, _STEP)
+    @pl.loop(0, rows)
     def _(r):
-      row = idx_smem[ring, r]
+      row = idx_smem[ring, first_row + r]
       for src, tiled, raw in parts:
         for c in range(tiled.shape[0]):
           _copy_row_chunk(src.at[pl.ds(row, 1), c], tiled, raw, r, c, barrier)
@@ -313,8 +331,8 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
     if not fp8:
       @pl.loop(0, n)
       def _(i):
-        slot = lax.rem(i, stages)
-        pl.when(i >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+        slot = lax.rem(i, slots)
+        pl.when(i >= slots)(lambda: plgpu.barrier_wait(consumed.at[slot]))
         pl.when(i + 2 < n)(functools.partial(fetch_indices, i + 2))
         gather_step(i, ((kv_ref, kv.at[slot], None if kv_raw is None else kv_raw.at[slot]),),
                     ready.at[slot])
@@ -324,52 +342,106 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
           def _():
             _cp_async_wait(1)
             plgpu.commit_smem()
-            plgpu.barrier_arrive(ready.at[lax.rem(i - 1, stages)])
+            plgpu.barrier_arrive(ready.at[lax.rem(i - 1, slots)])
 
       if gather == "cp_async":
         @pl.when(n > 0)
         def _():
           rows_landed()
-          plgpu.barrier_arrive(ready.at[lax.rem(n - 1, stages)])
+          plgpu.barrier_arrive(ready.at[lax.rem(n - 1, slots)])
 
       # Sees the last uses of the slots out too (a warpgroup waits on every phase of a barrier).
-      @pl.loop(jnp.maximum(n - stages, 0), n)
+      @pl.loop(jnp.maximum(n - slots, 0), n)
       def _(i):
-        plgpu.barrier_wait(consumed.at[lax.rem(i, stages)])
+        plgpu.barrier_wait(consumed.at[lax.rem(i, slots)])
       return
 
-    def stage(i):
-      plgpu.copy_gmem_to_smem(scales_ref.at[t, first + i], stage_scales, staged)
-      gather_step(i, ((nope_ref, stage_nope, nope_raw), (rope_ref, stage_rope, rope_raw)), staged)
+    def widen(part):
+      """Row slot part = the staged rows (of staging half part with "half_rows"): the e4m3 NoPE
+      tiles times their tile scales, then the bf16 RoPE. e4m3 times its tile's power-of-two scale
+      is exact in bf16 (e4m3 widens to f16 in hardware, f16 to f32 exactly). 64 rows go through
+      registers in the WGMMA layout, 32 in HALF_ROWS_LAYOUT (WGMMA's takes 64)."""
+      staged_at = lambda ref, j: ref.at[j] if pieces == 1 else ref.at[part, j]
+      layout = plgpu.Layout.WGMMA if pieces == 1 else HALF_ROWS_LAYOUT
 
-    pl.when(n > 0)(functools.partial(stage, 0))
+      @pl.loop(0, stage_nope.shape[-3])
+      def _(j):
+        if pieces == 1:
+          x = plgpu.layout_cast(stage_nope[j].astype(jnp.float16).astype(jnp.float32), layout)
+        else:
+          x = plgpu.load(stage_nope.at[part, j], layout=layout)
+          x = x.astype(jnp.float16).astype(jnp.float32)
+        tile_scale = plgpu.load(staged_at(stage_scales, j), layout=layout.reduce(1))
+        y = (x * row_broadcast(tile_scale, x.shape)).astype(kv.dtype)  # [rows, 128]
+        kv[part, 2 * j] = y[:, :_COLS]
+        kv[part, 2 * j + 1] = y[:, _COLS:]
+
+      for j in range(stage_rope.shape[-3]):
+        kv[part, lora // _COLS + j] = plgpu.load(staged_at(stage_rope, j), layout=layout)
+
+    if pieces == 1:
+      def stage(i):
+        plgpu.copy_gmem_to_smem(scales_ref.at[t, first + i], stage_scales, staged)
+        gather_step(i, ((nope_ref, stage_nope, nope_raw), (rope_ref, stage_rope, rope_raw)),
+                    staged)
+
+      pl.when(n > 0)(functools.partial(stage, 0))
+
+      @pl.loop(0, n)
+      def _(i):
+        plgpu.barrier_wait(staged)
+        if gather == "cp_async":
+          rows_landed()
+        pl.when(i > 0)(lambda: plgpu.barrier_wait(consumed.at[0]))
+        widen(0)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ready.at[0])
+        pl.when(i + 2 < n)(functools.partial(fetch_indices, i + 2))
+        pl.when(i + 1 < n)(functools.partial(stage, i + 1))
+
+      pl.when(n > 0)(lambda: plgpu.barrier_wait(consumed.at[0]))
+      return
+
+    # fp8_pipeline="half_rows": rows 32 p to 32 p + 31 of every step (half p) go through staging
+    # half p into row slot p. Staging half p is refilled with the next step's half p as soon as it
+    # has been widened, so that gather has the widening of the other half and a half step of the
+    # consumers to land; and half p of step i + 1 is widened while the consumers compute on the
+    # other slot. cp.async groups a lane commits, in order: G(0, 0) G(0, 1), then after widening
+    # (i, p): G(i + 1, p). At the top of (i, 0) the newest is G(i, 1); at (i, 1) it is G(i + 1, 0)
+    # unless i is the last step: so G(i, p) has landed once at most 1 (or 0) group is in flight.
+    def stage_half(i, part):
+      plgpu.copy_gmem_to_smem(scales_ref.at[t, (first + i) * pieces + part],
+                              stage_scales.at[part], staged.at[part])
+      at = lambda ref: None if ref is None else ref.at[part]
+      gather_step(i, ((nope_ref, stage_nope.at[part], at(nope_raw)),
+                      (rope_ref, stage_rope.at[part], at(rope_raw))), staged.at[part], half=part)
+
+    for part in range(pieces):
+      pl.when(n > 0)(functools.partial(stage_half, 0, part))
 
     @pl.loop(0, n)
     def _(i):
-      plgpu.barrier_wait(staged)
-      if gather == "cp_async":
-        rows_landed()
-      pl.when(i > 0)(lambda: plgpu.barrier_wait(consumed.at[0]))
-      wgmma_layout = plgpu.Layout.WGMMA
+      for part in range(pieces):
+        plgpu.barrier_wait(staged.at[part])
+        if gather == "cp_async":
+          if part == 0:
+            _cp_async_wait(1)
+          else:
+            pl.when(i + 1 < n)(functools.partial(_cp_async_wait, 1))
+            pl.when(i + 1 >= n)(functools.partial(_cp_async_wait, 0))
+          plgpu.commit_smem()  # every lane widens rows other lanes copied
+        # Slot part took consumer step 2 (i - 1) + part: wait until both consumers are done.
+        pl.when(i > 0)(functools.partial(plgpu.barrier_wait, consumed.at[part]))
+        if part == 0:
+          # Ring entry (i + 2) % 4 was last read for step i - 2: its consumers are done.
+          pl.when(i + 2 < n)(functools.partial(fetch_indices, i + 2))
+        widen(part)
+        plgpu.commit_smem()  # also: every lane is done reading staging half part before refills
+        plgpu.barrier_arrive(ready.at[part])
+        pl.when(i + 1 < n)(functools.partial(stage_half, i + 1, part))
 
-      # e4m3 times its tile's power-of-two scale is exact in bf16 (e4m3 widens to f16 in hardware,
-      # f16 to f32 exactly).
-      @pl.loop(0, stage_nope.shape[0])
-      def _(j):
-        x = plgpu.layout_cast(stage_nope[j].astype(jnp.float16).astype(jnp.float32), wgmma_layout)
-        tile_scale = plgpu.load(stage_scales.at[j], layout=rows_layout)
-        y = (x * row_broadcast(tile_scale, x.shape)).astype(kv.dtype)  # [64, 128]
-        kv[0, 2 * j] = y[:, :_COLS]
-        kv[0, 2 * j + 1] = y[:, _COLS:]
-
-      for j in range(stage_rope.shape[0]):
-        kv[0, lora // _COLS + j] = plgpu.load(stage_rope.at[j], layout=wgmma_layout)
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(ready.at[0])
-      pl.when(i + 2 < n)(functools.partial(fetch_indices, i + 2))
-      pl.when(i + 1 < n)(functools.partial(stage, i + 1))
-
-    pl.when(n > 0)(lambda: plgpu.barrier_wait(consumed.at[0]))
+    for part in range(pieces):  # the last use of each slot
+      pl.when(n > 0)(functools.partial(plgpu.barrier_wait, consumed.at[part]))
 
 
 def _raw(tiled_shape, dtype):
@@ -413,8 +485,27 @@ def split_count(rule, num_tokens, head_tiles, max_len, sms):
   return max(1, sms // (num_tokens * head_tiles))
 
 
+def smem_bytes(scratch):
+  """Bytes of shared memory Pallas Mosaic GPU (jax 0.11.2) allocates for these scratch types: each
+  buffer, and each buffer of a `RefUnion` member, starts 1024-byte aligned; a union takes its
+  largest member; a barrier takes 8 bytes. `_sparse_call` refuses a launch past _SMEM_LIMIT."""
+  align = lambda x: -(-x // 1024) * 1024
+
+  def size(ref):
+    if isinstance(ref, plgpu.RefUnion):
+      return max(functools.reduce(lambda acc, r: align(acc) + size(r), jax.tree.leaves(m), 0)
+                 for m in ref.refs)
+    if isinstance(ref, plgpu.Barrier):
+      return 0
+    return math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
+
+  buffers = sum(align(size(ref)) for ref in scratch)
+  barriers = sum(math.prod(ref.num_barriers) for ref in scratch if isinstance(ref, plgpu.Barrier))
+  return buffers + 8 * barriers
+
+
 def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_splits, auto_barriers,
-                 gather, split_rule, interpret):
+                 gather, split_rule, fp8_pipeline, interpret):
   """Pads heads to 64-row tiles and slots to 64-slot steps, runs the kernel, merges splits."""
   t, n, d = q.shape
   head_tiles = pl.cdiv(n, _TILE_H)
@@ -435,40 +526,57 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
     interpret = plgpu.InterpretGPUParams()
   if interpret:
     gather = "bulk"  # the interpreter runs no inline Mosaic GPU code
-  stages = 1 if fp8 else 2
+  half_rows = fp8 and fp8_pipeline == "half_rows"
+  # Row slots x rows (the consumers' step): bf16 2 x 64 (the next step's rows land while this one
+  # computes); fp8_ds_mla 1 x 64, or 2 x 32 with "half_rows" (the same bytes). P V's K is the
+  # step, and wgmma's K must be a multiple of its operands' swizzle width (one swizzle a wgmma):
+  # 32-row steps take 64-byte swizzles for the query, the slots and P.
+  row_slots, step_rows = (2, HALF_ROWS) if half_rows else (1, _STEP) if fp8 else (2, _STEP)
+  sw = 2 * HALF_ROWS if half_rows else SWIZZLE
   chunks = d // _COLS
-  groups = [(swizzled((_TILE_H, d), q.dtype), swizzled((stages, chunks, _STEP, _COLS), q.dtype)),
+  groups = [(swizzled((_TILE_H, d), q.dtype, sw),
+             swizzled((row_slots, chunks, step_rows, _COLS), q.dtype, sw)),
             (swizzled((_VALUE_WGS, _TILE_H, lora // _VALUE_WGS), out_dtype),
              plgpu.SMEM((_TILE_H,), jnp.float32))]
   if not fp8 and not interpret and gather == "bulk":
     groups.append((plgpu.SMEM((_TILE_H, d), q.dtype),
-                   _raw((stages, chunks, _STEP, _COLS), q.dtype)))
+                   _raw((row_slots, chunks, _STEP, _COLS), q.dtype)))
   scratch = [plgpu.RefUnion(*groups)]
   if fp8:
     nope, rope, tile_scales = cache_args
-    # The selected rows' tile scales, [T, Kp/64, L/128, 64]: 16 bytes a slot (0 where invalid),
-    # one contiguous block a step.
+    # The selected rows' tile scales, [T, Kp/rows, L/128, rows] (rows: 64, or 32 with
+    # "half_rows"): 16 bytes a slot (0 where invalid), one contiguous block a staging fill.
+    stage_rows = step_rows
     scales = jnp.where(valid[..., None], tile_scales[jnp.where(valid, slots, 0)], 0.0)
-    scales = scales.reshape(t, k // _STEP, _STEP, -1).transpose(0, 1, 3, 2)
+    scales = scales.reshape(t, k // stage_rows, stage_rows, -1).transpose(0, 1, 3, 2)
     cache_args = (nope, rope, scales)
     tiles = lora // DS_MLA_TILE, (d - lora) // _COLS
-    staging = [(swizzled((tiles[0], _STEP, DS_MLA_TILE), F8),
-                swizzled((tiles[1], _STEP, _COLS), jnp.bfloat16))]
+    # "half_rows": 2 halves of 32 rows, each refilled once widened; the same bytes as 1 x 64.
+    halves = (2,) if half_rows else ()
+    staged_shapes = (((*halves, tiles[0], stage_rows, DS_MLA_TILE), F8),
+                     ((*halves, tiles[1], stage_rows, _COLS), jnp.bfloat16))
+    staging = [tuple(swizzled(*shape) for shape in staged_shapes)]
     if not interpret and gather == "bulk":
-      staging.append((_raw((tiles[0], _STEP, DS_MLA_TILE), F8),
-                       _raw((tiles[1], _STEP, _COLS), jnp.bfloat16)))
-    scratch += [plgpu.RefUnion(*staging), plgpu.SMEM((tiles[0], _STEP), jnp.float32)]
-  scratch += [swizzled((_TILE_H, _STEP), q.dtype), plgpu.SMEM((_TILE_H,), jnp.float32),
+      staging.append(tuple(_raw(*shape) for shape in staged_shapes))
+    scratch += [plgpu.RefUnion(*staging),
+                plgpu.SMEM((*halves, tiles[0], stage_rows), jnp.float32)]
+  scratch += [swizzled((_TILE_H, step_rows), q.dtype, sw), plgpu.SMEM((_TILE_H,), jnp.float32),
               plgpu.SMEM((_IDX_RING, _STEP), jnp.int32),
               plgpu.Barrier(),
               # bulk bf16: every row chunk's copy arrives; else the memory warpgroup once.
               plgpu.Barrier(num_arrivals=_STEP * chunks if gather == "bulk" and not fp8 else 1,
-                            num_barriers=stages),
-              plgpu.Barrier(num_arrivals=_VALUE_WGS, num_barriers=stages),
+                            num_barriers=row_slots),
+              plgpu.Barrier(num_arrivals=_VALUE_WGS, num_barriers=row_slots),
               plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(num_barriers=_IDX_RING)]
   if fp8:
-    # The scales' copy, and with the bulk gather every row chunk's copy.
-    scratch.append(plgpu.Barrier(num_arrivals=1 + (_STEP * sum(tiles) if gather == "bulk" else 0)))
+    # A staging fill's scales copy, and with the bulk gather every row chunk's copy.
+    scratch.append(plgpu.Barrier(
+        num_arrivals=1 + (stage_rows * sum(tiles) if gather == "bulk" else 0),
+        num_barriers=halves))
+  used = smem_bytes(scratch)
+  if used > _SMEM_LIMIT:
+    raise ValueError(f"the kernel's shared memory ({used} bytes: fp8_ds_mla {fp8}, fp8_pipeline "
+                     f"{fp8_pipeline}, gather {gather}) exceeds a Hopper block's {_SMEM_LIMIT}")
 
   kernel = functools.partial(_kernel, scale=scale, lora=lora, num_splits=splits, fp8=fp8,
                              num_slots=num_slots, gather=gather, interpret=bool(interpret))
@@ -490,7 +598,8 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
                                            unsafe_no_auto_barriers=not auto_barriers),
       interpret=interpret or None,
-      kernel_name=f"mosaic_sparse_{'ds_mla' if fp8 else 'bf16'}_{gather}_s{splits}",
+      kernel_name=(f"mosaic_sparse_{'ds_mla' if fp8 else 'bf16'}{'_half' if half_rows else ''}"
+                   f"_{gather}_s{splits}"),
   )(q, idx, steps, *cache_args)
   if splits == 1:
     o, lse = o_parts[:, 0], lse_parts[:, 0]
@@ -502,29 +611,42 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
 _STATIC = ("scale", "num_splits", "auto_barriers", "interpret", "gather", "split_rule")
 GATHERS = ("cp_async", "bulk")
 SPLIT_RULES = ("fill", "one_wave")
+FP8_PIPELINES = ("serial", "half_rows")
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicSparseConfig:
-  """Launch knobs; the field names are both jit entries' keyword arguments. Heads per program
-  (64, the M of a wgmma), slots per step (64) and row slots (2 for bf16, 1 for fp8_ds_mla) are
-  fixed by wgmma and shared memory; the gather (H200: cp_async 2.2-2.6x bulk for bf16, 1.4x for
-  fp8_ds_mla, benchmarks/RESULTS.md, "DSA sparse attention (pallas_mosaic)", v2 and v3) and the
-  split rule (`split_count`; H200, T=128: "one_wave" 1.14-1.38x "fill" at N 16, 32, 128 for both
-  caches, v4; once tokens x head tiles >= 2 x 132 both give 1 split) are the choices."""
+  """Launch knobs; the field names are the jit entries' keyword arguments (fp8_pipeline the
+  fp8_ds_mla entry's only). Heads per program (64, the M of a wgmma) and slots per step (64) are
+  fixed by wgmma; the gather (H200: cp_async 2.2-2.6x bulk for bf16, 1.4x for fp8_ds_mla,
+  benchmarks/RESULTS.md, "DSA sparse attention (pallas_mosaic)", v2 and v3), the split rule
+  (`split_count`; H200, T=128: "one_wave" 1.14-1.38x "fill" at N 16, 32, 128 for both caches,
+  v4; once tokens x head tiles >= 2 x 132 both give 1 split) and fp8_pipeline are the choices.
+  fp8_pipeline, how fp8_ds_mla rows are widened into bf16 row slots (one 64-row slot is what fits
+  beside the query tile and the staging):
+  - "serial": one 64-row slot; the memory warpgroup widens step i + 1 into it only once both
+    consumers are done with step i, then gathers step i + 2 (H200, T=128, N=128: 0.357 ms against
+    bf16's 0.199, v4);
+  - "half_rows": the same bytes as two 32-row slots, the consumers stepping 32 slots at a time, the
+    staging as two 32-row halves each refilled as soon as it is widened: half j + 1 is widened
+    while the consumers compute on half j (mosaic_decode's "half_pages"; RESULTS v6, not timed)."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
+  fp8_pipeline: str = "serial"
 
   def __post_init__(self):
     if self.gather not in GATHERS:
       raise ValueError(f"gather must be one of {GATHERS}, got {self.gather!r}")
     if self.split_rule not in SPLIT_RULES:
       raise ValueError(f"split_rule must be one of {SPLIT_RULES}, got {self.split_rule!r}")
+    if self.fp8_pipeline not in FP8_PIPELINES:
+      raise ValueError(f"fp8_pipeline must be one of {FP8_PIPELINES}, got {self.fp8_pipeline!r}")
 
 
 CONFIG = MosaicSparseConfig()
 # The sweep space: the variants `benchmarks/bench_sparse.py` times beside the chosen one.
-SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rule="fill"))
+SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rule="fill"),
+         MosaicSparseConfig(fp8_pipeline="half_rows"))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))
@@ -556,23 +678,25 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   rows = kv_cache.reshape(num_slots, q.shape[2] // _COLS, _COLS)
   return _sparse_call(q, slots, (rows,), scale=scale, lora=kv_lora_rank, num_slots=num_slots,
                       fp8=False, num_splits=num_splits, auto_barriers=auto_barriers,
-                      gather=gather, split_rule=split_rule, interpret=interpret)
+                      gather=gather, split_rule=split_rule, fp8_pipeline=CONFIG.fp8_pipeline,
+                      interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=_STATIC + ("fp8_pipeline",))
 def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.Array,
                                 rope: jax.Array, slots: jax.Array, *, scale: float,
                                 num_splits: int | None = None, auto_barriers: bool = False,
                                 gather: str = CONFIG.gather,
                                 split_rule: str = CONFIG.split_rule,
+                                fp8_pipeline: str = CONFIG.fp8_pipeline,
                                 interpret: bool | plgpu.InterpretGPUParams = False
                                 ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over an fp8_ds_mla cache, widened to bf16 once per gathered row.
 
   q [T, N, L+R] bf16; nope [num_blocks, page, L] float8_e4m3fn; tile_scales [num_blocks, page,
   L/128] float32 (row value = nope * its tile's scale, a power of two); rope [num_blocks, page, R]
-  bfloat16; slots and options as in `sparse_attention`. Returns o [T, N, L] bf16 and lse [T, N]
-  float32.
+  bfloat16; slots and options as in `sparse_attention`; fp8_pipeline: "serial" or "half_rows"
+  (`MosaicSparseConfig`). Returns o [T, N, L] bf16 and lse [T, N] float32.
   """
   nb, page, lora = nope.shape
   _check(q, slots, lora, num_splits)
@@ -583,11 +707,11 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                      f"[NB, BS, L/{DS_MLA_TILE}] f32, rope [NB, BS, R] bf16 and q [T, N, L+R]; got "
                      f"{nope.dtype.name}{nope.shape}, {tile_scales.dtype.name}{tile_scales.shape}, "
                      f"{rope.dtype.name}{rope.shape}, q {q.shape}")
-  MosaicSparseConfig(gather, split_rule)  # checks them
+  MosaicSparseConfig(gather, split_rule, fp8_pipeline)  # checks them
   num_slots = nb * page
   # Rows as 128-byte chunks [S, C, w], what either gather copies.
   chunked = lambda x: x.reshape(num_slots, -1, _CHUNK_BYTES // x.dtype.itemsize)
   return _sparse_call(q, slots, (chunked(nope), chunked(rope), tile_scales.reshape(num_slots, -1)),
                       scale=scale, lora=lora, num_slots=num_slots, fp8=True, num_splits=num_splits,
                       auto_barriers=auto_barriers, gather=gather, split_rule=split_rule,
-                      interpret=interpret)
+                      fp8_pipeline=fp8_pipeline, interpret=interpret)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 
 from mla_jax import backends, reference
 from mla_jax.cache import DSMLACache, LatentCache
@@ -345,11 +346,11 @@ class TestPallasMosaicIndexer(IndexerContract):
       mosaic_indexer.indexer_logits(**change(args), interpret=True)
 
 
-def poisoned_case(seed, n, kind, lora=L, t=4, k=80):
+def poisoned_case(seed, n, kind, lora=L, t=4, k=80, nb=6):
   """bf16 q, a cache whose rows no slot selects hold NaN, and slots with -1, past-the-cache entries
   and a row (1) that selects nothing. Returns (q, cache, slots, dequantized rows [S, L+R])."""
   rng = np.random.default_rng(seed)
-  nb, bs = 6, 16
+  bs = 16
   num_slots = nb * bs
   slots = random_slots(rng, t, k, num_slots)
   slots[1] = -1
@@ -384,6 +385,7 @@ def test_mosaic_cases_in_a_wide_interpreter_pool():
   run = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
        f"{__file__}::TestPallasMosaicSparseAttention",
+       f"{__file__}::TestPallasMosaicSparseAttentionHalfRows",
        f"{__file__}::TestPallasMosaicIndexer::test_rows_and_chunks_match_reference[rows4]",
        f"{__file__}::TestPallasMosaicIndexer::test_variant_chosen_by_tables[shared]"],
       env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -415,6 +417,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
   cache skip, naming why; the bf16-q cases below cover what they test (NaN in unselected rows, -1
   and past-the-cache slots, a row with nothing selected, 16 and 128 heads, both caches)."""
   backend = "pallas_mosaic"
+  fp8_pipeline = mosaic_sparse.CONFIG.fp8_pipeline  # what the fp8_ds_mla cases run
 
   @pytest.fixture(autouse=True)
   def _wide_pool(self):
@@ -429,7 +432,13 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
         pytest.skip(f"pallas_mosaic's sparse kernel takes bfloat16 q only, got {q.dtype}")
       if isinstance(cache, LatentCache) and cache.scale_or_none is not None:
         pytest.skip("pallas_mosaic's sparse kernel reads no per-tensor float8 latent cache")
-      return run(q, cache, slots, scale=scale, kv_lora_rank=kv_lora_rank)
+      if self.fp8_pipeline == mosaic_sparse.CONFIG.fp8_pipeline:
+        return run(q, cache, slots, scale=scale, kv_lora_rank=kv_lora_rank)
+      if not isinstance(cache, DSMLACache):
+        pytest.skip("fp8_pipeline changes only the fp8_ds_mla path")
+      return mosaic_sparse.sparse_attention_fp8_ds_mla(
+          q, cache.nope, cache.tile_scales, cache.rope, slots, scale=scale,
+          fp8_pipeline=self.fp8_pipeline, interpret=True)
     return checked
 
   @pytest.mark.parametrize("kind,n,lora", [("bf16", 16, L), ("bf16", 128, L),
@@ -451,6 +460,27 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     np.testing.assert_allclose(lse[lse_ref > -np.inf], lse_ref[lse_ref > -np.inf], rtol=1e-4,
                                atol=1e-4)
 
+  # Several steps in one split (num_splits=1): 300 slots, 5 steps of 64, the last partly -1
+  # padding and a row (1) with none valid, so the index ring wraps, and with "half_rows" both row
+  # slots and staging halves alternate 5 times; row 2's last half step holds no valid slot.
+  @pytest.mark.parametrize("n,lora", [(16, 256), (128, L)])
+  def test_fp8_ds_mla_steps_of_one_split_match_oracle(self, n, lora):
+    q, cache, slots, rows = poisoned_case(40 + n, n, "fp8_ds_mla", lora, t=3, k=300, nb=22)
+    slots[2, 288:] = -1
+    o, lse = mosaic_sparse.sparse_attention_fp8_ds_mla(
+        q, cache.nope, cache.tile_scales, cache.rope, jnp.asarray(slots), scale=0.05, num_splits=1,
+        fp8_pipeline=self.fp8_pipeline, interpret=True)
+    qf = np.asarray(q.astype(jnp.float32))
+    o_ref, lse_ref = sparse_np(qf, lambda s: rows[s].astype(np.float64), slots, rows.shape[0],
+                               0.05, lora)
+    o, lse = np.asarray(o.astype(jnp.float32), np.float64), np.asarray(lse, np.float64)
+    assert np.isfinite(o).all()
+    np.testing.assert_array_equal(lse[1], -np.inf)
+    np.testing.assert_array_equal(o[1], 0.0)
+    assert cosine_diff(o, o_ref) < 1e-5
+    np.testing.assert_allclose(o, o_ref, rtol=2 / 128, atol=1e-2)
+    np.testing.assert_allclose(lse[[0, 2]], lse_ref[[0, 2]], rtol=1e-4, atol=1e-4)
+
   def test_splits_match_one_split(self):
     q, cache, slots, _ = poisoned_case(31, 16, "bf16", k=90)  # 2 steps of 64 slots
     run = lambda s: mosaic_sparse.sparse_attention(q, cache.data, jnp.asarray(slots), scale=0.05,
@@ -460,13 +490,23 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
                                atol=1e-2)  # bf16 outputs: a split merge may round 1 ulp apart
     np.testing.assert_allclose(np.asarray(l3), np.asarray(l1), rtol=1e-5, atol=1e-5)
 
-  @pytest.mark.parametrize("n,fp8,gather", [(128, False, "cp_async"), (16, False, "cp_async"),
-                                             (128, False, "bulk"), (128, True, "cp_async"),
-                                             (32, True, "cp_async"), (128, True, "bulk")])
-  def test_lowers_for_hopper(self, n, fp8, gather):
+  @pytest.mark.parametrize("n,fp8,gather,fp8_pipeline", [
+      (128, False, "cp_async", "serial"), (16, False, "cp_async", "serial"),
+      (128, False, "bulk", "serial"), (128, True, "cp_async", "serial"),
+      (32, True, "cp_async", "serial"), (128, True, "bulk", "serial"),
+      (128, True, "cp_async", "half_rows"), (32, True, "cp_async", "half_rows"),
+      (128, True, "bulk", "half_rows")])
+  def test_lowers_for_hopper(self, n, fp8, gather, fp8_pipeline, monkeypatch):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
-    # layouts, bulk-copy boxes, the untiled aliases, and that shared memory fits 227 KB.
+    # layouts and swizzles, bulk-copy boxes, the untiled aliases, the cp.async code, the register
+    # layouts of the widening, and that shared memory fits 227 KB; with the limit at 0, Mosaic
+    # GPU's error names the bytes it counts, which must be smem_bytes' (what _sparse_call checks
+    # before any launch).
     t, k, tokens = 128, 2048, 1 << 20
+    counted = []  # what _sparse_call counts while tracing
+    monkeypatch.setattr(mosaic_sparse, "smem_bytes",
+                        lambda scratch, count=mosaic_sparse.smem_bytes: counted.append(
+                            count(scratch)) or counted[-1])
     q = jax.ShapeDtypeStruct((t, n, 576), jnp.bfloat16)
     slots = jax.ShapeDtypeStruct((t, k), jnp.int32)
     if fp8:
@@ -474,12 +514,30 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
           q, jax.ShapeDtypeStruct((tokens // 64, 64, 512), jnp.float8_e4m3fn),
           jax.ShapeDtypeStruct((tokens // 64, 64, 4), jnp.float32),
           jax.ShapeDtypeStruct((tokens // 64, 64, 64), jnp.bfloat16), slots, scale=0.1,
-          gather=gather)
+          gather=gather, fp8_pipeline=fp8_pipeline)
     else:
       traced = mosaic_sparse.sparse_attention.trace(
           q, jax.ShapeDtypeStruct((tokens // 64, 64, 576), jnp.bfloat16), slots, scale=0.1,
           gather=gather)
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert counted[-1] <= 227 * 1024
+    jax.clear_caches()
+    monkeypatch.setattr(mosaic_gpu_core, "_SMEM_SIZE_BOUND", 0)
+    with pytest.raises(ValueError, match=f"smem_bytes={counted[-1]} "):
+      traced.lower(lowering_platforms=("cuda",))
+
+  def test_shared_memory_past_the_limit_raises(self, monkeypatch):
+    # fp8_ds_mla at L=512 with the cp.async gather: 199,760 bytes "serial", 195,688 "half_rows"
+    # (P is 64 x 32; 3 more barriers; RESULTS v6). Past the limit: a ValueError.
+    monkeypatch.setattr(mosaic_sparse, "_SMEM_LIMIT", 199_759)
+    q = jax.ShapeDtypeStruct((4, 64, 576), jnp.bfloat16)
+    args = (q, jax.ShapeDtypeStruct((16, 64, 512), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((16, 64, 4), jnp.float32),
+            jax.ShapeDtypeStruct((16, 64, 64), jnp.bfloat16),
+            jax.ShapeDtypeStruct((4, 64), jnp.int32))
+    mosaic_sparse.sparse_attention_fp8_ds_mla.trace(*args, scale=0.1, fp8_pipeline="half_rows")
+    with pytest.raises(ValueError, match="199760 bytes.*exceeds"):
+      mosaic_sparse.sparse_attention_fp8_ds_mla.trace(*args, scale=0.1)
 
   @pytest.mark.parametrize("change,message", [
       (lambda a: {**a, "q": a["q"][0]}, "want q"),
@@ -507,3 +565,27 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
       mosaic_sparse.sparse_attention_fp8_ds_mla(q, nope, jnp.zeros((4, 16, 2), jnp.float32),
                                                 jnp.zeros((4, 16, R), jnp.bfloat16), slots,
                                                 scale=0.1, interpret=True)
+    with pytest.raises(ValueError, match="fp8_pipeline must be one of"):
+      mosaic_sparse.sparse_attention_fp8_ds_mla(q, nope, jnp.zeros((4, 16, L // 128), jnp.float32),
+                                                jnp.zeros((4, 16, R), jnp.bfloat16), slots,
+                                                scale=0.1, fp8_pipeline="half_pages",
+                                                interpret=True)
+
+  def test_config_default_and_sweep(self):
+    assert mosaic_sparse.CONFIG.fp8_pipeline == "serial"  # the timed default, unchanged
+    assert mosaic_sparse.MosaicSparseConfig(fp8_pipeline="half_rows") in mosaic_sparse.SWEEP
+
+
+class TestPallasMosaicSparseAttentionHalfRows(TestPallasMosaicSparseAttention):
+  """The fp8_ds_mla cases again with fp8_pipeline="half_rows" (two 32-row bf16 slots, two 32-row
+  staging halves): the contract's, the poisoned ones (16 and 128 heads, NaN in unselected rows, -1
+  and past-the-cache slots, a row with none valid) and the multi-step one; bf16 caches skip,
+  naming why."""
+  fp8_pipeline = "half_rows"
+  # Cases that read no fp8_ds_mla cache through fn, or check every variant already: the parent's.
+  test_splits_match_one_split = None
+  test_lowers_for_hopper = None
+  test_shared_memory_past_the_limit_raises = None
+  test_bad_input_raises = None
+  test_bad_ds_mla_layout_raises = None
+  test_config_default_and_sweep = None
