@@ -4,7 +4,8 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
   sparse   sparse attention, T in {64, 128, 4096}, N in {16, 32, 64, 128}, bf16 and fp8_ds_mla
            caches, each case timed for pallas_triton and pallas_mosaic (the Mosaic GPU kernel pads
            N < 64 to 64 heads inside; FLOPs count the N asked for), and for the Mosaic kernel's
-           other configs (its SWEEP; cache "<cache> <field>=<value>"; not with --no-sweep-rows).
+           other configs (its SWEEP; cache "<cache> <field>=<value>"; not with --no-sweep-rows;
+           only those named with --sweep-rows; fp8_pipeline only with the fp8_ds_mla cache).
            Decode rows (T <= 128) pick 2048 slots each, uniformly from a 1M-token cache (1.2 GB
            bf16), so gathers do not hit L2; a 4096-row prefill chunk picks from one 32K-token
            context (one request: rows share rows, and L2 helps). Bytes = T*2048*row bytes (1152
@@ -136,11 +137,13 @@ def run_sparse(args, t, n, kind, cache):
                         case_bytes, flops, xla_ms=rows[0].get("xla ms"), backend="pallas_mosaic"))
   # The Mosaic kernel's other configs: its SWEEP beside the chosen CONFIG.
   for cfg in () if args.no_sweep_rows else pallas_mosaic_sparse.SWEEP:
-    if cfg == pallas_mosaic_sparse.CONFIG:
-      continue
-    other = lambda be, cfg=cfg: jax.jit(functools.partial(mosaic_sparse_variant, cfg=cfg))
     changed = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()
                         if v != getattr(pallas_mosaic_sparse.CONFIG, k))
+    if (not changed or (args.sweep_rows and changed not in args.sweep_rows)
+        or (kind != "fp8_ds_mla"
+            and cfg.fp8_pipeline != pallas_mosaic_sparse.CONFIG.fp8_pipeline)):
+      continue  # the chosen config, one not asked for, or an fp8_ds_mla pipeline on a bf16 cache
+    other = lambda be, cfg=cfg: jax.jit(functools.partial(mosaic_sparse_variant, cfg=cfg))
     rows.append(timed_row(args, case_row("sparse", t, n=n, context=span, cache=f"{kind} {changed}"),
                           other, sets, case_bytes, flops, xla_ms=rows[0].get("xla ms"),
                           backend="pallas_mosaic"))
@@ -152,8 +155,9 @@ def mosaic_sparse_variant(q, cache, slots, *, cfg):
   if isinstance(cache, DSMLACache):
     return pallas_mosaic_sparse.sparse_attention_fp8_ds_mla(
         q, cache.nope, cache.tile_scales, cache.rope, slots, scale=SCALE, **dataclasses.asdict(cfg))
+  kwargs = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "fp8_pipeline"}
   return pallas_mosaic_sparse.sparse_attention(q, cache.data, slots, scale=SCALE, kv_lora_rank=L,
-                                               **dataclasses.asdict(cfg))
+                                               **kwargs)
 
 
 def run_indexer(args, t, context):
@@ -334,6 +338,9 @@ def main(argv=None):
   parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference")
   parser.add_argument("--no-sweep-rows", action="store_true",
                       help="sparse cases: only the Mosaic kernel's chosen config, not its SWEEP")
+  parser.add_argument("--sweep-rows", nargs="+", metavar="FIELD=VALUE",
+                      help="sparse cases: only these of the Mosaic kernel's SWEEP configs, named "
+                           "as in the cache column (e.g. fp8_pipeline=half_rows)")
   parser.add_argument("--iters", type=int, default=20, help="back-to-back calls per timing")
   parser.add_argument("--repeats", type=int, default=5, help="timings; the median is reported")
   parser.add_argument("--out", default="benchmarks/out", help="directory for the result tables")
