@@ -177,8 +177,8 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
   # p_free (the P hand-off); idx_bar [4]; fp8: staged (the scales, and with the bulk gather the
   # rows, landed in the staging buffer).
   # rows (the consumers' step): 64, or with fp8_pipeline="half_rows" 32 in 2 slots, 64-byte
-  # swizzled (query, slots and P); its staging is then 2 halves of 32 rows (a leading [2] on
-  # stage_nope, stage_rope, stage_scales and staged), each refilled once it has been widened.
+  # swizzled (query, slots and P); its staging is then a ring of fp8_stage_halves buffers of 32
+  # rows (a leading [S] on stage_nope, stage_rope, stage_scales and staged).
   if fp8:
     (nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buffers, staging, stage_scales, p_smem,
      row_smem, idx_smem, q_bar, ready, consumed, p_ready, p_free, idx_bar, staged) = rest
@@ -318,7 +318,9 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
     def _():
       plgpu.copy_gmem_to_smem(q_ref.at[t, pl.ds(h * _TILE_H, _TILE_H)], q_smem, q_bar)
 
-    for i in range(2):
+    # Slot indices are fetched 2 steps ahead ("half_rows": 3, as its gathers run ahead of the
+    # widening by up to 2 half steps).
+    for i in range(2 if pieces == 1 else 3):
       pl.when(i < n)(functools.partial(fetch_indices, i))
 
     def rows_landed():
@@ -356,12 +358,12 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
         plgpu.barrier_wait(consumed.at[lax.rem(i, slots)])
       return
 
-    def widen(part):
-      """Row slot part = the staged rows (of staging half part with "half_rows"): the e4m3 NoPE
+    def widen(part, buf=None):
+      """Row slot part = the staged rows (of staging buffer buf with "half_rows"): the e4m3 NoPE
       tiles times their tile scales, then the bf16 RoPE. e4m3 times its tile's power-of-two scale
       is exact in bf16 (e4m3 widens to f16 in hardware, f16 to f32 exactly). 64 rows go through
       registers in the WGMMA layout, 32 in HALF_ROWS_LAYOUT (WGMMA's takes 64)."""
-      staged_at = lambda ref, j: ref.at[j] if pieces == 1 else ref.at[part, j]
+      staged_at = lambda ref, j: ref.at[j] if pieces == 1 else ref.at[buf, j]
       layout = plgpu.Layout.WGMMA if pieces == 1 else HALF_ROWS_LAYOUT
 
       @pl.loop(0, stage_nope.shape[-3])
@@ -369,7 +371,7 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
         if pieces == 1:
           x = plgpu.layout_cast(stage_nope[j].astype(jnp.float16).astype(jnp.float32), layout)
         else:
-          x = plgpu.load(stage_nope.at[part, j], layout=layout)
+          x = plgpu.load(stage_nope.at[buf, j], layout=layout)
           x = x.astype(jnp.float16).astype(jnp.float32)
         tile_scale = plgpu.load(staged_at(stage_scales, j), layout=layout.reduce(1))
         y = (x * row_broadcast(tile_scale, x.shape)).astype(kv.dtype)  # [rows, 128]
@@ -402,43 +404,49 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
       pl.when(n > 0)(lambda: plgpu.barrier_wait(consumed.at[0]))
       return
 
-    # fp8_pipeline="half_rows": rows 32 p to 32 p + 31 of every step (half p) go through staging
-    # half p into row slot p. Staging half p is refilled with the next step's half p as soon as it
-    # has been widened, so that gather has the widening of the other half and a half step of the
-    # consumers to land; and half p of step i + 1 is widened while the consumers compute on the
-    # other slot. cp.async groups a lane commits, in order: G(0, 0) G(0, 1), then after widening
-    # (i, p): G(i + 1, p). At the top of (i, 0) the newest is G(i, 1); at (i, 1) it is G(i + 1, 0)
-    # unless i is the last step: so G(i, p) has landed once at most 1 (or 0) group is in flight.
-    def stage_half(i, part):
-      plgpu.copy_gmem_to_smem(scales_ref.at[t, (first + i) * pieces + part],
-                              stage_scales.at[part], staged.at[part])
-      at = lambda ref: None if ref is None else ref.at[part]
-      gather_step(i, ((nope_ref, stage_nope.at[part], at(nope_raw)),
-                      (rope_ref, stage_rope.at[part], at(rope_raw))), staged.at[part], half=part)
+    # fp8_pipeline="half_rows": half step j = 2 i + p (rows 32 p to 32 p + 31 of step i) goes
+    # through staging buffer j % S (a ring of S 32-row buffers) into row slot p. A staging buffer
+    # is refilled with half step j + S as soon as j has been widened out of it, so each gather has
+    # about S - 1 half steps of widening and products to land; and half j + 1 is widened while the
+    # consumers compute on half j. Each lane commits one cp.async group a half step, in order, S
+    # ahead: at the top of half step j, G(j) has landed once at most min(S - 1, 2 n - 1 - j) groups
+    # are in flight.
+    ring = stage_nope.shape[0]
 
-    for part in range(pieces):
-      pl.when(n > 0)(functools.partial(stage_half, 0, part))
+    def stage_half(i, part, buf):
+      """Step i's half part (its tile scales, NoPE and RoPE rows) into staging buffer buf."""
+      plgpu.copy_gmem_to_smem(scales_ref.at[t, (first + i) * pieces + part], stage_scales.at[buf],
+                              staged.at[buf])
+      at = lambda ref: None if ref is None else ref.at[buf]
+      gather_step(i, ((nope_ref, stage_nope.at[buf], at(nope_raw)),
+                      (rope_ref, stage_rope.at[buf], at(rope_raw))), staged.at[buf], half=part)
+
+    for j in range(ring):
+      pl.when(j < n * pieces)(functools.partial(stage_half, j // pieces, j % pieces, j))
 
     @pl.loop(0, n)
     def _(i):
       for part in range(pieces):
-        plgpu.barrier_wait(staged.at[part])
+        j = i * pieces + part
+        buf = lax.rem(j, ring)
+        plgpu.barrier_wait(staged.at[buf])
         if gather == "cp_async":
-          if part == 0:
-            _cp_async_wait(1)
-          else:
-            pl.when(i + 1 < n)(functools.partial(_cp_async_wait, 1))
-            pl.when(i + 1 >= n)(functools.partial(_cp_async_wait, 0))
+          in_flight = n * pieces - 1 - j  # groups committed after G(j), up to ring - 1
+          for k in range(ring):
+            pl.when(in_flight == k if k < ring - 1 else in_flight >= k)(
+                functools.partial(_cp_async_wait, k))
           plgpu.commit_smem()  # every lane widens rows other lanes copied
-        # Slot part took consumer step 2 (i - 1) + part: wait until both consumers are done.
+        # Slot part took consumer step j - 2: wait until both consumers are done with it.
         pl.when(i > 0)(functools.partial(plgpu.barrier_wait, consumed.at[part]))
-        if part == 0:
-          # Ring entry (i + 2) % 4 was last read for step i - 2: its consumers are done.
-          pl.when(i + 2 < n)(functools.partial(fetch_indices, i + 2))
-        widen(part)
-        plgpu.commit_smem()  # also: every lane is done reading staging half part before refills
+        if part == pieces - 1:
+          # Ring entry (i + 3) % 4 was last read for step i - 1, which both consumers are done with.
+          pl.when(i + 3 < n)(functools.partial(fetch_indices, i + 3))
+        widen(part, buf)
+        plgpu.commit_smem()  # also: every lane is done reading the buffer before its refill
         plgpu.barrier_arrive(ready.at[part])
-        pl.when(i + 1 < n)(functools.partial(stage_half, i + 1, part))
+        nxt = part + ring  # half step j + ring, in this iteration's terms
+        pl.when(j + ring < n * pieces)(
+            functools.partial(stage_half, i + nxt // pieces, nxt % pieces, buf))
 
     for part in range(pieces):  # the last use of each slot
       pl.when(n > 0)(functools.partial(plgpu.barrier_wait, consumed.at[part]))
@@ -505,7 +513,7 @@ def smem_bytes(scratch):
 
 
 def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_splits, auto_barriers,
-                 gather, split_rule, fp8_pipeline, interpret):
+                 gather, split_rule, fp8_pipeline, fp8_stage_halves, interpret):
   """Pads heads to 64-row tiles and slots to 64-slot steps, runs the kernel, merges splits."""
   t, n, d = q.shape
   head_tiles = pl.cdiv(n, _TILE_H)
@@ -551,8 +559,8 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
     scales = scales.reshape(t, k // stage_rows, stage_rows, -1).transpose(0, 1, 3, 2)
     cache_args = (nope, rope, scales)
     tiles = lora // DS_MLA_TILE, (d - lora) // _COLS
-    # "half_rows": 2 halves of 32 rows, each refilled once widened; the same bytes as 1 x 64.
-    halves = (2,) if half_rows else ()
+    # "half_rows": a ring of 32-row buffers, each refilled once widened (2: the bytes of 1 x 64).
+    halves = (fp8_stage_halves,) if half_rows else ()
     staged_shapes = (((*halves, tiles[0], stage_rows, DS_MLA_TILE), F8),
                      ((*halves, tiles[1], stage_rows, _COLS), jnp.bfloat16))
     staging = [tuple(swizzled(*shape) for shape in staged_shapes)]
@@ -576,7 +584,8 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   used = smem_bytes(scratch)
   if used > _SMEM_LIMIT:
     raise ValueError(f"the kernel's shared memory ({used} bytes: fp8_ds_mla {fp8}, fp8_pipeline "
-                     f"{fp8_pipeline}, gather {gather}) exceeds a Hopper block's {_SMEM_LIMIT}")
+                     f"{fp8_pipeline} x {fp8_stage_halves}, gather {gather}) exceeds a Hopper "
+                     f"block's {_SMEM_LIMIT}")
 
   kernel = functools.partial(_kernel, scale=scale, lora=lora, num_splits=splits, fp8=fp8,
                              num_slots=num_slots, gather=gather, interpret=bool(interpret))
@@ -598,7 +607,8 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
                                            unsafe_no_auto_barriers=not auto_barriers),
       interpret=interpret or None,
-      kernel_name=(f"mosaic_sparse_{'ds_mla' if fp8 else 'bf16'}{'_half' if half_rows else ''}"
+      kernel_name=(f"mosaic_sparse_{'ds_mla' if fp8 else 'bf16'}"
+                   f"{f'_half{fp8_stage_halves}' if half_rows else ''}"
                    f"_{gather}_s{splits}"),
   )(q, idx, steps, *cache_args)
   if splits == 1:
@@ -616,23 +626,26 @@ FP8_PIPELINES = ("serial", "half_rows")
 
 @dataclasses.dataclass(frozen=True)
 class MosaicSparseConfig:
-  """Launch knobs; the field names are the jit entries' keyword arguments (fp8_pipeline the
-  fp8_ds_mla entry's only). Heads per program (64, the M of a wgmma) and slots per step (64) are
-  fixed by wgmma; the gather (H200: cp_async 2.2-2.6x bulk for bf16, 1.4x for fp8_ds_mla,
-  benchmarks/RESULTS.md, "DSA sparse attention (pallas_mosaic)", v2 and v3), the split rule
-  (`split_count`; H200, T=128: "one_wave" 1.14-1.38x "fill" at N 16, 32, 128 for both caches,
-  v4; once tokens x head tiles >= 2 x 132 both give 1 split) and fp8_pipeline are the choices.
+  """Launch knobs; the field names are the jit entries' keyword arguments (fp8_pipeline and
+  fp8_stage_halves the fp8_ds_mla entry's only). Heads per program (64, the M of a wgmma) and
+  slots per step (64) are fixed by wgmma; the gather (H200: cp_async 2.2-2.6x bulk for bf16, 1.4x
+  for fp8_ds_mla, benchmarks/RESULTS.md, "DSA sparse attention (pallas_mosaic)", v2 and v3), the
+  split rule (`split_count`; H200, T=128: "one_wave" 1.14-1.38x "fill" at N 16, 32, 128 for both
+  caches, v4; once tokens x head tiles >= 2 x 132 both give 1 split) and fp8_pipeline are the
+  choices.
   fp8_pipeline, how fp8_ds_mla rows are widened into bf16 row slots (one 64-row slot is what fits
   beside the query tile and the staging):
   - "serial": one 64-row slot; the memory warpgroup widens step i + 1 into it only once both
     consumers are done with step i, then gathers step i + 2 (H200, T=128, N=128: 0.357 ms against
     bf16's 0.199, v4);
-  - "half_rows": the same bytes as two 32-row slots, the consumers stepping 32 slots at a time, the
-    staging as two 32-row halves each refilled as soon as it is widened: half j + 1 is widened
-    while the consumers compute on half j (mosaic_decode's "half_pages"; RESULTS v6, not timed)."""
+  - "half_rows": the same bytes as two 32-row slots, the consumers stepping 32 slots at a time,
+    the staging as a ring of fp8_stage_halves (2 or 3) 32-row buffers, each refilled with the half
+    step S ahead once it has been widened: half j + 1 is widened while the consumers compute on
+    half j (mosaic_decode's "half_pages"; RESULTS v6, not timed)."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
   fp8_pipeline: str = "serial"
+  fp8_stage_halves: int = 2  # staging in 32-row buffers: "serial" stages 64 rows (2 halves)
 
   def __post_init__(self):
     if self.gather not in GATHERS:
@@ -641,12 +654,16 @@ class MosaicSparseConfig:
       raise ValueError(f"split_rule must be one of {SPLIT_RULES}, got {self.split_rule!r}")
     if self.fp8_pipeline not in FP8_PIPELINES:
       raise ValueError(f"fp8_pipeline must be one of {FP8_PIPELINES}, got {self.fp8_pipeline!r}")
+    if self.fp8_stage_halves not in ((2, 3) if self.fp8_pipeline == "half_rows" else (2,)):
+      raise ValueError(f"fp8_stage_halves must be 2 (or 3 with fp8_pipeline \"half_rows\"), got "
+                       f"{self.fp8_stage_halves!r} with {self.fp8_pipeline!r}")
 
 
 CONFIG = MosaicSparseConfig()
 # The sweep space: the variants `benchmarks/bench_sparse.py` times beside the chosen one.
 SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rule="fill"),
-         MosaicSparseConfig(fp8_pipeline="half_rows"))
+         MosaicSparseConfig(fp8_pipeline="half_rows"),
+         MosaicSparseConfig(fp8_pipeline="half_rows", fp8_stage_halves=3))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))
@@ -679,24 +696,25 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   return _sparse_call(q, slots, (rows,), scale=scale, lora=kv_lora_rank, num_slots=num_slots,
                       fp8=False, num_splits=num_splits, auto_barriers=auto_barriers,
                       gather=gather, split_rule=split_rule, fp8_pipeline=CONFIG.fp8_pipeline,
-                      interpret=interpret)
+                      fp8_stage_halves=CONFIG.fp8_stage_halves, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("fp8_pipeline",))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("fp8_pipeline", "fp8_stage_halves"))
 def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.Array,
                                 rope: jax.Array, slots: jax.Array, *, scale: float,
                                 num_splits: int | None = None, auto_barriers: bool = False,
                                 gather: str = CONFIG.gather,
                                 split_rule: str = CONFIG.split_rule,
                                 fp8_pipeline: str = CONFIG.fp8_pipeline,
+                                fp8_stage_halves: int = CONFIG.fp8_stage_halves,
                                 interpret: bool | plgpu.InterpretGPUParams = False
                                 ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over an fp8_ds_mla cache, widened to bf16 once per gathered row.
 
   q [T, N, L+R] bf16; nope [num_blocks, page, L] float8_e4m3fn; tile_scales [num_blocks, page,
   L/128] float32 (row value = nope * its tile's scale, a power of two); rope [num_blocks, page, R]
-  bfloat16; slots and options as in `sparse_attention`; fp8_pipeline: "serial" or "half_rows"
-  (`MosaicSparseConfig`). Returns o [T, N, L] bf16 and lse [T, N] float32.
+  bfloat16; slots and options as in `sparse_attention`; fp8_pipeline ("serial" or "half_rows")
+  and fp8_stage_halves: `MosaicSparseConfig`'s. Returns o [T, N, L] bf16 and lse [T, N] float32.
   """
   nb, page, lora = nope.shape
   _check(q, slots, lora, num_splits)
@@ -707,11 +725,12 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                      f"[NB, BS, L/{DS_MLA_TILE}] f32, rope [NB, BS, R] bf16 and q [T, N, L+R]; got "
                      f"{nope.dtype.name}{nope.shape}, {tile_scales.dtype.name}{tile_scales.shape}, "
                      f"{rope.dtype.name}{rope.shape}, q {q.shape}")
-  MosaicSparseConfig(gather, split_rule, fp8_pipeline)  # checks them
+  MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves)  # checks them
   num_slots = nb * page
   # Rows as 128-byte chunks [S, C, w], what either gather copies.
   chunked = lambda x: x.reshape(num_slots, -1, _CHUNK_BYTES // x.dtype.itemsize)
   return _sparse_call(q, slots, (chunked(nope), chunked(rope), tile_scales.reshape(num_slots, -1)),
                       scale=scale, lora=lora, num_slots=num_slots, fp8=True, num_splits=num_splits,
                       auto_barriers=auto_barriers, gather=gather, split_rule=split_rule,
-                      fp8_pipeline=fp8_pipeline, interpret=interpret)
+                      fp8_pipeline=fp8_pipeline, fp8_stage_halves=fp8_stage_halves,
+                      interpret=interpret)

@@ -386,6 +386,7 @@ def test_mosaic_cases_in_a_wide_interpreter_pool():
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
        f"{__file__}::TestPallasMosaicSparseAttention",
        f"{__file__}::TestPallasMosaicSparseAttentionHalfRows",
+       f"{__file__}::TestPallasMosaicSparseAttentionHalfRows3",
        f"{__file__}::TestPallasMosaicIndexer::test_rows_and_chunks_match_reference[rows4]",
        f"{__file__}::TestPallasMosaicIndexer::test_variant_chosen_by_tables[shared]"],
       env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -417,7 +418,9 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
   cache skip, naming why; the bf16-q cases below cover what they test (NaN in unselected rows, -1
   and past-the-cache slots, a row with nothing selected, 16 and 128 heads, both caches)."""
   backend = "pallas_mosaic"
-  fp8_pipeline = mosaic_sparse.CONFIG.fp8_pipeline  # what the fp8_ds_mla cases run
+  # What the fp8_ds_mla cases run.
+  fp8_pipeline = mosaic_sparse.CONFIG.fp8_pipeline
+  fp8_stage_halves = mosaic_sparse.CONFIG.fp8_stage_halves
 
   @pytest.fixture(autouse=True)
   def _wide_pool(self):
@@ -438,7 +441,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
         pytest.skip("fp8_pipeline changes only the fp8_ds_mla path")
       return mosaic_sparse.sparse_attention_fp8_ds_mla(
           q, cache.nope, cache.tile_scales, cache.rope, slots, scale=scale,
-          fp8_pipeline=self.fp8_pipeline, interpret=True)
+          fp8_pipeline=self.fp8_pipeline, fp8_stage_halves=self.fp8_stage_halves, interpret=True)
     return checked
 
   @pytest.mark.parametrize("kind,n,lora", [("bf16", 16, L), ("bf16", 128, L),
@@ -462,14 +465,15 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
 
   # Several steps in one split (num_splits=1): 300 slots, 5 steps of 64, the last partly -1
   # padding and a row (1) with none valid, so the index ring wraps, and with "half_rows" both row
-  # slots and staging halves alternate 5 times; row 2's last half step holds no valid slot.
+  # slots alternate 5 times and the staging ring (2 or 3 buffers) wraps; row 2's last half step
+  # holds no valid slot.
   @pytest.mark.parametrize("n,lora", [(16, 256), (128, L)])
   def test_fp8_ds_mla_steps_of_one_split_match_oracle(self, n, lora):
     q, cache, slots, rows = poisoned_case(40 + n, n, "fp8_ds_mla", lora, t=3, k=300, nb=22)
     slots[2, 288:] = -1
     o, lse = mosaic_sparse.sparse_attention_fp8_ds_mla(
         q, cache.nope, cache.tile_scales, cache.rope, jnp.asarray(slots), scale=0.05, num_splits=1,
-        fp8_pipeline=self.fp8_pipeline, interpret=True)
+        fp8_pipeline=self.fp8_pipeline, fp8_stage_halves=self.fp8_stage_halves, interpret=True)
     qf = np.asarray(q.astype(jnp.float32))
     o_ref, lse_ref = sparse_np(qf, lambda s: rows[s].astype(np.float64), slots, rows.shape[0],
                                0.05, lora)
@@ -490,13 +494,14 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
                                atol=1e-2)  # bf16 outputs: a split merge may round 1 ulp apart
     np.testing.assert_allclose(np.asarray(l3), np.asarray(l1), rtol=1e-5, atol=1e-5)
 
-  @pytest.mark.parametrize("n,fp8,gather,fp8_pipeline", [
-      (128, False, "cp_async", "serial"), (16, False, "cp_async", "serial"),
-      (128, False, "bulk", "serial"), (128, True, "cp_async", "serial"),
-      (32, True, "cp_async", "serial"), (128, True, "bulk", "serial"),
-      (128, True, "cp_async", "half_rows"), (32, True, "cp_async", "half_rows"),
-      (128, True, "bulk", "half_rows")])
-  def test_lowers_for_hopper(self, n, fp8, gather, fp8_pipeline, monkeypatch):
+  @pytest.mark.parametrize("n,fp8,gather,fp8_pipeline,halves", [
+      (128, False, "cp_async", "serial", 2), (16, False, "cp_async", "serial", 2),
+      (128, False, "bulk", "serial", 2), (128, True, "cp_async", "serial", 2),
+      (32, True, "cp_async", "serial", 2), (128, True, "bulk", "serial", 2),
+      (128, True, "cp_async", "half_rows", 2), (32, True, "cp_async", "half_rows", 2),
+      (128, True, "bulk", "half_rows", 2), (128, True, "cp_async", "half_rows", 3),
+      (128, True, "bulk", "half_rows", 3)])
+  def test_lowers_for_hopper(self, n, fp8, gather, fp8_pipeline, halves, monkeypatch):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # layouts and swizzles, bulk-copy boxes, the untiled aliases, the cp.async code, the register
     # layouts of the widening, and that shared memory fits 227 KB; with the limit at 0, Mosaic
@@ -514,7 +519,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
           q, jax.ShapeDtypeStruct((tokens // 64, 64, 512), jnp.float8_e4m3fn),
           jax.ShapeDtypeStruct((tokens // 64, 64, 4), jnp.float32),
           jax.ShapeDtypeStruct((tokens // 64, 64, 64), jnp.bfloat16), slots, scale=0.1,
-          gather=gather, fp8_pipeline=fp8_pipeline)
+          gather=gather, fp8_pipeline=fp8_pipeline, fp8_stage_halves=halves)
     else:
       traced = mosaic_sparse.sparse_attention.trace(
           q, jax.ShapeDtypeStruct((tokens // 64, 64, 576), jnp.bfloat16), slots, scale=0.1,
@@ -528,7 +533,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
 
   def test_shared_memory_past_the_limit_raises(self, monkeypatch):
     # fp8_ds_mla at L=512 with the cp.async gather: 199,760 bytes "serial", 195,688 "half_rows"
-    # (P is 64 x 32; 3 more barriers; RESULTS v6). Past the limit: a ValueError.
+    # (P is 64 x 32; 3 more barriers), 217,200 with 3 staging buffers (RESULTS v6). Past the
+    # limit: a ValueError.
     monkeypatch.setattr(mosaic_sparse, "_SMEM_LIMIT", 199_759)
     q = jax.ShapeDtypeStruct((4, 64, 576), jnp.bfloat16)
     args = (q, jax.ShapeDtypeStruct((16, 64, 512), jnp.float8_e4m3fn),
@@ -538,6 +544,10 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     mosaic_sparse.sparse_attention_fp8_ds_mla.trace(*args, scale=0.1, fp8_pipeline="half_rows")
     with pytest.raises(ValueError, match="199760 bytes.*exceeds"):
       mosaic_sparse.sparse_attention_fp8_ds_mla.trace(*args, scale=0.1)
+    monkeypatch.setattr(mosaic_sparse, "_SMEM_LIMIT", 217_199)
+    with pytest.raises(ValueError, match="217200 bytes.*exceeds"):
+      mosaic_sparse.sparse_attention_fp8_ds_mla.trace(*args, scale=0.1, fp8_pipeline="half_rows",
+                                                      fp8_stage_halves=3)
 
   @pytest.mark.parametrize("change,message", [
       (lambda a: {**a, "q": a["q"][0]}, "want q"),
@@ -570,10 +580,18 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
                                                 jnp.zeros((4, 16, R), jnp.bfloat16), slots,
                                                 scale=0.1, fp8_pipeline="half_pages",
                                                 interpret=True)
+    for pipeline in ("serial", "half_rows"):
+      with pytest.raises(ValueError, match="fp8_stage_halves must be 2"):
+        mosaic_sparse.sparse_attention_fp8_ds_mla(
+            q, nope, jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16),
+            slots, scale=0.1, fp8_pipeline=pipeline, fp8_stage_halves=4 - (pipeline == "serial"),
+            interpret=True)
 
   def test_config_default_and_sweep(self):
     assert mosaic_sparse.CONFIG.fp8_pipeline == "serial"  # the timed default, unchanged
-    assert mosaic_sparse.MosaicSparseConfig(fp8_pipeline="half_rows") in mosaic_sparse.SWEEP
+    for halves in (2, 3):
+      assert mosaic_sparse.MosaicSparseConfig(fp8_pipeline="half_rows",
+                                              fp8_stage_halves=halves) in mosaic_sparse.SWEEP
 
 
 class TestPallasMosaicSparseAttentionHalfRows(TestPallasMosaicSparseAttention):
@@ -589,3 +607,8 @@ class TestPallasMosaicSparseAttentionHalfRows(TestPallasMosaicSparseAttention):
   test_bad_input_raises = None
   test_bad_ds_mla_layout_raises = None
   test_config_default_and_sweep = None
+
+
+class TestPallasMosaicSparseAttentionHalfRows3(TestPallasMosaicSparseAttentionHalfRows):
+  """The same with a ring of 3 staging buffers (each gather issued 3 half steps ahead)."""
+  fp8_stage_halves = 3

@@ -76,14 +76,16 @@ def test_sparse_attention_matches_reference(n, kind, backend):
 
 
 # The Mosaic kernel's other fp8_ds_mla pipelines (MosaicSparseConfig.fp8_pipeline; "half_rows":
-# two 32-row bf16 slots and staging halves), which the backend table does not take yet.
+# two 32-row bf16 slots and a ring of 2 or 3 32-row staging buffers), which the backend table does
+# not take yet.
 @pytest.mark.parametrize("n", [128, 16])
-@pytest.mark.parametrize("fp8_pipeline", ["half_rows"])
-def test_mosaic_sparse_fp8_pipeline_matches_reference(n, fp8_pipeline):
+@pytest.mark.parametrize("fp8_pipeline,halves", [("half_rows", 2), ("half_rows", 3)])
+def test_mosaic_sparse_fp8_pipeline_matches_reference(n, fp8_pipeline, halves):
   def run(q, cache, slots, *, scale, kv_lora_rank):
     assert kv_lora_rank == cache.kv_lora_rank
     return mosaic_sparse.sparse_attention_fp8_ds_mla(q, cache.nope, cache.tile_scales, cache.rope,
-                                                     slots, scale=scale, fp8_pipeline=fp8_pipeline)
+                                                     slots, scale=scale, fp8_pipeline=fp8_pipeline,
+                                                     fp8_stage_halves=halves)
   check_sparse_attention(n, "fp8_ds_mla", run)
 
 
