@@ -25,7 +25,10 @@ warpgroups:
 - values (warpgroup 1): O[:, L/2:] += P V.
 bf16 caches use 2 row slots (the next step's rows land while this one computes); fp8_ds_mla uses
 1 bf16 slot + the staging buffer (two bf16 slots, the query tile and the staging do not fit in a
-block's 227 KB). Splits of a token's slot list are merged by their log-sum-exps (`merge_splits`).
+block's 227 KB), or with fp8_pipeline="half_rows" the same bytes as two 32-row slots that the
+consumers step through 32 slots at a time while the other is widened, fed by a ring of 32-row
+staging buffers (`MosaicSparseConfig`). Splits of a token's slot list are merged by their
+log-sum-exps (`merge_splits`).
 
 Shared memory holds a row slot as 9 tiles of 64 rows x 64 columns, each in the tiled, 128-byte-
 swizzled layout wgmma reads. The cp.async gather computes each 16-byte unit's swizzled address
