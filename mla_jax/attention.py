@@ -41,6 +41,33 @@ def merge_attn_states(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array,
   return o.astype(o_a.dtype), lse
 
 
+def merge_rows(o: jax.Array, lse: jax.Array, start: jax.Array, o_part: jax.Array,
+               lse_part: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`merge_attn_states` of rows [start, start + R) of o [T, N, V] and lse [T, N] with a part over
+  those rows (o_part [R, N, V], lse_part [R, N]); the other rows as they were (a part that saw no
+  key, 0 and -inf, leaves a row as it was too)."""
+  rows = o_part.shape[0]
+  o_w, lse_w = merge_attn_states(lax.dynamic_slice_in_dim(o, start, rows),
+                                 lax.dynamic_slice_in_dim(lse, start, rows), o_part, lse_part)
+  return (lax.dynamic_update_slice_in_dim(o, o_w, start, 0),
+          lax.dynamic_update_slice_in_dim(lse, lse_w, start, 0))
+
+
+def context_window(cu_q: jax.Array, cu_k: jax.Array, rows: int,
+                   total: int) -> tuple[jax.Array, jax.Array]:
+  """The query rows a context chunk's attention needs, as `rows` rows from `start`: (start, the
+  cu_seqlens_q of those rows). cu_q [R+1]: the prefill requests' query rows (of total >= rows);
+  cu_k [R+1]: their keys in the chunk, a run of consecutive requests. The window begins at the
+  first of them (moved back to end at T) and ends with the last; requests before it that it
+  overlaps see no key, requests after it get no rows, and an empty chunk gets none."""
+  has_keys = jnp.diff(cu_k) > 0
+  first = jnp.argmax(has_keys)
+  last = has_keys.shape[0] - 1 - jnp.argmax(has_keys[::-1])
+  start = jnp.minimum(cu_q[first], total - rows)
+  end = jnp.where(has_keys.any(), cu_q[last + 1] - start, 0)
+  return start, jnp.clip(cu_q - start, 0, end)
+
+
 def concat_rows(blocks: list[jax.Array]) -> jax.Array:
   """Row blocks [T_i, N, V] -> [sum T_i, N, V]. Blocks given as dcp parts [dcp, T_i, N, V] (the
   "o_proj" dcp merge: parts summed later, by o_proj's all-reduce) make the result parts too, a
@@ -179,18 +206,33 @@ class MLAAttention(nnx.Module):
   def _prefill(self, q, kv_c, k_pe, cache, md):
     c = self.config
     cu = md.prefill_query_start_loc
-    attend = lambda k, v, cu_k, causal: self.backend.prefill(
-        q, k, v, cu, cu_k, scale=c.softmax_scale, causal=causal,
-        max_seqlen_q=md.max_prefill_query_len)
     k, v = self._up_project(kv_c, k_pe)
-    o, lse = attend(k, v, cu, True)
+    o, lse = self.backend.prefill(q, k, v, cu, cu, scale=c.softmax_scale, causal=True,
+                                  max_seqlen_q=md.max_prefill_query_len)
 
     def context_chunk(carry, chunk):
       slots, cu_k = chunk
       rows = self.backend.gather_cache(cache, slots)
       k_ctx, v_ctx = self._up_project(rows[:, :c.kv_lora_rank], rows[:, c.kv_lora_rank:])
-      return merge_attn_states(*carry, *attend(k_ctx, v_ctx, cu_k, False)), None
+      return merge_rows(*carry, *self._context_attention(q, k_ctx, v_ctx, cu_k, md)), None
 
     if md.context_slots.shape[0]:
       (o, lse), _ = lax.scan(context_chunk, (o, lse), (md.context_slots, md.context_cu_seqlens))
     return o
+
+  def _context_attention(self, q, k, v, cu_k, md):
+    """One context chunk's non-causal attention for the query rows of the requests with keys in
+    it (`context_window`; q [Tp, N, P+R], all prefill rows): (first row, o [W, N, V], lse [W, N]).
+    The other rows would see no key and leave the merge as it was: skipping them spares the
+    kernel their items and the merge their rows."""
+    tp = q.shape[0]
+    rows = tp if md.context_query_rows is None else md.context_query_rows
+    if not 0 < rows <= tp:
+      raise ValueError(f"metadata's context_query_rows {rows} must be in [1, {tp}] (the prefill "
+                       f"rows)")
+    start, cu_q = context_window(md.prefill_query_start_loc, cu_k, rows, tp)
+    o, lse = self.backend.prefill(
+        lax.dynamic_slice_in_dim(q, start, rows), k, v, cu_q, cu_k,
+        scale=self.config.softmax_scale, causal=False,
+        max_seqlen_q=min(md.max_prefill_query_len, rows))
+    return start, o, lse

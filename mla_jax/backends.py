@@ -35,6 +35,7 @@ from jax.typing import DTypeLike
 
 from mla_jax import cache as caches
 from mla_jax import reference
+from mla_jax.metadata import CONTEXT_MIN_QUERY_ROWS
 from pallas_kernels import indexer as pallas_indexer
 from pallas_kernels import latent_decode as pallas_latent_decode
 from pallas_kernels import mla_prefill as pallas_mla_prefill
@@ -251,7 +252,7 @@ PALLAS_MOSAIC = dataclasses.replace(
 # grows with N, hence a head threshold and no token bound. 17-31 heads were not measured: Triton's.
 # v4 (the "one_wave" split rule, T=128): Mosaic 0.95x Triton at N=16 bf16, 1.10x fp8_ds_mla (still
 # 0.98x at T=4096, where the rule changes nothing), 1.56x / 1.46x at N=32, 2.18x / 1.73x at N=128.
-_MOSAIC_PREFILL_MIN_TOKENS = 1024
+_MOSAIC_PREFILL_MIN_TOKENS = CONTEXT_MIN_QUERY_ROWS  # context chunks' windows keep to it
 _MOSAIC_DECODE_MIN_HEADS = 64
 _MOSAIC_SPARSE_MIN_HEADS = 32
 

@@ -42,6 +42,10 @@ class AttentionMetadata:
   dcp_seq_lens: jax.Array | None = None  # [dcp, T] int32
   num_decode_rows: int = dataclasses.field(metadata=dict(static=True), default=0)
   max_prefill_query_len: int = dataclasses.field(metadata=dict(static=True), default=0)
+  # Query rows a context chunk's attention takes: from the first row of the first request with
+  # keys in the chunk, enough for every such request's rows (the most over chunks, bucketed); the
+  # others see no key there. None (metadata made by hand): all prefill rows.
+  context_query_rows: int | None = dataclasses.field(metadata=dict(static=True), default=None)
   # V3.2: every row sees at most index_topk tokens, so top-k selection would keep them all.
   within_topk: bool = dataclasses.field(metadata=dict(static=True), default=False)
   # What the step was built for (None: not recorded, e.g. metadata made by hand); the layers check
@@ -130,6 +134,10 @@ class BatchLayout:
 
 # build_metadata pads row and request counts to powers of two from this one up.
 MIN_BUCKET = 8
+# A context chunk's attention takes at least this many query rows (or all prefill rows): the
+# `pallas` backend runs prefill on its Mosaic kernel from this many rows, on Triton below, so a
+# narrower window would change a chunk's kernel (and its rounding), for no measured gain.
+CONTEXT_MIN_QUERY_ROWS = 1024
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -209,6 +217,7 @@ def _check_writes(requests: Sequence[RequestState], block_size: int) -> None:
 def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blocks: int,
                    max_blocks_per_seq: int, decode_threshold: int = 1,
                    context_workspace: int = 8192, min_bucket: int = MIN_BUCKET,
+                   context_min_query_rows: int = CONTEXT_MIN_QUERY_ROWS,
                    index_topk: int | None = None,
                    cache_kind: str | None = None,
                    dcp: int = 1) -> tuple[AttentionMetadata, BatchLayout]:
@@ -219,26 +228,31 @@ def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blo
 
   `index_topk` (V3.2 models) sets `within_topk` when no row sees more tokens than top-k keeps.
   Earlier context of prefill requests is read back from the cache in chunks of at most
-  `context_workspace` tokens (the workspace bound of the prefill path). `dcp` > 1: for a cache
+  `context_workspace` tokens (the workspace bound of the prefill path); a chunk's attention takes
+  the query rows of the requests in it, as at least `context_min_query_rows` rows (power-of-two
+  buckets) or all prefill rows. `dcp` > 1: for a cache
   whose blocks are split over that many devices (`sharding.shard_cache`), each device's block
   tables and row lengths (`dcp_block_tables`, `dcp_seq_lens`).
   """
   if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence) or not requests:
     raise ValueError("build_metadata needs at least one request")
-  block_size, num_blocks, max_blocks_per_seq, decode_threshold, context_workspace, min_bucket = (
+  (block_size, num_blocks, max_blocks_per_seq, decode_threshold, context_workspace, min_bucket,
+   context_min_query_rows) = (
       _integer(v, name) for v, name in (
           (block_size, "block_size"), (num_blocks, "num_blocks"),
           (max_blocks_per_seq, "max_blocks_per_seq"), (decode_threshold, "decode_threshold"),
-          (context_workspace, "context_workspace"), (min_bucket, "min_bucket")))
+          (context_workspace, "context_workspace"), (min_bucket, "min_bucket"),
+          (context_min_query_rows, "context_min_query_rows")))
   index_topk = None if index_topk is None else _integer(index_topk, "index_topk")
   if cache_kind is not None and not isinstance(cache_kind, str):
     raise ValueError(f"cache_kind must be a cache's dtype_name (a str), got {cache_kind!r}")
   dcp = _integer(dcp, "dcp")
   if dcp < 1 or num_blocks % dcp:
     raise ValueError(f"dcp={dcp} must be >= 1 and divide num_blocks={num_blocks}")
-  if block_size <= 0 or num_blocks <= 0 or max_blocks_per_seq <= 0 or context_workspace <= 0:
-    raise ValueError("block_size, num_blocks, max_blocks_per_seq and context_workspace must be "
-                     "positive")
+  if (block_size <= 0 or num_blocks <= 0 or max_blocks_per_seq <= 0 or context_workspace <= 0
+      or context_min_query_rows <= 0):
+    raise ValueError("block_size, num_blocks, max_blocks_per_seq, context_workspace and "
+                     "context_min_query_rows must be positive")
   requests = [_checked_request(i, r, block_size, num_blocks, max_blocks_per_seq)
               for i, r in enumerate(requests)]
   _check_writes(requests, block_size)
@@ -292,6 +306,12 @@ def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blo
     sl, rq = all_ctx[c * w:(c + 1) * w], all_req[c * w:(c + 1) * w]
     context_slots[c, :len(sl)] = sl
     context_cu[c, 1:] = np.cumsum(np.bincount(rq, minlength=rp))[:rp]
+  # A chunk holds the context of a run of consecutive requests, whose query rows are consecutive.
+  window = 0
+  for c in range(chunks):
+    present = np.flatnonzero(np.diff(context_cu[c]))
+    if len(present):
+      window = max(window, int(cu_q[present[-1] + 1] - cu_q[present[0]]))
 
   max_q = max([requests[i].query_len for i in order[num_dec_req:]], default=0)
   md = AttentionMetadata(
@@ -303,6 +323,7 @@ def build_metadata(requests: Sequence[RequestState], *, block_size: int, num_blo
           tables[np.maximum(row_request, 0)], seq_lens, dcp=dcp, num_blocks=num_blocks,
           block_size=block_size),
       num_decode_rows=td, max_prefill_query_len=bucket(max_q, 16),
+      context_query_rows=min(bucket(window, context_min_query_rows), tp),
       within_topk=index_topk is not None and int(seq_lens.max()) <= index_topk,
       block_size=block_size, num_blocks=num_blocks, index_topk=index_topk, cache_kind=cache_kind)
   md = jax.tree.map(jax.numpy.asarray, md)

@@ -1,5 +1,7 @@
 """The MLA layer end to end on the reference backend: cache, absorbed decode, chunked prefill."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -197,6 +199,53 @@ def test_chunked_context_equals_unchunked():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+# (context tokens, new tokens) per request, read back in chunks of 8 context tokens, and the
+# query rows of a chunk's attention (of 32 prefill rows).
+CONTEXT_CASES = {
+    # Chunks spanning requests (0 and 1, 1 and 2), a request without context, a last chunk of 4.
+    "spanning": ([6, 6, 16, 0], [4, 4, 12, 12], 16),
+    # The last request's window moved back to end at the prefill rows, over a request without
+    # context; one request's context in whole chunks.
+    "moved_back": ([16, 0, 12], [10, 9, 12], 16),
+    # 6 chunks padded to 8 (two empty), a last chunk of 1 token, 8-row windows.
+    "empty_chunks": ([24, 0, 17], [4, 12, 6], 8),
+}
+
+
+def context_step(layer, case, seed):
+  """Caches each request's context (one step), then returns (inputs, metadata, x, cache) of the
+  step that feeds the new tokens over it."""
+  context, new, _ = CONTEXT_CASES[case]
+  schedule = [context, new]
+  inputs, tables = inputs_for(schedule, seed), tables_for(len(new), seed + 1)
+  cached = [i for i, c in enumerate(context) if c]
+  _, cache = run_schedule(layer, [inputs[i] for i in cached], [[context[i] for i in cached]],
+                          [tables[i] for i in cached],
+                          LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32), workspace=8)
+  md, layout = build_metadata([RequestState(c, n, t) for c, n, t in zip(context, new, tables)],
+                              block_size=BS, num_blocks=NB, max_blocks_per_seq=MB,
+                              context_workspace=8, context_min_query_rows=8)
+  x = layout.pack([x[c:] for x, c in zip(inputs, context)])
+  return inputs, md, layout, jnp.asarray(x), cache
+
+
+@pytest.mark.parametrize("case", sorted(CONTEXT_CASES))
+def test_context_chunks_attend_only_their_requests_rows(case):
+  layer = make_layer()
+  inputs, md, layout, x, cache = context_step(layer, case, seed=21)
+  # The windows are really narrower than the prefill rows.
+  assert (md.context_query_rows, md.num_prefill_rows) == (CONTEXT_CASES[case][2], 32)
+  step = _steps[id(layer)][1]
+  out, _ = step(x, cache, md)
+  for x_full, got in zip(inputs, layout.unpack(np.asarray(out))):
+    np.testing.assert_allclose(got, full_forward(layer, x_full)[-got.shape[0]:], rtol=1e-5,
+                               atol=1e-5)
+  # Exactly the outputs of every chunk attending with all prefill rows (the rows outside a
+  # window would see no key, and a merge with nothing leaves a row as it was).
+  every_row, _ = step(x, cache, dataclasses.replace(md, context_query_rows=None))
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(every_row))
+
+
 def test_same_padded_shapes_trace_once(monkeypatch):
   traces = []
   original = DeepseekV2MLAAttention.__call__
@@ -259,6 +308,11 @@ def test_bad_input_raises():
     layer.project(jnp.zeros((md.num_rows + 1, 64)), md.positions)
   with pytest.raises(ValueError, match="cache rows"):
     layer(jnp.zeros((md.num_rows, 64)), LatentCache.allocate(NB, BS, 100, jnp.float32), md)
+  context, _ = build_metadata([RequestState(3, 5, [0])], block_size=BS, num_blocks=NB,
+                              max_blocks_per_seq=MB)
+  with pytest.raises(ValueError, match="context_query_rows 9 must be in"):
+    layer(jnp.zeros((context.num_rows, 64)), cache,
+          dataclasses.replace(context, context_query_rows=9))
   with pytest.raises(ValueError, match="kv_b_proj kernel"):
     layer.mla_attn.absorb(jnp.zeros((3, 3)))
   with pytest.raises(ValueError, match="unknown MLA backend"):

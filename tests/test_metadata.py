@@ -118,6 +118,18 @@ def test_context_chunks(workspace, want_shape):
   assert np.all(used[:last] == slots.shape[1])
 
 
+@pytest.mark.parametrize("floor, want", [(1, 4), (8, 8), (1024, 16)])
+def test_context_query_rows(floor, want):
+  # Chunks of 10: request 0's 10 context tokens (3 new rows), then request 2's 12 (2 new rows);
+  # request 1 has no context. A chunk's window is its requests' rows, bucketed from the floor, at
+  # most the 16 prefill rows.
+  md, _ = _build([RequestState(10, 3, [0, 1, 2, 3]), RequestState(0, 5, [4, 5]),
+                  RequestState(12, 2, [6, 7, 8, 9, 10])], decode_threshold=1,
+                 context_workspace=10, context_min_query_rows=floor)
+  assert md.num_prefill_rows == 16 and md.context_slots.shape == (4, 10)
+  assert md.context_query_rows == want
+
+
 def test_no_context_gives_no_chunks():
   md, _ = _build([RequestState(0, 9, [1, 2, 3]), RequestState(0, 1, [4])])
   assert md.context_slots.shape[0] == 0 and md.context_cu_seqlens.shape[0] == 0
@@ -225,6 +237,8 @@ def test_blocks_shared_for_reading_are_allowed():
     ({"num_blocks": "64"}, None, "num_blocks must be an integer, got '64'"),
     ({"max_blocks_per_seq": True}, None, "max_blocks_per_seq must be an integer"),
     ({"index_topk": 2.5}, None, "index_topk must be an integer"),
+    ({"context_min_query_rows": 8.0}, None, "context_min_query_rows must be an integer"),
+    ({"context_min_query_rows": 0}, None, "context_min_query_rows must be positive"),
     ({}, RequestState(1.0, 1, [1]), "request 0: context_len must be an integer, got 1.0"),
     ({}, RequestState(0, "2", [1]), "request 0: query_len must be an integer"),
     ({}, RequestState(0, 2, [1.0]), "request 0: block_table holds float64"),
