@@ -22,7 +22,10 @@ prefill path (`MLAAttention._prefill`, DeepSeek-V3 dims, N heads, bf16, `--backe
 of NEW new tokens over CTX cached tokens each, the context read back in `--workspace`-row chunks.
 Parts, each timed alone on its own inputs, with its share of their sum: "new" (up-project the new
 tokens' latents, causal attention), "ctx gather+up" (every chunk's cache gather and up-projection),
-"ctx attention" (every chunk's non-causal attention on those keys/values), "merge" (the LSE merges).
+"ctx attention" (every chunk's non-causal attention on those keys/values, for the query rows of
+the requests in the chunk: "query rows a chunk"), "merge" (the LSE merges into those rows).
+"all rows ms" times the whole path with every chunk attending with all prefill rows (as before
+session 7's windows), "all rows / windows" > 1: the windows are faster.
 FLOPs: attention 2*N*(NEW^2/2 + NEW*CTX)*(192 + 128) per request; up-projection
 2*(NEW + CTX)*512*N*(128 + 128) per request; TFLOP/s are given over attention alone and over both.
 """
@@ -40,7 +43,7 @@ from flax import nnx
 
 from benchmarks.common import make_parser, rates, require_gpu, time_ms, write_results
 from mla_jax import reference
-from mla_jax.attention import MLAAttention, merge_attn_states
+from mla_jax.attention import MLAAttention, merge_rows
 from mla_jax.backends import get_backend
 from mla_jax.cache import LatentCache
 from mla_jax.config import MLAConfig
@@ -178,10 +181,13 @@ def run_case(args, batch, seq, heads):
   return [row]
 
 
-def context_case(args, requests, new, context, heads):
-  """The chunked-context prefill through the layer (see the module docstring): total and parts."""
+def context_setup(contexts, news, heads, workspace, backend):
+  """The MLA layer (DeepSeek-V3 dims, `heads` heads, bf16, unit-ish weights, `backend`) and one
+  step of requests of news[i] new tokens over contexts[i] cached ones (random bf16 cache, page 64),
+  the context read back in `workspace`-row chunks: (layer, q, kv_c, k_pe, cache, md). The same
+  arguments give the same weights and inputs on any backend."""
   config = MLAConfig.preset("DeepSeek-V3").replace(num_heads=heads)
-  layer = MLAAttention(config, backend=args.backend, dtype=jnp.bfloat16)
+  layer = MLAAttention(config, backend=backend, dtype=jnp.bfloat16)
   keys = jax.random.split(jax.random.key(0), 7)
   lora, rope = config.kv_lora_rank, config.qk_rope_head_dim
   # Weights and latents at unit-ish scale, so that keys and values are O(1) like the other cases.
@@ -189,59 +195,72 @@ def context_case(args, requests, new, context, heads):
       jnp.bfloat16)
   layer.W_UV[...] = (jax.random.normal(keys[1], layer.W_UV.shape) * lora**-0.5).astype(jnp.bfloat16)
   page = 64
-  pages = -(-(new + context) // page)
-  cache = LatentCache(jax.random.normal(keys[2], (requests * pages, page, lora + rope),
-                                        jnp.bfloat16), jnp.float32(1.0))
-  md, _ = build_metadata([RequestState(context, new, range(r * pages, (r + 1) * pages))
-                          for r in range(requests)], block_size=page,
-                         num_blocks=requests * pages, max_blocks_per_seq=pages,
-                         context_workspace=args.workspace)
+  pages = [-(-(c + n) // page) for c, n in zip(contexts, news)]
+  first = [sum(pages[:i]) for i in range(len(pages))]
+  cache = LatentCache(jax.random.normal(keys[2], (sum(pages), page, lora + rope), jnp.bfloat16),
+                      jnp.float32(1.0))
+  md, _ = build_metadata([RequestState(c, n, range(f, f + p))
+                          for c, n, f, p in zip(contexts, news, first, pages)],
+                         block_size=page, num_blocks=sum(pages), max_blocks_per_seq=max(pages),
+                         context_workspace=workspace)
   t = md.num_rows
   q = jax.random.normal(keys[3], (t, heads, config.qk_head_dim), jnp.bfloat16)
   kv_c = jax.random.normal(keys[4], (t, lora), jnp.bfloat16)
   k_pe = jax.random.normal(keys[5], (t, rope), jnp.bfloat16)
-  scale, be = config.softmax_scale, layer.backend
+  return layer, q, kv_c, k_pe, cache, md
+
+
+def context_case(args, requests, new, context, heads):
+  """The chunked-context prefill through the layer (see the module docstring): total and parts."""
+  layer, q, kv_c, k_pe, cache, md = context_setup([context] * requests, [new] * requests, heads,
+                                                  args.workspace, args.backend)
+  lora = layer.config.kv_lora_rank
+  scale, be = layer.config.softmax_scale, layer.backend
   graphdef, state = nnx.split(layer)
   # Every array is an argument (not a constant folded into the program).
   jitted = lambda fn: jax.jit(lambda state, *a: fn(nnx.merge(graphdef, state), *a))
-
-  def attend(q, k, v, md, cu_k, causal):
-    return be.prefill(q, k, v, md.prefill_query_start_loc, cu_k, scale=scale, causal=causal,
-                      max_seqlen_q=md.max_prefill_query_len)
 
   def gathered(layer, cache, md):  # every chunk's keys and values, stacked [C, W, N, D]
     rows = jax.vmap(lambda slots: be.gather_cache(cache, slots))(md.context_slots)
     return jax.vmap(lambda r: layer._up_project(r[:, :lora], r[:, lora:]))(rows)
 
-  def context_attention(q, k, v, md):
-    return [attend(q, k[c], v[c], md, md.context_cu_seqlens[c], False) for c in range(k.shape[0])]
+  def context_attention(layer, q, k, v, md):  # each chunk's (first row, o, lse)
+    return [layer._context_attention(q, k[c], v[c], md.context_cu_seqlens[c], md)
+            for c in range(k.shape[0])]
 
   def merge(o, lse, parts):
-    return functools.reduce(lambda acc, part: merge_attn_states(*acc, *part), parts, (o, lse))
+    return functools.reduce(lambda acc, part: merge_rows(*acc, *part), parts, (o, lse))
 
   total = jitted(lambda layer, *a: layer._prefill(*a))
-  new_part = jitted(lambda layer, q, kv_c, k_pe, md: attend(
-      q, *layer._up_project(kv_c, k_pe), md, md.prefill_query_start_loc, True))
-  gather_part, attention_part, merge_part = jitted(gathered), jax.jit(context_attention), jax.jit(
+  new_part = jitted(lambda layer, q, kv_c, k_pe, md: be.prefill(
+      q, *layer._up_project(kv_c, k_pe), md.prefill_query_start_loc, md.prefill_query_start_loc,
+      scale=scale, causal=True, max_seqlen_q=md.max_prefill_query_len))
+  gather_part, attention_part, merge_part = jitted(gathered), jitted(context_attention), jax.jit(
       merge)
   k_ctx, v_ctx = gather_part(state, cache, md)
   o, lse = new_part(state, q, kv_c, k_pe, md)
-  parts = attention_part(q, k_ctx, v_ctx, md)
+  parts = attention_part(state, q, k_ctx, v_ctx, md)
   chunks = k_ctx.shape[0]
+  # Until session 7 every chunk's attention took all prefill rows: the same path without windows.
+  every_row = dataclasses.replace(md, context_query_rows=None)
   timed = functools.partial(time_ms, iters=args.iters, repeats=args.repeats)
   ms = {"total": timed(total, [(state, q, kv_c, k_pe, cache, md)]),
+        "total all rows": timed(total, [(state, q, kv_c, k_pe, cache, every_row)]),
         "new": timed(new_part, [(state, q, kv_c, k_pe, md)]),
         "ctx gather+up": timed(gather_part, [(state, cache, md)]),
-        "ctx attention": timed(attention_part, [(q, k_ctx, v_ctx, md)]),
+        "ctx attention": timed(attention_part, [(state, q, k_ctx, v_ctx, md)]),
         "merge": timed(merge_part, [(o, lse, parts)])}
   attn_flops = requests * 2 * heads * (new * new / 2 + new * context) * (192 + 128)
   up_flops = requests * 2 * (new + context) * lora * heads * (128 + 128)
-  parts_ms = sum(v for name, v in ms.items() if name != "total")
+  parts_ms = sum(v for name, v in ms.items() if not name.startswith("total"))
   row = {"case": f"{requests}x{new} over {context} ctx", "N": heads, "backend": be.name,
-         "chunks": chunks, "ms": ms["total"], "attn TFLOP/s": attn_flops / ms["total"] / 1e9,
-         "all TFLOP/s": (attn_flops + up_flops) / ms["total"] / 1e9}
+         "chunks": chunks, "query rows a chunk": md.context_query_rows, "ms": ms["total"],
+         "attn TFLOP/s": attn_flops / ms["total"] / 1e9,
+         "all TFLOP/s": (attn_flops + up_flops) / ms["total"] / 1e9,
+         "all rows ms": ms["total all rows"],
+         "all rows / windows": ms["total all rows"] / ms["total"]}
   for name, value in ms.items():
-    if name != "total":
+    if not name.startswith("total"):
       row[f"{name} ms"] = value
       row[f"{name} %"] = 100 * value / parts_ms
   row["ctx attention TFLOP/s"] = (requests * 2 * heads * new * context * 320

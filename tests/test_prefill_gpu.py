@@ -5,6 +5,7 @@ bulk-copy boxes and its output tiles (the poisoned allocator shows a row it neve
 short cases its persistent queue with many items a program.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks.bench_prefill import context_setup
 from gpu_utils import poison_allocator
 from mla_jax import reference
 from mla_jax.backends import get_backend
@@ -115,3 +117,26 @@ def test_a_poisoned_request_leaves_the_others_exact(backend):
   f32 = lambda x: np.asarray(x.astype(jnp.float32))[others]
   assert_close(f32(o), f32(want_o), jnp.bfloat16)
   assert_close(f32(lse), f32(want_lse), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("backend", ["pallas_triton", "pallas_mosaic"])
+def test_layer_context_chunks_take_their_rows_exactly(backend):
+  # The layer's chunked-context prefill at N=128 (4096-key chunks: one holds requests 0 and 1,
+  # one requests 1 and 3, one request 3 alone, one is empty; request 2 has no context): each
+  # chunk attends with the 4096 rows from its first request's (not 8-aligned in two chunks; the
+  # Mosaic kernel's queue), against all 8192 prefill rows (its grid) as before the windows: the
+  # same bits, and the reference backend's outputs within bf16 tolerance.
+  contexts, news = [3000, 2000, 0, 5000], [700, 1500, 900, 1000]
+  layer, q, kv_c, k_pe, cache, md = context_setup(contexts, news, 128, 4096, backend)
+  assert (md.context_query_rows, md.num_prefill_rows, md.context_slots.shape[0]) == (4096, 8192, 4)
+  prefill = jax.jit(lambda layer, md: layer._prefill(q, kv_c, k_pe, cache, md))
+  poison_allocator()
+  got = prefill(layer, md)
+  every_row = prefill(layer, dataclasses.replace(md, context_query_rows=None))
+  np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                np.asarray(every_row.astype(jnp.float32)))
+  ref_layer = context_setup(contexts, news, 128, 4096, "reference")[0]
+  want = prefill(ref_layer, md)
+  rows = int(md.prefill_query_start_loc[-1])
+  f32 = lambda x: np.asarray(x[:rows].astype(jnp.float32))
+  assert_close(f32(got), f32(want), jnp.bfloat16)
