@@ -58,7 +58,7 @@ def context_window(cu_q: jax.Array, cu_k: jax.Array, rows: int,
   """The query rows a context chunk's attention needs, as `rows` rows from `start`: (start, the
   cu_seqlens_q of those rows). cu_q [R+1]: the prefill requests' query rows (of total >= rows);
   cu_k [R+1]: their keys in the chunk, a run of consecutive requests. The window begins at the
-  first of them (moved back to end at T) and ends with the last; requests before it that it
+  first of them (moved back to end at `total`) and ends with the last; requests before it that it
   overlaps see no key, requests after it get no rows, and an empty chunk gets none."""
   has_keys = jnp.diff(cu_k) > 0
   first = jnp.argmax(has_keys)
