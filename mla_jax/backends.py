@@ -242,8 +242,8 @@ PALLAS_MOSAIC = dataclasses.replace(
 # 1.32-1.77x elsewhere); fewer tokens were not measured.
 # Decode: 1.85-1.92x at 128 heads, 0.85-0.94x at 16; 64 heads fill one 64-row tile as each half of
 # 128 does.
-# fp8 decode (the "half_pages" pipeline, session 6): 0.620 ms at N=128 B=128 S=4096 against
-# Triton's 1.015 (session 5); at N=16 0.612 ms against Triton's 0.459 (B=128, S=8192).
+# fp8 decode (the "shared_widening" pipeline, session 7): 1.00 ms at N=128 B=128 S=8192 (Triton:
+# 1.94, session 3); at N=16 0.532 ms against Triton's 0.459 (B=128, S=8192), so Triton's there.
 # Sparse attention (RESULTS.md, "DSA sparse attention (pallas_mosaic)", v3: cp.async gather for
 # both caches, T in {128, 4096} x N in {16, 32, 64, 128}): the Mosaic kernel measured faster at
 # every N >= 32, bf16 1.10-1.91x and fp8_ds_mla 1.22-1.81x, and slower at N=16 in all four
@@ -252,9 +252,12 @@ PALLAS_MOSAIC = dataclasses.replace(
 # grows with N, hence a head threshold and no token bound. 17-31 heads were not measured: Triton's.
 # v4 (the "one_wave" split rule, T=128): Mosaic 0.95x Triton at N=16 bf16, 1.10x fp8_ds_mla (still
 # 0.98x at T=4096, where the rule changes nothing), 1.56x / 1.46x at N=32, 2.18x / 1.73x at N=128.
+# v6 (fp8_ds_mla "half_rows", session 7): 1.46x Triton at N=16 T=128 (0.150 against 0.219 ms),
+# 2.3x at N=128, so fp8_ds_mla takes Mosaic from 16 heads (N=16 at T=4096 not timed with it; it
+# was 0.98x with "serial", which "half_rows" beat by 1.29-1.34x at every shape timed).
 _MOSAIC_PREFILL_MIN_TOKENS = CONTEXT_MIN_QUERY_ROWS  # context chunks' windows keep to it
 _MOSAIC_DECODE_MIN_HEADS = 64
-_MOSAIC_SPARSE_MIN_HEADS = 32
+_MOSAIC_SPARSE_MIN_HEADS = {"bfloat16": 32, caches.FP8_DS_MLA: 16}  # by cache dtype_name
 
 
 def _on_hopper() -> bool:
@@ -297,10 +300,12 @@ def _fastest_indexer_logits(q, weights, k_cache, block_tables, seq_lens):
 
 def _fastest_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
   """pallas_mosaic's sparse attention where it measured faster: bf16 q over a bf16 latent cache or
-  an fp8_ds_mla cache, 32 heads or more, on Hopper; else pallas_triton's."""
+  an fp8_ds_mla cache (32 heads or more over bf16, 16 over fp8_ds_mla), on Hopper; else
+  pallas_triton's."""
   layout = (cache.dtype_name == caches.FP8_DS_MLA
             or (cache.dtype_name == "bfloat16" and cache.scale_or_none is None))
-  mosaic = (q.dtype == jnp.bfloat16 and layout and q.shape[1] >= _MOSAIC_SPARSE_MIN_HEADS
+  mosaic = (q.dtype == jnp.bfloat16 and layout
+            and q.shape[1] >= _MOSAIC_SPARSE_MIN_HEADS[cache.dtype_name]
             and pallas_mosaic_sparse.head_dims_fit(q.shape[2], kv_lora_rank) and _on_hopper())
   sparse = PALLAS_MOSAIC.sparse_attention if mosaic else PALLAS_TRITON.sparse_attention
   return sparse(q, cache, slots, scale=scale, kv_lora_rank=kv_lora_rank)

@@ -63,19 +63,20 @@ class MosaicDecodeConfig:
     value warpgroups are done with page i, so widening and the products take turns (H200, B=128,
     N=128, S=4096: 0.842 ms against bf16's 0.367; benchmarks/RESULTS.md, "Latent decode
     (pallas_mosaic)", session 5);
-  - "half_pages" (the default): the same 72 KB as two 32-row slots, and the consumers step 32
+  - "half_pages": the same 72 KB as two 32-row slots, and the consumers step 32
     tokens at a time, so the memory warpgroup widens half-page j + 1 while they run half-page j's
     products (H200, B=128: 1.35x "serial" at N=128 S=4096 and N=16 S=8192, 1.37x at N=128 S=8192;
     RESULTS.md, session 6);
   - "shared_widening": "half_pages" with the widening split between two warpgroups: warpgroup 1
     (values) widens its own value columns (256-511) of half-page j + 2 right after its P V of
     half-page j, while warpgroup 0 computes the next scores; the memory warpgroup widens the rest
-    (0-255 and the rope columns), 5 of the 9 column tiles instead of all 9 (RESULTS.md, session 7:
-    prepared, not timed)."""
+    (0-255 and the rope columns), 5 of the 9 column tiles instead of all 9 (the default; H200,
+    B=128, S=8192: 1.16x "half_pages" at N=128 and N=16, bit-identical outputs; RESULTS.md,
+    session 7)."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
-  fp8_pipeline: str = "half_pages"
+  fp8_pipeline: str = "shared_widening"
 
   def __post_init__(self):
     if self.block_h != 64:
@@ -93,7 +94,7 @@ class MosaicDecodeConfig:
 CONFIG = MosaicDecodeConfig()
 # The sweep space: the variants `benchmarks/bench_decode.py --mosaic-configs` times beside CONFIG.
 SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"),
-         MosaicDecodeConfig(fp8_pipeline="shared_widening"))
+         MosaicDecodeConfig(fp8_pipeline="half_pages"))
 _TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
 # fp8 caches: 2 slots of e4m3 bytes (36 KB each) that the memory warpgroup widens into the bf16
 # slots the products read ("serial": one of 64 rows; "half_pages": two of 32 rows), so the shared

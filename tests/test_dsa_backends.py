@@ -385,7 +385,7 @@ def test_mosaic_cases_in_a_wide_interpreter_pool():
   run = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
        f"{__file__}::TestPallasMosaicSparseAttention",
-       f"{__file__}::TestPallasMosaicSparseAttentionHalfRows",
+       f"{__file__}::TestPallasMosaicSparseAttentionSerial",
        f"{__file__}::TestPallasMosaicSparseAttentionHalfRows3",
        f"{__file__}::TestPallasMosaicIndexer::test_rows_and_chunks_match_reference[rows4]",
        f"{__file__}::TestPallasMosaicIndexer::test_variant_chosen_by_tables[shared]"],
@@ -435,7 +435,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
         pytest.skip(f"pallas_mosaic's sparse kernel takes bfloat16 q only, got {q.dtype}")
       if isinstance(cache, LatentCache) and cache.scale_or_none is not None:
         pytest.skip("pallas_mosaic's sparse kernel reads no per-tensor float8 latent cache")
-      if self.fp8_pipeline == mosaic_sparse.CONFIG.fp8_pipeline:
+      if (self.fp8_pipeline, self.fp8_stage_halves) == (mosaic_sparse.CONFIG.fp8_pipeline,
+                                                        mosaic_sparse.CONFIG.fp8_stage_halves):
         return run(q, cache, slots, scale=scale, kv_lora_rank=kv_lora_rank)
       if not isinstance(cache, DSMLACache):
         pytest.skip("fp8_pipeline changes only the fp8_ds_mla path")
@@ -543,7 +544,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
             jax.ShapeDtypeStruct((4, 64), jnp.int32))
     mosaic_sparse.sparse_attention_fp8_ds_mla.trace(*args, scale=0.1, fp8_pipeline="half_rows")
     with pytest.raises(ValueError, match="199760 bytes.*exceeds"):
-      mosaic_sparse.sparse_attention_fp8_ds_mla.trace(*args, scale=0.1)
+      mosaic_sparse.sparse_attention_fp8_ds_mla.trace(*args, scale=0.1, fp8_pipeline="serial")
     monkeypatch.setattr(mosaic_sparse, "_SMEM_LIMIT", 217_199)
     with pytest.raises(ValueError, match="217200 bytes.*exceeds"):
       mosaic_sparse.sparse_attention_fp8_ds_mla.trace(*args, scale=0.1, fp8_pipeline="half_rows",
@@ -588,18 +589,18 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
             interpret=True)
 
   def test_config_default_and_sweep(self):
-    assert mosaic_sparse.CONFIG.fp8_pipeline == "serial"  # the timed default, unchanged
-    for halves in (2, 3):
-      assert mosaic_sparse.MosaicSparseConfig(fp8_pipeline="half_rows",
-                                              fp8_stage_halves=halves) in mosaic_sparse.SWEEP
+    assert (mosaic_sparse.CONFIG.fp8_pipeline, mosaic_sparse.CONFIG.fp8_stage_halves) == (
+        "half_rows", 2)  # the timed default
+    for other in (dict(fp8_pipeline="serial"), dict(fp8_pipeline="half_rows", fp8_stage_halves=3)):
+      assert mosaic_sparse.MosaicSparseConfig(**other) in mosaic_sparse.SWEEP
 
 
-class TestPallasMosaicSparseAttentionHalfRows(TestPallasMosaicSparseAttention):
-  """The fp8_ds_mla cases again with fp8_pipeline="half_rows" (two 32-row bf16 slots, two 32-row
-  staging halves): the contract's, the poisoned ones (16 and 128 heads, NaN in unselected rows, -1
-  and past-the-cache slots, a row with none valid) and the multi-step one; bf16 caches skip,
-  naming why."""
-  fp8_pipeline = "half_rows"
+class TestPallasMosaicSparseAttentionSerial(TestPallasMosaicSparseAttention):
+  """The fp8_ds_mla cases again with fp8_pipeline="serial" (one 64-row bf16 slot, widened only
+  once both consumers are done with the step before): the contract's, the poisoned ones (16 and
+  128 heads, NaN in unselected rows, -1 and past-the-cache slots, a row with none valid) and the
+  multi-step one; bf16 caches skip, naming why."""
+  fp8_pipeline = "serial"
   # Cases that read no fp8_ds_mla cache through fn, or check every variant already: the parent's.
   test_splits_match_one_split = None
   test_lowers_for_hopper = None
@@ -609,6 +610,8 @@ class TestPallasMosaicSparseAttentionHalfRows(TestPallasMosaicSparseAttention):
   test_config_default_and_sweep = None
 
 
-class TestPallasMosaicSparseAttentionHalfRows3(TestPallasMosaicSparseAttentionHalfRows):
-  """The same with a ring of 3 staging buffers (each gather issued 3 half steps ahead)."""
+class TestPallasMosaicSparseAttentionHalfRows3(TestPallasMosaicSparseAttentionSerial):
+  """The default "half_rows" with a ring of 3 staging buffers (each gather issued 3 half steps
+  ahead)."""
+  fp8_pipeline = "half_rows"
   fp8_stage_halves = 3

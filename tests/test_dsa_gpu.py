@@ -75,11 +75,11 @@ def test_sparse_attention_matches_reference(n, kind, backend):
   check_sparse_attention(n, kind, backends.get_backend(backend).sparse_attention)
 
 
-# The Mosaic kernel's other fp8_ds_mla pipelines (MosaicSparseConfig.fp8_pipeline; "half_rows":
-# two 32-row bf16 slots and a ring of 2 or 3 32-row staging buffers), which the backend table does
-# not take yet.
+# The Mosaic kernel's other fp8_ds_mla pipelines (MosaicSparseConfig.fp8_pipeline), beside the
+# default ("half_rows": two 32-row bf16 slots, a ring of 2 32-row staging buffers) the backend
+# cases run: "serial" (one 64-row slot), and "half_rows" with 3 staging buffers.
 @pytest.mark.parametrize("n", [128, 16])
-@pytest.mark.parametrize("fp8_pipeline,halves", [("half_rows", 2), ("half_rows", 3)])
+@pytest.mark.parametrize("fp8_pipeline,halves", [("serial", 2), ("half_rows", 3)])
 def test_mosaic_sparse_fp8_pipeline_matches_reference(n, fp8_pipeline, halves):
   def run(q, cache, slots, *, scale, kv_lora_rank):
     assert kv_lora_rank == cache.kv_lora_rank

@@ -139,4 +139,10 @@ def test_layer_context_chunks_take_their_rows_exactly(backend):
   want = prefill(ref_layer, md)
   rows = int(md.prefill_query_start_loc[-1])
   f32 = lambda x: np.asarray(x[:rows].astype(jnp.float32))
-  assert_close(f32(got), f32(want), jnp.bfloat16)
+  got, want = f32(got), f32(want)
+  # The relative part of the tolerance is taken of each (row, head)'s largest output: its value
+  # is an LSE merge of bf16-rounded chunk outputs (larger than their cancelled sum), so |want|
+  # alone is too tight (H200: 4293 of 133M elements off, worst 0.0156, one bf16 step of a value
+  # in [2, 4), where |want| < 1; the same bits as the all-rows path before the windows).
+  scale = np.broadcast_to(np.abs(want).max(axis=-1, keepdims=True), want.shape)
+  assert_close(got, want, jnp.bfloat16, scale)
