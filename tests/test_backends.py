@@ -74,8 +74,8 @@ def record_kernel_calls(monkeypatch, op, hopper):
 
 
 @pytest.mark.parametrize("tokens,dtype,dv,hopper,want", [
-    (4096, jnp.bfloat16, 128, True, "pallas_mosaic"),
-    (4095, jnp.bfloat16, 128, True, "pallas_triton"),  # below the measured crossover
+    (1024, jnp.bfloat16, 128, True, "pallas_mosaic"),
+    (1023, jnp.bfloat16, 128, True, "pallas_triton"),  # below the smallest size measured
     (4096, jnp.float16, 128, True, "pallas_triton"),  # a dtype the Mosaic kernel does not take
     (4096, jnp.bfloat16, 256, True, "pallas_triton"),  # Dv > Dk: not a Mosaic shape
     (4096, jnp.bfloat16, 128, False, "pallas_triton"),  # not a Hopper GPU
@@ -168,7 +168,8 @@ def test_pallas_decode_takes_the_faster_kernel(monkeypatch, heads, cache_dtype, 
     (4096, 16, "bf16", True, "pallas_triton"),  # 0.65x
     (128, 128, "fp8_ds_mla", True, "pallas_mosaic"),  # 1.54x
     (4096, 32, "fp8_ds_mla", True, "pallas_mosaic"),  # 1.30x
-    (128, 16, "fp8_ds_mla", True, "pallas_triton"),  # 0.93x
+    (128, 16, "fp8_ds_mla", True, "pallas_mosaic"),  # 1.46x ("half_rows", v6; "serial" 0.93x)
+    (128, 8, "fp8_ds_mla", True, "pallas_triton"),  # fewer than 16 heads: not measured
     (128, 24, "bf16", True, "pallas_triton"),  # between 16 and 32 heads: not measured
     (128, 128, "fp8", True, "pallas_triton"),  # a per-tensor fp8 cache: not a Mosaic layout
     (128, 128, "bf16", False, "pallas_triton"),  # not a Hopper GPU
