@@ -378,6 +378,22 @@ def poisoned_case(seed, n, kind, lora=L, t=4, k=80, nb=6):
   return q, cache, slots, rows
 
 
+def assert_matches_oracle(o, lse, q, rows, slots, num_slots, lora):
+  """A poisoned case's (o, lse) at scale 0.05 against the float64 oracle on the rows' true values:
+  row 1 selects nothing (0, -inf), the others within bf16 tolerances (cosine, then per element)."""
+  qf = np.asarray(q.astype(jnp.float32))
+  o_ref, lse_ref = sparse_np(qf, lambda s: rows[s].astype(np.float64), slots, num_slots, 0.05,
+                             lora)
+  o, lse = np.asarray(o.astype(jnp.float32), np.float64), np.asarray(lse, np.float64)
+  assert np.isfinite(o).all()
+  np.testing.assert_array_equal(lse[1], -np.inf)
+  np.testing.assert_array_equal(o[1], 0.0)
+  assert cosine_diff(o, o_ref) < 1e-5
+  np.testing.assert_allclose(o, o_ref, rtol=2 / 128, atol=1e-2)
+  seen = lse_ref > -np.inf
+  np.testing.assert_allclose(lse[seen], lse_ref[seen], rtol=1e-4, atol=1e-4)
+
+
 def test_mosaic_cases_in_a_wide_interpreter_pool():
   if in_wide_pool():
     pytest.skip("this process is the wide pool: the class's own cases run here")
@@ -452,17 +468,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     num_slots = rows.shape[0]
     o, lse = self.fn()(q, cache, jnp.asarray(slots), scale=0.05, kv_lora_rank=lora)
     assert o.dtype == jnp.bfloat16 and o.shape == (4, n, lora) and lse.shape == (4, n)
-    qf = np.asarray(q.astype(jnp.float32))
-    o_ref, lse_ref = sparse_np(qf, lambda s: rows[s].astype(np.float64), slots, num_slots, 0.05,
-                               lora)
-    o, lse = np.asarray(o.astype(jnp.float32), np.float64), np.asarray(lse, np.float64)
-    assert np.isfinite(o).all()
-    np.testing.assert_array_equal(lse[1], -np.inf)
-    np.testing.assert_array_equal(o[1], 0.0)
-    assert cosine_diff(o, o_ref) < 1e-5
-    np.testing.assert_allclose(o, o_ref, rtol=2 / 128, atol=1e-2)
-    np.testing.assert_allclose(lse[lse_ref > -np.inf], lse_ref[lse_ref > -np.inf], rtol=1e-4,
-                               atol=1e-4)
+    assert_matches_oracle(o, lse, q, rows, slots, num_slots, lora)
 
   # Several steps in one split (num_splits=1): 300 slots, 5 steps of 64, the last partly -1
   # padding and a row (1) with none valid, so the index ring wraps, and with "half_rows" both row
@@ -475,16 +481,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     o, lse = mosaic_sparse.sparse_attention_fp8_ds_mla(
         q, cache.nope, cache.tile_scales, cache.rope, jnp.asarray(slots), scale=0.05, num_splits=1,
         fp8_pipeline=self.fp8_pipeline, fp8_stage_halves=self.fp8_stage_halves, interpret=True)
-    qf = np.asarray(q.astype(jnp.float32))
-    o_ref, lse_ref = sparse_np(qf, lambda s: rows[s].astype(np.float64), slots, rows.shape[0],
-                               0.05, lora)
-    o, lse = np.asarray(o.astype(jnp.float32), np.float64), np.asarray(lse, np.float64)
-    assert np.isfinite(o).all()
-    np.testing.assert_array_equal(lse[1], -np.inf)
-    np.testing.assert_array_equal(o[1], 0.0)
-    assert cosine_diff(o, o_ref) < 1e-5
-    np.testing.assert_allclose(o, o_ref, rtol=2 / 128, atol=1e-2)
-    np.testing.assert_allclose(lse[[0, 2]], lse_ref[[0, 2]], rtol=1e-4, atol=1e-4)
+    assert_matches_oracle(o, lse, q, rows, slots, rows.shape[0], lora)
 
   def test_splits_match_one_split(self):
     q, cache, slots, _ = poisoned_case(31, 16, "bf16", k=90)  # 2 steps of 64 slots
