@@ -332,12 +332,21 @@ def run_scores(n, step, acc, *, row_smem, p_ready, p_free, o_smem, o_gmem, lse_s
 
 
 def run_values(n, num_slots, accumulate, acc, *, ready, consumed, row_smem, p_ready, p_free,
-               o_smem, o_gmem, out_scale=1.0, after_step=None):
+               o_smem, o_gmem, out_scale=1.0, widen=None):
   """Warpgroup 1's n steps and end: per step, once the slot's rows and warpgroup 0's P and rescale
-  factors are in, acc = accumulate(acc, alpha, slot) (acc * alpha + P V over its columns), then
-  after_step(i) if given (work of its own while warpgroup 0 computes the next scores); then it
-  takes l from warpgroup 0 and stores its output columns."""
+  factors are in, acc = accumulate(acc, alpha, slot) (acc * alpha + P V over its columns); then it
+  takes l from warpgroup 0 and stores its output columns.
+
+  widen (the fp8 half-row pipelines' "shared_widening", mosaic_decode and mosaic_sparse): widen(k)
+  widens warpgroup 1's own value columns of consumer step k into slot k % num_slots and arrives on
+  its ready barrier (the memory warpgroup widens the other columns: ready takes both). Steps 0 to
+  num_slots - 1 are widened before the loop, and step k + num_slots right after the P V of step k
+  (once both value warpgroups are done with its slot), while warpgroup 0 computes the next
+  step's scores and softmax from the other slot."""
   rows_layout = plmgpu.Layout.WGMMA.reduce(1)
+  if widen is not None:
+    for k in range(num_slots):  # the first steps' slots, before any was used
+      pl.when(k < n)(functools.partial(widen, k))
 
   def step(i, acc):
     slot = lax.rem(i, num_slots)
@@ -348,8 +357,11 @@ def run_values(n, num_slots, accumulate, acc, *, ready, consumed, row_smem, p_re
     acc = accumulate(acc, plmgpu.load(row_smem, layout=rows_layout), slot)
     plmgpu.barrier_arrive(p_free)
     plmgpu.barrier_arrive(consumed.at[slot])
-    if after_step is not None:
-      after_step(i)
+    if widen is not None:
+      @pl.when(i + num_slots < n)
+      def _():
+        plmgpu.barrier_wait(consumed.at[slot])
+        widen(i + num_slots)
     return acc
 
   acc = lax.fori_loop(0, n, step, acc)
@@ -357,6 +369,12 @@ def run_values(n, num_slots, accumulate, acc, *, ready, consumed, row_smem, p_re
   l = plmgpu.load(row_smem, layout=plmgpu.Layout.WGMMA.reduce(1))
   _store_output(acc, l, o_smem, o_gmem, out_scale)
   plmgpu.wait_smem_to_gmem(0)
+  if widen is not None:
+    # The phases of consumed the loop did not wait on (a warpgroup that waits on some phases of a
+    # barrier waits on all of them).
+    @pl.loop(jnp.maximum(n - num_slots, 0), n)
+    def _(k):
+      plmgpu.barrier_wait(consumed.at[lax.rem(k, num_slots)])
 
 
 DS_MLA_TILE = 128  # fp8_ds_mla: one scale per 128 latent values

@@ -257,10 +257,9 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
   @pl.when(wg == 1)
   def _values():
     plgpu.set_max_registers(consumer_regs, action="increase")
-    after_step = None
+    widen_own = None
     if shared_widening:
       stage, staged, stage_free = staging
-      total = n * pieces
 
       def widen_own(k):
         """Widens value_tiles of consumer step k (half `part` of 64-row step k // 2) into its
@@ -274,26 +273,9 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
         pl.when(part == slots - 1)(functools.partial(plgpu.barrier_arrive, stage_free.at[s]))
         plgpu.barrier_arrive(ready.at[part])
 
-      for k in range(slots):  # the first step's slots, before any was used
-        pl.when(k < total)(functools.partial(widen_own, k))
-
-      def after_step(k):
-        # Slot k % 2 takes step k + 2 once both value warpgroups are done with step k; warpgroup 0
-        # meanwhile runs step k + 1's scores, from the other slot.
-        @pl.when(k + slots < total)
-        def _():
-          plgpu.barrier_wait(consumed.at[lax.rem(k, slots)])
-          widen_own(k + slots)
-
     run_values(n * pieces, slots, lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, 1),
                zero_acc(), ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready,
-               p_free=p_free, **out(1), after_step=after_step)
-    if shared_widening:
-      # The phases of consumed after_step did not wait on (a warpgroup that waits on some phases
-      # of a barrier waits on all of them).
-      @pl.loop(jnp.maximum(total - slots, 0), total)
-      def _(k):
-        plgpu.barrier_wait(consumed.at[lax.rem(k, slots)])
+               p_free=p_free, **out(1), widen=widen_own)
 
   @pl.when(wg == _VALUE_WGS)
   def _memory():
