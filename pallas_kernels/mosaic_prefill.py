@@ -13,8 +13,6 @@ ring across items). It measured faster than the grid of one program per (query-b
 request) below 8192 query rows at 128 heads and below 4096 at 16 (H200: 1.13-1.24x at 1024 and
 4096 tokens and 8 x 1024 at N=128), slower from there (0.90-0.97x at 16K and 4 x 4096 tokens), so
 the grid stays and is the default from there (`persistent`). Three warpgroups a program:
-Three warpgroups a program:
-Three warpgroups a program:
 - compute (warpgroups 0 and 1): each bulk-copies its own 64-row query tile (columns [0, Dv) and
   [Dv, Dk) into two buffers: the first later stages the output), then per step of block_k keys
   S = Q K^T (two wgmma, M = 64 rows, N = block_k keys), the float32 online softmax in exp2,
@@ -110,7 +108,7 @@ class MosaicPrefillConfig:
   # The persistent queue in sections of as many heads as have their K/V (all of the batch's keys)
   # within this many bytes: a section's blocks, heaviest first, heads fastest, before the next
   # section's, so that the programs at work share a few heads' K/V in L2 (FlashAttention-3's L2
-  # swizzle, which budgets 32 MiB; H200, N=128: 1.10-1.15x the unsectioned queue); None: all
+  # swizzle, which budgets 32 MiB; H200, N=128: 1.10-1.17x the unsectioned queue); None: all
   # heads one section from _HEADS_FIRST_MIN heads, else one head a section. The grid has no
   # queue and ignores it.
   l2_section_bytes: int | None = 32 << 20
