@@ -404,7 +404,6 @@ def test_mosaic_cases_in_a_wide_interpreter_pool():
        f"{__file__}::TestPallasMosaicSparseAttention",
        f"{__file__}::TestPallasMosaicSparseAttentionSerial",
        f"{__file__}::TestPallasMosaicSparseAttentionHalfRows3",
-       f"{__file__}::TestPallasMosaicSparseAttentionSharedWidening",
        f"{__file__}::TestPallasMosaicIndexer::test_rows_and_chunks_match_reference[rows4]",
        f"{__file__}::TestPallasMosaicIndexer::test_variant_chosen_by_tables[shared]"],
       env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -485,13 +484,12 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
         fp8_pipeline=self.fp8_pipeline, fp8_stage_halves=self.fp8_stage_halves, interpret=True)
     assert_matches_oracle(o, lse, q, rows, slots, rows.shape[0], lora)
 
-  @pytest.mark.parametrize("fp8_pipeline", ["serial", "half_rows", "shared_widening"])
+  @pytest.mark.parametrize("fp8_pipeline", ["serial", "half_rows"])
   def test_no_races_in_the_interpreter(self, fp8_pipeline):
     # The interpreter's race detector sees plain loads and stores and bulk copies (the P and
-    # rescale hand-off, the staging ring and its widening into the row slots, with
-    # "shared_widening" by two warpgroups, the output staged over the slots), not the operand reads
-    # of wgmma. 3 steps in one split: every staging buffer and slot is reused. jax 0.11.2 reports
-    # races only through a private module.
+    # rescale hand-off, the staging ring and its widening into the row slots, the output staged
+    # over the slots), not the operand reads of wgmma. 3 steps in one split: every staging buffer
+    # and slot is reused. jax 0.11.2 reports races only through a private module.
     report = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
     q, cache, slots, rows = poisoned_case(70, 16, "fp8_ds_mla", 256, t=2, k=160, nb=12)
     o, lse = mosaic_sparse.sparse_attention_fp8_ds_mla(
@@ -518,9 +516,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
       (32, True, "cp_async", "serial", 2), (128, True, "bulk", "serial", 2),
       (128, True, "cp_async", "half_rows", 2), (32, True, "cp_async", "half_rows", 2),
       (128, True, "bulk", "half_rows", 2), (128, True, "cp_async", "half_rows", 3),
-      (128, True, "bulk", "half_rows", 3), (128, True, "cp_async", "shared_widening", 2),
-      (32, True, "cp_async", "shared_widening", 2), (128, True, "bulk", "shared_widening", 2),
-      (128, True, "cp_async", "shared_widening", 3)])
+      (128, True, "bulk", "half_rows", 3)])
   def test_lowers_for_hopper(self, n, fp8, gather, fp8_pipeline, halves, monkeypatch):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # layouts and swizzles, bulk-copy boxes, the untiled aliases, the cp.async code, the register
@@ -553,8 +549,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
 
   def test_shared_memory_past_the_limit_raises(self, monkeypatch):
     # fp8_ds_mla at L=512 with the cp.async gather: 199,760 bytes "serial", 195,688 "half_rows"
-    # (P is 64 x 32; 3 more barriers), 217,200 with 3 staging buffers (RESULTS v6), 195,704
-    # "shared_widening" (2 stage_free barriers; RESULTS v7). Past the limit: a ValueError.
+    # (P is 64 x 32; 3 more barriers), 217,200 with 3 staging buffers (RESULTS v6). Past the
+    # limit: a ValueError.
     monkeypatch.setattr(mosaic_sparse, "_SMEM_LIMIT", 199_759)
     q = jax.ShapeDtypeStruct((4, 64, 576), jnp.bfloat16)
     args = (q, jax.ShapeDtypeStruct((16, 64, 512), jnp.float8_e4m3fn),
@@ -564,11 +560,6 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     mosaic_sparse.sparse_attention_fp8_ds_mla.trace(*args, scale=0.1, fp8_pipeline="half_rows")
     with pytest.raises(ValueError, match="199760 bytes.*exceeds"):
       mosaic_sparse.sparse_attention_fp8_ds_mla.trace(*args, scale=0.1, fp8_pipeline="serial")
-    monkeypatch.setattr(mosaic_sparse, "_SMEM_LIMIT", 195_703)
-    mosaic_sparse.sparse_attention_fp8_ds_mla.trace(*args, scale=0.1, fp8_pipeline="half_rows")
-    with pytest.raises(ValueError, match="195704 bytes.*exceeds"):
-      mosaic_sparse.sparse_attention_fp8_ds_mla.trace(*args, scale=0.1,
-                                                      fp8_pipeline="shared_widening")
     monkeypatch.setattr(mosaic_sparse, "_SMEM_LIMIT", 217_199)
     with pytest.raises(ValueError, match="217200 bytes.*exceeds"):
       mosaic_sparse.sparse_attention_fp8_ds_mla.trace(*args, scale=0.1, fp8_pipeline="half_rows",
@@ -605,7 +596,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
                                                 jnp.zeros((4, 16, R), jnp.bfloat16), slots,
                                                 scale=0.1, fp8_pipeline="half_pages",
                                                 interpret=True)
-    for pipeline in mosaic_sparse.FP8_PIPELINES:
+    for pipeline in ("serial", "half_rows"):
       with pytest.raises(ValueError, match="fp8_stage_halves must be 2"):
         mosaic_sparse.sparse_attention_fp8_ds_mla(
             q, nope, jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16),
@@ -615,8 +606,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
   def test_config_default_and_sweep(self):
     assert (mosaic_sparse.CONFIG.fp8_pipeline, mosaic_sparse.CONFIG.fp8_stage_halves) == (
         "half_rows", 2)  # the timed default
-    for other in (dict(fp8_pipeline="serial"), dict(fp8_pipeline="half_rows", fp8_stage_halves=3),
-                  dict(fp8_pipeline="shared_widening")):
+    for other in (dict(fp8_pipeline="serial"), dict(fp8_pipeline="half_rows", fp8_stage_halves=3)):
       assert mosaic_sparse.MosaicSparseConfig(**other) in mosaic_sparse.SWEEP
 
 
@@ -641,11 +631,3 @@ class TestPallasMosaicSparseAttentionHalfRows3(TestPallasMosaicSparseAttentionSe
   ahead)."""
   fp8_pipeline = "half_rows"
   fp8_stage_halves = 3
-
-
-class TestPallasMosaicSparseAttentionSharedWidening(TestPallasMosaicSparseAttentionSerial):
-  """fp8_pipeline="shared_widening": "half_rows" with warpgroup 1 widening the second half of each
-  half step's NoPE tiles (its own value columns at L=512; all of them at L=128) right after its P
-  V of the half step two before, the memory warpgroup the rest: every slot's columns come from two
-  warpgroups, and a staging buffer is refilled only once both are done with it."""
-  fp8_pipeline = "shared_widening"

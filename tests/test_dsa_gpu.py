@@ -6,8 +6,6 @@ context) and top-k (128 x 32768, k=2048). Cache rows and pages that nothing may 
 the allocator is poisoned before every kernel call, so a stray read or an unwritten output shows.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,36 +77,16 @@ def test_sparse_attention_matches_reference(n, kind, backend):
 
 # The Mosaic kernel's other fp8_ds_mla pipelines (MosaicSparseConfig.fp8_pipeline), beside the
 # default ("half_rows": two 32-row bf16 slots, a ring of 2 32-row staging buffers) the backend
-# cases run: "serial" (one 64-row slot), "half_rows" with 3 staging buffers, and
-# "shared_widening" (half_rows with warpgroup 1 widening its value columns) with 2 and 3.
+# cases run: "serial" (one 64-row slot), and "half_rows" with 3 staging buffers.
 @pytest.mark.parametrize("n", [128, 16])
-@pytest.mark.parametrize("fp8_pipeline,halves", [("serial", 2), ("half_rows", 3),
-                                                 ("shared_widening", 2), ("shared_widening", 3)])
+@pytest.mark.parametrize("fp8_pipeline,halves", [("serial", 2), ("half_rows", 3)])
 def test_mosaic_sparse_fp8_pipeline_matches_reference(n, fp8_pipeline, halves):
-  check_sparse_attention(n, "fp8_ds_mla", functools.partial(
-      mosaic_sparse_fp8_ds_mla, fp8_pipeline=fp8_pipeline, fp8_stage_halves=halves))
-
-
-# "shared_widening" widens the same e4m3 values into the same bf16 slots as the default
-# "half_rows", only by two warpgroups, and runs the same products in the same order: the same bits.
-@pytest.mark.parametrize("n", [128, 16])
-def test_mosaic_sparse_shared_widening_is_half_rows_bit_for_bit(n):
-  q, cache, slots = sparse_case(n + 3, n, "fp8_ds_mla")
-  got = {}
-  for pipeline in ("half_rows", "shared_widening"):
-    poison_allocator()
-    got[pipeline] = [np.asarray(a) for a in mosaic_sparse_fp8_ds_mla(
-        q, cache, slots, scale=SCALE, kv_lora_rank=L, fp8_pipeline=pipeline)]
-  assert not np.isnan(got["half_rows"][0].astype(np.float32)).any()
-  for a, b in zip(got["half_rows"], got["shared_widening"]):
-    np.testing.assert_array_equal(a, b)
-
-
-def mosaic_sparse_fp8_ds_mla(q, cache, slots, *, scale, kv_lora_rank, **config):
-  """The Mosaic kernel's fp8_ds_mla entry with the backend contract's signature."""
-  assert kv_lora_rank == cache.kv_lora_rank
-  return mosaic_sparse.sparse_attention_fp8_ds_mla(q, cache.nope, cache.tile_scales, cache.rope,
-                                                   slots, scale=scale, **config)
+  def run(q, cache, slots, *, scale, kv_lora_rank):
+    assert kv_lora_rank == cache.kv_lora_rank
+    return mosaic_sparse.sparse_attention_fp8_ds_mla(q, cache.nope, cache.tile_scales, cache.rope,
+                                                     slots, scale=scale, fp8_pipeline=fp8_pipeline,
+                                                     fp8_stage_halves=halves)
+  check_sparse_attention(n, "fp8_ds_mla", run)
 
 
 def check_sparse_attention(n, kind, sparse_attention):
