@@ -64,9 +64,10 @@ FP8_DS_MLA_FIELDS = ("fp8_pipeline", "fp8_stage_halves")
 SWEEPS = {
     "sparse": [dataclasses.asdict(config) for config in pallas_sparse.SWEEP],
     "indexer": [dataclasses.asdict(config) for config in pallas_indexer.SWEEP],
-    # pallas_mosaic's indexer: rows, positions and ring slots per program, at T=2048 over 32K
-    # (rows=4, one request) and at T=128 over 128K (rows=1, a request per row).
-    "mosaic_indexer": [dict(rows=rows, chunk=config.chunk, stages=config.stages)
+    # pallas_mosaic's indexer: rows, positions and ring slots per program, compute warpgroups, at
+    # T=2048 over 32K (rows=4, one request) and at T=128 over 128K (rows=1, a request per row).
+    "mosaic_indexer": [dict(rows=rows, chunk=config.chunk, stages=config.stages,
+                            compute_wgs=config.compute_wgs)
                        for rows, config in pallas_mosaic_indexer.SWEEP],
     "topk": [dataclasses.asdict(config) for config in pallas_topk.SWEEP],
 }

@@ -240,9 +240,10 @@ class TestPallasTritonIndexer(IndexerContract):
       pallas_topk.topk_positions(**change(args), interpret=True)
 
 
-def mosaic_indexer_case(seed, t, nb=12, mb=8, shared=False):
+def mosaic_indexer_case(seed, t, nb=12, mb=8, shared=False, lens=None):
   """e4m3 q, weights, keys, ue8m0-like scales, tables (row 0's for all when shared; one column
-  -1)."""
+  -1). With lens, every key no row sees (pages no table names, positions past the windows, also
+  inside a fetched tile) holds NaN in its values and its scale."""
   rng = np.random.default_rng(seed)
   k_vals = jnp.asarray(rng.standard_normal((nb, 64, 128)) * 3, jnp.float8_e4m3fn)
   k_scale = jnp.asarray(2.0 ** rng.integers(-3, 3, (nb, 64)), jnp.float32)
@@ -252,6 +253,14 @@ def mosaic_indexer_case(seed, t, nb=12, mb=8, shared=False):
   if shared:
     tables[:] = tables[0]
   tables[:, mb - 2] = -1  # inside some windows: -inf there, never read
+  if lens is not None:
+    seen = np.zeros((nb, 64), bool)
+    for row, n in zip(tables, lens):
+      for p, block in enumerate(row):
+        if block >= 0:
+          seen[block, :max(0, min(64, n - p * 64))] = True
+    k_vals = jnp.where(seen[..., None], k_vals.astype(jnp.float32), jnp.nan).astype(k_vals.dtype)
+    k_scale = jnp.where(seen, k_scale, jnp.nan)
   return q, w, k_vals, k_scale, jnp.asarray(tables)
 
 
@@ -284,16 +293,19 @@ WIDE_POOL_ONLY = pytest.mark.skipif(
 class TestPallasMosaicIndexer(IndexerContract):
   backend = "pallas_mosaic"
 
-  # Lengths not a multiple of a step, rows that see nothing, pages behind -1; several programs per
-  # row (chunk 256); rows=4 groups (shared tables, 5 rows: one padded group) and rows=1.
-  @pytest.mark.parametrize("rows,lens", [(1, [300, 70, 0, 512, 1]),
-                                         pytest.param(4, [512, 450, 1, 0, 129], id="rows4",
-                                                      marks=WIDE_POOL_ONLY)])
-  def test_rows_and_chunks_match_reference(self, rows, lens):
-    q, w, k_vals, k_scale, tables = mosaic_indexer_case(20 + rows, 5, shared=rows == 4)
+  # Lengths not a multiple of a step, rows that see nothing, pages behind -1, NaN in every key no
+  # row sees (row 0's last tile is fetched with 12 of them); several programs per row (chunk 256);
+  # rows=4 groups (shared tables, 5 rows: one padded group whose program has 3 steps, so the
+  # pairs end unevenly) and rows=1; compute_wgs=4 splits each rows=4 step over two warpgroups.
+  @pytest.mark.parametrize("rows,lens,compute_wgs", [
+      (1, [300, 70, 0, 512, 1], None),
+      pytest.param(4, [500, 450, 1, 0, 129], None, id="rows4", marks=WIDE_POOL_ONLY),
+      pytest.param(4, [500, 450, 1, 0, 129], 4, id="rows4-w4", marks=WIDE_POOL_ONLY)])
+  def test_rows_and_chunks_match_reference(self, rows, lens, compute_wgs):
+    q, w, k_vals, k_scale, tables = mosaic_indexer_case(20 + rows, 5, shared=rows == 4, lens=lens)
     lens = jnp.asarray(lens, jnp.int32)
     got = mosaic_indexer.indexer_logits(q, w, k_vals, k_scale, tables, lens, rows=rows, chunk=256,
-                                        interpret=True)
+                                        compute_wgs=compute_wgs, interpret=True)
     assert_logits_close(got, reference.indexer_logits(q, w, k_vals, k_scale, tables, lens))
 
   @pytest.mark.parametrize("shared", [pytest.param(True, id="shared", marks=WIDE_POOL_ONLY),
@@ -306,8 +318,9 @@ class TestPallasMosaicIndexer(IndexerContract):
     got = mosaic_indexer.indexer_logits(q, w, k_vals, k_scale, tables, lens, interpret=True)
     assert_logits_close(got, reference.indexer_logits(q, w, k_vals, k_scale, tables, lens))
 
-  @pytest.mark.parametrize("t,ctx,rows", [(2048, 32768, None), (128, 131072, 1), (5, 4096, 4)])
-  def test_lowers_for_hopper(self, t, ctx, rows):
+  @pytest.mark.parametrize("t,ctx,rows,compute_wgs", [
+      (2048, 32768, None, None), (128, 131072, 1, None), (5, 4096, 4, None), (2048, 32768, 4, 4)])
+  def test_lowers_for_hopper(self, t, ctx, rows, compute_wgs):
     # Lowering for CUDA (it runs on this CPU) checks wgmma operand layouts, bulk-copy boxes and
     # that shared memory fits, which the interpreter does not.
     s = jax.ShapeDtypeStruct
@@ -315,8 +328,19 @@ class TestPallasMosaicIndexer(IndexerContract):
     args = (s((t, 64, 128), jnp.float8_e4m3fn), s((t, 64), jnp.float32),
             s((4 * pages, 64, 128), jnp.float8_e4m3fn), s((4 * pages, 64), jnp.float32),
             s((t, pages), jnp.int32), s((t,), jnp.int32))
-    traced = mosaic_indexer.indexer_logits.trace(*args, rows=rows)
+    traced = mosaic_indexer.indexer_logits.trace(*args, rows=rows, compute_wgs=compute_wgs)
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+  def test_register_split_fits_the_launch(self):
+    # setmaxnreg.inc past the registers the launch gave the block waits forever (the interpreter
+    # does not model registers): (compute_wgs + 1) x 128 threads get 65536 // threads, a multiple
+    # of 8, each.
+    for wgs, (compute, memory) in mosaic_indexer._REGS.items():
+      assert wgs * compute + memory <= 65536 // (128 * (wgs + 1)) // 8 * 8 * (wgs + 1)
+      assert compute % 8 == 0 and memory % 8 == 0 and memory >= 24
+    assert {cfg.compute_wgs for _, cfg in mosaic_indexer.SWEEP} == set(mosaic_indexer._REGS)
+    with pytest.raises(ValueError, match="compute_wgs"):
+      mosaic_indexer.MosaicIndexerConfig(64, 2048, 4, compute_wgs=3)
 
   def test_backend_falls_back_where_the_kernel_does_not_fit(self):
     f8 = jnp.float8_e4m3fn
@@ -336,6 +360,9 @@ class TestPallasMosaicIndexer(IndexerContract):
       (lambda a: {**a, "seq_lens": a["seq_lens"].astype(jnp.int16)}, "int32"),
       (lambda a: {**a, "rows": 2}, "rows"),
       (lambda a: {**a, "chunk": 100}, "chunk"),
+      (lambda a: {**a, "compute_wgs": 3}, "compute_wgs must be"),
+      (lambda a: {**a, "rows": 1, "compute_wgs": 4}, "needs rows=4"),
+      (lambda a: {**a, "compute_wgs": 4}, "needs rows=4"),  # rows=None may pick rows=1
   ])
   def test_bad_input_raises(self, change, message):
     args = dict(q=jnp.zeros((2, 64, 128), jnp.float8_e4m3fn),
@@ -405,6 +432,7 @@ def test_mosaic_cases_in_a_wide_interpreter_pool():
        f"{__file__}::TestPallasMosaicSparseAttentionSerial",
        f"{__file__}::TestPallasMosaicSparseAttentionHalfRows3",
        f"{__file__}::TestPallasMosaicIndexer::test_rows_and_chunks_match_reference[rows4]",
+       f"{__file__}::TestPallasMosaicIndexer::test_rows_and_chunks_match_reference[rows4-w4]",
        f"{__file__}::TestPallasMosaicIndexer::test_variant_chosen_by_tables[shared]"],
       env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
       capture_output=True, text=True, timeout=3000)

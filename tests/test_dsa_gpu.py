@@ -15,7 +15,7 @@ from gpu_utils import poison_allocator
 from mla_jax import backends, reference
 from mla_jax.cache import DSMLACache, IndexerKCache, LatentCache
 from mla_jax.quant import quantize_indexer_q
-from pallas_kernels import mosaic_sparse
+from pallas_kernels import mosaic_indexer, mosaic_sparse
 from pallas_kernels import topk as pallas_topk
 from sparse_contract import cosine_diff, lowest_index_topk
 
@@ -115,12 +115,9 @@ def check_sparse_attention(n, kind, sparse_attention):
     np.testing.assert_allclose(lse[seen], ref_lse[seen], rtol=0.065, atol=0.05)
 
 
-# 16 requests of 8 rows (like speculative decode: Mosaic takes groups of 4 rows sharing a table)
-# and 128 requests of 1 row (decode: Mosaic's one-row programs).
-@pytest.mark.parametrize("backend", ["pallas_triton", "pallas_mosaic"])
-@pytest.mark.parametrize("requests,per_req", [(16, 8), (128, 1)])
-def test_indexer_logits_fp8_match_reference(backend, requests, per_req):
-  """128 rows over 32K-token contexts, unreadable keys NaN."""
+def indexer_case(requests, per_req):
+  """128 rows over 32K-token contexts, unreadable keys NaN: the kernels' arguments (k as values
+  and scales) and the jitted reference's logits."""
   h, d = 64, 128
   rng = np.random.default_rng(0)
   pages = CACHE_TOKENS // PAGE
@@ -152,17 +149,40 @@ def test_indexer_logits_fp8_match_reference(backend, requests, per_req):
   weights = (jax.random.normal(keys[2], (requests * per_req, h), jnp.float32) * q_scale
              / (h * d) ** 0.5)
   args = (q, weights, k_values, k_scales, jnp.asarray(row_tables), jnp.asarray(lens, jnp.int32))
-  want = np.asarray(jax.jit(reference.indexer_logits)(*args))
-  poison_allocator()
-  q, weights, k_values, k_scales, tables, lens = args
-  got = np.asarray(backends.get_backend(backend).indexer_logits(
-      q, weights, IndexerKCache(k_values, k_scales), tables, lens))
+  return args, np.asarray(jax.jit(reference.indexer_logits)(*args))
+
+
+def assert_indexer_logits_close(got, want):
+  """SPEC 8: -inf pattern exact, cosine difference < 1e-3 over all and per row."""
+  got = np.asarray(got)
   assert not np.isnan(got).any()
   np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
   fin = np.isfinite(want)
   assert cosine_diff(got[fin], want[fin]) < 1e-3
   for i in np.flatnonzero(fin.any(axis=1)):
     assert cosine_diff(got[i][fin[i]], want[i][fin[i]]) < 1e-3, i
+
+
+# 16 requests of 8 rows (like speculative decode: Mosaic takes groups of 4 rows sharing a table)
+# and 128 requests of 1 row (decode: Mosaic's one-row programs).
+@pytest.mark.parametrize("backend", ["pallas_triton", "pallas_mosaic"])
+@pytest.mark.parametrize("requests,per_req", [(16, 8), (128, 1)])
+def test_indexer_logits_fp8_match_reference(backend, requests, per_req):
+  args, want = indexer_case(requests, per_req)
+  poison_allocator()
+  q, weights, k_values, k_scales, tables, lens = args
+  assert_indexer_logits_close(backends.get_backend(backend).indexer_logits(
+      q, weights, IndexerKCache(k_values, k_scales), tables, lens), want)
+
+
+@pytest.mark.parametrize("compute_wgs", [2, 4])
+def test_mosaic_indexer_compute_wgs_match_reference(compute_wgs):
+  # The Mosaic kernel's rows=4 programs with 2 compute warpgroups (the default) or 4 (each step's
+  # rows split over two), called directly at 16 requests x 8 rows.
+  args, want = indexer_case(16, 8)
+  poison_allocator()
+  assert_indexer_logits_close(
+      mosaic_indexer.indexer_logits(*args, rows=4, compute_wgs=compute_wgs), want)
 
 
 @pytest.mark.parametrize("variant", [{}, {"per_lane": True}, {"fused_theta": True}])
