@@ -63,7 +63,7 @@ _GROUP_ROWS = 4  # rows per group when they share tables
 
 @dataclasses.dataclass(frozen=True)
 class MosaicIndexerConfig:
-  """Launch knobs of one variant; chunk and stages are the jit entry's keyword overrides."""
+  """Launch knobs of one variant; all but block_k are the jit entry's keyword overrides."""
   block_k: int  # positions per step; block_k * rows = 256 keeps the accumulator at 128 registers
   chunk: int  # positions per program
   stages: int  # slots in the key ring, even: slot s is always consumed by pair s % 2
