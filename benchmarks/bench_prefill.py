@@ -25,7 +25,11 @@ tokens' latents, causal attention), "ctx gather+up" (every chunk's cache gather 
 "ctx attention" (every chunk's non-causal attention on those keys/values, for the query rows of
 the requests in the chunk: "query rows a chunk"), "merge" (the LSE merges into those rows).
 "all rows ms" times the whole path with every chunk attending with all prefill rows (as before
-session 7's windows), "all rows / windows" > 1: the windows are faster.
+session 7's windows), "all rows / windows" > 1: the windows are faster. The same path with the keys
+split (`MLAAttention.split_k_pe`: k_nope and k_pe apart to the prefill, no [T, N, 192] keys built)
+in the same run: "split k_pe ms", "joined / split k_pe" (> 1: the split is faster), its "new",
+"ctx gather+up" and "ctx attention" parts, and "split vs joined max diff" (of the two outputs; 0 if
+the kernel gives the same bits).
 FLOPs: attention 2*N*(NEW^2/2 + NEW*CTX)*(192 + 128) per request; up-projection
 2*(NEW + CTX)*512*N*(128 + 128) per request; TFLOP/s are given over attention alone and over both.
 """
@@ -211,60 +215,82 @@ def context_setup(contexts, news, heads, workspace, backend):
 
 
 def context_case(args, requests, new, context, heads):
-  """The chunked-context prefill through the layer (see the module docstring): total and parts."""
-  layer, q, kv_c, k_pe, cache, md = context_setup([context] * requests, [new] * requests, heads,
-                                                  args.workspace, args.backend)
-  lora = layer.config.kv_lora_rank
-  scale, be = layer.config.softmax_scale, layer.backend
-  graphdef, state = nnx.split(layer)
-  # Every array is an argument (not a constant folded into the program).
-  jitted = lambda fn: jax.jit(lambda state, *a: fn(nnx.merge(graphdef, state), *a))
+  """The chunked-context prefill through the layer (see the module docstring): total and parts,
+  with the keys joined (the default) and split (`split_k_pe`)."""
+  joined, q, kv_c, k_pe, cache, md = context_setup([context] * requests, [new] * requests, heads,
+                                                   args.workspace, args.backend)
+  split = nnx.clone(joined)
+  split.split_k_pe = True
+  lora = joined.config.kv_lora_rank
+  scale, be = joined.config.softmax_scale, joined.backend
+  cu = md.prefill_query_start_loc
 
-  def gathered(layer, cache, md):  # every chunk's keys and values, stacked [C, W, N, D]
+  def jitted(fn, layer):  # every array an argument (not a constant folded into the program)
+    graphdef, _ = nnx.split(layer)
+    return jax.jit(lambda state, *a: fn(nnx.merge(graphdef, state), *a))
+
+  def gathered(layer, cache, md):  # every chunk's (keys, values, k_pe or None), stacked [C, W, ...]
     rows = jax.vmap(lambda slots: be.gather_cache(cache, slots))(md.context_slots)
     return jax.vmap(lambda r: layer._up_project(r[:, :lora], r[:, lora:]))(rows)
 
-  def context_attention(layer, q, k, v, md):  # each chunk's (first row, o, lse)
-    return [layer._context_attention(q, k[c], v[c], md.context_cu_seqlens[c], md)
+  def context_attention(layer, q, k, v, k_pe, md):  # each chunk's (first row, o, lse)
+    return [layer._context_attention(q, k[c], v[c], md.context_cu_seqlens[c], md,
+                                     None if k_pe is None else k_pe[c])
             for c in range(k.shape[0])]
+
+  def new_tokens(layer, q, kv_c, k_pe, md):
+    k, v, k_pe = layer._up_project(kv_c, k_pe)
+    return be.prefill(q, k, v, cu, cu, scale=scale, causal=True,
+                      max_seqlen_q=md.max_prefill_query_len, k_pe=k_pe)
 
   def merge(o, lse, parts):
     return functools.reduce(lambda acc, part: merge_rows(*acc, *part), parts, (o, lse))
 
-  total = jitted(lambda layer, *a: layer._prefill(*a))
-  new_part = jitted(lambda layer, q, kv_c, k_pe, md: be.prefill(
-      q, *layer._up_project(kv_c, k_pe), md.prefill_query_start_loc, md.prefill_query_start_loc,
-      scale=scale, causal=True, max_seqlen_q=md.max_prefill_query_len))
-  gather_part, attention_part, merge_part = jitted(gathered), jitted(context_attention), jax.jit(
-      merge)
-  k_ctx, v_ctx = gather_part(state, cache, md)
-  o, lse = new_part(state, q, kv_c, k_pe, md)
-  parts = attention_part(state, q, k_ctx, v_ctx, md)
-  chunks = k_ctx.shape[0]
+  timed = functools.partial(time_ms, iters=args.iters, repeats=args.repeats)
   # Until session 7 every chunk's attention took all prefill rows: the same path without windows.
   every_row = dataclasses.replace(md, context_query_rows=None)
-  timed = functools.partial(time_ms, iters=args.iters, repeats=args.repeats)
-  ms = {"total": timed(total, [(state, q, kv_c, k_pe, cache, md)]),
-        "total all rows": timed(total, [(state, q, kv_c, k_pe, cache, every_row)]),
-        "new": timed(new_part, [(state, q, kv_c, k_pe, md)]),
-        "ctx gather+up": timed(gather_part, [(state, cache, md)]),
-        "ctx attention": timed(attention_part, [(state, q, k_ctx, v_ctx, md)]),
-        "merge": timed(merge_part, [(o, lse, parts)])}
+  ms, outs = {}, {}
+  for name, layer in (("", joined), (" split k_pe", split)):
+    state = nnx.state(layer)
+    total = jitted(lambda layer, *a: layer._prefill(*a), layer)
+    gather_part, attention_part = jitted(gathered, layer), jitted(context_attention, layer)
+    new_part = jitted(new_tokens, layer)
+    keys = gather_part(state, cache, md)
+    outs[name] = total(state, q, kv_c, k_pe, cache, md)
+    ms["total" + name] = timed(total, [(state, q, kv_c, k_pe, cache, md)])
+    if not name:
+      ms["total all rows"] = timed(total, [(state, q, kv_c, k_pe, cache, every_row)])
+    ms["new" + name] = timed(new_part, [(state, q, kv_c, k_pe, md)])
+    ms["ctx gather+up" + name] = timed(gather_part, [(state, cache, md)])
+    ms["ctx attention" + name] = timed(attention_part, [(state, q, *keys, md)])
+    if not name:  # the same merges either way
+      o, lse = new_part(state, q, kv_c, k_pe, md)
+      parts = attention_part(state, q, *keys, md)
+      ms["merge"] = timed(jax.jit(merge), [(o, lse, parts)])
+  chunks = md.context_slots.shape[0]
   attn_flops = requests * 2 * heads * (new * new / 2 + new * context) * (192 + 128)
   up_flops = requests * 2 * (new + context) * lora * heads * (128 + 128)
-  parts_ms = sum(v for name, v in ms.items() if not name.startswith("total"))
+  parts_ms = sum(ms[name] for name in ("new", "ctx gather+up", "ctx attention", "merge"))
   row = {"case": f"{requests}x{new} over {context} ctx", "N": heads, "backend": be.name,
          "chunks": chunks, "query rows a chunk": md.context_query_rows, "ms": ms["total"],
          "attn TFLOP/s": attn_flops / ms["total"] / 1e9,
          "all TFLOP/s": (attn_flops + up_flops) / ms["total"] / 1e9,
          "all rows ms": ms["total all rows"],
          "all rows / windows": ms["total all rows"] / ms["total"]}
-  for name, value in ms.items():
-    if not name.startswith("total"):
-      row[f"{name} ms"] = value
-      row[f"{name} %"] = 100 * value / parts_ms
-  row["ctx attention TFLOP/s"] = (requests * 2 * heads * new * context * 320
-                                  / ms["ctx attention"] / 1e9)
+  for name in ("new", "ctx gather+up", "ctx attention", "merge"):
+    row[f"{name} ms"] = ms[name]
+    row[f"{name} %"] = 100 * ms[name] / parts_ms
+  ctx_flops = requests * 2 * heads * new * context * 320
+  row["ctx attention TFLOP/s"] = ctx_flops / ms["ctx attention"] / 1e9
+  # The split keys (k_pe apart to the prefill, no [T, N, 192] keys built), in the same run.
+  row["split k_pe ms"] = ms["total split k_pe"]
+  row["split k_pe attn TFLOP/s"] = attn_flops / ms["total split k_pe"] / 1e9
+  row["joined / split k_pe"] = ms["total"] / ms["total split k_pe"]
+  for name in ("new", "ctx gather+up", "ctx attention"):
+    row[f"{name} split k_pe ms"] = ms[f"{name} split k_pe"]
+  row["ctx attention split k_pe TFLOP/s"] = ctx_flops / ms["ctx attention split k_pe"] / 1e9
+  row["split vs joined max diff"] = float(jnp.abs(outs[" split k_pe"].astype(jnp.float32)
+                                                  - outs[""].astype(jnp.float32)).max())
   print(row, flush=True)
   return [row]
 

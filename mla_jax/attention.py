@@ -19,6 +19,7 @@ from mla_jax.cache import LatentCache
 from mla_jax.config import MLAConfig
 from mla_jax.metadata import AttentionMetadata
 from mla_jax.sharded_backend import dcp_size, shard_backend
+from pallas_kernels.common import join_k_pe
 
 
 def merge_attn_states(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array,
@@ -89,14 +90,22 @@ class MLAAttention(nnx.Module):
 
   batch_invariant: decode rows give bit-identical outputs whatever else is in the batch (the
   backend's fixed-split decode; off by default, as it can cost speed on small batches).
+  split_k_pe: prefill rows (new tokens and context chunks) pass the backend's prefill the split
+  keys, k_nope [T, N, P] and the rope keys k_pe [T, R] apart, instead of building [T, N, P+R] keys
+  with k_pe copied to every head (the prefill contract's split form; the same results: reference
+  and pallas_triton join them inside, pallas_mosaic's kernel copies both boxes itself). Off by
+  default until timed (benchmarks/RESULTS.md, "k_pe apart").
   """
 
   def __init__(self, config: MLAConfig, *, backend: str | None = None, dtype=jnp.bfloat16,
-               batch_invariant: bool = False):
+               batch_invariant: bool = False, split_k_pe: bool = False):
+    if not isinstance(split_k_pe, bool):
+      raise ValueError(f"split_k_pe must be a bool, got {split_k_pe!r}")
     c = config
     self.config = config
     self.dtype = dtype
     self.batch_invariant = batch_invariant
+    self.split_k_pe = split_k_pe
     self.backend_name = backends.get_backend(backend).name
     self.W_UK_T = AbsorbedWeight(
         jnp.zeros((c.num_heads, c.qk_nope_head_dim, c.kv_lora_rank), dtype))
@@ -196,33 +205,37 @@ class MLAAttention(nnx.Module):
     return out.reshape(out.shape[:-3] + (t, c.num_heads * c.v_head_dim)), cache
 
   def _up_project(self, kv_c, k_pe):
-    """Latents [T, L] and k_pe [T, R] -> per-head keys [T, N, P+R] and values [T, N, V]."""
+    """Latents [T, L] and k_pe [T, R] -> the prefill's (keys, values [T, N, V], k_pe apart): keys
+    [T, N, P+R] and None, or with split_k_pe k_nope [T, N, P] and k_pe [T, R] (the split form)."""
     kv_c = kv_c.astype(self.dtype)
     k_nope = jnp.einsum("TL,NPL->TNP", kv_c, self.W_UK_T[...])
     v = jnp.einsum("TL,NLV->TNV", kv_c, self.W_UV[...])
-    k_pe = jnp.broadcast_to(k_pe[:, None, :], k_nope.shape[:2] + k_pe.shape[-1:]).astype(self.dtype)
-    return jnp.concatenate([k_nope, k_pe], axis=-1), v
+    k_pe = k_pe.astype(self.dtype)
+    return (k_nope, v, k_pe) if self.split_k_pe else (join_k_pe(k_nope, k_pe), v, None)
 
   def _prefill(self, q, kv_c, k_pe, cache, md):
     c = self.config
     cu = md.prefill_query_start_loc
-    k, v = self._up_project(kv_c, k_pe)
+    k, v, k_pe = self._up_project(kv_c, k_pe)
     o, lse = self.backend.prefill(q, k, v, cu, cu, scale=c.softmax_scale, causal=True,
-                                  max_seqlen_q=md.max_prefill_query_len)
+                                  max_seqlen_q=md.max_prefill_query_len, k_pe=k_pe)
 
     def context_chunk(carry, chunk):
       slots, cu_k = chunk
       rows = self.backend.gather_cache(cache, slots)
-      k_ctx, v_ctx = self._up_project(rows[:, :c.kv_lora_rank], rows[:, c.kv_lora_rank:])
-      return merge_rows(*carry, *self._context_attention(q, k_ctx, v_ctx, cu_k, md)), None
+      k_ctx, v_ctx, k_pe_ctx = self._up_project(rows[:, :c.kv_lora_rank],
+                                                rows[:, c.kv_lora_rank:])
+      part = self._context_attention(q, k_ctx, v_ctx, cu_k, md, k_pe_ctx)
+      return merge_rows(*carry, *part), None
 
     if md.context_slots.shape[0]:
       (o, lse), _ = lax.scan(context_chunk, (o, lse), (md.context_slots, md.context_cu_seqlens))
     return o
 
-  def _context_attention(self, q, k, v, cu_k, md):
+  def _context_attention(self, q, k, v, cu_k, md, k_pe=None):
     """One context chunk's non-causal attention for the query rows of the requests with keys in
-    it (`context_window`; q [Tp, N, P+R], all prefill rows): (first row, o [W, N, V], lse [W, N]).
+    it (`context_window`; q [Tp, N, P+R], all prefill rows; k, v and k_pe as `_up_project` gives
+    them): (first row, o [W, N, V], lse [W, N]).
     The other rows would see no key and leave the merge as it was: skipping them spares the
     kernel their items and the merge their rows."""
     tp = q.shape[0]
@@ -234,5 +247,5 @@ class MLAAttention(nnx.Module):
     o, lse = self.backend.prefill(
         lax.dynamic_slice_in_dim(q, start, rows), k, v, cu_q, cu_k,
         scale=self.config.softmax_scale, causal=False,
-        max_seqlen_q=min(md.max_prefill_query_len, rows))
+        max_seqlen_q=min(md.max_prefill_query_len, rows), k_pe=k_pe)
     return start, o, lse

@@ -8,7 +8,11 @@ scale; the kernels under it take and return plain arrays.
          batch_invariant: each row's output bit-identical alone and in any batch (splits of a
          fixed number of tokens, merged in a fixed order)
   prefill(q [Tq,N,Dk], k [Tk,N,Dk], v [Tk,N,Dv], cu_seqlens_q [R+1], cu_seqlens_k [R+1], *, scale,
-          causal, max_seqlen_q) -> (o [Tq,N,Dv], lse [Tq,N] f32)
+          causal, max_seqlen_q, k_pe=None) -> (o [Tq,N,Dv], lse [Tq,N] f32);
+          k_pe [Tk,R] (q's dtype): the split form, k [Tk,N,Dk-R] holding each head's own key
+          columns and k_pe the last R, the same for every head (MLA's rope keys): the keys are
+          [k | k_pe broadcast to every head], never built by the caller (pallas_mosaic's kernel
+          never builds them; the others join them inside: a copy)
   write_cache(cache (a LatentCacheKind), kv_c_normed [T,L], k_pe [T,R], slot_mapping [T]) -> cache
   gather_cache(cache (a LatentCacheKind), slots [W]) -> rows [W, L+R] f32
   sparse_attention(q [T,N,L+R], cache (LatentCache | DSMLACache), slots [T,K], *, scale,
@@ -45,7 +49,7 @@ from pallas_kernels import mosaic_prefill as pallas_mosaic_prefill
 from pallas_kernels import mosaic_sparse as pallas_mosaic_sparse
 from pallas_kernels import sparse_attention as pallas_sparse
 from pallas_kernels import topk as pallas_topk
-from pallas_kernels.common import BATCH_INVARIANT_SPLIT_TOKENS
+from pallas_kernels.common import BATCH_INVARIANT_SPLIT_TOKENS, check_k_pe, join_k_pe
 
 ENV_VAR = "MLA_JAX_BACKEND"
 
@@ -80,9 +84,13 @@ class Backend:
                        f"{num_heads}")
 
 
-def _reference_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_seqlen_q=None):
+def _reference_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_seqlen_q=None,
+                       k_pe=None):
   del max_seqlen_q  # the reference walks query blocks of the packed rows, no per-request grid
-  return reference.mha_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal)
+  if k_pe is not None:
+    check_k_pe(q, k, k_pe)
+  return reference.mha_prefill(q, join_k_pe(k, k_pe), v, cu_seqlens_q, cu_seqlens_k, scale=scale,
+                               causal=causal)
 
 
 def _reference_decode(q, cache, block_tables, seq_lens, *, scale, kv_lora_rank,
@@ -265,15 +273,18 @@ def _on_hopper() -> bool:
   return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
 
 
-def _fastest_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_seqlen_q):
+def _fastest_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_seqlen_q,
+                     k_pe=None):
   """pallas_mosaic's prefill where it measured faster (a static choice on shapes and the device),
-  else pallas_triton's."""
+  else pallas_triton's (which joins split keys)."""
+  split_k_dim = None if k_pe is None else k.shape[2]
   mosaic = (q.dtype == k.dtype == v.dtype == jnp.bfloat16
             and q.shape[0] >= _MOSAIC_PREFILL_MIN_TOKENS
-            and pallas_mosaic_prefill.head_sizes_fit(q.shape[2], v.shape[2]) and _on_hopper())
+            and pallas_mosaic_prefill.head_sizes_fit(q.shape[2], v.shape[2],
+                                                     split_k_dim=split_k_dim) and _on_hopper())
   prefill = PALLAS_MOSAIC.prefill if mosaic else PALLAS_TRITON.prefill
   return prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal,
-                 max_seqlen_q=max_seqlen_q)
+                 max_seqlen_q=max_seqlen_q, k_pe=k_pe)
 
 
 def _fastest_decode(q, cache, block_tables, seq_lens, *, scale, kv_lora_rank, num_kv_splits=None,

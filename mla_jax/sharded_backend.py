@@ -157,9 +157,12 @@ def shard_backend(backend: Backend, mesh: Mesh, dcp_merge: str = "all_reduce") -
     return smap(per_shard, in_specs=(heads, specs, blocks, blocks), out_specs=(split_o, heads))(
         q, cache, block_tables, seq_lens)
 
-  def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
-    return smap(lambda *a: backend.prefill(*a, **kw), in_specs=(heads, heads, heads, rep, rep),
-                out_specs=(heads, heads))(q, k, v, cu_seqlens_q, cu_seqlens_k)
+  def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, k_pe=None, **kw):
+    # k_pe (the split keys' shared columns, or None) has no head axis: whole on every device.
+    def per_shard(q, k, v, cu_q, cu_k, k_pe):
+      return backend.prefill(q, k, v, cu_q, cu_k, k_pe=k_pe, **kw)
+    return smap(per_shard, in_specs=(heads, heads, heads, rep, rep, rep),
+                out_specs=(heads, heads))(q, k, v, cu_seqlens_q, cu_seqlens_k, k_pe)
 
   def write_cache(cache, kv_c_normed, k_pe, slot_mapping):
     specs, split = placement(cache)

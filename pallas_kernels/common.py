@@ -226,14 +226,18 @@ def check_decode_shapes(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Arr
 
 def check_prefill_args(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
                        cu_seqlens_k: jax.Array, max_seqlen_q: int,
-                       dtypes: Sequence[str]) -> None:
-  """The prefill contract's shapes and dtypes, shared by every prefill kernel."""
+                       dtypes: Sequence[str], k_pe: jax.Array | None = None) -> None:
+  """The prefill contract's shapes and dtypes, shared by every prefill kernel; with k_pe, the
+  split form's (`check_k_pe`)."""
   if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
     raise ValueError(f"q, k, v must be [T, N, D]; got {q.shape}, {k.shape}, {v.shape}")
   if not (q.dtype == k.dtype == v.dtype) or q.dtype.name not in dtypes:
     raise ValueError(f"q, k, v must share one dtype of {dtypes}; got {q.dtype}, {k.dtype}, "
                      f"{v.dtype}")
-  if k.shape[:2] != v.shape[:2] or q.shape[1] != k.shape[1] or q.shape[2] != k.shape[2]:
+  if k_pe is not None:
+    check_k_pe(q, k, k_pe)
+  key_dim = k.shape[2] + (0 if k_pe is None else k_pe.shape[1])
+  if k.shape[:2] != v.shape[:2] or q.shape[1] != k.shape[1] or q.shape[2] != key_dim:
     raise ValueError(f"need q [Tq,N,Dk], k [Tk,N,Dk], v [Tk,N,Dv]; got {q.shape}, {k.shape}, "
                      f"{v.shape}")
   for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -247,6 +251,28 @@ def check_prefill_args(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: j
   if max(q.size, k.size, v.size) >= 2**31:
     raise ValueError("arrays of 2**31 or more elements overflow the kernel's int32 offsets; split "
                      "the call")
+
+
+def check_k_pe(q: jax.Array, k: jax.Array, k_pe: jax.Array) -> None:
+  """The prefill contract's split keys: k [Tk, N, Dk - R] (each head's own columns) and k_pe
+  [Tk, R] (the last R columns of every head's keys, one copy for all heads), in q's dtype."""
+  if k_pe.ndim != 2 or k.ndim != 3 or q.ndim != 3 or k_pe.shape[0] != k.shape[0]:
+    raise ValueError(f"k_pe must be [Tk, R] beside k [Tk, N, Dk-R]; got k_pe {k_pe.shape}, k "
+                     f"{k.shape}")
+  if not 0 < k_pe.shape[1] < q.shape[2] or k.shape[2] + k_pe.shape[1] != q.shape[2]:
+    raise ValueError(f"k's columns and k_pe's must add up to q's Dk ({q.shape[2]}), both > 0; got "
+                     f"{k.shape[2]} + {k_pe.shape[1]}")
+  if k_pe.dtype != q.dtype:
+    raise ValueError(f"k_pe must have q's dtype {q.dtype}; got {k_pe.dtype}")
+
+
+def join_k_pe(k: jax.Array, k_pe: jax.Array | None) -> jax.Array:
+  """The split form's keys whole: [k | k_pe broadcast to every head] [Tk, N, Dk] (a copy; k as it
+  is without k_pe)."""
+  if k_pe is None:
+    return k
+  shape = k.shape[:2] + k_pe.shape[-1:]
+  return jnp.concatenate([k, jnp.broadcast_to(k_pe[:, None, :], shape)], axis=-1)
 
 
 def swizzled(shape: tuple[int, ...], dtype: jnp.dtype, swizzle: int = SWIZZLE) -> pl.MemoryRef:

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import (FLOAT_DTYPES, LN2, LOG2E, check_prefill_args,
-                                   check_triton_config, is_pow2, with_overrides)
+                                   check_triton_config, is_pow2, join_k_pe, with_overrides)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,8 +144,8 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, 
   lax.fori_loop(0, trips, q_block, 0)
 
 
-def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
-  check_prefill_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, FLOAT_DTYPES)
+def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, k_pe):
+  check_prefill_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, FLOAT_DTYPES, k_pe)
   if _column_parts(q.shape[2]) is None:
     raise ValueError(f"Dk must be a power of two >= 16 or a sum of two; got {q.shape[2]}")
   if not (is_pow2(v.shape[2]) and v.shape[2] >= 16):
@@ -156,17 +156,21 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
                                              "block_k", "num_warps", "num_stages", "interpret"))
 def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
                 cu_seqlens_k: jax.Array, *, scale: float, causal: bool, max_seqlen_q: int,
-                block_q: int | None = None, block_k: int | None = None,
-                num_warps: int | None = None, num_stages: int | None = None,
-                interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                k_pe: jax.Array | None = None, block_q: int | None = None,
+                block_k: int | None = None, num_warps: int | None = None,
+                num_stages: int | None = None, interpret: bool = False
+                ) -> tuple[jax.Array, jax.Array]:
   """Variable-length attention with a running LSE; see the module docstring for the layout.
 
   q [Tq, N, Dk]; k [Tk, N, Dk]; v [Tk, N, Dv]; cu_seqlens_q / cu_seqlens_k [R+1] int32.
+  k_pe [Tk, R] (optional, q's dtype): the keys' last R columns, the same for every head, with k
+  then [Tk, N, Dk - R]; joined to k here (a copy: the split form saves it in the Mosaic kernel).
   max_seqlen_q: static bound on any request's query count; it sizes the grid (a request beyond it
   is still right, only slower). Returns o [Tq, N, Dv] (q.dtype) and lse [Tq, N] float32 (natural
   log); rows past cu_q[-1], and rows that see no key, give (0, -inf).
   """
-  _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
+  _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, k_pe)
+  k = join_k_pe(k, k_pe)
   tq, n, dk = q.shape
   tk, dv = k.shape[0], v.shape[2]
   config = with_overrides(TUNING.get((dk, dv, q.dtype.itemsize), FALLBACK), block_q=block_q,

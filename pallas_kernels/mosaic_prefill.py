@@ -46,6 +46,14 @@ value of another request, NaN or inf included, reaches a row. Only the masked st
 rows pay for it (a wait for the V copy and a 64-row select per compute warpgroup); one request
 starting at row 0 never does.
 
+Split keys (`k_pe`, the prefill contract's split form: MLA's rope keys, the same for every head):
+k holds each head's key columns [0, Dv) and k_pe [Tk, Dk - Dv] the rest, one row a key for all
+heads. The memory warpgroup then copies a step's keys as two boxes, the head's [block_k, Dv] and the
+shared [block_k, Dk - Dv], into two buffers of the ring slot (one barrier awaits both copies): the
+query tile's own split, so S is the same two wgmmas. The caller never builds [Tk, N, Dk] keys with
+k_pe copied to every head; the kernel reads a k_pe box once per head and step, from L2 after the
+first head. Shared memory and steps are the same as with k whole.
+
 Shared memory (Dk 192, Dv 128): query tiles 48 KB + the K/V ring (128-key steps: 2 x 80 KB;
 64-key steps: 4 x 40 KB) + lse staging 0.5 KB = 208.5 KB of the 227 KB a block may have.
 
@@ -188,29 +196,36 @@ def _block_keys(qs, q_lead, q_len, k_len, causal):
   return jnp.where(inside, k_end, 0), jnp.where(inside, k_full, 0)
 
 
-def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
-                    qv_smem, *rest, scale, causal, num_q_programs, block_k, ping_pong,
-                    p_in_registers, persistent, section_heads, direct):
+def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref, *rest, scale,
+                    causal, num_q_programs, block_k, ping_pong, p_in_registers, persistent,
+                    section_heads, direct, split_k):
   # GMEM: cu_q_ref, cu_k_ref [R+1] int32; tile_ref [R] int32 (request's first output tile);
   # queue_ref [2, B+1] int32 (persistent: column 0 row 0 the number of blocks, then per block,
   # heaviest first, its request (row 0) and index in the request (row 1); otherwise unused);
   # q_ref [Tq, N, Dk], k_ref [Tk, N, Dk], v_ref [Tk, N, Dv] bf16 (Tq, Tk multiples of 8, >= one
-  # box);
+  # box); split_k: k_ref [Tk, N, Dv] (each head's key columns [0, Dv)) and k_pe_ref [Tk, Dk-Dv]
+  # (columns [Dv, Dk), the same for every head);
   # o_ref [tiles*64, N, Dv] bf16 and lse_ref [N, tiles*64] f32: one 64-row slot per output tile;
   # direct (one request): o_ref [Tq, N, Dv] and lse_ref [N, Tq], the rows themselves.
   # SMEM: qv_smem [2, 64, Dv] (each compute warpgroup's query columns [0, Dv), then its output
   # staging); qr_smem [2, 64, Dk-Dv] (columns [Dv, Dk); absent when Dk == Dv); k_smem
-  # [stages, block_k, Dk]; v_smem [stages, block_k, Dv]; p_smem [2, 64, block_k] (each warpgroup's
+  # [stages, block_k, Dk] (split_k: [stages, block_k, Dv], and kr_smem [stages, block_k, Dk-Dv]
+  # k_pe's rows); v_smem [stages, block_k, Dv]; p_smem [2, 64, block_k] (each warpgroup's
   # P; only without p_in_registers); lse_smem [2, 64] f32. Barriers: q_bar [4] (a warpgroup's
-  # query columns [0, Dv), then the rest, landed); k_ready, v_ready [stages] (slot landed);
+  # query columns [0, Dv), then the rest, landed); k_ready (split_k: both key boxes), v_ready
+  # [stages] (slot landed);
   # v_clean [stages] (both compute warpgroups zeroed a slot's rows outside the request);
   # k_consumed, v_consumed [stages] (both compute warpgroups done); schedule (the compute
   # warpgroups' turns on the tensor cores).
+  k_pe_ref, *rest = rest if split_k else (None, *rest)
+  o_ref, lse_ref, qv_smem, *rest = rest
   if qv_smem.shape[2] < q_ref.shape[2]:
     qr_smem, *rest = rest
   else:
     qr_smem = None
-  k_smem, v_smem, *rest = rest
+  k_smem, *rest = rest
+  kr_smem = rest.pop(0) if split_k else None
+  v_smem, *rest = rest
   p_smem = None if p_in_registers else rest.pop(0)
   lse_smem, q_bar, k_ready, v_ready, v_clean, k_consumed, v_consumed, schedule = rest
   wg = lax.axis_index("wg")
@@ -324,8 +339,8 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       def scores(acc_ref):  # acc_ref [64 rows, block_k keys] f32; nope then rope columns
         plgpu.wgmma(acc_ref, qv_smem.at[wg], k_smem.at[slot, :, pl.ds(0, dv)].transpose((1, 0)))
         if qr_smem is not None:
-          plgpu.wgmma(acc_ref, qr_smem.at[wg],
-                      k_smem.at[slot, :, pl.ds(dv, dk - dv)].transpose((1, 0)))
+          k_rope = kr_smem.at[slot] if split_k else k_smem.at[slot, :, pl.ds(dv, dk - dv)]
+          plgpu.wgmma(acc_ref, qr_smem.at[wg], k_rope.transpose((1, 0)))
         take_turn()
         return acc_ref[...]
 
@@ -464,6 +479,8 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
           plgpu.barrier_wait(k_consumed.at[slot])
 
         plgpu.copy_gmem_to_smem(k_ref.at[rows, w.h], k_smem.at[slot], k_ready.at[slot])
+        if split_k:  # the shared rope columns: the same rows for every head, read from L2
+          plgpu.copy_gmem_to_smem(k_pe_ref.at[rows], kr_smem.at[slot], k_ready.at[slot])
 
         @pl.when(c >= stages)
         def _():
@@ -483,15 +500,21 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       plgpu.barrier_wait(v_consumed.at[lax.rem(c, stages)])
 
 
-def head_sizes_fit(dk: int, dv: int, block_k: int = DEFAULT.block_k) -> bool:
-  """Whether the kernel takes q/k heads of dk and v heads of dv (at block_k keys a step)."""
+def head_sizes_fit(dk: int, dv: int, block_k: int = DEFAULT.block_k, *,
+                   split_k_dim: int | None = None) -> bool:
+  """Whether the kernel takes q/k heads of dk and v heads of dv (at block_k keys a step);
+  split_k_dim: k's own columns in the split form (k_pe apart), which must be dv: the query tile is
+  split there too, so each key box meets its own query columns in one wgmma."""
   return (dk % 64 == 0 and dv % 64 == 0 and dv <= min(dk, _MAX_DV)
-          and bool(_stages_for(dk, dv, block_k)))
+          and split_k_dim in (None, dv) and bool(_stages_for(dk, dv, block_k)))
 
 
-def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, config):
-  check_prefill_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, DTYPES)
+def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, config, k_pe):
+  check_prefill_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, DTYPES, k_pe)
   dk, dv, block_k, num_stages = q.shape[2], v.shape[2], config.block_k, config.num_stages
+  if k_pe is not None and k.shape[2] != dv:
+    raise ValueError(f"with k_pe apart, k must hold Dv ({dv}) columns a head (the query tile's "
+                     f"split), got {k.shape[2]}")
   if not head_sizes_fit(dk, dv, block_k):
     raise ValueError(f"Dk ({dk}) and Dv ({dv}) must be multiples of 64 (the swizzle tile), Dv at "
                      f"most Dk (the output is staged in the query tile) and at most {_MAX_DV}, and "
@@ -505,7 +528,8 @@ def _pad_rows(x, rows):
   """x with at least `rows` rows and a multiple of 8 (bulk-copy boxes start 8-aligned and hold
   `rows` rows)."""
   padded = max(-(-x.shape[0] // _ALIGN) * _ALIGN, rows)
-  return jnp.pad(x, ((0, padded - x.shape[0]), (0, 0), (0, 0))) if padded != x.shape[0] else x
+  pad = ((0, padded - x.shape[0]),) + ((0, 0),) * (x.ndim - 1)
+  return jnp.pad(x, pad) if padded != x.shape[0] else x
 
 
 def _tile_offsets(cu_q):
@@ -570,7 +594,8 @@ def _section_heads(num_heads, head_kv_bytes, budget):
                                              "num_programs", "l2_section_bytes", "interpret"))
 def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
                 cu_seqlens_k: jax.Array, *, scale: float, causal: bool, max_seqlen_q: int,
-                block_k: int = DEFAULT.block_k, num_stages: int | None = DEFAULT.num_stages,
+                k_pe: jax.Array | None = None, block_k: int = DEFAULT.block_k,
+                num_stages: int | None = DEFAULT.num_stages,
                 ping_pong: bool = DEFAULT.ping_pong, persistent: bool | None = DEFAULT.persistent,
                 num_programs: int | None = DEFAULT.num_programs,
                 l2_section_bytes: int | None = DEFAULT.l2_section_bytes,
@@ -579,22 +604,25 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   """Variable-length attention with a running LSE; see the module docstring for the layout.
 
   q [Tq, N, Dk]; k [Tk, N, Dk]; v [Tk, N, Dv], all bfloat16, Dk and Dv multiples of 64, Dv <= Dk;
-  cu_seqlens_q / cu_seqlens_k [R+1] int32. max_seqlen_q: static bound on any request's query count;
-  it sizes the grid (a request beyond it is still right, only slower). block_k (64 or 128 keys a
-  step), num_stages (K/V ring depth; default: the deepest that fits) and ping_pong (the two compute
-  warpgroups take turns on the tensor cores) are tuning knobs. persistent: as many programs
-  (num_programs; default the device's SM count, 4 in the interpreter, so that each takes several
-  items) walk a queue of (query block, head) items, the heaviest blocks first; else one program per
-  (query slot, head, request); default (None): the queue below 8192 query rows at 64 heads or more,
-  below 4096 at fewer, where it measured faster. l2_section_bytes (persistent only): walk the queue
-  in sections of as many heads as have their K/V within that many bytes (see MosaicPrefillConfig).
-  interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
-  o [Tq, N, Dv] bf16 and lse [Tq, N] float32 (natural log); rows past cu_q[-1], and rows that see
-  no key, give (0, -inf).
+  cu_seqlens_q / cu_seqlens_k [R+1] int32. k_pe [Tk, Dk - Dv] bf16 (optional, the split form): the
+  keys' last columns, the same for every head, with k then [Tk, N, Dv]; each key step copies the
+  head's k box and the shared k_pe box (no [Tk, N, Dk] keys are ever built). max_seqlen_q: static
+  bound on any request's query count; it sizes the grid (a request beyond it is still right, only
+  slower). block_k (64 or 128 keys a step), num_stages (K/V ring depth; default: the deepest that
+  fits) and ping_pong (the two compute warpgroups take turns on the tensor cores) are tuning knobs.
+  persistent: as many programs (num_programs; default the device's SM count, 4 in the interpreter,
+  so that each takes several items) walk a queue of (query block, head) items, the heaviest blocks
+  first; else one program per (query slot, head, request); default (None): the queue below 8192
+  query rows at 64 heads or more, below 4096 at fewer, where it measured faster. l2_section_bytes
+  (persistent only): walk the queue in sections of as many heads as have their K/V within that many
+  bytes (see MosaicPrefillConfig). interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's
+  CPU interpreter. Returns o [Tq, N, Dv] bf16 and lse [Tq, N] float32 (natural log); rows past
+  cu_q[-1], and rows that see no key, give (0, -inf).
   """
   config = MosaicPrefillConfig(block_k, num_stages, ping_pong, persistent, num_programs,
                                l2_section_bytes)
-  _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, config)
+  _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, config, k_pe)
+  split_k = k_pe is not None
   tq, n, dk = q.shape
   tk, dv = k.shape[0], v.shape[2]
   num_requests = cu_seqlens_q.shape[0] - 1
@@ -609,6 +637,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   direct = persistent and num_requests == 1
   q = _pad_rows(q, -(-tq // _BLOCK_Q) * _BLOCK_Q if direct else _TILE)
   k, v = _pad_rows(k, block_k), _pad_rows(v, block_k)
+  k_inputs = (k, v) + ((_pad_rows(k_pe, block_k),) if split_k else ())
   tile_offsets = _tile_offsets(cu_seqlens_q)
   # Output slots of 64 rows, request after request: at most Tq/64 + one partial tile a request.
   num_tiles = tq // _TILE + num_requests
@@ -626,6 +655,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   ping_pong = ping_pong and not interpret
   p_tiles = [] if p_in_registers else [swizzled((_COMPUTE_WGS, _TILE, block_k), q.dtype)]
   q_rest = [swizzled((_COMPUTE_WGS, _TILE, dk - dv), q.dtype)] if dk > dv else []
+  k_rest = [swizzled((stages, block_k, dk - dv), k.dtype)] if split_k else []
 
   # Programs (or queue items) launch in grid (queue) order. With many heads, heads fastest: a wave
   # then holds one query block of many heads, blocks of equal causal work, so no heavy block starts
@@ -633,6 +663,8 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   # wave reads one or two heads' K/V, which stay in L2 (+2.5% at N=16).
   heads_first = n >= _HEADS_FIRST_MIN
   if persistent:
+    # Split keys count as whole (k_pe once a head, though all heads share it): the same sections
+    # as the joined form's.
     section_heads = (_section_heads(n, k.shape[0] * (dk + dv) * k.dtype.itemsize,
                                     l2_section_bytes) if l2_section_bytes
                      else n if heads_first else 1)
@@ -649,7 +681,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   kernel = functools.partial(_prefill_kernel, scale=scale, causal=causal,
                              num_q_programs=num_q_programs, block_k=block_k, ping_pong=ping_pong,
                              p_in_registers=p_in_registers, persistent=persistent,
-                             section_heads=section_heads, direct=direct)
+                             section_heads=section_heads, direct=direct, split_k=split_k)
   out_rows = q.shape[0] if direct else num_tiles * _TILE
   o_tiles, lse_tiles = plgpu.kernel(
       kernel,
@@ -658,12 +690,13 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
       scratch_types=(
           swizzled((_COMPUTE_WGS, _TILE, dv), q.dtype),
           *q_rest,
-          swizzled((stages, block_k, dk), k.dtype),
+          swizzled((stages, block_k, k.shape[2]), k.dtype),
+          *k_rest,
           swizzled((stages, block_k, dv), v.dtype),
           *p_tiles,
           plgpu.SMEM((_COMPUTE_WGS, _TILE), jnp.float32),
           plgpu.Barrier(num_barriers=2 * _COMPUTE_WGS),
-          plgpu.Barrier(num_barriers=stages),
+          plgpu.Barrier(num_arrivals=1 + split_k, num_barriers=stages),  # one copy a key box
           plgpu.Barrier(num_barriers=stages),
           plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
           plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
@@ -679,8 +712,9 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
       interpret=interpret or None,
       kernel_name=(f"mosaic_mla_prefill_{'causal' if causal else 'full'}_k{block_k}_s{stages}"
-                   f"{'_pp' if ping_pong else ''}{'_persistent' if persistent else ''}"),
-  )(cu_seqlens_q, cu_seqlens_k, tile_offsets, queue, q, k, v)
+                   f"{'_pp' if ping_pong else ''}{'_persistent' if persistent else ''}"
+                   f"{'_kpe' if split_k else ''}"),
+  )(cu_seqlens_q, cu_seqlens_k, tile_offsets, queue, q, *k_inputs)
   if direct:  # a slice (a copy) only where q was padded
     return o_tiles[:tq], lse_tiles.T[:tq]
   return _unpack(o_tiles, lse_tiles, cu_seqlens_q, tile_offsets, q.shape[0], tq)

@@ -15,6 +15,7 @@ from mla_jax.backends import get_backend
 from oracles import varlen_attention_np
 
 DK, DV = 192, 128
+ROPE = 64  # the split form's shared key columns (k_pe)
 SCALE = DK**-0.5
 
 # (heads, dtype, causal, query lengths, key lengths, padding rows past cu_q[-1])
@@ -96,13 +97,59 @@ class PrefillContract:
     assert (np.asarray(o[tail:], np.float32) == 0).all()
     assert (np.asarray(lse[tail:]) == -np.inf).all()
 
+  # The split form: k [Tk, N, Dk - R] and k_pe [Tk, R], the keys' last R columns shared by every
+  # head (MLA's rope keys). Rows no query reads hold NaN: the stray key row past the last request
+  # (k, k_pe and v) and the query rows past cu_q[-1]. The output must be the joined form's, bit for
+  # bit (the same keys), and the oracle's.
+  @pytest.mark.parametrize("case", ["causal_f32_n4_context", "noncausal_bf16_n16",
+                                    "causal_bf16_n2_packed"])
+  def test_split_keys_match_oracle_and_joined_keys(self, case, rng):
+    n, dtype, causal, len_q, len_k, pad = CASES[case]
+    cu_q, cu_k = cumulative(len_q), cumulative(len_k)
+    tq, tk = int(cu_q[-1]) + pad, int(cu_k[-1]) + 1
+    q = 2 * rng.standard_normal((tq, n, DK))
+    k_nope, v = rng.standard_normal((tk, n, DK - ROPE)), rng.standard_normal((tk, n, DV))
+    k_pe = rng.standard_normal((tk, ROPE))
+    q[int(cu_q[-1]):], k_nope[-1], k_pe[-1], v[-1] = np.nan, np.nan, np.nan, np.nan
+    q, k_nope, k_pe, v = (jnp.asarray(x, dtype) for x in (q, k_nope, k_pe, v))
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, None], (tk, n, ROPE))], axis=-1)
+    args = (jnp.asarray(cu_q), jnp.asarray(cu_k))
+    kw = dict(scale=SCALE, causal=causal, max_seqlen_q=max(len_q))
+    o, lse = self.prefill(q, k_nope, v, *args, **kw, k_pe=k_pe)
+    want_o, want_lse = self.prefill(q, k, v, *args, **kw)
+    np.testing.assert_array_equal(np.asarray(o.astype(jnp.float32)),
+                                  np.asarray(want_o.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+    f32 = lambda x: np.asarray(x.astype(jnp.float32))
+    ref_o, ref_lse = varlen_attention_np(f32(q), f32(k), f32(v), cu_q, cu_k, SCALE, causal)
+    magnitude, _ = varlen_attention_np(f32(q), f32(k), np.abs(f32(v)), cu_q, cu_k, SCALE, causal)
+    assert_close(f32(o), ref_o, dtype, magnitude)
+    assert_close(lse, ref_lse, dtype)
+
+  @pytest.mark.parametrize("change, message", [
+      (dict(k_pe=jnp.zeros((8, 1, ROPE), jnp.bfloat16)), r"k_pe must be \[Tk, R\]"),
+      (dict(k_pe=jnp.zeros((7, ROPE), jnp.bfloat16)), r"k_pe must be \[Tk, R\]"),
+      (dict(k_pe=jnp.zeros((8, 32), jnp.bfloat16)), "must add up to q's Dk"),
+      (dict(k=jnp.zeros((8, 2, DK), jnp.bfloat16)), "must add up to q's Dk"),
+      (dict(k_pe=jnp.zeros((8, ROPE), jnp.float32)), "k_pe must have q's dtype"),
+  ])
+  def test_bad_split_keys_raise(self, change, message):
+    args = dict(q=jnp.zeros((8, 2, DK), jnp.bfloat16), k=jnp.zeros((8, 2, DK - ROPE), jnp.bfloat16),
+                v=jnp.zeros((8, 2, DV), jnp.bfloat16), cu_seqlens_q=jnp.array([0, 8], jnp.int32),
+                cu_seqlens_k=jnp.array([0, 8], jnp.int32), k_pe=jnp.zeros((8, ROPE), jnp.bfloat16))
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+      self.prefill(**args, scale=SCALE, causal=True, max_seqlen_q=8)
+
   # Request 1's queries, keys and values hold NaN, inf and -inf. (a) Query and key blocks of any
   # size straddle it and its neighbours (37 and 30 rows are no multiple of a block); its keys
   # outnumber its queries: a causal diagonal past the block edges. (b) A 5-row request at the
   # arrays' end after it: a block read there reaches back over request 1.
+  # split: the same keys in the split form (one head, so k_pe is its last ROPE columns).
+  @pytest.mark.parametrize("split", [False, True])
   @pytest.mark.parametrize("len_q, len_k", [([37, 21, 30], [37, 29, 30]),
                                             ([150, 100, 5], [150, 100, 5])])
-  def test_a_poisoned_request_leaves_the_others_exact(self, rng, len_q, len_k):
+  def test_a_poisoned_request_leaves_the_others_exact(self, rng, len_q, len_k, split):
     cu_q, cu_k = cumulative(len_q), cumulative(len_k)
     q = 2 * rng.standard_normal((int(cu_q[-1]), 1, DK))
     k = rng.standard_normal((int(cu_k[-1]), 1, DK))
@@ -110,8 +157,9 @@ class PrefillContract:
     for x, (lo, hi) in ((q, cu_q[1:3]), (k, cu_k[1:3]), (v, cu_k[1:3])):
       x[lo:hi:3], x[lo + 1:hi:3], x[lo + 2:hi:3] = np.nan, np.inf, -np.inf
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
-    o, lse = self.prefill(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k), scale=SCALE, causal=True,
-                          max_seqlen_q=max(len_q))
+    keys = (k[..., :DK - ROPE], dict(k_pe=k[:, 0, DK - ROPE:])) if split else (k, {})
+    o, lse = self.prefill(q, keys[0], v, jnp.asarray(cu_q), jnp.asarray(cu_k), scale=SCALE,
+                          causal=True, max_seqlen_q=max(len_q), **keys[1])
     f32 = lambda x: np.asarray(x.astype(jnp.float32))
     ref_o, ref_lse = varlen_attention_np(f32(q), f32(k), f32(v), cu_q, cu_k, SCALE, True)
     magnitude, _ = varlen_attention_np(f32(q), f32(k), np.abs(f32(v)), cu_q, cu_k, SCALE, True)

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from mla_jax import reference
+from mla_jax.attention import MLAAttention
 from mla_jax.cache import LatentCache
 from mla_jax.config import Llama4Scaling, MLAConfig
 from mla_jax.metadata import RequestState, build_metadata
@@ -213,15 +214,15 @@ CONTEXT_CASES = {
 
 
 def context_step(layer, case, seed):
-  """Caches each request's context (one step), then returns (inputs, metadata, x, cache) of the
-  step that feeds the new tokens over it."""
+  """Caches each request's context (one step; every row no step writes holds NaN), then returns
+  (inputs, metadata, x, cache) of the step that feeds the new tokens over it."""
   context, new, _ = CONTEXT_CASES[case]
   schedule = [context, new]
   inputs, tables = inputs_for(schedule, seed), tables_for(len(new), seed + 1)
   cached = [i for i, c in enumerate(context) if c]
+  poisoned = LatentCache(jnp.full((NB, BS, SMALL.latent_dim), jnp.nan), jnp.float32(1.0))
   _, cache = run_schedule(layer, [inputs[i] for i in cached], [[context[i] for i in cached]],
-                          [tables[i] for i in cached],
-                          LatentCache.allocate(NB, BS, SMALL.latent_dim, jnp.float32), workspace=8)
+                          [tables[i] for i in cached], poisoned, workspace=8)
   md, layout = build_metadata([RequestState(c, n, t) for c, n, t in zip(context, new, tables)],
                               block_size=BS, num_blocks=NB, max_blocks_per_seq=MB,
                               context_workspace=8, context_min_query_rows=8)
@@ -244,6 +245,20 @@ def test_context_chunks_attend_only_their_requests_rows(case):
   # window would see no key, and a merge with nothing leaves a row as it was).
   every_row, _ = step(x, cache, dataclasses.replace(md, context_query_rows=None))
   np.testing.assert_array_equal(np.asarray(out), np.asarray(every_row))
+
+
+@pytest.mark.parametrize("case", sorted(CONTEXT_CASES))
+def test_split_k_pe_gives_the_default_bits(case):
+  # The keys' rope columns passed to the prefill apart (split_k_pe; the reference backend joins
+  # them inside), for the new tokens and every context chunk: the default's output bit for bit.
+  layer = make_layer()
+  _, md, _, x, cache = context_step(layer, case, seed=22)
+  split = nnx.clone(layer)
+  split.mla_attn.split_k_pe = True
+  out, _ = _steps[id(layer)][1](x, cache, md)
+  split_out, _ = jitted_step(split, donate_cache=False)(x, cache, md)
+  assert np.isfinite(np.asarray(out)).all()
+  np.testing.assert_array_equal(np.asarray(split_out), np.asarray(out))
 
 
 def test_same_padded_shapes_trace_once(monkeypatch):
@@ -317,6 +332,8 @@ def test_bad_input_raises():
     layer.mla_attn.absorb(jnp.zeros((3, 3)))
   with pytest.raises(ValueError, match="unknown MLA backend"):
     DeepseekV2MLAAttention(SMALL, backend="nope", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="split_k_pe must be a bool"):
+    MLAAttention(SMALL, backend="reference", split_k_pe="yes")
 
 
 @pytest.mark.parametrize("batch_invariant,split_tokens", [(False, None),

@@ -9,7 +9,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from mla_jax.backends import get_backend
 from pallas_kernels import mosaic_prefill
 from pallas_kernels.mla_prefill import mla_prefill
-from prefill_contract import DK, DV, SCALE, PrefillContract, assert_close, cumulative
+from prefill_contract import DK, DV, ROPE, SCALE, PrefillContract, assert_close, cumulative
 from oracles import varlen_attention_np
 
 
@@ -170,7 +170,9 @@ class TestPallasMosaicPrefill(PrefillContract):
     assert_close(np.asarray(lse)[rows], ref_lse[rows], jnp.bfloat16)
     assert (f32(o[tail:]) == 0).all() and (np.asarray(lse[tail:]) == -np.inf).all()
 
-  def test_no_races_in_the_interpreter(self):
+  # split: the keys in the split form (two boxes a key step into one barrier).
+  @pytest.mark.parametrize("split", [False, True])
+  def test_no_races_in_the_interpreter(self, split):
     # The race detector sees plain loads and stores and bulk copies (each warpgroup's P, the K/V
     # ring refills, the output staging), not the operand reads of wgmma. jax 0.11.2 reports it
     # only through a private module.
@@ -180,8 +182,9 @@ class TestPallasMosaicPrefill(PrefillContract):
     q = jnp.asarray(rng.standard_normal((160, 1, DK)), jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((174, 1, DK)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((174, 1, DV)), jnp.bfloat16)
-    o, lse = mosaic_prefill.mla_prefill(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k), scale=SCALE,
-                                        causal=True, max_seqlen_q=64,
+    keys = (k[..., :DK - ROPE], dict(k_pe=k[:, 0, DK - ROPE:])) if split else (k, {})
+    o, lse = mosaic_prefill.mla_prefill(q, keys[0], v, jnp.asarray(cu_q), jnp.asarray(cu_k),
+                                        scale=SCALE, causal=True, max_seqlen_q=64, **keys[1],
                                         interpret=plgpu.InterpretGPUParams(detect_races=True))
     jax.block_until_ready(o)
     assert not report.get_races().races_found
@@ -210,6 +213,26 @@ class TestPallasMosaicPrefill(PrefillContract):
                                               max_seqlen_q=tokens // requests, **knobs)
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
+  # The split form (k_pe apart: a Dv-wide box of the head's keys and a shared rope box a step) as
+  # the layer's prefill calls it: a context chunk (non-causal, 4 x 2048 query rows over 16384
+  # keys: the grid), one request's queue (the 2048-row window of `--context 4 2048 16384`), the
+  # new tokens (causal, 4 requests, the queue in sections), and 64-key steps with 4 stages.
+  @pytest.mark.parametrize("tokens,keys,n,requests,causal,knobs", [
+      (8192, 16384, 128, 4, False, dict(persistent=False)), (2048, 8192, 128, 1, False, {}),
+      (8192, 8192, 128, 4, True, {}),
+      (4096, 4096, 64, 2, True, dict(block_k=64, num_stages=4, ping_pong=False)),
+  ])
+  def test_split_keys_lower_for_hopper(self, tokens, keys, n, requests, causal, knobs):
+    q = jax.ShapeDtypeStruct((tokens, n, DK), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((keys, n, DK - ROPE), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((keys, n, DV), jnp.bfloat16)
+    k_pe = jax.ShapeDtypeStruct((keys, ROPE), jnp.bfloat16)
+    cu = jax.ShapeDtypeStruct((requests + 1,), jnp.int32)
+    traced = mosaic_prefill.mla_prefill.trace(q, k, v, cu, cu, scale=SCALE, causal=causal,
+                                              max_seqlen_q=tokens // requests, k_pe=k_pe, **knobs)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "_kpe" in text
+
   @pytest.mark.parametrize("change, message", [
       (dict(q=jnp.zeros((8, 2, DK), jnp.float32)), "dtype"),
       (dict(k=jnp.zeros((8, 2, 96), jnp.bfloat16)), "Dk"),
@@ -225,6 +248,9 @@ class TestPallasMosaicPrefill(PrefillContract):
       (dict(l2_section_bytes=0), "l2_section_bytes must be an int >= 1"),
       (dict(cu_seqlens_q=jnp.array([0.0, 8.0])), "int32"),
       (dict(cu_seqlens_k=jnp.array([0, 4, 8], jnp.int32)), "differ in length"),
+      # Split keys whose own columns are not Dv: the query tile is split at Dv.
+      (dict(q=jnp.zeros((8, 2, 256), jnp.bfloat16), k=jnp.zeros((8, 2, 192), jnp.bfloat16),
+            k_pe=jnp.zeros((8, ROPE), jnp.bfloat16)), r"k must hold Dv \(128\) columns"),
   ])
   def test_bad_arguments_raise(self, change, message):
     args = dict(q=jnp.zeros((8, 2, DK), jnp.bfloat16), k=jnp.zeros((8, 2, DK), jnp.bfloat16),

@@ -12,13 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from benchmarks.bench_prefill import context_setup
 from gpu_utils import poison_allocator
 from mla_jax import reference
 from mla_jax.backends import get_backend
 from pallas_kernels import mosaic_prefill
-from prefill_contract import DK, DV, SCALE, assert_close, cumulative
+from prefill_contract import DK, DV, ROPE, SCALE, assert_close, cumulative
 
 pytestmark = pytest.mark.gpu
 
@@ -53,8 +54,18 @@ def test_mosaic_variants_match_reference(case, knobs):
   check_case(case, functools.partial(mosaic_prefill.mla_prefill, **knobs))
 
 
-def check_case(case, prefill):
-  """prefill on CASES[case] (poisoned allocator) against the XLA reference."""
+# The prefill contract's split form (k_pe apart, the layer's `split_k_pe`): the same bits as the
+# keys joined, and the reference's outputs within bf16 tolerance.
+@pytest.mark.parametrize("backend", ["pallas", "pallas_mosaic"])
+@pytest.mark.parametrize("case", ["n128_causal", "n16_context", "n128_causal_short"])
+def test_split_keys_match_reference_and_joined_keys(case, backend):
+  check_case(case, get_backend(backend).prefill, split=True)
+
+
+def check_case(case, prefill, split=False):
+  """prefill on CASES[case] (poisoned allocator) against the XLA reference. split: the keys' last
+  ROPE columns are the same for every head, given to prefill apart (k_pe) and the output must be
+  the joined keys' bit for bit."""
   n, causal, len_q, len_k = CASES[case]
   cu_q, cu_k = cumulative(len_q), cumulative(len_k)
   tq, tk = int(cu_q[-1]) + 37, int(cu_k[-1]) + 5  # padded rows and stray keys past the last request
@@ -63,8 +74,20 @@ def check_case(case, prefill):
   k = jax.random.normal(keys[1], (tk, n, DK), jnp.bfloat16)
   v = jax.random.normal(keys[2], (tk, n, DV), jnp.bfloat16)
   cu_q, cu_k = jnp.asarray(cu_q), jnp.asarray(cu_k)
-  poison_allocator()
-  o, lse = prefill(q, k, v, cu_q, cu_k, scale=SCALE, causal=causal, max_seqlen_q=max(len_q))
+  run = functools.partial(prefill, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, scale=SCALE,
+                          causal=causal, max_seqlen_q=max(len_q))
+  if split:
+    k_pe = jax.random.normal(jax.random.fold_in(keys[1], 1), (tk, ROPE), jnp.bfloat16)
+    k = k.at[..., DK - ROPE:].set(jnp.broadcast_to(k_pe[:, None], (tk, n, ROPE)))
+    poison_allocator()
+    o, lse = run(q, k[..., :DK - ROPE], v, k_pe=k_pe)
+    joined_o, joined_lse = run(q, k, v)
+    np.testing.assert_array_equal(np.asarray(o.astype(jnp.float32)),
+                                  np.asarray(joined_o.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(joined_lse))
+  else:
+    poison_allocator()
+    o, lse = run(q, k, v)
   ref = jax.jit(reference.mha_prefill, static_argnames=("scale", "causal"))
   ref_o, ref_lse = ref(q, k, v, cu_q, cu_k, scale=SCALE, causal=causal)
   magnitude, _ = ref(q, k, jnp.abs(v), cu_q, cu_k, scale=SCALE, causal=causal)
@@ -117,6 +140,24 @@ def test_a_poisoned_request_leaves_the_others_exact(backend):
   f32 = lambda x: np.asarray(x.astype(jnp.float32))[others]
   assert_close(f32(o), f32(want_o), jnp.bfloat16)
   assert_close(f32(lse), f32(want_lse), jnp.bfloat16)
+
+
+def test_layer_context_split_k_pe_gives_the_joined_bits():
+  # The layer's chunked-context prefill at N=128 (the cases of the test below) with the keys'
+  # rope columns apart (`split_k_pe`: the Mosaic kernel copies the shared k_pe boxes itself, no
+  # [T, N, 192] keys built) against the default's joined keys: the same keys, the same kernel
+  # steps, so the same bits (a tolerance first, so that a failure says how far off it is).
+  contexts, news = [3000, 2000, 0, 5000], [700, 1500, 900, 1000]
+  joined, q, kv_c, k_pe, cache, md = context_setup(contexts, news, 128, 4096, "pallas_mosaic")
+  split = nnx.clone(joined)
+  split.split_k_pe = True
+  prefill = jax.jit(lambda layer: layer._prefill(q, kv_c, k_pe, cache, md))
+  poison_allocator()
+  got, want = (np.asarray(prefill(layer).astype(jnp.float32)) for layer in (split, joined))
+  rows = int(md.prefill_query_start_loc[-1])
+  scale = np.broadcast_to(np.abs(want[:rows]).max(axis=-1, keepdims=True), want[:rows].shape)
+  assert_close(got[:rows], want[:rows], jnp.bfloat16, scale)
+  np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("backend", ["pallas_triton", "pallas_mosaic"])
