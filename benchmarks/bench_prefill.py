@@ -25,11 +25,11 @@ tokens' latents, causal attention), "ctx gather+up" (every chunk's cache gather 
 "ctx attention" (every chunk's non-causal attention on those keys/values, for the query rows of
 the requests in the chunk: "query rows a chunk"), "merge" (the LSE merges into those rows).
 "all rows ms" times the whole path with every chunk attending with all prefill rows (as before
-session 7's windows), "all rows / windows" > 1: the windows are faster. The same path with the keys
-split (`MLAAttention.split_k_pe`: k_nope and k_pe apart to the prefill, no [T, N, 192] keys built)
-in the same run: "split k_pe ms", "joined / split k_pe" (> 1: the split is faster), its "new",
-"ctx gather+up" and "ctx attention" parts, and "split vs joined max diff" (of the two outputs; 0 if
-the kernel gives the same bits).
+session 7's windows), "all rows / windows" > 1: the windows are faster. The keys go to the prefill
+split (`MLAAttention.split_k_pe`, the default: k_nope and k_pe apart, no [T, N, 192] keys built);
+the same path with them joined in the same run: "joined ms", "joined / split k_pe" (> 1: the split
+is faster), its "new", "ctx gather+up" and "ctx attention" parts, and "split vs joined max diff"
+(of the two outputs; 0 if the kernel gives the same bits).
 FLOPs: attention 2*N*(NEW^2/2 + NEW*CTX)*(192 + 128) per request; up-projection
 2*(NEW + CTX)*512*N*(128 + 128) per request; TFLOP/s are given over attention alone and over both.
 """
@@ -216,9 +216,10 @@ def context_setup(contexts, news, heads, workspace, backend):
 
 def context_case(args, requests, new, context, heads):
   """The chunked-context prefill through the layer (see the module docstring): total and parts,
-  with the keys joined (the default) and split (`split_k_pe`)."""
+  with the keys joined and split (`split_k_pe`, the default)."""
   joined, q, kv_c, k_pe, cache, md = context_setup([context] * requests, [new] * requests, heads,
                                                    args.workspace, args.backend)
+  joined.split_k_pe = False
   split = nnx.clone(joined)
   split.split_k_pe = True
   lora = joined.config.kv_lora_rank
@@ -250,7 +251,7 @@ def context_case(args, requests, new, context, heads):
   # Until session 7 every chunk's attention took all prefill rows: the same path without windows.
   every_row = dataclasses.replace(md, context_query_rows=None)
   ms, outs = {}, {}
-  for name, layer in (("", joined), (" split k_pe", split)):
+  for name, layer in (("", split), (" joined", joined)):
     state = nnx.state(layer)
     total = jitted(lambda layer, *a: layer._prefill(*a), layer)
     gather_part, attention_part = jitted(gathered, layer), jitted(context_attention, layer)
@@ -282,15 +283,15 @@ def context_case(args, requests, new, context, heads):
     row[f"{name} %"] = 100 * ms[name] / parts_ms
   ctx_flops = requests * 2 * heads * new * context * 320
   row["ctx attention TFLOP/s"] = ctx_flops / ms["ctx attention"] / 1e9
-  # The split keys (k_pe apart to the prefill, no [T, N, 192] keys built), in the same run.
-  row["split k_pe ms"] = ms["total split k_pe"]
-  row["split k_pe attn TFLOP/s"] = attn_flops / ms["total split k_pe"] / 1e9
-  row["joined / split k_pe"] = ms["total"] / ms["total split k_pe"]
+  # The joined keys ([T, N, 192] built, as before session 8), in the same run.
+  row["joined ms"] = ms["total joined"]
+  row["joined attn TFLOP/s"] = attn_flops / ms["total joined"] / 1e9
+  row["joined / split k_pe"] = ms["total joined"] / ms["total"]
   for name in ("new", "ctx gather+up", "ctx attention"):
-    row[f"{name} split k_pe ms"] = ms[f"{name} split k_pe"]
-  row["ctx attention split k_pe TFLOP/s"] = ctx_flops / ms["ctx attention split k_pe"] / 1e9
-  row["split vs joined max diff"] = float(jnp.abs(outs[" split k_pe"].astype(jnp.float32)
-                                                  - outs[""].astype(jnp.float32)).max())
+    row[f"{name} joined ms"] = ms[f"{name} joined"]
+  row["ctx attention joined TFLOP/s"] = ctx_flops / ms["ctx attention joined"] / 1e9
+  row["split vs joined max diff"] = float(jnp.abs(outs[""].astype(jnp.float32)
+                                                  - outs[" joined"].astype(jnp.float32)).max())
   print(row, flush=True)
   return [row]
 

@@ -93,12 +93,13 @@ class MLAAttention(nnx.Module):
   split_k_pe: prefill rows (new tokens and context chunks) pass the backend's prefill the split
   keys, k_nope [T, N, P] and the rope keys k_pe [T, R] apart, instead of building [T, N, P+R] keys
   with k_pe copied to every head (the prefill contract's split form; the same results: reference
-  and pallas_triton join them inside, pallas_mosaic's kernel copies both boxes itself). Off by
-  default until timed (benchmarks/RESULTS.md, "k_pe apart").
+  and pallas_triton join them inside, pallas_mosaic's kernel copies both boxes itself). On by
+  default (H200: 1.06x the joined keys over the chunked context, the same bits; benchmarks/
+  RESULTS.md, "k_pe apart"); False builds the joined keys, the split path's oracle.
   """
 
   def __init__(self, config: MLAConfig, *, backend: str | None = None, dtype=jnp.bfloat16,
-               batch_invariant: bool = False, split_k_pe: bool = False):
+               batch_invariant: bool = False, split_k_pe: bool = True):
     if not isinstance(split_k_pe, bool):
       raise ValueError(f"split_k_pe must be a bool, got {split_k_pe!r}")
     c = config

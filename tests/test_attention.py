@@ -248,15 +248,17 @@ def test_context_chunks_attend_only_their_requests_rows(case):
 
 
 @pytest.mark.parametrize("case", sorted(CONTEXT_CASES))
-def test_split_k_pe_gives_the_default_bits(case):
-  # The keys' rope columns passed to the prefill apart (split_k_pe; the reference backend joins
-  # them inside), for the new tokens and every context chunk: the default's output bit for bit.
+def test_split_k_pe_gives_the_joined_bits(case):
+  # The keys' rope columns passed to the prefill apart (split_k_pe, the default; the reference
+  # backend joins them inside), for the new tokens and every context chunk: the joined keys'
+  # output bit for bit.
   layer = make_layer()
+  assert layer.mla_attn.split_k_pe
   _, md, _, x, cache = context_step(layer, case, seed=22)
-  split = nnx.clone(layer)
-  split.mla_attn.split_k_pe = True
-  out, _ = _steps[id(layer)][1](x, cache, md)
-  split_out, _ = jitted_step(split, donate_cache=False)(x, cache, md)
+  joined = nnx.clone(layer)
+  joined.mla_attn.split_k_pe = False
+  split_out, _ = _steps[id(layer)][1](x, cache, md)
+  out, _ = jitted_step(joined, donate_cache=False)(x, cache, md)
   assert np.isfinite(np.asarray(out)).all()
   np.testing.assert_array_equal(np.asarray(split_out), np.asarray(out))
 

@@ -144,11 +144,12 @@ def test_a_poisoned_request_leaves_the_others_exact(backend):
 
 def test_layer_context_split_k_pe_gives_the_joined_bits():
   # The layer's chunked-context prefill at N=128 (the cases of the test below) with the keys'
-  # rope columns apart (`split_k_pe`: the Mosaic kernel copies the shared k_pe boxes itself, no
-  # [T, N, 192] keys built) against the default's joined keys: the same keys, the same kernel
-  # steps, so the same bits (a tolerance first, so that a failure says how far off it is).
+  # rope columns apart (`split_k_pe`, the default: the Mosaic kernel copies the shared k_pe
+  # boxes itself, no [T, N, 192] keys built) against the joined keys: the same keys, the same
+  # kernel steps, so the same bits (a tolerance first, so that a failure says how far off it is).
   contexts, news = [3000, 2000, 0, 5000], [700, 1500, 900, 1000]
   joined, q, kv_c, k_pe, cache, md = context_setup(contexts, news, 128, 4096, "pallas_mosaic")
+  joined.split_k_pe = False
   split = nnx.clone(joined)
   split.split_k_pe = True
   prefill = jax.jit(lambda layer: layer._prefill(q, kv_c, k_pe, cache, md))
