@@ -120,6 +120,13 @@ class MosaicPrefillConfig:
   # heads one section from _HEADS_FIRST_MIN heads, else one head a section. The grid has no
   # queue and ignores it.
   l2_section_bytes: int | None = 32 << 20
+  # A batch (not the queue's one request, which is written in place anyway) writes its interior
+  # 64-row output tiles in place and each request's first and last tile, where they hold rows of
+  # a neighbour or were moved back at the array's end, to two slots a request, patched in by a
+  # scatter (at most 128 rows a request); rows past cu_q[-1] are one more request without keys.
+  # Else every tile goes to a slot and the packed output is gathered from there (`_unpack`: the
+  # whole output read and written again, 537 MB at 8 x 1024 tokens and 128 heads).
+  in_place: bool = False
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -134,6 +141,8 @@ class MosaicPrefillConfig:
       check_at_least("num_programs", self.num_programs, 1)
     if self.l2_section_bytes is not None:
       check_at_least("l2_section_bytes", self.l2_section_bytes, 1)
+    if not isinstance(self.in_place, bool):
+      raise ValueError(f"in_place must be a bool, got {self.in_place!r}")
 
 
 # The chosen config (128-key steps, ring as deep as fits, ping-pong, the queue in 32 MiB sections)
@@ -143,7 +152,8 @@ class MosaicPrefillConfig:
 DEFAULT = MosaicPrefillConfig()
 SWEEP = (DEFAULT, MosaicPrefillConfig(persistent=True),
          MosaicPrefillConfig(persistent=True, l2_section_bytes=8 << 20),
-         MosaicPrefillConfig(persistent=True, l2_section_bytes=None)) + tuple(
+         MosaicPrefillConfig(persistent=True, l2_section_bytes=None),
+         MosaicPrefillConfig(in_place=True)) + tuple(
     MosaicPrefillConfig(*v, persistent=False)
     for v in [(128, 2, True), (128, 2, False), (64, 4, True), (64, 3, True), (64, 4, False)])
 
@@ -181,6 +191,12 @@ class _Item(NamedTuple):
   k_lead: jax.Array
 
 
+def _interior(first_row, q_start, q_len):
+  """Whether the 64-row output tile from first_row (not moved back) holds only the request's rows:
+  then it is written in place (in_place); works on the kernel's scalars and on arrays alike."""
+  return (first_row >= q_start) & (first_row + _TILE <= q_start + q_len)
+
+
 def _block_keys(qs, q_lead, q_len, k_len, causal):
   """(k_end, k_full) of the block starting at row qs (counted from q_base, q_lead rows before the
   request's first row): the keys its last row sees, and those its first row (hence every row)
@@ -198,7 +214,7 @@ def _block_keys(qs, q_lead, q_len, k_len, causal):
 
 def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref, *rest, scale,
                     causal, num_q_programs, block_k, ping_pong, p_in_registers, persistent,
-                    section_heads, direct, split_k):
+                    section_heads, direct, split_k, in_place):
   # GMEM: cu_q_ref, cu_k_ref [R+1] int32; tile_ref [R] int32 (request's first output tile);
   # queue_ref [2, B+1] int32 (persistent: column 0 row 0 the number of blocks, then per block,
   # heaviest first, its request (row 0) and index in the request (row 1); otherwise unused);
@@ -207,6 +223,10 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
   # (columns [Dv, Dk), the same for every head);
   # o_ref [tiles*64, N, Dv] bf16 and lse_ref [N, tiles*64] f32: one 64-row slot per output tile;
   # direct (one request): o_ref [Tq, N, Dv] and lse_ref [N, Tq], the rows themselves.
+  # in_place (a batch; the last request holds the rows past the batch, without keys): o_ref and
+  # lse_ref the rows themselves, written by the tiles inside a request (`_interior`), then
+  # edge_o_ref [E*64, N, Dv] and edge_lse_ref [N, E*64]: the others' slots, request r's first tile
+  # in slot tile_ref[r] (= 2r), its last in slot 2r + 1.
   # SMEM: qv_smem [2, 64, Dv] (each compute warpgroup's query columns [0, Dv), then its output
   # staging); qr_smem [2, 64, Dk-Dv] (columns [Dv, Dk); absent when Dk == Dv); k_smem
   # [stages, block_k, Dk] (split_k: [stages, block_k, Dv], and kr_smem [stages, block_k, Dk-Dv]
@@ -218,7 +238,8 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
   # k_consumed, v_consumed [stages] (both compute warpgroups done); schedule (the compute
   # warpgroups' turns on the tensor cores).
   k_pe_ref, *rest = rest if split_k else (None, *rest)
-  o_ref, lse_ref, qv_smem, *rest = rest
+  o_ref, lse_ref, *rest = rest
+  edge_o_ref, edge_lse_ref, qv_smem, *rest = rest if in_place else (None, None, *rest)
   if qv_smem.shape[2] < q_ref.shape[2]:
     qr_smem, *rest = rest
   else:
@@ -446,9 +467,21 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
         qv_smem.at[wg][...] = o.astype(qv_smem.dtype)
         lse_smem.at[wg][...] = jnp.where(seen, m * LN2 + jnp.log(l_safe), -jnp.inf)
         plgpu.commit_smem()
-        out_row = q_first if direct else (w.tile + lax.div(tile_row, _TILE)) * _TILE
-        plgpu.copy_smem_to_gmem(qv_smem.at[wg], o_ref.at[pl.ds(out_row, _TILE), w.h])
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[w.h, pl.ds(out_row, _TILE)])
+
+        def store(o_out, lse_out, row):
+          plgpu.copy_smem_to_gmem(qv_smem.at[wg], o_out.at[pl.ds(row, _TILE), w.h])
+          plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_out.at[w.h, pl.ds(row, _TILE)])
+
+        if in_place:
+          # A tile of the request's rows only is written in place (not moved back: those end past
+          # the request); the request's first or last tile otherwise goes to its own slot.
+          interior = _interior(w.q_base + tile_row, w.q_start, w.q_len)
+          pl.when(interior)(lambda: store(o_ref, lse_ref, q_first))
+          edge_row = (w.tile + jnp.where(tile_row > 0, 1, 0)) * _TILE
+          pl.when(~interior)(lambda: store(edge_o_ref, edge_lse_ref, edge_row))
+        else:
+          store(o_ref, lse_ref,
+                q_first if direct else (w.tile + lax.div(tile_row, _TILE)) * _TILE)
         # The staging is the next block's query tile.
         plgpu.wait_smem_to_gmem(0)
 
@@ -559,6 +592,28 @@ def _unpack(o_tiles, lse_tiles, cu_q, tile_offsets, tq_padded, tq):
   return o, lse
 
 
+def _patch_edges(o, lse, edge_o, edge_lse, cu_q):
+  """o [Tq, N, Dv] and lse [N, Tq] with the rows of each request's first and last tiles that were
+  not written in place (`_interior`) taken from their slots (edge_o [2R*64, N, Dv], edge_lse
+  [N, 2R*64]: request r's first tile in slot 2r, its last in 2r + 1); a scatter of at most 128
+  rows a request, into the kernel's output buffer."""
+  tq = o.shape[0]
+  q_start, q_len = cu_q[:-1, None], jnp.diff(cu_q)[:, None]  # [R, 1]
+  q_lead = q_start % _ALIGN
+  last = jnp.maximum(-(-_aligned_rows(q_len, q_lead) // _TILE) - 1, 0)
+  tile = jnp.concatenate([jnp.zeros_like(last), last], axis=1)  # [R, 2]: first, last tile
+  first_row = q_start - q_lead + tile * _TILE
+  # The slot holds the tile's box, moved back to end at row tq if it would pass it; rows before
+  # first_row there are the previous tile's (a last tile that is also the first has no slot 1).
+  rows = (jnp.minimum(first_row, tq - _TILE))[..., None] + jnp.arange(_TILE)  # [R, 2, 64]
+  keep = (~_interior(first_row, q_start, q_len) & ((tile > 0) | (jnp.arange(2) == 0)))[..., None]
+  keep &= (rows >= first_row[..., None]) & (rows >= q_start[..., None])
+  keep &= rows < (q_start + q_len)[..., None]
+  idx = jnp.where(keep, rows, tq).reshape(-1)  # tq: out of bounds, dropped
+  return (o.at[idx].set(edge_o, mode="drop"),
+          lse.at[:, idx].set(edge_lse, mode="drop"))
+
+
 def _work_queue(cu_q, cu_k, tq, causal, direct):
   """[2, B+1] int32: [0, 0] the number of 128-row query blocks, then per block, heaviest first
   (most keys to read; ties in request and block order), its request (row 0) and its index in the
@@ -591,7 +646,8 @@ def _section_heads(num_heads, head_kv_bytes, budget):
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "max_seqlen_q", "block_k",
                                              "num_stages", "ping_pong", "persistent",
-                                             "num_programs", "l2_section_bytes", "interpret"))
+                                             "num_programs", "l2_section_bytes", "in_place",
+                                             "interpret"))
 def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
                 cu_seqlens_k: jax.Array, *, scale: float, causal: bool, max_seqlen_q: int,
                 k_pe: jax.Array | None = None, block_k: int = DEFAULT.block_k,
@@ -599,6 +655,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                 ping_pong: bool = DEFAULT.ping_pong, persistent: bool | None = DEFAULT.persistent,
                 num_programs: int | None = DEFAULT.num_programs,
                 l2_section_bytes: int | None = DEFAULT.l2_section_bytes,
+                in_place: bool = DEFAULT.in_place,
                 interpret: bool | plgpu.InterpretGPUParams = False
                 ) -> tuple[jax.Array, jax.Array]:
   """Variable-length attention with a running LSE; see the module docstring for the layout.
@@ -615,12 +672,14 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   first; else one program per (query slot, head, request); default (None): the queue below 8192
   query rows at 64 heads or more, below 4096 at fewer, where it measured faster. l2_section_bytes
   (persistent only): walk the queue in sections of as many heads as have their K/V within that many
-  bytes (see MosaicPrefillConfig). interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's
-  CPU interpreter. Returns o [Tq, N, Dv] bf16 and lse [Tq, N] float32 (natural log); rows past
-  cu_q[-1], and rows that see no key, give (0, -inf).
+  bytes (see MosaicPrefillConfig). in_place: a batch writes its output tiles in place but for each
+  request's first and last, which a scatter patches in, instead of every tile to a slot and a
+  gather (see MosaicPrefillConfig). interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic
+  GPU's CPU interpreter. Returns o [Tq, N, Dv] bf16 and lse [Tq, N] float32 (natural log); rows
+  past cu_q[-1], and rows that see no key, give (0, -inf).
   """
   config = MosaicPrefillConfig(block_k, num_stages, ping_pong, persistent, num_programs,
-                               l2_section_bytes)
+                               l2_section_bytes, in_place)
   _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, config, k_pe)
   split_k = k_pe is not None
   tq, n, dk = q.shape
@@ -635,10 +694,20 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   # padded to whole 128-row blocks, so that no tile's box is moved back over another tile's rows
   # (a block with none of the request's rows would write 0 over them).
   direct = persistent and num_requests == 1
+  in_place = in_place and not direct
   q = _pad_rows(q, -(-tq // _BLOCK_Q) * _BLOCK_Q if direct else _TILE)
   k, v = _pad_rows(k, block_k), _pad_rows(v, block_k)
   k_inputs = (k, v) + ((_pad_rows(k_pe, block_k),) if split_k else ())
-  tile_offsets = _tile_offsets(cu_seqlens_q)
+  cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
+  if in_place:
+    # The rows past the batch (to the padded end) are one more request, of no keys: its tiles
+    # write them as 0, -inf, as the kernel does for any row that sees no key.
+    cu_q = jnp.concatenate([cu_q, jnp.full((1,), q.shape[0], jnp.int32)])
+    cu_k = jnp.concatenate([cu_k, cu_k[-1:]])
+    num_requests += 1
+    tile_offsets = 2 * jnp.arange(num_requests, dtype=jnp.int32)  # first and last tile slots
+  else:
+    tile_offsets = _tile_offsets(cu_q)
   # Output slots of 64 rows, request after request: at most Tq/64 + one partial tile a request.
   num_tiles = tq // _TILE + num_requests
   # No request is longer than Tq, so more slots than that would only idle.
@@ -668,7 +737,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
     section_heads = (_section_heads(n, k.shape[0] * (dk + dv) * k.dtype.itemsize,
                                     l2_section_bytes) if l2_section_bytes
                      else n if heads_first else 1)
-    queue = _work_queue(cu_seqlens_q, cu_seqlens_k, q.shape[0], causal, direct)
+    queue = _work_queue(cu_q, cu_k, q.shape[0], causal, direct)
     num_programs = num_programs or (4 if interpret else sm_count())
     grid, grid_names = (min(num_programs, (queue.shape[1] - 1) * n),), ("programs",)
   else:
@@ -681,12 +750,15 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   kernel = functools.partial(_prefill_kernel, scale=scale, causal=causal,
                              num_q_programs=num_q_programs, block_k=block_k, ping_pong=ping_pong,
                              p_in_registers=p_in_registers, persistent=persistent,
-                             section_heads=section_heads, direct=direct, split_k=split_k)
-  out_rows = q.shape[0] if direct else num_tiles * _TILE
-  o_tiles, lse_tiles = plgpu.kernel(
+                             section_heads=section_heads, direct=direct, split_k=split_k,
+                             in_place=in_place)
+  out_rows = q.shape[0] if direct or in_place else num_tiles * _TILE
+  edge_rows = [2 * num_requests * _TILE] if in_place else []  # first and last tile slots
+  outs = plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct((out_rows, n, dv), q.dtype),
-                jax.ShapeDtypeStruct((n, out_rows), jnp.float32)),
+      out_type=tuple(
+          jax.ShapeDtypeStruct(shape, dtype) for rows in [out_rows, *edge_rows]
+          for shape, dtype in (((rows, n, dv), q.dtype), ((n, rows), jnp.float32))),
       scratch_types=(
           swizzled((_COMPUTE_WGS, _TILE, dv), q.dtype),
           *q_rest,
@@ -713,8 +785,12 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
       interpret=interpret or None,
       kernel_name=(f"mosaic_mla_prefill_{'causal' if causal else 'full'}_k{block_k}_s{stages}"
                    f"{'_pp' if ping_pong else ''}{'_persistent' if persistent else ''}"
-                   f"{'_kpe' if split_k else ''}"),
-  )(cu_seqlens_q, cu_seqlens_k, tile_offsets, queue, q, *k_inputs)
-  if direct:  # a slice (a copy) only where q was padded
-    return o_tiles[:tq], lse_tiles.T[:tq]
-  return _unpack(o_tiles, lse_tiles, cu_seqlens_q, tile_offsets, q.shape[0], tq)
+                   f"{'_kpe' if split_k else ''}{'_in_place' if in_place else ''}"),
+  )(cu_q, cu_k, tile_offsets, queue, q, *k_inputs)
+  if in_place:
+    o, lse = _patch_edges(*outs, cu_q)
+  elif direct:
+    o, lse = outs
+  else:
+    return _unpack(*outs, cu_q, tile_offsets, q.shape[0], tq)
+  return o[:tq], lse.T[:tq]  # a slice (a copy) only where q was padded

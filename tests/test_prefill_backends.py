@@ -202,6 +202,10 @@ class TestPallasMosaicPrefill(PrefillContract):
       # the queue in L2 sections (2 heads of 128 at 16K keys, 8 at 4096 keys) and without.
       (16384, 128, 1, True, dict(persistent=True)), (1024, 16, 1, True, dict(persistent=False)),
       (4096, 128, 4, True, dict(persistent=True, l2_section_bytes=None)),
+      # Tiles written in place, the edge tiles patched in: the queue (8 x 1024, the case it is
+      # for) and the grid (4 x 4096).
+      (8192, 128, 8, True, dict(in_place=True)),
+      (16384, 128, 4, True, dict(in_place=True)),
   ])
   def test_lowers_for_hopper(self, tokens, n, requests, causal, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
@@ -246,6 +250,7 @@ class TestPallasMosaicPrefill(PrefillContract):
       (dict(num_programs=0), "num_programs must be an int >= 1"),
       (dict(persistent="yes"), "persistent must be a bool or None"),
       (dict(l2_section_bytes=0), "l2_section_bytes must be an int >= 1"),
+      (dict(in_place=1), "in_place must be a bool"),
       (dict(cu_seqlens_q=jnp.array([0.0, 8.0])), "int32"),
       (dict(cu_seqlens_k=jnp.array([0, 4, 8], jnp.int32)), "differ in length"),
       # Split keys whose own columns are not Dv: the query tile is split at Dv.
@@ -259,6 +264,49 @@ class TestPallasMosaicPrefill(PrefillContract):
     args.update(change)
     with pytest.raises(ValueError, match=message):
       mosaic_prefill.mla_prefill(**args, scale=SCALE, causal=True, max_seqlen_q=8, interpret=True)
+
+
+class TestPallasMosaicPrefillInPlace(PrefillContract):
+  """The contract with output tiles written in place (`in_place`), in the interpreter, on the
+  queue (3 programs, each taking several items) and on the grid: the rows of each request's first
+  and last tiles come from their slots through `_patch_edges`, the rows past the batch from the
+  extra request without keys. Interpreter outputs start as NaN, so the contract's no-NaN check
+  also shows that every row was written once: in place or patched."""
+
+  @pytest.fixture(autouse=True, params=[True, False], ids=["queue", "grid"])
+  def persistent(self, request):
+    self.persistent = request.param
+
+  def prefill(self, q, *args, **kwargs):
+    if q.dtype.name not in mosaic_prefill.DTYPES:
+      pytest.skip(f"pallas_mosaic's prefill kernel takes {mosaic_prefill.DTYPES} only, "
+                  f"got {q.dtype}")
+    return mosaic_prefill.mla_prefill(q, *args, **kwargs, persistent=self.persistent,
+                                      num_programs=3, in_place=True, interpret=True)
+
+  # Requests over several tiles, off 8-aligned rows (first tiles patched), ending inside a tile
+  # (last tiles patched) or on one's edge (written in place), a last tile moved back at the
+  # arrays' end; NaN queries in the padding rows, which only the extra request reads.
+  @pytest.mark.parametrize("causal", [True, False])
+  def test_tiles_in_place_and_patched(self, causal):
+    rng = np.random.default_rng(21 + causal)
+    len_q, len_k = [128, 64, 3, 190], [128, 100, 3, 190]
+    cu_q, cu_k = cumulative(len_q), cumulative(len_k)
+    q = 2 * rng.standard_normal((int(cu_q[-1]) + 5, 2, DK))
+    q[cu_q[-1]:] = np.nan
+    q = jnp.asarray(q, jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((int(cu_k[-1]), 2, DK)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((int(cu_k[-1]), 2, DV)), jnp.bfloat16)
+    o, lse = self.prefill(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k), scale=SCALE,
+                          causal=causal, max_seqlen_q=max(len_q))
+    f32 = lambda x: np.asarray(x.astype(jnp.float32))
+    ref_o, ref_lse = varlen_attention_np(f32(q), f32(k), f32(v), cu_q, cu_k, SCALE, causal)
+    magnitude, _ = varlen_attention_np(f32(q), f32(k), np.abs(f32(v)), cu_q, cu_k, SCALE, causal)
+    rows = slice(0, int(cu_q[-1]))
+    assert_close(f32(o)[rows], ref_o[rows], jnp.bfloat16, magnitude[rows])
+    assert_close(np.asarray(lse)[rows], ref_lse[rows], jnp.bfloat16)
+    assert ((f32(o[int(cu_q[-1]):]) == 0).all()
+            and (np.asarray(lse[int(cu_q[-1]):]) == -np.inf).all())
 
 
 class TestPallasMosaicPrefillL2Sections(PrefillContract):

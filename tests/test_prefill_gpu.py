@@ -44,12 +44,16 @@ def test_prefill_matches_reference(case, backend):
 
 # The Mosaic kernel's other orders beside its default (the grid at 16384 tokens, the queue in
 # 32 MiB L2 sections when short): the queue at 16384 tokens (2 heads a section), the short batch
-# in the queue without sections and in the grid.
+# in the queue without sections and in the grid; output tiles in place (`in_place`, the poisoned
+# allocator shows a row neither written in place nor patched) on the short batch's queue and on
+# the 16384-token batch's grid.
 @pytest.mark.parametrize("case, knobs", [
     ("n128_causal", dict(persistent=True)),
     ("n128_causal_short", dict(persistent=True, l2_section_bytes=None)),
     ("n128_causal_short", dict(persistent=False)),
-], ids=["queue", "short-unsectioned", "short-grid"])
+    ("n128_causal_short", dict(in_place=True)),
+    ("n128_causal", dict(in_place=True)),
+], ids=["queue", "short-unsectioned", "short-grid", "short-in-place", "grid-in-place"])
 def test_mosaic_variants_match_reference(case, knobs):
   check_case(case, functools.partial(mosaic_prefill.mla_prefill, **knobs))
 
