@@ -285,12 +285,15 @@ class TestPallasMosaicPrefillInPlace(PrefillContract):
                                       num_programs=3, in_place=True, interpret=True)
 
   # Requests over several tiles, off 8-aligned rows (first tiles patched), ending inside a tile
-  # (last tiles patched) or on one's edge (written in place), a last tile moved back at the
-  # arrays' end; NaN queries in the padding rows, which only the extra request reads.
+  # (last tiles patched) or on one's edge (written in place); the last request's last tile (the
+  # first of a block) moved back at the arrays' end over 48 of its own earlier rows, which see
+  # fewer keys than the block's unmasked first step gives (causal; its keys start 8-aligned and
+  # outnumber its queries by 10): they must not be patched in from there. NaN queries in the
+  # padding rows, which only the extra request reads.
   @pytest.mark.parametrize("causal", [True, False])
   def test_tiles_in_place_and_patched(self, causal):
     rng = np.random.default_rng(21 + causal)
-    len_q, len_k = [128, 64, 3, 190], [128, 100, 3, 190]
+    len_q, len_k = [128, 64, 3, 135], [128, 101, 3, 145]
     cu_q, cu_k = cumulative(len_q), cumulative(len_k)
     q = 2 * rng.standard_normal((int(cu_q[-1]) + 5, 2, DK))
     q[cu_q[-1]:] = np.nan
