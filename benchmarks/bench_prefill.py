@@ -13,10 +13,10 @@ Mosaic columns: "mosaic ms", "mosaic TFLOP/s", "triton/mosaic" (> 1: Mosaic is f
 sdpa" and the largest difference of its output from the Triton kernel's; "grid ms" and
 "grid/persistent" time the same kernel with one program per (query slot, head, request) instead of
 its persistent queue; a compile or run failure is recorded in "mosaic error" and the row goes on.
-`--mosaic-variant FIELD=VALUE ...` also times the Mosaic kernel with those MosaicPrefillConfig
-fields changed (e.g. in_place=True), in the same run: "variant ms", "variant TFLOP/s",
-"default/variant" (> 1: the variant is faster), "variant x sdpa" and "variant max diff" (the
-largest difference from the default's output).
+`--mosaic-variant FIELD=VALUE ...` (repeatable) also times the Mosaic kernel with those
+MosaicPrefillConfig fields changed, in the same run; for a variant named "FIELD=VALUE ..." (e.g.
+"in_place=True"): "<name> ms", "<name> TFLOP/s", "default/<name>" (> 1: the variant is faster),
+"<name> x sdpa" and "<name> max diff" (the largest difference from the default's output).
 `--sweep` times the Triton kernel's (block_q, block_k, num_warps, num_stages) variants and the
 Mosaic kernel's (its SWEEP: block_k, num_stages, ping_pong, the persistent queue and its L2
 sections) ones instead; `--no-triton` leaves the Triton variants out.
@@ -161,6 +161,7 @@ def run_case(args, batch, seq, heads):
     return rows
 
   ms = {"backend": timed(backend_fn(seq))}
+  variants = []  # the --mosaic-variant names timed in this row
   row = {**base, **rates(ms["backend"], flops=flops)}
   if not args.no_mosaic:
     try:  # a first GPU run may not compile: record that and go on
@@ -173,14 +174,16 @@ def run_case(args, batch, seq, heads):
       row["grid ms"] = timed(lambda q, k, v, cu: mosaic_kernel.mla_prefill(
           q, k, v, cu, cu, scale=SCALE, causal=True, max_seqlen_q=seq, persistent=False))
       row["grid/persistent"] = row["grid ms"] / row["mosaic ms"]
-      if args.mosaic_variant:
-        variant = lambda q, k, v, cu: mosaic_kernel.mla_prefill(
-            q, k, v, cu, cu, scale=SCALE, causal=True, max_seqlen_q=seq, **args.mosaic_variant)
-        row["variant max diff"] = float(jnp.abs(
+      for fields in args.mosaic_variant:
+        name = " ".join(f"{k}={v}" for k, v in fields.items())
+        variant = lambda q, k, v, cu, fields=fields: mosaic_kernel.mla_prefill(
+            q, k, v, cu, cu, scale=SCALE, causal=True, max_seqlen_q=seq, **fields)
+        row[f"{name} max diff"] = float(jnp.abs(
             variant(*sets[0])[0].astype(jnp.float32) - outs[0]).max())
-        row["variant ms"] = timed(variant)
-        row["variant TFLOP/s"] = flops / row["variant ms"] / 1e9
-        row["default/variant"] = row["mosaic ms"] / row["variant ms"]
+        row[f"{name} ms"] = timed(variant)
+        row[f"{name} TFLOP/s"] = flops / row[f"{name} ms"] / 1e9
+        row[f"default/{name}"] = row["mosaic ms"] / row[f"{name} ms"]
+        variants.append(name)
     except Exception as e:  # noqa: BLE001
       row["mosaic error"] = f"{type(e).__name__}: {str(e)[:80]}"
   rivals = {"xla": lambda: time_ms(xla_fn(), sets, warmup=1, iters=2, repeats=3),
@@ -195,8 +198,8 @@ def run_case(args, batch, seq, heads):
       row[f"x {name}"] = f"{type(e).__name__}: {str(e)[:60]}"
   if "sdpa" in ms and "mosaic ms" in row:
     row["mosaic x sdpa"] = ms["sdpa"] / row["mosaic ms"]
-  if "sdpa" in ms and "variant ms" in row:
-    row["variant x sdpa"] = ms["sdpa"] / row["variant ms"]
+  for name in variants if "sdpa" in ms else ():
+    row[f"{name} x sdpa"] = ms["sdpa"] / row[f"{name} ms"]
   print(row, flush=True)
   return [row]
 
@@ -335,7 +338,9 @@ def main(argv=None):
   parser.add_argument("--no-triton", action="store_true",
                       help="with --sweep: time the Mosaic kernel's variants only")
   parser.add_argument("--mosaic-variant", nargs="+", type=config_field, metavar="FIELD=VALUE",
-                      help="also time the Mosaic kernel with these config fields changed")
+                      action="append", default=[],
+                      help="also time the Mosaic kernel with these config fields changed "
+                           "(repeatable: one variant each)")
   parser.add_argument("--iters", type=int, default=10, help="back-to-back calls per timing")
   parser.add_argument("--repeats", type=int, default=5, help="timings; the median is reported")
   parser.add_argument("--context", type=int, nargs=3, metavar=("R", "NEW", "CTX"),
@@ -345,7 +350,7 @@ def main(argv=None):
   parser.add_argument("--backend", default="pallas", help="backend of the --context case")
   parser.add_argument("--out", default="benchmarks/out", help="directory for the result tables")
   args = parser.parse_args(argv)
-  args.mosaic_variant = dict(args.mosaic_variant or ())
+  args.mosaic_variant = [dict(fields) for fields in args.mosaic_variant]
   require_gpu("benchmarks.bench_prefill")
   shapes = [(1, s) for s in args.tokens] + ([(4, 4096), (8, 1024)] if args.batched else [])
   rows = []

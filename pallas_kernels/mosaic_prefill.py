@@ -36,7 +36,9 @@ Bulk copies move whole boxes and cannot mask rows, so:
   the masks account for both shifts);
 - a 64-row output tile may run into the next request's rows, so each tile is written to its own slot
   of a padded output (`tile_offsets`: request r's tiles follow the earlier requests' ones), and the
-  packed result is gathered from there (`_unpack`); rows past cu_q[-1] are set there too. One
+  packed result is gathered from there (`_unpack`); rows past cu_q[-1] are set there too (with
+  `in_place`, a batch's tiles of one request's rows only are written in place, each request's
+  first and last tile to slots whose rows a scatter patches in, `_patch_edges`). One
   request (persistent) needs no gather: its blocks then start at row 0 and cover every row of q
   (padded to whole blocks, a copy only when needed), each tile is written in place, rows outside
   the request as 0, -inf.
@@ -127,6 +129,10 @@ class MosaicPrefillConfig:
   # Else every tile goes to a slot and the packed output is gathered from there (`_unpack`: the
   # whole output read and written again, 537 MB at 8 x 1024 tokens and 128 heads).
   in_place: bool = False
+  # The compute warpgroups wait for an output tile's store only until it has read shared memory
+  # (the staging then takes the next item's query tile), its writes landing under the next item;
+  # else until they land, between every two items (the last stores are waited for at the end).
+  store_wait_read: bool = False
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -141,8 +147,9 @@ class MosaicPrefillConfig:
       check_at_least("num_programs", self.num_programs, 1)
     if self.l2_section_bytes is not None:
       check_at_least("l2_section_bytes", self.l2_section_bytes, 1)
-    if not isinstance(self.in_place, bool):
-      raise ValueError(f"in_place must be a bool, got {self.in_place!r}")
+    for name in ("in_place", "store_wait_read"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 # The chosen config (128-key steps, ring as deep as fits, ping-pong, the queue in 32 MiB sections)
@@ -153,7 +160,8 @@ DEFAULT = MosaicPrefillConfig()
 SWEEP = (DEFAULT, MosaicPrefillConfig(persistent=True),
          MosaicPrefillConfig(persistent=True, l2_section_bytes=8 << 20),
          MosaicPrefillConfig(persistent=True, l2_section_bytes=None),
-         MosaicPrefillConfig(in_place=True)) + tuple(
+         MosaicPrefillConfig(in_place=True), MosaicPrefillConfig(store_wait_read=True),
+         MosaicPrefillConfig(in_place=True, store_wait_read=True)) + tuple(
     MosaicPrefillConfig(*v, persistent=False)
     for v in [(128, 2, True), (128, 2, False), (64, 4, True), (64, 3, True), (64, 4, False)])
 
@@ -214,7 +222,7 @@ def _block_keys(qs, q_lead, q_len, k_len, causal):
 
 def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref, *rest, scale,
                     causal, num_q_programs, block_k, ping_pong, p_in_registers, persistent,
-                    section_heads, direct, split_k, in_place):
+                    section_heads, direct, split_k, in_place, store_wait_read):
   # GMEM: cu_q_ref, cu_k_ref [R+1] int32; tile_ref [R] int32 (request's first output tile);
   # queue_ref [2, B+1] int32 (persistent: column 0 row 0 the number of blocks, then per block,
   # heaviest first, its request (row 0) and index in the request (row 1); otherwise unused);
@@ -482,14 +490,17 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
         else:
           store(o_ref, lse_ref,
                 q_first if direct else (w.tile + lax.div(tile_row, _TILE)) * _TILE)
-        # The staging is the next block's query tile.
-        plgpu.wait_smem_to_gmem(0)
+        # The staging is the next block's query tile: the store must have read it (store_wait_read)
+        # or landed.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=store_wait_read)
 
       return count
 
     # Warpgroup 1 starts a turn behind, so the two alternate; warpgroup 0 closes the last turn.
     pl.when(wg == 1)(take_turn)
     lax.fori_loop(0, trips, q_block, jnp.int32(0))
+    if store_wait_read:
+      plgpu.wait_smem_to_gmem(0)  # the last stores' writes landed before the program ends
     pl.when(wg == 0)(take_turn)
 
   @pl.when(wg == _COMPUTE_WGS)
@@ -647,7 +658,7 @@ def _section_heads(num_heads, head_kv_bytes, budget):
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "max_seqlen_q", "block_k",
                                              "num_stages", "ping_pong", "persistent",
                                              "num_programs", "l2_section_bytes", "in_place",
-                                             "interpret"))
+                                             "store_wait_read", "interpret"))
 def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
                 cu_seqlens_k: jax.Array, *, scale: float, causal: bool, max_seqlen_q: int,
                 k_pe: jax.Array | None = None, block_k: int = DEFAULT.block_k,
@@ -655,7 +666,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                 ping_pong: bool = DEFAULT.ping_pong, persistent: bool | None = DEFAULT.persistent,
                 num_programs: int | None = DEFAULT.num_programs,
                 l2_section_bytes: int | None = DEFAULT.l2_section_bytes,
-                in_place: bool = DEFAULT.in_place,
+                in_place: bool = DEFAULT.in_place, store_wait_read: bool = DEFAULT.store_wait_read,
                 interpret: bool | plgpu.InterpretGPUParams = False
                 ) -> tuple[jax.Array, jax.Array]:
   """Variable-length attention with a running LSE; see the module docstring for the layout.
@@ -674,12 +685,13 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   (persistent only): walk the queue in sections of as many heads as have their K/V within that many
   bytes (see MosaicPrefillConfig). in_place: a batch writes its output tiles in place but for each
   request's first and last, which a scatter patches in, instead of every tile to a slot and a
-  gather (see MosaicPrefillConfig). interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic
-  GPU's CPU interpreter. Returns o [Tq, N, Dv] bf16 and lse [Tq, N] float32 (natural log); rows
-  past cu_q[-1], and rows that see no key, give (0, -inf).
+  gather; store_wait_read: output stores waited for only until they read shared memory, not until
+  their writes land (see MosaicPrefillConfig). interpret: True or a `plgpu.InterpretGPUParams` runs
+  Mosaic GPU's CPU interpreter. Returns o [Tq, N, Dv] bf16 and lse [Tq, N] float32 (natural log);
+  rows past cu_q[-1], and rows that see no key, give (0, -inf).
   """
   config = MosaicPrefillConfig(block_k, num_stages, ping_pong, persistent, num_programs,
-                               l2_section_bytes, in_place)
+                               l2_section_bytes, in_place, store_wait_read)
   _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, config, k_pe)
   split_k = k_pe is not None
   tq, n, dk = q.shape
@@ -751,7 +763,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                              num_q_programs=num_q_programs, block_k=block_k, ping_pong=ping_pong,
                              p_in_registers=p_in_registers, persistent=persistent,
                              section_heads=section_heads, direct=direct, split_k=split_k,
-                             in_place=in_place)
+                             in_place=in_place, store_wait_read=store_wait_read)
   out_rows = q.shape[0] if direct or in_place else num_tiles * _TILE
   edge_rows = [2 * num_requests * _TILE] if in_place else []  # first and last tile slots
   outs = plgpu.kernel(
@@ -785,7 +797,8 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
       interpret=interpret or None,
       kernel_name=(f"mosaic_mla_prefill_{'causal' if causal else 'full'}_k{block_k}_s{stages}"
                    f"{'_pp' if ping_pong else ''}{'_persistent' if persistent else ''}"
-                   f"{'_kpe' if split_k else ''}{'_in_place' if in_place else ''}"),
+                   f"{'_kpe' if split_k else ''}{'_in_place' if in_place else ''}"
+                   f"{'_wait_read' if store_wait_read else ''}"),
   )(cu_q, cu_k, tile_offsets, queue, q, *k_inputs)
   if in_place:
     o, lse = _patch_edges(*outs, cu_q)

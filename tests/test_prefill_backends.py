@@ -170,9 +170,13 @@ class TestPallasMosaicPrefill(PrefillContract):
     assert_close(np.asarray(lse)[rows], ref_lse[rows], jnp.bfloat16)
     assert (f32(o[tail:]) == 0).all() and (np.asarray(lse[tail:]) == -np.inf).all()
 
-  # split: the keys in the split form (two boxes a key step into one barrier).
-  @pytest.mark.parametrize("split", [False, True])
-  def test_no_races_in_the_interpreter(self, split):
+  # split: the keys in the split form (two boxes a key step into one barrier). knobs: one program
+  # walks all three items, the next query tile landing in the staging as soon as the store has read
+  # it (store_wait_read), tiles in place and patched.
+  @pytest.mark.parametrize("split, knobs", [
+      (False, {}), (True, {}), (False, dict(num_programs=1, store_wait_read=True, in_place=True)),
+  ], ids=["joined", "split", "wait_read-in_place"])
+  def test_no_races_in_the_interpreter(self, split, knobs):
     # The race detector sees plain loads and stores and bulk copies (each warpgroup's P, the K/V
     # ring refills, the output staging), not the operand reads of wgmma. jax 0.11.2 reports it
     # only through a private module.
@@ -185,6 +189,7 @@ class TestPallasMosaicPrefill(PrefillContract):
     keys = (k[..., :DK - ROPE], dict(k_pe=k[:, 0, DK - ROPE:])) if split else (k, {})
     o, lse = mosaic_prefill.mla_prefill(q, keys[0], v, jnp.asarray(cu_q), jnp.asarray(cu_k),
                                         scale=SCALE, causal=True, max_seqlen_q=64, **keys[1],
+                                        **knobs,
                                         interpret=plgpu.InterpretGPUParams(detect_races=True))
     jax.block_until_ready(o)
     assert not report.get_races().races_found
@@ -206,6 +211,9 @@ class TestPallasMosaicPrefill(PrefillContract):
       # for) and the grid (4 x 4096).
       (8192, 128, 8, True, dict(in_place=True)),
       (16384, 128, 4, True, dict(in_place=True)),
+      # Stores waited for until they read shared memory, alone and with tiles in place.
+      (8192, 128, 8, True, dict(store_wait_read=True)),
+      (4096, 128, 2, True, dict(in_place=True, store_wait_read=True)),
   ])
   def test_lowers_for_hopper(self, tokens, n, requests, causal, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
@@ -251,6 +259,7 @@ class TestPallasMosaicPrefill(PrefillContract):
       (dict(persistent="yes"), "persistent must be a bool or None"),
       (dict(l2_section_bytes=0), "l2_section_bytes must be an int >= 1"),
       (dict(in_place=1), "in_place must be a bool"),
+      (dict(store_wait_read=None), "store_wait_read must be a bool"),
       (dict(cu_seqlens_q=jnp.array([0.0, 8.0])), "int32"),
       (dict(cu_seqlens_k=jnp.array([0, 4, 8], jnp.int32)), "differ in length"),
       # Split keys whose own columns are not Dv: the query tile is split at Dv.
@@ -266,23 +275,28 @@ class TestPallasMosaicPrefill(PrefillContract):
       mosaic_prefill.mla_prefill(**args, scale=SCALE, causal=True, max_seqlen_q=8, interpret=True)
 
 
-class TestPallasMosaicPrefillInPlace(PrefillContract):
-  """The contract with output tiles written in place (`in_place`), in the interpreter, on the
-  queue (3 programs, each taking several items) and on the grid: the rows of each request's first
+class TestPallasMosaicPrefillItemVariants(PrefillContract):
+  """The contract on the variants of how an item ends, in the interpreter, on the queue (3
+  programs, each taking several items) and the grid. `in_place`: the rows of each request's first
   and last tiles come from their slots through `_patch_edges`, the rows past the batch from the
-  extra request without keys. Interpreter outputs start as NaN, so the contract's no-NaN check
-  also shows that every row was written once: in place or patched."""
+  extra request without keys; interpreter outputs start as NaN, so the contract's no-NaN check
+  also shows that every row was written: in place or patched. `store_wait_read`: the next item's
+  query tile lands in the staging as soon as the store has read it."""
 
-  @pytest.fixture(autouse=True, params=[True, False], ids=["queue", "grid"])
-  def persistent(self, request):
-    self.persistent = request.param
+  @pytest.fixture(autouse=True, params=[
+      dict(persistent=True, in_place=True), dict(persistent=False, in_place=True),
+      dict(persistent=True, store_wait_read=True),
+      dict(persistent=True, in_place=True, store_wait_read=True),
+  ], ids=["in_place-queue", "in_place-grid", "wait_read-queue", "both-queue"])
+  def knobs(self, request):
+    self.knobs = request.param
 
   def prefill(self, q, *args, **kwargs):
     if q.dtype.name not in mosaic_prefill.DTYPES:
       pytest.skip(f"pallas_mosaic's prefill kernel takes {mosaic_prefill.DTYPES} only, "
                   f"got {q.dtype}")
-    return mosaic_prefill.mla_prefill(q, *args, **kwargs, persistent=self.persistent,
-                                      num_programs=3, in_place=True, interpret=True)
+    return mosaic_prefill.mla_prefill(q, *args, **kwargs, **self.knobs, num_programs=3,
+                                      interpret=True)
 
   # Requests over several tiles, off 8-aligned rows (first tiles patched), ending inside a tile
   # (last tiles patched) or on one's edge (written in place); the last request's last tile (the

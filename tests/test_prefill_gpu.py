@@ -46,14 +46,18 @@ def test_prefill_matches_reference(case, backend):
 # 32 MiB L2 sections when short): the queue at 16384 tokens (2 heads a section), the short batch
 # in the queue without sections and in the grid; output tiles in place (`in_place`, the poisoned
 # allocator shows a row neither written in place nor patched) on the short batch's queue and on
-# the 16384-token batch's grid.
+# the 16384-token batch's grid; stores waited for until read (`store_wait_read`, the next query
+# tile landing in the staging while the store's writes finish), alone and with tiles in place.
 @pytest.mark.parametrize("case, knobs", [
     ("n128_causal", dict(persistent=True)),
     ("n128_causal_short", dict(persistent=True, l2_section_bytes=None)),
     ("n128_causal_short", dict(persistent=False)),
     ("n128_causal_short", dict(in_place=True)),
     ("n128_causal", dict(in_place=True)),
-], ids=["queue", "short-unsectioned", "short-grid", "short-in-place", "grid-in-place"])
+    ("n128_causal_short", dict(store_wait_read=True)),
+    ("n128_causal_short", dict(in_place=True, store_wait_read=True)),
+], ids=["queue", "short-unsectioned", "short-grid", "short-in-place", "grid-in-place",
+        "short-wait-read", "short-in-place-wait-read"])
 def test_mosaic_variants_match_reference(case, knobs):
   check_case(case, functools.partial(mosaic_prefill.mla_prefill, **knobs))
 
