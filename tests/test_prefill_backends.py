@@ -228,11 +228,13 @@ class TestPallasMosaicPrefill(PrefillContract):
   # The split form (k_pe apart: a Dv-wide box of the head's keys and a shared rope box a step) as
   # the layer's prefill calls it: a context chunk (non-causal, 4 x 2048 query rows over 16384
   # keys: the grid), one request's queue (the 2048-row window of `--context 4 2048 16384`), the
-  # new tokens (causal, 4 requests, the queue in sections), and 64-key steps with 4 stages.
+  # new tokens (causal, 4 requests, the queue in sections), and 64-key steps with 4 stages; 8 x 1024
+  # new tokens with output tiles in place and stores waited for until read.
   @pytest.mark.parametrize("tokens,keys,n,requests,causal,knobs", [
       (8192, 16384, 128, 4, False, dict(persistent=False)), (2048, 8192, 128, 1, False, {}),
       (8192, 8192, 128, 4, True, {}),
       (4096, 4096, 64, 2, True, dict(block_k=64, num_stages=4, ping_pong=False)),
+      (8192, 8192, 128, 8, True, dict(in_place=True, store_wait_read=True)),
   ])
   def test_split_keys_lower_for_hopper(self, tokens, keys, n, requests, causal, knobs):
     q = jax.ShapeDtypeStruct((tokens, n, DK), jnp.bfloat16)
