@@ -10,7 +10,7 @@ the jitted entry from the cu_seqlens, in sections of a few heads whose K/V fits 
 and packed requests keep the SMs full, the programs at work share a few heads' K/V in L2, and one
 block's epilogue overlaps the next one's K/V loads (the memory warpgroup runs ahead through the
 ring across items). It measured faster than the grid of one program per (query-block slot, head,
-request) below 8192 query rows at 128 heads and below 4096 at 16 (H200: 1.13-1.24x at 1024 and
+request) up to 8192 query rows at 128 heads and below 4096 at 16 (H200: 1.13-1.24x at 1024 and
 4096 tokens and 8 x 1024 at N=128), slower from there (0.90-0.97x at 16K and 4 x 4096 tokens), so
 the grid stays and is the default from there (`persistent`). Three warpgroups a program:
 - compute (warpgroups 0 and 1): each bulk-copies its own 64-row query tile (columns [0, Dv) and
@@ -92,10 +92,11 @@ _MAX_STAGES = 4
 # at 16; see mla_prefill).
 _HEADS_FIRST_MIN = 64
 # Batches of fewer query rows take the persistent queue by default, more the grid (H200, the
-# queue in 32 MiB sections against the grid: 1.13x at 1x4096 and 0.94x at 4 x 4096 for N=128;
-# 0.95x at 1x4096 for N=16; benchmarks/RESULTS.md).
-_PERSISTENT_MAX_TOKENS = 4096
-_PERSISTENT_MAX_TOKENS_MANY_HEADS = 8192  # from _HEADS_FIRST_MIN heads
+# queue in 32 MiB sections against the grid: 1.13x at 1x4096, 1.17x at 8 x 1024 and 0.94x at
+# 4 x 4096 for N=128; 0.95x at 1x4096 for N=16; benchmarks/RESULTS.md): below 4096 rows, and up to
+# 8192 (8 x 1024 included) from _HEADS_FIRST_MIN heads.
+_PERSISTENT_BELOW_TOKENS = 4096
+_PERSISTENT_MAX_TOKENS_MANY_HEADS = 8192
 _SMEM_BYTES = 227 * 1024  # what one Hopper block may have
 _CONSUMER_REGS = 232  # 2 x 232 + 40 (memory warpgroup) registers x 128 threads fit the 64K file
 _MEMORY_REGS = 40
@@ -112,7 +113,8 @@ class MosaicPrefillConfig:
   num_stages: int | None = None  # K/V ring depth; None: the deepest that fits (_stages_for)
   ping_pong: bool = True  # the two compute warpgroups take turns on the tensor cores
   # Programs walk a queue of work items, else one per (query slot, head, request); None: the queue
-  # below _PERSISTENT_MAX_TOKENS(_MANY_HEADS) query rows, where it measured faster.
+  # below _PERSISTENT_BELOW_TOKENS query rows (up to _PERSISTENT_MAX_TOKENS_MANY_HEADS from
+  # _HEADS_FIRST_MIN heads), where it measured faster.
   persistent: bool | None = None
   num_programs: int | None = None  # persistent programs; None: the device's SM count
   # The persistent queue in sections of as many heads as have their K/V (all of the batch's keys)
@@ -127,8 +129,9 @@ class MosaicPrefillConfig:
   # a neighbour or were moved back at the array's end, to two slots a request, patched in by a
   # scatter (at most 128 rows a request); rows past cu_q[-1] are one more request without keys.
   # Else every tile goes to a slot and the packed output is gathered from there (`_unpack`: the
-  # whole output read and written again, 537 MB at 8 x 1024 tokens and 128 heads).
-  in_place: bool = False
+  # whole output read and written again, 537 MB at 8 x 1024 tokens and 128 heads). H200: 1.23x
+  # at 8 x 1024 and 1.05x at 4 x 4096 (N=128, the grid), the same bits.
+  in_place: bool = True
   # The compute warpgroups wait for an output tile's store only until it has read shared memory
   # (the staging then takes the next item's query tile), its writes landing under the next item;
   # else until they land, between every two items (the last stores are waited for at the end).
@@ -160,8 +163,8 @@ DEFAULT = MosaicPrefillConfig()
 SWEEP = (DEFAULT, MosaicPrefillConfig(persistent=True),
          MosaicPrefillConfig(persistent=True, l2_section_bytes=8 << 20),
          MosaicPrefillConfig(persistent=True, l2_section_bytes=None),
-         MosaicPrefillConfig(in_place=True), MosaicPrefillConfig(store_wait_read=True),
-         MosaicPrefillConfig(in_place=True, store_wait_read=True)) + tuple(
+         MosaicPrefillConfig(in_place=False), MosaicPrefillConfig(store_wait_read=True),
+         MosaicPrefillConfig(in_place=False, store_wait_read=True)) + tuple(
     MosaicPrefillConfig(*v, persistent=False)
     for v in [(128, 2, True), (128, 2, False), (64, 4, True), (64, 3, True), (64, 4, False)])
 
@@ -680,7 +683,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   fits) and ping_pong (the two compute warpgroups take turns on the tensor cores) are tuning knobs.
   persistent: as many programs (num_programs; default the device's SM count, 4 in the interpreter,
   so that each takes several items) walk a queue of (query block, head) items, the heaviest blocks
-  first; else one program per (query slot, head, request); default (None): the queue below 8192
+  first; else one program per (query slot, head, request); default (None): the queue up to 8192
   query rows at 64 heads or more, below 4096 at fewer, where it measured faster. l2_section_bytes
   (persistent only): walk the queue in sections of as many heads as have their K/V within that many
   bytes (see MosaicPrefillConfig). in_place: a batch writes its output tiles in place but for each
@@ -700,8 +703,8 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   if tq == 0 or tk == 0 or num_requests == 0:  # nothing to attend
     return jnp.zeros((tq, n, dv), q.dtype), jnp.full((tq, n), -jnp.inf, jnp.float32)
   if persistent is None:
-    persistent = tq < (_PERSISTENT_MAX_TOKENS_MANY_HEADS if n >= _HEADS_FIRST_MIN
-                       else _PERSISTENT_MAX_TOKENS)
+    persistent = (tq <= _PERSISTENT_MAX_TOKENS_MANY_HEADS if n >= _HEADS_FIRST_MIN
+                  else tq < _PERSISTENT_BELOW_TOKENS)
   # One request: the kernel writes o and lse rows in place (no slots to gather from). Its q is then
   # padded to whole 128-row blocks, so that no tile's box is moved back over another tile's rows
   # (a block with none of the request's rows would write 0 over them).

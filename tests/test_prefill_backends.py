@@ -203,17 +203,17 @@ class TestPallasMosaicPrefill(PrefillContract):
       (16384, 128, 1, True, {}), (16384, 16, 4, False, {}), (45, 3, 2, True, {}),
       # The variants the H200 sweep timed: 64-key steps with 4 stages, no turn-taking.
       (4096, 64, 2, True, dict(block_k=64, num_stages=4, ping_pong=False)),
-      # Each grid where it is not the default (the queue below 8192 rows at 128 heads, 4096 at 16);
-      # the queue in L2 sections (2 heads of 128 at 16K keys, 8 at 4096 keys) and without.
+      # Each grid where it is not the default (the queue up to 8192 rows at 128 heads, below 4096
+      # at 16); the queue in L2 sections (2 heads of 128 at 16K keys, 8 at 4096 keys) and without.
       (16384, 128, 1, True, dict(persistent=True)), (1024, 16, 1, True, dict(persistent=False)),
       (4096, 128, 4, True, dict(persistent=True, l2_section_bytes=None)),
-      # Tiles written in place, the edge tiles patched in: the queue (8 x 1024, the case it is
-      # for) and the grid (4 x 4096).
-      (8192, 128, 8, True, dict(in_place=True)),
-      (16384, 128, 4, True, dict(in_place=True)),
-      # Stores waited for until they read shared memory, alone and with tiles in place.
+      # Tiles written in place (the default), the edge tiles patched in: the queue (8 x 1024, the
+      # case it is for) and the grid (4 x 4096); every tile through a slot and the gather.
+      (8192, 128, 8, True, {}), (16384, 128, 4, True, {}),
+      (8192, 128, 8, True, dict(in_place=False)),
+      # Stores waited for until they read shared memory, with tiles in place and with the gather.
       (8192, 128, 8, True, dict(store_wait_read=True)),
-      (4096, 128, 2, True, dict(in_place=True, store_wait_read=True)),
+      (4096, 128, 2, True, dict(in_place=False, store_wait_read=True)),
   ])
   def test_lowers_for_hopper(self, tokens, n, requests, causal, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
@@ -279,17 +279,17 @@ class TestPallasMosaicPrefill(PrefillContract):
 
 class TestPallasMosaicPrefillItemVariants(PrefillContract):
   """The contract on the variants of how an item ends, in the interpreter, on the queue (3
-  programs, each taking several items) and the grid. `in_place`: the rows of each request's first
+  programs, each taking several items) and the grid. `in_place` (the default; the gather without
+  it): the rows of each request's first
   and last tiles come from their slots through `_patch_edges`, the rows past the batch from the
   extra request without keys; interpreter outputs start as NaN, so the contract's no-NaN check
   also shows that every row was written: in place or patched. `store_wait_read`: the next item's
   query tile lands in the staging as soon as the store has read it."""
 
   @pytest.fixture(autouse=True, params=[
-      dict(persistent=True, in_place=True), dict(persistent=False, in_place=True),
-      dict(persistent=True, store_wait_read=True),
-      dict(persistent=True, in_place=True, store_wait_read=True),
-  ], ids=["in_place-queue", "in_place-grid", "wait_read-queue", "both-queue"])
+      dict(persistent=True, in_place=False), dict(persistent=False, in_place=False),
+      dict(persistent=False), dict(persistent=True, store_wait_read=True),
+  ], ids=["gather-queue", "gather-grid", "in_place-grid", "wait_read-queue"])
   def knobs(self, request):
     self.knobs = request.param
 
