@@ -1,10 +1,37 @@
 import os
 import sys
+import threading
 
 import jax
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests share oracles.py and the contract bases
+
+
+def _serialize_interpreter_compiles():
+  """The Mosaic GPU interpreter (jax 0.11-0.12) compiles each simulated warpgroup's program in
+  its own thread, all at once; XLA:CPU crashed once doing that (a segfault in backend_compile, CI
+  on 2026-12-01, TestPallasMosaicPrefillItemVariants). The compiles take turns under a lock; the
+  programs still run concurrently, as their barriers need. A jax without that private helper is
+  left alone."""
+  try:
+    from jax._src.pallas.mosaic.interpret import thread_map
+  except ImportError:
+    return
+  if not (hasattr(thread_map, "_run_jaxpr") and hasattr(thread_map, "_run")):
+    return
+  lock = threading.Lock()
+
+  def run_jaxpr(jaxpr, consts, *args):
+    with lock:
+      compiled = jax.jit(thread_map._run, static_argnums=(0,)).trace(jaxpr, consts, *args)
+      compiled = compiled.lower().compile()
+    compiled(consts, *args)
+
+  thread_map._run_jaxpr = run_jaxpr
+
+
+_serialize_interpreter_compiles()
 
 
 def _has_gpu() -> bool:
