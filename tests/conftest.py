@@ -10,10 +10,12 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests share oracles.py and the 
 
 def _serialize_interpreter_compiles():
   """The Mosaic GPU interpreter (jax 0.11-0.12) compiles each simulated warpgroup's program in
-  its own thread, all at once; XLA:CPU crashed once doing that (a segfault in backend_compile, CI
-  on 2026-12-01, TestPallasMosaicPrefillItemVariants). The compiles take turns under a lock; the
-  programs still run concurrently, as their barriers need. A jax without that private helper is
-  left alone."""
+  its own thread, all at once. Late in the CI suite's one process XLA:CPU crashed compiling them
+  (2026-12-01, TestPallasMosaicPrefillItemVariants, which passes alone): a segfault with the
+  compiles concurrent, then an abort with them serialized; the suite passed with them serialized
+  and the caches cleared between files (the fixture below), the configuration kept. The programs
+  still run concurrently, as their barriers need. A jax without that private helper is left
+  alone."""
   try:
     from jax._src.pallas.mosaic.interpret import thread_map
   except ImportError:
@@ -52,9 +54,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-  # Each test file compiles hundreds of programs (the Mosaic interpreter's among them); the CI
-  # suite's one process kept all of them and XLA:CPU aborted mid-compile late in the run (twice
-  # at the same test, which passes alone). Dropping the caches between files bounds that memory.
+  # Each test file compiles hundreds of programs (the Mosaic interpreter's among them), which the
+  # CI suite's one process kept; XLA:CPU crashed mid-compile late in the run (twice, at a test
+  # that passes alone; the process was at ~1.7 GB, so not memory) until they were dropped here.
   yield
   jax.clear_caches()
 
