@@ -277,26 +277,23 @@ class TestPallasMosaicPrefill(PrefillContract):
       mosaic_prefill.mla_prefill(**args, scale=SCALE, causal=True, max_seqlen_q=8, interpret=True)
 
 
-class TestPallasMosaicPrefillItemVariants(PrefillContract):
-  """The contract on the variants of how an item ends, in the interpreter, on the queue (3
-  programs, each taking several items) and the grid. `in_place` (the default; the gather without
-  it): the rows of each request's first
-  and last tiles come from their slots through `_patch_edges`, the rows past the batch from the
-  extra request without keys; interpreter outputs start as NaN, so the contract's no-NaN check
-  also shows that every row was written: in place or patched. `store_wait_read`: the next item's
-  query tile lands in the staging as soon as the store has read it."""
+class TestPallasMosaicPrefillItemVariants:
+  """How an item ends, in the interpreter, on the queue (3 programs, each taking several items)
+  and the grid: `in_place` (the default; TestPallasMosaicPrefill runs the whole contract with it),
+  where the rows of each request's first and last tiles come from their slots through
+  `_patch_edges`, and the output gather without it; `store_wait_read`: the next item's query tile
+  lands in the staging as soon as the store has read it. Interpreter outputs start as NaN, so the
+  no-NaN checks also show that every row was written: in place or patched."""
 
   @pytest.fixture(autouse=True, params=[
+      dict(persistent=True), dict(persistent=False),
       dict(persistent=True, in_place=False), dict(persistent=False, in_place=False),
-      dict(persistent=False), dict(persistent=True, store_wait_read=True),
-  ], ids=["gather-queue", "gather-grid", "in_place-grid", "wait_read-queue"])
+      dict(persistent=True, store_wait_read=True),
+  ], ids=["in_place-queue", "in_place-grid", "gather-queue", "gather-grid", "wait_read-queue"])
   def knobs(self, request):
     self.knobs = request.param
 
   def prefill(self, q, *args, **kwargs):
-    if q.dtype.name not in mosaic_prefill.DTYPES:
-      pytest.skip(f"pallas_mosaic's prefill kernel takes {mosaic_prefill.DTYPES} only, "
-                  f"got {q.dtype}")
     return mosaic_prefill.mla_prefill(q, *args, **kwargs, **self.knobs, num_programs=3,
                                       interpret=True)
 
