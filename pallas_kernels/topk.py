@@ -28,10 +28,13 @@ kernels, each reading the logits at most once (steps 1 and 2 fuse into one where
    path: the bisections stream the whole row.
 
 Not a radix select: a histogram of the keys' high bits needs scatter-adds into shared memory (or a
-warp's match), which Pallas-Triton and Mosaic GPU (jax 0.11.2) do not offer short of inline
-assembly; global atomics would serialize on the few hot buckets (RESULTS.md, "DSA selection" v3).
-The maxima play the histogram's part: theta bounds v from below as the histogram's boundary
-bucket would.
+warp's match). jax 0.11.2 offers none with an interpreter path: Pallas-Triton has no scratch
+memory, no sort and no histogram, and its `atomic_add` with vector indices (global memory, acq_rel)
+drops repeated indices in interpret mode; Mosaic GPU refuses vector indices into refs and its
+atomics add whole arrays, leaving `inline_mgpu`, which the interpreter cannot run. Counting many
+thresholds at once needs no scatter but costs ~2 integer ops a key a threshold per pass
+(RESULTS.md, "DSA selection", top-k v6). The maxima play the histogram's part: theta bounds v from
+below as the histogram's boundary bucket would.
 
 Stores compact by cumsum; lanes that do not store point one past the end of their ref (masked off
 on the GPU; interpret mode's scatter drops out-of-range indices) so they never collide with a lane
@@ -102,6 +105,11 @@ class TopkConfig:
 DEFAULT = TopkConfig(1024, 4, 1, 8)
 DEFAULT_LONG_ROWS = TopkConfig(1024, 4, 1, 8, per_lane=True)
 DEFAULT_MANY_ROWS = TopkConfig(1024, 4, 1, 4, fused_theta=True)
+# Prepared, not timed (RESULTS.md "DSA selection", top-k v6): many rows' config with one-warp
+# threshold programs, 256 positions a step (8 a thread, as in the default): the per-step cumsum
+# and count stay within a warp (shuffles, no shared memory or block barrier), and the 4096 rows'
+# programs stay one a row.
+MANY_ROWS_ONE_WARP = TopkConfig(256, 1, 1, 4, fused_theta=True)
 _LONG_ROW = 32768  # positions past which few rows take DEFAULT_LONG_ROWS
 # The sweep space: the variants `benchmarks/bench_sparse.py --sweep` times (128 x 131072).
 SWEEP = tuple(TopkConfig(*v) for v in [
