@@ -225,6 +225,8 @@ def check_decode_args(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array
   if not 0 < kv_lora_rank < d:
     raise ValueError(f"kv_lora_rank must be in [1, {d}) (q's head dim {d} is kv_lora_rank + the "
                      f"rope dim), got {kv_lora_rank}")
+  if not jnp.issubdtype(q.dtype, jnp.floating):
+    raise ValueError(f"q dtype must be floating point, got {q.dtype.name}")
   if block_tables.dtype != jnp.int32 or seq_lens.dtype != jnp.int32:
     raise ValueError(f"block_tables and seq_lens must be int32, got {block_tables.dtype.name} and "
                      f"{seq_lens.dtype.name}")
@@ -239,6 +241,8 @@ def check_sparse_args(q: jax.Array, slots: jax.Array, num_splits: int | None = N
                      f"{slots.shape}")
   if slots.dtype != jnp.int32:
     raise ValueError(f"slots must be int32, got {slots.dtype.name}")
+  if not jnp.issubdtype(q.dtype, jnp.floating):
+    raise ValueError(f"q dtype must be floating point, got {q.dtype.name}")
   if num_splits is not None and num_splits < 1:
     raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
