@@ -21,6 +21,8 @@ scale; the kernels under it take and return plain arrays.
                  seq_lens [T]) -> logits [T, MB*BS] f32
   topk(logits [T,S], seq_lens [T], topk) -> positions [T, topk] int32 (-1 padded)
   write_indexer_cache(k_cache (IndexerKCache), k [T,D], slot_mapping [T]) -> k_cache
+Every entry checks its arguments against the contract first (a ValueError naming what was wrong
+and what is supported, before any kernel is traced); -1 and out-of-range slots or blocks are masked.
 Selection: an explicit name, else $MLA_JAX_BACKEND, else by platform (GPU -> Pallas, else the
 XLA reference).
 """

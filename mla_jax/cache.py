@@ -253,8 +253,8 @@ class LatentCache:
   @property
   def scale_or_none(self) -> jax.Array | None:
     """The scale the kernels take: only an fp8 cache is scaled, by a finite positive scalar. Its
-    value is checked where it is concrete (an eager call; a host read of one float); under jit it
-    is a tracer, checked once by `allocate`."""
+    value is checked where it is concrete (an eager call: a host read of one float); under jit it
+    is a tracer, never read on the host, so only `allocate`'s check of the float holds there."""
     if not self.is_fp8:
       return None
     if self.k_scale is None or jnp.ndim(self.k_scale) != 0:
