@@ -21,6 +21,8 @@ scale; the kernels under it take and return plain arrays.
                  seq_lens [T]) -> logits [T, MB*BS] f32
   topk(logits [T,S], seq_lens [T], topk) -> positions [T, topk] int32 (-1 padded)
   write_indexer_cache(k_cache (IndexerKCache), k [T,D], slot_mapping [T]) -> k_cache
+Every entry checks its arguments against the contract first (a ValueError naming what was wrong
+and what is supported, before any kernel is traced); -1 and out-of-range slots or blocks are masked.
 Selection: an explicit name, else $MLA_JAX_BACKEND, else by platform (GPU -> Pallas, else the
 XLA reference).
 """
@@ -49,7 +51,9 @@ from pallas_kernels import mosaic_prefill as pallas_mosaic_prefill
 from pallas_kernels import mosaic_sparse as pallas_mosaic_sparse
 from pallas_kernels import sparse_attention as pallas_sparse
 from pallas_kernels import topk as pallas_topk
-from pallas_kernels.common import BATCH_INVARIANT_SPLIT_TOKENS, check_k_pe, join_k_pe
+from pallas_kernels.common import (BATCH_INVARIANT_SPLIT_TOKENS, FLOAT_DTYPES, check_decode_args,
+                                   check_indexer_args, check_prefill_args, check_sparse_args,
+                                   check_topk_args, join_k_pe)
 
 ENV_VAR = "MLA_JAX_BACKEND"
 
@@ -84,11 +88,33 @@ class Backend:
                        f"{num_heads}")
 
 
-def _reference_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_seqlen_q=None,
+# Every backend's entries run the contract's checks (pallas_kernels.common) before anything else, so
+# bad input gets the same ValueError from each, the XLA reference included; the kernels' jit entries
+# run them too, with their own limits after.
+
+
+def _check_decode(q, cache, block_tables, seq_lens, kv_lora_rank):
+  if not cache.dense_attention:
+    raise ValueError(f"decode reads a dense latent cache (LatentCache); a {cache.dtype_name} cache "
+                     f"is read by sparse attention only")
+  check_decode_args(q, cache.data, block_tables, seq_lens, kv_lora_rank)
+
+
+def _check_sparse(q, cache, slots, kv_lora_rank):
+  check_sparse_args(q, slots)
+  if q.shape[2] != cache.row_width or not 0 < kv_lora_rank < cache.row_width:
+    raise ValueError(f"q's head dim must be the cache's row width {cache.row_width} (kv_lora_rank "
+                     f"+ the rope dim, kv_lora_rank in [1, {cache.row_width})); got q {q.shape}, "
+                     f"kv_lora_rank {kv_lora_rank}")
+  if cache.dtype_name == caches.FP8_DS_MLA and cache.kv_lora_rank != kv_lora_rank:
+    raise ValueError(f"kv_lora_rank {kv_lora_rank} != the fp8_ds_mla cache's "
+                     f"{cache.kv_lora_rank}")
+
+
+def _reference_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_seqlen_q,
                        k_pe=None):
-  del max_seqlen_q  # the reference walks query blocks of the packed rows, no per-request grid
-  if k_pe is not None:
-    check_k_pe(q, k, k_pe)
+  check_prefill_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, FLOAT_DTYPES, k_pe)
+  # max_seqlen_q: the reference walks query blocks of the packed rows, no per-request grid.
   return reference.mha_prefill(q, join_k_pe(k, k_pe), v, cu_seqlens_q, cu_seqlens_k, scale=scale,
                                causal=causal)
 
@@ -96,6 +122,7 @@ def _reference_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, ma
 def _reference_decode(q, cache, block_tables, seq_lens, *, scale, kv_lora_rank,
                       num_kv_splits=None, batch_invariant=False):
   del num_kv_splits  # one pass over the whole row: equal to any split count
+  _check_decode(q, cache, block_tables, seq_lens, kv_lora_rank)
   return reference.latent_decode(
       q, cache.data, block_tables, seq_lens, scale=scale, kv_lora_rank=kv_lora_rank,
       k_scale=cache.scale_or_none,
@@ -121,6 +148,7 @@ def _indexer_logits(kernel):
   """An array-in indexer logits function as a backend entry taking the IndexerKCache."""
   @functools.wraps(kernel)
   def run(q, weights, k_cache, block_tables, seq_lens):
+    check_indexer_args(q, weights, k_cache.values, k_cache.scales, block_tables, seq_lens)
     return kernel(q, weights, k_cache.values, k_cache.scales, block_tables, seq_lens)
   return run
 
@@ -131,6 +159,7 @@ def _latent_decode(kernel):
   @functools.wraps(kernel)
   def run(q, cache, block_tables, seq_lens, *, scale, kv_lora_rank, num_kv_splits=None,
           batch_invariant=False):
+    _check_decode(q, cache, block_tables, seq_lens, kv_lora_rank)
     return kernel(q, cache.data, block_tables, seq_lens, scale=scale, kv_lora_rank=kv_lora_rank,
                   k_scale=cache.scale_or_none, num_kv_splits=num_kv_splits,
                   split_tokens=BATCH_INVARIANT_SPLIT_TOKENS if batch_invariant else None)
@@ -138,9 +167,15 @@ def _latent_decode(kernel):
 
 
 def _reference_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
+  _check_sparse(q, cache, slots, kv_lora_rank)
   return reference.sparse_attention(q, cache.dequantize_rows, slots,
                                     cache.num_blocks * cache.block_size, scale=scale,
                                     kv_lora_rank=kv_lora_rank)
+
+
+def _reference_topk(logits, seq_lens, topk):
+  check_topk_args(logits, seq_lens, topk)
+  return reference.topk_positions(logits, seq_lens, topk)
 
 
 REFERENCE = Backend(
@@ -152,7 +187,7 @@ REFERENCE = Backend(
     gather_cache=_gather_cache,
     sparse_attention=_reference_sparse_attention,
     indexer_logits=_indexer_logits(reference.indexer_logits),
-    topk=reference.topk_positions,
+    topk=_reference_topk,
     cache_dtypes=frozenset(caches.LATENT_CACHE_DTYPES),
 )
 
@@ -167,11 +202,9 @@ def _off_gpu_interpreted(kernel):
 
 
 def _pallas_triton_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
+  _check_sparse(q, cache, slots, kv_lora_rank)
   interpret = jax.default_backend() != "gpu"
   if cache.dtype_name == caches.FP8_DS_MLA:
-    if cache.kv_lora_rank != kv_lora_rank:
-      raise ValueError(f"kv_lora_rank {kv_lora_rank} != the fp8_ds_mla cache's "
-                       f"{cache.kv_lora_rank}")
     return pallas_sparse.sparse_attention_fp8_ds_mla(q, cache.nope, cache.tile_scales, cache.rope,
                                                      slots, scale=scale, interpret=interpret)
   return pallas_sparse.sparse_attention(q, cache.data, slots, scale=scale,
@@ -182,11 +215,9 @@ def _pallas_triton_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
 def _pallas_mosaic_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
   """The Mosaic GPU sparse kernel for bf16 q over a bf16 latent cache or an fp8_ds_mla cache
   (else the kernel's ValueError)."""
+  _check_sparse(q, cache, slots, kv_lora_rank)
   interpret = jax.default_backend() != "gpu"
   if cache.dtype_name == caches.FP8_DS_MLA:
-    if cache.kv_lora_rank != kv_lora_rank:
-      raise ValueError(f"kv_lora_rank {kv_lora_rank} != the fp8_ds_mla cache's "
-                       f"{cache.kv_lora_rank}")
     return pallas_mosaic_sparse.sparse_attention_fp8_ds_mla(
         q, cache.nope, cache.tile_scales, cache.rope, slots, scale=scale, interpret=interpret)
   if cache.scale_or_none is not None:
@@ -277,6 +308,7 @@ def _fastest_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale, causal, max_
                      k_pe=None):
   """pallas_mosaic's prefill where it measured faster (a static choice on shapes and the device),
   else pallas_triton's (which joins split keys)."""
+  check_prefill_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, FLOAT_DTYPES, k_pe)
   split_k_dim = None if k_pe is None else k.shape[2]
   mosaic = (q.dtype == k.dtype == v.dtype == jnp.bfloat16
             and q.shape[0] >= _MOSAIC_PREFILL_MIN_TOKENS
@@ -291,6 +323,7 @@ def _fastest_decode(q, cache, block_tables, seq_lens, *, scale, kv_lora_rank, nu
                     batch_invariant=False):
   """pallas_mosaic's decode where it measured faster (a static choice on shapes and the device),
   else pallas_triton's."""
+  _check_decode(q, cache, block_tables, seq_lens, kv_lora_rank)
   mosaic = (q.dtype == jnp.bfloat16 and cache.dtype_name in ("bfloat16", "float8_e4m3fn")
             and q.shape[1] >= _MOSAIC_DECODE_MIN_HEADS
             and cache.block_size % pallas_mosaic_decode.PAGE_MULTIPLE == 0
@@ -313,6 +346,7 @@ def _fastest_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
   """pallas_mosaic's sparse attention where it measured faster: bf16 q over a bf16 latent cache or
   an fp8_ds_mla cache (32 heads or more over bf16, 16 over fp8_ds_mla), on Hopper; else
   pallas_triton's."""
+  _check_sparse(q, cache, slots, kv_lora_rank)
   layout = (cache.dtype_name == caches.FP8_DS_MLA
             or (cache.dtype_name == "bfloat16" and cache.scale_or_none is None))
   mosaic = (q.dtype == jnp.bfloat16 and layout

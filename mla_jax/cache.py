@@ -68,6 +68,11 @@ def _check_sizes(**sizes):
       raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _check_k_scale(k_scale):
+  if not (np.isfinite(k_scale) and k_scale > 0):
+    raise ValueError(f"k_scale must be finite and positive, got {k_scale}")
+
+
 def _check_rows(name, x, t, width):
   if x.ndim != 2 or x.shape != (t, width):
     raise ValueError(f"{name} must be [T, {width}] with T = len(slot_mapping) = {t}, got {x.shape}")
@@ -187,6 +192,7 @@ class PagedCache(Protocol):
 
 class LatentCacheKind(PagedCache, Protocol):
   """A latent cache: the layer writes its rows and the backends read them."""
+  row_width: int  # L+R: a dequantized row, what a query's head dim must match
 
   def write(self, kv_c_normed: jax.Array, k_pe: jax.Array,
             slot_mapping: jax.Array) -> LatentCacheKind: ...
@@ -210,8 +216,7 @@ class LatentCache:
     if num_blocks <= 0 or block_size <= 0 or latent_dim <= 0:
       raise ValueError(f"cache sizes must be positive, got num_blocks={num_blocks}, "
                        f"block_size={block_size}, latent_dim={latent_dim}")
-    if not (np.isfinite(k_scale) and k_scale > 0):
-      raise ValueError(f"k_scale must be finite and positive, got {k_scale}")
+    _check_k_scale(k_scale)
     return cls(jnp.zeros((num_blocks, block_size, latent_dim), dtype), jnp.float32(k_scale))
 
   @property
@@ -234,6 +239,10 @@ class LatentCache:
   def bytes_per_token(self) -> int:
     return self.data.shape[2] * self.data.dtype.itemsize
 
+  @property
+  def row_width(self) -> int:
+    return self.data.shape[2]
+
   dense_attention = True
   indexer = None
 
@@ -243,8 +252,20 @@ class LatentCache:
 
   @property
   def scale_or_none(self) -> jax.Array | None:
-    """The scale the kernels take: only an fp8 cache is scaled."""
-    return self.k_scale if self.is_fp8 else None
+    """The scale the kernels take: only an fp8 cache is scaled, by a finite positive scalar. Its
+    value is checked where it is concrete (an eager call: a host read of one float); under jit it
+    is a tracer, never read on the host, so only `allocate`'s check of the float holds there."""
+    if not self.is_fp8:
+      return None
+    if self.k_scale is None or jnp.ndim(self.k_scale) != 0:
+      got = "None" if self.k_scale is None else f"shape {jnp.shape(self.k_scale)}"
+      raise ValueError(f"an fp8 latent cache needs its per-tensor k_scale, a scalar; got {got}")
+    try:
+      value = float(self.k_scale)
+    except TypeError:  # a tracer (jax.errors.ConcretizationTypeError) or an abstract shape
+      return self.k_scale
+    _check_k_scale(value)
+    return self.k_scale
 
   def dequantize_rows(self, slots: jax.Array) -> jax.Array:
     """float32 rows [W, L+R] at `slots` [W]; zeros for invalid slots."""
@@ -310,6 +331,10 @@ class DSMLACache:
   @property
   def bytes_per_token(self) -> int:
     return self.kv_lora_rank + 4 * (self.kv_lora_rank // TILE) + 2 * self.rope_dim
+
+  @property
+  def row_width(self) -> int:
+    return self.kv_lora_rank + self.rope_dim
 
   dtype_name = FP8_DS_MLA
   dense_attention = False  # only sparse attention reads the tiled layout

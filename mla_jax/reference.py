@@ -250,6 +250,8 @@ def sparse_attention(q: jax.Array, gather_rows: Callable[[jax.Array], jax.Array]
   """
   t, n, d = q.shape
   k_sel = slots.shape[1]
+  if t == 0 or n == 0:  # nothing to chunk
+    return jnp.zeros((t, n, kv_lora_rank), q.dtype), jnp.zeros((t, n), jnp.float32)
   chunk = min(rows_per_chunk, t)
   pad = -t % chunk
   qp = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))

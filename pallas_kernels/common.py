@@ -1,6 +1,6 @@
 """What several kernels share: softmax constants, dtype lists, the split-KV launch and merge, the
-decode and prefill contracts' argument checks, the tuning configs' field checks, and Mosaic GPU
-shared-memory helpers.
+decode, prefill, sparse-attention, indexer and top-k contracts' argument checks (the backends run
+them too), the tuning configs' field checks, and Mosaic GPU shared-memory helpers.
 
 Pure arrays in and out; no dependency on the rest of the project.
 """
@@ -208,9 +208,10 @@ def merge_splits(o_parts: jax.Array, lse_parts: jax.Array, out_dtype: jnp.dtype,
   return o.astype(out_dtype), jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
 
 
-def check_decode_shapes(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array,
-                        seq_lens: jax.Array) -> tuple[int, int, int]:
-  """The decode contract's shapes, shared by every decode kernel; returns (T, D, page)."""
+def check_decode_args(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array,
+                      seq_lens: jax.Array, kv_lora_rank: int) -> tuple[int, int, int]:
+  """The decode contract's shapes and index dtypes, shared by every decode kernel and backend;
+  returns (T, D, page)."""
   if q.ndim != 3 or kv_cache.ndim != 3 or block_tables.ndim != 2 or seq_lens.ndim != 1:
     raise ValueError(f"want q [T, N, D], kv_cache [num_blocks, page, D], block_tables "
                      f"[T, max_blocks], seq_lens [T]; got {q.shape}, {kv_cache.shape}, "
@@ -221,7 +222,42 @@ def check_decode_shapes(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Arr
                      f"{block_tables.shape[0]} and {seq_lens.shape[0]}")
   if kv_cache.shape[2] != d:
     raise ValueError(f"q head dim {d} != cache row width {kv_cache.shape[2]}")
+  if not 0 < kv_lora_rank < d:
+    raise ValueError(f"kv_lora_rank must be in [1, {d}) (q's head dim {d} is kv_lora_rank + the "
+                     f"rope dim), got {kv_lora_rank}")
+  if not jnp.issubdtype(q.dtype, jnp.floating):
+    raise ValueError(f"q dtype must be floating point, got {q.dtype.name}")
+  if block_tables.dtype != jnp.int32 or seq_lens.dtype != jnp.int32:
+    raise ValueError(f"block_tables and seq_lens must be int32, got {block_tables.dtype.name} and "
+                     f"{seq_lens.dtype.name}")
   return t, d, kv_cache.shape[1]
+
+
+def check_sparse_args(q: jax.Array, slots: jax.Array, num_splits: int | None = None) -> None:
+  """The sparse-attention contract's q [T, N, D] and slots [T, K] int32, shared by every sparse
+  kernel and backend."""
+  if q.ndim != 3 or slots.ndim != 2 or slots.shape[0] != q.shape[0]:
+    raise ValueError(f"want q [T, N, L+R] and slots [T, K] with the same T; got {q.shape} and "
+                     f"{slots.shape}")
+  if slots.dtype != jnp.int32:
+    raise ValueError(f"slots must be int32, got {slots.dtype.name}")
+  if not jnp.issubdtype(q.dtype, jnp.floating):
+    raise ValueError(f"q dtype must be floating point, got {q.dtype.name}")
+  if num_splits is not None and num_splits < 1:
+    raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+
+
+def check_topk_args(logits: jax.Array, seq_lens: jax.Array, topk: int) -> None:
+  """The top-k contract's logits [T, S] float32, seq_lens [T] int32 and a positive int topk (which
+  may exceed S: the rest is -1), shared by every top-k kernel and backend."""
+  if logits.ndim != 2 or seq_lens.shape != logits.shape[:1]:
+    raise ValueError(f"want logits [T, S] and seq_lens [T]; got {logits.shape} and "
+                     f"{seq_lens.shape}")
+  if logits.dtype != jnp.float32 or seq_lens.dtype != jnp.int32:
+    raise ValueError(f"logits must be float32 and seq_lens int32; got {logits.dtype.name} and "
+                     f"{seq_lens.dtype.name}")
+  if not (_is_int(topk) and topk >= 1):
+    raise ValueError(f"topk must be a positive int, got {topk!r}")
 
 
 def check_prefill_args(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,

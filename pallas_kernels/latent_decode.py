@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import (FLOAT_DTYPES, LATENT_CACHE_DTYPES, LN2, LOG2E, M_INIT,
-                                   check_decode_shapes, check_split_args, check_triton_config,
+                                   check_decode_args, check_split_args, check_triton_config,
                                    default_num_kv_splits, is_pow2, num_fixed_splits, sm_count,
                                    split_kv_call, split_range, with_overrides)
 
@@ -165,7 +165,7 @@ def _lane_major(x, lanes):
 def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale):
   """The checks that need no tuning config (the split arguments are checked once the step is
   known)."""
-  _, d, page = check_decode_shapes(q, kv_cache, block_tables, seq_lens)
+  _, d, page = check_decode_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank)
   rope = d - kv_lora_rank
   if not (is_pow2(kv_lora_rank) and kv_lora_rank >= 16 and is_pow2(rope) and rope >= 16):
     raise ValueError(f"head dim {d} must be kv_lora_rank ({kv_lora_rank}) + a rope dim ({rope}), "
@@ -176,9 +176,6 @@ def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale):
     raise ValueError(f"q dtype must be one of {FLOAT_DTYPES}, got {q.dtype.name}")
   if kv_cache.dtype.name not in LATENT_CACHE_DTYPES:
     raise ValueError(f"cache dtype must be one of {LATENT_CACHE_DTYPES}, got {kv_cache.dtype.name}")
-  if block_tables.dtype != jnp.int32 or seq_lens.dtype != jnp.int32:
-    raise ValueError(f"block_tables and seq_lens must be int32, got {block_tables.dtype.name} and "
-                     f"{seq_lens.dtype.name}")
   if kv_cache.dtype.name == "float8_e4m3fn" and k_scale is None:
     raise ValueError("a float8_e4m3fn cache needs k_scale")
   if kv_cache.dtype.name == "float8_e4m3fn" and min(kv_lora_rank, rope) < 16 * _FP8_LANES:

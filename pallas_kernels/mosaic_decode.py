@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E, check_decode_shapes,
+from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E, check_decode_args,
                                    check_split_args, default_num_kv_splits, feed_ring,
                                    hand_over_p, merge_splits, num_fixed_splits, partials_dtype,
                                    row_broadcast, run_scores, run_values, sm_count, softmax_step,
@@ -387,7 +387,7 @@ def head_dims_fit(head_dim: int, kv_lora_rank: int) -> bool:
 
 def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits,
            split_tokens):
-  _, d, page = check_decode_shapes(q, kv_cache, block_tables, seq_lens)
+  _, d, page = check_decode_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank)
   if not head_dims_fit(d, kv_lora_rank):
     raise ValueError(f"head dim {d} must be kv_lora_rank ({kv_lora_rank}, a multiple of "
                      f"{_VALUE_WGS * _CHUNK}) + a rope dim, a multiple of 64 and at most "
@@ -398,9 +398,6 @@ def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_sp
   if q.dtype != jnp.bfloat16 or kv_cache.dtype not in (jnp.bfloat16, F8):
     raise ValueError(f"q must be bfloat16 and the cache bfloat16 or float8_e4m3fn, got "
                      f"{q.dtype.name} and {kv_cache.dtype.name}")
-  if block_tables.dtype != jnp.int32 or seq_lens.dtype != jnp.int32:
-    raise ValueError(f"block_tables and seq_lens must be int32, got {block_tables.dtype.name} and "
-                     f"{seq_lens.dtype.name}")
   if (kv_cache.dtype == F8) != (k_scale is not None):
     raise ValueError("a float8_e4m3fn cache needs k_scale (its per-tensor scale), a bfloat16 cache "
                      "takes none")

@@ -56,9 +56,9 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
 
 from pallas_kernels.common import (DS_MLA_TILE, F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
-                                   default_num_kv_splits, hand_over_p, merge_splits, row_broadcast,
-                                   run_scores, run_values, sm_count, softmax_step, swizzled,
-                                   SWIZZLE)
+                                   check_sparse_args, default_num_kv_splits, hand_over_p,
+                                   merge_splits, row_broadcast, run_scores, run_values, sm_count,
+                                   softmax_step, swizzled, SWIZZLE)
 
 _TILE_H = 64  # heads per program: the M of every Hopper wgmma
 _STEP = 64  # slots per step: N of S = Q K^T, K of P V
@@ -469,9 +469,7 @@ def head_dims_fit(head_dim, kv_lora_rank):
 
 
 def _check(q, slots, lora, num_splits):
-  if q.ndim != 3 or slots.ndim != 2 or slots.shape[0] != q.shape[0]:
-    raise ValueError(f"want q [T, N, L+R] and slots [T, K] with the same T; got {q.shape} and "
-                     f"{slots.shape}")
+  check_sparse_args(q, slots, num_splits)
   d = q.shape[2]
   if not head_dims_fit(d, lora):
     raise ValueError(f"head dim {d} must be kv_lora_rank ({lora}, a multiple of "
@@ -479,10 +477,6 @@ def _check(q, slots, lora, num_splits):
                      f"{_MAX_HEAD_DIM} (the query tile and the row slots fill shared memory)")
   if q.dtype != jnp.bfloat16:
     raise ValueError(f"q must be bfloat16, got {q.dtype.name}")
-  if slots.dtype != jnp.int32:
-    raise ValueError(f"slots must be int32, got {slots.dtype.name}")
-  if num_splits is not None and num_splits < 1:
-    raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
 
 def split_count(rule, num_tokens, head_tiles, max_len, sms):
@@ -519,6 +513,8 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                  gather, split_rule, fp8_pipeline, fp8_stage_halves, interpret):
   """Pads heads to 64-row tiles and slots to 64-slot steps, runs the kernel, merges splits."""
   t, n, d = q.shape
+  if t == 0 or n == 0:  # no program to run (and no split count: it divides by T x head tiles)
+    return jnp.zeros((t, n, lora), q.dtype), jnp.zeros((t, n), jnp.float32)
   head_tiles = pl.cdiv(n, _TILE_H)
   np_ = head_tiles * _TILE_H
   if np_ != n:

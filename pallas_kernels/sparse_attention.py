@@ -30,9 +30,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import (DS_MLA_TILE, F8, FLOAT_DTYPES, LATENT_CACHE_DTYPES, LN2, LOG2E,
-                                   M_INIT, MAX_FP8_ELEMENTS, check_triton_config,
-                                   default_num_kv_splits, is_pow2, sm_count, split_kv_call,
-                                   with_overrides)
+                                   M_INIT, MAX_FP8_ELEMENTS, check_sparse_args,
+                                   check_triton_config, default_num_kv_splits, is_pow2, sm_count,
+                                   split_kv_call, with_overrides)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,18 +150,12 @@ def _kernel(q_ref, slots_ref, extent_ref, nope_ref, rope_ref, *rest, scale, lora
 
 
 def _check_common(q, slots, lora, rope, num_splits):
-  if q.ndim != 3 or slots.ndim != 2 or slots.shape[0] != q.shape[0]:
-    raise ValueError(f"want q [T, N, L+R] and slots [T, K] with the same T; got {q.shape} and "
-                     f"{slots.shape}")
+  check_sparse_args(q, slots, num_splits)
   if not (is_pow2(lora) and lora >= 16 and is_pow2(rope) and rope >= 16):
     raise ValueError(f"head dim {q.shape[2]} must be kv_lora_rank ({lora}) + a rope dim ({rope}), "
                      "both powers of two >= 16 (Triton loads power-of-two blocks)")
   if q.dtype.name not in FLOAT_DTYPES:
     raise ValueError(f"q dtype must be one of {FLOAT_DTYPES}, got {q.dtype.name}")
-  if slots.dtype != jnp.int32:
-    raise ValueError(f"slots must be int32, got {slots.dtype.name}")
-  if num_splits is not None and num_splits < 1:
-    raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
 
 def _sparse_call(q, slots, cache_args, *, scale, lora, rope_col, tile, fp8, compute_dtype,

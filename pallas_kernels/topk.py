@@ -52,8 +52,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import (check_pow2, check_triton_config, next_pow2, sm_count,
-                                   with_overrides)
+from pallas_kernels.common import (check_pow2, check_topk_args, check_triton_config, next_pow2,
+                                   sm_count, with_overrides)
 
 _INT_MIN = -2 ** 31
 _INT_MAX = 2 ** 31 - 1
@@ -525,14 +525,7 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: 
   k-th largest value, the lowest. chunk, num_warps, num_stages, select_warps, per_lane,
   fused_theta: `TopkConfig`'s (None: `default_config`'s).
   """
-  if logits.ndim != 2 or seq_lens.shape != logits.shape[:1]:
-    raise ValueError(f"want logits [T, S] and seq_lens [T]; got {logits.shape} and "
-                     f"{seq_lens.shape}")
-  if logits.dtype != jnp.float32 or seq_lens.dtype != jnp.int32:
-    raise ValueError(f"logits must be float32 and seq_lens int32; got {logits.dtype.name} and "
-                     f"{seq_lens.dtype.name}")
-  if not isinstance(topk, int) or topk < 1:
-    raise ValueError(f"topk must be a positive int, got {topk!r}")
+  check_topk_args(logits, seq_lens, topk)
   config = with_overrides(default_config(*logits.shape), chunk=chunk, num_warps=num_warps,
                           num_stages=num_stages, select_warps=select_warps, per_lane=per_lane,
                           fused_theta=fused_theta)

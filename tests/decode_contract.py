@@ -14,7 +14,7 @@ import pytest
 import jax.numpy as jnp
 
 from mla_jax import backends
-from mla_jax.cache import LatentCache
+from mla_jax.cache import DSMLACache, LatentCache
 from oracles import attention_np, latent_decode_np
 
 L, R = 512, 64
@@ -159,6 +159,31 @@ class DecodeContract:
       o, lse = run(rows, width)
       np.testing.assert_array_equal(o[rows.index(0)], alone_o[0])
       np.testing.assert_array_equal(lse[rows.index(0)], alone_lse[0])
+
+  @pytest.mark.parametrize("change,message", [
+      (lambda a: {**a, "q": a["q"][0]}, "want q"),
+      (lambda a: {**a, "block_tables": a["block_tables"][:1]}, "one row per query token"),
+      (lambda a: {**a, "seq_lens": a["seq_lens"].astype(jnp.float32)}, "int32"),
+      (lambda a: {**a, "q": a["q"][..., :L]}, "cache row width"),
+      (lambda a: {**a, "kv_lora_rank": L + R}, r"kv_lora_rank must be in \[1, 576\)"),
+      (lambda a: {**a, "q": a["q"].astype(jnp.int8)}, "floating point"),
+      (lambda a: {**a, "cache": LatentCache(a["cache"].data.astype(jnp.float8_e4m3fn), None)},
+       "needs its per-tensor k_scale"),
+      (lambda a: {**a, "cache": LatentCache(a["cache"].data.astype(jnp.float8_e4m3fn),
+                                            jnp.float32(np.nan))}, "finite and positive"),
+      (lambda a: {**a, "cache": LatentCache(a["cache"].data.astype(jnp.float8_e4m3fn), 0.0)},
+       "finite and positive"),
+      (lambda a: {**a, "cache": DSMLACache.allocate(4, 64, L, R)}, "dense latent cache"),
+  ])
+  def test_bad_backend_input_raises(self, change, message):
+    # The backend's own entry (not self.decode, which subclasses narrow): a ValueError before any
+    # kernel is traced, the reference's included.
+    args = dict(q=jnp.zeros((2, 16, L + R), jnp.bfloat16),
+                cache=LatentCache(jnp.zeros((4, 64, L + R), jnp.bfloat16), jnp.float32(1.0)),
+                block_tables=jnp.zeros((2, 2), jnp.int32), seq_lens=jnp.ones((2,), jnp.int32),
+                kv_lora_rank=L)
+    with pytest.raises(ValueError, match=message):
+      backends.get_backend(self.backend).decode(**change(args), scale=SCALE)
 
   def test_bad_table_entries_inside_length_are_masked(self):
     self.check_bad_table_entries(page=16, req_lens=[80, 50])

@@ -132,14 +132,23 @@ class PrefillContract:
       (dict(k_pe=jnp.zeros((8, 32), jnp.bfloat16)), "must add up to q's Dk"),
       (dict(k=jnp.zeros((8, 2, DK), jnp.bfloat16)), "must add up to q's Dk"),
       (dict(k_pe=jnp.zeros((8, ROPE), jnp.float32)), "k_pe must have q's dtype"),
+      (dict(q=jnp.zeros((8, DK), jnp.bfloat16)), r"must be \[T, N, D\]"),
+      (dict(v=jnp.zeros((9, 2, DV), jnp.bfloat16)), r"need q \[Tq,N,Dk\]"),
+      (dict(q=jnp.zeros((8, 4, DK), jnp.bfloat16)), r"need q \[Tq,N,Dk\]"),
+      (dict(q=jnp.zeros((8, 2, DK), jnp.int8)), "share one dtype"),
+      (dict(cu_seqlens_q=jnp.array([0.0, 8.0])), "int32"),
+      (dict(cu_seqlens_k=jnp.array([0, 4, 8], jnp.int32)), "differ in length"),
+      (dict(max_seqlen_q=-1), "max_seqlen_q must be a static int"),
   ])
-  def test_bad_split_keys_raise(self, change, message):
+  def test_bad_backend_input_raises(self, change, message):
+    # The split form's arguments changed one at a time: a ValueError before any kernel is traced.
     args = dict(q=jnp.zeros((8, 2, DK), jnp.bfloat16), k=jnp.zeros((8, 2, DK - ROPE), jnp.bfloat16),
                 v=jnp.zeros((8, 2, DV), jnp.bfloat16), cu_seqlens_q=jnp.array([0, 8], jnp.int32),
-                cu_seqlens_k=jnp.array([0, 8], jnp.int32), k_pe=jnp.zeros((8, ROPE), jnp.bfloat16))
+                cu_seqlens_k=jnp.array([0, 8], jnp.int32), k_pe=jnp.zeros((8, ROPE), jnp.bfloat16),
+                max_seqlen_q=8)
     args.update(change)
     with pytest.raises(ValueError, match=message):
-      self.prefill(**args, scale=SCALE, causal=True, max_seqlen_q=8)
+      self.prefill(**args, scale=SCALE, causal=True)
 
   # Request 1's queries, keys and values hold NaN, inf and -inf. (a) Query and key blocks of any
   # size straddle it and its neighbours (37 and 30 rows are no multiple of a block); its keys

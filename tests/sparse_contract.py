@@ -130,6 +130,40 @@ class SparseAttentionContract:
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_d), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_d), rtol=1e-5, atol=1e-5)
 
+  @pytest.mark.parametrize("change,message", [
+      (lambda a: {**a, "q": a["q"][0]}, "want q"),
+      (lambda a: {**a, "slots": a["slots"][:1]}, "want q"),
+      (lambda a: {**a, "slots": a["slots"][0]}, "want q"),
+      (lambda a: {**a, "slots": a["slots"].astype(jnp.int16)}, "int32"),
+      (lambda a: {**a, "q": a["q"].astype(jnp.int8)}, "floating point"),
+      (lambda a: {**a, "q": a["q"][..., :L]}, "row width 192"),
+      (lambda a: {**a, "kv_lora_rank": L + R}, "row width 192"),
+      (lambda a: {**a, "cache": DSMLACache.allocate(4, 16, L, R), "kv_lora_rank": 64},
+       "kv_lora_rank 64 != the fp8_ds_mla cache's 128"),
+      (lambda a: {**a, "cache": LatentCache(a["cache"].data.astype(jnp.float8_e4m3fn), None)},
+       "needs its per-tensor k_scale"),
+      (lambda a: {**a, "cache": LatentCache(a["cache"].data.astype(jnp.float8_e4m3fn),
+                                            jnp.float32(np.inf))}, "finite and positive"),
+      (lambda a: {**a, "cache": LatentCache(a["cache"].data.astype(jnp.float8_e4m3fn), -1.0)},
+       "finite and positive"),
+  ])
+  def test_bad_backend_input_raises(self, change, message):
+    # The backend's own entry (not self.fn, which subclasses narrow): a ValueError before any
+    # kernel is traced, the reference's included.
+    args = dict(q=jnp.zeros((2, 16, L + R), jnp.bfloat16),
+                cache=LatentCache(jnp.zeros((4, 16, L + R), jnp.bfloat16), jnp.float32(1.0)),
+                slots=jnp.zeros((2, 8), jnp.int32), kv_lora_rank=L)
+    with pytest.raises(ValueError, match=message):
+      backends.get_backend(self.backend).sparse_attention(**change(args), scale=0.05)
+
+  def test_empty_batch_gives_empty_results(self):
+    # No rows (an idle step): empty outputs, no kernel to launch (the reference and the Mosaic
+    # kernel divided by zero).
+    for cache in (self._bf16_cache(np.random.default_rng(0))[0], DSMLACache.allocate(4, 16, L, R)):
+      o, lse = self.fn()(jnp.zeros((0, 16, L + R), jnp.bfloat16), cache,
+                         jnp.zeros((0, 8), jnp.int32), scale=0.05, kv_lora_rank=L)
+      assert o.shape == (0, 16, L) and lse.shape == (0, 16) and lse.dtype == jnp.float32
+
 
 def indexer_logits_np(q, weights, k, k_scale, positions_visible):
   """I[t, s] = sum_h w[t, h] relu(q[t, h] . k[s] * k_scale[s]) over visible s, else -inf."""
@@ -229,3 +263,38 @@ class IndexerContract:
         selectable = np.flatnonzero(np.isfinite(logits[i, :lens[i]]))
         assert len(sel) == min(k, len(selectable)) and np.isin(sel, selectable).all()
         assert set(sel.tolist()) == lowest_index_topk(logits[i], lens[i], k), (topk, i)
+
+  @pytest.mark.parametrize("change,message", [
+      (lambda a: {**a, "q": a["q"][0]}, "want q"),
+      (lambda a: {**a, "weights": a["weights"][:, :2]}, "want q"),
+      (lambda a: {**a, "q": a["q"][..., :64]}, "want q"),  # keys are 128 wide
+      (lambda a: {**a, "block_tables": a["block_tables"][:1]}, "want q"),
+      (lambda a: {**a, "weights": a["weights"].astype(jnp.bfloat16)}, "float32"),
+      (lambda a: {**a, "block_tables": a["block_tables"].astype(jnp.float32)}, "int32"),
+      (lambda a: {**a, "k_cache": IndexerKCache(a["k_cache"].values,
+                                                a["k_cache"].scales.astype(jnp.bfloat16))},
+       "float32"),
+  ])
+  def test_bad_backend_input_raises(self, change, message):
+    args = dict(q=jnp.zeros((2, 64, 128), jnp.float8_e4m3fn),
+                weights=jnp.zeros((2, 64), jnp.float32),
+                k_cache=IndexerKCache.allocate(3, 64), block_tables=jnp.zeros((2, 3), jnp.int32),
+                seq_lens=jnp.ones((2,), jnp.int32))
+    with pytest.raises(ValueError, match=message):
+      self.be().indexer_logits(**change(args))
+
+  # topk past the row's width is no error: the positions past it are -1 (see the top-k cases).
+  @pytest.mark.parametrize("change,message", [
+      (lambda a: {**a, "logits": a["logits"][0]}, "want logits"),
+      (lambda a: {**a, "seq_lens": a["seq_lens"][:1]}, "want logits"),
+      (lambda a: {**a, "logits": a["logits"].astype(jnp.bfloat16)}, "float32"),
+      (lambda a: {**a, "seq_lens": a["seq_lens"].astype(jnp.float32)}, "int32"),
+      (lambda a: {**a, "topk": 0}, "positive int"),
+      (lambda a: {**a, "topk": 8.0}, "positive int"),
+      (lambda a: {**a, "topk": True}, "positive int"),
+  ])
+  def test_bad_backend_topk_input_raises(self, change, message):
+    args = dict(logits=jnp.zeros((2, 64), jnp.float32), seq_lens=jnp.ones((2,), jnp.int32),
+                topk=8)
+    with pytest.raises(ValueError, match=message):
+      self.be().topk(**change(args))

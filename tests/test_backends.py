@@ -89,6 +89,31 @@ def test_pallas_prefill_takes_the_faster_kernel(monkeypatch, tokens, dtype, dv, 
   assert [(name, kw["max_seqlen_q"]) for name, kw in called] == [(want, tokens)]
 
 
+Q_RANK_2 = jnp.zeros((2048, 576), jnp.bfloat16)  # [T, D]: no head axis
+ROWS = jnp.zeros((2048, 2), jnp.int32)
+CU = jnp.array([0, 2048], jnp.int32)
+
+
+@pytest.mark.parametrize("op,call,message", [
+    ("decode", lambda be: be.decode(Q_RANK_2, LatentCache.allocate(4, 64), ROWS, ROWS[:, 0],
+                                    scale=1.0, kv_lora_rank=512), "want q"),
+    ("sparse_attention", lambda be: be.sparse_attention(
+        Q_RANK_2, DSMLACache.allocate(2, 64, 512, 64), ROWS, scale=1.0, kv_lora_rank=512),
+     "want q"),
+    ("prefill", lambda be: be.prefill(
+        Q_RANK_2[:, :192], jnp.zeros((2048, 1, 192), jnp.bfloat16),
+        jnp.zeros((2048, 1, 128), jnp.bfloat16), CU, CU, scale=1.0, causal=True,
+        max_seqlen_q=2048), r"must be \[T, N, D\]"),
+])
+def test_pallas_checks_before_it_picks_a_kernel(monkeypatch, op, call, message):
+  # The choice reads q's shape (q of rank 2 was an IndexError there): the contract's ValueError
+  # comes first, and no kernel is called.
+  called = record_kernel_calls(monkeypatch, op, hopper=True)
+  with pytest.raises(ValueError, match=message):
+    call(get_backend("pallas"))
+  assert not called
+
+
 @pytest.mark.parametrize("via_env", [False, True])
 def test_unknown_name_lists_supported(monkeypatch, via_env):
   if via_env:

@@ -235,6 +235,7 @@ class TestPallasTritonIndexer(IndexerContract):
       (lambda a: {**a, "logits": a["logits"][0]}, "want logits"),
       (lambda a: {**a, "logits": a["logits"].astype(jnp.bfloat16)}, "float32"),
       (lambda a: {**a, "topk": 0}, "topk"),
+      (lambda a: {**a, "topk": True}, "topk"),
       (lambda a: {**a, "chunk": 100}, "chunk"),
       (lambda a: {**a, "per_lane": 1}, "per_lane"),
   ])
