@@ -165,8 +165,39 @@ def _cp_async_wait(pending):
   wait()
 
 
-def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_place, num_slots,
-            gather, interpret):
+def _prefetch_rows(srcs, idx, *, num_slots):
+  """Asks L2 for the 128-byte lines of a step's rows (`prefetch.global.L2`, a hint: nothing lands
+  in shared memory and nothing is waited for), issued by every lane of the memory warpgroup.
+  srcs: [S, C, w] GMEM refs (C chunks of 128 bytes a row); idx [rows] int32 (an index >= num_slots
+  is an invalid slot: its lane asks for row 0's line, harmless). Lane l takes lines l, l + 128,
+  ... of the rows x C lines of each src (64 x 5 for an fp8_ds_mla step: 2 or 3 a lane)."""
+  rows = idx.shape[0]
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (1 + len(srcs)))
+  def issue(_, rows_ref, *refs):
+    i32, i64, i8 = (ir.IntegerType.get_signless(w) for w in (32, 64, 8))
+    c32 = lambda v: arith.constant(i32, v)
+    tid = arith.remui(mgpu_utils.thread_idx(), c32(_WG_THREADS))
+    global_ptr = llvm.PointerType.get(address_space=1)
+    for src, chunks in zip(refs, (ref.shape[1] for ref in srcs)):
+      base = llvm.addrspacecast(global_ptr, mgpu_utils.memref_ptr(src))
+      lines = rows * chunks
+      for k in range(-(-lines // _WG_THREADS)):
+        line = arith.minui(arith.addi(tid, c32(k * _WG_THREADS)), c32(lines - 1))
+        r, c = arith.divui(line, c32(chunks)), arith.remui(line, c32(chunks))
+        row = memref.load(rows_ref, [arith.index_cast(ir.IndexType.get(), r)])
+        row = arith.select(arith.cmpi(arith.CmpIPredicate.ult, row, c32(num_slots)), row, c32(0))
+        offset = arith.muli(arith.extui(i64, arith.addi(arith.muli(row, c32(chunks)), c)),
+                            arith.constant(i64, _CHUNK_BYTES))
+        ptr = mgpu_utils.getelementptr(base, [offset], i8)
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [ptr], "prefetch.global.L2 [$0];", "l",
+                        has_side_effects=True)
+
+  issue(idx, *srcs)
+
+
+def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_place, prefetch_l2,
+            num_slots, gather, interpret):
   # GMEM: q_ref [T, Np, D] bf16; idx_ref [T, Kp] int32 (slot, or num_slots where invalid);
   # steps_ref [T] int32 (steps of 64 slots up to the last valid one). bf16: kv_ref [S, D/64, 64]
   # bf16. fp8: nope_ref [S, L/128, 128] e4m3, rope_ref [S, R/64, 64] bf16, scales_ref
@@ -310,7 +341,7 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_p
     cp_async: one committed group of the warpgroup's copies (the caller waits for it); bulk:
     every row chunk's copy arrives on barrier."""
     ring = lax.rem(i, _IDX_RING)
-    if half != 1:
+    if half != 1 and not in_place:  # "in_place" waits for them before its L2 prefetch
       plgpu.barrier_wait(idx_bar.at[ring])
     rows, first_row = (_STEP, 0) if half is None else (HALF_ROWS, half * HALF_ROWS)
     if gather == "cp_async":
@@ -334,8 +365,8 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_p
       plgpu.copy_gmem_to_smem(q_ref.at[t, pl.ds(h * _TILE_H, _TILE_H)], q_smem, q_bar)
 
     # Slot indices are fetched 2 steps ahead ("half_rows": 3, as its gathers run ahead of the
-    # widening by up to 2 half steps).
-    for i in range(2 if pieces == 1 else 3):
+    # widening by up to 2 half steps; "in_place": 3, as it reads them a step before its gather).
+    for i in range(3 if pieces > 1 or in_place else 2):
       pl.when(i < n)(functools.partial(fetch_indices, i))
 
     def rows_landed():
@@ -401,7 +432,17 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_p
           kv[slot, 2 * j] = y[:, :_COLS]
           kv[slot, 2 * j + 1] = y[:, _COLS:]
 
+      def indices_landed(i):
+        """Waits for step i's slot indices (once a phase), then, with prefetch_l2, asks L2 for
+        its rows: a step before its gather, which waits for its slot to be free."""
+        ring = lax.rem(i, _IDX_RING)
+        plgpu.barrier_wait(idx_bar.at[ring])
+        if prefetch_l2 and not interpret:  # the interpreter runs no inline Mosaic GPU code
+          _prefetch_rows((nope_ref, rope_ref), idx_smem.at[ring], num_slots=num_slots)
+
+      pl.when(n > 0)(functools.partial(indices_landed, 0))
       pl.when(n > 0)(functools.partial(stage, 0))
+      pl.when(n > 1)(functools.partial(indices_landed, 1))
 
       @pl.loop(0, n)
       def _(i):
@@ -414,12 +455,13 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_p
         plgpu.barrier_arrive(ready.at[slot])
 
         # Step i + 1 into the other slot once both consumers are done with step i - 1 there (and
-        # so with ring entry (i + 2) % 4, last read for step i - 2).
+        # so with ring entry (i + 3) % 4, last read for step i - 1).
         @pl.when(i + 1 < n)
         def _():
           pl.when(i > 0)(lambda: plgpu.barrier_wait(consumed.at[lax.rem(i + 1, slots)]))
-          pl.when(i + 2 < n)(functools.partial(fetch_indices, i + 2))
+          pl.when(i + 3 < n)(functools.partial(fetch_indices, i + 3))
           stage(i + 1)
+          pl.when(i + 2 < n)(functools.partial(indices_landed, i + 2))
 
       @pl.loop(jnp.maximum(n - slots, 0), n)  # the last uses of the slots, as for bf16
       def _(i):
@@ -581,7 +623,7 @@ def smem_bytes(scratch):
 
 
 def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_splits, auto_barriers,
-                 gather, split_rule, fp8_pipeline, fp8_stage_halves, interpret):
+                 gather, split_rule, fp8_pipeline, fp8_stage_halves, prefetch_l2, interpret):
   """Pads heads to 64-row tiles and slots to 64-slot steps, runs the kernel, merges splits."""
   t, n, d = q.shape
   head_tiles = pl.cdiv(n, _TILE_H)
@@ -666,8 +708,8 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                      f"block's {_SMEM_LIMIT}")
 
   kernel = functools.partial(_kernel, scale=scale, lora=lora, num_splits=splits, fp8=fp8,
-                             in_place=in_place, num_slots=num_slots, gather=gather,
-                             interpret=bool(interpret))
+                             in_place=in_place, prefetch_l2=prefetch_l2, num_slots=num_slots,
+                             gather=gather, interpret=bool(interpret))
   o_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((t, splits, np_, lora), out_dtype),
@@ -688,7 +730,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
       interpret=interpret or None,
       kernel_name=(f"mosaic_sparse_{'ds_mla' if fp8 else 'bf16'}"
                    f"{f'_half{fp8_stage_halves}' if half_rows else ''}"
-                   f"{'_in_place' if in_place else ''}"
+                   f"{'_in_place' if in_place else ''}{'_l2' if prefetch_l2 else ''}"
                    f"_{gather}_s{splits}"),
   )(q, idx, steps, *cache_args)
   if splits == 1:
@@ -706,12 +748,12 @@ FP8_PIPELINES = ("serial", "half_rows", "in_place")
 
 @dataclasses.dataclass(frozen=True)
 class MosaicSparseConfig:
-  """Launch knobs; the field names are the jit entries' keyword arguments (fp8_pipeline and
-  fp8_stage_halves the fp8_ds_mla entry's only). Heads per program (64, the M of a wgmma) and
-  slots per step (64) are fixed by wgmma; the gather (H200: cp_async 2.2-2.6x bulk for bf16, 1.4x
-  for fp8_ds_mla, benchmarks/RESULTS.md, "DSA sparse attention (pallas_mosaic)", v2 and v3), the
-  split rule (`split_count`; H200, T=128: "one_wave" 1.14-1.38x "fill" at N 16, 32, 128 for both
-  caches, v4; once tokens x head tiles >= 2 x 132 both give 1 split) and fp8_pipeline are the
+  """Launch knobs; the field names are the jit entries' keyword arguments (fp8_pipeline,
+  fp8_stage_halves and prefetch_l2 the fp8_ds_mla entry's only). Heads per program (64, the M of a
+  wgmma) and slots per step (64) are fixed by wgmma; the gather (H200: cp_async 2.2-2.6x bulk for
+  bf16, 1.4x for fp8_ds_mla, benchmarks/RESULTS.md, "DSA sparse attention (pallas_mosaic)", v2 and
+  v3), the split rule (`split_count`; H200, T=128: "one_wave" 1.14-1.38x "fill" at N 16, 32, 128 for
+  both caches, v4; once tokens x head tiles >= 2 x 132 both give 1 split) and fp8_pipeline are the
   choices.
   fp8_pipeline, how fp8_ds_mla rows are widened into bf16 row slots (one 64-row slot is what fits
   beside the query tile and the staging):
@@ -728,11 +770,15 @@ class MosaicSparseConfig:
     both consumers are done with the step two before), and are widened there, so the consumers
     take bf16's 64-slot steps (half_rows' 32-slot steps set its pace at N=128, RESULTS v7, v8);
     the gather is then issued one consumer step ahead instead of two half steps. cp_async only
-    (the bulk gather on the GPU would need untiled aliases of the in-place views)."""
+    (the bulk gather on the GPU would need untiled aliases of the in-place views).
+  prefetch_l2 ("in_place" only; prepared, not yet timed): the memory warpgroup asks L2 for each
+  step's rows (`prefetch.global.L2`, 2-3 lines a lane) a step before it gathers them, so the
+  gather that waits for a free slot reads L2 rather than HBM."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
   fp8_pipeline: str = "half_rows"
   fp8_stage_halves: int = 2  # staging in 32-row buffers: "serial" stages 64 rows (2 halves)
+  prefetch_l2: bool = False
 
   def __post_init__(self):
     if self.gather not in GATHERS:
@@ -743,6 +789,8 @@ class MosaicSparseConfig:
       raise ValueError(f"fp8_pipeline must be one of {FP8_PIPELINES}, got {self.fp8_pipeline!r}")
     if self.fp8_pipeline == "in_place" and self.gather != "cp_async":
       raise ValueError(f"fp8_pipeline \"in_place\" takes the cp_async gather, got {self.gather!r}")
+    if self.prefetch_l2 and self.fp8_pipeline != "in_place":
+      raise ValueError(f"prefetch_l2 needs fp8_pipeline \"in_place\", got {self.fp8_pipeline!r}")
     if self.fp8_stage_halves not in ((2, 3) if self.fp8_pipeline == "half_rows" else (2,)):
       raise ValueError(f"fp8_stage_halves must be 2 (or 3 with fp8_pipeline \"half_rows\"), got "
                        f"{self.fp8_stage_halves!r} with {self.fp8_pipeline!r}")
@@ -753,7 +801,8 @@ CONFIG = MosaicSparseConfig()
 SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rule="fill"),
          MosaicSparseConfig(fp8_pipeline="serial"),
          MosaicSparseConfig(fp8_pipeline="half_rows", fp8_stage_halves=3),
-         MosaicSparseConfig(fp8_pipeline="in_place"))
+         MosaicSparseConfig(fp8_pipeline="in_place"),
+         MosaicSparseConfig(fp8_pipeline="in_place", prefetch_l2=True))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))
@@ -786,10 +835,12 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   return _sparse_call(q, slots, (rows,), scale=scale, lora=kv_lora_rank, num_slots=num_slots,
                       fp8=False, num_splits=num_splits, auto_barriers=auto_barriers,
                       gather=gather, split_rule=split_rule, fp8_pipeline=CONFIG.fp8_pipeline,
-                      fp8_stage_halves=CONFIG.fp8_stage_halves, interpret=interpret)
+                      fp8_stage_halves=CONFIG.fp8_stage_halves, prefetch_l2=False,
+                      interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("fp8_pipeline", "fp8_stage_halves"))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("fp8_pipeline", "fp8_stage_halves",
+                                                       "prefetch_l2"))
 def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.Array,
                                 rope: jax.Array, slots: jax.Array, *, scale: float,
                                 num_splits: int | None = None, auto_barriers: bool = False,
@@ -797,6 +848,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                                 split_rule: str = CONFIG.split_rule,
                                 fp8_pipeline: str = CONFIG.fp8_pipeline,
                                 fp8_stage_halves: int = CONFIG.fp8_stage_halves,
+                                prefetch_l2: bool = CONFIG.prefetch_l2,
                                 interpret: bool | plgpu.InterpretGPUParams = False
                                 ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over an fp8_ds_mla cache, widened to bf16 once per gathered row.
@@ -804,8 +856,8 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   q [T, N, L+R] bf16; nope [num_blocks, page, L] float8_e4m3fn; tile_scales [num_blocks, page,
   L/128] float32 (row value = nope * its tile's scale, a power of two); rope [num_blocks, page, R]
   bfloat16; slots and options as in `sparse_attention`; fp8_pipeline ("serial", "half_rows" or
-  "in_place") and fp8_stage_halves: `MosaicSparseConfig`'s. Returns o [T, N, L] bf16 and lse
-  [T, N] float32.
+  "in_place"), fp8_stage_halves and prefetch_l2: `MosaicSparseConfig`'s. Returns o [T, N, L]
+  bf16 and lse [T, N] float32.
   """
   nb, page, lora = nope.shape
   _check(q, slots, lora, num_splits)
@@ -816,7 +868,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                      f"[NB, BS, L/{DS_MLA_TILE}] f32, rope [NB, BS, R] bf16 and q [T, N, L+R]; got "
                      f"{nope.dtype.name}{nope.shape}, {tile_scales.dtype.name}{tile_scales.shape}, "
                      f"{rope.dtype.name}{rope.shape}, q {q.shape}")
-  MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves)  # checks them
+  MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves, prefetch_l2)  # checks
   num_slots = nb * page
   # Rows as 128-byte chunks [S, C, w], what either gather copies.
   chunked = lambda x: x.reshape(num_slots, -1, _CHUNK_BYTES // x.dtype.itemsize)
@@ -824,4 +876,5 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                       scale=scale, lora=lora, num_slots=num_slots, fp8=True, num_splits=num_splits,
                       auto_barriers=auto_barriers, gather=gather, split_rule=split_rule,
                       fp8_pipeline=fp8_pipeline, fp8_stage_halves=fp8_stage_halves,
+                      prefetch_l2=prefetch_l2,
                       interpret=interpret)

@@ -541,15 +541,15 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
                                atol=1e-2)  # bf16 outputs: a split merge may round 1 ulp apart
     np.testing.assert_allclose(np.asarray(l3), np.asarray(l1), rtol=1e-5, atol=1e-5)
 
-  @pytest.mark.parametrize("n,fp8,gather,fp8_pipeline,halves", [
-      (128, False, "cp_async", "serial", 2), (16, False, "cp_async", "serial", 2),
-      (128, False, "bulk", "serial", 2), (128, True, "cp_async", "serial", 2),
-      (32, True, "cp_async", "serial", 2), (128, True, "bulk", "serial", 2),
-      (128, True, "cp_async", "half_rows", 2), (32, True, "cp_async", "half_rows", 2),
-      (128, True, "bulk", "half_rows", 2), (128, True, "cp_async", "half_rows", 3),
-      (128, True, "bulk", "half_rows", 3), (128, True, "cp_async", "in_place", 2),
-      (32, True, "cp_async", "in_place", 2)])
-  def test_lowers_for_hopper(self, n, fp8, gather, fp8_pipeline, halves, monkeypatch):
+  @pytest.mark.parametrize("n,fp8,gather,fp8_pipeline,halves,prefetch", [
+      (128, False, "cp_async", "serial", 2, False), (16, False, "cp_async", "serial", 2, False),
+      (128, False, "bulk", "serial", 2, False), (128, True, "cp_async", "serial", 2, False),
+      (32, True, "cp_async", "serial", 2, False), (128, True, "bulk", "serial", 2, False),
+      (128, True, "cp_async", "half_rows", 2, False), (32, True, "cp_async", "half_rows", 2, False),
+      (128, True, "bulk", "half_rows", 2, False), (128, True, "cp_async", "half_rows", 3, False),
+      (128, True, "bulk", "half_rows", 3, False), (128, True, "cp_async", "in_place", 2, True),
+      (32, True, "cp_async", "in_place", 2, False)])
+  def test_lowers_for_hopper(self, n, fp8, gather, fp8_pipeline, halves, prefetch, monkeypatch):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # layouts and swizzles, bulk-copy boxes, the untiled aliases, the cp.async code, the register
     # layouts of the widening, and that shared memory fits 227 KB; with the limit at 0, Mosaic
@@ -567,7 +567,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
           q, jax.ShapeDtypeStruct((tokens // 64, 64, 512), jnp.float8_e4m3fn),
           jax.ShapeDtypeStruct((tokens // 64, 64, 4), jnp.float32),
           jax.ShapeDtypeStruct((tokens // 64, 64, 64), jnp.bfloat16), slots, scale=0.1,
-          gather=gather, fp8_pipeline=fp8_pipeline, fp8_stage_halves=halves)
+          gather=gather, fp8_pipeline=fp8_pipeline, fp8_stage_halves=halves, prefetch_l2=prefetch)
     else:
       traced = mosaic_sparse.sparse_attention.trace(
           q, jax.ShapeDtypeStruct((tokens // 64, 64, 576), jnp.bfloat16), slots, scale=0.1,
@@ -634,6 +634,10 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
       mosaic_sparse.sparse_attention_fp8_ds_mla(
           q, nope, jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16),
           slots, scale=0.1, fp8_pipeline="in_place", gather="bulk", interpret=True)
+    with pytest.raises(ValueError, match="prefetch_l2 needs"):
+      mosaic_sparse.sparse_attention_fp8_ds_mla(
+          q, nope, jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16),
+          slots, scale=0.1, prefetch_l2=True, interpret=True)
     for pipeline in ("serial", "half_rows"):
       with pytest.raises(ValueError, match="fp8_stage_halves must be 2"):
         mosaic_sparse.sparse_attention_fp8_ds_mla(
@@ -645,7 +649,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     assert (mosaic_sparse.CONFIG.fp8_pipeline, mosaic_sparse.CONFIG.fp8_stage_halves) == (
         "half_rows", 2)  # the timed default
     for other in (dict(fp8_pipeline="serial"), dict(fp8_pipeline="half_rows", fp8_stage_halves=3),
-                  dict(fp8_pipeline="in_place")):
+                  dict(fp8_pipeline="in_place"), dict(fp8_pipeline="in_place", prefetch_l2=True)):
       assert mosaic_sparse.MosaicSparseConfig(**other) in mosaic_sparse.SWEEP
 
 

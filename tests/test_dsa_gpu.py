@@ -6,6 +6,8 @@ context) and top-k (128 x 32768, k=2048). Cache rows and pages that nothing may 
 the allocator is poisoned before every kernel call, so a stray read or an unwritten output shows.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,17 +94,20 @@ def test_mosaic_sparse_fp8_pipeline_matches_reference(n, fp8_pipeline, halves):
 
 # "in_place" widens the values "serial" widens, and its consumers run serial's 64-slot products in
 # the same order: equal bits, which checks what the interpreter cannot (it neither aliases the
-# staging views onto the row slots nor swizzles): the in-place overwrites and their barriers.
+# staging views onto the row slots nor swizzles, nor runs the L2 prefetch): the in-place
+# overwrites and their barriers.
 @pytest.mark.parametrize("n", [128, 16])
-def test_mosaic_sparse_in_place_equals_serial_bit_for_bit(n):
+@pytest.mark.parametrize("prefetch_l2", [False, True])
+def test_mosaic_sparse_in_place_equals_serial_bit_for_bit(n, prefetch_l2):
   q, cache, slots = sparse_case(n + 1, n, "fp8_ds_mla")
-  outs = {}
-  for pipeline in ("serial", "in_place"):
-    poison_allocator()
-    outs[pipeline] = [np.asarray(a, np.float32) for a in mosaic_sparse.sparse_attention_fp8_ds_mla(
-        q, cache.nope, cache.tile_scales, cache.rope, slots, scale=SCALE, fp8_pipeline=pipeline)]
-  for got, want in zip(outs["in_place"], outs["serial"]):
-    np.testing.assert_array_equal(got, want)
+  run = functools.partial(mosaic_sparse.sparse_attention_fp8_ds_mla, q, cache.nope,
+                          cache.tile_scales, cache.rope, slots, scale=SCALE)
+  poison_allocator()
+  want = [np.asarray(a, np.float32) for a in run(fp8_pipeline="serial")]
+  poison_allocator()
+  got = [np.asarray(a, np.float32) for a in run(fp8_pipeline="in_place", prefetch_l2=prefetch_l2)]
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
 
 
 def check_sparse_attention(n, kind, sparse_attention):
