@@ -769,8 +769,8 @@ class MosaicSparseConfig:
     buffers: a step's e4m3 NoPE rows, tile scales and RoPE rows land in its own row slot (once
     both consumers are done with the step two before), and are widened there, so the consumers
     take bf16's 64-slot steps (half_rows' 32-slot steps set its pace at N=128, RESULTS v7, v8);
-    the gather is then issued one consumer step ahead instead of two half steps. cp_async only
-    (the bulk gather on the GPU would need untiled aliases of the in-place views).
+    a step's gather then waits for its slot to be free (half_rows': two half steps ahead).
+    cp_async only (the bulk gather on the GPU would need untiled aliases of the in-place views).
   prefetch_l2 ("in_place" only; prepared, not yet timed): the memory warpgroup asks L2 for each
   step's rows (`prefetch.global.L2`, 2-3 lines a lane) a step before it gathers them, so the
   gather that waits for a free slot reads L2 rather than HBM."""
