@@ -27,8 +27,9 @@ bf16 caches use 2 row slots (the next step's rows land while this one computes);
 1 bf16 slot + the staging buffer (two bf16 slots, the query tile and the staging do not fit in a
 block's 227 KB), or with fp8_pipeline="half_rows" the same bytes as two 32-row slots that the
 consumers step through 32 slots at a time while the other is widened, fed by a ring of 32-row
-staging buffers (`MosaicSparseConfig`). Splits of a token's slot list are merged by their
-log-sum-exps (`merge_splits`).
+staging buffers, or (prepared, not yet timed) with "in_place" bf16's two 64-row slots, each holding
+its own step's e4m3 rows and scales until they are widened there (`MosaicSparseConfig`). Splits
+of a token's slot list are merged by their log-sum-exps (`merge_splits`).
 
 Shared memory holds a row slot as 9 tiles of 64 rows x 64 columns, each in the tiled, 128-byte-
 swizzled layout wgmma reads. The cp.async gather computes each 16-byte unit's swizzled address
@@ -164,8 +165,39 @@ def _cp_async_wait(pending):
   wait()
 
 
-def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_slots, gather,
-            interpret):
+def _prefetch_rows(srcs, idx, *, num_slots):
+  """Asks L2 for the 128-byte lines of a step's rows (`prefetch.global.L2`, a hint: nothing lands
+  in shared memory and nothing is waited for), issued by every lane of the memory warpgroup.
+  srcs: [S, C, w] GMEM refs (C chunks of 128 bytes a row); idx [rows] int32 (an index >= num_slots
+  is an invalid slot: its lane asks for row 0's line, harmless). Lane l takes lines l, l + 128,
+  ... of the rows x C lines of each src (64 x 5 for an fp8_ds_mla step: 2 or 3 a lane)."""
+  rows = idx.shape[0]
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (1 + len(srcs)))
+  def issue(_, rows_ref, *refs):
+    i32, i64, i8 = (ir.IntegerType.get_signless(w) for w in (32, 64, 8))
+    c32 = lambda v: arith.constant(i32, v)
+    tid = arith.remui(mgpu_utils.thread_idx(), c32(_WG_THREADS))
+    global_ptr = llvm.PointerType.get(address_space=1)
+    for src, chunks in zip(refs, (ref.shape[1] for ref in srcs)):
+      base = llvm.addrspacecast(global_ptr, mgpu_utils.memref_ptr(src))
+      lines = rows * chunks
+      for k in range(-(-lines // _WG_THREADS)):
+        line = arith.minui(arith.addi(tid, c32(k * _WG_THREADS)), c32(lines - 1))
+        r, c = arith.divui(line, c32(chunks)), arith.remui(line, c32(chunks))
+        row = memref.load(rows_ref, [arith.index_cast(ir.IndexType.get(), r)])
+        row = arith.select(arith.cmpi(arith.CmpIPredicate.ult, row, c32(num_slots)), row, c32(0))
+        offset = arith.muli(arith.extui(i64, arith.addi(arith.muli(row, c32(chunks)), c)),
+                            arith.constant(i64, _CHUNK_BYTES))
+        ptr = mgpu_utils.getelementptr(base, [offset], i8)
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [ptr], "prefetch.global.L2 [$0];", "l",
+                        has_side_effects=True)
+
+  issue(idx, *srcs)
+
+
+def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_place, prefetch_l2,
+            num_slots, gather, interpret):
   # GMEM: q_ref [T, Np, D] bf16; idx_ref [T, Kp] int32 (slot, or num_slots where invalid);
   # steps_ref [T] int32 (steps of 64 slots up to the last valid one). bf16: kv_ref [S, D/64, 64]
   # bf16. fp8: nope_ref [S, L/128, 128] e4m3, rope_ref [S, R/64, 64] bf16, scales_ref
@@ -182,7 +214,16 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
   # rows (the consumers' step): 64, or with fp8_pipeline="half_rows" 32 in 2 slots, 64-byte
   # swizzled (query, slots and P); its staging is then a ring of fp8_stage_halves buffers of 32
   # rows (a leading [S] on stage_nope, stage_rope, stage_scales and staged).
-  if fp8:
+  # fp8_pipeline="in_place": 2 slots of 64 rows, no staging buffers: buffers has two more union
+  # members, aliases of the row slots past a query-sized pad: slot_nope [2, D/64, 64, 128] e4m3
+  # tiled and swizzled (a step's e4m3 NoPE rows land in tiles L/128 to L/64 - 1 of its slot) and
+  # slot_scales [2, D/64, 32, 64] f32 (its tile scales in tile 0); the RoPE rows land in the
+  # slot's RoPE tiles; staged [2].
+  if in_place:
+    (nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buffers, p_smem, row_smem, idx_smem, q_bar,
+     ready, consumed, p_ready, p_free, idx_bar, staged) = rest
+    kv_ref = None
+  elif fp8:
     (nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buffers, staging, stage_scales, p_smem,
      row_smem, idx_smem, q_bar, ready, consumed, p_ready, p_free, idx_bar, staged) = rest
     kv_ref = None
@@ -192,7 +233,9 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
     (kv_ref, o_ref, lse_ref, buffers, p_smem, row_smem, idx_smem, q_bar, ready, consumed, p_ready,
      p_free, idx_bar) = rest
   (q_smem, kv), (o_smem, lse_smem), *raw = buffers
-  kv_raw = raw[0][1] if raw else None
+  if in_place:
+    (_, slot_nope), (_, slot_scales) = raw
+  kv_raw = raw[0][1] if raw and not in_place else None
   h, split, t = lax.axis_index("heads"), lax.axis_index("splits"), lax.axis_index("tokens")
   wg = lax.axis_index("wg")
   slots, chunks, step_rows = kv.shape[:3]
@@ -298,7 +341,7 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
     cp_async: one committed group of the warpgroup's copies (the caller waits for it); bulk:
     every row chunk's copy arrives on barrier."""
     ring = lax.rem(i, _IDX_RING)
-    if half != 1:
+    if half != 1 and not in_place:  # "in_place" waits for them before its L2 prefetch
       plgpu.barrier_wait(idx_bar.at[ring])
     rows, first_row = (_STEP, 0) if half is None else (HALF_ROWS, half * HALF_ROWS)
     if gather == "cp_async":
@@ -322,8 +365,8 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
       plgpu.copy_gmem_to_smem(q_ref.at[t, pl.ds(h * _TILE_H, _TILE_H)], q_smem, q_bar)
 
     # Slot indices are fetched 2 steps ahead ("half_rows": 3, as its gathers run ahead of the
-    # widening by up to 2 half steps).
-    for i in range(2 if pieces == 1 else 3):
+    # widening by up to 2 half steps; "in_place": 3, as it reads them a step before its gather).
+    for i in range(3 if pieces > 1 or in_place else 2):
       pl.when(i < n)(functools.partial(fetch_indices, i))
 
     def rows_landed():
@@ -357,6 +400,70 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, num_
 
       # Sees the last uses of the slots out too (a warpgroup waits on every phase of a barrier).
       @pl.loop(jnp.maximum(n - slots, 0), n)
+      def _(i):
+        plgpu.barrier_wait(consumed.at[lax.rem(i, slots)])
+      return
+
+    if in_place:
+      tiles = lora // DS_MLA_TILE
+
+      def stage(i):
+        """Step i's tile scales, e4m3 NoPE rows and RoPE rows into its row slot (free by now)."""
+        slot = lax.rem(i, slots)
+        plgpu.copy_gmem_to_smem(scales_ref.at[t, first + i],
+                                slot_scales.at[slot, 0, pl.ds(0, tiles)], staged.at[slot])
+        gather_step(i, ((nope_ref, slot_nope.at[slot, pl.ds(tiles, tiles)], None),
+                        (rope_ref, kv.at[slot, pl.ds(2 * tiles, chunks - 2 * tiles)], None)),
+                    staged.at[slot])
+
+      def widen_in_place(slot):
+        """The slot's e4m3 NoPE tile j (staged in bf16 tile L/128 + j) times its tile scales
+        becomes bf16 tiles 2j and 2j + 1. Those stores overwrite staged tiles up to j, and tile
+        0's the scales: every lane loads all scales, and tile j's e4m3 rows, before the
+        warpgroup barrier ahead of tile j's stores."""
+        scale_layout = plgpu.Layout.WGMMA.reduce(1)
+        tile_scales = [plgpu.load(slot_scales.at[slot, 0, j], layout=scale_layout)
+                       for j in range(tiles)]
+        for j in range(tiles):
+          x = slot_nope[slot, tiles + j]  # [64, 128] e4m3
+          plgpu.commit_smem()
+          x = plgpu.layout_cast(x.astype(jnp.float16).astype(jnp.float32), plgpu.Layout.WGMMA)
+          y = (x * row_broadcast(tile_scales[j], x.shape)).astype(kv.dtype)
+          kv[slot, 2 * j] = y[:, :_COLS]
+          kv[slot, 2 * j + 1] = y[:, _COLS:]
+
+      def indices_landed(i):
+        """Waits for step i's slot indices (once a phase), then, with prefetch_l2, asks L2 for
+        its rows: a step before its gather, which waits for its slot to be free."""
+        ring = lax.rem(i, _IDX_RING)
+        plgpu.barrier_wait(idx_bar.at[ring])
+        if prefetch_l2 and not interpret:  # the interpreter runs no inline Mosaic GPU code
+          _prefetch_rows((nope_ref, rope_ref), idx_smem.at[ring], num_slots=num_slots)
+
+      pl.when(n > 0)(functools.partial(indices_landed, 0))
+      pl.when(n > 0)(functools.partial(stage, 0))
+      pl.when(n > 1)(functools.partial(indices_landed, 1))
+
+      @pl.loop(0, n)
+      def _(i):
+        slot = lax.rem(i, slots)
+        plgpu.barrier_wait(staged.at[slot])
+        if gather == "cp_async":
+          rows_landed()  # this step's is the only group in flight
+        widen_in_place(slot)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ready.at[slot])
+
+        # Step i + 1 into the other slot once both consumers are done with step i - 1 there (and
+        # so with ring entry (i + 3) % 4, last read for step i - 1).
+        @pl.when(i + 1 < n)
+        def _():
+          pl.when(i > 0)(lambda: plgpu.barrier_wait(consumed.at[lax.rem(i + 1, slots)]))
+          pl.when(i + 3 < n)(functools.partial(fetch_indices, i + 3))
+          stage(i + 1)
+          pl.when(i + 2 < n)(functools.partial(indices_landed, i + 2))
+
+      @pl.loop(jnp.maximum(n - slots, 0), n)  # the last uses of the slots, as for bf16
       def _(i):
         plgpu.barrier_wait(consumed.at[lax.rem(i, slots)])
       return
@@ -510,7 +617,7 @@ def smem_bytes(scratch):
 
 
 def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_splits, auto_barriers,
-                 gather, split_rule, fp8_pipeline, fp8_stage_halves, interpret):
+                 gather, split_rule, fp8_pipeline, fp8_stage_halves, prefetch_l2, interpret):
   """Pads heads to 64-row tiles and slots to 64-slot steps, runs the kernel, merges splits."""
   t, n, d = q.shape
   if t == 0 or n == 0:  # no program to run (and no split count: it divides by T x head tiles)
@@ -534,11 +641,14 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   if interpret:
     gather = "bulk"  # the interpreter runs no inline Mosaic GPU code
   half_rows = fp8 and fp8_pipeline == "half_rows"
+  in_place = fp8 and fp8_pipeline == "in_place"
   # Row slots x rows (the consumers' step): bf16 2 x 64 (the next step's rows land while this one
-  # computes); fp8_ds_mla 1 x 64, or 2 x 32 with "half_rows" (the same bytes). P V's K is the
-  # step, and wgmma's K must be a multiple of its operands' swizzle width (one swizzle a wgmma):
-  # 32-row steps take 64-byte swizzles for the query, the slots and P.
-  row_slots, step_rows = (2, HALF_ROWS) if half_rows else (1, _STEP) if fp8 else (2, _STEP)
+  # computes); fp8_ds_mla 1 x 64, or 2 x 32 with "half_rows" (the same bytes), or bf16's 2 x 64
+  # with "in_place" (staged inside the slots). P V's K is the step, and wgmma's K must be a
+  # multiple of its operands' swizzle width (one swizzle a wgmma): 32-row steps take 64-byte
+  # swizzles for the query, the slots and P.
+  row_slots, step_rows = ((2, HALF_ROWS) if half_rows else (1, _STEP) if fp8 and not in_place
+                          else (2, _STEP))
   sw = 2 * HALF_ROWS if half_rows else SWIZZLE
   chunks = d // _COLS
   groups = [(swizzled((_TILE_H, d), q.dtype, sw),
@@ -548,25 +658,32 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   if not fp8 and not interpret and gather == "bulk":
     groups.append((plgpu.SMEM((_TILE_H, d), q.dtype),
                    _raw((row_slots, chunks, _STEP, _COLS), q.dtype)))
+  if in_place:
+    # The row slots' bytes as the staging (aliases past a pad the size of the query tile): a
+    # 128-column e4m3 tile of 64 rows takes one bf16 tile's 8 KB, as do 32 x 64 float32 scales.
+    groups += [(plgpu.SMEM((_TILE_H, d), q.dtype),
+                swizzled((row_slots, chunks, _STEP, DS_MLA_TILE), F8)),
+               (plgpu.SMEM((_TILE_H, d), q.dtype),
+                plgpu.SMEM((row_slots, chunks, _COLS // 2, _STEP), jnp.float32))]
   scratch = [plgpu.RefUnion(*groups)]
+  tiles = lora // DS_MLA_TILE, (d - lora) // _COLS  # fp8_ds_mla: NoPE scale tiles, RoPE tiles
   if fp8:
     nope, rope, tile_scales = cache_args
     # The selected rows' tile scales, [T, Kp/rows, L/128, rows] (rows: 64, or 32 with
     # "half_rows"): 16 bytes a slot (0 where invalid), one contiguous block a staging fill.
-    stage_rows = step_rows
     scales = jnp.where(valid[..., None], tile_scales[jnp.where(valid, slots, 0)], 0.0)
-    scales = scales.reshape(t, k // stage_rows, stage_rows, -1).transpose(0, 1, 3, 2)
+    scales = scales.reshape(t, k // step_rows, step_rows, -1).transpose(0, 1, 3, 2)
     cache_args = (nope, rope, scales)
-    tiles = lora // DS_MLA_TILE, (d - lora) // _COLS
-    # "half_rows": a ring of 32-row buffers, each refilled once widened (2: the bytes of 1 x 64).
-    halves = (fp8_stage_halves,) if half_rows else ()
-    staged_shapes = (((*halves, tiles[0], stage_rows, DS_MLA_TILE), F8),
-                     ((*halves, tiles[1], stage_rows, _COLS), jnp.bfloat16))
+  # "half_rows": a ring of 32-row buffers, each refilled once widened (2: the bytes of 1 x 64).
+  halves = (fp8_stage_halves,) if half_rows else ()
+  if fp8 and not in_place:
+    staged_shapes = (((*halves, tiles[0], step_rows, DS_MLA_TILE), F8),
+                     ((*halves, tiles[1], step_rows, _COLS), jnp.bfloat16))
     staging = [tuple(swizzled(*shape) for shape in staged_shapes)]
     if not interpret and gather == "bulk":
       staging.append(tuple(_raw(*shape) for shape in staged_shapes))
     scratch += [plgpu.RefUnion(*staging),
-                plgpu.SMEM((*halves, tiles[0], stage_rows), jnp.float32)]
+                plgpu.SMEM((*halves, tiles[0], step_rows), jnp.float32)]
   scratch += [swizzled((_TILE_H, step_rows), q.dtype, sw), plgpu.SMEM((_TILE_H,), jnp.float32),
               plgpu.SMEM((_IDX_RING, _STEP), jnp.int32),
               plgpu.Barrier(),
@@ -578,8 +695,8 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   if fp8:
     # A staging fill's scales copy, and with the bulk gather every row chunk's copy.
     scratch.append(plgpu.Barrier(
-        num_arrivals=1 + (stage_rows * sum(tiles) if gather == "bulk" else 0),
-        num_barriers=halves))
+        num_arrivals=1 + (step_rows * sum(tiles) if gather == "bulk" else 0),
+        num_barriers=(row_slots,) if in_place else halves))
   used = smem_bytes(scratch)
   if used > _SMEM_LIMIT:
     raise ValueError(f"the kernel's shared memory ({used} bytes: fp8_ds_mla {fp8}, fp8_pipeline "
@@ -587,7 +704,8 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                      f"block's {_SMEM_LIMIT}")
 
   kernel = functools.partial(_kernel, scale=scale, lora=lora, num_splits=splits, fp8=fp8,
-                             num_slots=num_slots, gather=gather, interpret=bool(interpret))
+                             in_place=in_place, prefetch_l2=prefetch_l2, num_slots=num_slots,
+                             gather=gather, interpret=bool(interpret))
   o_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((t, splits, np_, lora), out_dtype),
@@ -608,6 +726,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
       interpret=interpret or None,
       kernel_name=(f"mosaic_sparse_{'ds_mla' if fp8 else 'bf16'}"
                    f"{f'_half{fp8_stage_halves}' if half_rows else ''}"
+                   f"{'_in_place' if in_place else ''}{'_l2' if prefetch_l2 else ''}"
                    f"_{gather}_s{splits}"),
   )(q, idx, steps, *cache_args)
   if splits == 1:
@@ -620,17 +739,17 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
 _STATIC = ("scale", "num_splits", "auto_barriers", "interpret", "gather", "split_rule")
 GATHERS = ("cp_async", "bulk")
 SPLIT_RULES = ("fill", "one_wave")
-FP8_PIPELINES = ("serial", "half_rows")
+FP8_PIPELINES = ("serial", "half_rows", "in_place")
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicSparseConfig:
-  """Launch knobs; the field names are the jit entries' keyword arguments (fp8_pipeline and
-  fp8_stage_halves the fp8_ds_mla entry's only). Heads per program (64, the M of a wgmma) and
-  slots per step (64) are fixed by wgmma; the gather (H200: cp_async 2.2-2.6x bulk for bf16, 1.4x
-  for fp8_ds_mla, benchmarks/RESULTS.md, "DSA sparse attention (pallas_mosaic)", v2 and v3), the
-  split rule (`split_count`; H200, T=128: "one_wave" 1.14-1.38x "fill" at N 16, 32, 128 for both
-  caches, v4; once tokens x head tiles >= 2 x 132 both give 1 split) and fp8_pipeline are the
+  """Launch knobs; the field names are the jit entries' keyword arguments (fp8_pipeline,
+  fp8_stage_halves and prefetch_l2 the fp8_ds_mla entry's only). Heads per program (64, the M of a
+  wgmma) and slots per step (64) are fixed by wgmma; the gather (H200: cp_async 2.2-2.6x bulk for
+  bf16, 1.4x for fp8_ds_mla, benchmarks/RESULTS.md, "DSA sparse attention (pallas_mosaic)", v2 and
+  v3), the split rule (`split_count`; H200, T=128: "one_wave" 1.14-1.38x "fill" at N 16, 32, 128 for
+  both caches, v4; once tokens x head tiles >= 2 x 132 both give 1 split) and fp8_pipeline are the
   choices.
   fp8_pipeline, how fp8_ds_mla rows are widened into bf16 row slots (one 64-row slot is what fits
   beside the query tile and the staging):
@@ -641,11 +760,21 @@ class MosaicSparseConfig:
     slots at a time, the staging as a ring of fp8_stage_halves (2 or 3) 32-row buffers, each
     refilled with the half step S ahead once it has been widened: half j + 1 is widened while the
     consumers compute on half j (mosaic_decode's "half_pages"; H200: 1.34x "serial" at T=128
-    N=128, 1.29x at N=16, 1.30x at T=4096 N=128; 3 buffers within 1% of 2; RESULTS v6)."""
+    N=128, 1.29x at N=16, 1.30x at T=4096 N=128; 3 buffers within 1% of 2; RESULTS v6);
+  - "in_place" (prepared, not yet timed: RESULTS v9): bf16's two 64-row slots and no staging
+    buffers: a step's e4m3 NoPE rows, tile scales and RoPE rows land in its own row slot (once
+    both consumers are done with the step two before), and are widened there, so the consumers
+    take bf16's 64-slot steps (half_rows' 32-slot steps set its pace at N=128, RESULTS v7, v8);
+    a step's gather then waits for its slot to be free (half_rows': two half steps ahead).
+    cp_async only (the bulk gather on the GPU would need untiled aliases of the in-place views).
+  prefetch_l2 ("in_place" only; prepared, not yet timed): the memory warpgroup asks L2 for each
+  step's rows (`prefetch.global.L2`, 2-3 lines a lane) a step before it gathers them, so the
+  gather that waits for a free slot reads L2 rather than HBM."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
   fp8_pipeline: str = "half_rows"
   fp8_stage_halves: int = 2  # staging in 32-row buffers: "serial" stages 64 rows (2 halves)
+  prefetch_l2: bool = False
 
   def __post_init__(self):
     if self.gather not in GATHERS:
@@ -654,6 +783,10 @@ class MosaicSparseConfig:
       raise ValueError(f"split_rule must be one of {SPLIT_RULES}, got {self.split_rule!r}")
     if self.fp8_pipeline not in FP8_PIPELINES:
       raise ValueError(f"fp8_pipeline must be one of {FP8_PIPELINES}, got {self.fp8_pipeline!r}")
+    if self.fp8_pipeline == "in_place" and self.gather != "cp_async":
+      raise ValueError(f"fp8_pipeline \"in_place\" takes the cp_async gather, got {self.gather!r}")
+    if self.prefetch_l2 and self.fp8_pipeline != "in_place":
+      raise ValueError(f"prefetch_l2 needs fp8_pipeline \"in_place\", got {self.fp8_pipeline!r}")
     if self.fp8_stage_halves not in ((2, 3) if self.fp8_pipeline == "half_rows" else (2,)):
       raise ValueError(f"fp8_stage_halves must be 2 (or 3 with fp8_pipeline \"half_rows\"), got "
                        f"{self.fp8_stage_halves!r} with {self.fp8_pipeline!r}")
@@ -663,7 +796,9 @@ CONFIG = MosaicSparseConfig()
 # The sweep space: the variants `benchmarks/bench_sparse.py` times beside the chosen one.
 SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rule="fill"),
          MosaicSparseConfig(fp8_pipeline="serial"),
-         MosaicSparseConfig(fp8_pipeline="half_rows", fp8_stage_halves=3))
+         MosaicSparseConfig(fp8_pipeline="half_rows", fp8_stage_halves=3),
+         MosaicSparseConfig(fp8_pipeline="in_place"),
+         MosaicSparseConfig(fp8_pipeline="in_place", prefetch_l2=True))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))
@@ -696,10 +831,12 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   return _sparse_call(q, slots, (rows,), scale=scale, lora=kv_lora_rank, num_slots=num_slots,
                       fp8=False, num_splits=num_splits, auto_barriers=auto_barriers,
                       gather=gather, split_rule=split_rule, fp8_pipeline=CONFIG.fp8_pipeline,
-                      fp8_stage_halves=CONFIG.fp8_stage_halves, interpret=interpret)
+                      fp8_stage_halves=CONFIG.fp8_stage_halves, prefetch_l2=False,
+                      interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("fp8_pipeline", "fp8_stage_halves"))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("fp8_pipeline", "fp8_stage_halves",
+                                                       "prefetch_l2"))
 def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.Array,
                                 rope: jax.Array, slots: jax.Array, *, scale: float,
                                 num_splits: int | None = None, auto_barriers: bool = False,
@@ -707,14 +844,16 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                                 split_rule: str = CONFIG.split_rule,
                                 fp8_pipeline: str = CONFIG.fp8_pipeline,
                                 fp8_stage_halves: int = CONFIG.fp8_stage_halves,
+                                prefetch_l2: bool = CONFIG.prefetch_l2,
                                 interpret: bool | plgpu.InterpretGPUParams = False
                                 ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over an fp8_ds_mla cache, widened to bf16 once per gathered row.
 
   q [T, N, L+R] bf16; nope [num_blocks, page, L] float8_e4m3fn; tile_scales [num_blocks, page,
   L/128] float32 (row value = nope * its tile's scale, a power of two); rope [num_blocks, page, R]
-  bfloat16; slots and options as in `sparse_attention`; fp8_pipeline ("serial" or "half_rows")
-  and fp8_stage_halves: `MosaicSparseConfig`'s. Returns o [T, N, L] bf16 and lse [T, N] float32.
+  bfloat16; slots and options as in `sparse_attention`; fp8_pipeline ("serial", "half_rows" or
+  "in_place"), fp8_stage_halves and prefetch_l2: `MosaicSparseConfig`'s. Returns o [T, N, L]
+  bf16 and lse [T, N] float32.
   """
   nb, page, lora = nope.shape
   _check(q, slots, lora, num_splits)
@@ -725,7 +864,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                      f"[NB, BS, L/{DS_MLA_TILE}] f32, rope [NB, BS, R] bf16 and q [T, N, L+R]; got "
                      f"{nope.dtype.name}{nope.shape}, {tile_scales.dtype.name}{tile_scales.shape}, "
                      f"{rope.dtype.name}{rope.shape}, q {q.shape}")
-  MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves)  # checks them
+  MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves, prefetch_l2)  # checks
   num_slots = nb * page
   # Rows as 128-byte chunks [S, C, w], what either gather copies.
   chunked = lambda x: x.reshape(num_slots, -1, _CHUNK_BYTES // x.dtype.itemsize)
@@ -733,4 +872,5 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                       scale=scale, lora=lora, num_slots=num_slots, fp8=True, num_splits=num_splits,
                       auto_barriers=auto_barriers, gather=gather, split_rule=split_rule,
                       fp8_pipeline=fp8_pipeline, fp8_stage_halves=fp8_stage_halves,
+                      prefetch_l2=prefetch_l2,
                       interpret=interpret)

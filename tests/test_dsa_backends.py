@@ -436,6 +436,7 @@ def test_mosaic_cases_in_a_wide_interpreter_pool():
        f"{__file__}::TestPallasMosaicSparseAttention",
        f"{__file__}::TestPallasMosaicSparseAttentionSerial",
        f"{__file__}::TestPallasMosaicSparseAttentionHalfRows3",
+       f"{__file__}::TestPallasMosaicSparseAttentionInPlace",
        f"{__file__}::TestPallasMosaicIndexer::test_rows_and_chunks_match_reference[rows4]",
        f"{__file__}::TestPallasMosaicIndexer::test_rows_and_chunks_match_reference[rows4-w4]",
        f"{__file__}::TestPallasMosaicIndexer::test_variant_chosen_by_tables[shared]"],
@@ -522,7 +523,9 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     # The interpreter's race detector sees plain loads and stores and bulk copies (the P and
     # rescale hand-off, the staging ring and its widening into the row slots, the output staged
     # over the slots), not the operand reads of wgmma. 3 steps in one split: every staging buffer
-    # and slot is reused. jax 0.11.2 reports races only through a private module.
+    # and slot is reused. jax 0.11.2 reports races only through a private module. Not "in_place":
+    # the detector refuses any read of a `RefUnion` through another member than the last write's
+    # (its staging views alias the row slots within one step, by design).
     report = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
     q, cache, slots, rows = poisoned_case(70, 16, "fp8_ds_mla", 256, t=2, k=160, nb=12)
     o, lse = mosaic_sparse.sparse_attention_fp8_ds_mla(
@@ -543,14 +546,15 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
                                atol=1e-2)  # bf16 outputs: a split merge may round 1 ulp apart
     np.testing.assert_allclose(np.asarray(l3), np.asarray(l1), rtol=1e-5, atol=1e-5)
 
-  @pytest.mark.parametrize("n,fp8,gather,fp8_pipeline,halves", [
-      (128, False, "cp_async", "serial", 2), (16, False, "cp_async", "serial", 2),
-      (128, False, "bulk", "serial", 2), (128, True, "cp_async", "serial", 2),
-      (32, True, "cp_async", "serial", 2), (128, True, "bulk", "serial", 2),
-      (128, True, "cp_async", "half_rows", 2), (32, True, "cp_async", "half_rows", 2),
-      (128, True, "bulk", "half_rows", 2), (128, True, "cp_async", "half_rows", 3),
-      (128, True, "bulk", "half_rows", 3)])
-  def test_lowers_for_hopper(self, n, fp8, gather, fp8_pipeline, halves, monkeypatch):
+  @pytest.mark.parametrize("n,fp8,gather,fp8_pipeline,halves,prefetch", [
+      (128, False, "cp_async", "serial", 2, False), (16, False, "cp_async", "serial", 2, False),
+      (128, False, "bulk", "serial", 2, False), (128, True, "cp_async", "serial", 2, False),
+      (32, True, "cp_async", "serial", 2, False), (128, True, "bulk", "serial", 2, False),
+      (128, True, "cp_async", "half_rows", 2, False), (32, True, "cp_async", "half_rows", 2, False),
+      (128, True, "bulk", "half_rows", 2, False), (128, True, "cp_async", "half_rows", 3, False),
+      (128, True, "bulk", "half_rows", 3, False), (128, True, "cp_async", "in_place", 2, True),
+      (32, True, "cp_async", "in_place", 2, False)])
+  def test_lowers_for_hopper(self, n, fp8, gather, fp8_pipeline, halves, prefetch, monkeypatch):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # layouts and swizzles, bulk-copy boxes, the untiled aliases, the cp.async code, the register
     # layouts of the widening, and that shared memory fits 227 KB; with the limit at 0, Mosaic
@@ -568,7 +572,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
           q, jax.ShapeDtypeStruct((tokens // 64, 64, 512), jnp.float8_e4m3fn),
           jax.ShapeDtypeStruct((tokens // 64, 64, 4), jnp.float32),
           jax.ShapeDtypeStruct((tokens // 64, 64, 64), jnp.bfloat16), slots, scale=0.1,
-          gather=gather, fp8_pipeline=fp8_pipeline, fp8_stage_halves=halves)
+          gather=gather, fp8_pipeline=fp8_pipeline, fp8_stage_halves=halves, prefetch_l2=prefetch)
     else:
       traced = mosaic_sparse.sparse_attention.trace(
           q, jax.ShapeDtypeStruct((tokens // 64, 64, 576), jnp.bfloat16), slots, scale=0.1,
@@ -582,8 +586,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
 
   def test_shared_memory_past_the_limit_raises(self, monkeypatch):
     # fp8_ds_mla at L=512 with the cp.async gather: 199,760 bytes "serial", 195,688 "half_rows"
-    # (P is 64 x 32; 3 more barriers), 217,200 with 3 staging buffers (RESULTS v6). Past the
-    # limit: a ValueError.
+    # (P is 64 x 32; 3 more barriers), 217,200 with 3 staging buffers (RESULTS v6), 231,528
+    # "in_place" (bf16's 231,512 and 2 barriers; RESULTS v9). Past the limit: a ValueError.
     monkeypatch.setattr(mosaic_sparse, "_SMEM_LIMIT", 199_759)
     q = jax.ShapeDtypeStruct((4, 64, 576), jnp.bfloat16)
     args = (q, jax.ShapeDtypeStruct((16, 64, 512), jnp.float8_e4m3fn),
@@ -597,6 +601,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     with pytest.raises(ValueError, match="217200 bytes.*exceeds"):
       mosaic_sparse.sparse_attention_fp8_ds_mla.trace(*args, scale=0.1, fp8_pipeline="half_rows",
                                                       fp8_stage_halves=3)
+    with pytest.raises(ValueError, match="231528 bytes.*exceeds"):
+      mosaic_sparse.sparse_attention_fp8_ds_mla.trace(*args, scale=0.1, fp8_pipeline="in_place")
 
   @pytest.mark.parametrize("change,message", [
       (lambda a: {**a, "q": a["q"][0]}, "want q"),
@@ -629,6 +635,14 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
                                                 jnp.zeros((4, 16, R), jnp.bfloat16), slots,
                                                 scale=0.1, fp8_pipeline="half_pages",
                                                 interpret=True)
+    with pytest.raises(ValueError, match="takes the cp_async gather"):
+      mosaic_sparse.sparse_attention_fp8_ds_mla(
+          q, nope, jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16),
+          slots, scale=0.1, fp8_pipeline="in_place", gather="bulk", interpret=True)
+    with pytest.raises(ValueError, match="prefetch_l2 needs"):
+      mosaic_sparse.sparse_attention_fp8_ds_mla(
+          q, nope, jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16),
+          slots, scale=0.1, prefetch_l2=True, interpret=True)
     for pipeline in ("serial", "half_rows"):
       with pytest.raises(ValueError, match="fp8_stage_halves must be 2"):
         mosaic_sparse.sparse_attention_fp8_ds_mla(
@@ -639,7 +653,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
   def test_config_default_and_sweep(self):
     assert (mosaic_sparse.CONFIG.fp8_pipeline, mosaic_sparse.CONFIG.fp8_stage_halves) == (
         "half_rows", 2)  # the timed default
-    for other in (dict(fp8_pipeline="serial"), dict(fp8_pipeline="half_rows", fp8_stage_halves=3)):
+    for other in (dict(fp8_pipeline="serial"), dict(fp8_pipeline="half_rows", fp8_stage_halves=3),
+                  dict(fp8_pipeline="in_place"), dict(fp8_pipeline="in_place", prefetch_l2=True)):
       assert mosaic_sparse.MosaicSparseConfig(**other) in mosaic_sparse.SWEEP
 
 
@@ -664,3 +679,19 @@ class TestPallasMosaicSparseAttentionHalfRows3(TestPallasMosaicSparseAttentionSe
   ahead)."""
   fp8_pipeline = "half_rows"
   fp8_stage_halves = 3
+
+
+class TestPallasMosaicSparseAttentionInPlace(TestPallasMosaicSparseAttentionSerial):
+  """fp8_pipeline="in_place" (prepared, not yet timed): bf16's two 64-row slots, each step staged
+  in and widened inside its own slot. The contract's fp8_ds_mla cases (L=128: one e4m3 tile
+  widened over itself; L=512: four, tiles 2 and 3 over the staged ones) and one multi-step case
+  (128 heads, NaN in unselected rows, -1 and past-the-cache slots, a row with none valid, both
+  slots alternating). The interpreter does not alias the union's views (and its race detector
+  refuses them), so the in-place overwrites are the GPU cases' to check (bit for bit against
+  "serial", whose consumers run the same 64-slot products on the same widened values)."""
+  fp8_pipeline = "in_place"
+  test_bf16_q_poisoned_cache_matches_oracle = None  # the multi-step case is poisoned too
+
+  @pytest.mark.parametrize("n,lora", [(128, L)])
+  def test_fp8_ds_mla_steps_of_one_split_match_oracle(self, n, lora):
+    super().test_fp8_ds_mla_steps_of_one_split_match_oracle(n, lora)

@@ -7,6 +7,7 @@ the allocator is poisoned before every kernel call, so a stray read or an unwrit
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -79,9 +80,10 @@ def test_sparse_attention_matches_reference(n, kind, backend):
 
 # The Mosaic kernel's other fp8_ds_mla pipelines (MosaicSparseConfig.fp8_pipeline), beside the
 # default ("half_rows": two 32-row bf16 slots, a ring of 2 32-row staging buffers) the backend
-# cases run: "serial" (one 64-row slot), and "half_rows" with 3 staging buffers.
+# cases run: "serial" (one 64-row slot), "half_rows" with 3 staging buffers, and "in_place" (two
+# 64-row slots, each step staged and widened inside its own; prepared, not yet timed).
 @pytest.mark.parametrize("n", [128, 16])
-@pytest.mark.parametrize("fp8_pipeline,halves", [("serial", 2), ("half_rows", 3)])
+@pytest.mark.parametrize("fp8_pipeline,halves", [("serial", 2), ("half_rows", 3), ("in_place", 2)])
 def test_mosaic_sparse_fp8_pipeline_matches_reference(n, fp8_pipeline, halves):
   def run(q, cache, slots, *, scale, kv_lora_rank):
     assert kv_lora_rank == cache.kv_lora_rank
@@ -89,6 +91,24 @@ def test_mosaic_sparse_fp8_pipeline_matches_reference(n, fp8_pipeline, halves):
                                                      slots, scale=scale, fp8_pipeline=fp8_pipeline,
                                                      fp8_stage_halves=halves)
   check_sparse_attention(n, "fp8_ds_mla", run)
+
+
+# "in_place" widens the values "serial" widens, and its consumers run serial's 64-slot products in
+# the same order: equal bits, which checks what the interpreter cannot (it neither aliases the
+# staging views onto the row slots nor swizzles, nor runs the L2 prefetch): the in-place
+# overwrites and their barriers.
+@pytest.mark.parametrize("n", [128, 16])
+@pytest.mark.parametrize("prefetch_l2", [False, True])
+def test_mosaic_sparse_in_place_equals_serial_bit_for_bit(n, prefetch_l2):
+  q, cache, slots = sparse_case(n + 1, n, "fp8_ds_mla")
+  run = functools.partial(mosaic_sparse.sparse_attention_fp8_ds_mla, q, cache.nope,
+                          cache.tile_scales, cache.rope, slots, scale=SCALE)
+  poison_allocator()
+  want = [np.asarray(a, np.float32) for a in run(fp8_pipeline="serial")]
+  poison_allocator()
+  got = [np.asarray(a, np.float32) for a in run(fp8_pipeline="in_place", prefetch_l2=prefetch_l2)]
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
 
 
 def check_sparse_attention(n, kind, sparse_attention):
