@@ -11,8 +11,9 @@ kernel), for bfloat16 q and cache with pages of a multiple of 64 tokens. One pro
   warpgroup 1 through shared memory; then O[:, :256] = O * alpha + P V[:, :256] (P from its
   registers, accumulated in place);
 - values (warpgroup 1): O[:, 256:] += P V[:, 256:].
-(bf16_schedule="scores_apart", prepared, not timed: warpgroup 0 computes only S and the softmax,
-warpgroups 1 and 2 hold O[:, :256] and O[:, 256:], warpgroup 3 copies; see `MosaicDecodeConfig`.)
+(bf16_schedule="scores_apart" and "scores_apart_pv_first", prepared, not timed: warpgroup 0
+computes only S and the softmax, warpgroups 1 and 2 hold O[:, :256] and O[:, 256:], warpgroup 3
+copies; see `MosaicDecodeConfig`.)
 The 64 x 512 float32 accumulator would take 256 registers per thread of one warpgroup, past the 255
 a thread can have: that is why two warpgroups hold it, 256 columns each. Stage 2 merges the splits
 by their log-sum-exps (`merge_splits`). With one split stage 1 writes the final output, and a row's
@@ -54,7 +55,7 @@ from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E, check
 
 
 FP8_PIPELINES = ("serial", "half_pages", "shared_widening")
-BF16_SCHEDULES = ("scores_with_values", "scores_apart")
+BF16_SCHEDULES = ("scores_with_values", "scores_apart", "scores_apart_pv_first")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +86,12 @@ class MosaicDecodeConfig:
   - "scores_apart": four warpgroups. Warpgroup 0 computes only S and the softmax and hands P over;
     warpgroups 1 and 2 hold value columns 0-255 and 256-511 (P from shared memory), warpgroup 3
     copies. Warpgroup 0 issues S for page j + 1 as soon as P of page j is handed over, so that S
-    runs beside both halves of P V of page j instead of after them. Prepared, not yet timed
-    (benchmarks/RESULTS.md, "bf16_schedule=scores_apart", session 9)."""
+    runs beside both halves of P V of page j instead of after them;
+  - "scores_apart_pv_first": the same, but warpgroup 0 issues S for page j + 1 only once both
+    value warpgroups have issued their P V of page j (a barrier), so that the tensor cores take
+    P V first and page j's slot is refilled sooner (with 2 slots the refill's window is the step
+    less the time from P's hand-off to the end of P V).
+  Both prepared, not yet timed (benchmarks/RESULTS.md, "bf16_schedule=scores_apart", session 9)."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -113,7 +118,8 @@ CONFIG = MosaicDecodeConfig()
 # The sweep space: the variants `benchmarks/bench_decode.py --mosaic-configs` times beside CONFIG.
 SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"),
          MosaicDecodeConfig(fp8_pipeline="half_pages"),
-         MosaicDecodeConfig(bf16_schedule="scores_apart"))
+         MosaicDecodeConfig(bf16_schedule="scores_apart"),
+         MosaicDecodeConfig(bf16_schedule="scores_apart_pv_first"))
 _TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
 # fp8 caches: 2 slots of e4m3 bytes (36 KB each) that the memory warpgroup widens into the bf16
 # slots the products read ("serial": one of 64 rows; "half_pages": two of 32 rows), so the shared
@@ -140,8 +146,8 @@ _MAX_HEAD_DIM = 576  # 3 x 64 rows x D bf16 + P must fit in shared memory
 
 
 def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffers, p_smem,
-                   row_smem, q_bar, ready, consumed, p_ready, p_free, *staging, scale, lora,
-                   num_splits, split_steps, in_place, shared_widening, scores_apart):
+                   row_smem, q_bar, ready, consumed, p_ready, p_free, *extra, scale, lora,
+                   num_splits, split_steps, in_place, shared_widening, scores_apart, pv_first):
   # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64); kv_ref [num_blocks, page, D] bf16 or
   # e4m3; bt_ref [T, max_blocks] int32; len_ref [T] int32; ks_ref [1] f32 (the cache's scale, 1
   # for bf16); o_ref [T, splits, Np, L]; lse_ref [T, splits, Np] f32. SMEM: buffers = union of
@@ -157,9 +163,11 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
   # (stage [FP8_STAGES, 64, D] e4m3, 64-byte swizzled; staged [FP8_STAGES] barriers: a stage
   # slot's bytes landed), and with shared_widening (warpgroup 1 widens its value columns; ready
   # then takes 2 arrivals) a third: stage_free [FP8_STAGES] barriers (warpgroup 1 done reading a
-  # stage slot).
+  # stage slot); pv_first only, extra = (pv_issued: both value warpgroups issued this step's P V).
   (q_smem, kv_smem), (o_smem, lse_smem) = buffers
-  fp8 = bool(staging)
+  fp8 = bool(kv_ref.dtype == F8)
+  staging = extra if fp8 else ()
+  pv_issued = extra[0] if pv_first else None
   slots, step_rows = kv_smem.shape[:2]
   pieces = _STEP // step_rows  # consumer steps per 64-row bulk copy
   regs = _REGS[fp8, scores_apart]
@@ -204,13 +212,16 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
     return tuple(plgpu.layout_cast(jnp.zeros((_TILE_H, width), jnp.float32), plgpu.Layout.WGMMA)
                  for _ in range(half // width))
 
-  def accumulate_values(acc, alpha, slot, w, p=None):
+  def accumulate_values(acc, alpha, slot, w, p=None, issued=None):
     """acc * alpha + P V over warpgroup w's value columns, `width` columns a product; P from
-    registers when given (warpgroup 0's own), else from p_smem.
+    registers when given (warpgroup 0's own), else from p_smem. Arrives on `issued` (a barrier,
+    if given) once the products are issued.
 
-    On the GPU each product accumulates in place into the rescaled running sum. Mosaic GPU's
-    interpreter (jax 0.11.2) runs wgmma only with shared-memory operands into run_scoped
-    accumulators, so there each product goes to a fresh accumulator that is added.
+    On the GPU each product accumulates in place into the rescaled running sum (one product: a
+    warpgroup's value columns are at most wgmma's N), and `issued` is arrived on before the wait
+    for it. Mosaic GPU's interpreter (jax 0.11.2) runs wgmma only with shared-memory operands into
+    run_scoped accumulators, so there each product goes to a fresh accumulator that is added, and
+    `issued` is arrived on after them.
     """
     out = []
     for c, part in enumerate(acc):
@@ -219,6 +230,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
       if in_place:
         def product(acc_ref, values=values):  # acc_ref [64, width] f32, the running sum
           plgpu.wgmma(acc_ref, p_smem if p is None else p, values)
+          if issued is not None:  # the wait comes when run_state reads the sum back
+            plgpu.barrier_arrive(issued)
 
         out.append(pl.run_state(product)(plgpu.ACC.init(scaled)))
       else:
@@ -227,6 +240,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
           return acc_ref[...]
 
         out.append(scaled + pl.run_scoped(product, plgpu.ACC((_TILE_H, width), jnp.float32)))
+    if issued is not None and not in_place:
+      plgpu.barrier_arrive(issued)
     return tuple(out)
 
   def zero_rows(slot, rows):
@@ -270,6 +285,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
         plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
         return acc_ref[...]
 
+      if pv_first:  # the tensor cores take the last step's P V before these scores
+        pl.when(i > 0)(functools.partial(plgpu.barrier_wait, pv_issued))
       s = pl.run_scoped(scores, plgpu.ACC((_TILE_H, step_rows), jnp.float32))
       # Made in the step, not carried: a 64 x 64 int32 iota is 32 registers a thread.
       cols = plgpu.broadcasted_iota(jnp.int32, (_TILE_H, step_rows), 1, layout=plgpu.Layout.WGMMA)
@@ -285,6 +302,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
     run_scores(n * pieces, step, () if scores_apart else zero_acc(), row_smem=row_smem,
                p_ready=p_ready, p_free=p_free, **({} if scores_apart else out(0)),
                lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out])
+    if pv_first:  # the last step's phase (a warpgroup that waits on some phases waits on all)
+      pl.when(n > 0)(functools.partial(plgpu.barrier_wait, pv_issued))
 
   # Column tiles of the stage each widening warpgroup takes (shared_widening: warpgroup 1 its own
   # value columns, the memory warpgroup the rest; otherwise the memory warpgroup all).
@@ -312,7 +331,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
         plgpu.barrier_arrive(ready.at[part])
 
     run_values(n * pieces, slots,
-               lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, half_index),
+               lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, half_index,
+                                                          issued=pv_issued),
                zero_acc(), ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready,
                p_free=p_free, **out(half_index), widen=widen_own)
 
@@ -497,12 +517,13 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   fp8 = kv_cache.dtype == F8
   shared_widening = fp8 and fp8_pipeline == "shared_widening"
   half_pages = fp8 and fp8_pipeline in ("half_pages", "shared_widening")
-  scores_apart = not fp8 and bf16_schedule == "scores_apart"
+  scores_apart = not fp8 and bf16_schedule in ("scores_apart", "scores_apart_pv_first")
+  pv_first = not fp8 and bf16_schedule == "scores_apart_pv_first"
   # Mosaic GPU's interpreter runs no in-place accumulation (see accumulate_values).
   kernel = functools.partial(_decode_kernel, scale=scale, lora=kv_lora_rank, num_splits=splits,
                              split_steps=split_tokens and split_tokens // _STEP,
                              in_place=not interpret, shared_widening=shared_widening,
-                             scores_apart=scores_apart)
+                             scores_apart=scores_apart, pv_first=pv_first)
   # bf16 slots x rows (the consumers' step). wgmma's K must be a multiple of its operands' swizzle
   # width, and P V's K is the step: 32-row steps take 64-byte swizzles (32 bf16) for the query,
   # the slots and P alike (one wgmma takes one swizzle). Half pages: 72 + 2 x 36 (bf16 slots) +
@@ -539,6 +560,8 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
           # p_free: the warpgroups that read P from p_smem
           plgpu.Barrier(num_arrivals=1 + scores_apart),
           *staging,
+          # pv_issued: both value warpgroups issued their P V
+          *([plgpu.Barrier(num_arrivals=_VALUE_WGS)] if pv_first else []),
       ),
       # Head tiles vary fastest so the programs reading the same pages run together and share L2.
       grid=(head_tiles, splits, t),
@@ -551,6 +574,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
       interpret=interpret or None,
       kernel_name=(f"mosaic_latent_decode_{'fp8' if fp8 else 'bf16'}{'_half' if half_pages else ''}"
                    f"{'_shared' if shared_widening else ''}{'_apart' if scores_apart else ''}"
+                   f"{'_pv_first' if pv_first else ''}"
                    f"_p{page}_s{splits}"),
   )(q, kv_cache, block_tables, seq_lens, k_scale)
 

@@ -168,6 +168,7 @@ class TestPallasMosaicDecode(DecodeContract):
       (128, 128, 8192, None, jnp.bfloat16, {}), (128, 16, 32768, None, jnp.bfloat16, {}),
       (4, 20, 4096, 1, jnp.bfloat16, {}),
       (128, 128, 8192, None, jnp.bfloat16, {"bf16_schedule": "scores_apart"}),
+      (128, 128, 8192, None, jnp.bfloat16, {"bf16_schedule": "scores_apart_pv_first"}),
       (4, 20, 4096, 1, jnp.bfloat16, {"bf16_schedule": "scores_apart"}),
       (128, 128, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "serial"}),
       (128, 16, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "serial"}),
@@ -285,11 +286,12 @@ class TestPallasMosaicDecodeScoresApart(DecodeContract):
   128 heads), and of the default's whole-page cases one split writing the output itself and 3
   head tiles; bad table entries. fp8 caches ignore the schedule."""
   backend = "pallas_mosaic"
+  schedule = "scores_apart"
 
   @pytest.fixture(autouse=True)
   def _schedule(self, monkeypatch):
     monkeypatch.setattr(backends, "MOSAIC_DECODE_CONFIG",
-                        mosaic_decode.MosaicDecodeConfig(bf16_schedule="scores_apart"))
+                        mosaic_decode.MosaicDecodeConfig(bf16_schedule=self.schedule))
 
   def decode(self, q, kv_cache, *args, **kwargs):
     if kv_cache.dtype != jnp.bfloat16:
@@ -316,7 +318,17 @@ class TestPallasMosaicDecodeScoresApart(DecodeContract):
                         lambda *a, bf16_schedule, **k: seen.append(bf16_schedule) or (None, None))
     q, cache, tables, lens = make_case(113, n=16, page=64, req_lens=[5])
     self.decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(tables), jnp.asarray(lens))
-    assert seen == ["scores_apart"]
+    assert seen == [self.schedule]
+
+
+class TestPallasMosaicDecodeScoresApartPvFirst(TestPallasMosaicDecodeScoresApart):
+  """bf16_schedule="scores_apart_pv_first" (the same warpgroups; warpgroup 0 issues each step's S
+  only once both value warpgroups issued the last step's P V): the contract's bf16 page-64 cases
+  (rows of 0 to 3 steps a split: the barrier's phases with none, one and several waits in the
+  loop). The other cases run the parent's code paths (output stores, padded tiles, masking)."""
+  schedule = "scores_apart_pv_first"
+  test_bf16_whole_pages = None
+  test_bad_table_entries_page_64 = None
 
 
 def _stage1_splits(jaxpr):

@@ -109,7 +109,7 @@ def test_fp8_half_pages_matches_reference(pipeline, seed, batch, max_len, n, spl
     (6, 64, 8192, 20, None),  # heads padded to a tile
     (5, 128, 4096, 130, 1),  # 3 head tiles, one split: stage 1 writes the bf16 output itself
 ])
-@pytest.mark.parametrize("schedule", ["scores_apart"])
+@pytest.mark.parametrize("schedule", ["scores_apart", "scores_apart_pv_first"])
 def test_bf16_schedule_matches_reference(schedule, seed, batch, max_len, n, splits):
   # The Mosaic kernel's other bf16 schedules (four warpgroups: S and the softmax apart from the two
   # value warpgroups) at serving sizes.
