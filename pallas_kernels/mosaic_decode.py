@@ -91,7 +91,9 @@ class MosaicDecodeConfig:
     value warpgroups have issued their P V of page j (a barrier), so that the tensor cores take
     P V first and page j's slot is refilled sooner (with 2 slots the refill's window is the step
     less the time from P's hand-off to the end of P V).
-  Both prepared, not yet timed (benchmarks/RESULTS.md, "bf16_schedule=scores_apart", session 9)."""
+  Both prepared, not yet timed: the count predicts at best a tie with the default, since with 2
+  page slots a page kept in use longer shortens its slot's refill (benchmarks/RESULTS.md,
+  "bf16_schedule=scores_apart", session 9)."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -120,6 +122,9 @@ SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"),
          MosaicDecodeConfig(fp8_pipeline="half_pages"),
          MosaicDecodeConfig(bf16_schedule="scores_apart"),
          MosaicDecodeConfig(bf16_schedule="scores_apart_pv_first"))
+# Fields that one cache dtype alone reads (with the other, the program is the same whatever they
+# are): a sweep times a config only with the cache dtype whose program it changes.
+DTYPE_KNOBS = {"fp8_pipeline": F8, "bf16_schedule": jnp.dtype(jnp.bfloat16)}
 _TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
 # fp8 caches: 2 slots of e4m3 bytes (36 KB each) that the memory warpgroup widens into the bf16
 # slots the products read ("serial": one of 64 rows; "half_pages": two of 32 rows), so the shared
