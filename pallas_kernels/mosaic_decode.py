@@ -124,7 +124,7 @@ SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"),
          MosaicDecodeConfig(bf16_schedule="scores_apart_pv_first"))
 # Fields that one cache dtype alone reads (with the other, the program is the same whatever they
 # are): a sweep times a config only with the cache dtype whose program it changes.
-DTYPE_KNOBS = {"fp8_pipeline": F8, "bf16_schedule": jnp.dtype(jnp.bfloat16)}
+DTYPE_KNOBS = {"fp8_pipeline": jnp.dtype(F8), "bf16_schedule": jnp.dtype(jnp.bfloat16)}
 _TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
 # fp8 caches: 2 slots of e4m3 bytes (36 KB each) that the memory warpgroup widens into the bf16
 # slots the products read ("serial": one of 64 rows; "half_pages": two of 32 rows), so the shared
@@ -132,7 +132,7 @@ _TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
 _FP8_STAGES = 2
 _FP8_COLS = 64  # e4m3 columns per shared-memory tile: 64 bytes, the 64-byte swizzle
 _HALF = HALF_ROWS  # rows per bf16 slot and consumer step with fp8_pipeline="half_pages"
-_VALUE_WGS = 2  # warpgroups sharing the value columns; warpgroup 0 also computes the scores
+_VALUE_WGS = 2  # warpgroups sharing the value columns (by default warpgroup 0 also computes S)
 # Value columns per P V product in the interpreter's form: each lands in a fresh 64 x 128 float32
 # accumulator (64 registers a thread) that is added to the running output (128), which keeps a
 # warpgroup within its 232.
