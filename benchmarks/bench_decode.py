@@ -8,11 +8,12 @@ Triton kernel's (block_h, num_warps, num_stages) variants and then split counts 
 kernel's split counts) instead of the reference. Mosaic columns: "mosaic ms", "triton/mosaic"
 (> 1: Mosaic faster) and the largest difference between the two kernels' outputs.
 `--mosaic-configs` adds the Mosaic kernel's other configs (its SWEEP, e.g. fp8_pipeline=half_pages
-for fp8 caches): "mosaic <field>=<value> ms" and the largest difference from the chosen config's
-output. `--no-triton` leaves the Triton kernel out (then also the reference; the row's "ms" is the
-Mosaic kernel's). `--batch-invariant` adds each kernel's batch-invariant mode (fixed splits of
-BATCH_INVARIANT_SPLIT_TOKENS tokens, merged in a fixed order): "<kernel> inv ms" and its cost
-against the default splits in %.
+for fp8 caches, bf16_schedule=scores_apart for bf16 ones; each only with the cache dtype whose
+program it changes): "mosaic <field>=<value> ms" and the largest difference from the chosen
+config's output. `--no-triton` leaves the Triton kernel out (then also the reference; the row's
+"ms" is the Mosaic kernel's). `--batch-invariant` adds each kernel's batch-invariant mode (fixed
+splits of BATCH_INVARIANT_SPLIT_TOKENS tokens, merged in a fixed order): "<kernel> inv ms" and its
+cost against the default splits in %.
 """
 
 from __future__ import annotations
@@ -136,8 +137,8 @@ def run_case(args, batch, heads, seq, dtype_name):
 
 def mosaic_configs(base, kernel_fn, timed, sets, case_bytes, flops):
   """The Mosaic kernel's chosen config ("mosaic ms") and each other config of its SWEEP ("mosaic
-  <field>=<value> ms" and "... max diff" from the chosen config's output); one that does not
-  compile is recorded, not fatal."""
+  <field>=<value> ms" and "... max diff" from the chosen config's output) that changes the program
+  for this cache dtype (`mosaic.DTYPE_KNOBS`); one that does not compile is recorded, not fatal."""
   row = dict(base)
   try:
     chosen = kernel_fn(mosaic)
@@ -147,9 +148,11 @@ def mosaic_configs(base, kernel_fn, timed, sets, case_bytes, flops):
   except Exception as e:  # noqa: BLE001
     row["mosaic error"] = f"{type(e).__name__}: {str(e)[:80]}"
     return row
+  cache_dtype = sets[0][1].dtype
   for cfg in mosaic.SWEEP:
     changed = {k: v for k, v in dataclasses.asdict(cfg).items()
-               if v != getattr(mosaic.CONFIG, k)}
+               if v != getattr(mosaic.CONFIG, k)
+               and mosaic.DTYPE_KNOBS.get(k, cache_dtype) == cache_dtype}
     if not changed:
       continue
     name = "mosaic " + " ".join(f"{k}={v}" for k, v in changed.items())

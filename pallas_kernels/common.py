@@ -36,11 +36,17 @@ F8 = jnp.float8_e4m3fn
 MAX_FP8_ELEMENTS = 2 ** 31
 T = TypeVar("T")
 SWIZZLE = 128  # bytes: the widest swizzle; wgmma operands and bulk copies use the same layout
-# Registers a thread of a 3-warpgroup Mosaic GPU block holds at launch, summed over its warpgroups:
-# 64K / 384 threads rounded down to a multiple of 8 (168), x 3. `setmaxnreg.inc` past it waits
-# forever for registers the block does not hold: a hang on the GPU, which the interpreter (no
-# registers) does not show.
-REGISTER_POOL = 65536 // 384 // 8 * 8 * 3
+
+
+def register_pool(warpgroups: int) -> int:
+  """Registers a thread of a Mosaic GPU block of `warpgroups` warpgroups holds at launch, summed
+  over its warpgroups: 64K / threads rounded down to a multiple of 8, x warpgroups (3: 168 x 3 =
+  504; 4: 128 x 4 = 512). `setmaxnreg.inc` past it waits forever for registers the block does not
+  hold: a hang on the GPU, which the interpreter (no registers) does not show."""
+  return 65536 // (128 * warpgroups) // 8 * 8 * warpgroups
+
+
+REGISTER_POOL = register_pool(3)  # the 3-warpgroup kernels' (memory + 2 consumers)
 HALF_ROWS = 32  # rows of a half step: the fp8 caches' bf16 slots in mosaic_decode and mosaic_sparse
 # Registers of a [32, w] chunk (w a multiple of 8) that a memory warpgroup widens into a 32-row
 # bf16 slot: the WGMMA layout's 8 x 8 core matrices (2 adjacent columns a thread), each warp 8
@@ -366,14 +372,15 @@ def _store_output(acc, l, o_smem, o_gmem, out_scale):
   plmgpu.copy_smem_to_gmem(o_smem, o_gmem)
 
 
-def run_scores(n, step, acc, *, row_smem, p_ready, p_free, o_smem, o_gmem, lse_smem, lse_gmem,
-               out_scale=1.0):
+def run_scores(n, step, acc, *, row_smem, p_ready, p_free, lse_smem, lse_gmem, o_smem=None,
+               o_gmem=None, out_scale=1.0):
   """Warpgroup 0's n steps, (m, l, acc) = step(i, (m, l, acc)) from an empty softmax over 64 rows,
-  and its end: once warpgroup 1 has read the last P (every step of both is done, so the step
-  buffers are free for the output staging), hands it l, stores its output columns and the rows'
-  log-sum-exps (natural log; -inf where nothing was seen)."""
+  and its end: once the value warpgroups have read the last P (every step of all is done, so the
+  step buffers are free for the output staging), hands them l, stores its output columns (none
+  when acc is (): mosaic_decode's bf16_schedule="scores_apart") and the rows' log-sum-exps
+  (natural log; -inf where nothing was seen)."""
   rows_layout = plmgpu.Layout.WGMMA.reduce(1)
-  rows = acc[0].shape[0]
+  rows = row_smem.shape[0]
   init = (plmgpu.layout_cast(jnp.full((rows,), M_INIT, jnp.float32), rows_layout),
           plmgpu.layout_cast(jnp.zeros((rows,), jnp.float32), rows_layout), acc)
   m, l, acc = lax.fori_loop(0, n, step, init)
@@ -385,7 +392,8 @@ def run_scores(n, step, acc, *, row_smem, p_ready, p_free, o_smem, o_gmem, lse_s
   row_smem[...] = l
   plmgpu.commit_smem()
   plmgpu.barrier_arrive(p_ready)
-  _store_output(acc, l, o_smem, o_gmem, out_scale)
+  if acc:
+    _store_output(acc, l, o_smem, o_gmem, out_scale)
   seen = l > 0
   lse_smem[...] = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
   plmgpu.commit_smem()

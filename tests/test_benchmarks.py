@@ -95,3 +95,24 @@ def test_bench_tp_runs_on_host_devices():
   for merge in ("all_reduce", "o_proj"):
     assert f"| dcp=2 x tp=2 ({merge}) | 4 | 256 | 2 |" in done.stdout, done.stdout[-3000:]
   assert "all checks passed" in done.stdout
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_mosaic_configs_times_what_changes_the_program(dtype):
+  # A bf16 cache ignores fp8_pipeline and an fp8 cache bf16_schedule: timing those rows would
+  # spend device time on the default program again.
+  from benchmarks import bench_decode
+  from pallas_kernels import mosaic_decode
+  cache = jax.numpy.zeros((1, 64, 8), dtype)
+  named = []
+
+  def kernel_fn(module, **knobs):
+    named.append(knobs)
+    return lambda *a: (jax.numpy.zeros(4),)
+
+  row = bench_decode.mosaic_configs({}, kernel_fn, lambda fn: 1.0, [(None, cache)], 1, 1)
+  assert "mosaic ms" in row and not any(k.endswith("error") for k in row)
+  knob = "bf16_schedule" if dtype == "bfloat16" else "fp8_pipeline"
+  swept = {getattr(c, knob) for c in mosaic_decode.SWEEP} - {getattr(mosaic_decode.CONFIG, knob)}
+  assert swept and named[0] == {} and all(set(k) == {knob} for k in named[1:])
+  assert sorted(k[knob] for k in named[1:]) == sorted(swept)

@@ -13,7 +13,7 @@ from decode_contract import FP8_SCALE, L, SCALE, DecodeContract, assert_decode_c
 from mla_jax import backends
 from oracles import latent_decode_np
 from pallas_kernels import mosaic_decode
-from pallas_kernels.common import REGISTER_POOL, default_num_kv_splits
+from pallas_kernels.common import default_num_kv_splits, register_pool
 from pallas_kernels.latent_decode import latent_decode
 
 
@@ -107,6 +107,15 @@ def _skip_unless_mosaic_takes(q, kv_cache):
     pytest.skip(f"pallas_mosaic's decode kernel takes bfloat16 q only, got {q.dtype}")
 
 
+_WHOLE_PAGE_CASES = [
+    (100, 16, 1, 64, [37, 0, 64, 200]),  # one split: stage 1 writes the bf16 output itself
+    (101, 32, 7, 64, [199, 3, 0, 48]),  # more splits than most rows have pages
+    (102, 20, None, 64, [90, 17]),  # heads padded to a 64-row tile
+    (103, 130, 3, 64, [150, 64]),  # 3 head tiles
+    (104, 16, 2, 128, [300, 5, 128]),  # 2 bulk copies per page
+]
+
+
 class TestPallasMosaicDecode(DecodeContract):
   """The Mosaic GPU kernel, in Mosaic GPU's interpreter on CPUs. Contract cases it cannot take
   (f16 or f32; pages not a multiple of 64) skip, naming why; the page-64 cases below cover what
@@ -117,13 +126,7 @@ class TestPallasMosaicDecode(DecodeContract):
     _skip_unless_mosaic_takes(q, kv_cache)
     return super().decode(q, kv_cache, *args, **kwargs)
 
-  @pytest.mark.parametrize("seed,n,splits,page,req_lens", [
-      (100, 16, 1, 64, [37, 0, 64, 200]),  # one split: stage 1 writes the bf16 output itself
-      (101, 32, 7, 64, [199, 3, 0, 48]),  # more splits than most rows have pages
-      (102, 20, None, 64, [90, 17]),  # heads padded to a 64-row tile
-      (103, 130, 3, 64, [150, 64]),  # 3 head tiles
-      (104, 16, 2, 128, [300, 5, 128]),  # 2 bulk copies per page
-  ])
+  @pytest.mark.parametrize("seed,n,splits,page,req_lens", _WHOLE_PAGE_CASES)
   def test_bf16_whole_pages(self, seed, n, splits, page, req_lens):
     self.check(*make_case(seed, n=n, page=page, req_lens=req_lens), num_kv_splits=splits)
 
@@ -139,36 +142,42 @@ class TestPallasMosaicDecode(DecodeContract):
     for a, b in zip(run(q, cache, tables, lens), run(q[1:2], cache, tables[1:2], lens[1:2])):
       np.testing.assert_array_equal(np.asarray(a[1:2]), np.asarray(b))
 
-  @pytest.mark.parametrize("cache_dtype,fp8_pipeline", [
-      (jnp.bfloat16, "serial"), (jnp.float8_e4m3fn, "serial"), (jnp.float8_e4m3fn, "half_pages"),
-      (jnp.float8_e4m3fn, "shared_widening")])
-  def test_no_races_in_the_interpreter(self, cache_dtype, fp8_pipeline):
+  @pytest.mark.parametrize("cache_dtype,knobs", [
+      (jnp.bfloat16, {}), (jnp.bfloat16, {"bf16_schedule": "scores_apart"}),
+      (jnp.float8_e4m3fn, {"fp8_pipeline": "serial"}),
+      (jnp.float8_e4m3fn, {"fp8_pipeline": "half_pages"}),
+      (jnp.float8_e4m3fn, {"fp8_pipeline": "shared_widening"})])
+  def test_no_races_in_the_interpreter(self, cache_dtype, knobs):
     # The interpreter's race detector sees plain loads and stores and bulk copies (the P and
-    # rescale hand-off between the warpgroups, the output staged over the page memory, fp8's
-    # stage ring and its widening into one or two slots), not the operand reads of wgmma. jax
-    # 0.11.2 reports it only through a private module.
+    # rescale hand-off between the warpgroups, P read by two value warpgroups with scores apart,
+    # the output staged over the page memory, fp8's stage ring and its widening into one or two
+    # slots), not the operand reads of wgmma. jax 0.11.2 reports it only through a private
+    # module.
     report = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
     q, cache, tables, lens = make_case(62, n=16, page=64, req_lens=[200, 1, 0],
                                        cache_dtype=cache_dtype)
     k_scale = FP8_SCALE if cache_dtype == jnp.float8_e4m3fn else None
     o, lse = mosaic_decode.latent_decode(q, cache, tables, lens, scale=SCALE, num_kv_splits=2,
-                                         k_scale=k_scale, fp8_pipeline=fp8_pipeline,
+                                         k_scale=k_scale, **knobs,
                                          interpret=plgpu.InterpretGPUParams(detect_races=True))
     jax.block_until_ready(o)
     assert not report.get_races().races_found
     assert_decode_close(np.asarray(o.astype(jnp.float32)), lse, *latent_decode_np(
         q.astype(np.float32), cache, tables, lens, SCALE, L, k_scale or 1.0))
 
-  @pytest.mark.parametrize("batch,n,seq,splits,cache_dtype,fp8_pipeline", [
-      (128, 128, 8192, None, jnp.bfloat16, "serial"),
-      (128, 16, 32768, None, jnp.bfloat16, "serial"), (4, 20, 4096, 1, jnp.bfloat16, "serial"),
-      (128, 128, 8192, None, jnp.float8_e4m3fn, "serial"),
-      (128, 16, 8192, None, jnp.float8_e4m3fn, "serial"),
-      (128, 128, 4096, None, jnp.float8_e4m3fn, "half_pages"),
-      (128, 16, 8192, 1, jnp.float8_e4m3fn, "half_pages"),
-      (128, 128, 4096, None, jnp.float8_e4m3fn, "shared_widening"),
-      (128, 16, 8192, 1, jnp.float8_e4m3fn, "shared_widening")])
-  def test_lowers_for_hopper(self, batch, n, seq, splits, cache_dtype, fp8_pipeline):
+  @pytest.mark.parametrize("batch,n,seq,splits,cache_dtype,knobs", [
+      (128, 128, 8192, None, jnp.bfloat16, {}), (128, 16, 32768, None, jnp.bfloat16, {}),
+      (4, 20, 4096, 1, jnp.bfloat16, {}),
+      (128, 128, 8192, None, jnp.bfloat16, {"bf16_schedule": "scores_apart"}),
+      (128, 128, 8192, None, jnp.bfloat16, {"bf16_schedule": "scores_apart_pv_first"}),
+      (4, 20, 4096, 1, jnp.bfloat16, {"bf16_schedule": "scores_apart"}),
+      (128, 128, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "serial"}),
+      (128, 16, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "serial"}),
+      (128, 128, 4096, None, jnp.float8_e4m3fn, {"fp8_pipeline": "half_pages"}),
+      (128, 16, 8192, 1, jnp.float8_e4m3fn, {"fp8_pipeline": "half_pages"}),
+      (128, 128, 4096, None, jnp.float8_e4m3fn, {"fp8_pipeline": "shared_widening"}),
+      (128, 16, 8192, 1, jnp.float8_e4m3fn, {"fp8_pipeline": "shared_widening"})])
+  def test_lowers_for_hopper(self, batch, n, seq, splits, cache_dtype, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # shapes and layouts, bulk-copy boxes, and that shared memory fits a Hopper block's 227 KB.
     q = jax.ShapeDtypeStruct((batch, n, 576), jnp.bfloat16)
@@ -177,16 +186,17 @@ class TestPallasMosaicDecode(DecodeContract):
     lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
     k_scale = jnp.float32(FP8_SCALE) if cache_dtype == jnp.float8_e4m3fn else None
     traced = mosaic_decode.latent_decode.trace(q, cache, tables, lens, scale=SCALE,
-                                               k_scale=k_scale, num_kv_splits=splits,
-                                               fp8_pipeline=fp8_pipeline)
+                                               k_scale=k_scale, num_kv_splits=splits, **knobs)
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
   def test_register_split_fits_the_launch(self):
     # setmaxnreg.inc past the registers the block was launched with waits forever (a hang on the
-    # H200, not an error), and the interpreter does not model registers.
-    for consumer, memory in mosaic_decode._REGS.values():
-      assert 2 * consumer + memory <= REGISTER_POOL == 65536 // 384 // 8 * 8 * 3
-      assert consumer % 8 == 0 and memory % 8 == 0
+    # H200, not an error), and the interpreter does not model registers. setmaxnreg takes
+    # multiples of 8 from 24 to 256.
+    assert (register_pool(3), register_pool(4)) == (3 * 168, 4 * 128)
+    for regs in mosaic_decode._REGS.values():
+      assert sum(regs) <= register_pool(len(regs))
+      assert all(r % 8 == 0 and 24 <= r <= 256 for r in regs)
 
   @pytest.mark.parametrize("change,message", [
       (lambda a: {**a, "q": a["q"][0]}, "want q"),
@@ -209,6 +219,7 @@ class TestPallasMosaicDecode(DecodeContract):
       (lambda a: {**a, "num_kv_splits": 2, "split_tokens": 64}, "not both"),
       (lambda a: {**a, "split_tokens": 96}, "multiple of the kernel's step"),
       (lambda a: {**a, "fp8_pipeline": "quarter_pages"}, "fp8_pipeline must be one of"),
+      (lambda a: {**a, "bf16_schedule": "seesaw"}, "bf16_schedule must be one of"),
   ])
   def test_bad_input_raises(self, change, message):
     q, cache, tables, lens = (jnp.asarray(a)
@@ -269,6 +280,58 @@ class TestPallasMosaicDecodeSharedWidening(TestPallasMosaicDecodeHalfPages):
   half-page after next, the memory warpgroup the rest) on the same cases: every half-page's
   columns come from two warpgroups, and the stage ring is refilled only once both are done."""
   pipeline = "shared_widening"
+
+
+class TestPallasMosaicDecodeScoresApart(DecodeContract):
+  """The Mosaic kernel's bf16_schedule="scores_apart" (warpgroup 0 computes S and the softmax
+  only, warpgroups 1 and 2 the two halves of the value columns from P in shared memory, warpgroup
+  3 copies) through the backend's MOSAIC_DECODE_CONFIG: the contract's bf16 page-64 cases (16 and
+  128 heads), and of the default's whole-page cases one split writing the output itself and 3
+  head tiles; bad table entries. fp8 caches ignore the schedule."""
+  backend = "pallas_mosaic"
+  schedule = "scores_apart"
+
+  @pytest.fixture(autouse=True)
+  def _schedule(self, monkeypatch):
+    monkeypatch.setattr(backends, "MOSAIC_DECODE_CONFIG",
+                        mosaic_decode.MosaicDecodeConfig(bf16_schedule=self.schedule))
+
+  def decode(self, q, kv_cache, *args, **kwargs):
+    if kv_cache.dtype != jnp.bfloat16:
+      pytest.skip("bf16_schedule only changes bf16 caches")
+    _skip_unless_mosaic_takes(q, kv_cache)
+    return super().decode(q, kv_cache, *args, **kwargs)
+
+  def test_batch_invariant(self):
+    pytest.skip("the split points are not the schedule's: TestPallasMosaicDecode covers them, and "
+                "its 4 interpreter runs would double this class's CPU time")
+
+  @pytest.mark.parametrize("seed,n,splits,page,req_lens",
+                           [_WHOLE_PAGE_CASES[i] for i in (0, 3)])
+  def test_bf16_whole_pages(self, seed, n, splits, page, req_lens):
+    self.check(*make_case(seed, n=n, page=page, req_lens=req_lens), num_kv_splits=splits)
+
+  def test_bad_table_entries_page_64(self):
+    self.check_bad_table_entries(page=64, req_lens=[200, 150])
+
+  def test_backend_passes_the_schedule(self, monkeypatch):
+    # Without this the cases above would also pass on the default schedule.
+    seen = []
+    monkeypatch.setattr(mosaic_decode, "latent_decode",
+                        lambda *a, bf16_schedule, **k: seen.append(bf16_schedule) or (None, None))
+    q, cache, tables, lens = make_case(113, n=16, page=64, req_lens=[5])
+    self.decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(tables), jnp.asarray(lens))
+    assert seen == [self.schedule]
+
+
+class TestPallasMosaicDecodeScoresApartPvFirst(TestPallasMosaicDecodeScoresApart):
+  """bf16_schedule="scores_apart_pv_first" (the same warpgroups; warpgroup 0 issues each step's S
+  only once both value warpgroups issued the last step's P V): the contract's bf16 page-64 cases
+  (rows of 0 to 3 steps a split: the barrier's phases with none, one and several waits in the
+  loop). The other cases run the parent's code paths (output stores, padded tiles, masking)."""
+  schedule = "scores_apart_pv_first"
+  test_bf16_whole_pages = None
+  test_bad_table_entries_page_64 = None
 
 
 def _stage1_splits(jaxpr):
