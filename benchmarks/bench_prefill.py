@@ -19,7 +19,8 @@ MosaicPrefillConfig fields changed, in the same run; for a variant named "FIELD=
 "<name> x sdpa" and "<name> max diff" (the largest difference from the default's output).
 `--sweep` times the Triton kernel's (block_q, block_k, num_warps, num_stages) variants and the
 Mosaic kernel's (its SWEEP: block_k, num_stages, ping_pong, the persistent queue and its L2
-sections) ones instead; `--no-triton` leaves the Triton variants out.
+sections, the output's in-place tiles and store waits, intra_overlap) ones instead;
+`--no-triton` leaves the Triton variants out.
 
 `--context R NEW CTX` times the chunked-context prefill end to end (SPEC section 5): the MLA layer's
 prefill path (`MLAAttention._prefill`, DeepSeek-V3 dims, N heads, bf16, `--backend`) for R requests

@@ -18,7 +18,9 @@ the grid stays and is the default from there (`persistent`). Three warpgroups a 
   S = Q K^T (two wgmma, M = 64 rows, N = block_k keys), the float32 online softmax in exp2,
   O = O * alpha + P V (wgmma with P in registers, accumulating in place); the two warpgroups take
   turns on the tensor cores through a barrier (ping-pong: one's softmax overlaps the other's
-  products);
+  products); with `intra_overlap` (prepared, not yet timed) each instead issues step j's S, then
+  step j - 1's P V, and runs step j's softmax while that P V runs (FlashAttention-3's
+  intra-warpgroup overlap, without turns, as FA3 runs head dims over 128);
 - memory (warpgroup 2): the request's K and V blocks, block_k keys a step, one bulk copy each into a
   ring of slots, refilled as soon as both compute warpgroups are done with a slot's K (or V).
 Both compute warpgroups walk the same steps (those the block's last row needs), so they share every
@@ -136,6 +138,12 @@ class MosaicPrefillConfig:
   # (the staging then takes the next item's query tile), its writes landing under the next item;
   # else until they land, between every two items (the last stores are waited for at the end).
   store_wait_read: bool = False
+  # FlashAttention-3's intra-warpgroup overlap: each compute warpgroup issues step j's S = Q K^T
+  # and then step j - 1's P V, and runs step j's softmax while P V is on the tensor cores (a
+  # second 64 x block_k f32 accumulator, 64 registers a thread). Without turn-taking (ping_pong
+  # False), as FA3 runs it for head dims over 128. Prepared, not yet timed (benchmarks/RESULTS.md,
+  # session 9).
+  intra_overlap: bool = False
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -150,9 +158,11 @@ class MosaicPrefillConfig:
       check_at_least("num_programs", self.num_programs, 1)
     if self.l2_section_bytes is not None:
       check_at_least("l2_section_bytes", self.l2_section_bytes, 1)
-    for name in ("in_place", "store_wait_read"):
+    for name in ("in_place", "store_wait_read", "intra_overlap"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+    if self.intra_overlap and self.ping_pong:
+      raise ValueError("intra_overlap runs without turn-taking: pass ping_pong=False with it")
 
 
 # The chosen config (128-key steps, ring as deep as fits, ping-pong, the queue in 32 MiB sections)
@@ -164,7 +174,8 @@ SWEEP = (DEFAULT, MosaicPrefillConfig(persistent=True),
          MosaicPrefillConfig(persistent=True, l2_section_bytes=8 << 20),
          MosaicPrefillConfig(persistent=True, l2_section_bytes=None),
          MosaicPrefillConfig(in_place=False), MosaicPrefillConfig(store_wait_read=True),
-         MosaicPrefillConfig(in_place=False, store_wait_read=True)) + tuple(
+         MosaicPrefillConfig(in_place=False, store_wait_read=True),
+         MosaicPrefillConfig(ping_pong=False, intra_overlap=True)) + tuple(
     MosaicPrefillConfig(*v, persistent=False)
     for v in [(128, 2, True), (128, 2, False), (64, 4, True), (64, 3, True), (64, 4, False)])
 
@@ -225,7 +236,7 @@ def _block_keys(qs, q_lead, q_len, k_len, causal):
 
 def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref, *rest, scale,
                     causal, num_q_programs, block_k, ping_pong, p_in_registers, persistent,
-                    section_heads, direct, split_k, in_place, store_wait_read):
+                    section_heads, direct, split_k, in_place, store_wait_read, intra_overlap):
   # GMEM: cu_q_ref, cu_k_ref [R+1] int32; tile_ref [R] int32 (request's first output tile);
   # queue_ref [2, B+1] int32 (persistent: column 0 row 0 the number of blocks, then per block,
   # heaviest first, its request (row 0) and index in the request (row 1); otherwise unused);
@@ -341,59 +352,108 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
     plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
     rows_layout = plgpu.Layout.WGMMA.reduce(1)
 
+    def zero_foreign_values(w, j, slot):
+      """A box's rows outside the request get P = 0, but 0 * NaN (or inf) in V is NaN: step j's
+      masked V slot has them zeroed in shared memory first (a select), so another request's
+      values never reach a row. Only masked steps hold such rows: the first when the request
+      starts off 8 rows, the last when its keys end inside the box, any box moved back from the
+      array's end. Returns whether it zeroed (then v_clean, not v_ready, says the slot is
+      ready)."""
+      clean = foreign_keys(w, j)[0]
+
+      @pl.when(clean)
+      def _():
+        plgpu.barrier_wait(v_ready.at[slot])
+        _, key0, shift = foreign_keys(w, j)
+
+        # Each compute warpgroup takes 64 rows (with 64-key steps, warpgroup 0 all of them).
+        @pl.when(wg * _TILE < block_k)
+        def _():
+          tile = v_smem.at[slot, pl.ds(wg * _TILE, _TILE)]  # [64, Dv]
+          vals = tile[...]
+          rows = wg * _TILE + plgpu.broadcasted_iota(jnp.int32, vals.shape, 0,
+                                                     layout=plgpu.Layout.WGMMA)
+          own = (rows >= shift) & (rows + key0 >= 0) & (rows + key0 < w.k_len)
+          tile[...] = jnp.where(own, vals, jnp.zeros((), vals.dtype))
+
+        plgpu.commit_smem()  # plain stores read next by wgmma (the async proxy)
+        plgpu.barrier_arrive(v_clean.at[slot])
+
+      return clean
+
+    def wait_values(clean, slot):
+      """Waits until a slot's V may be read: both warpgroups' rows zeroed (each waited for the
+      copy) where `clean` (a traced bool, or False for steps that never zero), else the copy."""
+      if clean is False:
+        plgpu.barrier_wait(v_ready.at[slot])
+      else:
+        pl.when(clean)(lambda: plgpu.barrier_wait(v_clean.at[slot]))
+        pl.when(~clean)(lambda: plgpu.barrier_wait(v_ready.at[slot]))
+
+    def issue_scores(acc_ref, slot):  # acc_ref [64 rows, block_k keys] f32; nope then rope
+      plgpu.wgmma(acc_ref, qv_smem.at[wg], k_smem.at[slot, :, pl.ds(0, dv)].transpose((1, 0)))
+      if qr_smem is not None:
+        k_rope = kr_smem.at[slot] if split_k else k_smem.at[slot, :, pl.ds(dv, dk - dv)]
+        plgpu.wgmma(acc_ref, qr_smem.at[wg], k_rope.transpose((1, 0)))
+
+    def mask_scores(s, w, j, q_shift):
+      """s with -inf where step j's keys are outside the request or (causal) after the row's."""
+      # Made in the step, not carried: an int32 iota of the tile is block_k / 2 registers.
+      cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+      _, k_shift = box(w.k_base + j * block_k, block_k, tk)
+      keys = cols + (j * block_k - k_shift - w.k_lead)  # request-local key positions
+      # cols >= k_shift: keys before those were counted by the previous step.
+      visible = (cols >= k_shift) & (keys >= 0) & (keys < w.k_len)
+      if causal:
+        rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+        diag = w.k_len - w.q_len
+        visible &= keys <= rows + (w.qs + wg * _TILE - q_shift - w.q_lead + diag)
+      return jnp.where(visible, s, -jnp.inf)
+
+    def softmax(s, m):
+      """The online softmax of one step's scores, in exp2: the new row max, the factor that
+      rescales the running sums to it, and the unnormalized probabilities."""
+      # Scale the row max, not s: then s * qk_scale - m below is one FMA per element.
+      m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(s * qk_scale - row_broadcast(m_new, s.shape))
+      return m_new, alpha, p
+
+    def add_values(acc, p16, slot, in_flight=lambda: None):
+      """acc + P V with the slot's V; in_flight runs while the product does."""
+      if p_in_registers:
+        def values(acc_ref):  # acc_ref [64 rows, Dv] f32, accumulating in place
+          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+          in_flight()
+
+        return pl.run_state(values)(plgpu.ACC.init(acc))
+      # The interpreter's form: wgmma with shared-memory operands into a fresh accumulator.
+      p_smem.at[wg][...] = p16
+      plgpu.commit_smem()  # these plain stores are read next by wgmma (the async proxy)
+
+      def values(acc_ref):
+        plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+        return acc_ref[...]
+
+      acc = acc + pl.run_scoped(values, plgpu.ACC(acc.shape, jnp.float32))
+      in_flight()
+      return acc
+
     def step(j, carry, w, q_shift, end, masked):
       m, l, acc, count = carry
       slot = lax.rem(count, stages)  # its K landed: waited for by the previous step or the block
-      # A box's rows outside the request get P = 0, but 0 * NaN (or inf) in V is NaN: they are
-      # zeroed in shared memory first (a select), so another request's values never reach a row.
-      # Only masked steps hold such rows: the first when the request starts off 8 rows, the last
-      # when its keys end inside the box, any box moved back from the array's end.
-      clean = foreign_keys(w, j)[0] if masked else False
-      if masked:
-        @pl.when(clean)
-        def _():
-          plgpu.barrier_wait(v_ready.at[slot])
-          _, key0, shift = foreign_keys(w, j)
+      clean = zero_foreign_values(w, j, slot) if masked else False
 
-          # Each compute warpgroup takes 64 rows (with 64-key steps, warpgroup 0 all of them).
-          @pl.when(wg * _TILE < block_k)
-          def _():
-            tile = v_smem.at[slot, pl.ds(wg * _TILE, _TILE)]  # [64, Dv]
-            vals = tile[...]
-            rows = wg * _TILE + plgpu.broadcasted_iota(jnp.int32, vals.shape, 0,
-                                                       layout=plgpu.Layout.WGMMA)
-            own = (rows >= shift) & (rows + key0 >= 0) & (rows + key0 < w.k_len)
-            tile[...] = jnp.where(own, vals, jnp.zeros((), vals.dtype))
-
-          plgpu.commit_smem()  # plain stores read next by wgmma (the async proxy)
-          plgpu.barrier_arrive(v_clean.at[slot])
-
-      def scores(acc_ref):  # acc_ref [64 rows, block_k keys] f32; nope then rope columns
-        plgpu.wgmma(acc_ref, qv_smem.at[wg], k_smem.at[slot, :, pl.ds(0, dv)].transpose((1, 0)))
-        if qr_smem is not None:
-          k_rope = kr_smem.at[slot] if split_k else k_smem.at[slot, :, pl.ds(dv, dk - dv)]
-          plgpu.wgmma(acc_ref, qr_smem.at[wg], k_rope.transpose((1, 0)))
+      def scores(acc_ref):
+        issue_scores(acc_ref, slot)
         take_turn()
         return acc_ref[...]
 
       s = pl.run_scoped(scores, plgpu.ACC((_TILE, block_k), jnp.float32))
       plgpu.barrier_arrive(k_consumed.at[slot])
       if masked:
-        # Made in the step, not carried: an int32 iota of the tile is block_k / 2 registers.
-        cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-        _, k_shift = box(w.k_base + j * block_k, block_k, tk)
-        keys = cols + (j * block_k - k_shift - w.k_lead)  # request-local key positions
-        # cols >= k_shift: keys before those were counted by the previous step.
-        visible = (cols >= k_shift) & (keys >= 0) & (keys < w.k_len)
-        if causal:
-          rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-          diag = w.k_len - w.q_len
-          visible &= keys <= rows + (w.qs + wg * _TILE - q_shift - w.q_lead + diag)
-        s = jnp.where(visible, s, -jnp.inf)
-      # Scale the row max, not s: then s * qk_scale - m below is one FMA per element.
-      m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
-      alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(s * qk_scale - row_broadcast(m_new, s.shape))
+        s = mask_scores(s, w, j, q_shift)
+      m_new, alpha, p = softmax(s, m)
       acc = acc * row_broadcast(alpha, acc.shape)
       l = l * alpha + p.sum(axis=1)
       p16 = p.astype(v_smem.dtype)
@@ -401,12 +461,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
       if ping_pong:
         plgpu.barrier_arrive(schedule)  # softmax done
-      if masked:
-        # Both warpgroups' rows zeroed (each waited for the copy), or the copy landed.
-        pl.when(clean)(lambda: plgpu.barrier_wait(v_clean.at[slot]))
-        pl.when(~clean)(lambda: plgpu.barrier_wait(v_ready.at[slot]))
-      else:
-        plgpu.barrier_wait(v_ready.at[slot])
+      wait_values(clean, slot)
       if ping_pong:
         plgpu.barrier_wait(schedule)  # the tensor cores are ours
 
@@ -415,25 +470,66 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
         def _():
           plgpu.barrier_wait(k_ready.at[lax.rem(count + 1, stages)])
 
-      if p_in_registers:
-        def values(acc_ref):  # acc_ref [64 rows, Dv] f32, the rescaled running sum
-          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-          next_keys()
-
-        acc = pl.run_state(values)(plgpu.ACC.init(acc))
-      else:
-        # The interpreter's form: wgmma with shared-memory operands into a fresh accumulator.
-        p_smem.at[wg][...] = p16
-        plgpu.commit_smem()  # these plain stores are read next by wgmma (the async proxy)
-
-        def values(acc_ref):
-          plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
-          return acc_ref[...]
-
-        acc = acc + pl.run_scoped(values, plgpu.ACC(acc.shape, jnp.float32))
-        next_keys()
+      acc = add_values(acc, p16, slot, next_keys)
       plgpu.barrier_arrive(v_consumed.at[slot])
       return m_new, l, acc, count + 1
+
+    def overlapped_step(j, carry, w, q_shift, masked, first=False):
+      """intra_overlap (FlashAttention-3's intra-warpgroup overlap): step j's S = Q K^T is issued,
+      then step j - 1's P V, and step j's softmax runs while P V is on the tensor cores. After
+      step j, acc holds the P V of the steps before j, scaled to step j's row max, and p16 is
+      step j's P, whose P V the next step (or `last_values`) adds; `first`: step 0, no P V."""
+      m, l, acc, count, p16 = carry
+      slot = lax.rem(count, stages)
+      prev = lax.rem(count + stages - 1, stages)  # step j - 1's slot
+      if masked:
+        zero_foreign_values(w, j, slot)
+      if not first:  # step 0's K was waited for by the block
+        plgpu.barrier_wait(k_ready.at[slot])
+
+      def products(s_ref, o_ref=None):  # s_ref [64, block_k], o_ref [64, Dv] f32
+        issue_scores(s_ref, slot)
+        if not first:
+          # Only a masked step zeroes V rows; an unmasked one has no foreign keys, so this is
+          # False there.
+          wait_values(foreign_keys(w, j - 1)[0], prev)
+          if p_in_registers:
+            o_ref[...] = acc  # accumulating in place
+            plgpu.wgmma(o_ref, p16, v_smem.at[prev])
+          else:  # the interpreter's form (see add_values)
+            p_smem.at[wg][...] = p16
+            plgpu.commit_smem()
+            plgpu.wgmma(o_ref, p_smem.at[wg], v_smem.at[prev])
+        # Waits for the scores only: P V (the last group issued) stays in flight.
+        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if first else 1)
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        if masked:
+          s = mask_scores(s, w, j, q_shift)
+        m_new, alpha, p = softmax(s, m)
+        l_new = l * alpha + p.sum(axis=1)
+        pv = None
+        if not first:
+          pv = o_ref[...]  # waits for P V
+          plgpu.barrier_arrive(v_consumed.at[prev])
+        return m_new, alpha, p, l_new, pv
+
+      accs = [plgpu.ACC((_TILE, block_k), jnp.float32)]
+      if not first:
+        accs.append(plgpu.ACC((_TILE, dv), jnp.float32))
+      m_new, alpha, p, l, pv = pl.run_scoped(products, *accs)
+      if not first:
+        acc = pv if p_in_registers else acc + pv
+      acc = acc * row_broadcast(alpha, acc.shape)
+      return m_new, l, acc, count + 1, p.astype(v_smem.dtype)
+
+    def last_values(_, carry, w, end):
+      """The P V of an item's last step (intra_overlap): run once if the item has steps."""
+      m, l, acc, count, p16 = carry
+      prev = lax.rem(count + stages - 1, stages)
+      wait_values(foreign_keys(w, end - 1)[0], prev)
+      acc = add_values(acc, p16, prev)
+      plgpu.barrier_arrive(v_consumed.at[prev])
+      return m, l, acc, count, p16
 
     def q_block(trip, count):
       w = item(trip)
@@ -456,10 +552,25 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
                plgpu.layout_cast(jnp.zeros((_TILE,), jnp.float32), rows_layout),
                plgpu.layout_cast(jnp.zeros((_TILE, dv), jnp.float32), plgpu.Layout.WGMMA),
                count)
-      run = functools.partial(step, w=w, q_shift=q_shift, end=end)
-      carry = lax.fori_loop(0, lo, functools.partial(run, masked=True), carry)
-      carry = lax.fori_loop(lo, hi, functools.partial(run, masked=False), carry)
-      m, l, acc, count = lax.fori_loop(hi, end, functools.partial(run, masked=True), carry)
+      if intra_overlap:
+        # Step 0 apart (no P V before it), always masked (a mask an unmasked step passes whole);
+        # then the steps as below, from 1; then the last step's P V.
+        first = jnp.minimum(end, 1)
+        run = functools.partial(overlapped_step, w=w, q_shift=q_shift)
+        carry += (plgpu.layout_cast(jnp.zeros((_TILE, block_k), v_smem.dtype),
+                                    plgpu.Layout.WGMMA),)
+        carry = lax.fori_loop(0, first, functools.partial(run, masked=True, first=True), carry)
+        lo, hi = jnp.maximum(lo, first), jnp.maximum(hi, first)
+        carry = lax.fori_loop(first, lo, functools.partial(run, masked=True), carry)
+        carry = lax.fori_loop(lo, hi, functools.partial(run, masked=False), carry)
+        carry = lax.fori_loop(hi, end, functools.partial(run, masked=True), carry)
+        m, l, acc, count, _ = lax.fori_loop(0, first, functools.partial(last_values, w=w, end=end),
+                                            carry)
+      else:
+        run = functools.partial(step, w=w, q_shift=q_shift, end=end)
+        carry = lax.fori_loop(0, lo, functools.partial(run, masked=True), carry)
+        carry = lax.fori_loop(lo, hi, functools.partial(run, masked=False), carry)
+        m, l, acc, count = lax.fori_loop(hi, end, functools.partial(run, masked=True), carry)
 
       # A tile wholly past the request (the second half of its last block) writes nothing: its
       # slot belongs to the next request (direct: every tile writes its own rows). Rows that saw
@@ -661,7 +772,7 @@ def _section_heads(num_heads, head_kv_bytes, budget):
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "max_seqlen_q", "block_k",
                                              "num_stages", "ping_pong", "persistent",
                                              "num_programs", "l2_section_bytes", "in_place",
-                                             "store_wait_read", "interpret"))
+                                             "store_wait_read", "intra_overlap", "interpret"))
 def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
                 cu_seqlens_k: jax.Array, *, scale: float, causal: bool, max_seqlen_q: int,
                 k_pe: jax.Array | None = None, block_k: int = DEFAULT.block_k,
@@ -670,6 +781,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                 num_programs: int | None = DEFAULT.num_programs,
                 l2_section_bytes: int | None = DEFAULT.l2_section_bytes,
                 in_place: bool = DEFAULT.in_place, store_wait_read: bool = DEFAULT.store_wait_read,
+                intra_overlap: bool = DEFAULT.intra_overlap,
                 interpret: bool | plgpu.InterpretGPUParams = False
                 ) -> tuple[jax.Array, jax.Array]:
   """Variable-length attention with a running LSE; see the module docstring for the layout.
@@ -689,12 +801,14 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   bytes (see MosaicPrefillConfig). in_place: a batch writes its output tiles in place but for each
   request's first and last, which a scatter patches in, instead of every tile to a slot and a
   gather; store_wait_read: output stores waited for only until they read shared memory, not until
-  their writes land (see MosaicPrefillConfig). interpret: True or a `plgpu.InterpretGPUParams` runs
+  their writes land (see MosaicPrefillConfig); intra_overlap (with ping_pong False): each compute
+  warpgroup's softmax runs while its previous step's P V does (FA3's intra-warpgroup overlap).
+  interpret: True or a `plgpu.InterpretGPUParams` runs
   Mosaic GPU's CPU interpreter. Returns o [Tq, N, Dv] bf16 and lse [Tq, N] float32 (natural log);
   rows past cu_q[-1], and rows that see no key, give (0, -inf).
   """
   config = MosaicPrefillConfig(block_k, num_stages, ping_pong, persistent, num_programs,
-                               l2_section_bytes, in_place, store_wait_read)
+                               l2_section_bytes, in_place, store_wait_read, intra_overlap)
   _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, config, k_pe)
   split_k = k_pe is not None
   tq, n, dk = q.shape
@@ -766,7 +880,8 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                              num_q_programs=num_q_programs, block_k=block_k, ping_pong=ping_pong,
                              p_in_registers=p_in_registers, persistent=persistent,
                              section_heads=section_heads, direct=direct, split_k=split_k,
-                             in_place=in_place, store_wait_read=store_wait_read)
+                             in_place=in_place, store_wait_read=store_wait_read,
+                             intra_overlap=intra_overlap)
   out_rows = q.shape[0] if direct or in_place else num_tiles * _TILE
   edge_rows = [2 * num_requests * _TILE] if in_place else []  # first and last tile slots
   outs = plgpu.kernel(
@@ -801,7 +916,8 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
       kernel_name=(f"mosaic_mla_prefill_{'causal' if causal else 'full'}_k{block_k}_s{stages}"
                    f"{'_pp' if ping_pong else ''}{'_persistent' if persistent else ''}"
                    f"{'_kpe' if split_k else ''}{'_in_place' if in_place else ''}"
-                   f"{'_wait_read' if store_wait_read else ''}"),
+                   f"{'_wait_read' if store_wait_read else ''}"
+                   f"{'_overlap' if intra_overlap else ''}"),
   )(cu_q, cu_k, tile_offsets, queue, q, *k_inputs)
   if in_place:
     o, lse = _patch_edges(*outs, cu_q)

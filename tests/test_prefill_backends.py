@@ -172,10 +172,13 @@ class TestPallasMosaicPrefill(PrefillContract):
 
   # split: the keys in the split form (two boxes a key step into one barrier). knobs: one program
   # walks all three items, the next query tile landing in the staging as soon as the store has read
-  # it (store_wait_read), tiles in place and patched.
+  # it (store_wait_read), tiles in place and patched; intra_overlap, one program walking the three
+  # items (each step's P V issued in the next step, its V slot released there, the ring running
+  # on across items).
   @pytest.mark.parametrize("split, knobs", [
       (False, {}), (True, {}), (False, dict(num_programs=1, store_wait_read=True, in_place=True)),
-  ], ids=["joined", "split", "wait_read-in_place"])
+      (False, dict(num_programs=1, ping_pong=False, intra_overlap=True)),
+  ], ids=["joined", "split", "wait_read-in_place", "intra_overlap"])
   def test_no_races_in_the_interpreter(self, split, knobs):
     # The race detector sees plain loads and stores and bulk copies (each warpgroup's P, the K/V
     # ring refills, the output staging), not the operand reads of wgmma. jax 0.11.2 reports it
@@ -214,6 +217,10 @@ class TestPallasMosaicPrefill(PrefillContract):
       # Stores waited for until they read shared memory, with tiles in place and with the gather.
       (8192, 128, 8, True, dict(store_wait_read=True)),
       (4096, 128, 2, True, dict(in_place=False, store_wait_read=True)),
+      # intra_overlap (two accumulators in flight, the scores waited for alone): 16K on the grid,
+      # one 4096-token request on the queue.
+      (16384, 128, 1, True, dict(ping_pong=False, intra_overlap=True)),
+      (4096, 128, 1, True, dict(ping_pong=False, intra_overlap=True)),
   ])
   def test_lowers_for_hopper(self, tokens, n, requests, causal, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
@@ -262,6 +269,8 @@ class TestPallasMosaicPrefill(PrefillContract):
       (dict(l2_section_bytes=0), "l2_section_bytes must be an int >= 1"),
       (dict(in_place=1), "in_place must be a bool"),
       (dict(store_wait_read=None), "store_wait_read must be a bool"),
+      (dict(intra_overlap=1, ping_pong=False), "intra_overlap must be a bool"),
+      (dict(intra_overlap=True), "intra_overlap runs without turn-taking"),
       (dict(cu_seqlens_q=jnp.array([0.0, 8.0])), "int32"),
       (dict(cu_seqlens_k=jnp.array([0, 4, 8], jnp.int32)), "differ in length"),
       # Split keys whose own columns are not Dv: the query tile is split at Dv.
@@ -349,3 +358,28 @@ class TestPallasMosaicPrefillL2Sections(PrefillContract):
   ])
   def test_section_heads(self, heads, head_kv_bytes, budget, want):
     assert mosaic_prefill._section_heads(heads, head_kv_bytes, budget) == want
+
+
+class TestPallasMosaicPrefillIntraOverlap(PrefillContract):
+  """The contract on `intra_overlap` (prepared, not timed: each step's P V issued after the next
+  step's scores, the softmax beside it), in the interpreter, on the queue (3 programs, each
+  taking several items), narrowed to two cases for the suite's time that reach every path of its
+  step loop: the packed requests (1, 7, 128, 0 and 300 tokens: step 0 apart, unmasked steps, a
+  request off 8-aligned rows whose first V slot is cleaned and waited for a step later, items of
+  one step) and the poisoned requests in the split form (NaN, inf in the neighbours' rows, a
+  5-row request at the arrays' end whose box moves back). One program: the race test above. The
+  rest of the contract (split keys' bits, argument checks) runs no code the variant changes."""
+  test_split_keys_match_oracle_and_joined_keys = None
+  test_bad_split_keys_raise = None
+
+  def prefill(self, q, *args, **kwargs):
+    return mosaic_prefill.mla_prefill(q, *args, **kwargs, ping_pong=False, intra_overlap=True,
+                                      num_programs=3, interpret=True)
+
+  @pytest.mark.parametrize("case", ["causal_bf16_n2_packed"])
+  def test_matches_oracle(self, case, rng):
+    super().test_matches_oracle(case, rng)
+
+  @pytest.mark.parametrize("len_q, len_k, split", [([150, 100, 5], [150, 100, 5], True)])
+  def test_a_poisoned_request_leaves_the_others_exact(self, rng, len_q, len_k, split):
+    super().test_a_poisoned_request_leaves_the_others_exact(rng, len_q, len_k, split)
