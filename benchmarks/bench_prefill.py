@@ -15,11 +15,11 @@ sdpa" and the largest difference of its output from the Triton kernel's; "grid m
 its persistent queue; a compile or run failure is recorded in "mosaic error" and the row goes on.
 `--mosaic-variant FIELD=VALUE ...` (repeatable) also times the Mosaic kernel with those
 MosaicPrefillConfig fields changed, in the same run; for a variant named "FIELD=VALUE ..." (e.g.
-"in_place=True"): "<name> ms", "<name> TFLOP/s", "default/<name>" (> 1: the variant is faster),
+"persistent=True"): "<name> ms", "<name> TFLOP/s", "default/<name>" (> 1: the variant is faster),
 "<name> x sdpa" and "<name> max diff" (the largest difference from the default's output).
 `--sweep` times the Triton kernel's (block_q, block_k, num_warps, num_stages) variants and the
 Mosaic kernel's (its SWEEP: block_k, num_stages, ping_pong, the persistent queue and its L2
-sections, the output's in-place tiles and store waits, intra_overlap) ones instead;
+sections, intra_overlap) ones instead;
 `--no-triton` leaves the Triton variants out.
 
 `--context R NEW CTX` times the chunked-context prefill end to end (SPEC section 5): the MLA layer's

@@ -36,14 +36,12 @@ Bulk copies move whole boxes and cannot mask rows, so:
   needed);
 - a box that would run past the end of q or k/v is moved back to end there (the row positions in
   the masks account for both shifts);
-- a 64-row output tile may run into the next request's rows, so each tile is written to its own slot
-  of a padded output (`tile_offsets`: request r's tiles follow the earlier requests' ones), and the
-  packed result is gathered from there (`_unpack`); rows past cu_q[-1] are set there too (with
-  `in_place`, a batch's tiles of one request's rows only are written in place, each request's
-  first and last tile to slots whose rows a scatter patches in, `_patch_edges`). One
-  request (persistent) needs no gather: its blocks then start at row 0 and cover every row of q
-  (padded to whole blocks, a copy only when needed), each tile is written in place, rows outside
-  the request as 0, -inf.
+- a 64-row output tile may run into the next request's rows, so a batch writes in place only the
+  tiles of one request's rows; each request's first and last tile go to two slots of their own,
+  whose rows a scatter patches in (`_patch_edges`, at most 128 rows a request); the rows past
+  cu_q[-1] are one more request, without keys, which writes them as 0, -inf. One request
+  (persistent) writes every tile in place: its blocks then start at row 0 and cover every row of
+  q (padded to whole blocks, a copy only when needed), rows outside the request as 0, -inf.
 Requests are isolated: keys outside a request that a box reads get S = -inf by a select (so
 P = 0), and their V rows are zeroed in shared memory before P V (0 * NaN would be NaN), so no
 value of another request, NaN or inf included, reaches a row. Only the masked steps that hold such
@@ -126,18 +124,6 @@ class MosaicPrefillConfig:
   # heads one section from _HEADS_FIRST_MIN heads, else one head a section. The grid has no
   # queue and ignores it.
   l2_section_bytes: int | None = 32 << 20
-  # A batch (not the queue's one request, which is written in place anyway) writes its interior
-  # 64-row output tiles in place and each request's first and last tile, where they hold rows of
-  # a neighbour or were moved back at the array's end, to two slots a request, patched in by a
-  # scatter (at most 128 rows a request); rows past cu_q[-1] are one more request without keys.
-  # Else every tile goes to a slot and the packed output is gathered from there (`_unpack`: the
-  # whole output read and written again, 537 MB at 8 x 1024 tokens and 128 heads). H200: 1.23x
-  # at 8 x 1024 and 1.05x at 4 x 4096 (N=128, the grid), the same bits.
-  in_place: bool = True
-  # The compute warpgroups wait for an output tile's store only until it has read shared memory
-  # (the staging then takes the next item's query tile), its writes landing under the next item;
-  # else until they land, between every two items (the last stores are waited for at the end).
-  store_wait_read: bool = False
   # FlashAttention-3's intra-warpgroup overlap: each compute warpgroup issues step j's S = Q K^T
   # and then step j - 1's P V, and runs step j's softmax while P V is on the tensor cores (a
   # second 64 x block_k f32 accumulator, 64 registers a thread). Without turn-taking (ping_pong
@@ -158,9 +144,8 @@ class MosaicPrefillConfig:
       check_at_least("num_programs", self.num_programs, 1)
     if self.l2_section_bytes is not None:
       check_at_least("l2_section_bytes", self.l2_section_bytes, 1)
-    for name in ("in_place", "store_wait_read", "intra_overlap"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+    if not isinstance(self.intra_overlap, bool):
+      raise ValueError(f"intra_overlap must be a bool, got {self.intra_overlap!r}")
     if self.intra_overlap and self.ping_pong:
       raise ValueError("intra_overlap runs without turn-taking: pass ping_pong=False with it")
 
@@ -173,8 +158,6 @@ DEFAULT = MosaicPrefillConfig()
 SWEEP = (DEFAULT, MosaicPrefillConfig(persistent=True),
          MosaicPrefillConfig(persistent=True, l2_section_bytes=8 << 20),
          MosaicPrefillConfig(persistent=True, l2_section_bytes=None),
-         MosaicPrefillConfig(in_place=False), MosaicPrefillConfig(store_wait_read=True),
-         MosaicPrefillConfig(in_place=False, store_wait_read=True),
          MosaicPrefillConfig(ping_pong=False, intra_overlap=True)) + tuple(
     MosaicPrefillConfig(*v, persistent=False)
     for v in [(128, 2, True), (128, 2, False), (64, 4, True), (64, 3, True), (64, 4, False)])
@@ -215,7 +198,7 @@ class _Item(NamedTuple):
 
 def _interior(first_row, q_start, q_len):
   """Whether the 64-row output tile from first_row (not moved back) holds only the request's rows:
-  then it is written in place (in_place); works on the kernel's scalars and on arrays alike."""
+  then a batch writes it in place; works on the kernel's scalars and on arrays alike."""
   return (first_row >= q_start) & (first_row + _TILE <= q_start + q_len)
 
 
@@ -236,19 +219,18 @@ def _block_keys(qs, q_lead, q_len, k_len, causal):
 
 def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref, *rest, scale,
                     causal, num_q_programs, block_k, ping_pong, p_in_registers, persistent,
-                    section_heads, direct, split_k, in_place, store_wait_read, intra_overlap):
-  # GMEM: cu_q_ref, cu_k_ref [R+1] int32; tile_ref [R] int32 (request's first output tile);
+                    section_heads, direct, split_k, intra_overlap):
+  # GMEM: cu_q_ref, cu_k_ref [R+1] int32; tile_ref [R] int32 (request r's first edge slot, 2r);
   # queue_ref [2, B+1] int32 (persistent: column 0 row 0 the number of blocks, then per block,
   # heaviest first, its request (row 0) and index in the request (row 1); otherwise unused);
   # q_ref [Tq, N, Dk], k_ref [Tk, N, Dk], v_ref [Tk, N, Dv] bf16 (Tq, Tk multiples of 8, >= one
   # box); split_k: k_ref [Tk, N, Dv] (each head's key columns [0, Dv)) and k_pe_ref [Tk, Dk-Dv]
   # (columns [Dv, Dk), the same for every head);
-  # o_ref [tiles*64, N, Dv] bf16 and lse_ref [N, tiles*64] f32: one 64-row slot per output tile;
-  # direct (one request): o_ref [Tq, N, Dv] and lse_ref [N, Tq], the rows themselves.
-  # in_place (a batch; the last request holds the rows past the batch, without keys): o_ref and
-  # lse_ref the rows themselves, written by the tiles inside a request (`_interior`), then
-  # edge_o_ref [E*64, N, Dv] and edge_lse_ref [N, E*64]: the others' slots, request r's first tile
-  # in slot tile_ref[r] (= 2r), its last in slot 2r + 1.
+  # o_ref [Tq, N, Dv] bf16 and lse_ref [N, Tq] f32, the rows themselves: direct (one request)
+  # every tile writes there; a batch (the last request holds the rows past the batch, without
+  # keys) only the tiles inside a request (`_interior`), the others to edge_o_ref [E*64, N, Dv]
+  # and edge_lse_ref [N, E*64], request r's first tile in slot tile_ref[r] (= 2r), its last in
+  # slot 2r + 1 (no edge refs when direct).
   # SMEM: qv_smem [2, 64, Dv] (each compute warpgroup's query columns [0, Dv), then its output
   # staging); qr_smem [2, 64, Dk-Dv] (columns [Dv, Dk); absent when Dk == Dv); k_smem
   # [stages, block_k, Dk] (split_k: [stages, block_k, Dv], and kr_smem [stages, block_k, Dk-Dv]
@@ -261,7 +243,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
   # warpgroups' turns on the tensor cores).
   k_pe_ref, *rest = rest if split_k else (None, *rest)
   o_ref, lse_ref, *rest = rest
-  edge_o_ref, edge_lse_ref, qv_smem, *rest = rest if in_place else (None, None, *rest)
+  edge_o_ref, edge_lse_ref, qv_smem, *rest = (None, None, *rest) if direct else rest
   if qv_smem.shape[2] < q_ref.shape[2]:
     qr_smem, *rest = rest
   else:
@@ -594,27 +576,24 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
           plgpu.copy_smem_to_gmem(qv_smem.at[wg], o_out.at[pl.ds(row, _TILE), w.h])
           plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_out.at[w.h, pl.ds(row, _TILE)])
 
-        if in_place:
+        if direct:
+          store(o_ref, lse_ref, q_first)
+        else:
           # A tile of the request's rows only is written in place (not moved back: those end past
           # the request); the request's first or last tile otherwise goes to its own slot.
           interior = _interior(w.q_base + tile_row, w.q_start, w.q_len)
           pl.when(interior)(lambda: store(o_ref, lse_ref, q_first))
           edge_row = (w.tile + jnp.where(tile_row > 0, 1, 0)) * _TILE
           pl.when(~interior)(lambda: store(edge_o_ref, edge_lse_ref, edge_row))
-        else:
-          store(o_ref, lse_ref,
-                q_first if direct else (w.tile + lax.div(tile_row, _TILE)) * _TILE)
-        # The staging is the next block's query tile: the store must have read it (store_wait_read)
-        # or landed.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=store_wait_read)
+        # The staging is the next block's query tile: the store must have landed (waiting only
+        # until it read shared memory measured no faster; RESULTS, session 8).
+        plgpu.wait_smem_to_gmem(0)
 
       return count
 
     # Warpgroup 1 starts a turn behind, so the two alternate; warpgroup 0 closes the last turn.
     pl.when(wg == 1)(take_turn)
     lax.fori_loop(0, trips, q_block, jnp.int32(0))
-    if store_wait_read:
-      plgpu.wait_smem_to_gmem(0)  # the last stores' writes landed before the program ends
     pl.when(wg == 0)(take_turn)
 
   @pl.when(wg == _COMPUTE_WGS)
@@ -690,33 +669,6 @@ def _pad_rows(x, rows):
   return jnp.pad(x, pad) if padded != x.shape[0] else x
 
 
-def _tile_offsets(cu_q):
-  """[R] int32: request r's first 64-row output slot; its tiles start at its first row's 8-aligned
-  row down, so a request of L rows led by l rows has ceil((L + l) / 64) (none if L = 0)."""
-  lead = cu_q[:-1] % _ALIGN
-  tiles = -(-_aligned_rows(jnp.diff(cu_q), lead) // _TILE)
-  return (jnp.cumsum(tiles) - tiles).astype(jnp.int32)
-
-
-def _unpack(o_tiles, lse_tiles, cu_q, tile_offsets, tq_padded, tq):
-  """The packed [Tq, N, Dv] output and [Tq, N] lse from the per-tile slots the kernel wrote."""
-  t = jnp.arange(tq, dtype=jnp.int32)
-  # compare_all: the default binary search is a while loop, which XLA runs on the GPU as one
-  # launch and host round trip per halving (its fixed cost shows at 1024 tokens).
-  r = jnp.clip(jnp.searchsorted(cu_q, t, side="right", method="compare_all") - 1, 0,
-               cu_q.shape[0] - 2)
-  aligned = t - cu_q[r] + cu_q[r] % _ALIGN  # row within the request's tiles
-  tile = aligned // _TILE
-  tile_start = t - aligned + tile * _TILE
-  shift = jnp.maximum(tile_start + _TILE - tq_padded, 0)  # the box moved back from the end
-  slot_row = (tile_offsets[r] + tile) * _TILE + aligned % _TILE + shift
-  valid = t < cu_q[-1]
-  slot_row = jnp.where(valid, slot_row, 0)
-  o = jnp.where(valid[:, None, None], o_tiles[slot_row], 0).astype(o_tiles.dtype)
-  lse = jnp.where(valid[:, None], lse_tiles[:, slot_row].T, -jnp.inf)
-  return o, lse
-
-
 def _patch_edges(o, lse, edge_o, edge_lse, cu_q):
   """o [Tq, N, Dv] and lse [N, Tq] with the rows of each request's first and last tiles that were
   not written in place (`_interior`) taken from their slots (edge_o [2R*64, N, Dv], edge_lse
@@ -771,8 +723,8 @@ def _section_heads(num_heads, head_kv_bytes, budget):
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "max_seqlen_q", "block_k",
                                              "num_stages", "ping_pong", "persistent",
-                                             "num_programs", "l2_section_bytes", "in_place",
-                                             "store_wait_read", "intra_overlap", "interpret"))
+                                             "num_programs", "l2_section_bytes", "intra_overlap",
+                                             "interpret"))
 def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
                 cu_seqlens_k: jax.Array, *, scale: float, causal: bool, max_seqlen_q: int,
                 k_pe: jax.Array | None = None, block_k: int = DEFAULT.block_k,
@@ -780,7 +732,6 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                 ping_pong: bool = DEFAULT.ping_pong, persistent: bool | None = DEFAULT.persistent,
                 num_programs: int | None = DEFAULT.num_programs,
                 l2_section_bytes: int | None = DEFAULT.l2_section_bytes,
-                in_place: bool = DEFAULT.in_place, store_wait_read: bool = DEFAULT.store_wait_read,
                 intra_overlap: bool = DEFAULT.intra_overlap,
                 interpret: bool | plgpu.InterpretGPUParams = False
                 ) -> tuple[jax.Array, jax.Array]:
@@ -798,17 +749,14 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   first; else one program per (query slot, head, request); default (None): the queue up to 8192
   query rows at 64 heads or more, below 4096 at fewer, where it measured faster. l2_section_bytes
   (persistent only): walk the queue in sections of as many heads as have their K/V within that many
-  bytes (see MosaicPrefillConfig). in_place: a batch writes its output tiles in place but for each
-  request's first and last, which a scatter patches in, instead of every tile to a slot and a
-  gather; store_wait_read: output stores waited for only until they read shared memory, not until
-  their writes land (see MosaicPrefillConfig); intra_overlap (with ping_pong False): each compute
-  warpgroup's softmax runs while its previous step's P V does (FA3's intra-warpgroup overlap).
-  interpret: True or a `plgpu.InterpretGPUParams` runs
-  Mosaic GPU's CPU interpreter. Returns o [Tq, N, Dv] bf16 and lse [Tq, N] float32 (natural log);
-  rows past cu_q[-1], and rows that see no key, give (0, -inf).
+  bytes (see MosaicPrefillConfig). intra_overlap (with ping_pong False): each compute warpgroup's
+  softmax runs while its previous step's P V does (FA3's intra-warpgroup overlap). interpret: True
+  or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns o [Tq, N, Dv] bf16
+  and lse [Tq, N] float32 (natural log); rows past cu_q[-1], and rows that see no key, give
+  (0, -inf).
   """
   config = MosaicPrefillConfig(block_k, num_stages, ping_pong, persistent, num_programs,
-                               l2_section_bytes, in_place, store_wait_read, intra_overlap)
+                               l2_section_bytes, intra_overlap)
   _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, config, k_pe)
   split_k = k_pe is not None
   tq, n, dk = q.shape
@@ -823,22 +771,17 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   # padded to whole 128-row blocks, so that no tile's box is moved back over another tile's rows
   # (a block with none of the request's rows would write 0 over them).
   direct = persistent and num_requests == 1
-  in_place = in_place and not direct
   q = _pad_rows(q, -(-tq // _BLOCK_Q) * _BLOCK_Q if direct else _TILE)
   k, v = _pad_rows(k, block_k), _pad_rows(v, block_k)
   k_inputs = (k, v) + ((_pad_rows(k_pe, block_k),) if split_k else ())
   cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
-  if in_place:
+  if not direct:
     # The rows past the batch (to the padded end) are one more request, of no keys: its tiles
     # write them as 0, -inf, as the kernel does for any row that sees no key.
     cu_q = jnp.concatenate([cu_q, jnp.full((1,), q.shape[0], jnp.int32)])
     cu_k = jnp.concatenate([cu_k, cu_k[-1:]])
     num_requests += 1
-    tile_offsets = 2 * jnp.arange(num_requests, dtype=jnp.int32)  # first and last tile slots
-  else:
-    tile_offsets = _tile_offsets(cu_q)
-  # Output slots of 64 rows, request after request: at most Tq/64 + one partial tile a request.
-  num_tiles = tq // _TILE + num_requests
+  tile_offsets = 2 * jnp.arange(num_requests, dtype=jnp.int32)  # first and last edge slots
   # No request is longer than Tq, so more slots than that would only idle.
   num_q_programs = max(1, -(-min(max_seqlen_q, tq) // _BLOCK_Q))
   stages = num_stages or _stages_for(dk, dv, block_k)
@@ -880,14 +823,12 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                              num_q_programs=num_q_programs, block_k=block_k, ping_pong=ping_pong,
                              p_in_registers=p_in_registers, persistent=persistent,
                              section_heads=section_heads, direct=direct, split_k=split_k,
-                             in_place=in_place, store_wait_read=store_wait_read,
                              intra_overlap=intra_overlap)
-  out_rows = q.shape[0] if direct or in_place else num_tiles * _TILE
-  edge_rows = [2 * num_requests * _TILE] if in_place else []  # first and last tile slots
+  edge_rows = [] if direct else [2 * num_requests * _TILE]  # first and last tile slots
   outs = plgpu.kernel(
       kernel,
       out_type=tuple(
-          jax.ShapeDtypeStruct(shape, dtype) for rows in [out_rows, *edge_rows]
+          jax.ShapeDtypeStruct(shape, dtype) for rows in [q.shape[0], *edge_rows]
           for shape, dtype in (((rows, n, dv), q.dtype), ((n, rows), jnp.float32))),
       scratch_types=(
           swizzled((_COMPUTE_WGS, _TILE, dv), q.dtype),
@@ -915,14 +856,8 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
       interpret=interpret or None,
       kernel_name=(f"mosaic_mla_prefill_{'causal' if causal else 'full'}_k{block_k}_s{stages}"
                    f"{'_pp' if ping_pong else ''}{'_persistent' if persistent else ''}"
-                   f"{'_kpe' if split_k else ''}{'_in_place' if in_place else ''}"
-                   f"{'_wait_read' if store_wait_read else ''}"
+                   f"{'_kpe' if split_k else ''}{'' if direct else '_in_place'}"
                    f"{'_overlap' if intra_overlap else ''}"),
   )(cu_q, cu_k, tile_offsets, queue, q, *k_inputs)
-  if in_place:
-    o, lse = _patch_edges(*outs, cu_q)
-  elif direct:
-    o, lse = outs
-  else:
-    return _unpack(*outs, cu_q, tile_offsets, q.shape[0], tq)
+  o, lse = outs if direct else _patch_edges(*outs, cu_q)
   return o[:tq], lse.T[:tq]  # a slice (a copy) only where q was padded

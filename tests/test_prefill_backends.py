@@ -171,14 +171,13 @@ class TestPallasMosaicPrefill(PrefillContract):
     assert (f32(o[tail:]) == 0).all() and (np.asarray(lse[tail:]) == -np.inf).all()
 
   # split: the keys in the split form (two boxes a key step into one barrier). knobs: one program
-  # walks all three items, the next query tile landing in the staging as soon as the store has read
-  # it (store_wait_read), tiles in place and patched; intra_overlap, one program walking the three
+  # walks all three items, tiles in place and patched; intra_overlap, one program walking the three
   # items (each step's P V issued in the next step, its V slot released there, the ring running
   # on across items).
   @pytest.mark.parametrize("split, knobs", [
-      (False, {}), (True, {}), (False, dict(num_programs=1, store_wait_read=True, in_place=True)),
+      (False, {}), (True, {}), (False, dict(num_programs=1)),
       (False, dict(num_programs=1, ping_pong=False, intra_overlap=True)),
-  ], ids=["joined", "split", "wait_read-in_place", "intra_overlap"])
+  ], ids=["joined", "split", "one_program", "intra_overlap"])
   def test_no_races_in_the_interpreter(self, split, knobs):
     # The race detector sees plain loads and stores and bulk copies (each warpgroup's P, the K/V
     # ring refills, the output staging), not the operand reads of wgmma. jax 0.11.2 reports it
@@ -210,13 +209,9 @@ class TestPallasMosaicPrefill(PrefillContract):
       # at 16); the queue in L2 sections (2 heads of 128 at 16K keys, 8 at 4096 keys) and without.
       (16384, 128, 1, True, dict(persistent=True)), (1024, 16, 1, True, dict(persistent=False)),
       (4096, 128, 4, True, dict(persistent=True, l2_section_bytes=None)),
-      # Tiles written in place (the default), the edge tiles patched in: the queue (8 x 1024, the
-      # case it is for) and the grid (4 x 4096); every tile through a slot and the gather.
+      # A batch's tiles written in place, the edge tiles patched in: the queue (8 x 1024) and the
+      # grid (4 x 4096).
       (8192, 128, 8, True, {}), (16384, 128, 4, True, {}),
-      (8192, 128, 8, True, dict(in_place=False)),
-      # Stores waited for until they read shared memory, with tiles in place and with the gather.
-      (8192, 128, 8, True, dict(store_wait_read=True)),
-      (4096, 128, 2, True, dict(in_place=False, store_wait_read=True)),
       # intra_overlap (two accumulators in flight, the scores waited for alone): 16K on the grid,
       # one 4096-token request on the queue.
       (16384, 128, 1, True, dict(ping_pong=False, intra_overlap=True)),
@@ -241,7 +236,7 @@ class TestPallasMosaicPrefill(PrefillContract):
       (8192, 16384, 128, 4, False, dict(persistent=False)), (2048, 8192, 128, 1, False, {}),
       (8192, 8192, 128, 4, True, {}),
       (4096, 4096, 64, 2, True, dict(block_k=64, num_stages=4, ping_pong=False)),
-      (8192, 8192, 128, 8, True, dict(in_place=True, store_wait_read=True)),
+      (8192, 8192, 128, 8, True, {}),
   ])
   def test_split_keys_lower_for_hopper(self, tokens, keys, n, requests, causal, knobs):
     q = jax.ShapeDtypeStruct((tokens, n, DK), jnp.bfloat16)
@@ -267,8 +262,6 @@ class TestPallasMosaicPrefill(PrefillContract):
       (dict(num_programs=0), "num_programs must be an int >= 1"),
       (dict(persistent="yes"), "persistent must be a bool or None"),
       (dict(l2_section_bytes=0), "l2_section_bytes must be an int >= 1"),
-      (dict(in_place=1), "in_place must be a bool"),
-      (dict(store_wait_read=None), "store_wait_read must be a bool"),
       (dict(intra_overlap=1, ping_pong=False), "intra_overlap must be a bool"),
       (dict(intra_overlap=True), "intra_overlap runs without turn-taking"),
       (dict(cu_seqlens_q=jnp.array([0.0, 8.0])), "int32"),
@@ -287,18 +280,13 @@ class TestPallasMosaicPrefill(PrefillContract):
 
 
 class TestPallasMosaicPrefillItemVariants:
-  """How an item ends, in the interpreter, on the queue (3 programs, each taking several items)
-  and the grid: `in_place` (the default; TestPallasMosaicPrefill runs the whole contract with it),
-  where the rows of each request's first and last tiles come from their slots through
-  `_patch_edges`, and the output gather without it; `store_wait_read`: the next item's query tile
-  lands in the staging as soon as the store has read it. Interpreter outputs start as NaN, so the
-  no-NaN checks also show that every row was written: in place or patched."""
+  """How a batch's items end, in the interpreter, on the queue (3 programs, each taking several
+  items) and the grid: tiles of one request's rows written in place, the rows of each request's
+  first and last tiles from their slots through `_patch_edges`. Interpreter outputs start as NaN,
+  so the no-NaN checks also show that every row was written: in place or patched."""
 
-  @pytest.fixture(autouse=True, params=[
-      dict(persistent=True), dict(persistent=False),
-      dict(persistent=True, in_place=False), dict(persistent=False, in_place=False),
-      dict(persistent=True, store_wait_read=True),
-  ], ids=["in_place-queue", "in_place-grid", "gather-queue", "gather-grid", "wait_read-queue"])
+  @pytest.fixture(autouse=True, params=[dict(persistent=True), dict(persistent=False)],
+                  ids=["queue", "grid"])
   def knobs(self, request):
     self.knobs = request.param
 
