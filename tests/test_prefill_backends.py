@@ -337,6 +337,12 @@ class TestPallasMosaicPrefillL2Sections(PrefillContract):
     return mosaic_prefill.mla_prefill(q, k, v, *args, **kwargs, persistent=True, num_programs=3,
                                       l2_section_bytes=budget, interpret=True)
 
+  # The contract's cases that the kernel takes (bf16) and that hold more than one section.
+  @pytest.mark.parametrize("case", ["causal_bf16_n16", "noncausal_bf16_n16",
+                                    "causal_bf16_n4_all_padding"])
+  def test_matches_oracle(self, case, rng):
+    super().test_matches_oracle(case, rng)
+
   @pytest.mark.parametrize("heads, head_kv_bytes, budget, want", [
       (128, 16384 * 640, 32 << 20, 2),  # 16K keys: 10.5 MB a head, 3 fit, 2 divide 128
       (128, 4096 * 640, 32 << 20, 8),  # 4096 keys: 12 fit
