@@ -341,7 +341,7 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_p
     cp_async: one committed group of the warpgroup's copies (the caller waits for it); bulk:
     every row chunk's copy arrives on barrier."""
     ring = lax.rem(i, _IDX_RING)
-    if half != 1 and not in_place:  # "in_place" waits for them before its L2 prefetch
+    if half != 1 and not (in_place or prefetch_l2):  # else waited for before the L2 prefetch
       plgpu.barrier_wait(idx_bar.at[ring])
     rows, first_row = (_STEP, 0) if half is None else (HALF_ROWS, half * HALF_ROWS)
     if gather == "cp_async":
@@ -376,7 +376,19 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_p
       _cp_async_wait(0)
       plgpu.commit_smem()
 
+    def indices_landed(i):
+      """Waits for step i's slot indices (once a phase), then, with prefetch_l2, asks L2 for its
+      rows: a step before its gather, which waits for its slot to be free."""
+      ring = lax.rem(i, _IDX_RING)
+      plgpu.barrier_wait(idx_bar.at[ring])
+      if prefetch_l2 and not interpret:  # the interpreter runs no inline Mosaic GPU code
+        _prefetch_rows((nope_ref, rope_ref) if fp8 else (kv_ref,), idx_smem.at[ring],
+                       num_slots=num_slots)
+
     if not fp8:
+      if prefetch_l2:
+        pl.when(n > 0)(functools.partial(indices_landed, 0))
+
       @pl.loop(0, n)
       def _(i):
         slot = lax.rem(i, slots)
@@ -391,6 +403,11 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_p
             _cp_async_wait(1)
             plgpu.commit_smem()
             plgpu.barrier_arrive(ready.at[lax.rem(i - 1, slots)])
+        if prefetch_l2:
+          # Step i + 1's rows into L2 while step i's land (after step i - 1's hand-off, which this
+          # wait must not hold up): its gather waits for a free slot (a consumer step), then
+          # reads L2.
+          pl.when(i + 1 < n)(functools.partial(indices_landed, i + 1))
 
       if gather == "cp_async":
         @pl.when(n > 0)
@@ -431,14 +448,6 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_p
           y = (x * row_broadcast(tile_scales[j], x.shape)).astype(kv.dtype)
           kv[slot, 2 * j] = y[:, :_COLS]
           kv[slot, 2 * j + 1] = y[:, _COLS:]
-
-      def indices_landed(i):
-        """Waits for step i's slot indices (once a phase), then, with prefetch_l2, asks L2 for
-        its rows: a step before its gather, which waits for its slot to be free."""
-        ring = lax.rem(i, _IDX_RING)
-        plgpu.barrier_wait(idx_bar.at[ring])
-        if prefetch_l2 and not interpret:  # the interpreter runs no inline Mosaic GPU code
-          _prefetch_rows((nope_ref, rope_ref), idx_smem.at[ring], num_slots=num_slots)
 
       pl.when(n > 0)(functools.partial(indices_landed, 0))
       pl.when(n > 0)(functools.partial(stage, 0))
@@ -767,9 +776,12 @@ class MosaicSparseConfig:
     take bf16's 64-slot steps (half_rows' 32-slot steps set its pace at N=128, RESULTS v7, v8);
     a step's gather then waits for its slot to be free (half_rows': two half steps ahead).
     cp_async only (the bulk gather on the GPU would need untiled aliases of the in-place views).
-  prefetch_l2 ("in_place" only; prepared, not yet timed): the memory warpgroup asks L2 for each
-  step's rows (`prefetch.global.L2`, 2-3 lines a lane) a step before it gathers them, so the
-  gather that waits for a free slot reads L2 rather than HBM."""
+  prefetch_l2 (bf16 caches, and fp8_ds_mla with "in_place"; prepared, not yet timed: RESULTS v9,
+  v10): the memory warpgroup asks L2 for each step's rows (`prefetch.global.L2`, 2-3 lines a lane
+  for fp8_ds_mla, 4-5 for bf16) a step before it gathers them, so the gather that waits for a
+  free slot reads L2 rather than HBM. bf16 at 16-32 heads (one token a program, one program an
+  SM at T=128): a step's gather otherwise overlaps one consumer step only, and its HBM latency
+  shows in the step time (v10)."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
   fp8_pipeline: str = "half_rows"
@@ -785,8 +797,6 @@ class MosaicSparseConfig:
       raise ValueError(f"fp8_pipeline must be one of {FP8_PIPELINES}, got {self.fp8_pipeline!r}")
     if self.fp8_pipeline == "in_place" and self.gather != "cp_async":
       raise ValueError(f"fp8_pipeline \"in_place\" takes the cp_async gather, got {self.gather!r}")
-    if self.prefetch_l2 and self.fp8_pipeline != "in_place":
-      raise ValueError(f"prefetch_l2 needs fp8_pipeline \"in_place\", got {self.fp8_pipeline!r}")
     if self.fp8_stage_halves not in ((2, 3) if self.fp8_pipeline == "half_rows" else (2,)):
       raise ValueError(f"fp8_stage_halves must be 2 (or 3 with fp8_pipeline \"half_rows\"), got "
                        f"{self.fp8_stage_halves!r} with {self.fp8_pipeline!r}")
@@ -798,14 +808,16 @@ SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rul
          MosaicSparseConfig(fp8_pipeline="serial"),
          MosaicSparseConfig(fp8_pipeline="half_rows", fp8_stage_halves=3),
          MosaicSparseConfig(fp8_pipeline="in_place"),
-         MosaicSparseConfig(fp8_pipeline="in_place", prefetch_l2=True))
+         MosaicSparseConfig(fp8_pipeline="in_place", prefetch_l2=True),
+         MosaicSparseConfig(prefetch_l2=True))  # bf16 caches only (fp8_ds_mla: "in_place" only)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank", "prefetch_l2"))
 def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, scale: float,
                      kv_lora_rank: int = 512, num_splits: int | None = None,
                      auto_barriers: bool = False, gather: str = CONFIG.gather,
                      split_rule: str = CONFIG.split_rule,
+                     prefetch_l2: bool = CONFIG.prefetch_l2,
                      interpret: bool | plgpu.InterpretGPUParams = False
                      ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over a bf16 latent cache (semantics of `mla_jax.reference.sparse_attention`).
@@ -817,12 +829,13 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   warpgroup barrier before every bulk copy and around every shared-memory store (its safe default,
   kept to measure against). gather: "cp_async" (the 128 lanes of the memory warpgroup copy 16
   bytes each into the swizzled row slot) or "bulk" (one bulk copy per row and 64-column chunk, 9 a
-  row; what the interpreter runs either way). interpret: True or a
+  row; what the interpreter runs either way). prefetch_l2: `MosaicSparseConfig`'s (prepared, not
+  yet timed). interpret: True or a
   `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and
   lse [T, N] float32 (natural log); a row with no valid slot gives (0, -inf).
   """
   _check(q, slots, kv_lora_rank, num_splits)
-  MosaicSparseConfig(gather, split_rule)  # checks them
+  MosaicSparseConfig(gather, split_rule, prefetch_l2=prefetch_l2)  # checks them
   if kv_cache.ndim != 3 or kv_cache.shape[2] != q.shape[2] or kv_cache.dtype != jnp.bfloat16:
     raise ValueError(f"want a bfloat16 kv_cache [num_blocks, page, {q.shape[2]}] (q's head dim), "
                      f"got {kv_cache.dtype.name}{kv_cache.shape}")
@@ -831,7 +844,7 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   return _sparse_call(q, slots, (rows,), scale=scale, lora=kv_lora_rank, num_slots=num_slots,
                       fp8=False, num_splits=num_splits, auto_barriers=auto_barriers,
                       gather=gather, split_rule=split_rule, fp8_pipeline=CONFIG.fp8_pipeline,
-                      fp8_stage_halves=CONFIG.fp8_stage_halves, prefetch_l2=False,
+                      fp8_stage_halves=CONFIG.fp8_stage_halves, prefetch_l2=prefetch_l2,
                       interpret=interpret)
 
 
@@ -865,6 +878,9 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                      f"{nope.dtype.name}{nope.shape}, {tile_scales.dtype.name}{tile_scales.shape}, "
                      f"{rope.dtype.name}{rope.shape}, q {q.shape}")
   MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves, prefetch_l2)  # checks
+  if prefetch_l2 and fp8_pipeline != "in_place":
+    raise ValueError(f"prefetch_l2 needs fp8_pipeline \"in_place\" with an fp8_ds_mla cache, got "
+                     f"{fp8_pipeline!r}")
   num_slots = nb * page
   # Rows as 128-byte chunks [S, C, w], what either gather copies.
   chunked = lambda x: x.reshape(num_slots, -1, _CHUNK_BYTES // x.dtype.itemsize)

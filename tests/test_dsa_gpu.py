@@ -111,6 +111,23 @@ def test_mosaic_sparse_in_place_equals_serial_bit_for_bit(n, prefetch_l2):
     np.testing.assert_array_equal(g, w)
 
 
+# prefetch_l2 with a bf16 cache (prepared, not yet timed) only asks L2 for a step's rows a step
+# before their gather: the same products in the same order, so the default's bits (which
+# test_sparse_attention_matches_reference checks against the reference), at the head counts it is
+# meant for (one 64-head tile, one token a program).
+@pytest.mark.parametrize("n", [16, 32])
+def test_mosaic_sparse_bf16_prefetch_l2_equals_default_bit_for_bit(n):
+  q, cache, slots = sparse_case(n + 2, n, "bf16")
+  run = functools.partial(mosaic_sparse.sparse_attention, q, cache.data, slots, scale=SCALE,
+                          kv_lora_rank=L)
+  poison_allocator()
+  want = [np.asarray(a, np.float32) for a in run()]
+  poison_allocator()
+  got = [np.asarray(a, np.float32) for a in run(prefetch_l2=True)]
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+
+
 def check_sparse_attention(n, kind, sparse_attention):
   """sparse_attention (the backend contract's signature) against the XLA reference on the GPU."""
   q, cache, slots = sparse_case(n + len(kind), n, kind)
