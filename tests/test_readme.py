@@ -25,7 +25,7 @@ def readme_commands():
 def test_readme_has_a_demo_and_a_test_command():
   demo_cmd, test_cmd = readme_commands()
   assert demo_cmd.endswith("-m mla_jax.demo")
-  assert test_cmd.endswith('-m pytest -q -m "not gpu"')
+  assert test_cmd.endswith('-m pytest -q -m "not gpu" -n 2 --dist loadfile')
   assert "${PYTHON:-python3}" in demo_cmd and "python3.12" not in demo_cmd.split("&&", 1)[1]
 
 
