@@ -229,24 +229,48 @@ class TestPallasMosaicDecode(DecodeContract):
       mosaic_decode.latent_decode(**change(args), scale=0.1, interpret=True)
 
 
-class TestPallasMosaicDecodeHalfPages(DecodeContract):
+class _MosaicDecodeKnob(DecodeContract):
+  """The contract through the backend's MOSAIC_DECODE_CONFIG with one field, `knob`, set to
+  `value`; cases of the other cache dtype skip (`mosaic_decode.DTYPE_KNOBS`: the field does not
+  change their program)."""
+  backend = "pallas_mosaic"
+  knob: str
+  value: str
+
+  @pytest.fixture(autouse=True)
+  def _config(self, monkeypatch):
+    monkeypatch.setattr(backends, "MOSAIC_DECODE_CONFIG",
+                        mosaic_decode.MosaicDecodeConfig(**{self.knob: self.value}))
+
+  def decode(self, q, kv_cache, *args, **kwargs):
+    dtype = mosaic_decode.DTYPE_KNOBS[self.knob]
+    if kv_cache.dtype != dtype:
+      pytest.skip(f"{self.knob} only changes {dtype.name} caches")
+    _skip_unless_mosaic_takes(q, kv_cache)
+    return super().decode(q, kv_cache, *args, **kwargs)
+
+  def test_backend_passes_the_knob(self, monkeypatch):
+    # Without this the cases would also pass on the default config.
+    seen = []
+
+    def latent_decode(*args, **kwargs):
+      seen.append(kwargs[self.knob])
+      return None, None
+
+    monkeypatch.setattr(mosaic_decode, "latent_decode", latent_decode)
+    dtype = mosaic_decode.DTYPE_KNOBS[self.knob]
+    q, cache, tables, lens = make_case(112, n=16, page=64, req_lens=[5], cache_dtype=dtype)
+    self.decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(tables), jnp.asarray(lens),
+                k_scale=FP8_SCALE if dtype == jnp.float8_e4m3fn else None)
+    assert seen == [self.value]
+
+
+class TestPallasMosaicDecodeHalfPages(_MosaicDecodeKnob):
   """The Mosaic kernel's fp8_pipeline="half_pages" (two 32-row bf16 slots, 32-token consumer
   steps) through the backend's MOSAIC_DECODE_CONFIG: the contract's fp8 cases (16 and 128 heads)
   and the rows a half page can cut: lengths ending in either half or on its edge, a half with no
   row that counts, bad table entries. bf16 caches ignore the pipeline (TestPallasMosaicDecode)."""
-  backend = "pallas_mosaic"
-  pipeline = "half_pages"
-
-  @pytest.fixture(autouse=True)
-  def _pipeline(self, monkeypatch):
-    monkeypatch.setattr(backends, "MOSAIC_DECODE_CONFIG",
-                        mosaic_decode.MosaicDecodeConfig(fp8_pipeline=self.pipeline))
-
-  def decode(self, q, kv_cache, *args, **kwargs):
-    if kv_cache.dtype != jnp.float8_e4m3fn:
-      pytest.skip("fp8_pipeline only changes fp8 caches")
-    _skip_unless_mosaic_takes(q, kv_cache)
-    return super().decode(q, kv_cache, *args, **kwargs)
+  knob, value = "fp8_pipeline", "half_pages"
 
   @pytest.mark.parametrize("seed,n,splits", [(110, 16, 3), (111, 128, None)])
   def test_fp8_half_page_edges(self, seed, n, splits):
@@ -257,50 +281,27 @@ class TestPallasMosaicDecodeHalfPages(DecodeContract):
   def test_fp8_bad_table_entries(self):
     self.check_bad_table_entries(page=64, req_lens=[200, 150], cache_dtype=jnp.float8_e4m3fn)
 
-  def test_backend_passes_the_pipeline(self, monkeypatch):
-    # Without this the cases above would also pass on the default pipeline.
-    seen = []
-    monkeypatch.setattr(mosaic_decode, "latent_decode",
-                        lambda *a, fp8_pipeline, **k: seen.append(fp8_pipeline) or (None, None))
-    q, cache, tables, lens = make_case(112, n=16, page=64, req_lens=[5],
-                                       cache_dtype=jnp.float8_e4m3fn)
-    self.decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(tables), jnp.asarray(lens),
-                k_scale=FP8_SCALE)
-    assert seen == [self.pipeline]
-
 
 class TestPallasMosaicDecodeSerialFp8(TestPallasMosaicDecodeHalfPages):
   """The other fp8 pipeline, "serial" (one 64-row bf16 slot; the SWEEP's alternative), on the same
   cases."""
-  pipeline = "serial"
+  value = "serial"
 
 
 class TestPallasMosaicDecodeSharedWidening(TestPallasMosaicDecodeHalfPages):
   """fp8_pipeline="shared_widening" (half pages, warpgroup 1 widening its value columns of the
   half-page after next, the memory warpgroup the rest) on the same cases: every half-page's
   columns come from two warpgroups, and the stage ring is refilled only once both are done."""
-  pipeline = "shared_widening"
+  value = "shared_widening"
 
 
-class TestPallasMosaicDecodeScoresApart(DecodeContract):
+class TestPallasMosaicDecodeScoresApart(_MosaicDecodeKnob):
   """The Mosaic kernel's bf16_schedule="scores_apart" (warpgroup 0 computes S and the softmax
   only, warpgroups 1 and 2 the two halves of the value columns from P in shared memory, warpgroup
   3 copies) through the backend's MOSAIC_DECODE_CONFIG: the contract's bf16 page-64 cases (16 and
   128 heads), and of the default's whole-page cases one split writing the output itself and 3
   head tiles; bad table entries. fp8 caches ignore the schedule."""
-  backend = "pallas_mosaic"
-  schedule = "scores_apart"
-
-  @pytest.fixture(autouse=True)
-  def _schedule(self, monkeypatch):
-    monkeypatch.setattr(backends, "MOSAIC_DECODE_CONFIG",
-                        mosaic_decode.MosaicDecodeConfig(bf16_schedule=self.schedule))
-
-  def decode(self, q, kv_cache, *args, **kwargs):
-    if kv_cache.dtype != jnp.bfloat16:
-      pytest.skip("bf16_schedule only changes bf16 caches")
-    _skip_unless_mosaic_takes(q, kv_cache)
-    return super().decode(q, kv_cache, *args, **kwargs)
+  knob, value = "bf16_schedule", "scores_apart"
 
   def test_batch_invariant(self):
     pytest.skip("the split points are not the schedule's: TestPallasMosaicDecode covers them, and "
@@ -314,22 +315,13 @@ class TestPallasMosaicDecodeScoresApart(DecodeContract):
   def test_bad_table_entries_page_64(self):
     self.check_bad_table_entries(page=64, req_lens=[200, 150])
 
-  def test_backend_passes_the_schedule(self, monkeypatch):
-    # Without this the cases above would also pass on the default schedule.
-    seen = []
-    monkeypatch.setattr(mosaic_decode, "latent_decode",
-                        lambda *a, bf16_schedule, **k: seen.append(bf16_schedule) or (None, None))
-    q, cache, tables, lens = make_case(113, n=16, page=64, req_lens=[5])
-    self.decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(tables), jnp.asarray(lens))
-    assert seen == [self.schedule]
-
 
 class TestPallasMosaicDecodeScoresApartPvFirst(TestPallasMosaicDecodeScoresApart):
   """bf16_schedule="scores_apart_pv_first" (the same warpgroups; warpgroup 0 issues each step's S
   only once both value warpgroups issued the last step's P V): the contract's bf16 page-64 cases
   (rows of 0 to 3 steps a split: the barrier's phases with none, one and several waits in the
   loop). The other cases run the parent's code paths (output stores, padded tiles, masking)."""
-  schedule = "scores_apart_pv_first"
+  value = "scores_apart_pv_first"
   test_bf16_whole_pages = None
   test_bad_table_entries_page_64 = None
 
