@@ -46,7 +46,6 @@ def register_pool(warpgroups: int) -> int:
   return 65536 // (128 * warpgroups) // 8 * 8 * warpgroups
 
 
-REGISTER_POOL = register_pool(3)  # the 3-warpgroup kernels' (memory + 2 consumers)
 HALF_ROWS = 32  # rows of a half step: the fp8 caches' bf16 slots in mosaic_decode and mosaic_sparse
 # Registers of a [32, w] chunk (w a multiple of 8) that a memory warpgroup widens into a 32-row
 # bf16 slot: the WGMMA layout's 8 x 8 core matrices (2 adjacent columns a thread), each warp 8

@@ -68,7 +68,7 @@ _VALUE_WGS = 2
 _IDX_RING = 4  # steps of slot indices in shared memory: fetched 2 ahead, read until consumed
 _MAX_HEAD_DIM = 576
 _SMEM_LIMIT = 227 * 1024  # a Hopper block's shared memory (opt-in maximum)
-# (consumer, memory) registers a thread: 2 x consumer + memory <= common.REGISTER_POOL.
+# (consumer, memory) registers a thread: 2 x consumer + memory <= common.register_pool(3).
 # fp8_ds_mla's memory warpgroup widens tiles. (224, 64) asked for 512 and hung on the H200.
 _REGS = {False: (232, 40), True: (224, 56)}
 
