@@ -21,8 +21,7 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            position visible. Bytes = one read of the logits + the positions written. Further rows
            time v2 (the threshold kernel's block-wide compaction per chunk, separate maxima and
            theta kernels) and the shape's default with either v3 choice flipped (per-lane
-           threshold; theta fused with the group maxima); at 4096 rows also v6 (threshold
-           programs of one warp).
+           threshold; theta fused with the group maxima).
   step     one layer's DSA decode step: indexer logits + top-k + slots + sparse attention (N=128,
            fp8_ds_mla latent cache), 128 decode rows at 32K context each; pallas_triton's and the
            `pallas` default's.
@@ -207,9 +206,6 @@ def run_topk(args, t, s):
     knobs[name] = not knobs[name]
     if knobs != v2:
       variants[f"v3, {name}={knobs[name]}"] = knobs
-  # v6 (prepared): one-warp threshold programs, only where many rows keep one program a row.
-  if default == pallas_topk.DEFAULT_MANY_ROWS:
-    variants["v6, threshold one warp"] = dataclasses.asdict(pallas_topk.MANY_ROWS_ONE_WARP)
   for name, knobs in variants.items():
     variant = lambda be, knobs=knobs: jax.jit(lambda x, lens: pallas_topk.topk_positions(
         x, lens, TOPK, interpret=jax.default_backend() != "gpu", **knobs))

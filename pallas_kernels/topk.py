@@ -105,11 +105,6 @@ class TopkConfig:
 DEFAULT = TopkConfig(1024, 4, 1, 8)
 DEFAULT_LONG_ROWS = TopkConfig(1024, 4, 1, 8, per_lane=True)
 DEFAULT_MANY_ROWS = TopkConfig(1024, 4, 1, 4, fused_theta=True)
-# Prepared, not timed (RESULTS.md "DSA selection", top-k v6): many rows' config with one-warp
-# threshold programs, 256 positions a step (8 a thread, as in the default): the per-step cumsum
-# and count stay within a warp (shuffles, no shared memory or block barrier), and the 4096 rows'
-# programs stay one a row.
-MANY_ROWS_ONE_WARP = TopkConfig(256, 1, 1, 4, fused_theta=True)
 _LONG_ROW = 32768  # positions past which few rows take DEFAULT_LONG_ROWS
 # The sweep space: the variants `benchmarks/bench_sparse.py --sweep` times (128 x 131072).
 SWEEP = tuple(TopkConfig(*v) for v in [

@@ -1,7 +1,6 @@
 """Every backend's DSA functions against the float64 oracles; Pallas runs in interpret mode on
 CPUs."""
 
-import dataclasses
 import functools
 import os
 import subprocess
@@ -136,9 +135,8 @@ class TestPallasTritonIndexer(IndexerContract):
     with pytest.raises(ValueError, match=message):
       pallas_indexer.indexer_logits(**change(args), interpret=True)
 
-  @pytest.mark.parametrize("variant", [
-      {}, {"per_lane": True}, dataclasses.asdict(pallas_topk.MANY_ROWS_ONE_WARP)],
-      ids=["default", "per_lane", "fused_theta_one_warp"])
+  @pytest.mark.parametrize("variant", [{}, {"per_lane": True}, {"fused_theta": True}],
+                           ids=["default", "per_lane", "fused_theta"])
   def test_topk_segments_ties_and_overflow_match_reference(self, variant):
     # Small chunks split rows into several segments that claim candidate places concurrently;
     # row 1's ties overflow the candidate list (the slow exact path); row 3 mixes signs and
@@ -147,8 +145,7 @@ class TestPallasTritonIndexer(IndexerContract):
     # values at 4 of the 8 members of its strided group (G = 8), so 256-512 candidates (past half
     # the 512-entry list: the full-width select) tie in fours. Variants: the default for these
     # rows (block-wide threshold, separate maxima and theta kernels), the per-lane threshold (long
-    # rows' default) and theta fused with the maxima (many rows' default), here in the prepared
-    # one-warp config (256 positions a step, as every variant here; the warps only reach Triton).
+    # rows' default) and theta fused with the maxima (many rows' default).
     rng = np.random.default_rng(6)
     logits = rng.standard_normal((6, 5000)).astype(np.float32)
     logits[5] = np.where(np.arange(5000) // 625 < 4, np.tile(logits[5, :625], 8), -10)
@@ -157,8 +154,8 @@ class TestPallasTritonIndexer(IndexerContract):
     kth = np.argsort(-logits[4])[99]
     logits[4, [4900, 3100, 2000, 1500]] = logits[4, kth]
     lens = jnp.asarray([5000, 4999, 1300, 5000, 5000, 5000], jnp.int32)
-    got = np.asarray(pallas_topk.topk_positions(jnp.asarray(logits), lens, 100,
-                                                interpret=True, **{"chunk": 256, **variant}))
+    got = np.asarray(pallas_topk.topk_positions(jnp.asarray(logits), lens, 100, chunk=256,
+                                                interpret=True, **variant))
     for i in range(6):
       g = got[i][got[i] >= 0]
       assert len(set(g.tolist())) == len(g) == 100

@@ -6,7 +6,6 @@ context) and top-k (128 x 32768, k=2048). Cache rows and pages that nothing may 
 the allocator is poisoned before every kernel call, so a stray read or an unwritten output shows.
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -224,16 +223,13 @@ def test_mosaic_indexer_compute_wgs_match_reference(compute_wgs):
       mosaic_indexer.indexer_logits(*args, rows=4, compute_wgs=compute_wgs), want)
 
 
-@pytest.mark.parametrize("variant", [
-    {}, {"per_lane": True}, {"fused_theta": True},
-    dataclasses.asdict(pallas_topk.MANY_ROWS_ONE_WARP)],
-    ids=["default", "per_lane", "fused_theta", "one_warp"])
+@pytest.mark.parametrize("variant", [{}, {"per_lane": True}, {"fused_theta": True}],
+                         ids=["default", "per_lane", "fused_theta"])
 @pytest.mark.parametrize("kind", ["normal", "ties", "few_ties"])
 def test_topk_sets_match_lax_top_k(kind, variant):
   # variant: {} through the backend (this shape's default: block-wide threshold, separate maxima
   # and theta kernels); else one kernel swapped for the one that long rows (per-lane threshold) or
-  # many rows (theta fused with the maxima) take; or many rows' config with one-warp threshold
-  # programs (prepared, not timed).
+  # many rows (theta fused with the maxima) take.
   t, s = 128, 32768
   x = jax.random.normal(jax.random.key(2), (t, s), jnp.float32)
   if kind == "ties":  # a few values only: the candidate list overflows on some rows
