@@ -7,13 +7,13 @@ Several input sets are rotated so the 60 MB L2 never holds a whole set. `--sweep
 Triton kernel's (block_h, num_warps, num_stages) variants and then split counts (and the Mosaic
 kernel's split counts) instead of the reference. Mosaic columns: "mosaic ms", "triton/mosaic"
 (> 1: Mosaic faster) and the largest difference between the two kernels' outputs.
-`--mosaic-configs` adds the Mosaic kernel's other configs (its SWEEP, e.g. fp8_pipeline=half_pages
-for fp8 caches, bf16_schedule=scores_apart for bf16 ones; each only with the cache dtype whose
-program it changes): "mosaic <field>=<value> ms" and the largest difference from the chosen
-config's output. `--no-triton` leaves the Triton kernel out (then also the reference; the row's
-"ms" is the Mosaic kernel's). `--batch-invariant` adds each kernel's batch-invariant mode (fixed
-splits of BATCH_INVARIANT_SPLIT_TOKENS tokens, merged in a fixed order): "<kernel> inv ms" and its
-cost against the default splits in %.
+`--mosaic-configs` adds the Mosaic kernel's other configs (its SWEEP, e.g. fp8_pipeline=half_pages;
+each only with the cache dtype whose program it changes: the fp8 pipelines only with fp8 caches):
+"mosaic <field>=<value> ms" and the largest difference from the chosen config's output.
+`--no-triton` leaves the Triton kernel out (then also the reference; the row's "ms" is the Mosaic
+kernel's). `--batch-invariant` adds each kernel's batch-invariant mode (fixed splits of
+BATCH_INVARIANT_SPLIT_TOKENS tokens, merged in a fixed order): "<kernel> inv ms" and its cost
+against the default splits in %.
 """
 
 from __future__ import annotations

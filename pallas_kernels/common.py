@@ -371,15 +371,14 @@ def _store_output(acc, l, o_smem, o_gmem, out_scale):
   plmgpu.copy_smem_to_gmem(o_smem, o_gmem)
 
 
-def run_scores(n, step, acc, *, row_smem, p_ready, p_free, lse_smem, lse_gmem, o_smem=None,
-               o_gmem=None, out_scale=1.0):
+def run_scores(n, step, acc, *, row_smem, p_ready, p_free, o_smem, o_gmem, lse_smem, lse_gmem,
+               out_scale=1.0):
   """Warpgroup 0's n steps, (m, l, acc) = step(i, (m, l, acc)) from an empty softmax over 64 rows,
-  and its end: once the value warpgroups have read the last P (every step of all is done, so the
-  step buffers are free for the output staging), hands them l, stores its output columns (none
-  when acc is (): mosaic_decode's bf16_schedule="scores_apart") and the rows' log-sum-exps
-  (natural log; -inf where nothing was seen)."""
+  and its end: once warpgroup 1 has read the last P (every step of both is done, so the step
+  buffers are free for the output staging), hands it l, stores its output columns and the rows'
+  log-sum-exps (natural log; -inf where nothing was seen)."""
   rows_layout = plmgpu.Layout.WGMMA.reduce(1)
-  rows = row_smem.shape[0]
+  rows = acc[0].shape[0]
   init = (plmgpu.layout_cast(jnp.full((rows,), M_INIT, jnp.float32), rows_layout),
           plmgpu.layout_cast(jnp.zeros((rows,), jnp.float32), rows_layout), acc)
   m, l, acc = lax.fori_loop(0, n, step, init)
@@ -391,8 +390,7 @@ def run_scores(n, step, acc, *, row_smem, p_ready, p_free, lse_smem, lse_gmem, o
   row_smem[...] = l
   plmgpu.commit_smem()
   plmgpu.barrier_arrive(p_ready)
-  if acc:
-    _store_output(acc, l, o_smem, o_gmem, out_scale)
+  _store_output(acc, l, o_smem, o_gmem, out_scale)
   seen = l > 0
   lse_smem[...] = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
   plmgpu.commit_smem()

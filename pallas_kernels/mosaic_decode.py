@@ -11,9 +11,6 @@ kernel), for bfloat16 q and cache with pages of a multiple of 64 tokens. One pro
   warpgroup 1 through shared memory; then O[:, :256] = O * alpha + P V[:, :256] (P from its
   registers, accumulated in place);
 - values (warpgroup 1): O[:, 256:] += P V[:, 256:].
-(bf16_schedule="scores_apart" and "scores_apart_pv_first", prepared, not timed: warpgroup 0
-computes only S and the softmax, warpgroups 1 and 2 hold O[:, :256] and O[:, 256:], warpgroup 3
-copies; see `MosaicDecodeConfig`.)
 The 64 x 512 float32 accumulator would take 256 registers per thread of one warpgroup, past the 255
 a thread can have: that is why two warpgroups hold it, 256 columns each. Stage 2 merges the splits
 by their log-sum-exps (`merge_splits`). With one split stage 1 writes the final output, and a row's
@@ -50,12 +47,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E, check_decode_args,
                                    check_split_args, default_num_kv_splits, feed_ring,
                                    hand_over_p, merge_splits, num_fixed_splits, partials_dtype,
-                                   register_pool, row_broadcast, run_scores, run_values, sm_count,
-                                   softmax_step, split_range, swizzled, SWIZZLE)
+                                   row_broadcast, run_scores, run_values, sm_count, softmax_step,
+                                   split_range, swizzled, SWIZZLE)
 
 
 FP8_PIPELINES = ("serial", "half_pages", "shared_widening")
-BF16_SCHEDULES = ("scores_with_values", "scores_apart", "scores_apart_pv_first")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,29 +72,11 @@ class MosaicDecodeConfig:
     half-page j, while warpgroup 0 computes the next scores; the memory warpgroup widens the rest
     (0-255 and the rope columns), 5 of the 9 column tiles instead of all 9 (the default; H200,
     B=128, S=8192: 1.16x "half_pages" at N=128 and N=16, bit-identical outputs; RESULTS.md,
-    session 7).
-
-  bf16_schedule is how a bf16 cache's steps are shared out (fp8 caches ignore it):
-  - "scores_with_values" (the default): warpgroup 0 computes S, the softmax and value columns
-    0-255 (P from its registers), warpgroup 1 columns 256-511; warpgroup 0 issues S for page
-    j + 1 only once its P V of page j is done, so the tensor cores idle through each softmax and
-    hand-off (H200, B=128, N=128, S=8192: 0.664-0.674 ms, 434-449 TFLOP/s; RESULTS.md);
-  - "scores_apart": four warpgroups. Warpgroup 0 computes only S and the softmax and hands P over;
-    warpgroups 1 and 2 hold value columns 0-255 and 256-511 (P from shared memory), warpgroup 3
-    copies. Warpgroup 0 issues S for page j + 1 as soon as P of page j is handed over, so that S
-    runs beside both halves of P V of page j instead of after them;
-  - "scores_apart_pv_first": the same, but warpgroup 0 issues S for page j + 1 only once both
-    value warpgroups have issued their P V of page j (a barrier), so that the tensor cores take
-    P V first and page j's slot is refilled sooner (with 2 slots the refill's window is the step
-    less the time from P's hand-off to the end of P V).
-  Both prepared, not yet timed: the count predicts at best a tie with the default, since with 2
-  page slots a page kept in use longer shortens its slot's refill (benchmarks/RESULTS.md,
-  "bf16_schedule=scores_apart", session 9)."""
+    session 7)."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
   fp8_pipeline: str = "shared_widening"
-  bf16_schedule: str = "scores_with_values"
 
   def __post_init__(self):
     if self.block_h != 64:
@@ -111,20 +89,15 @@ class MosaicDecodeConfig:
                        f"got {self.num_stages}")
     if self.fp8_pipeline not in FP8_PIPELINES:
       raise ValueError(f"fp8_pipeline must be one of {FP8_PIPELINES}, got {self.fp8_pipeline!r}")
-    if self.bf16_schedule not in BF16_SCHEDULES:
-      raise ValueError(f"bf16_schedule must be one of {BF16_SCHEDULES}, got "
-                       f"{self.bf16_schedule!r}")
 
 
 CONFIG = MosaicDecodeConfig()
 # The sweep space: the variants `benchmarks/bench_decode.py --mosaic-configs` times beside CONFIG.
 SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"),
-         MosaicDecodeConfig(fp8_pipeline="half_pages"),
-         MosaicDecodeConfig(bf16_schedule="scores_apart"),
-         MosaicDecodeConfig(bf16_schedule="scores_apart_pv_first"))
+         MosaicDecodeConfig(fp8_pipeline="half_pages"))
 # Fields that one cache dtype alone reads (with the other, the program is the same whatever they
 # are): a sweep times a config only with the cache dtype whose program it changes.
-DTYPE_KNOBS = {"fp8_pipeline": jnp.dtype(F8), "bf16_schedule": jnp.dtype(jnp.bfloat16)}
+DTYPE_KNOBS = {"fp8_pipeline": jnp.dtype(F8)}
 _TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
 # fp8 caches: 2 slots of e4m3 bytes (36 KB each) that the memory warpgroup widens into the bf16
 # slots the products read ("serial": one of 64 rows; "half_pages": two of 32 rows), so the shared
@@ -132,27 +105,23 @@ _TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
 _FP8_STAGES = 2
 _FP8_COLS = 64  # e4m3 columns per shared-memory tile: 64 bytes, the 64-byte swizzle
 _HALF = HALF_ROWS  # rows per bf16 slot and consumer step with fp8_pipeline="half_pages"
-_VALUE_WGS = 2  # warpgroups sharing the value columns (by default warpgroup 0 also computes S)
+_VALUE_WGS = 2  # warpgroups sharing the value columns; warpgroup 0 also computes the scores
 # Value columns per P V product in the interpreter's form: each lands in a fresh 64 x 128 float32
 # accumulator (64 registers a thread) that is added to the running output (128), which keeps a
 # warpgroup within its 232.
 _CHUNK = 128
 _MAX_WGMMA_N = 256
 PAGE_MULTIPLE = _STEP  # pages hold whole steps
-# Registers a thread of each warpgroup, in warpgroup order (memory last); their sum must stay
-# within common.register_pool(warpgroups) (3 warpgroups: 504, not 512: the inferred cause of the
-# fp8 path's hang on the H200 with (224, 224, 64), RESULTS.md). Keyed by (fp8 cache, scores
-# apart). With an fp8 cache the memory warpgroup widens tiles. Scores apart: warpgroup 0 holds S
-# (32 registers), the softmax's temporaries and P (16) but no output columns; the value
-# warpgroups their 64 x 256 float32 columns (128).
-_REGS = {(False, False): (232, 232, 40), (True, False): (224, 224, 56),
-         (False, True): (136, 168, 168, 40)}
+# (consumer, memory) warpgroup registers a thread. 2 x consumer + memory must stay within
+# common.register_pool(3) (504, not 512: the inferred cause of the fp8 path's hang on the H200
+# with (224, 64), RESULTS.md). With an fp8 cache the memory warpgroup widens tiles.
+_REGS = {False: (232, 40), True: (224, 56)}
 _MAX_HEAD_DIM = 576  # 3 x 64 rows x D bf16 + P must fit in shared memory
 
 
 def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffers, p_smem,
-                   row_smem, q_bar, ready, consumed, p_ready, p_free, *extra, scale, lora,
-                   num_splits, split_steps, in_place, shared_widening, scores_apart, pv_first):
+                   row_smem, q_bar, ready, consumed, p_ready, p_free, *staging, scale, lora,
+                   num_splits, split_steps, in_place, shared_widening):
   # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64); kv_ref [num_blocks, page, D] bf16 or
   # e4m3; bt_ref [T, max_blocks] int32; len_ref [T] int32; ks_ref [1] f32 (the cache's scale, 1
   # for bf16); o_ref [T, splits, Np, L]; lse_ref [T, splits, Np] f32. SMEM: buffers = union of
@@ -162,23 +131,15 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
   # f32 (this step's rescale factors, then l). The consumers step `rows` tokens at a time.
   # Barriers: q_bar (query tile landed); ready [slots] (slot holds its step's bf16 rows);
   # consumed [slots] (both value warpgroups done with the slot); p_ready (P and row_smem
-  # written); p_free (the warpgroups reading P from p_smem done with it: warpgroup 1, or with
-  # scores_apart warpgroups 1 and 2). Warpgroups: scores (0), the value columns (0 and 1, or with
-  # scores_apart 1 and 2), memory (last). fp8 only, staging =
-  # (stage [FP8_STAGES, 64, D] e4m3, 64-byte swizzled; staged [FP8_STAGES] barriers: a stage
-  # slot's bytes landed), and with shared_widening (warpgroup 1 widens its value columns; ready
-  # then takes 2 arrivals) a third: stage_free [FP8_STAGES] barriers (warpgroup 1 done reading a
-  # stage slot); pv_first only, extra = (pv_issued: both value warpgroups issued this step's P V).
+  # written); p_free (warpgroup 1 done reading them). fp8 only, staging = (stage [FP8_STAGES, 64,
+  # D] e4m3, 64-byte swizzled; staged [FP8_STAGES] barriers: a stage slot's bytes landed), and
+  # with shared_widening (warpgroup 1 widens its value columns; ready then takes 2 arrivals) a
+  # third: stage_free [FP8_STAGES] barriers (warpgroup 1 done reading a stage slot).
   (q_smem, kv_smem), (o_smem, lse_smem) = buffers
-  fp8 = bool(kv_ref.dtype == F8)
-  staging = extra if fp8 else ()
-  pv_issued = extra[0] if pv_first else None
+  fp8 = bool(staging)
   slots, step_rows = kv_smem.shape[:2]
   pieces = _STEP // step_rows  # consumer steps per 64-row bulk copy
-  regs = _REGS[fp8, scores_apart]
-  # (warpgroup, its half of the value columns) of each warpgroup that accumulates from p_smem
-  value_wgs = ((1, 0), (2, 1)) if scores_apart else ((1, 1),)
-  memory_wg = len(regs) - 1
+  consumer_regs, memory_regs = _REGS[fp8]
   h, split, t = lax.axis_index("heads"), lax.axis_index("splits"), lax.axis_index("tokens")
   wg = lax.axis_index("wg")
   num_blocks, page, _ = kv_ref.shape
@@ -217,16 +178,13 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
     return tuple(plgpu.layout_cast(jnp.zeros((_TILE_H, width), jnp.float32), plgpu.Layout.WGMMA)
                  for _ in range(half // width))
 
-  def accumulate_values(acc, alpha, slot, w, p=None, issued=None):
+  def accumulate_values(acc, alpha, slot, w, p=None):
     """acc * alpha + P V over warpgroup w's value columns, `width` columns a product; P from
-    registers when given (warpgroup 0's own), else from p_smem. Arrives on `issued` (a barrier,
-    if given) once the products are issued.
+    registers when given (warpgroup 0's own), else from p_smem.
 
-    On the GPU each product accumulates in place into the rescaled running sum (one product: a
-    warpgroup's value columns are at most wgmma's N), and `issued` is arrived on before the wait
-    for it. Mosaic GPU's interpreter (jax 0.11.2) runs wgmma only with shared-memory operands into
-    run_scoped accumulators, so there each product goes to a fresh accumulator that is added, and
-    `issued` is arrived on after them.
+    On the GPU each product accumulates in place into the rescaled running sum. Mosaic GPU's
+    interpreter (jax 0.11.2) runs wgmma only with shared-memory operands into run_scoped
+    accumulators, so there each product goes to a fresh accumulator that is added.
     """
     out = []
     for c, part in enumerate(acc):
@@ -235,8 +193,6 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
       if in_place:
         def product(acc_ref, values=values):  # acc_ref [64, width] f32, the running sum
           plgpu.wgmma(acc_ref, p_smem if p is None else p, values)
-          if issued is not None:  # the wait comes when run_state reads the sum back
-            plgpu.barrier_arrive(issued)
 
         out.append(pl.run_state(product)(plgpu.ACC.init(scaled)))
       else:
@@ -245,8 +201,6 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
           return acc_ref[...]
 
         out.append(scaled + pl.run_scoped(product, plgpu.ACC((_TILE_H, width), jnp.float32)))
-    if issued is not None and not in_place:
-      plgpu.barrier_arrive(issued)
     return tuple(out)
 
   def zero_rows(slot, rows):
@@ -263,14 +217,9 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
   out = lambda w: dict(o_smem=o_smem.at[w], out_scale=k_scale,
                        o_gmem=o_ref.at[t, split, rows_out, pl.ds(w * half, half)])
 
-  # setmaxnreg: above the launch share (the pool / warpgroups) a warpgroup asks for more.
-  launch_regs = register_pool(len(regs)) // len(regs)
-  set_registers = lambda w: plgpu.set_max_registers(
-      regs[w], action="increase" if regs[w] > launch_regs else "decrease")
-
   @pl.when(wg == 0)
   def _scores():
-    set_registers(0)
+    plgpu.set_max_registers(consumer_regs, action="increase")
 
     @pl.when(n > 0)
     def _():
@@ -290,25 +239,17 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
         plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
         return acc_ref[...]
 
-      if pv_first:  # the tensor cores take the last step's P V before these scores
-        pl.when(i > 0)(functools.partial(plgpu.barrier_wait, pv_issued))
       s = pl.run_scoped(scores, plgpu.ACC((_TILE_H, step_rows), jnp.float32))
       # Made in the step, not carried: a 64 x 64 int32 iota is 32 registers a thread.
       cols = plgpu.broadcasted_iota(jnp.int32, (_TILE_H, step_rows), 1, layout=plgpu.Layout.WGMMA)
       m_new, alpha, p, l = softmax_step(jnp.where(cols < rows, s * qk_scale, -jnp.inf), m, l)
       p16 = hand_over_p(i, p, alpha, p_smem, row_smem, p_ready, p_free)
-      # With scores apart the value warpgroups alone release the slot: they read it only after P,
-      # so after these scores.
-      if not scores_apart:
-        acc = accumulate_values(acc, alpha, slot, 0, p16 if in_place else None)
-        plgpu.barrier_arrive(consumed.at[slot])
+      acc = accumulate_values(acc, alpha, slot, 0, p16 if in_place else None)
+      plgpu.barrier_arrive(consumed.at[slot])
       return m_new, l, acc
 
-    run_scores(n * pieces, step, () if scores_apart else zero_acc(), row_smem=row_smem,
-               p_ready=p_ready, p_free=p_free, **({} if scores_apart else out(0)),
-               lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out])
-    if pv_first:  # the last step's phase (a warpgroup that waits on some phases waits on all)
-      pl.when(n > 0)(functools.partial(plgpu.barrier_wait, pv_issued))
+    run_scores(n * pieces, step, zero_acc(), row_smem=row_smem, p_ready=p_ready, p_free=p_free,
+               **out(0), lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out])
 
   # Column tiles of the stage each widening warpgroup takes (shared_widening: warpgroup 1 its own
   # value columns, the memory warpgroup the rest; otherwise the memory warpgroup all).
@@ -316,9 +257,9 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
   value_tiles = range(half // _FP8_COLS, lora // _FP8_COLS) if shared_widening else range(0)
   memory_tiles = [c for c in all_tiles if c not in value_tiles]
 
-  def values(w, half_index):
-    """Warpgroup w's loop over value columns half_index * half ... + half - 1, P from p_smem."""
-    set_registers(w)
+  @pl.when(wg == 1)
+  def _values():
+    plgpu.set_max_registers(consumer_regs, action="increase")
     widen_own = None
     if shared_widening:
       stage, staged, stage_free = staging
@@ -335,18 +276,13 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
         pl.when(part == slots - 1)(functools.partial(plgpu.barrier_arrive, stage_free.at[s]))
         plgpu.barrier_arrive(ready.at[part])
 
-    run_values(n * pieces, slots,
-               lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, half_index,
-                                                          issued=pv_issued),
+    run_values(n * pieces, slots, lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, 1),
                zero_acc(), ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready,
-               p_free=p_free, **out(half_index), widen=widen_own)
+               p_free=p_free, **out(1), widen=widen_own)
 
-  for w, half_index in value_wgs:
-    pl.when(wg == w)(functools.partial(values, w, half_index))
-
-  @pl.when(wg == memory_wg)
+  @pl.when(wg == _VALUE_WGS)
   def _memory():
-    set_registers(memory_wg)
+    plgpu.set_max_registers(memory_regs, action="decrease")
 
     @pl.when(n > 0)
     def _():
@@ -474,13 +410,11 @@ def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_sp
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits",
-                                             "split_tokens", "fp8_pipeline", "bf16_schedule",
-                                             "interpret"))
+                                             "split_tokens", "fp8_pipeline", "interpret"))
 def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
                   *, scale: float, kv_lora_rank: int = 512,
                   k_scale: jax.Array | float | None = None, num_kv_splits: int | None = None,
                   split_tokens: int | None = None, fp8_pipeline: str = CONFIG.fp8_pipeline,
-                  bf16_schedule: str = CONFIG.bf16_schedule,
                   interpret: bool | plgpu.InterpretGPUParams = False
                   ) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
@@ -493,13 +427,12 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   num_kv_splits, a multiple of 64): splits of that many tokens merged in a fixed order, so each
   row's result is bit-identical in any batch and with any table width (batch-invariant mode).
   fp8_pipeline: how an fp8 cache's pages are widened (one of FP8_PIPELINES, see
-  `MosaicDecodeConfig`; a bf16 cache ignores it). bf16_schedule: how a bf16 cache's steps are
-  shared out among the warpgroups (one of BF16_SCHEDULES; an fp8 cache ignores it). interpret:
-  True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns o [T, N, L]
-  bf16 and lse [T, N] float32 (natural log).
+  `MosaicDecodeConfig`; a bf16 cache ignores it). interpret: True or a `plgpu.InterpretGPUParams`
+  runs Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and lse [T, N] float32 (natural
+  log).
   """
   _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits, split_tokens)
-  MosaicDecodeConfig(fp8_pipeline=fp8_pipeline, bf16_schedule=bf16_schedule)  # checks them
+  MosaicDecodeConfig(fp8_pipeline=fp8_pipeline)  # checks it
   t, n, d = q.shape
   page = kv_cache.shape[1]
   head_tiles = pl.cdiv(n, _TILE_H)
@@ -519,13 +452,10 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   fp8 = kv_cache.dtype == F8
   shared_widening = fp8 and fp8_pipeline == "shared_widening"
   half_pages = fp8 and fp8_pipeline in ("half_pages", "shared_widening")
-  scores_apart = not fp8 and bf16_schedule in ("scores_apart", "scores_apart_pv_first")
-  pv_first = not fp8 and bf16_schedule == "scores_apart_pv_first"
   # Mosaic GPU's interpreter runs no in-place accumulation (see accumulate_values).
   kernel = functools.partial(_decode_kernel, scale=scale, lora=kv_lora_rank, num_splits=splits,
                              split_steps=split_tokens and split_tokens // _STEP,
-                             in_place=not interpret, shared_widening=shared_widening,
-                             scores_apart=scores_apart, pv_first=pv_first)
+                             in_place=not interpret, shared_widening=shared_widening)
   # bf16 slots x rows (the consumers' step). wgmma's K must be a multiple of its operands' swizzle
   # width, and P V's K is the step: 32-row steps take 64-byte swizzles (32 bf16) for the query,
   # the slots and P alike (one wgmma takes one swizzle). Half pages: 72 + 2 x 36 (bf16 slots) +
@@ -559,25 +489,20 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
           plgpu.Barrier(num_arrivals=1 + shared_widening, num_barriers=slots),
           plgpu.Barrier(num_arrivals=_VALUE_WGS, num_barriers=slots),
           plgpu.Barrier(),
-          # p_free: the warpgroups that read P from p_smem
-          plgpu.Barrier(num_arrivals=1 + scores_apart),
+          plgpu.Barrier(),
           *staging,
-          # pv_issued: both value warpgroups issued their P V
-          *([plgpu.Barrier(num_arrivals=_VALUE_WGS)] if pv_first else []),
       ),
       # Head tiles vary fastest so the programs reading the same pages run together and share L2.
       grid=(head_tiles, splits, t),
       grid_names=("heads", "splits", "tokens"),
-      num_threads=len(_REGS[fp8, scores_apart]),
+      num_threads=_VALUE_WGS + 1,
       thread_name="wg",
       # Row reductions of the WGMMA layout stay within a warp (shuffles), so the cross-warp
       # reduction scratch (2 KB by default) is not needed, and it would not fit.
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
       interpret=interpret or None,
       kernel_name=(f"mosaic_latent_decode_{'fp8' if fp8 else 'bf16'}{'_half' if half_pages else ''}"
-                   f"{'_shared' if shared_widening else ''}{'_apart' if scores_apart else ''}"
-                   f"{'_pv_first' if pv_first else ''}"
-                   f"_p{page}_s{splits}"),
+                   f"{'_shared' if shared_widening else ''}_p{page}_s{splits}"),
   )(q, kv_cache, block_tables, seq_lens, k_scale)
 
   if splits == 1 and not fixed_order:

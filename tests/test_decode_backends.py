@@ -143,16 +143,14 @@ class TestPallasMosaicDecode(DecodeContract):
       np.testing.assert_array_equal(np.asarray(a[1:2]), np.asarray(b))
 
   @pytest.mark.parametrize("cache_dtype,knobs", [
-      (jnp.bfloat16, {}), (jnp.bfloat16, {"bf16_schedule": "scores_apart"}),
-      (jnp.float8_e4m3fn, {"fp8_pipeline": "serial"}),
+      (jnp.bfloat16, {}), (jnp.float8_e4m3fn, {"fp8_pipeline": "serial"}),
       (jnp.float8_e4m3fn, {"fp8_pipeline": "half_pages"}),
       (jnp.float8_e4m3fn, {"fp8_pipeline": "shared_widening"})])
   def test_no_races_in_the_interpreter(self, cache_dtype, knobs):
     # The interpreter's race detector sees plain loads and stores and bulk copies (the P and
-    # rescale hand-off between the warpgroups, P read by two value warpgroups with scores apart,
-    # the output staged over the page memory, fp8's stage ring and its widening into one or two
-    # slots), not the operand reads of wgmma. jax 0.11.2 reports it only through a private
-    # module.
+    # rescale hand-off between the warpgroups, the output staged over the page memory, fp8's stage
+    # ring and its widening into one or two slots), not the operand reads of wgmma. jax 0.11.2
+    # reports it only through a private module.
     report = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
     q, cache, tables, lens = make_case(62, n=16, page=64, req_lens=[200, 1, 0],
                                        cache_dtype=cache_dtype)
@@ -168,9 +166,6 @@ class TestPallasMosaicDecode(DecodeContract):
   @pytest.mark.parametrize("batch,n,seq,splits,cache_dtype,knobs", [
       (128, 128, 8192, None, jnp.bfloat16, {}), (128, 16, 32768, None, jnp.bfloat16, {}),
       (4, 20, 4096, 1, jnp.bfloat16, {}),
-      (128, 128, 8192, None, jnp.bfloat16, {"bf16_schedule": "scores_apart"}),
-      (128, 128, 8192, None, jnp.bfloat16, {"bf16_schedule": "scores_apart_pv_first"}),
-      (4, 20, 4096, 1, jnp.bfloat16, {"bf16_schedule": "scores_apart"}),
       (128, 128, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "serial"}),
       (128, 16, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "serial"}),
       (128, 128, 4096, None, jnp.float8_e4m3fn, {"fp8_pipeline": "half_pages"}),
@@ -193,10 +188,9 @@ class TestPallasMosaicDecode(DecodeContract):
     # setmaxnreg.inc past the registers the block was launched with waits forever (a hang on the
     # H200, not an error), and the interpreter does not model registers. setmaxnreg takes
     # multiples of 8 from 24 to 256.
-    assert (register_pool(3), register_pool(4)) == (3 * 168, 4 * 128)
-    for regs in mosaic_decode._REGS.values():
-      assert sum(regs) <= register_pool(len(regs))
-      assert all(r % 8 == 0 and 24 <= r <= 256 for r in regs)
+    for consumer, memory in mosaic_decode._REGS.values():
+      assert 2 * consumer + memory <= register_pool(3) == 3 * 168
+      assert all(r % 8 == 0 and 24 <= r <= 256 for r in (consumer, memory))
 
   @pytest.mark.parametrize("change,message", [
       (lambda a: {**a, "q": a["q"][0]}, "want q"),
@@ -219,7 +213,6 @@ class TestPallasMosaicDecode(DecodeContract):
       (lambda a: {**a, "num_kv_splits": 2, "split_tokens": 64}, "not both"),
       (lambda a: {**a, "split_tokens": 96}, "multiple of the kernel's step"),
       (lambda a: {**a, "fp8_pipeline": "quarter_pages"}, "fp8_pipeline must be one of"),
-      (lambda a: {**a, "bf16_schedule": "seesaw"}, "bf16_schedule must be one of"),
   ])
   def test_bad_input_raises(self, change, message):
     q, cache, tables, lens = (jnp.asarray(a)
@@ -293,37 +286,6 @@ class TestPallasMosaicDecodeSharedWidening(TestPallasMosaicDecodeHalfPages):
   half-page after next, the memory warpgroup the rest) on the same cases: every half-page's
   columns come from two warpgroups, and the stage ring is refilled only once both are done."""
   value = "shared_widening"
-
-
-class TestPallasMosaicDecodeScoresApart(_MosaicDecodeKnob):
-  """The Mosaic kernel's bf16_schedule="scores_apart" (warpgroup 0 computes S and the softmax
-  only, warpgroups 1 and 2 the two halves of the value columns from P in shared memory, warpgroup
-  3 copies) through the backend's MOSAIC_DECODE_CONFIG: the contract's bf16 page-64 cases (16 and
-  128 heads), and of the default's whole-page cases one split writing the output itself and 3
-  head tiles; bad table entries. fp8 caches ignore the schedule."""
-  knob, value = "bf16_schedule", "scores_apart"
-
-  def test_batch_invariant(self):
-    pytest.skip("the split points are not the schedule's: TestPallasMosaicDecode covers them, and "
-                "its 4 interpreter runs would double this class's CPU time")
-
-  @pytest.mark.parametrize("seed,n,splits,page,req_lens",
-                           [_WHOLE_PAGE_CASES[i] for i in (0, 3)])
-  def test_bf16_whole_pages(self, seed, n, splits, page, req_lens):
-    self.check(*make_case(seed, n=n, page=page, req_lens=req_lens), num_kv_splits=splits)
-
-  def test_bad_table_entries_page_64(self):
-    self.check_bad_table_entries(page=64, req_lens=[200, 150])
-
-
-class TestPallasMosaicDecodeScoresApartPvFirst(TestPallasMosaicDecodeScoresApart):
-  """bf16_schedule="scores_apart_pv_first" (the same warpgroups; warpgroup 0 issues each step's S
-  only once both value warpgroups issued the last step's P V): the contract's bf16 page-64 cases
-  (rows of 0 to 3 steps a split: the barrier's phases with none, one and several waits in the
-  loop). The other cases run the parent's code paths (output stores, padded tiles, masking)."""
-  value = "scores_apart_pv_first"
-  test_bf16_whole_pages = None
-  test_bad_table_entries_page_64 = None
 
 
 def _stage1_splits(jaxpr):

@@ -104,27 +104,6 @@ def test_fp8_half_pages_matches_reference(pipeline, seed, batch, max_len, n, spl
   assert_decode_close(np.asarray(o.astype(jnp.float32)), np.asarray(lse), ref_o, ref_lse)
 
 
-@pytest.mark.parametrize("seed,batch,max_len,n,splits", [
-    (1, 128, 8192, 128, None),  # the timed shape (bench_decode --mosaic-configs)
-    (6, 64, 8192, 20, None),  # heads padded to a tile
-    (5, 128, 4096, 130, 1),  # 3 head tiles, one split: stage 1 writes the bf16 output itself
-])
-@pytest.mark.parametrize("schedule", ["scores_apart", "scores_apart_pv_first"])
-def test_bf16_schedule_matches_reference(schedule, seed, batch, max_len, n, splits):
-  # The Mosaic kernel's other bf16 schedules (four warpgroups: S and the softmax apart from the two
-  # value warpgroups) at serving sizes.
-  q, cache, tables, lens = serving_case(seed, batch=batch, max_len=max_len, n=n,
-                                        cache_dtype=jnp.bfloat16)
-  ref = jax.jit(reference.latent_decode, static_argnames=("scale", "kv_lora_rank"))
-  ref_o, ref_lse = (np.asarray(a, np.float64) for a in
-                    ref(q, cache, tables, lens, scale=SCALE, kv_lora_rank=L))
-  poison_allocator()
-  o, lse = mosaic_decode.latent_decode(q, cache, tables, lens, scale=SCALE, num_kv_splits=splits,
-                                       bf16_schedule=schedule)
-  assert o.dtype == q.dtype
-  assert_decode_close(np.asarray(o.astype(jnp.float32)), np.asarray(lse), ref_o, ref_lse)
-
-
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_one_split_is_batch_independent(kernel):
   q, cache, tables, lens = serving_case(5, batch=128, max_len=4096, n=16, cache_dtype=jnp.bfloat16)
