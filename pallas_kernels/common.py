@@ -41,7 +41,7 @@ SWIZZLE = 128  # bytes: the widest swizzle; wgmma operands and bulk copies use t
 def register_pool(warpgroups: int) -> int:
   """Registers a thread of a Mosaic GPU block of `warpgroups` warpgroups holds at launch, summed
   over its warpgroups: 64K / threads rounded down to a multiple of 8, x warpgroups (3: 168 x 3 =
-  504; 4: 128 x 4 = 512). `setmaxnreg.inc` past it waits forever for registers the block does not
+  504; 5: 96 x 5 = 480). `setmaxnreg.inc` past it waits forever for registers the block does not
   hold: a hang on the GPU, which the interpreter (no registers) does not show."""
   return 65536 // (128 * warpgroups) // 8 * 8 * warpgroups
 

@@ -335,10 +335,9 @@ class TestPallasMosaicIndexer(IndexerContract):
 
   def test_register_split_fits_the_launch(self):
     # setmaxnreg.inc past the registers the launch gave the block waits forever (the interpreter
-    # does not model registers): (compute_wgs + 1) x 128 threads get 65536 // threads, a multiple
-    # of 8, each.
+    # does not model registers): compute_wgs + 1 warpgroups.
     for wgs, (compute, memory) in mosaic_indexer._REGS.items():
-      assert wgs * compute + memory <= 65536 // (128 * (wgs + 1)) // 8 * 8 * (wgs + 1)
+      assert wgs * compute + memory <= register_pool(wgs + 1)
       assert compute % 8 == 0 and memory % 8 == 0 and memory >= 24
     assert {cfg.compute_wgs for _, cfg in mosaic_indexer.SWEEP} == set(mosaic_indexer._REGS)
     with pytest.raises(ValueError, match="compute_wgs"):
