@@ -16,11 +16,12 @@ the grid stays and is the default from there (`persistent`). Three warpgroups a 
 - compute (warpgroups 0 and 1): each bulk-copies its own 64-row query tile (columns [0, Dv) and
   [Dv, Dk) into two buffers: the first later stages the output), then per step of block_k keys
   S = Q K^T (two wgmma, M = 64 rows, N = block_k keys), the float32 online softmax in exp2,
-  O = O * alpha + P V (wgmma with P in registers, accumulating in place); the two warpgroups take
-  turns on the tensor cores through a barrier (ping-pong: one's softmax overlaps the other's
-  products); with `intra_overlap` (prepared, not yet timed) each instead issues step j's S, then
-  step j - 1's P V, and runs step j's softmax while that P V runs (FlashAttention-3's
-  intra-warpgroup overlap, without turns, as FA3 runs head dims over 128);
+  O = O * alpha + P V (wgmma with P in registers, accumulating in place); by default
+  (`intra_overlap`, FlashAttention-3's intra-warpgroup overlap, without turns, as FA3 runs head
+  dims over 128) each issues step j's S, then step j - 1's P V, and runs step j's softmax while
+  that P V runs (H200: 1.04-1.07x the ping-pong schedule at 4096 and 16K tokens and 8 x 1024);
+  with `ping_pong` instead the two warpgroups take turns on the tensor cores through a barrier
+  (one's softmax overlaps the other's products);
 - memory (warpgroup 2): the request's K and V blocks, block_k keys a step, one bulk copy each into a
   ring of slots, refilled as soon as both compute warpgroups are done with a slot's K (or V).
 Both compute warpgroups walk the same steps (those the block's last row needs), so they share every
@@ -65,7 +66,10 @@ differences forced by the interpreter (jax 0.11.2): it runs wgmma only with shar
 into run_scoped accumulators, so there P goes through a shared-memory tile and each P V product into
 a fresh accumulator that is added; and it deadlocks on the turn-taking barrier, so there the
 warpgroups run without it (in lock-step). Lowering for CUDA, which also runs on a CPU, checks the
-GPU form (wgmma operand layouts, bulk-copy boxes, the shared-memory bound).
+GPU form (wgmma operand layouts, bulk-copy boxes, the shared-memory bound). The interpreter runs
+each warpgroup as a thread whose barrier waits can hold XLA:CPU's worker threads; with as many
+workers as a 2-core machine gets, a warpgroup may never start (seen with the grid's intra_overlap
+steps): `NPROC=8` in the environment before jax starts gives XLA:CPU 8 (the test suite sets it).
 """
 
 from __future__ import annotations
@@ -111,7 +115,8 @@ class MosaicPrefillConfig:
   """Launch knobs of one call; the field names are the jit entry's keyword arguments."""
   block_k: int = 128  # keys per step and bulk copy (N of S = Q K^T, K of P V)
   num_stages: int | None = None  # K/V ring depth; None: the deepest that fits (_stages_for)
-  ping_pong: bool = True  # the two compute warpgroups take turns on the tensor cores
+  # The two compute warpgroups take turns on the tensor cores (the schedule before intra_overlap).
+  ping_pong: bool = False
   # Programs walk a queue of work items, else one per (query slot, head, request); None: the queue
   # below _PERSISTENT_BELOW_TOKENS query rows (up to _PERSISTENT_MAX_TOKENS_MANY_HEADS from
   # _HEADS_FIRST_MIN heads), where it measured faster.
@@ -126,10 +131,10 @@ class MosaicPrefillConfig:
   l2_section_bytes: int | None = 32 << 20
   # FlashAttention-3's intra-warpgroup overlap: each compute warpgroup issues step j's S = Q K^T
   # and then step j - 1's P V, and runs step j's softmax while P V is on the tensor cores (a
-  # second 64 x block_k f32 accumulator, 64 registers a thread). Without turn-taking (ping_pong
-  # False), as FA3 runs it for head dims over 128. Prepared, not yet timed (benchmarks/RESULTS.md,
-  # session 9).
-  intra_overlap: bool = False
+  # second 64 x block_k f32 accumulator, 64 registers a thread). Without turn-taking, as FA3 runs
+  # it for head dims over 128 (H200, N=128: 1.04x ping-pong at 4096 and 16K tokens, 1.07x at
+  # 8 x 1024; benchmarks/RESULTS.md, session 10). Neither (both False): the steps in order.
+  intra_overlap: bool = True
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -147,20 +152,23 @@ class MosaicPrefillConfig:
     if not isinstance(self.intra_overlap, bool):
       raise ValueError(f"intra_overlap must be a bool, got {self.intra_overlap!r}")
     if self.intra_overlap and self.ping_pong:
-      raise ValueError("intra_overlap runs without turn-taking: pass ping_pong=False with it")
+      raise ValueError("ping_pong and intra_overlap are two schedules, pick one: "
+                       "ping_pong=True needs intra_overlap=False")
 
 
-# The chosen config (128-key steps, ring as deep as fits, ping-pong, the queue in 32 MiB sections)
-# and the sweep space
+# The chosen config (128-key steps, ring as deep as fits, intra-warpgroup overlap, the queue in
+# 32 MiB sections) and the sweep space
 # `benchmarks/bench_prefill.py --sweep` times; figures: benchmarks/RESULTS.md, "MLA prefill
 # (pallas_mosaic)".
 DEFAULT = MosaicPrefillConfig()
 SWEEP = (DEFAULT, MosaicPrefillConfig(persistent=True),
          MosaicPrefillConfig(persistent=True, l2_section_bytes=8 << 20),
          MosaicPrefillConfig(persistent=True, l2_section_bytes=None),
-         MosaicPrefillConfig(ping_pong=False, intra_overlap=True)) + tuple(
-    MosaicPrefillConfig(*v, persistent=False)
-    for v in [(128, 2, True), (128, 2, False), (64, 4, True), (64, 3, True), (64, 4, False)])
+         MosaicPrefillConfig(ping_pong=True, intra_overlap=False)) + tuple(
+    MosaicPrefillConfig(block_k, stages, ping_pong, persistent=False, intra_overlap=overlap)
+    for block_k, stages, ping_pong, overlap in [(128, 2, False, True), (128, 2, True, False),
+                                                (128, 2, False, False), (64, 4, False, True),
+                                                (64, 4, True, False)])
 
 
 def _smem_bytes(dk, dv, block_k, stages):
@@ -742,16 +750,18 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   keys' last columns, the same for every head, with k then [Tk, N, Dv]; each key step copies the
   head's k box and the shared k_pe box (no [Tk, N, Dk] keys are ever built). max_seqlen_q: static
   bound on any request's query count; it sizes the grid (a request beyond it is still right, only
-  slower). block_k (64 or 128 keys a step), num_stages (K/V ring depth; default: the deepest that
-  fits) and ping_pong (the two compute warpgroups take turns on the tensor cores) are tuning knobs.
+  slower). block_k (64 or 128 keys a step) and num_stages (K/V ring depth; default: the deepest
+  that fits) are tuning knobs, and so is the schedule: intra_overlap (default) runs each compute
+  warpgroup's softmax while its previous step's P V does (FA3's intra-warpgroup overlap);
+  ping_pong (with intra_overlap False) has the two compute warpgroups take turns on the tensor
+  cores instead; neither runs the steps in order.
   persistent: as many programs (num_programs; default the device's SM count, 4 in the interpreter,
   so that each takes several items) walk a queue of (query block, head) items, the heaviest blocks
   first; else one program per (query slot, head, request); default (None): the queue up to 8192
   query rows at 64 heads or more, below 4096 at fewer, where it measured faster. l2_section_bytes
   (persistent only): walk the queue in sections of as many heads as have their K/V within that many
-  bytes (see MosaicPrefillConfig). intra_overlap (with ping_pong False): each compute warpgroup's
-  softmax runs while its previous step's P V does (FA3's intra-warpgroup overlap). interpret: True
-  or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns o [Tq, N, Dv] bf16
+  bytes (see MosaicPrefillConfig). interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic
+  GPU's CPU interpreter. Returns o [Tq, N, Dv] bf16
   and lse [Tq, N] float32 (natural log); rows past cu_q[-1], and rows that see no key, give
   (0, -inf).
   """

@@ -2,7 +2,12 @@ import os
 import sys
 import threading
 
-import jax
+# XLA:CPU sizes its worker pool from NPROC (else the core count). The Mosaic GPU interpreter's
+# warpgroup threads block in barrier callbacks that can hold those workers; with 2 (CI's cores) a
+# warpgroup of a prefill grid never started in 3 of 4 runs, with 8 it ran every time.
+os.environ.setdefault("NPROC", "8")
+
+import jax  # noqa: E402  (after NPROC: the CPU client reads it when created)
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests share oracles.py and the contract bases

@@ -171,13 +171,13 @@ class TestPallasMosaicPrefill(PrefillContract):
     assert (f32(o[tail:]) == 0).all() and (np.asarray(lse[tail:]) == -np.inf).all()
 
   # split: the keys in the split form (two boxes a key step into one barrier). knobs: one program
-  # walks all three items, tiles in place and patched; intra_overlap, one program walking the three
-  # items (each step's P V issued in the next step, its V slot released there, the ring running
-  # on across items).
+  # walks all three items, tiles in place and patched (intra_overlap, the default: each step's
+  # P V issued in the next step, its V slot released there, the ring running on across items);
+  # the steps in order, one program.
   @pytest.mark.parametrize("split, knobs", [
       (False, {}), (True, {}), (False, dict(num_programs=1)),
-      (False, dict(num_programs=1, ping_pong=False, intra_overlap=True)),
-  ], ids=["joined", "split", "one_program", "intra_overlap"])
+      (False, dict(num_programs=1, intra_overlap=False)),
+  ], ids=["joined", "split", "one_program", "in_order"])
   def test_no_races_in_the_interpreter(self, split, knobs):
     # The race detector sees plain loads and stores and bulk copies (each warpgroup's P, the K/V
     # ring refills, the output staging), not the operand reads of wgmma. jax 0.11.2 reports it
@@ -203,8 +203,9 @@ class TestPallasMosaicPrefill(PrefillContract):
 
   @pytest.mark.parametrize("tokens,n,requests,causal,knobs", [
       (16384, 128, 1, True, {}), (16384, 16, 4, False, {}), (45, 3, 2, True, {}),
-      # The variants the H200 sweep timed: 64-key steps with 4 stages, no turn-taking.
-      (4096, 64, 2, True, dict(block_k=64, num_stages=4, ping_pong=False)),
+      # The variants the H200 sweep timed: 64-key steps with 4 stages, the overlap and in order.
+      (4096, 64, 2, True, dict(block_k=64, num_stages=4)),
+      (4096, 64, 2, True, dict(block_k=64, num_stages=4, intra_overlap=False)),
       # Each grid where it is not the default (the queue up to 8192 rows at 128 heads, below 4096
       # at 16); the queue in L2 sections (2 heads of 128 at 16K keys, 8 at 4096 keys) and without.
       (16384, 128, 1, True, dict(persistent=True)), (1024, 16, 1, True, dict(persistent=False)),
@@ -212,10 +213,10 @@ class TestPallasMosaicPrefill(PrefillContract):
       # A batch's tiles written in place, the edge tiles patched in: the queue (8 x 1024) and the
       # grid (4 x 4096).
       (8192, 128, 8, True, {}), (16384, 128, 4, True, {}),
-      # intra_overlap (two accumulators in flight, the scores waited for alone): 16K on the grid,
-      # one 4096-token request on the queue.
-      (16384, 128, 1, True, dict(ping_pong=False, intra_overlap=True)),
-      (4096, 128, 1, True, dict(ping_pong=False, intra_overlap=True)),
+      # The ping-pong schedule (the default before intra_overlap): 16K on the grid, one
+      # 4096-token request on the queue.
+      (16384, 128, 1, True, dict(ping_pong=True, intra_overlap=False)),
+      (4096, 128, 1, True, dict(ping_pong=True, intra_overlap=False)),
   ])
   def test_lowers_for_hopper(self, tokens, n, requests, causal, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
@@ -235,7 +236,7 @@ class TestPallasMosaicPrefill(PrefillContract):
   @pytest.mark.parametrize("tokens,keys,n,requests,causal,knobs", [
       (8192, 16384, 128, 4, False, dict(persistent=False)), (2048, 8192, 128, 1, False, {}),
       (8192, 8192, 128, 4, True, {}),
-      (4096, 4096, 64, 2, True, dict(block_k=64, num_stages=4, ping_pong=False)),
+      (4096, 4096, 64, 2, True, dict(block_k=64, num_stages=4, intra_overlap=False)),
       (8192, 8192, 128, 8, True, {}),
   ])
   def test_split_keys_lower_for_hopper(self, tokens, keys, n, requests, causal, knobs):
@@ -262,8 +263,8 @@ class TestPallasMosaicPrefill(PrefillContract):
       (dict(num_programs=0), "num_programs must be an int >= 1"),
       (dict(persistent="yes"), "persistent must be a bool or None"),
       (dict(l2_section_bytes=0), "l2_section_bytes must be an int >= 1"),
-      (dict(intra_overlap=1, ping_pong=False), "intra_overlap must be a bool"),
-      (dict(intra_overlap=True), "intra_overlap runs without turn-taking"),
+      (dict(intra_overlap=1), "intra_overlap must be a bool"),
+      (dict(ping_pong=True), "ping_pong=True needs intra_overlap=False"),
       (dict(cu_seqlens_q=jnp.array([0.0, 8.0])), "int32"),
       (dict(cu_seqlens_k=jnp.array([0, 4, 8], jnp.int32)), "differ in length"),
       # Split keys whose own columns are not Dv: the query tile is split at Dv.
@@ -354,21 +355,21 @@ class TestPallasMosaicPrefillL2Sections(PrefillContract):
     assert mosaic_prefill._section_heads(heads, head_kv_bytes, budget) == want
 
 
-class TestPallasMosaicPrefillIntraOverlap(PrefillContract):
-  """The contract on `intra_overlap` (prepared, not timed: each step's P V issued after the next
-  step's scores, the softmax beside it), in the interpreter, on the queue (3 programs, each
-  taking several items), narrowed to two cases for the suite's time that reach every path of its
-  step loop: the packed requests (1, 7, 128, 0 and 300 tokens: step 0 apart, unmasked steps, a
-  request off 8-aligned rows whose first V slot is cleaned and waited for a step later, items of
-  one step) and the poisoned requests in the split form (NaN, inf in the neighbours' rows, a
-  5-row request at the arrays' end whose box moves back). One program: the race test above. The
-  rest of the contract (split keys' bits, argument checks) runs no code the variant changes."""
+class TestPallasMosaicPrefillInOrder(PrefillContract):
+  """The contract on the steps in order (`intra_overlap=False`: each step's P V before the next
+  step's scores; on the GPU the ping-pong schedule runs these steps with turns), in the
+  interpreter, on the queue (3 programs, each taking several items), narrowed to two cases for
+  the suite's time that reach every path of its step loop: the packed requests (1, 7, 128, 0 and
+  300 tokens: unmasked steps, a request off 8-aligned rows whose V slot is cleaned, items of one
+  step) and the poisoned requests in the split form (NaN, inf in the neighbours' rows, a 5-row
+  request at the arrays' end whose box moves back). One program: the race test above. The rest
+  of the contract (split keys' bits, argument checks) runs no code the schedule changes."""
   test_split_keys_match_oracle_and_joined_keys = None
   test_bad_split_keys_raise = None
 
   def prefill(self, q, *args, **kwargs):
-    return mosaic_prefill.mla_prefill(q, *args, **kwargs, ping_pong=False, intra_overlap=True,
-                                      num_programs=3, interpret=True)
+    return mosaic_prefill.mla_prefill(q, *args, **kwargs, intra_overlap=False, num_programs=3,
+                                      interpret=True)
 
   @pytest.mark.parametrize("case", ["causal_bf16_n2_packed"])
   def test_matches_oracle(self, case, rng):
