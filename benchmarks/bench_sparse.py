@@ -6,7 +6,7 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            N < 64 to 64 heads inside; FLOPs count the N asked for), and for the Mosaic kernel's
            other configs (its SWEEP; cache "<cache> <field>=<value>"; not with --no-sweep-rows;
            only those named with --sweep-rows; fp8_pipeline and fp8_stage_halves only with the
-           fp8_ds_mla cache, prefetch_l2 with the bf16 cache or fp8_pipeline=in_place).
+           fp8_ds_mla cache).
            Decode rows (T <= 128) pick 2048 slots each, uniformly from a 1M-token cache (1.2 GB
            bf16), so gathers do not hit L2; a 4096-row prefill chunk picks from one 32K-token
            context (one request: rows share rows, and L2 helps). Bytes = T*2048*row bytes (1152
@@ -145,9 +145,8 @@ def run_sparse(args, t, n, kind, cache):
                         if v != getattr(pallas_mosaic_sparse.CONFIG, k))
     if (not changed or (args.sweep_rows and changed not in args.sweep_rows)
         or (kind != "fp8_ds_mla" and any(getattr(cfg, k) != getattr(pallas_mosaic_sparse.CONFIG, k)
-                                         for k in FP8_DS_MLA_FIELDS))
-        or (kind == "fp8_ds_mla" and cfg.prefetch_l2 and cfg.fp8_pipeline != "in_place")):
-      continue  # the chosen config, one not asked for, or one the cache does not take
+                                         for k in FP8_DS_MLA_FIELDS))):
+      continue  # the chosen config, one not asked for, or an fp8_ds_mla pipeline on a bf16 cache
     other = lambda be, cfg=cfg: jax.jit(functools.partial(mosaic_sparse_variant, cfg=cfg))
     rows.append(timed_row(args, case_row("sparse", t, n=n, context=span, cache=f"{kind} {changed}"),
                           other, sets, case_bytes, flops, xla_ms=rows[0].get("xla ms"),

@@ -165,39 +165,8 @@ def _cp_async_wait(pending):
   wait()
 
 
-def _prefetch_rows(srcs, idx, *, num_slots):
-  """Asks L2 for the 128-byte lines of a step's rows (`prefetch.global.L2`, a hint: nothing lands
-  in shared memory and nothing is waited for), issued by every lane of the memory warpgroup.
-  srcs: [S, C, w] GMEM refs (C chunks of 128 bytes a row); idx [rows] int32 (an index >= num_slots
-  is an invalid slot: its lane asks for row 0's line, harmless). Lane l takes lines l, l + 128,
-  ... of the rows x C lines of each src (64 x 5 for an fp8_ds_mla step: 2 or 3 a lane)."""
-  rows = idx.shape[0]
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (1 + len(srcs)))
-  def issue(_, rows_ref, *refs):
-    i32, i64, i8 = (ir.IntegerType.get_signless(w) for w in (32, 64, 8))
-    c32 = lambda v: arith.constant(i32, v)
-    tid = arith.remui(mgpu_utils.thread_idx(), c32(_WG_THREADS))
-    global_ptr = llvm.PointerType.get(address_space=1)
-    for src, chunks in zip(refs, (ref.shape[1] for ref in srcs)):
-      base = llvm.addrspacecast(global_ptr, mgpu_utils.memref_ptr(src))
-      lines = rows * chunks
-      for k in range(-(-lines // _WG_THREADS)):
-        line = arith.minui(arith.addi(tid, c32(k * _WG_THREADS)), c32(lines - 1))
-        r, c = arith.divui(line, c32(chunks)), arith.remui(line, c32(chunks))
-        row = memref.load(rows_ref, [arith.index_cast(ir.IndexType.get(), r)])
-        row = arith.select(arith.cmpi(arith.CmpIPredicate.ult, row, c32(num_slots)), row, c32(0))
-        offset = arith.muli(arith.extui(i64, arith.addi(arith.muli(row, c32(chunks)), c)),
-                            arith.constant(i64, _CHUNK_BYTES))
-        ptr = mgpu_utils.getelementptr(base, [offset], i8)
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [ptr], "prefetch.global.L2 [$0];", "l",
-                        has_side_effects=True)
-
-  issue(idx, *srcs)
-
-
-def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_place, prefetch_l2,
-            num_slots, gather, interpret):
+def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_place, num_slots,
+            gather, interpret):
   # GMEM: q_ref [T, Np, D] bf16; idx_ref [T, Kp] int32 (slot, or num_slots where invalid);
   # steps_ref [T] int32 (steps of 64 slots up to the last valid one). bf16: kv_ref [S, D/64, 64]
   # bf16. fp8: nope_ref [S, L/128, 128] e4m3, rope_ref [S, R/64, 64] bf16, scales_ref
@@ -341,7 +310,7 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_p
     cp_async: one committed group of the warpgroup's copies (the caller waits for it); bulk:
     every row chunk's copy arrives on barrier."""
     ring = lax.rem(i, _IDX_RING)
-    if half != 1 and not (in_place or prefetch_l2):  # else waited for before the L2 prefetch
+    if half != 1 and not in_place:  # "in_place" waits for them a step earlier (indices_landed)
       plgpu.barrier_wait(idx_bar.at[ring])
     rows, first_row = (_STEP, 0) if half is None else (HALF_ROWS, half * HALF_ROWS)
     if gather == "cp_async":
@@ -376,19 +345,7 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_p
       _cp_async_wait(0)
       plgpu.commit_smem()
 
-    def indices_landed(i):
-      """Waits for step i's slot indices (once a phase), then, with prefetch_l2, asks L2 for its
-      rows: a step before its gather, which waits for its slot to be free."""
-      ring = lax.rem(i, _IDX_RING)
-      plgpu.barrier_wait(idx_bar.at[ring])
-      if prefetch_l2 and not interpret:  # the interpreter runs no inline Mosaic GPU code
-        _prefetch_rows((nope_ref, rope_ref) if fp8 else (kv_ref,), idx_smem.at[ring],
-                       num_slots=num_slots)
-
     if not fp8:
-      if prefetch_l2:
-        pl.when(n > 0)(functools.partial(indices_landed, 0))
-
       @pl.loop(0, n)
       def _(i):
         slot = lax.rem(i, slots)
@@ -403,11 +360,6 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_p
             _cp_async_wait(1)
             plgpu.commit_smem()
             plgpu.barrier_arrive(ready.at[lax.rem(i - 1, slots)])
-        if prefetch_l2:
-          # Step i + 1's rows into L2 while step i's land (after step i - 1's hand-off, which this
-          # wait must not hold up): its gather waits for a free slot (a consumer step), then
-          # reads L2.
-          pl.when(i + 1 < n)(functools.partial(indices_landed, i + 1))
 
       if gather == "cp_async":
         @pl.when(n > 0)
@@ -448,6 +400,12 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_p
           y = (x * row_broadcast(tile_scales[j], x.shape)).astype(kv.dtype)
           kv[slot, 2 * j] = y[:, :_COLS]
           kv[slot, 2 * j + 1] = y[:, _COLS:]
+
+      def indices_landed(i):
+        """Waits for step i's slot indices (a warpgroup waits on each phase once), an iteration
+        before its gather: the order the H200 timed (RESULTS v11; laid out for an L2 prefetch of
+        the rows since removed), hence the indices fetched 3 steps ahead."""
+        plgpu.barrier_wait(idx_bar.at[lax.rem(i, _IDX_RING)])
 
       pl.when(n > 0)(functools.partial(indices_landed, 0))
       pl.when(n > 0)(functools.partial(stage, 0))
@@ -626,7 +584,7 @@ def smem_bytes(scratch):
 
 
 def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_splits, auto_barriers,
-                 gather, split_rule, fp8_pipeline, fp8_stage_halves, prefetch_l2, interpret):
+                 gather, split_rule, fp8_pipeline, fp8_stage_halves, interpret):
   """Pads heads to 64-row tiles and slots to 64-slot steps, runs the kernel, merges splits."""
   t, n, d = q.shape
   if t == 0 or n == 0:  # no program to run (and no split count: it divides by T x head tiles)
@@ -713,8 +671,8 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                      f"block's {_SMEM_LIMIT}")
 
   kernel = functools.partial(_kernel, scale=scale, lora=lora, num_splits=splits, fp8=fp8,
-                             in_place=in_place, prefetch_l2=prefetch_l2, num_slots=num_slots,
-                             gather=gather, interpret=bool(interpret))
+                             in_place=in_place, num_slots=num_slots, gather=gather,
+                             interpret=bool(interpret))
   o_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((t, splits, np_, lora), out_dtype),
@@ -735,7 +693,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
       interpret=interpret or None,
       kernel_name=(f"mosaic_sparse_{'ds_mla' if fp8 else 'bf16'}"
                    f"{f'_half{fp8_stage_halves}' if half_rows else ''}"
-                   f"{'_in_place' if in_place else ''}{'_l2' if prefetch_l2 else ''}"
+                   f"{'_in_place' if in_place else ''}"
                    f"_{gather}_s{splits}"),
   )(q, idx, steps, *cache_args)
   if splits == 1:
@@ -753,12 +711,12 @@ FP8_PIPELINES = ("serial", "half_rows", "in_place")
 
 @dataclasses.dataclass(frozen=True)
 class MosaicSparseConfig:
-  """Launch knobs; the field names are the jit entries' keyword arguments (fp8_pipeline,
-  fp8_stage_halves and prefetch_l2 the fp8_ds_mla entry's only). Heads per program (64, the M of a
-  wgmma) and slots per step (64) are fixed by wgmma; the gather (H200: cp_async 2.2-2.6x bulk for
-  bf16, 1.4x for fp8_ds_mla, benchmarks/RESULTS.md, "DSA sparse attention (pallas_mosaic)", v2 and
-  v3), the split rule (`split_count`; H200, T=128: "one_wave" 1.14-1.38x "fill" at N 16, 32, 128 for
-  both caches, v4; once tokens x head tiles >= 2 x 132 both give 1 split) and fp8_pipeline are the
+  """Launch knobs; the field names are the jit entries' keyword arguments (fp8_pipeline and
+  fp8_stage_halves the fp8_ds_mla entry's only). Heads per program (64, the M of a wgmma) and
+  slots per step (64) are fixed by wgmma; the gather (H200: cp_async 2.2-2.6x bulk for bf16, 1.4x
+  for fp8_ds_mla, benchmarks/RESULTS.md, "DSA sparse attention (pallas_mosaic)", v2 and v3), the
+  split rule (`split_count`; H200, T=128: "one_wave" 1.14-1.38x "fill" at N 16, 32, 128 for both
+  caches, v4; once tokens x head tiles >= 2 x 132 both give 1 split) and fp8_pipeline are the
   choices.
   fp8_pipeline, how fp8_ds_mla rows are widened into bf16 row slots (one 64-row slot is what fits
   beside the query tile and the staging):
@@ -775,18 +733,11 @@ class MosaicSparseConfig:
     both consumers are done with the step two before), and are widened there, so the consumers
     take bf16's 64-slot steps (half_rows' 32-slot steps set its pace at N=128, RESULTS v7, v8);
     a step's gather then waits for its slot to be free (half_rows': two half steps ahead).
-    cp_async only (the bulk gather on the GPU would need untiled aliases of the in-place views).
-  prefetch_l2 (bf16 caches, and fp8_ds_mla with "in_place"; prepared, not yet timed: RESULTS v9,
-  v10): the memory warpgroup asks L2 for each step's rows (`prefetch.global.L2`, 2-3 lines a lane
-  for fp8_ds_mla, 4-5 for bf16) a step before it gathers them, so the gather that waits for a
-  free slot reads L2 rather than HBM. bf16 at 16-32 heads (one token a program, one program an
-  SM at T=128): a step's gather otherwise overlaps one consumer step only, and its HBM latency
-  shows in the step time (v10)."""
+    cp_async only (the bulk gather on the GPU would need untiled aliases of the in-place views)."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
   fp8_pipeline: str = "half_rows"
   fp8_stage_halves: int = 2  # staging in 32-row buffers: "serial" stages 64 rows (2 halves)
-  prefetch_l2: bool = False
 
   def __post_init__(self):
     if self.gather not in GATHERS:
@@ -807,17 +758,14 @@ CONFIG = MosaicSparseConfig()
 SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rule="fill"),
          MosaicSparseConfig(fp8_pipeline="serial"),
          MosaicSparseConfig(fp8_pipeline="half_rows", fp8_stage_halves=3),
-         MosaicSparseConfig(fp8_pipeline="in_place"),
-         MosaicSparseConfig(fp8_pipeline="in_place", prefetch_l2=True),
-         MosaicSparseConfig(prefetch_l2=True))  # bf16 caches only (fp8_ds_mla: "in_place" only)
+         MosaicSparseConfig(fp8_pipeline="in_place"))
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank", "prefetch_l2"))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))
 def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, scale: float,
                      kv_lora_rank: int = 512, num_splits: int | None = None,
                      auto_barriers: bool = False, gather: str = CONFIG.gather,
                      split_rule: str = CONFIG.split_rule,
-                     prefetch_l2: bool = CONFIG.prefetch_l2,
                      interpret: bool | plgpu.InterpretGPUParams = False
                      ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over a bf16 latent cache (semantics of `mla_jax.reference.sparse_attention`).
@@ -829,13 +777,12 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   warpgroup barrier before every bulk copy and around every shared-memory store (its safe default,
   kept to measure against). gather: "cp_async" (the 128 lanes of the memory warpgroup copy 16
   bytes each into the swizzled row slot) or "bulk" (one bulk copy per row and 64-column chunk, 9 a
-  row; what the interpreter runs either way). prefetch_l2: `MosaicSparseConfig`'s (prepared, not
-  yet timed). interpret: True or a
+  row; what the interpreter runs either way). interpret: True or a
   `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and
   lse [T, N] float32 (natural log); a row with no valid slot gives (0, -inf).
   """
   _check(q, slots, kv_lora_rank, num_splits)
-  MosaicSparseConfig(gather, split_rule, prefetch_l2=prefetch_l2)  # checks them
+  MosaicSparseConfig(gather, split_rule)  # checks them
   if kv_cache.ndim != 3 or kv_cache.shape[2] != q.shape[2] or kv_cache.dtype != jnp.bfloat16:
     raise ValueError(f"want a bfloat16 kv_cache [num_blocks, page, {q.shape[2]}] (q's head dim), "
                      f"got {kv_cache.dtype.name}{kv_cache.shape}")
@@ -844,12 +791,10 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   return _sparse_call(q, slots, (rows,), scale=scale, lora=kv_lora_rank, num_slots=num_slots,
                       fp8=False, num_splits=num_splits, auto_barriers=auto_barriers,
                       gather=gather, split_rule=split_rule, fp8_pipeline=CONFIG.fp8_pipeline,
-                      fp8_stage_halves=CONFIG.fp8_stage_halves, prefetch_l2=prefetch_l2,
-                      interpret=interpret)
+                      fp8_stage_halves=CONFIG.fp8_stage_halves, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("fp8_pipeline", "fp8_stage_halves",
-                                                       "prefetch_l2"))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("fp8_pipeline", "fp8_stage_halves"))
 def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.Array,
                                 rope: jax.Array, slots: jax.Array, *, scale: float,
                                 num_splits: int | None = None, auto_barriers: bool = False,
@@ -857,7 +802,6 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                                 split_rule: str = CONFIG.split_rule,
                                 fp8_pipeline: str = CONFIG.fp8_pipeline,
                                 fp8_stage_halves: int = CONFIG.fp8_stage_halves,
-                                prefetch_l2: bool = CONFIG.prefetch_l2,
                                 interpret: bool | plgpu.InterpretGPUParams = False
                                 ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over an fp8_ds_mla cache, widened to bf16 once per gathered row.
@@ -865,8 +809,8 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   q [T, N, L+R] bf16; nope [num_blocks, page, L] float8_e4m3fn; tile_scales [num_blocks, page,
   L/128] float32 (row value = nope * its tile's scale, a power of two); rope [num_blocks, page, R]
   bfloat16; slots and options as in `sparse_attention`; fp8_pipeline ("serial", "half_rows" or
-  "in_place"), fp8_stage_halves and prefetch_l2: `MosaicSparseConfig`'s. Returns o [T, N, L]
-  bf16 and lse [T, N] float32.
+  "in_place") and fp8_stage_halves: `MosaicSparseConfig`'s. Returns o [T, N, L] bf16 and lse
+  [T, N] float32.
   """
   nb, page, lora = nope.shape
   _check(q, slots, lora, num_splits)
@@ -877,10 +821,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                      f"[NB, BS, L/{DS_MLA_TILE}] f32, rope [NB, BS, R] bf16 and q [T, N, L+R]; got "
                      f"{nope.dtype.name}{nope.shape}, {tile_scales.dtype.name}{tile_scales.shape}, "
                      f"{rope.dtype.name}{rope.shape}, q {q.shape}")
-  MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves, prefetch_l2)  # checks
-  if prefetch_l2 and fp8_pipeline != "in_place":
-    raise ValueError(f"prefetch_l2 needs fp8_pipeline \"in_place\" with an fp8_ds_mla cache, got "
-                     f"{fp8_pipeline!r}")
+  MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves)  # checks them
   num_slots = nb * page
   # Rows as 128-byte chunks [S, C, w], what either gather copies.
   chunked = lambda x: x.reshape(num_slots, -1, _CHUNK_BYTES // x.dtype.itemsize)
@@ -888,5 +829,4 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                       scale=scale, lora=lora, num_slots=num_slots, fp8=True, num_splits=num_splits,
                       auto_barriers=auto_barriers, gather=gather, split_rule=split_rule,
                       fp8_pipeline=fp8_pipeline, fp8_stage_halves=fp8_stage_halves,
-                      prefetch_l2=prefetch_l2,
                       interpret=interpret)

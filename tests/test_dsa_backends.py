@@ -514,17 +514,6 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
         fp8_pipeline=self.fp8_pipeline, fp8_stage_halves=self.fp8_stage_halves, interpret=True)
     assert_matches_oracle(o, lse, q, rows, slots, rows.shape[0], lora)
 
-  def test_bf16_prefetch_l2_steps_of_one_split_match_oracle(self):
-    # prefetch_l2 (prepared, not timed): the memory warpgroup waits for step i + 1's indices
-    # after step i's gather (the interpreter skips the prefetch itself, a hint). 5 steps in one
-    # split at 16 heads: the index ring wraps, row 1 has no valid slot, row 2 ends a step early.
-    q, cache, slots, rows = poisoned_case(45, 16, "bf16", t=3, k=300, nb=22)
-    slots[2, 256:] = -1
-    o, lse = mosaic_sparse.sparse_attention(q, cache.data, jnp.asarray(slots), scale=0.05,
-                                            kv_lora_rank=L, num_splits=1, prefetch_l2=True,
-                                            interpret=True)
-    assert_matches_oracle(o, lse, q, rows, slots, rows.shape[0], L)
-
   @pytest.mark.parametrize("fp8_pipeline", ["serial", "half_rows"])
   def test_no_races_in_the_interpreter(self, fp8_pipeline):
     # The interpreter's race detector sees plain loads and stores and bulk copies (the P and
@@ -553,15 +542,15 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
                                atol=1e-2)  # bf16 outputs: a split merge may round 1 ulp apart
     np.testing.assert_allclose(np.asarray(l3), np.asarray(l1), rtol=1e-5, atol=1e-5)
 
-  @pytest.mark.parametrize("n,fp8,gather,fp8_pipeline,halves,prefetch", [
-      (128, False, "cp_async", "serial", 2, False), (16, False, "cp_async", "serial", 2, False),
-      (128, False, "bulk", "serial", 2, False), (128, True, "cp_async", "serial", 2, False),
-      (32, True, "cp_async", "serial", 2, False), (128, True, "bulk", "serial", 2, False),
-      (128, True, "cp_async", "half_rows", 2, False), (32, True, "cp_async", "half_rows", 2, False),
-      (128, True, "bulk", "half_rows", 2, False), (128, True, "cp_async", "half_rows", 3, False),
-      (128, True, "bulk", "half_rows", 3, False), (128, True, "cp_async", "in_place", 2, True),
-      (32, True, "cp_async", "in_place", 2, False), (16, False, "cp_async", "serial", 2, True)])
-  def test_lowers_for_hopper(self, n, fp8, gather, fp8_pipeline, halves, prefetch, monkeypatch):
+  @pytest.mark.parametrize("n,fp8,gather,fp8_pipeline,halves", [
+      (128, False, "cp_async", "serial", 2), (16, False, "cp_async", "serial", 2),
+      (128, False, "bulk", "serial", 2), (128, True, "cp_async", "serial", 2),
+      (32, True, "cp_async", "serial", 2), (128, True, "bulk", "serial", 2),
+      (128, True, "cp_async", "half_rows", 2), (32, True, "cp_async", "half_rows", 2),
+      (128, True, "bulk", "half_rows", 2), (128, True, "cp_async", "half_rows", 3),
+      (128, True, "bulk", "half_rows", 3), (128, True, "cp_async", "in_place", 2),
+      (32, True, "cp_async", "in_place", 2)])
+  def test_lowers_for_hopper(self, n, fp8, gather, fp8_pipeline, halves, monkeypatch):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # layouts and swizzles, bulk-copy boxes, the untiled aliases, the cp.async code, the register
     # layouts of the widening, and that shared memory fits 227 KB; with the limit at 0, Mosaic
@@ -579,11 +568,11 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
           q, jax.ShapeDtypeStruct((tokens // 64, 64, 512), jnp.float8_e4m3fn),
           jax.ShapeDtypeStruct((tokens // 64, 64, 4), jnp.float32),
           jax.ShapeDtypeStruct((tokens // 64, 64, 64), jnp.bfloat16), slots, scale=0.1,
-          gather=gather, fp8_pipeline=fp8_pipeline, fp8_stage_halves=halves, prefetch_l2=prefetch)
+          gather=gather, fp8_pipeline=fp8_pipeline, fp8_stage_halves=halves)
     else:
       traced = mosaic_sparse.sparse_attention.trace(
           q, jax.ShapeDtypeStruct((tokens // 64, 64, 576), jnp.bfloat16), slots, scale=0.1,
-          gather=gather, prefetch_l2=prefetch)
+          gather=gather)
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
     assert counted[-1] <= 227 * 1024
     jax.clear_caches()
@@ -646,10 +635,6 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
       mosaic_sparse.sparse_attention_fp8_ds_mla(
           q, nope, jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16),
           slots, scale=0.1, fp8_pipeline="in_place", gather="bulk", interpret=True)
-    with pytest.raises(ValueError, match="prefetch_l2 needs"):
-      mosaic_sparse.sparse_attention_fp8_ds_mla(
-          q, nope, jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16),
-          slots, scale=0.1, prefetch_l2=True, interpret=True)
     for pipeline in ("serial", "half_rows"):
       with pytest.raises(ValueError, match="fp8_stage_halves must be 2"):
         mosaic_sparse.sparse_attention_fp8_ds_mla(
@@ -661,8 +646,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     assert (mosaic_sparse.CONFIG.fp8_pipeline, mosaic_sparse.CONFIG.fp8_stage_halves) == (
         "half_rows", 2)  # the timed default
     for other in (dict(fp8_pipeline="serial"), dict(fp8_pipeline="half_rows", fp8_stage_halves=3),
-                  dict(fp8_pipeline="in_place"), dict(fp8_pipeline="in_place", prefetch_l2=True),
-                  dict(prefetch_l2=True)):
+                  dict(fp8_pipeline="in_place")):
       assert mosaic_sparse.MosaicSparseConfig(**other) in mosaic_sparse.SWEEP
 
 
@@ -674,7 +658,6 @@ class TestPallasMosaicSparseAttentionSerial(TestPallasMosaicSparseAttention):
   fp8_pipeline = "serial"
   # Cases that read no fp8_ds_mla cache through fn, or check every variant already: the parent's.
   test_splits_match_one_split = None
-  test_bf16_prefetch_l2_steps_of_one_split_match_oracle = None
   test_no_races_in_the_interpreter = None
   test_lowers_for_hopper = None
   test_shared_memory_past_the_limit_raises = None

@@ -94,35 +94,16 @@ def test_mosaic_sparse_fp8_pipeline_matches_reference(n, fp8_pipeline, halves):
 
 # "in_place" widens the values "serial" widens, and its consumers run serial's 64-slot products in
 # the same order: equal bits, which checks what the interpreter cannot (it neither aliases the
-# staging views onto the row slots nor swizzles, nor runs the L2 prefetch): the in-place
-# overwrites and their barriers.
+# staging views onto the row slots nor swizzles): the in-place overwrites and their barriers.
 @pytest.mark.parametrize("n", [128, 16])
-@pytest.mark.parametrize("prefetch_l2", [False, True])
-def test_mosaic_sparse_in_place_equals_serial_bit_for_bit(n, prefetch_l2):
+def test_mosaic_sparse_in_place_equals_serial_bit_for_bit(n):
   q, cache, slots = sparse_case(n + 1, n, "fp8_ds_mla")
   run = functools.partial(mosaic_sparse.sparse_attention_fp8_ds_mla, q, cache.nope,
                           cache.tile_scales, cache.rope, slots, scale=SCALE)
   poison_allocator()
   want = [np.asarray(a, np.float32) for a in run(fp8_pipeline="serial")]
   poison_allocator()
-  got = [np.asarray(a, np.float32) for a in run(fp8_pipeline="in_place", prefetch_l2=prefetch_l2)]
-  for g, w in zip(got, want):
-    np.testing.assert_array_equal(g, w)
-
-
-# prefetch_l2 with a bf16 cache (prepared, not yet timed) only asks L2 for a step's rows a step
-# before their gather: the same products in the same order, so the default's bits (which
-# test_sparse_attention_matches_reference checks against the reference), at the head counts it is
-# meant for (one 64-head tile, one token a program).
-@pytest.mark.parametrize("n", [16, 32])
-def test_mosaic_sparse_bf16_prefetch_l2_equals_default_bit_for_bit(n):
-  q, cache, slots = sparse_case(n + 2, n, "bf16")
-  run = functools.partial(mosaic_sparse.sparse_attention, q, cache.data, slots, scale=SCALE,
-                          kv_lora_rank=L)
-  poison_allocator()
-  want = [np.asarray(a, np.float32) for a in run()]
-  poison_allocator()
-  got = [np.asarray(a, np.float32) for a in run(prefetch_l2=True)]
+  got = [np.asarray(a, np.float32) for a in run(fp8_pipeline="in_place")]
   for g, w in zip(got, want):
     np.testing.assert_array_equal(g, w)
 
