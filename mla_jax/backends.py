@@ -214,7 +214,8 @@ def _pallas_triton_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
 
 def _pallas_mosaic_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
   """The Mosaic GPU sparse kernel for bf16 q over a bf16 latent cache or an fp8_ds_mla cache
-  (else the kernel's ValueError)."""
+  (else the kernel's ValueError), with the kernel's defaults (fp8_ds_mla: the pipeline
+  `mosaic_sparse.default_fp8_pipeline` picks for the shapes)."""
   _check_sparse(q, cache, slots, kv_lora_rank)
   interpret = jax.default_backend() != "gpu"
   if cache.dtype_name == caches.FP8_DS_MLA:
@@ -294,6 +295,8 @@ PALLAS_MOSAIC = dataclasses.replace(
 # v6 (fp8_ds_mla "half_rows", session 7): 1.46x Triton at N=16 T=128 (0.150 against 0.219 ms),
 # 2.3x at N=128, so fp8_ds_mla takes Mosaic from 16 heads (N=16 at T=4096 not timed with it; it
 # was 0.98x with "serial", which "half_rows" beat by 1.29-1.34x at every shape timed).
+# v11 (session 10): the fp8_ds_mla default is "in_place" at T=4096 (1.04-1.07x "half_rows"),
+# "half_rows" at T=128: Mosaic only got faster there.
 _MOSAIC_PREFILL_MIN_TOKENS = CONTEXT_MIN_QUERY_ROWS  # context chunks' windows keep to it
 _MOSAIC_DECODE_MIN_HEADS = 64
 _MOSAIC_SPARSE_MIN_HEADS = {"bfloat16": 32, caches.FP8_DS_MLA: 16}  # by cache dtype_name

@@ -27,9 +27,10 @@ bf16 caches use 2 row slots (the next step's rows land while this one computes);
 1 bf16 slot + the staging buffer (two bf16 slots, the query tile and the staging do not fit in a
 block's 227 KB), or with fp8_pipeline="half_rows" the same bytes as two 32-row slots that the
 consumers step through 32 slots at a time while the other is widened, fed by a ring of 32-row
-staging buffers, or (prepared, not yet timed) with "in_place" bf16's two 64-row slots, each holding
-its own step's e4m3 rows and scales until they are widened there (`MosaicSparseConfig`). Splits
-of a token's slot list are merged by their log-sum-exps (`merge_splits`).
+staging buffers, or with "in_place" bf16's two 64-row slots, each holding its own step's e4m3 rows
+and scales until they are widened there (`MosaicSparseConfig`; by default "in_place" over many
+waves of one-split programs, else "half_rows": `default_fp8_pipeline`). Splits of a token's slot
+list are merged by their log-sum-exps (`merge_splits`).
 
 Shared memory holds a row slot as 9 tiles of 64 rows x 64 columns, each in the tiled, 128-byte-
 swizzled layout wgmma reads. The cp.async gather computes each 16-byte unit's swizzled address
@@ -564,6 +565,27 @@ def split_count(rule, num_tokens, head_tiles, max_len, sms):
   return max(1, sms // (num_tokens * head_tiles))
 
 
+def _splits(num_tokens, head_tiles, padded_slots, num_splits, split_rule):
+  """The split count the kernel runs: num_splits, else split_rule's, capped at one 64-slot step a
+  split (padded_slots: the slot list padded to whole steps)."""
+  splits = num_splits or split_count(split_rule, num_tokens, head_tiles, padded_slots, sm_count())
+  return max(min(splits, padded_slots // _STEP), 1)
+
+
+def default_fp8_pipeline(num_tokens, num_heads, top_k, *, num_splits, split_rule, gather):
+  """The fp8_ds_mla pipeline that fp8_pipeline=None runs (static shapes only): "in_place" where
+  tokens x head tiles >= 2 x SMs (264 programs on the H200: there neither split rule splits, and
+  each SM runs its programs in sequence), the kernel runs 1 split a token (an explicit num_splits
+  of 2 or more, which was not timed with "in_place", keeps "half_rows") and the gather is cp_async
+  (the only one "in_place" takes); else "half_rows". Timings in `MosaicSparseConfig`."""
+  head_tiles = pl.cdiv(num_heads, _TILE_H)
+  if gather != "cp_async" or num_tokens * head_tiles < 2 * sm_count():
+    return "half_rows"
+  padded_slots = max(pl.cdiv(top_k, _STEP), 1) * _STEP
+  one_split = _splits(num_tokens, head_tiles, padded_slots, num_splits, split_rule) == 1
+  return "in_place" if one_split else "half_rows"
+
+
 def smem_bytes(scratch):
   """Bytes of shared memory Pallas Mosaic GPU (jax 0.11.2) allocates for these scratch types: each
   buffer, and each buffer of a `RefUnion` member, starts 1024-byte aligned; a union takes its
@@ -600,8 +622,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   # Walk only up to each row's last valid slot: top-k lists of short rows are mostly -1 padding.
   extent = jnp.max(jnp.where(valid, jnp.arange(1, k + 1, dtype=jnp.int32), 0), axis=1)
   steps = lax.div(extent + (_STEP - 1), _STEP)
-  splits = num_splits or split_count(split_rule, t, head_tiles, k, sm_count())
-  splits = max(min(splits, k // _STEP), 1)
+  splits = _splits(t, head_tiles, k, num_splits, split_rule)
   out_dtype = q.dtype if splits == 1 else jnp.float32
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
@@ -719,24 +740,34 @@ class MosaicSparseConfig:
   caches, v4; once tokens x head tiles >= 2 x 132 both give 1 split) and fp8_pipeline are the
   choices.
   fp8_pipeline, how fp8_ds_mla rows are widened into bf16 row slots (one 64-row slot is what fits
-  beside the query tile and the staging):
+  beside the query tile and the staging). None (the default) picks "in_place" or "half_rows" from
+  static shapes (`default_fp8_pipeline`): "in_place" where tokens x head tiles >= 2 x SMs (264 on
+  the H200, where neither split rule splits) with 1 split a token and the cp_async gather, else
+  "half_rows". H200 (1980 MHz, RESULTS v11), ms a call, "half_rows" / "in_place": T=4096 over a
+  32K-token context (4096-8192 programs, 1 split): N=32 4.09 / 3.90, N=64 3.80 / 3.64, N=128
+  7.45 / 6.99 (in_place 1.04-1.07x); T=128 over a 1M-token cache (128-256 programs, also 1 split
+  under "one_wave"): N=16 0.160 / 0.163, N=32 0.189 / 0.205, N=64 0.183 / 0.190, N=128 0.259 /
+  0.267 (half_rows 1.02-1.08x). So the rule keys on the programs a split-free launch runs, not on
+  the split count (1 in both). Not timed: 264 to 4096 programs, splits with "in_place"; and the
+  two timed shapes also differ in how many gathered rows L2 holds (a 32K context against 1M
+  tokens), which static shapes cannot see.
   - "serial": one 64-row slot; the memory warpgroup widens step i + 1 into it only once both
     consumers are done with step i, then gathers step i + 2 (H200, T=128, N=128: 0.357 ms against
     bf16's 0.199, v4);
-  - "half_rows" (the default): the same bytes as two 32-row slots, the consumers stepping 32
-    slots at a time, the staging as a ring of fp8_stage_halves (2 or 3) 32-row buffers, each
-    refilled with the half step S ahead once it has been widened: half j + 1 is widened while the
-    consumers compute on half j (mosaic_decode's "half_pages"; H200: 1.34x "serial" at T=128
-    N=128, 1.29x at N=16, 1.30x at T=4096 N=128; 3 buffers within 1% of 2; RESULTS v6);
-  - "in_place" (prepared, not yet timed: RESULTS v9): bf16's two 64-row slots and no staging
-    buffers: a step's e4m3 NoPE rows, tile scales and RoPE rows land in its own row slot (once
-    both consumers are done with the step two before), and are widened there, so the consumers
-    take bf16's 64-slot steps (half_rows' 32-slot steps set its pace at N=128, RESULTS v7, v8);
-    a step's gather then waits for its slot to be free (half_rows': two half steps ahead).
-    cp_async only (the bulk gather on the GPU would need untiled aliases of the in-place views)."""
+  - "half_rows": the same bytes as two 32-row slots, the consumers stepping 32 slots at a time,
+    the staging as a ring of fp8_stage_halves (2 or 3) 32-row buffers, each refilled with the
+    half step S ahead once it has been widened: half j + 1 is widened while the consumers compute
+    on half j (mosaic_decode's "half_pages"; H200: 1.34x "serial" at T=128 N=128, 1.29x at N=16,
+    1.30x at T=4096 N=128; 3 buffers within 1% of 2; RESULTS v6);
+  - "in_place" (RESULTS v9, timed in v11): bf16's two 64-row slots and no staging buffers: a
+    step's e4m3 NoPE rows, tile scales and RoPE rows land in its own row slot (once both
+    consumers are done with the step two before), and are widened there, so the consumers take
+    bf16's 64-slot steps (half_rows' 32-slot steps set its pace at N=128, RESULTS v7, v8); a
+    step's gather then waits for its slot to be free (half_rows': two half steps ahead). cp_async
+    only (the bulk gather on the GPU would need untiled aliases of the in-place views)."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
-  fp8_pipeline: str = "half_rows"
+  fp8_pipeline: str | None = None
   fp8_stage_halves: int = 2  # staging in 32-row buffers: "serial" stages 64 rows (2 halves)
 
   def __post_init__(self):
@@ -744,8 +775,9 @@ class MosaicSparseConfig:
       raise ValueError(f"gather must be one of {GATHERS}, got {self.gather!r}")
     if self.split_rule not in SPLIT_RULES:
       raise ValueError(f"split_rule must be one of {SPLIT_RULES}, got {self.split_rule!r}")
-    if self.fp8_pipeline not in FP8_PIPELINES:
-      raise ValueError(f"fp8_pipeline must be one of {FP8_PIPELINES}, got {self.fp8_pipeline!r}")
+    if self.fp8_pipeline is not None and self.fp8_pipeline not in FP8_PIPELINES:
+      raise ValueError(f"fp8_pipeline must be None or one of {FP8_PIPELINES}, got "
+                       f"{self.fp8_pipeline!r}")
     if self.fp8_pipeline == "in_place" and self.gather != "cp_async":
       raise ValueError(f"fp8_pipeline \"in_place\" takes the cp_async gather, got {self.gather!r}")
     if self.fp8_stage_halves not in ((2, 3) if self.fp8_pipeline == "half_rows" else (2,)):
@@ -756,7 +788,7 @@ class MosaicSparseConfig:
 CONFIG = MosaicSparseConfig()
 # The sweep space: the variants `benchmarks/bench_sparse.py` times beside the chosen one.
 SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rule="fill"),
-         MosaicSparseConfig(fp8_pipeline="serial"),
+         MosaicSparseConfig(fp8_pipeline="serial"), MosaicSparseConfig(fp8_pipeline="half_rows"),
          MosaicSparseConfig(fp8_pipeline="half_rows", fp8_stage_halves=3),
          MosaicSparseConfig(fp8_pipeline="in_place"))
 
@@ -800,7 +832,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                                 num_splits: int | None = None, auto_barriers: bool = False,
                                 gather: str = CONFIG.gather,
                                 split_rule: str = CONFIG.split_rule,
-                                fp8_pipeline: str = CONFIG.fp8_pipeline,
+                                fp8_pipeline: str | None = CONFIG.fp8_pipeline,
                                 fp8_stage_halves: int = CONFIG.fp8_stage_halves,
                                 interpret: bool | plgpu.InterpretGPUParams = False
                                 ) -> tuple[jax.Array, jax.Array]:
@@ -808,9 +840,10 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
 
   q [T, N, L+R] bf16; nope [num_blocks, page, L] float8_e4m3fn; tile_scales [num_blocks, page,
   L/128] float32 (row value = nope * its tile's scale, a power of two); rope [num_blocks, page, R]
-  bfloat16; slots and options as in `sparse_attention`; fp8_pipeline ("serial", "half_rows" or
-  "in_place") and fp8_stage_halves: `MosaicSparseConfig`'s. Returns o [T, N, L] bf16 and lse
-  [T, N] float32.
+  bfloat16; slots and options as in `sparse_attention`; fp8_pipeline ("serial", "half_rows",
+  "in_place", or None: `default_fp8_pipeline`'s pick for these shapes, num_splits, split_rule and
+  gather) and fp8_stage_halves: `MosaicSparseConfig`'s. Returns o [T, N, L] bf16 and lse [T, N]
+  float32.
   """
   nb, page, lora = nope.shape
   _check(q, slots, lora, num_splits)
@@ -822,6 +855,10 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                      f"{nope.dtype.name}{nope.shape}, {tile_scales.dtype.name}{tile_scales.shape}, "
                      f"{rope.dtype.name}{rope.shape}, q {q.shape}")
   MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves)  # checks them
+  if fp8_pipeline is None:
+    fp8_pipeline = default_fp8_pipeline(q.shape[0], q.shape[1], slots.shape[1],
+                                        num_splits=num_splits, split_rule=split_rule,
+                                        gather=gather)
   num_slots = nb * page
   # Rows as 128-byte chunks [S, C, w], what either gather copies.
   chunked = lambda x: x.reshape(num_slots, -1, _CHUNK_BYTES // x.dtype.itemsize)

@@ -459,13 +459,58 @@ def test_mosaic_sparse_split_rules(t, tiles, want_fill, want_one_wave):
   assert mosaic_sparse.split_count("one_wave", t, tiles, 2048, 132) == want_one_wave
 
 
+@pytest.mark.parametrize("t,n,num_splits,split_rule,gather,want", [
+    # Timed on the H200 (RESULTS v11): 4096 tokens (4096-8192 programs, 1 split) "in_place";
+    # 128 tokens (128-256 programs, 1 split under "one_wave") "half_rows".
+    (4096, 128, None, "one_wave", "cp_async", "in_place"),
+    (4096, 32, None, "one_wave", "cp_async", "in_place"),
+    (128, 128, None, "one_wave", "cp_async", "half_rows"),
+    (128, 16, None, "one_wave", "cp_async", "half_rows"),
+    # The boundary, tokens x head tiles = 2 x 132 SMs, where neither split rule splits.
+    (132, 128, None, "one_wave", "cp_async", "in_place"),
+    (131, 128, None, "one_wave", "cp_async", "half_rows"),
+    (264, 64, None, "fill", "cp_async", "in_place"),
+    (263, 64, None, "fill", "cp_async", "half_rows"),
+    # An explicit split count is the one the rule sees: several keep "half_rows", one split at
+    # 128 tokens (what "one_wave" runs there anyway) too; the bulk gather has no "in_place".
+    (4096, 128, 2, "one_wave", "cp_async", "half_rows"),
+    (4096, 128, 1, "one_wave", "cp_async", "in_place"),
+    (128, 128, 1, "one_wave", "cp_async", "half_rows"),
+    (4096, 128, None, "one_wave", "bulk", "half_rows"),
+])
+def test_mosaic_sparse_default_fp8_pipeline(t, n, num_splits, split_rule, gather, want):
+  assert mosaic_sparse.default_fp8_pipeline(t, n, 2048, num_splits=num_splits,
+                                            split_rule=split_rule, gather=gather) == want
+
+
+@pytest.mark.parametrize("t,want", [(4096, "in_place"), (128, "half2")])
+def test_mosaic_sparse_default_fp8_pipeline_reaches_the_kernel(t, want):
+  # fp8_pipeline=None resolves in the jit entry, so the default call traces the same program as
+  # the explicit pipeline, and pallas_mosaic's backend (which names no pipeline) runs it too. The
+  # kernel's name in the jaxpr says which it is (the interpreter, on this CPU, gathers in bulk).
+  q = jax.ShapeDtypeStruct((t, 128, L + R), jnp.bfloat16)
+  cache = DSMLACache(jax.ShapeDtypeStruct((512, 64, L), jnp.float8_e4m3fn),
+                     jax.ShapeDtypeStruct((512, 64, L // 128), jnp.float32),
+                     jax.ShapeDtypeStruct((512, 64, R), jnp.bfloat16))
+  slots = jax.ShapeDtypeStruct((t, 2048), jnp.int32)
+  entry = functools.partial(mosaic_sparse.sparse_attention_fp8_ds_mla, scale=0.1)
+  pipeline = "in_place" if want == "in_place" else "half_rows"
+  args = (q, cache.nope, cache.tile_scales, cache.rope, slots)
+  default = str(jax.make_jaxpr(entry)(*args))
+  assert f"mosaic_sparse_ds_mla_{want}_cp_async_s1" in default
+  assert default == str(jax.make_jaxpr(functools.partial(entry, fp8_pipeline=pipeline))(*args))
+  backend = functools.partial(backends.get_backend("pallas_mosaic").sparse_attention, scale=0.1,
+                              kv_lora_rank=L)
+  assert f"mosaic_sparse_ds_mla_{want}_bulk_s1" in str(jax.make_jaxpr(backend)(q, cache, slots))
+
+
 class TestPallasMosaicSparseAttention(SparseAttentionContract):
   """The Mosaic GPU kernel in Mosaic GPU's interpreter on CPUs (in a wide pool, above). It takes
   bf16 q over bf16 or fp8_ds_mla caches: the contract cases with float32 q or a per-tensor fp8
   cache skip, naming why; the bf16-q cases below cover what they test (NaN in unselected rows, -1
   and past-the-cache slots, a row with nothing selected, 16 and 128 heads, both caches)."""
   backend = "pallas_mosaic"
-  # What the fp8_ds_mla cases run.
+  # What the fp8_ds_mla cases run: the default, "half_rows" at these few tokens.
   fp8_pipeline = mosaic_sparse.CONFIG.fp8_pipeline
   fp8_stage_halves = mosaic_sparse.CONFIG.fp8_stage_halves
 
@@ -626,7 +671,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
       mosaic_sparse.sparse_attention_fp8_ds_mla(q, nope, jnp.zeros((4, 16, 2), jnp.float32),
                                                 jnp.zeros((4, 16, R), jnp.bfloat16), slots,
                                                 scale=0.1, interpret=True)
-    with pytest.raises(ValueError, match="fp8_pipeline must be one of"):
+    with pytest.raises(ValueError, match="fp8_pipeline must be None or one of"):
       mosaic_sparse.sparse_attention_fp8_ds_mla(q, nope, jnp.zeros((4, 16, L // 128), jnp.float32),
                                                 jnp.zeros((4, 16, R), jnp.bfloat16), slots,
                                                 scale=0.1, fp8_pipeline="half_pages",
@@ -635,17 +680,19 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
       mosaic_sparse.sparse_attention_fp8_ds_mla(
           q, nope, jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16),
           slots, scale=0.1, fp8_pipeline="in_place", gather="bulk", interpret=True)
-    for pipeline in ("serial", "half_rows"):
+    # The default (None) takes 2 whatever it picks: 3 would be refused at the shapes that pick
+    # "in_place" only.
+    for pipeline, halves in (("serial", 3), ("half_rows", 4), (None, 3)):
       with pytest.raises(ValueError, match="fp8_stage_halves must be 2"):
         mosaic_sparse.sparse_attention_fp8_ds_mla(
             q, nope, jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16),
-            slots, scale=0.1, fp8_pipeline=pipeline, fp8_stage_halves=4 - (pipeline == "serial"),
-            interpret=True)
+            slots, scale=0.1, fp8_pipeline=pipeline, fp8_stage_halves=halves, interpret=True)
 
   def test_config_default_and_sweep(self):
     assert (mosaic_sparse.CONFIG.fp8_pipeline, mosaic_sparse.CONFIG.fp8_stage_halves) == (
-        "half_rows", 2)  # the timed default
-    for other in (dict(fp8_pipeline="serial"), dict(fp8_pipeline="half_rows", fp8_stage_halves=3),
+        None, 2)  # the timed rule, default_fp8_pipeline
+    for other in (dict(fp8_pipeline="serial"), dict(fp8_pipeline="half_rows"),
+                  dict(fp8_pipeline="half_rows", fp8_stage_halves=3),
                   dict(fp8_pipeline="in_place")):
       assert mosaic_sparse.MosaicSparseConfig(**other) in mosaic_sparse.SWEEP
 
@@ -674,13 +721,14 @@ class TestPallasMosaicSparseAttentionHalfRows3(TestPallasMosaicSparseAttentionSe
 
 
 class TestPallasMosaicSparseAttentionInPlace(TestPallasMosaicSparseAttentionSerial):
-  """fp8_pipeline="in_place" (prepared, not yet timed): bf16's two 64-row slots, each step staged
-  in and widened inside its own slot. The contract's fp8_ds_mla cases (L=128: one e4m3 tile
-  widened over itself; L=512: four, tiles 2 and 3 over the staged ones) and one multi-step case
-  (128 heads, NaN in unselected rows, -1 and past-the-cache slots, a row with none valid, both
-  slots alternating). The interpreter does not alias the union's views (and its race detector
-  refuses them), so the in-place overwrites are the GPU cases' to check (bit for bit against
-  "serial", whose consumers run the same 64-slot products on the same widened values)."""
+  """fp8_pipeline="in_place" (the default where many one-split programs run, RESULTS v11): bf16's
+  two 64-row slots, each step staged in and widened inside its own slot. The contract's fp8_ds_mla
+  cases (L=128: one e4m3 tile widened over itself; L=512: four, tiles 2 and 3 over the staged
+  ones) and one multi-step case (128 heads, NaN in unselected rows, -1 and past-the-cache slots, a
+  row with none valid, both slots alternating). The interpreter does not alias the union's views
+  (and its race detector refuses them), so the in-place overwrites are the GPU cases' to check
+  (bit for bit against "serial", whose consumers run the same 64-slot products on the same widened
+  values)."""
   fp8_pipeline = "in_place"
   test_bf16_q_poisoned_cache_matches_oracle = None  # the multi-step case is poisoned too
 

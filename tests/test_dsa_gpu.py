@@ -1,9 +1,10 @@
 """The Pallas DSA kernels at V3.2 sizes on a GPU (Triton; Mosaic GPU sparse attention), against the
 XLA reference run there.
 
-Sparse attention (T=128, top-k 2048 over a 32K-token cache), indexer logits (128 rows over 32K
-context) and top-k (128 x 32768, k=2048). Cache rows and pages that nothing may read hold NaN, and
-the allocator is poisoned before every kernel call, so a stray read or an unwritten output shows.
+Sparse attention (T=128, top-k 2048 over a 32K-token cache; T=4096 for the Mosaic kernel's
+default fp8_ds_mla pipeline there), indexer logits (128 rows over 32K context) and top-k (128 x
+32768, k=2048). Cache rows and pages that nothing may read hold NaN, and the allocator is poisoned
+before every kernel call, so a stray read or an unwritten output shows.
 """
 
 import functools
@@ -48,9 +49,9 @@ def unselected(slots):
   return jnp.asarray(rows.reshape(CACHE_TOKENS // PAGE, PAGE))
 
 
-def sparse_case(seed, n, kind):
+def sparse_case(seed, n, kind, t=128):
   keys = jax.random.split(jax.random.key(seed), 3)
-  slots = selected_slots(seed, 128)
+  slots = selected_slots(seed, t)
   poison = unselected(slots)[..., None]
   nb = CACHE_TOKENS // PAGE
   kv = jax.random.normal(keys[0], (nb, PAGE, L + R), jnp.float32) / 10
@@ -65,7 +66,7 @@ def sparse_case(seed, n, kind):
     cache = DSMLACache(jnp.where(poison, jnp.nan, c.nope.astype(jnp.float32)).astype(c.nope.dtype),
                        jnp.where(poison, jnp.nan, c.tile_scales),
                        jnp.where(poison, jnp.nan, c.rope.astype(jnp.float32)).astype(jnp.bfloat16))
-  q = jax.random.normal(keys[1], (128, n, L + R), jnp.float32).astype(jnp.bfloat16)
+  q = jax.random.normal(keys[1], (t, n, L + R), jnp.float32).astype(jnp.bfloat16)
   return q, cache, jnp.asarray(slots)
 
 
@@ -77,10 +78,11 @@ def test_sparse_attention_matches_reference(n, kind, backend):
   check_sparse_attention(n, kind, backends.get_backend(backend).sparse_attention)
 
 
-# The Mosaic kernel's other fp8_ds_mla pipelines (MosaicSparseConfig.fp8_pipeline), beside the
-# default ("half_rows": two 32-row bf16 slots, a ring of 2 32-row staging buffers) the backend
-# cases run: "serial" (one 64-row slot), "half_rows" with 3 staging buffers, and "in_place" (two
-# 64-row slots, each step staged and widened inside its own; prepared, not yet timed).
+# The Mosaic kernel's fp8_ds_mla pipelines (MosaicSparseConfig.fp8_pipeline) besides the one the
+# backend cases run at 128 tokens (the default's "half_rows": two 32-row bf16 slots, a ring of 2
+# 32-row staging buffers): "serial" (one 64-row slot), "half_rows" with 3 staging buffers, and
+# "in_place" (two 64-row slots, each step staged and widened inside its own; the default where
+# many one-split programs run).
 @pytest.mark.parametrize("n", [128, 16])
 @pytest.mark.parametrize("fp8_pipeline,halves", [("serial", 2), ("half_rows", 3), ("in_place", 2)])
 def test_mosaic_sparse_fp8_pipeline_matches_reference(n, fp8_pipeline, halves):
@@ -104,6 +106,28 @@ def test_mosaic_sparse_in_place_equals_serial_bit_for_bit(n):
   want = [np.asarray(a, np.float32) for a in run(fp8_pipeline="serial")]
   poison_allocator()
   got = [np.asarray(a, np.float32) for a in run(fp8_pipeline="in_place")]
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+
+
+# fp8_pipeline=None, the default, picks "in_place" where many one-split programs run: 4096 tokens
+# (8192 programs at 128 heads; RESULTS v11), rows picked from the 32K-token cache as in
+# bench_sparse's prefill chunk; at 128 tokens it picks "half_rows", which the pallas_mosaic
+# fp8_ds_mla cases above check against the reference. At 4096 tokens: bit for bit against
+# "serial" (as the in_place case above), which its reference case checks.
+def test_mosaic_sparse_default_fp8_pipeline_at_4096_tokens_equals_serial_bit_for_bit():
+  pick = functools.partial(mosaic_sparse.default_fp8_pipeline, num_splits=None,
+                           split_rule=mosaic_sparse.CONFIG.split_rule,
+                           gather=mosaic_sparse.CONFIG.gather)
+  assert (pick(4096, 128, TOPK), pick(128, 128, TOPK)) == ("in_place", "half_rows")
+  q, cache, slots = sparse_case(4096, 128, "fp8_ds_mla", t=4096)
+  run = functools.partial(mosaic_sparse.sparse_attention_fp8_ds_mla, q, cache.nope,
+                          cache.tile_scales, cache.rope, slots, scale=SCALE)
+  poison_allocator()
+  want = [np.asarray(a, np.float32) for a in run(fp8_pipeline="serial")]
+  poison_allocator()
+  got = [np.asarray(a, np.float32) for a in run()]
+  assert not np.isnan(got[0]).any() and np.isneginf(got[1][0]).all()  # row 0 selects nothing
   for g, w in zip(got, want):
     np.testing.assert_array_equal(g, w)
 
