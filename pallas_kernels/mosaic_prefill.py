@@ -85,16 +85,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import (LN2, LOG2E, M_INIT, check_at_least, check_prefill_args,
-                                   register_pool, row_broadcast, sm_count, swizzled)
+                                   row_broadcast, sm_count, swizzled)
 
 DTYPES = ("bfloat16",)  # what q, k, v may be (the wgmma operands here are 16-bit, f16 untested)
 _TILE = 64  # query rows per compute warpgroup: the M of every Hopper wgmma
 _COMPUTE_WGS = 2
 _BLOCK_Q = _COMPUTE_WGS * _TILE  # query rows per program
-_WARPGROUPS = _COMPUTE_WGS + 1  # and the memory warpgroup
-# The compute warpgroups' register range: the launch share (register_pool(3) / 3) up to what leaves
-# the memory warpgroup setmaxnreg's floor of 24.
-_MIN_CONSUMER_REGS, _MAX_CONSUMER_REGS = 168, 240
 _MAX_STAGES = 4
 # Head counts from which programs launch heads fastest (H200: faster at 64 and 128 heads, slower
 # at 16; see mla_prefill).
@@ -106,6 +102,8 @@ _HEADS_FIRST_MIN = 64
 _PERSISTENT_BELOW_TOKENS = 4096
 _PERSISTENT_MAX_TOKENS_MANY_HEADS = 8192
 _SMEM_BYTES = 227 * 1024  # what one Hopper block may have
+_CONSUMER_REGS = 232  # 2 x 232 + 40 (memory warpgroup) registers x 128 threads fit the 64K file
+_MEMORY_REGS = 40
 _MAX_DV = 256  # wgmma N limit; the 64 x Dv float32 accumulator is Dv / 2 registers a thread
 # Row alignment of a bulk copy's first row: Mosaic GPU copies a (8, 64)-tiled buffer as whole
 # tiles of the global array, so it must prove the start a multiple of 8.
@@ -137,9 +135,6 @@ class MosaicPrefillConfig:
   # it for head dims over 128 (H200, N=128: 1.04x ping-pong at 4096 and 16K tokens, 1.07x at
   # 8 x 1024; benchmarks/RESULTS.md, session 10). Neither (both False): the steps in order.
   intra_overlap: bool = True
-  # Registers a compute warpgroup's thread raises itself to; the memory warpgroup lowers itself to
-  # the rest of the block's pool (register_pool(3) = 504: 2 x 232 + 40). FA3 runs 240 + 24.
-  consumer_registers: int = 232
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -156,10 +151,6 @@ class MosaicPrefillConfig:
       check_at_least("l2_section_bytes", self.l2_section_bytes, 1)
     if not isinstance(self.intra_overlap, bool):
       raise ValueError(f"intra_overlap must be a bool, got {self.intra_overlap!r}")
-    if (not isinstance(self.consumer_registers, int) or self.consumer_registers % 8
-        or not _MIN_CONSUMER_REGS <= self.consumer_registers <= _MAX_CONSUMER_REGS):
-      raise ValueError(f"consumer_registers must be a multiple of 8 in [{_MIN_CONSUMER_REGS}, "
-                       f"{_MAX_CONSUMER_REGS}], got {self.consumer_registers!r}")
     if self.intra_overlap and self.ping_pong:
       raise ValueError("ping_pong and intra_overlap are two schedules, pick one: "
                        "ping_pong=True needs intra_overlap=False")
@@ -173,8 +164,7 @@ DEFAULT = MosaicPrefillConfig()
 SWEEP = (DEFAULT, MosaicPrefillConfig(persistent=True),
          MosaicPrefillConfig(persistent=True, l2_section_bytes=8 << 20),
          MosaicPrefillConfig(persistent=True, l2_section_bytes=None),
-         MosaicPrefillConfig(ping_pong=True, intra_overlap=False),
-         MosaicPrefillConfig(consumer_registers=240)) + tuple(
+         MosaicPrefillConfig(ping_pong=True, intra_overlap=False)) + tuple(
     MosaicPrefillConfig(block_k, stages, ping_pong, persistent=False, intra_overlap=overlap)
     for block_k, stages, ping_pong, overlap in [(128, 2, False, True), (128, 2, True, False),
                                                 (128, 2, False, False), (64, 4, False, True),
@@ -237,7 +227,7 @@ def _block_keys(qs, q_lead, q_len, k_len, causal):
 
 def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref, *rest, scale,
                     causal, num_q_programs, block_k, ping_pong, p_in_registers, persistent,
-                    section_heads, direct, split_k, intra_overlap, consumer_regs):
+                    section_heads, direct, split_k, intra_overlap):
   # GMEM: cu_q_ref, cu_k_ref [R+1] int32; tile_ref [R] int32 (request r's first edge slot, 2r);
   # queue_ref [2, B+1] int32 (persistent: column 0 row 0 the number of blocks, then per block,
   # heaviest first, its request (row 0) and index in the request (row 1); otherwise unused);
@@ -349,7 +339,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
 
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
-    plgpu.set_max_registers(consumer_regs, action="increase")
+    plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
     rows_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def zero_foreign_values(w, j, slot):
@@ -616,8 +606,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
 
   @pl.when(wg == _COMPUTE_WGS)
   def _memory():
-    plgpu.set_max_registers(register_pool(_WARPGROUPS) - _COMPUTE_WGS * consumer_regs,
-                            action="decrease")
+    plgpu.set_max_registers(_MEMORY_REGS, action="decrease")
 
     def q_block(trip, count):
       w = item(trip)
@@ -743,7 +732,7 @@ def _section_heads(num_heads, head_kv_bytes, budget):
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "max_seqlen_q", "block_k",
                                              "num_stages", "ping_pong", "persistent",
                                              "num_programs", "l2_section_bytes", "intra_overlap",
-                                             "consumer_registers", "interpret"))
+                                             "interpret"))
 def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
                 cu_seqlens_k: jax.Array, *, scale: float, causal: bool, max_seqlen_q: int,
                 k_pe: jax.Array | None = None, block_k: int = DEFAULT.block_k,
@@ -752,7 +741,6 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                 num_programs: int | None = DEFAULT.num_programs,
                 l2_section_bytes: int | None = DEFAULT.l2_section_bytes,
                 intra_overlap: bool = DEFAULT.intra_overlap,
-                consumer_registers: int = DEFAULT.consumer_registers,
                 interpret: bool | plgpu.InterpretGPUParams = False
                 ) -> tuple[jax.Array, jax.Array]:
   """Variable-length attention with a running LSE; see the module docstring for the layout.
@@ -778,7 +766,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   (0, -inf).
   """
   config = MosaicPrefillConfig(block_k, num_stages, ping_pong, persistent, num_programs,
-                               l2_section_bytes, intra_overlap, consumer_registers)
+                               l2_section_bytes, intra_overlap)
   _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, config, k_pe)
   split_k = k_pe is not None
   tq, n, dk = q.shape
@@ -845,7 +833,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                              num_q_programs=num_q_programs, block_k=block_k, ping_pong=ping_pong,
                              p_in_registers=p_in_registers, persistent=persistent,
                              section_heads=section_heads, direct=direct, split_k=split_k,
-                             intra_overlap=intra_overlap, consumer_regs=consumer_registers)
+                             intra_overlap=intra_overlap)
   edge_rows = [] if direct else [2 * num_requests * _TILE]  # first and last tile slots
   outs = plgpu.kernel(
       kernel,
@@ -870,7 +858,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
       ),
       grid=grid,
       grid_names=grid_names,
-      num_threads=_WARPGROUPS,
+      num_threads=_COMPUTE_WGS + 1,
       thread_name="wg",
       # Row reductions of the WGMMA layout stay within a warp (shuffles), so the cross-warp
       # reduction scratch (2 KB by default) is not needed.
@@ -879,7 +867,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
       kernel_name=(f"mosaic_mla_prefill_{'causal' if causal else 'full'}_k{block_k}_s{stages}"
                    f"{'_pp' if ping_pong else ''}{'_persistent' if persistent else ''}"
                    f"{'_kpe' if split_k else ''}{'' if direct else '_in_place'}"
-                   f"{'_overlap' if intra_overlap else ''}_r{consumer_registers}"),
+                   f"{'_overlap' if intra_overlap else ''}"),
   )(cu_q, cu_k, tile_offsets, queue, q, *k_inputs)
   o, lse = outs if direct else _patch_edges(*outs, cu_q)
   return o[:tq], lse.T[:tq]  # a slice (a copy) only where q was padded

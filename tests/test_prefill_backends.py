@@ -217,8 +217,6 @@ class TestPallasMosaicPrefill(PrefillContract):
       # 4096-token request on the queue.
       (16384, 128, 1, True, dict(ping_pong=True, intra_overlap=False)),
       (4096, 128, 1, True, dict(ping_pong=True, intra_overlap=False)),
-      # FA3's register split (240 a compute thread, 24 the memory warpgroup's).
-      (16384, 128, 1, True, dict(consumer_registers=240)),
   ])
   def test_lowers_for_hopper(self, tokens, n, requests, causal, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
@@ -266,8 +264,6 @@ class TestPallasMosaicPrefill(PrefillContract):
       (dict(persistent="yes"), "persistent must be a bool or None"),
       (dict(l2_section_bytes=0), "l2_section_bytes must be an int >= 1"),
       (dict(intra_overlap=1), "intra_overlap must be a bool"),
-      (dict(consumer_registers=244), "consumer_registers must be a multiple of 8"),
-      (dict(consumer_registers=248), "consumer_registers must be a multiple of 8"),
       (dict(ping_pong=True), "ping_pong=True needs intra_overlap=False"),
       (dict(cu_seqlens_q=jnp.array([0.0, 8.0])), "int32"),
       (dict(cu_seqlens_k=jnp.array([0, 4, 8], jnp.int32)), "differ in length"),
