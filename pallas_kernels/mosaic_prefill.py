@@ -61,15 +61,15 @@ Shared memory (Dk 192, Dv 128): query tiles 48 KB + the K/V ring (128-key steps:
 64-key steps: 4 x 40 KB) + lse staging 0.5 KB = 208.5 KB of the 227 KB a block may have.
 
 `interpret=True` (or an `InterpretGPUParams`) runs the same kernel on the CPU through Mosaic GPU's
-interpreter (see `pallas_kernels.mosaic_decode` for what it does and does not simulate), with two
-differences forced by the interpreter (jax 0.11.2): it runs wgmma only with shared-memory operands
+interpreter (see `pallas_kernels.mosaic_decode` for what it does and does not simulate), with one
+difference forced by the interpreter (jax 0.11.2): it runs wgmma only with shared-memory operands
 into run_scoped accumulators, so there P goes through a shared-memory tile and each P V product into
-a fresh accumulator that is added; and it deadlocks on the turn-taking barrier, so there the
-warpgroups run without it (in lock-step). Lowering for CUDA, which also runs on a CPU, checks the
-GPU form (wgmma operand layouts, bulk-copy boxes, the shared-memory bound). The interpreter runs
-each warpgroup as a thread whose barrier waits can hold XLA:CPU's worker threads; with as many
-workers as a 2-core machine gets, a warpgroup may never start (seen with the grid's intra_overlap
-steps): `NPROC=8` in the environment before jax starts gives XLA:CPU 8 (the test suite sets it).
+a fresh accumulator that is added. Lowering for CUDA, which also runs on a CPU, checks the GPU form
+(wgmma operand layouts, bulk-copy boxes, the shared-memory bound). The interpreter runs each
+warpgroup as a thread whose barrier waits can hold XLA:CPU's worker threads; with as many workers
+as a 2-core machine gets, a warpgroup may never start (seen on the grid with intra_overlap and
+with ping-pong's turns, which were once taken for a deadlock of the turns): `NPROC=8` in the
+environment before jax starts gives XLA:CPU 8 (the test suite sets it).
 """
 
 from __future__ import annotations
@@ -801,9 +801,6 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   # run_scoped accumulators, so there P goes through shared memory; on the GPU it stays in
   # registers and P V accumulates in place.
   p_in_registers = not interpret
-  # The interpreter deadlocks on the turn-taking barrier once the warpgroups are a turn apart (they
-  # run the same steps in lock-step without it, which gives the same results).
-  ping_pong = ping_pong and not interpret
   p_tiles = [] if p_in_registers else [swizzled((_COMPUTE_WGS, _TILE, block_k), q.dtype)]
   q_rest = [swizzled((_COMPUTE_WGS, _TILE, dk - dv), q.dtype)] if dk > dv else []
   k_rest = [swizzled((stages, block_k, dk - dv), k.dtype)] if split_k else []

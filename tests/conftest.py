@@ -4,7 +4,8 @@ import threading
 
 # XLA:CPU sizes its worker pool from NPROC (else the core count). The Mosaic GPU interpreter's
 # warpgroup threads block in barrier callbacks that can hold those workers; with 2 (CI's cores) a
-# warpgroup of a prefill grid never started in 3 of 4 runs, with 8 it ran every time.
+# warpgroup of a prefill grid never started in 3 of 4 runs (intra_overlap; 4 of 5 with ping-pong's
+# turns), with 8 it ran every time.
 os.environ.setdefault("NPROC", "8")
 
 import jax  # noqa: E402  (after NPROC: the CPU client reads it when created)

@@ -173,11 +173,12 @@ class TestPallasMosaicPrefill(PrefillContract):
   # split: the keys in the split form (two boxes a key step into one barrier). knobs: one program
   # walks all three items, tiles in place and patched (intra_overlap, the default: each step's
   # P V issued in the next step, its V slot released there, the ring running on across items);
-  # the steps in order, one program.
+  # the steps in order, and with turns (ping-pong), one program.
   @pytest.mark.parametrize("split, knobs", [
       (False, {}), (True, {}), (False, dict(num_programs=1)),
       (False, dict(num_programs=1, intra_overlap=False)),
-  ], ids=["joined", "split", "one_program", "in_order"])
+      (False, dict(num_programs=1, ping_pong=True, intra_overlap=False)),
+  ], ids=["joined", "split", "one_program", "in_order", "ping_pong"])
   def test_no_races_in_the_interpreter(self, split, knobs):
     # The race detector sees plain loads and stores and bulk copies (each warpgroup's P, the K/V
     # ring refills, the output staging), not the operand reads of wgmma. jax 0.11.2 reports it
@@ -355,21 +356,22 @@ class TestPallasMosaicPrefillL2Sections(PrefillContract):
     assert mosaic_prefill._section_heads(heads, head_kv_bytes, budget) == want
 
 
-class TestPallasMosaicPrefillInOrder(PrefillContract):
-  """The contract on the steps in order (`intra_overlap=False`: each step's P V before the next
-  step's scores; on the GPU the ping-pong schedule runs these steps with turns), in the
-  interpreter, on the queue (3 programs, each taking several items), narrowed to two cases for
-  the suite's time that reach every path of its step loop: the packed requests (1, 7, 128, 0 and
-  300 tokens: unmasked steps, a request off 8-aligned rows whose V slot is cleaned, items of one
-  step) and the poisoned requests in the split form (NaN, inf in the neighbours' rows, a 5-row
-  request at the arrays' end whose box moves back). One program: the race test above. The rest
-  of the contract (split keys' bits, argument checks) runs no code the schedule changes."""
+class TestPallasMosaicPrefillPingPong(PrefillContract):
+  """The contract on the ping-pong schedule (`ping_pong=True, intra_overlap=False`: each step's
+  P V before the next step's scores, the two compute warpgroups taking turns on the tensor cores
+  through a barrier), in the interpreter, on the queue (3 programs, each taking several items),
+  narrowed to two cases for the suite's time that reach every path of its step loop: the packed
+  requests (1, 7, 128, 0 and 300 tokens: unmasked steps, a request off 8-aligned rows whose V
+  slot is cleaned, items of one step) and the poisoned requests in the split form (NaN, inf in
+  the neighbours' rows, a 5-row request at the arrays' end whose box moves back). The steps in
+  order without turns: the race test above. The rest of the contract (split keys' bits, argument
+  checks) runs no code the schedule changes."""
   test_split_keys_match_oracle_and_joined_keys = None
   test_bad_split_keys_raise = None
 
   def prefill(self, q, *args, **kwargs):
-    return mosaic_prefill.mla_prefill(q, *args, **kwargs, intra_overlap=False, num_programs=3,
-                                      interpret=True)
+    return mosaic_prefill.mla_prefill(q, *args, **kwargs, ping_pong=True, intra_overlap=False,
+                                      num_programs=3, interpret=True)
 
   @pytest.mark.parametrize("case", ["causal_bf16_n2_packed"])
   def test_matches_oracle(self, case, rng):
