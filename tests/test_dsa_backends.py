@@ -2,9 +2,6 @@
 CPUs."""
 
 import functools
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -274,24 +271,6 @@ def assert_logits_close(got, want):
   np.testing.assert_allclose(got[fin], want[fin], rtol=1e-4, atol=1e-4)
 
 
-# Mosaic GPU's interpreter runs each warpgroup as its own XLA CPU computation, and a barrier wait
-# blocks the XLA thread running it. On a 2-core host XLA's pool had 2 threads: two warpgroups
-# waited on barriers while the memory warpgroup that would release them never started (seen in
-# thread stacks; the "deadlock" of the fp8_ds_mla path and the rows=4 indexer). With 8 host
-# devices the same cases finish, so the Mosaic sparse cases and the rows=4 indexer cases run in a
-# subprocess that has them (the other tests expect one device).
-WIDE_POOL = "--xla_force_host_platform_device_count=8"
-
-
-def in_wide_pool():
-  return WIDE_POOL in os.environ.get("XLA_FLAGS", "")
-
-
-# Cases that run only in the wide pool, besides TestPallasMosaicSparseAttention.
-WIDE_POOL_ONLY = pytest.mark.skipif(
-    not in_wide_pool(), reason="runs in test_mosaic_cases_in_a_wide_interpreter_pool's subprocess")
-
-
 class TestPallasMosaicIndexer(IndexerContract):
   backend = "pallas_mosaic"
 
@@ -301,8 +280,8 @@ class TestPallasMosaicIndexer(IndexerContract):
   # pairs end unevenly) and rows=1; compute_wgs=4 splits each rows=4 step over two warpgroups.
   @pytest.mark.parametrize("rows,lens,compute_wgs", [
       (1, [300, 70, 0, 512, 1], None),
-      pytest.param(4, [500, 450, 1, 0, 129], None, id="rows4", marks=WIDE_POOL_ONLY),
-      pytest.param(4, [500, 450, 1, 0, 129], 4, id="rows4-w4", marks=WIDE_POOL_ONLY)])
+      pytest.param(4, [500, 450, 1, 0, 129], None, id="rows4"),
+      pytest.param(4, [500, 450, 1, 0, 129], 4, id="rows4-w4")])
   def test_rows_and_chunks_match_reference(self, rows, lens, compute_wgs):
     q, w, k_vals, k_scale, tables = mosaic_indexer_case(20 + rows, 5, shared=rows == 4, lens=lens)
     lens = jnp.asarray(lens, jnp.int32)
@@ -310,7 +289,7 @@ class TestPallasMosaicIndexer(IndexerContract):
                                         compute_wgs=compute_wgs, interpret=True)
     assert_logits_close(got, reference.indexer_logits(q, w, k_vals, k_scale, tables, lens))
 
-  @pytest.mark.parametrize("shared", [pytest.param(True, id="shared", marks=WIDE_POOL_ONLY),
+  @pytest.mark.parametrize("shared", [pytest.param(True, id="shared"),
                                       False])
   def test_variant_chosen_by_tables(self, shared):
     # rows=None: groups of 4 rows with one table take rows=4, else rows=1; both exact here.
@@ -423,25 +402,6 @@ def assert_matches_oracle(o, lse, q, rows, slots, num_slots, lora):
   np.testing.assert_allclose(lse[seen], lse_ref[seen], rtol=1e-4, atol=1e-4)
 
 
-def test_mosaic_cases_in_a_wide_interpreter_pool():
-  if in_wide_pool():
-    pytest.skip("this process is the wide pool: the class's own cases run here")
-  env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {WIDE_POOL}".strip()}
-  run = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
-       f"{__file__}::TestPallasMosaicSparseAttention",
-       f"{__file__}::TestPallasMosaicSparseAttentionSerial",
-       f"{__file__}::TestPallasMosaicSparseAttentionHalfRows3",
-       f"{__file__}::TestPallasMosaicSparseAttentionInPlace",
-       f"{__file__}::TestPallasMosaicIndexer::test_rows_and_chunks_match_reference[rows4]",
-       f"{__file__}::TestPallasMosaicIndexer::test_rows_and_chunks_match_reference[rows4-w4]",
-       f"{__file__}::TestPallasMosaicIndexer::test_variant_chosen_by_tables[shared]"],
-      env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-      capture_output=True, text=True, timeout=3000)
-  assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
-  assert " passed" in run.stdout and " failed" not in run.stdout
-
-
 def test_mosaic_sparse_register_split_fits_the_launch():
   # setmaxnreg.inc past the registers the block holds waits forever (the fp8_ds_mla path's H200
   # hang with (224, 64)), and the interpreter does not model registers.
@@ -505,7 +465,7 @@ def test_mosaic_sparse_default_fp8_pipeline_reaches_the_kernel(t, want):
 
 
 class TestPallasMosaicSparseAttention(SparseAttentionContract):
-  """The Mosaic GPU kernel in Mosaic GPU's interpreter on CPUs (in a wide pool, above). It takes
+  """The Mosaic GPU kernel in Mosaic GPU's interpreter on CPUs. It takes
   bf16 q over bf16 or fp8_ds_mla caches: the contract cases with float32 q or a per-tensor fp8
   cache skip, naming why; the bf16-q cases below cover what they test (NaN in unselected rows, -1
   and past-the-cache slots, a row with nothing selected, 16 and 128 heads, both caches)."""
@@ -513,11 +473,6 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
   # What the fp8_ds_mla cases run: the default, "half_rows" at these few tokens.
   fp8_pipeline = mosaic_sparse.CONFIG.fp8_pipeline
   fp8_stage_halves = mosaic_sparse.CONFIG.fp8_stage_halves
-
-  @pytest.fixture(autouse=True)
-  def _wide_pool(self):
-    if not in_wide_pool():
-      pytest.skip("runs in test_mosaic_cases_in_a_wide_interpreter_pool's subprocess")
 
   def fn(self):
     run = super().fn()
