@@ -761,9 +761,8 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   query rows at 64 heads or more, below 4096 at fewer, where it measured faster. l2_section_bytes
   (persistent only): walk the queue in sections of as many heads as have their K/V within that many
   bytes (see MosaicPrefillConfig). interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic
-  GPU's CPU interpreter. Returns o [Tq, N, Dv] bf16
-  and lse [Tq, N] float32 (natural log); rows past cu_q[-1], and rows that see no key, give
-  (0, -inf).
+  GPU's CPU interpreter. Returns o [Tq, N, Dv] bf16 and lse [Tq, N] float32 (natural log); rows
+  past cu_q[-1], and rows that see no key, give (0, -inf).
   """
   config = MosaicPrefillConfig(block_k, num_stages, ping_pong, persistent, num_programs,
                                l2_section_bytes, intra_overlap)

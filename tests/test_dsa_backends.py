@@ -465,10 +465,10 @@ def test_mosaic_sparse_default_fp8_pipeline_reaches_the_kernel(t, want):
 
 
 class TestPallasMosaicSparseAttention(SparseAttentionContract):
-  """The Mosaic GPU kernel in Mosaic GPU's interpreter on CPUs. It takes
-  bf16 q over bf16 or fp8_ds_mla caches: the contract cases with float32 q or a per-tensor fp8
-  cache skip, naming why; the bf16-q cases below cover what they test (NaN in unselected rows, -1
-  and past-the-cache slots, a row with nothing selected, 16 and 128 heads, both caches)."""
+  """The Mosaic GPU kernel in Mosaic GPU's interpreter on CPUs. It takes bf16 q over bf16 or
+  fp8_ds_mla caches: the contract cases with float32 q or a per-tensor fp8 cache skip, naming
+  why; the bf16-q cases below cover what they test (NaN in unselected rows, -1 and past-the-cache
+  slots, a row with nothing selected, 16 and 128 heads, both caches)."""
   backend = "pallas_mosaic"
   # What the fp8_ds_mla cases run: the default, "half_rows" at these few tokens.
   fp8_pipeline = mosaic_sparse.CONFIG.fp8_pipeline
