@@ -275,7 +275,8 @@ def _call(q, weights, k_values, k_scales, block_tables, seq_lens, *, rows, chunk
           plgpu.Barrier(num_arrivals=2 * (block_k // _TILE), num_barriers=stages),
           plgpu.Barrier(num_arrivals=split, num_barriers=stages),
       ),
-      # Groups vary fastest: the groups of one request read the same chunk of keys together (L2).
+      # Chunks launch fastest (the grid's last axis is CUDA's x): a wave reads a request's keys for
+      # a few groups, and the next groups find them in L2 (131072 keys are 17 MB).
       grid=(tp // rows, width // chunk),
       grid_names=("groups", "chunks"),
       num_threads=compute_wgs + 1,

@@ -27,8 +27,9 @@ the grid stays and is the default from there (`persistent`). Three warpgroups a 
 Both compute warpgroups walk the same steps (those the block's last row needs), so they share every
 slot; the diagonal, ragged and misaligned steps are masked, the others are not.
 Items run in sections of `l2_section_bytes` worth of heads' K/V, heads fastest within a section;
-without sections (None) and in the grid, heads fastest from 64 heads (blocks of equal causal work
-side by side), query blocks fastest below (one head's K/V shared in L2).
+without sections (None), heads fastest from 64 heads, query blocks fastest below. The grid launches
+the other way round (Mosaic GPU makes a grid's last axis CUDA's x, the fastest): from 64 heads one
+head's query blocks side by side (its K/V shared in L2), below 64 the heads of a query block.
 
 Bulk copies move whole boxes and cannot mask rows, so:
 - Mosaic GPU copies (8, 64)-tiled buffers as whole tiles of the global array, so a box must start
@@ -92,8 +93,8 @@ _TILE = 64  # query rows per compute warpgroup: the M of every Hopper wgmma
 _COMPUTE_WGS = 2
 _BLOCK_Q = _COMPUTE_WGS * _TILE  # query rows per program
 _MAX_STAGES = 4
-# Head counts from which programs launch heads fastest (H200: faster at 64 and 128 heads, slower
-# at 16; see mla_prefill).
+# Head counts from which the queue runs heads fastest and the grid query blocks fastest (H200:
+# each faster than the other order at 64 and 128 heads, slower at 16; see mla_prefill).
 _HEADS_FIRST_MIN = 64
 # Batches of fewer query rows take the persistent queue by default, more the grid (H200, the
 # queue in 32 MiB sections against the grid: 1.13x at 1x4096, 1.17x at 8 x 1024 and 0.94x at
@@ -804,10 +805,10 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   q_rest = [swizzled((_COMPUTE_WGS, _TILE, dk - dv), q.dtype)] if dk > dv else []
   k_rest = [swizzled((stages, block_k, dk - dv), k.dtype)] if split_k else []
 
-  # Programs (or queue items) launch in grid (queue) order. With many heads, heads fastest: a wave
-  # then holds one query block of many heads, blocks of equal causal work, so no heavy block starts
-  # last (H200, 16K tokens: +14% at N=64, +21-25% at N=128). With few, query blocks fastest: a
-  # wave reads one or two heads' K/V, which stay in L2 (+2.5% at N=16).
+  # Programs (or queue items) launch in grid (queue) order, the grid's last axis fastest. The
+  # grid from 64 heads: one head's query blocks side by side, whose K/V stays in L2 (H200, 16K
+  # tokens: +14% at N=64, +21-25% at N=128 over heads fastest); below, the heads of a query block
+  # (+2.5% at N=16). The queue the other way round: heads fastest in L2-sized sections.
   heads_first = n >= _HEADS_FIRST_MIN
   if persistent:
     # Split keys count as whole (k_pe once a head, though all heads share it): the same sections

@@ -699,7 +699,9 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
       out_type=(jax.ShapeDtypeStruct((t, splits, np_, lora), out_dtype),
                 jax.ShapeDtypeStruct((t, splits, np_), jnp.float32)),
       scratch_types=tuple(scratch),
-      # Head tiles fastest: programs gathering the same rows meet in L2.
+      # Tokens launch fastest (Mosaic GPU makes the grid's last axis CUDA's x). Head tiles fastest,
+      # so that a token's two head tiles gather its rows together, measured no faster (H200, N=128:
+      # 0.97-1.03x; benchmarks/RESULTS.md, sparse, session 11): the gather's latency paces, not HBM.
       grid=(head_tiles, splits, t),
       grid_names=("heads", "splits", "tokens"),
       num_threads=_VALUE_WGS + 1,

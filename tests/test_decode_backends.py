@@ -221,6 +221,18 @@ class TestPallasMosaicDecode(DecodeContract):
     with pytest.raises(ValueError, match=message):
       mosaic_decode.latent_decode(**change(args), scale=0.1, interpret=True)
 
+  def test_more_tokens_than_the_grid_takes_raises(self):
+    # Shapes only (65536 rows of queries would be 1.2 GB): the check runs while tracing.
+    q, cache, tables, lens = (jnp.asarray(a)
+                              for a in make_case(51, n=16, page=64, req_lens=[20, 5]))
+    rows = lambda a: jax.ShapeDtypeStruct((mosaic_decode.MAX_GRID_TOKENS + 1,) + a.shape[1:],
+                                          a.dtype)
+    decode = lambda q, tables, lens: mosaic_decode.latent_decode(
+        q=q, kv_cache=cache, block_tables=tables, seq_lens=lens, kv_lora_rank=512, scale=0.1)
+    with pytest.raises(ValueError, match="at most 65535 tokens"):
+      jax.eval_shape(decode, rows(q), rows(tables), rows(lens))
+    jax.eval_shape(decode, q, tables, lens)  # the same call at the real rows traces
+
 
 class _MosaicDecodeKnob(DecodeContract):
   """The contract through the backend's MOSAIC_DECODE_CONFIG with one field, `knob`, set to
