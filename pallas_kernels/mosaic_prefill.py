@@ -563,15 +563,14 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
                                 q_bar.at[q_tiles + qt])
       return q_first, q_shift
 
-    def prefetch_query(trip):
-      """q_buffers=2: starts the copy of the next item's queries into this warpgroup's other
-      tile. That tile staged the previous item's output: its store (the only one in flight) must
-      have read it first, waited for here, a step after the store was issued."""
+    def prefetch_query(trip, w):
+      """q_buffers=2: starts the copy of the next item's (w's) queries into this warpgroup's
+      other tile. That tile staged the previous item's output: its store (the only one in flight)
+      must have read it first, waited for here, a step after the store was issued."""
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       @pl.when(trip + 1 < trips)
       def _():
-        w = item(trip + 1)
         copy_query(w, w.qs + wg * _TILE, wg + _COMPUTE_WGS * lax.rem(trip + 1, 2))
 
     def q_block(trip, count):
@@ -583,6 +582,9 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       else:  # copied during the previous item (the first item: before the loop)
         qt = wg + _COMPUTE_WGS * lax.rem(trip, 2)
         q_first, q_shift = box(w.q_base + tile_row, _TILE, tq)
+        # The next item's scalars (a queue entry, then its request's), loaded beside this item's
+        # rather than after them mid-item; the last item reloads its own (no copy follows).
+        next_w = item(jnp.minimum(trip + 1, trips - 1))
       if qr_smem is not None:
         plgpu.barrier_wait(q_bar.at[q_tiles + qt])
       plgpu.barrier_wait(q_bar.at[qt])
@@ -605,7 +607,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
                                     plgpu.Layout.WGMMA),)
         carry = lax.fori_loop(0, first, functools.partial(run, masked=True, first=True), carry)
         if q_buffers == 2:
-          prefetch_query(trip)
+          prefetch_query(trip, next_w)
         lo, hi = jnp.maximum(lo, first), jnp.maximum(hi, first)
         carry = lax.fori_loop(first, lo, functools.partial(run, masked=True), carry)
         carry = lax.fori_loop(lo, hi, functools.partial(run, masked=False), carry)
