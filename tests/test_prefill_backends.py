@@ -324,12 +324,14 @@ class TestPallasMosaicPrefill(PrefillContract):
 
 class TestPallasMosaicPrefillItemVariants:
   """How a batch's items end, in the interpreter, on the queue (3 programs, each taking several
-  items) and the grid: tiles of one request's rows written in place, the rows of each request's
-  first and last tiles from their slots through `_patch_edges`. Interpreter outputs start as NaN,
-  so the no-NaN checks also show that every row was written: in place or patched."""
+  items; also with two query tiles a warpgroup, whose outputs are staged in alternate tiles) and
+  the grid: tiles of one request's rows written in place, the rows of each request's first and
+  last tiles from their slots through `_patch_edges`. Interpreter outputs start as NaN, so the
+  no-NaN checks also show that every row was written: in place or patched."""
 
-  @pytest.fixture(autouse=True, params=[dict(persistent=True), dict(persistent=False)],
-                  ids=["queue", "grid"])
+  @pytest.fixture(autouse=True, params=[dict(persistent=True), dict(persistent=False),
+                                        dict(persistent=True, block_k=64, q_buffers=2)],
+                  ids=["queue", "grid", "queue-q2"])
   def knobs(self, request):
     self.knobs = request.param
 
