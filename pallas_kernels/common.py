@@ -358,9 +358,14 @@ def hand_over_p(i, p, alpha, p_smem, row_smem, p_ready, p_free):
   return p16
 
 
+def _leading_rows(smem, gmem):
+  """smem's first rows, as many as gmem has (an output of fewer heads than the 64-row tile)."""
+  return smem if gmem.shape[0] == smem.shape[0] else smem.at[pl.ds(0, gmem.shape[0])]
+
+
 def _store_output(acc, l, o_smem, o_gmem, out_scale):
   """acc (column tiles [64, w] f32 of one warpgroup's output) * out_scale / l, rows that saw
-  nothing 0, staged in o_smem [64, cols] and copied to o_gmem."""
+  nothing 0, staged in o_smem [64, cols] and copied to o_gmem (its rows: the first 64 or fewer)."""
   inv = out_scale / jnp.where(l > 0, l, 1.0)
   col = 0
   for part in acc:
@@ -368,7 +373,7 @@ def _store_output(acc, l, o_smem, o_gmem, out_scale):
         part * row_broadcast(inv, part.shape)).astype(o_smem.dtype)
     col += part.shape[1]
   plmgpu.commit_smem()
-  plmgpu.copy_smem_to_gmem(o_smem, o_gmem)
+  plmgpu.copy_smem_to_gmem(_leading_rows(o_smem, o_gmem), o_gmem)
 
 
 def run_scores(n, step, acc, *, row_smem, p_ready, p_free, o_smem, o_gmem, lse_smem, lse_gmem,
@@ -394,7 +399,7 @@ def run_scores(n, step, acc, *, row_smem, p_ready, p_free, o_smem, o_gmem, lse_s
   seen = l > 0
   lse_smem[...] = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
   plmgpu.commit_smem()
-  plmgpu.copy_smem_to_gmem(lse_smem, lse_gmem)
+  plmgpu.copy_smem_to_gmem(_leading_rows(lse_smem, lse_gmem), lse_gmem)
   plmgpu.wait_smem_to_gmem(0)
 
 

@@ -112,6 +112,7 @@ _VALUE_WGS = 2  # warpgroups sharing the value columns; warpgroup 0 also compute
 _CHUNK = 128
 _MAX_WGMMA_N = 256
 PAGE_MULTIPLE = _STEP  # pages hold whole steps
+_ROW_PERIOD = 8  # rows of one 128-byte swizzle period: bulk copies of fewer heads take multiples
 MAX_GRID_TOKENS = 65535  # tokens launch on the grid's z axis, at most 65535 programs
 # (consumer, memory) warpgroup registers a thread. 2 x consumer + memory must stay within
 # common.register_pool(3) (504, not 512: the inferred cause of the fp8 path's hang on the H200
@@ -123,7 +124,8 @@ _MAX_HEAD_DIM = 576  # 3 x 64 rows x D bf16 + P must fit in shared memory
 def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffers, p_smem,
                    row_smem, q_bar, ready, consumed, p_ready, p_free, *staging, scale, lora,
                    num_splits, split_steps, in_place, shared_widening):
-  # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64); kv_ref [num_blocks, page, D] bf16 or
+  # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64, or fewer than 64 unpadded: the tile's
+  # first Np rows, the others never stored); kv_ref [num_blocks, page, D] bf16 or
   # e4m3; bt_ref [T, max_blocks] int32; len_ref [T] int32; ks_ref [1] f32 (the cache's scale, 1
   # for bf16); o_ref [T, splits, Np, L]; lse_ref [T, splits, Np] f32. SMEM: buffers = union of
   # (q_smem [64, D], kv_smem [slots, rows, D]) bf16 (2 x 64 rows; with an fp8 cache 1 x 64, or
@@ -213,7 +215,10 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
       cols[...] = jnp.where(row_ids < rows, cols[...], 0)
     plgpu.commit_smem()  # these plain stores are read next by wgmma (the async proxy)
 
-  rows_out = pl.ds(h * _TILE_H, _TILE_H)
+  # Fewer than 64 heads come unpadded: the tile's first rows are theirs, the others hold whatever
+  # shared memory held (every product and reduction is per row, so it reaches no stored row).
+  tile_rows = min(_TILE_H, q_ref.shape[1])
+  rows_out = pl.ds(h * _TILE_H, tile_rows)
   # Warpgroup w's output columns; k_scale (the fp8 cache's, else 1) scales them once at the end.
   out = lambda w: dict(o_smem=o_smem.at[w], out_scale=k_scale,
                        o_gmem=o_ref.at[t, split, rows_out, pl.ds(w * half, half)])
@@ -287,7 +292,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
 
     @pl.when(n > 0)
     def _():
-      plgpu.copy_gmem_to_smem(q_ref.at[t, pl.ds(h * _TILE_H, _TILE_H)], q_smem, q_bar)
+      q_rows = q_smem if tile_rows == _TILE_H else q_smem.at[pl.ds(0, tile_rows)]
+      plgpu.copy_gmem_to_smem(q_ref.at[t, rows_out], q_rows, q_bar)
 
     if fp8:
       _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, memory_tiles, *staging)
@@ -445,9 +451,12 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
     splits = num_fixed_splits(split_tokens, max_len)
   else:
     splits = num_kv_splits or num_kv_splits_for(t, n, max_len)
-  np_ = head_tiles * _TILE_H
+  # One tile of whole swizzle periods (8 rows) reads and writes only its heads' rows; other head
+  # counts are padded to whole tiles (zero heads: finite scores, sliced off below).
+  whole = n % _TILE_H == 0 or (head_tiles == 1 and n % _ROW_PERIOD == 0)
+  np_ = n if whole else head_tiles * _TILE_H
   if np_ != n:
-    q = jnp.pad(q, ((0, 0), (0, np_ - n), (0, 0)))  # zero heads: finite scores, sliced off below
+    q = jnp.pad(q, ((0, 0), (0, np_ - n), (0, 0)))
   fixed_order = split_tokens is not None
   out_dtype = partials_dtype(q.dtype, splits, fixed_order)
   if interpret is True:
