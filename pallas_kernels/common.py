@@ -358,6 +358,19 @@ def hand_over_p(i, p, alpha, p_smem, row_smem, p_ready, p_free):
   return p16
 
 
+SWIZZLE_ROWS = 8  # rows of one swizzle period: a bulk copy into part of a tile takes whole periods
+
+
+def padded_heads(n: int, tile: int) -> int:
+  """Heads a kernel's query and output arrays hold for n heads in tiles of `tile` rows: n where it
+  is whole tiles, or fewer than a tile in whole swizzle periods (the tile then copies in and stores
+  only those rows, with no pad before the kernel and no slice after); else whole tiles (the zero
+  heads added give finite scores and are sliced off)."""
+  if n % tile == 0 or (n < tile and n % SWIZZLE_ROWS == 0):
+    return n
+  return -(-n // tile) * tile
+
+
 def _leading_rows(smem, gmem):
   """smem's first rows, as many as gmem has (an output of fewer heads than the 64-row tile)."""
   return smem if gmem.shape[0] == smem.shape[0] else smem.at[pl.ds(0, gmem.shape[0])]

@@ -46,9 +46,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E, check_decode_args,
                                    check_split_args, default_num_kv_splits, feed_ring,
-                                   hand_over_p, merge_splits, num_fixed_splits, partials_dtype,
-                                   row_broadcast, run_scores, run_values, sm_count, softmax_step,
-                                   split_range, swizzled, SWIZZLE)
+                                   hand_over_p, merge_splits, num_fixed_splits, padded_heads,
+                                   partials_dtype, row_broadcast, run_scores, run_values, sm_count,
+                                   softmax_step, split_range, swizzled, SWIZZLE)
 
 
 FP8_PIPELINES = ("serial", "half_pages", "shared_widening")
@@ -112,7 +112,6 @@ _VALUE_WGS = 2  # warpgroups sharing the value columns; warpgroup 0 also compute
 _CHUNK = 128
 _MAX_WGMMA_N = 256
 PAGE_MULTIPLE = _STEP  # pages hold whole steps
-_ROW_PERIOD = 8  # rows of one 128-byte swizzle period: bulk copies of fewer heads take multiples
 MAX_GRID_TOKENS = 65535  # tokens launch on the grid's z axis, at most 65535 programs
 # (consumer, memory) warpgroup registers a thread. 2 x consumer + memory must stay within
 # common.register_pool(3) (504, not 512: the inferred cause of the fp8 path's hang on the H200
@@ -451,10 +450,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
     splits = num_fixed_splits(split_tokens, max_len)
   else:
     splits = num_kv_splits or num_kv_splits_for(t, n, max_len)
-  # One tile of whole swizzle periods (8 rows) reads and writes only its heads' rows; other head
-  # counts are padded to whole tiles (zero heads: finite scores, sliced off below).
-  whole = n % _TILE_H == 0 or (head_tiles == 1 and n % _ROW_PERIOD == 0)
-  np_ = n if whole else head_tiles * _TILE_H
+  np_ = padded_heads(n, _TILE_H)
   if np_ != n:
     q = jnp.pad(q, ((0, 0), (0, np_ - n), (0, 0)))
   fixed_order = split_tokens is not None

@@ -59,8 +59,8 @@ from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
 
 from pallas_kernels.common import (DS_MLA_TILE, F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
                                    check_sparse_args, default_num_kv_splits, hand_over_p,
-                                   merge_splits, row_broadcast, run_scores, run_values, sm_count,
-                                   softmax_step, swizzled, SWIZZLE)
+                                   merge_splits, padded_heads, row_broadcast, run_scores,
+                                   run_values, sm_count, softmax_step, swizzled, SWIZZLE)
 
 _TILE_H = 64  # heads per program: the M of every Hopper wgmma
 _STEP = 64  # slots per step: N of S = Q K^T, K of P V
@@ -168,11 +168,12 @@ def _cp_async_wait(pending):
 
 def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_place, num_slots,
             gather, interpret):
-  # GMEM: q_ref [T, Np, D] bf16; idx_ref [T, Kp] int32 (slot, or num_slots where invalid);
-  # steps_ref [T] int32 (steps of 64 slots up to the last valid one). bf16: kv_ref [S, D/64, 64]
-  # bf16. fp8: nope_ref [S, L/128, 128] e4m3, rope_ref [S, R/64, 64] bf16, scales_ref
-  # [T, Kp/64, L/128, 64] f32 (the selected rows' tile scales, a block a step). o_ref
-  # [T, splits, Np, L]; lse_ref [T, splits, Np] f32.
+  # GMEM: q_ref [T, Np, D] bf16 (Np: heads padded to 64, or fewer unpadded, `padded_heads`: the
+  # tile's first Np rows, the others never stored); idx_ref [T, Kp] int32 (slot, or num_slots
+  # where invalid); steps_ref [T] int32 (steps of 64 slots up to the last valid one). bf16:
+  # kv_ref [S, D/64, 64] bf16. fp8: nope_ref [S, L/128, 128] e4m3, rope_ref [S, R/64, 64] bf16,
+  # scales_ref [T, Kp/64, L/128, 64] f32 (the selected rows' tile scales, a block a step).
+  # o_ref [T, splits, Np, L]; lse_ref [T, splits, Np] f32.
   # SMEM: buffers = union of (q_smem [64, D], kv [slots, D/64, rows, 64]) bf16 tiled, and
   # (o_smem [2, 64, L/2], lse_smem [64]) (and on the GPU, for the bulk bf16 gather, the untiled
   # alias kv_raw [slots, D/64 * 8, 8, 64]); fp8: staging = union of (stage_nope [L/128, 64, 128]
@@ -246,7 +247,10 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_p
       out.append(part + pl.run_scoped(product, plgpu.ACC((_TILE_H, _COLS), jnp.float32)))
     return tuple(out)
 
-  rows_out = pl.ds(h * _TILE_H, _TILE_H)
+  # Fewer than 64 heads unpadded: the tile's other rows hold whatever shared memory held, which
+  # every product and reduction (per row) keeps out of the stored rows.
+  tile_rows = min(_TILE_H, q_ref.shape[1])
+  rows_out = pl.ds(h * _TILE_H, tile_rows)
   out = lambda w: dict(o_smem=o_smem.at[w],  # warpgroup w's output columns
                        o_gmem=o_ref.at[t, split, rows_out, pl.ds(w * half, half)])
 
@@ -332,7 +336,8 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_p
 
     @pl.when(n > 0)
     def _():
-      plgpu.copy_gmem_to_smem(q_ref.at[t, pl.ds(h * _TILE_H, _TILE_H)], q_smem, q_bar)
+      q_rows = q_smem if tile_rows == _TILE_H else q_smem.at[pl.ds(0, tile_rows)]
+      plgpu.copy_gmem_to_smem(q_ref.at[t, rows_out], q_rows, q_bar)
 
     # Slot indices are fetched 2 steps ahead ("half_rows": 3, as its gathers run ahead of the
     # widening by up to 2 half steps; "in_place": 3, as it reads them a step before its gather).
@@ -612,9 +617,9 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   if t == 0 or n == 0:  # no program to run (and no split count: it divides by T x head tiles)
     return jnp.zeros((t, n, lora), q.dtype), jnp.zeros((t, n), jnp.float32)
   head_tiles = pl.cdiv(n, _TILE_H)
-  np_ = head_tiles * _TILE_H
+  np_ = padded_heads(n, _TILE_H)
   if np_ != n:
-    q = jnp.pad(q, ((0, 0), (0, np_ - n), (0, 0)))  # zero heads: finite scores, sliced off below
+    q = jnp.pad(q, ((0, 0), (0, np_ - n), (0, 0)))
   k = max(pl.cdiv(slots.shape[1], _STEP), 1) * _STEP
   slots = jnp.pad(slots, ((0, 0), (0, k - slots.shape[1])), constant_values=-1)
   valid = (slots >= 0) & (slots < num_slots)
