@@ -334,13 +334,16 @@ def row_broadcast(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 # half of the output columns.
 
 
-def softmax_step(s, m, l):
+def softmax_step(s, m, l, heads_axis=0):
   """One step of the base-2 online softmax: s [64, K] scores already times log2(e) (-inf where
-  masked), m and l the rows' running max and sum. Returns (m_new, alpha, p, l_new)."""
-  m_new = jnp.maximum(m, s.max(axis=1))
+  masked), m and l the rows' running max and sum. Returns (m_new, alpha, p, l_new).
+  heads_axis=1 (mosaic_sparse's heads_in="n"): s is S^T [K, heads], reduced over axis 0 (across
+  the warpgroup's warps, through the kernel's reduction scratch), m and l one per column."""
+  keys = 1 - heads_axis
+  m_new = jnp.maximum(m, s.max(axis=keys))
   alpha = jnp.exp2(m - m_new)
-  p = jnp.exp2(s - row_broadcast(m_new, s.shape))
-  return m_new, alpha, p, l * alpha + p.sum(axis=1)
+  p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [heads_axis]))
+  return m_new, alpha, p, l * alpha + p.sum(axis=keys)
 
 
 def hand_over_p(i, p, alpha, p_smem, row_smem, p_ready, p_free):
@@ -376,27 +379,34 @@ def _leading_rows(smem, gmem):
   return smem if gmem.shape[0] == smem.shape[0] else smem.at[pl.ds(0, gmem.shape[0])]
 
 
-def _store_output(acc, l, o_smem, o_gmem, out_scale):
+def _store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis=0):
   """acc (column tiles [64, w] f32 of one warpgroup's output) * out_scale / l, rows that saw
-  nothing 0, staged in o_smem [64, cols] and copied to o_gmem (its rows: the first 64 or fewer)."""
+  nothing 0, staged in o_smem [64, cols] and copied to o_gmem (its rows: the first 64 or fewer).
+  heads_axis=1: the tiles are O^T [w, heads], stored transposed into o_smem [heads, cols], so
+  o_gmem keeps the [heads, cols] layout."""
   inv = out_scale / jnp.where(l > 0, l, 1.0)
   col = 0
   for part in acc:
-    o_smem[:, pl.ds(col, part.shape[1])] = (
-        part * row_broadcast(inv, part.shape)).astype(o_smem.dtype)
-    col += part.shape[1]
+    width = part.shape[1 - heads_axis]
+    scaled = (part * lax.broadcast_in_dim(inv, part.shape, [heads_axis])).astype(o_smem.dtype)
+    if heads_axis == 0:
+      o_smem[:, pl.ds(col, width)] = scaled
+    else:
+      o_smem.at[:, pl.ds(col, width)].transpose((1, 0))[...] = scaled
+    col += width
   plmgpu.commit_smem()
   plmgpu.copy_smem_to_gmem(_leading_rows(o_smem, o_gmem), o_gmem)
 
 
 def run_scores(n, step, acc, *, row_smem, p_ready, p_free, o_smem, o_gmem, lse_smem, lse_gmem,
-               out_scale=1.0):
+               out_scale=1.0, heads_axis=0):
   """Warpgroup 0's n steps, (m, l, acc) = step(i, (m, l, acc)) from an empty softmax over 64 rows,
   and its end: once warpgroup 1 has read the last P (every step of both is done, so the step
   buffers are free for the output staging), hands it l, stores its output columns and the rows'
-  log-sum-exps (natural log; -inf where nothing was seen)."""
-  rows_layout = plmgpu.Layout.WGMMA.reduce(1)
-  rows = acc[0].shape[0]
+  log-sum-exps (natural log; -inf where nothing was seen). heads_axis=1: the heads are acc's
+  columns (tiles of O^T, `softmax_step`)."""
+  rows_layout = plmgpu.Layout.WGMMA.reduce(1 - heads_axis)
+  rows = acc[0].shape[heads_axis]
   init = (plmgpu.layout_cast(jnp.full((rows,), M_INIT, jnp.float32), rows_layout),
           plmgpu.layout_cast(jnp.zeros((rows,), jnp.float32), rows_layout), acc)
   m, l, acc = lax.fori_loop(0, n, step, init)
@@ -408,7 +418,7 @@ def run_scores(n, step, acc, *, row_smem, p_ready, p_free, o_smem, o_gmem, lse_s
   row_smem[...] = l
   plmgpu.commit_smem()
   plmgpu.barrier_arrive(p_ready)
-  _store_output(acc, l, o_smem, o_gmem, out_scale)
+  _store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis)
   seen = l > 0
   lse_smem[...] = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
   plmgpu.commit_smem()
@@ -417,7 +427,7 @@ def run_scores(n, step, acc, *, row_smem, p_ready, p_free, o_smem, o_gmem, lse_s
 
 
 def run_values(n, num_slots, accumulate, acc, *, ready, consumed, row_smem, p_ready, p_free,
-               o_smem, o_gmem, out_scale=1.0, widen=None):
+               o_smem, o_gmem, out_scale=1.0, widen=None, heads_axis=0):
   """Warpgroup 1's n steps and end: per step, once the slot's rows and warpgroup 0's P and rescale
   factors are in, acc = accumulate(acc, alpha, slot) (acc * alpha + P V over its columns); then it
   takes l from warpgroup 0 and stores its output columns.
@@ -427,8 +437,8 @@ def run_values(n, num_slots, accumulate, acc, *, ready, consumed, row_smem, p_re
   its ready barrier (the memory warpgroup widens the other columns: ready takes both). Steps 0 to
   num_slots - 1 are widened before the loop, and step k + num_slots right after the P V of step k
   (once both value warpgroups are done with its slot), while warpgroup 0 computes the next
-  step's scores and softmax from the other slot."""
-  rows_layout = plmgpu.Layout.WGMMA.reduce(1)
+  step's scores and softmax from the other slot. heads_axis: `run_scores`'."""
+  rows_layout = plmgpu.Layout.WGMMA.reduce(1 - heads_axis)
   if widen is not None:
     for k in range(num_slots):  # the first steps' slots, before any was used
       pl.when(k < n)(functools.partial(widen, k))
@@ -451,8 +461,8 @@ def run_values(n, num_slots, accumulate, acc, *, ready, consumed, row_smem, p_re
 
   acc = lax.fori_loop(0, n, step, acc)
   plmgpu.barrier_wait(p_ready)
-  l = plmgpu.load(row_smem, layout=plmgpu.Layout.WGMMA.reduce(1))
-  _store_output(acc, l, o_smem, o_gmem, out_scale)
+  l = plmgpu.load(row_smem, layout=rows_layout)
+  _store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis)
   plmgpu.wait_smem_to_gmem(0)
   if widen is not None:
     # The phases of consumed the loop did not wait on (a warpgroup that waits on some phases of a
