@@ -23,6 +23,8 @@ warpgroups:
 - scores (warpgroup 0): S = Q K^T (wgmma, M = 64 heads, N = 64 rows, K = 576 in 9 chunks), the
   masked float32 online softmax, P and the rescale factors to warpgroup 1, O[:, :L/2] += P V.
 - values (warpgroup 1): O[:, L/2:] += P V.
+With heads_in="n" (N <= 32) a program's heads are wgmma's N instead, and the consumers compute
+S^T = K Q^T and O^T = V^T P^T (`MosaicSparseConfig`).
 bf16 caches use 2 row slots (the next step's rows land while this one computes); fp8_ds_mla uses
 1 bf16 slot + the staging buffer (two bf16 slots, the query tile and the staging do not fit in a
 block's 227 KB), or with fp8_pipeline="half_rows" the same bytes as two 32-row slots that the
@@ -63,6 +65,12 @@ from pallas_kernels.common import (DS_MLA_TILE, F8, HALF_ROWS, HALF_ROWS_LAYOUT,
                                    run_values, sm_count, softmax_step, swizzled, SWIZZLE)
 
 _TILE_H = 64  # heads per program: the M of every Hopper wgmma
+# heads_in="n": heads per program, wgmma's N (a multiple of 8): N <= 16 pads to 16, else to 32.
+HEADS_N_TILES = (16, 32)
+# Cross-warp reduction scratch a step's softmax takes with heads in N: a [64, N] max or sum over
+# its rows leaves N / 8 registers a thread, each reduced through 4 warps x 32 lanes x 2 float32
+# (Mosaic GPU's `FragmentedArray.reduce`); this is all of them at once (no scratch reuse rounds).
+_REDUCTION_BYTES_PER_8_HEADS = 4 * 32 * 2 * 4
 _STEP = 64  # slots per step: N of S = Q K^T, K of P V
 _COLS = 64  # columns per shared-memory tile: 128 bytes of bf16, the swizzle width
 _VALUE_WGS = 2
@@ -167,7 +175,7 @@ def _cp_async_wait(pending):
 
 
 def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_place, num_slots,
-            gather, interpret):
+            gather, heads_n, interpret):
   # GMEM: q_ref [T, Np, D] bf16 (Np: heads padded to 64, or fewer unpadded, `padded_heads`: the
   # tile's first Np rows, the others never stored); idx_ref [T, Kp] int32 (slot, or num_slots
   # where invalid); steps_ref [T] int32 (steps of 64 slots up to the last valid one). bf16:
@@ -204,6 +212,13 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_p
     (kv_ref, o_ref, lse_ref, buffers, p_smem, row_smem, idx_smem, q_bar, ready, consumed, p_ready,
      p_free, idx_bar) = rest
   (q_smem, kv), (o_smem, lse_smem), *raw = buffers
+  # heads_in="n": the program's tile_h (16 or 32) heads are wgmma's N: S^T = K Q^T [64 slots,
+  # heads], its softmax over axis 0, P^T stored transposed into p_smem [heads, 64] (so that it
+  # reads as the K-major B operand P^T), and O^T = V^T P^T [64 columns, heads] a value tile.
+  # Else the 64 heads are wgmma's M: S = Q K^T, O = P V.
+  heads_axis = 1 if heads_n else 0
+  tile_h = q_smem.shape[0]
+  head_broadcast = lambda x, shape: lax.broadcast_in_dim(x, shape, [heads_axis])
   if in_place:
     (_, slot_nope), (_, slot_scales) = raw
   kv_raw = raw[0][1] if raw and not in_place else None
@@ -221,36 +236,44 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_p
   n = jnp.maximum(jnp.minimum(first + per_split, num_steps) - first, 0)
   # Consumer steps of this program (the 64-slot steps when pieces is 1, traced as they were).
   consumer_steps = n if pieces == 1 else n * pieces
-  cols_layout = plgpu.Layout.WGMMA.reduce(0)
+  slots_layout = plgpu.Layout.WGMMA.reduce(heads_axis)  # one slot index a score row or column
+  acc_shape = (_COLS, tile_h) if heads_n else (_TILE_H, _COLS)  # a value tile of O^T or O
 
   def zero_acc():
-    return tuple(plgpu.layout_cast(jnp.zeros((_TILE_H, _COLS), jnp.float32), plgpu.Layout.WGMMA)
+    return tuple(plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
                  for _ in range(value_chunks))
+
+  def pv_operands(slot, tile, p):
+    """(A, B) of the P V product over value tile `tile`: P (registers if given, else p_smem) and
+    V; with heads in N, V^T (MN-major, 16-bit only) and P^T, so P always comes from p_smem."""
+    if heads_n:
+      return kv.at[slot, tile].transpose((1, 0)), p_smem.transpose((1, 0))
+    return p_smem if p is None else p, kv.at[slot, tile]
 
   def accumulate_values(acc, alpha, slot, w, p=None):
     """acc * alpha + P V over warpgroup w's value tiles; P from registers when given, else p_smem.
     On the GPU the products accumulate in place; the interpreter adds fresh accumulators."""
-    scaled = tuple(part * row_broadcast(alpha, part.shape) for part in acc)
+    scaled = tuple(part * head_broadcast(alpha, part.shape) for part in acc)
     if not interpret:
-      def product(acc_ref, c):  # acc_ref [64, 64] f32, the running sum
+      def product(acc_ref, c):  # acc_ref [64, 64] f32 (heads in N: [64, tile_h]), the running sum
         # The tile is sliced here: a sliced ref closed over would carry its indices as constants.
-        plgpu.wgmma(acc_ref, p_smem if p is None else p, kv.at[slot, w * value_chunks + c])
+        plgpu.wgmma(acc_ref, *pv_operands(slot, w * value_chunks + c, p))
 
       return tuple(pl.run_state(functools.partial(product, c=c))(plgpu.ACC.init(part))
                    for c, part in enumerate(scaled))
     out = []
     for c, part in enumerate(scaled):
-      def product(acc_ref, c=c):  # acc_ref [64, 64] f32
-        plgpu.wgmma(acc_ref, p_smem, kv.at[slot, w * value_chunks + c])
+      def product(acc_ref, c=c):  # acc_ref [64, 64] f32 (heads in N: [64, tile_h])
+        plgpu.wgmma(acc_ref, *pv_operands(slot, w * value_chunks + c, None))
         return acc_ref[...]
 
-      out.append(part + pl.run_scoped(product, plgpu.ACC((_TILE_H, _COLS), jnp.float32)))
+      out.append(part + pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32)))
     return tuple(out)
 
-  # Fewer than 64 heads unpadded: the tile's other rows hold whatever shared memory held, which
-  # every product and reduction (per row) keeps out of the stored rows.
-  tile_rows = min(_TILE_H, q_ref.shape[1])
-  rows_out = pl.ds(h * _TILE_H, tile_rows)
+  # Fewer heads than the tile unpadded: the tile's other rows hold whatever shared memory held,
+  # which every product and reduction (per row) keeps out of the stored rows.
+  tile_rows = min(tile_h, q_ref.shape[1])
+  rows_out = pl.ds(h * tile_h, tile_rows)
   out = lambda w: dict(o_smem=o_smem.at[w],  # warpgroup w's output columns
                        o_gmem=o_ref.at[t, split, rows_out, pl.ds(w * half, half)])
 
@@ -275,25 +298,32 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_p
         pl.when(lax.rem(i, pieces) == 0)(wait_indices)
       plgpu.barrier_wait(ready.at[slot])
 
-      def scores(acc_ref):  # acc_ref [64 heads, rows] f32
+      def scores(acc_ref):  # acc_ref [64 heads, rows] f32 (heads in N: S^T [rows, heads])
         for c in range(chunks):
-          plgpu.wgmma(acc_ref, q_smem.at[:, pl.ds(c * _COLS, _COLS)],
-                      kv.at[slot, c].transpose((1, 0)))
+          q_cols = q_smem.at[:, pl.ds(c * _COLS, _COLS)]
+          if heads_n:
+            plgpu.wgmma(acc_ref, kv.at[slot, c], q_cols.transpose((1, 0)))
+          else:
+            plgpu.wgmma(acc_ref, q_cols, kv.at[slot, c].transpose((1, 0)))
         return acc_ref[...]
 
-      s = pl.run_scoped(scores, plgpu.ACC((_TILE_H, step_rows), jnp.float32))
+      s_shape = (step_rows, tile_h) if heads_n else (_TILE_H, step_rows)
+      s = pl.run_scoped(scores, plgpu.ACC(s_shape, jnp.float32))
       piece = idx_smem.at[ring] if pieces == 1 else idx_smem.at[
           ring, pl.ds(lax.rem(i, pieces) * step_rows, step_rows)]
-      idx = plgpu.load(piece, layout=cols_layout)
-      valid = lax.broadcast_in_dim(idx < num_slots, s.shape, [1])
-      m_new, alpha, p, l = softmax_step(jnp.where(valid, s * qk_scale, -jnp.inf), m, l)
-      p16 = hand_over_p(i, p, alpha, p_smem, row_smem, p_ready, p_free)
-      acc = accumulate_values(acc, alpha, slot, 0, None if interpret else p16)
+      idx = plgpu.load(piece, layout=slots_layout)
+      valid = lax.broadcast_in_dim(idx < num_slots, s.shape, [1 - heads_axis])
+      m_new, alpha, p, l = softmax_step(jnp.where(valid, s * qk_scale, -jnp.inf), m, l,
+                                        heads_axis)
+      p16 = hand_over_p(i, p, alpha, p_smem.transpose((1, 0)) if heads_n else p_smem, row_smem,
+                        p_ready, p_free)
+      acc = accumulate_values(acc, alpha, slot, 0, None if interpret or heads_n else p16)
       plgpu.barrier_arrive(consumed.at[slot])
       return m_new, l, acc
 
     run_scores(consumer_steps, step, zero_acc(), row_smem=row_smem, p_ready=p_ready, p_free=p_free,
-               **out(0), lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out])
+               **out(0), lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out],
+               heads_axis=heads_axis)
 
   @pl.when(wg == 1)
   def _values():
@@ -301,7 +331,7 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_p
     run_values(consumer_steps, slots,
                lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, 1),
                zero_acc(), ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready,
-               p_free=p_free, **out(1))
+               p_free=p_free, **out(1), heads_axis=heads_axis)
 
   def fetch_indices(i):
     ring = lax.rem(i, _IDX_RING)
@@ -336,7 +366,7 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_p
 
     @pl.when(n > 0)
     def _():
-      q_rows = q_smem if tile_rows == _TILE_H else q_smem.at[pl.ds(0, tile_rows)]
+      q_rows = q_smem if tile_rows == tile_h else q_smem.at[pl.ds(0, tile_rows)]
       plgpu.copy_gmem_to_smem(q_ref.at[t, rows_out], q_rows, q_bar)
 
     # Slot indices are fetched 2 steps ahead ("half_rows": 3, as its gathers run ahead of the
@@ -591,10 +621,12 @@ def default_fp8_pipeline(num_tokens, num_heads, top_k, *, num_splits, split_rule
   return "in_place" if one_split else "half_rows"
 
 
-def smem_bytes(scratch):
-  """Bytes of shared memory Pallas Mosaic GPU (jax 0.11.2) allocates for these scratch types: each
-  buffer, and each buffer of a `RefUnion` member, starts 1024-byte aligned; a union takes its
-  largest member; a barrier takes 8 bytes. `_sparse_call` refuses a launch past _SMEM_LIMIT."""
+def smem_bytes(scratch, reduction_bytes=0):
+  """Bytes of shared memory Pallas Mosaic GPU (jax 0.11.2) allocates for these scratch types and a
+  kernel that reduces across warps with `CompilerParams(reduction_scratch_bytes=reduction_bytes)`:
+  each buffer, and each buffer of a `RefUnion` member, starts 1024-byte aligned; a union takes
+  its largest member; a barrier takes 8 bytes; the reduction scratch, 1024-byte aligned, comes on
+  top. `_sparse_call` refuses a launch past _SMEM_LIMIT."""
   align = lambda x: -(-x // 1024) * 1024
 
   def size(ref):
@@ -607,17 +639,31 @@ def smem_bytes(scratch):
 
   buffers = sum(align(size(ref)) for ref in scratch)
   barriers = sum(math.prod(ref.num_barriers) for ref in scratch if isinstance(ref, plgpu.Barrier))
-  return buffers + 8 * barriers
+  return buffers + 8 * barriers + -(-reduction_bytes // 1024) * 1024
+
+
+def heads_tile(num_heads, heads_in):
+  """Heads a program takes: 64 (heads_in="m", wgmma's M; any N in tiles of 64), or with
+  heads_in="n" 16 or 32 (wgmma's N; N <= 32 only, a ValueError above)."""
+  if heads_in == "m":
+    return _TILE_H
+  if num_heads > HEADS_N_TILES[-1]:
+    raise ValueError(f"heads_in=\"n\" takes at most {HEADS_N_TILES[-1]} heads (one program's "
+                     f"wgmma N; more run as heads_in=\"m\"), got {num_heads}")
+  return next(tile for tile in HEADS_N_TILES if num_heads <= tile)
 
 
 def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_splits, auto_barriers,
-                 gather, split_rule, fp8_pipeline, fp8_stage_halves, interpret):
-  """Pads heads to 64-row tiles and slots to 64-slot steps, runs the kernel, merges splits."""
+                 gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in, interpret):
+  """Pads heads to tiles of heads_tile(N) and slots to 64-slot steps, runs the kernel, merges
+  splits."""
   t, n, d = q.shape
+  tile_h = heads_tile(n, heads_in)
   if t == 0 or n == 0:  # no program to run (and no split count: it divides by T x head tiles)
     return jnp.zeros((t, n, lora), q.dtype), jnp.zeros((t, n), jnp.float32)
-  head_tiles = pl.cdiv(n, _TILE_H)
-  np_ = padded_heads(n, _TILE_H)
+  head_tiles = pl.cdiv(n, tile_h)
+  # Heads in N take whole tiles: their query tile is laid out by head, not copied by rows.
+  np_ = head_tiles * tile_h if heads_in == "n" else padded_heads(n, tile_h)
   if np_ != n:
     q = jnp.pad(q, ((0, 0), (0, np_ - n), (0, 0)))
   k = max(pl.cdiv(slots.shape[1], _STEP), 1) * _STEP
@@ -644,12 +690,12 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                           else (2, _STEP))
   sw = 2 * HALF_ROWS if half_rows else SWIZZLE
   chunks = d // _COLS
-  groups = [(swizzled((_TILE_H, d), q.dtype, sw),
+  groups = [(swizzled((tile_h, d), q.dtype, sw),
              swizzled((row_slots, chunks, step_rows, _COLS), q.dtype, sw)),
-            (swizzled((_VALUE_WGS, _TILE_H, lora // _VALUE_WGS), out_dtype),
-             plgpu.SMEM((_TILE_H,), jnp.float32))]
+            (swizzled((_VALUE_WGS, tile_h, lora // _VALUE_WGS), out_dtype),
+             plgpu.SMEM((tile_h,), jnp.float32))]
   if not fp8 and not interpret and gather == "bulk":
-    groups.append((plgpu.SMEM((_TILE_H, d), q.dtype),
+    groups.append((plgpu.SMEM((tile_h, d), q.dtype),
                    _raw((row_slots, chunks, _STEP, _COLS), q.dtype)))
   if in_place:
     # The row slots' bytes as the staging (aliases past a pad the size of the query tile): a
@@ -677,7 +723,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
       staging.append(tuple(_raw(*shape) for shape in staged_shapes))
     scratch += [plgpu.RefUnion(*staging),
                 plgpu.SMEM((*halves, tiles[0], step_rows), jnp.float32)]
-  scratch += [swizzled((_TILE_H, step_rows), q.dtype, sw), plgpu.SMEM((_TILE_H,), jnp.float32),
+  scratch += [swizzled((tile_h, step_rows), q.dtype, sw), plgpu.SMEM((tile_h,), jnp.float32),
               plgpu.SMEM((_IDX_RING, _STEP), jnp.int32),
               plgpu.Barrier(),
               # bulk bf16: every row chunk's copy arrives; else the memory warpgroup once.
@@ -690,7 +736,9 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
     scratch.append(plgpu.Barrier(
         num_arrivals=1 + (step_rows * sum(tiles) if gather == "bulk" else 0),
         num_barriers=(row_slots,) if in_place else halves))
-  used = smem_bytes(scratch)
+  heads_n = heads_in == "n"
+  reduction_bytes = _REDUCTION_BYTES_PER_8_HEADS * tile_h // 8 if heads_n else 0
+  used = smem_bytes(scratch, reduction_bytes)
   if used > _SMEM_LIMIT:
     raise ValueError(f"the kernel's shared memory ({used} bytes: fp8_ds_mla {fp8}, fp8_pipeline "
                      f"{fp8_pipeline} x {fp8_stage_halves}, gather {gather}) exceeds a Hopper "
@@ -698,7 +746,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
 
   kernel = functools.partial(_kernel, scale=scale, lora=lora, num_splits=splits, fp8=fp8,
                              in_place=in_place, num_slots=num_slots, gather=gather,
-                             interpret=bool(interpret))
+                             heads_n=heads_n, interpret=bool(interpret))
   o_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((t, splits, np_, lora), out_dtype),
@@ -716,12 +764,14 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
       # barrier wait between (the hand-offs above), and commit_smem() (a warpgroup barrier) comes
       # between a warpgroup's stores and the copy that reads them, and between the widening
       # warpgroup's reads of the staging buffer and the copies that refill it.
-      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
+      compiler_params=plgpu.CompilerParams(approx_math=True,
+                                           reduction_scratch_bytes=reduction_bytes,
                                            unsafe_no_auto_barriers=not auto_barriers),
       interpret=interpret or None,
       kernel_name=(f"mosaic_sparse_{'ds_mla' if fp8 else 'bf16'}"
                    f"{f'_half{fp8_stage_halves}' if half_rows else ''}"
                    f"{'_in_place' if in_place else ''}"
+                   f"{f'_heads_n{tile_h}' if heads_n else ''}"
                    f"_{gather}_s{splits}"),
   )(q, idx, steps, *cache_args)
   if splits == 1:
@@ -731,10 +781,12 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   return o[:, :n], lse[:, :n]
 
 
-_STATIC = ("scale", "num_splits", "auto_barriers", "interpret", "gather", "split_rule")
+_STATIC = ("scale", "num_splits", "auto_barriers", "interpret", "gather", "split_rule",
+           "heads_in")
 GATHERS = ("cp_async", "bulk")
 SPLIT_RULES = ("fill", "one_wave")
 FP8_PIPELINES = ("serial", "half_rows", "in_place")
+HEADS_IN = ("m", "n")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -771,11 +823,22 @@ class MosaicSparseConfig:
     consumers are done with the step two before), and are widened there, so the consumers take
     bf16's 64-slot steps (half_rows' 32-slot steps set its pace at N=128, RESULTS v7, v8); a
     step's gather then waits for its slot to be free (half_rows': two half steps ahead). cp_async
-    only (the bulk gather on the GPU would need untiled aliases of the in-place views)."""
+    only (the bulk gather on the GPU would need untiled aliases of the in-place views).
+  heads_in, where a program's heads sit in the wgmma shapes. "m" (the default): 64 heads as M
+  (N < 64 padded to 64: at N=16 three quarters of the tensor work and of the softmax are padding).
+  "n" (RESULTS, sparse v12; prepared, not timed): N <= 32 heads as wgmma's N, padded to 16 or 32
+  (`heads_tile`; a ValueError above 32): S^T = K Q^T [64 slots, heads], its softmax over the slot
+  rows (two cross-warp reductions a step, through `reduction_scratch_bytes`), P^T stored
+  transposed into p_smem [heads, 64], O^T = V^T P^T a value tile (V^T an MN-major A operand), the
+  output tiles stored transposed into the [heads, columns] staging. bf16 caches only (a
+  ValueError with fp8_ds_mla: "half_rows" steps 32 slots, under wgmma's M of 64; V^T as an A
+  operand must be 16-bit, fine after widening, but "serial" / "in_place" with heads in N are not
+  built)."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
   fp8_pipeline: str | None = None
   fp8_stage_halves: int = 2  # staging in 32-row buffers: "serial" stages 64 rows (2 halves)
+  heads_in: str = "m"
 
   def __post_init__(self):
     if self.gather not in GATHERS:
@@ -790,6 +853,8 @@ class MosaicSparseConfig:
     if self.fp8_stage_halves not in ((2, 3) if self.fp8_pipeline == "half_rows" else (2,)):
       raise ValueError(f"fp8_stage_halves must be 2 (or 3 with fp8_pipeline \"half_rows\"), got "
                        f"{self.fp8_stage_halves!r} with {self.fp8_pipeline!r}")
+    if self.heads_in not in HEADS_IN:
+      raise ValueError(f"heads_in must be one of {HEADS_IN}, got {self.heads_in!r}")
 
 
 CONFIG = MosaicSparseConfig()
@@ -797,31 +862,31 @@ CONFIG = MosaicSparseConfig()
 SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rule="fill"),
          MosaicSparseConfig(fp8_pipeline="serial"), MosaicSparseConfig(fp8_pipeline="half_rows"),
          MosaicSparseConfig(fp8_pipeline="half_rows", fp8_stage_halves=3),
-         MosaicSparseConfig(fp8_pipeline="in_place"))
+         MosaicSparseConfig(fp8_pipeline="in_place"), MosaicSparseConfig(heads_in="n"))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))
 def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, scale: float,
                      kv_lora_rank: int = 512, num_splits: int | None = None,
                      auto_barriers: bool = False, gather: str = CONFIG.gather,
-                     split_rule: str = CONFIG.split_rule,
+                     split_rule: str = CONFIG.split_rule, heads_in: str = CONFIG.heads_in,
                      interpret: bool | plgpu.InterpretGPUParams = False
                      ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over a bf16 latent cache (semantics of `mla_jax.reference.sparse_attention`).
 
-  q [T, N, L+R] bf16 (any N: heads are padded to tiles of 64); kv_cache [num_blocks, page, L+R]
-  bf16; slots [T, K] int32 (block * page + offset; -1 or past the cache: skipped). num_splits=None
-  picks a split count of the slot axis from static shapes by split_rule (`split_count`).
-  auto_barriers=True lets Pallas put a
-  warpgroup barrier before every bulk copy and around every shared-memory store (its safe default,
-  kept to measure against). gather: "cp_async" (the 128 lanes of the memory warpgroup copy 16
-  bytes each into the swizzled row slot) or "bulk" (one bulk copy per row and 64-column chunk, 9 a
-  row; what the interpreter runs either way). interpret: True or a
-  `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and
+  q [T, N, L+R] bf16 (any N: heads are padded to tiles of 64; heads_in="n": N <= 32, padded to 16 or
+  32); kv_cache [num_blocks, page, L+R] bf16; slots [T, K] int32 (block * page + offset; -1 or past
+  the cache: skipped). num_splits=None picks a split count of the slot axis from static shapes by
+  split_rule (`split_count`). auto_barriers=True lets Pallas put a warpgroup barrier before every
+  bulk copy and around every shared-memory store (its safe default, kept to measure against).
+  gather: "cp_async" (the 128 lanes of the memory warpgroup copy 16 bytes each into the swizzled row
+  slot) or "bulk" (one bulk copy per row and 64-column chunk, 9 a row; what the interpreter runs
+  either way). heads_in: `MosaicSparseConfig`'s ("n": N <= 32 heads in wgmma's N). interpret: True
+  or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and
   lse [T, N] float32 (natural log); a row with no valid slot gives (0, -inf).
   """
   _check(q, slots, kv_lora_rank, num_splits)
-  MosaicSparseConfig(gather, split_rule)  # checks them
+  MosaicSparseConfig(gather, split_rule, heads_in=heads_in)  # checks them
   if kv_cache.ndim != 3 or kv_cache.shape[2] != q.shape[2] or kv_cache.dtype != jnp.bfloat16:
     raise ValueError(f"want a bfloat16 kv_cache [num_blocks, page, {q.shape[2]}] (q's head dim), "
                      f"got {kv_cache.dtype.name}{kv_cache.shape}")
@@ -830,7 +895,8 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   return _sparse_call(q, slots, (rows,), scale=scale, lora=kv_lora_rank, num_slots=num_slots,
                       fp8=False, num_splits=num_splits, auto_barriers=auto_barriers,
                       gather=gather, split_rule=split_rule, fp8_pipeline=CONFIG.fp8_pipeline,
-                      fp8_stage_halves=CONFIG.fp8_stage_halves, interpret=interpret)
+                      fp8_stage_halves=CONFIG.fp8_stage_halves, heads_in=heads_in,
+                      interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("fp8_pipeline", "fp8_stage_halves"))
@@ -841,6 +907,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                                 split_rule: str = CONFIG.split_rule,
                                 fp8_pipeline: str | None = CONFIG.fp8_pipeline,
                                 fp8_stage_halves: int = CONFIG.fp8_stage_halves,
+                                heads_in: str = CONFIG.heads_in,
                                 interpret: bool | plgpu.InterpretGPUParams = False
                                 ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over an fp8_ds_mla cache, widened to bf16 once per gathered row.
@@ -861,7 +928,11 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                      f"[NB, BS, L/{DS_MLA_TILE}] f32, rope [NB, BS, R] bf16 and q [T, N, L+R]; got "
                      f"{nope.dtype.name}{nope.shape}, {tile_scales.dtype.name}{tile_scales.shape}, "
                      f"{rope.dtype.name}{rope.shape}, q {q.shape}")
-  MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves)  # checks them
+  MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in)  # checks them
+  if heads_in != "m":
+    raise ValueError(f"heads_in={heads_in!r} takes a bf16 cache only: \"half_rows\" steps 32 "
+                     f"slots, under wgmma's M of 64, and \"serial\" / \"in_place\" with heads in N "
+                     f"are not built")
   if fp8_pipeline is None:
     fp8_pipeline = default_fp8_pipeline(q.shape[0], q.shape[1], slots.shape[1],
                                         num_splits=num_splits, split_rule=split_rule,
@@ -873,4 +944,4 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                       scale=scale, lora=lora, num_slots=num_slots, fp8=True, num_splits=num_splits,
                       auto_barriers=auto_barriers, gather=gather, split_rule=split_rule,
                       fp8_pipeline=fp8_pipeline, fp8_stage_halves=fp8_stage_halves,
-                      interpret=interpret)
+                      heads_in=heads_in, interpret=interpret)

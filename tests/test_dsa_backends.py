@@ -464,6 +464,38 @@ def test_mosaic_sparse_default_fp8_pipeline_reaches_the_kernel(t, want):
   assert f"mosaic_sparse_ds_mla_{want}_bulk_s1" in str(jax.make_jaxpr(backend)(q, cache, slots))
 
 
+def check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves, heads_in="m"):
+  """The Mosaic sparse kernel at T=128, 2048 slots over 1M tokens, lowered for CUDA (it runs on
+  this CPU), which checks what the interpreter does not: wgmma operand layouts and swizzles,
+  bulk-copy boxes, the untiled aliases, the cp.async code, the register layouts of the widening
+  (and with heads_in="n" of the transposed stores and the cross-warp reductions), and that shared
+  memory fits 227 KB; with the limit at 0, Mosaic GPU's error names the bytes it counts, which
+  must be smem_bytes' (what _sparse_call checks before any launch)."""
+  t, k, tokens = 128, 2048, 1 << 20
+  counted = []  # what _sparse_call counts while tracing
+  monkeypatch.setattr(mosaic_sparse, "smem_bytes",
+                      lambda *args, count=mosaic_sparse.smem_bytes: counted.append(
+                          count(*args)) or counted[-1])
+  q = jax.ShapeDtypeStruct((t, n, 576), jnp.bfloat16)
+  slots = jax.ShapeDtypeStruct((t, k), jnp.int32)
+  if fp8:
+    traced = mosaic_sparse.sparse_attention_fp8_ds_mla.trace(
+        q, jax.ShapeDtypeStruct((tokens // 64, 64, 512), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((tokens // 64, 64, 4), jnp.float32),
+        jax.ShapeDtypeStruct((tokens // 64, 64, 64), jnp.bfloat16), slots, scale=0.1,
+        gather=gather, fp8_pipeline=fp8_pipeline, fp8_stage_halves=halves)
+  else:
+    traced = mosaic_sparse.sparse_attention.trace(
+        q, jax.ShapeDtypeStruct((tokens // 64, 64, 576), jnp.bfloat16), slots, scale=0.1,
+        gather=gather, heads_in=heads_in)
+  assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+  assert counted[-1] <= 227 * 1024
+  jax.clear_caches()
+  monkeypatch.setattr(mosaic_gpu_core, "_SMEM_SIZE_BOUND", 0)
+  with pytest.raises(ValueError, match=f"smem_bytes={counted[-1]} "):
+    traced.lower(lowering_platforms=("cuda",))
+
+
 class TestPallasMosaicSparseAttention(SparseAttentionContract):
   """The Mosaic GPU kernel in Mosaic GPU's interpreter on CPUs. It takes bf16 q over bf16 or
   fp8_ds_mla caches: the contract cases with float32 q or a per-tensor fp8 cache skip, naming
@@ -473,6 +505,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
   # What the fp8_ds_mla cases run: the default, "half_rows" at these few tokens.
   fp8_pipeline = mosaic_sparse.CONFIG.fp8_pipeline
   fp8_stage_halves = mosaic_sparse.CONFIG.fp8_stage_halves
+  heads_in = mosaic_sparse.CONFIG.heads_in  # what the bf16 cases run
 
   def fn(self):
     run = super().fn()
@@ -482,6 +515,15 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
         pytest.skip(f"pallas_mosaic's sparse kernel takes bfloat16 q only, got {q.dtype}")
       if isinstance(cache, LatentCache) and cache.scale_or_none is not None:
         pytest.skip("pallas_mosaic's sparse kernel reads no per-tensor float8 latent cache")
+      if self.heads_in != mosaic_sparse.CONFIG.heads_in:
+        if isinstance(cache, DSMLACache):
+          pytest.skip(f"heads_in={self.heads_in!r} takes a bf16 cache only")
+        if q.shape[1] > mosaic_sparse.HEADS_N_TILES[-1]:
+          pytest.skip(f"heads_in={self.heads_in!r} takes at most "
+                      f"{mosaic_sparse.HEADS_N_TILES[-1]} heads")
+        return mosaic_sparse.sparse_attention(q, cache.data, slots, scale=scale,
+                                              kv_lora_rank=kv_lora_rank, heads_in=self.heads_in,
+                                              interpret=True)
       if (self.fp8_pipeline, self.fp8_stage_halves) == (mosaic_sparse.CONFIG.fp8_pipeline,
                                                         mosaic_sparse.CONFIG.fp8_stage_halves):
         return run(q, cache, slots, scale=scale, kv_lora_rank=kv_lora_rank)
@@ -536,7 +578,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
   def test_splits_match_one_split(self):
     q, cache, slots, _ = poisoned_case(31, 16, "bf16", k=90)  # 2 steps of 64 slots
     run = lambda s: mosaic_sparse.sparse_attention(q, cache.data, jnp.asarray(slots), scale=0.05,
-                                                   kv_lora_rank=L, num_splits=s, interpret=True)
+                                                   kv_lora_rank=L, num_splits=s,
+                                                   heads_in=self.heads_in, interpret=True)
     (o1, l1), (o3, l3) = run(1), run(3)
     np.testing.assert_allclose(np.asarray(o3, np.float32), np.asarray(o1, np.float32), rtol=2 / 128,
                                atol=1e-2)  # bf16 outputs: a split merge may round 1 ulp apart
@@ -551,34 +594,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
       (128, True, "bulk", "half_rows", 3), (128, True, "cp_async", "in_place", 2),
       (32, True, "cp_async", "in_place", 2)])
   def test_lowers_for_hopper(self, n, fp8, gather, fp8_pipeline, halves, monkeypatch):
-    # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
-    # layouts and swizzles, bulk-copy boxes, the untiled aliases, the cp.async code, the register
-    # layouts of the widening, and that shared memory fits 227 KB; with the limit at 0, Mosaic
-    # GPU's error names the bytes it counts, which must be smem_bytes' (what _sparse_call checks
-    # before any launch).
-    t, k, tokens = 128, 2048, 1 << 20
-    counted = []  # what _sparse_call counts while tracing
-    monkeypatch.setattr(mosaic_sparse, "smem_bytes",
-                        lambda scratch, count=mosaic_sparse.smem_bytes: counted.append(
-                            count(scratch)) or counted[-1])
-    q = jax.ShapeDtypeStruct((t, n, 576), jnp.bfloat16)
-    slots = jax.ShapeDtypeStruct((t, k), jnp.int32)
-    if fp8:
-      traced = mosaic_sparse.sparse_attention_fp8_ds_mla.trace(
-          q, jax.ShapeDtypeStruct((tokens // 64, 64, 512), jnp.float8_e4m3fn),
-          jax.ShapeDtypeStruct((tokens // 64, 64, 4), jnp.float32),
-          jax.ShapeDtypeStruct((tokens // 64, 64, 64), jnp.bfloat16), slots, scale=0.1,
-          gather=gather, fp8_pipeline=fp8_pipeline, fp8_stage_halves=halves)
-    else:
-      traced = mosaic_sparse.sparse_attention.trace(
-          q, jax.ShapeDtypeStruct((tokens // 64, 64, 576), jnp.bfloat16), slots, scale=0.1,
-          gather=gather)
-    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
-    assert counted[-1] <= 227 * 1024
-    jax.clear_caches()
-    monkeypatch.setattr(mosaic_gpu_core, "_SMEM_SIZE_BOUND", 0)
-    with pytest.raises(ValueError, match=f"smem_bytes={counted[-1]} "):
-      traced.lower(lowering_platforms=("cuda",))
+    check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves)
 
   def test_shared_memory_past_the_limit_raises(self, monkeypatch):
     # fp8_ds_mla at L=512 with the cp.async gather: 199,760 bytes "serial", 195,688 "half_rows"
@@ -644,11 +660,11 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
             slots, scale=0.1, fp8_pipeline=pipeline, fp8_stage_halves=halves, interpret=True)
 
   def test_config_default_and_sweep(self):
-    assert (mosaic_sparse.CONFIG.fp8_pipeline, mosaic_sparse.CONFIG.fp8_stage_halves) == (
-        None, 2)  # the timed rule, default_fp8_pipeline
+    assert (mosaic_sparse.CONFIG.fp8_pipeline, mosaic_sparse.CONFIG.fp8_stage_halves,
+            mosaic_sparse.CONFIG.heads_in) == (None, 2, "m")  # the timed rule; heads in M
     for other in (dict(fp8_pipeline="serial"), dict(fp8_pipeline="half_rows"),
                   dict(fp8_pipeline="half_rows", fp8_stage_halves=3),
-                  dict(fp8_pipeline="in_place")):
+                  dict(fp8_pipeline="in_place"), dict(heads_in="n")):
       assert mosaic_sparse.MosaicSparseConfig(**other) in mosaic_sparse.SWEEP
 
 
@@ -690,3 +706,58 @@ class TestPallasMosaicSparseAttentionInPlace(TestPallasMosaicSparseAttentionSeri
   @pytest.mark.parametrize("n,lora", [(128, L)])
   def test_fp8_ds_mla_steps_of_one_split_match_oracle(self, n, lora):
     super().test_fp8_ds_mla_steps_of_one_split_match_oracle(n, lora)
+
+
+class TestPallasMosaicSparseAttentionHeadsN(TestPallasMosaicSparseAttention):
+  """heads_in="n" (RESULTS, sparse v12): N <= 32 heads in wgmma's N (padded to 16 or 32), S^T =
+  K Q^T, the softmax over the slot rows, P^T stored transposed, O^T = V^T P^T stored transposed
+  into the output's [heads, columns]. bf16 caches only: the contract's bf16-q cases up to 32 heads
+  (4 heads pads to 16), the poisoned one at 16 heads, several steps and splits; the others skip,
+  naming why. The interpreter neither swizzles nor runs the transposed stores as the GPU does:
+  the lowering cases check those layouts, the GPU case the numbers."""
+  heads_in = "n"
+  # fp8_ds_mla cases, and cases that call the default (the parent runs them): none here.
+  test_fp8_ds_mla_steps_of_one_split_match_oracle = None
+  test_bad_backend_input_raises = None
+  test_bad_input_raises = None
+  test_no_races_in_the_interpreter = None
+  test_lowers_for_hopper = None
+  test_shared_memory_past_the_limit_raises = None
+  test_bad_ds_mla_layout_raises = None
+  test_config_default_and_sweep = None
+
+  # 300 slots in one split (5 steps: both row slots alternate, the index ring wraps), NaN in every
+  # unselected row, -1 and past-the-cache slots, row 1 with none valid, row 2's last step without
+  # one; 4 heads pad to 16, 27 to 32 (the contract's own bf16 cases take float32 q, which skip).
+  # The race detector watches the P^T and rescale hand-off and the output staged over the slots.
+  @pytest.mark.parametrize("n", [4, 27])
+  def test_bf16_steps_of_one_split_match_oracle(self, n):
+    report = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
+    q, cache, slots, rows = poisoned_case(50 + n, n, "bf16", L, t=3, k=300, nb=22)
+    slots[2, 256:] = -1
+    o, lse = mosaic_sparse.sparse_attention(
+        q, cache.data, jnp.asarray(slots), scale=0.05, kv_lora_rank=L, num_splits=1,
+        heads_in="n", interpret=plgpu.InterpretGPUParams(detect_races=True))
+    jax.block_until_ready(o)
+    assert not report.get_races().races_found
+    assert o.shape == (3, n, L) and lse.shape == (3, n)
+    assert_matches_oracle(o, lse, q, rows, slots, rows.shape[0], L)
+
+  @pytest.mark.parametrize("n,gather", [(16, "cp_async"), (32, "cp_async"), (32, "bulk")])
+  def test_heads_in_n_lowers_for_hopper(self, n, gather, monkeypatch):
+    check_lowers_for_hopper(monkeypatch, n, False, gather, "serial", 2, heads_in="n")
+
+  def test_heads_in_n_bad_input_raises(self):
+    q, slots = jnp.zeros((2, 33, L + R), jnp.bfloat16), jnp.zeros((2, 8), jnp.int32)
+    kv = jnp.zeros((4, 16, L + R), jnp.bfloat16)
+    with pytest.raises(ValueError, match="at most 32 heads"):
+      mosaic_sparse.sparse_attention(q, kv, slots, scale=0.1, kv_lora_rank=L, heads_in="n",
+                                     interpret=True)
+    with pytest.raises(ValueError, match="heads_in must be one of"):
+      mosaic_sparse.sparse_attention(q[:, :16], kv, slots, scale=0.1, kv_lora_rank=L,
+                                     heads_in="k", interpret=True)
+    with pytest.raises(ValueError, match="takes a bf16 cache only"):
+      mosaic_sparse.sparse_attention_fp8_ds_mla(
+          q[:, :16], jnp.zeros((4, 16, L), jnp.float8_e4m3fn),
+          jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16), slots,
+          scale=0.1, fp8_pipeline="serial", heads_in="n", interpret=True)
