@@ -1,10 +1,10 @@
 """The Pallas DSA kernels at V3.2 sizes on a GPU (Triton; Mosaic GPU sparse attention), against the
 XLA reference run there.
 
-Sparse attention (T=128, top-k 2048 over a 32K-token cache; T=4096 for the Mosaic kernel's
-default fp8_ds_mla pipeline there), indexer logits (128 rows over 32K context) and top-k (128 x
-32768, k=2048). Cache rows and pages that nothing may read hold NaN, and the allocator is poisoned
-before every kernel call, so a stray read or an unwritten output shows.
+Sparse attention (T=128, top-k 2048 over a 32K-token cache, 1M tokens for the Mosaic kernel's
+heads_in="n"; T=4096 for its default fp8_ds_mla pipeline there), indexer logits (128 rows over 32K
+context) and top-k (128 x 32768, k=2048). Cache rows and pages that nothing may read hold NaN, and
+the allocator is poisoned before every kernel call, so a stray read or an unwritten output shows.
 """
 
 import functools
@@ -29,31 +29,31 @@ SCALE = 192 ** -0.5
 CACHE_TOKENS = 32768
 
 
-def selected_slots(seed, t):
+def selected_slots(seed, t, tokens=CACHE_TOKENS):
   """[t, TOPK] int32: distinct slots of the first 3/4 of the cache per row (the last quarter is
   never selected), ~10% -1 and a few past the cache; row 0 selects nothing, row 1 a single slot."""
   rng = np.random.default_rng(seed)
-  live = 3 * CACHE_TOKENS // 4
+  live = 3 * tokens // 4
   slots = np.stack([rng.permutation(live)[:TOPK] for _ in range(t)]).astype(np.int32)
   drop = rng.random(slots.shape)
   slots[drop < 0.1] = -1
-  slots[drop > 0.995] = CACHE_TOKENS + 5
+  slots[drop > 0.995] = tokens + 5
   slots[0] = -1
   slots[1, 1:] = -1
   return slots
 
 
-def unselected(slots):
-  rows = np.ones(CACHE_TOKENS, bool)
-  rows[slots[(slots >= 0) & (slots < CACHE_TOKENS)]] = False
-  return jnp.asarray(rows.reshape(CACHE_TOKENS // PAGE, PAGE))
+def unselected(slots, tokens=CACHE_TOKENS):
+  rows = np.ones(tokens, bool)
+  rows[slots[(slots >= 0) & (slots < tokens)]] = False
+  return jnp.asarray(rows.reshape(tokens // PAGE, PAGE))
 
 
-def sparse_case(seed, n, kind, t=128):
+def sparse_case(seed, n, kind, t=128, tokens=CACHE_TOKENS):
   keys = jax.random.split(jax.random.key(seed), 3)
-  slots = selected_slots(seed, t)
-  poison = unselected(slots)[..., None]
-  nb = CACHE_TOKENS // PAGE
+  slots = selected_slots(seed, t, tokens)
+  poison = unselected(slots, tokens)[..., None]
+  nb = tokens // PAGE
   kv = jax.random.normal(keys[0], (nb, PAGE, L + R), jnp.float32) / 10
   if kind in ("bf16", "fp8"):  # fp8: e4m3 of x / 0.05, one per-tensor scale
     scale = 0.05 if kind == "fp8" else 1.0
@@ -62,7 +62,7 @@ def sparse_case(seed, n, kind, t=128):
   else:
     flat = kv.reshape(-1, L + R)
     c = DSMLACache.allocate(nb, PAGE, L, R).write(flat[:, :L], flat[:, L:],
-                                                    jnp.arange(CACHE_TOKENS, dtype=jnp.int32))
+                                                    jnp.arange(tokens, dtype=jnp.int32))
     cache = DSMLACache(jnp.where(poison, jnp.nan, c.nope.astype(jnp.float32)).astype(c.nope.dtype),
                        jnp.where(poison, jnp.nan, c.tile_scales),
                        jnp.where(poison, jnp.nan, c.rope.astype(jnp.float32)).astype(jnp.bfloat16))
@@ -110,6 +110,19 @@ def test_mosaic_sparse_in_place_equals_serial_bit_for_bit(n):
     np.testing.assert_array_equal(g, w)
 
 
+# heads_in="n" (RESULTS, sparse v12): N <= 32 heads in wgmma's N (S^T = K Q^T, P^T stored
+# transposed, O^T = V^T P^T stored transposed), bf16 cache, against the reference at the timed
+# shape: 2048 slots a token over a 1M-token cache (NaN in every unselected row); 16 and 32 heads
+# (the tiles), 27 (padded to 32). What the interpreter cannot check: the swizzled transposed stores
+# of P^T and O^T, the MN-major V^T operand, the cross-warp reductions.
+@pytest.mark.parametrize("n", [16, 32, 27])
+def test_mosaic_sparse_heads_in_n_matches_reference(n):
+  def run(q, cache, slots, *, scale, kv_lora_rank):
+    return mosaic_sparse.sparse_attention(q, cache.data, slots, scale=scale,
+                                          kv_lora_rank=kv_lora_rank, heads_in="n")
+  check_sparse_attention(n, "bf16", run, tokens=1 << 20)
+
+
 # fp8_pipeline=None, the default, picks "in_place" where many one-split programs run: 4096 tokens
 # (8192 programs at 128 heads; RESULTS v11), rows picked from the 32K-token cache as in
 # bench_sparse's prefill chunk; at 128 tokens it picks "half_rows", which the pallas_mosaic
@@ -132,9 +145,9 @@ def test_mosaic_sparse_default_fp8_pipeline_at_4096_tokens_equals_serial_bit_for
     np.testing.assert_array_equal(g, w)
 
 
-def check_sparse_attention(n, kind, sparse_attention):
+def check_sparse_attention(n, kind, sparse_attention, tokens=CACHE_TOKENS):
   """sparse_attention (the backend contract's signature) against the XLA reference on the GPU."""
-  q, cache, slots = sparse_case(n + len(kind), n, kind)
+  q, cache, slots = sparse_case(n + len(kind), n, kind, tokens=tokens)
   ref = jax.jit(backends.REFERENCE.sparse_attention, static_argnames=("scale", "kv_lora_rank"))
   ref_o, ref_lse = (np.asarray(a, np.float64)
                     for a in ref(q, cache, slots, scale=SCALE, kv_lora_rank=L))
