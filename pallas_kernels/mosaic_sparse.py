@@ -700,9 +700,9 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   if in_place:
     # The row slots' bytes as the staging (aliases past a pad the size of the query tile): a
     # 128-column e4m3 tile of 64 rows takes one bf16 tile's 8 KB, as do 32 x 64 float32 scales.
-    groups += [(plgpu.SMEM((_TILE_H, d), q.dtype),
+    groups += [(plgpu.SMEM((tile_h, d), q.dtype),
                 swizzled((row_slots, chunks, _STEP, DS_MLA_TILE), F8)),
-               (plgpu.SMEM((_TILE_H, d), q.dtype),
+               (plgpu.SMEM((tile_h, d), q.dtype),
                 plgpu.SMEM((row_slots, chunks, _COLS // 2, _STEP), jnp.float32))]
   scratch = [plgpu.RefUnion(*groups)]
   tiles = lora // DS_MLA_TILE, (d - lora) // _COLS  # fp8_ds_mla: NoPE scale tiles, RoPE tiles
@@ -787,6 +787,7 @@ GATHERS = ("cp_async", "bulk")
 SPLIT_RULES = ("fill", "one_wave")
 FP8_PIPELINES = ("serial", "half_rows", "in_place")
 HEADS_IN = ("m", "n")
+HEADS_N_FP8_PIPELINES = ("serial", "in_place")  # fp8_ds_mla pipelines heads_in="n" takes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -830,10 +831,10 @@ class MosaicSparseConfig:
   (`heads_tile`; a ValueError above 32): S^T = K Q^T [64 slots, heads], its softmax over the slot
   rows (two cross-warp reductions a step, through `reduction_scratch_bytes`), P^T stored
   transposed into p_smem [heads, 64], O^T = V^T P^T a value tile (V^T an MN-major A operand), the
-  output tiles stored transposed into the [heads, columns] staging. bf16 caches only (a
-  ValueError with fp8_ds_mla: "half_rows" steps 32 slots, under wgmma's M of 64; V^T as an A
-  operand must be 16-bit, fine after widening, but "serial" / "in_place" with heads in N are not
-  built)."""
+  output tiles stored transposed into the [heads, columns] staging. Both caches; fp8_ds_mla with
+  fp8_pipeline "serial" or "in_place" named (their consumers step 64 slots over widened bf16 rows,
+  as bf16's do; a ValueError with "half_rows", whose 32-slot steps are under wgmma's M of 64, and
+  with None, which picks "half_rows" at few tokens)."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
   fp8_pipeline: str | None = None
@@ -862,7 +863,8 @@ CONFIG = MosaicSparseConfig()
 SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rule="fill"),
          MosaicSparseConfig(fp8_pipeline="serial"), MosaicSparseConfig(fp8_pipeline="half_rows"),
          MosaicSparseConfig(fp8_pipeline="half_rows", fp8_stage_halves=3),
-         MosaicSparseConfig(fp8_pipeline="in_place"), MosaicSparseConfig(heads_in="n"))
+         MosaicSparseConfig(fp8_pipeline="in_place"), MosaicSparseConfig(heads_in="n"),
+         MosaicSparseConfig(fp8_pipeline="in_place", heads_in="n"))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))
@@ -929,10 +931,10 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                      f"{nope.dtype.name}{nope.shape}, {tile_scales.dtype.name}{tile_scales.shape}, "
                      f"{rope.dtype.name}{rope.shape}, q {q.shape}")
   MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in)  # checks them
-  if heads_in != "m":
-    raise ValueError(f"heads_in={heads_in!r} takes a bf16 cache only: \"half_rows\" steps 32 "
-                     f"slots, under wgmma's M of 64, and \"serial\" / \"in_place\" with heads in N "
-                     f"are not built")
+  if heads_in == "n" and fp8_pipeline not in HEADS_N_FP8_PIPELINES:
+    raise ValueError(f"heads_in=\"n\" takes fp8_pipeline {' or '.join(HEADS_N_FP8_PIPELINES)} "
+                     f"(named: the default picks per shape), whose consumers step 64 slots; got "
+                     f"{fp8_pipeline!r} (\"half_rows\" steps 32, under wgmma's M of 64)")
   if fp8_pipeline is None:
     fp8_pipeline = default_fp8_pipeline(q.shape[0], q.shape[1], slots.shape[1],
                                         num_splits=num_splits, split_rule=split_rule,

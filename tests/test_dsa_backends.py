@@ -483,7 +483,7 @@ def check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves, h
         q, jax.ShapeDtypeStruct((tokens // 64, 64, 512), jnp.float8_e4m3fn),
         jax.ShapeDtypeStruct((tokens // 64, 64, 4), jnp.float32),
         jax.ShapeDtypeStruct((tokens // 64, 64, 64), jnp.bfloat16), slots, scale=0.1,
-        gather=gather, fp8_pipeline=fp8_pipeline, fp8_stage_halves=halves)
+        gather=gather, fp8_pipeline=fp8_pipeline, fp8_stage_halves=halves, heads_in=heads_in)
   else:
     traced = mosaic_sparse.sparse_attention.trace(
         q, jax.ShapeDtypeStruct((tokens // 64, 64, 576), jnp.bfloat16), slots, scale=0.1,
@@ -516,11 +516,13 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
       if isinstance(cache, LatentCache) and cache.scale_or_none is not None:
         pytest.skip("pallas_mosaic's sparse kernel reads no per-tensor float8 latent cache")
       if self.heads_in != mosaic_sparse.CONFIG.heads_in:
-        if isinstance(cache, DSMLACache):
-          pytest.skip(f"heads_in={self.heads_in!r} takes a bf16 cache only")
         if q.shape[1] > mosaic_sparse.HEADS_N_TILES[-1]:
           pytest.skip(f"heads_in={self.heads_in!r} takes at most "
                       f"{mosaic_sparse.HEADS_N_TILES[-1]} heads")
+        if isinstance(cache, DSMLACache):
+          return mosaic_sparse.sparse_attention_fp8_ds_mla(
+              q, cache.nope, cache.tile_scales, cache.rope, slots, scale=scale,
+              fp8_pipeline=self.fp8_pipeline, heads_in=self.heads_in, interpret=True)
         return mosaic_sparse.sparse_attention(q, cache.data, slots, scale=scale,
                                               kv_lora_rank=kv_lora_rank, heads_in=self.heads_in,
                                               interpret=True)
@@ -553,7 +555,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     slots[2, 288:] = -1
     o, lse = mosaic_sparse.sparse_attention_fp8_ds_mla(
         q, cache.nope, cache.tile_scales, cache.rope, jnp.asarray(slots), scale=0.05, num_splits=1,
-        fp8_pipeline=self.fp8_pipeline, fp8_stage_halves=self.fp8_stage_halves, interpret=True)
+        fp8_pipeline=self.fp8_pipeline, fp8_stage_halves=self.fp8_stage_halves,
+        heads_in=self.heads_in, interpret=True)
     assert_matches_oracle(o, lse, q, rows, slots, rows.shape[0], lora)
 
   @pytest.mark.parametrize("fp8_pipeline", ["serial", "half_rows"])
@@ -664,7 +667,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
             mosaic_sparse.CONFIG.heads_in) == (None, 2, "m")  # the timed rule; heads in M
     for other in (dict(fp8_pipeline="serial"), dict(fp8_pipeline="half_rows"),
                   dict(fp8_pipeline="half_rows", fp8_stage_halves=3),
-                  dict(fp8_pipeline="in_place"), dict(heads_in="n")):
+                  dict(fp8_pipeline="in_place"), dict(heads_in="n"),
+                  dict(fp8_pipeline="in_place", heads_in="n")):
       assert mosaic_sparse.MosaicSparseConfig(**other) in mosaic_sparse.SWEEP
 
 
@@ -711,13 +715,14 @@ class TestPallasMosaicSparseAttentionInPlace(TestPallasMosaicSparseAttentionSeri
 class TestPallasMosaicSparseAttentionHeadsN(TestPallasMosaicSparseAttention):
   """heads_in="n" (RESULTS, sparse v12): N <= 32 heads in wgmma's N (padded to 16 or 32), S^T =
   K Q^T, the softmax over the slot rows, P^T stored transposed, O^T = V^T P^T stored transposed
-  into the output's [heads, columns]. bf16 caches only: the contract's bf16-q cases up to 32 heads
-  (4 heads pads to 16), the poisoned one at 16 heads, several steps and splits; the others skip,
-  naming why. The interpreter neither swizzles nor runs the transposed stores as the GPU does:
-  the lowering cases check those layouts, the GPU case the numbers."""
+  into the output's [heads, columns]. bf16 caches, and fp8_ds_mla with fp8_pipeline="serial"
+  here ("in_place" below): the contract's cases with bf16 q up to 32 heads (the poisoned ones at
+  16 heads, the fp8_ds_mla ones at 16 and 32), several steps and splits; the others skip, naming
+  why. The interpreter neither swizzles nor runs the transposed stores as the GPU does: the
+  lowering cases check those layouts, the GPU cases the numbers."""
   heads_in = "n"
-  # fp8_ds_mla cases, and cases that call the default (the parent runs them): none here.
-  test_fp8_ds_mla_steps_of_one_split_match_oracle = None
+  fp8_pipeline = "serial"
+  # Cases that call the default only (the parent runs them): none here.
   test_bad_backend_input_raises = None
   test_bad_input_raises = None
   test_no_races_in_the_interpreter = None
@@ -743,9 +748,17 @@ class TestPallasMosaicSparseAttentionHeadsN(TestPallasMosaicSparseAttention):
     assert o.shape == (3, n, L) and lse.shape == (3, n)
     assert_matches_oracle(o, lse, q, rows, slots, rows.shape[0], L)
 
-  @pytest.mark.parametrize("n,gather", [(16, "cp_async"), (32, "cp_async"), (32, "bulk")])
-  def test_heads_in_n_lowers_for_hopper(self, n, gather, monkeypatch):
-    check_lowers_for_hopper(monkeypatch, n, False, gather, "serial", 2, heads_in="n")
+  # fp8_ds_mla: 16 and 27 heads (padded to 32) over V3.2's four e4m3 tiles, 5 steps.
+  @pytest.mark.parametrize("n,lora", [(16, 256), (27, 512)])
+  def test_fp8_ds_mla_steps_of_one_split_match_oracle(self, n, lora):
+    super().test_fp8_ds_mla_steps_of_one_split_match_oracle(n, lora)
+
+  @pytest.mark.parametrize("n,fp8,gather,fp8_pipeline", [
+      (16, False, "cp_async", None), (32, False, "cp_async", None), (32, False, "bulk", None),
+      (32, True, "cp_async", "serial"), (32, True, "cp_async", "in_place"),
+      (16, True, "cp_async", "in_place")])
+  def test_heads_in_n_lowers_for_hopper(self, n, fp8, gather, fp8_pipeline, monkeypatch):
+    check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, 2, heads_in="n")
 
   def test_heads_in_n_bad_input_raises(self):
     q, slots = jnp.zeros((2, 33, L + R), jnp.bfloat16), jnp.zeros((2, 8), jnp.int32)
@@ -756,8 +769,21 @@ class TestPallasMosaicSparseAttentionHeadsN(TestPallasMosaicSparseAttention):
     with pytest.raises(ValueError, match="heads_in must be one of"):
       mosaic_sparse.sparse_attention(q[:, :16], kv, slots, scale=0.1, kv_lora_rank=L,
                                      heads_in="k", interpret=True)
-    with pytest.raises(ValueError, match="takes a bf16 cache only"):
-      mosaic_sparse.sparse_attention_fp8_ds_mla(
-          q[:, :16], jnp.zeros((4, 16, L), jnp.float8_e4m3fn),
-          jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16), slots,
-          scale=0.1, fp8_pipeline="serial", heads_in="n", interpret=True)
+    for pipeline in ("half_rows", None):  # None picks "half_rows" at these few tokens
+      with pytest.raises(ValueError, match="takes fp8_pipeline serial or in_place"):
+        mosaic_sparse.sparse_attention_fp8_ds_mla(
+            q[:, :16], jnp.zeros((4, 16, L), jnp.float8_e4m3fn),
+            jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16), slots,
+            scale=0.1, fp8_pipeline=pipeline, heads_in="n", interpret=True)
+
+
+class TestPallasMosaicSparseAttentionHeadsNInPlace(TestPallasMosaicSparseAttentionHeadsN):
+  """heads_in="n" with fp8_pipeline="in_place": the contract's fp8_ds_mla cases (16 and 32 heads;
+  L=128 and 512) and the multi-step ones (16 and 27 heads); the bf16 cases are the parent's."""
+  fp8_pipeline = "in_place"
+  test_bf16_q_poisoned_cache_matches_oracle = None  # the multi-step cases are poisoned too
+  test_splits_match_one_split = None
+  test_bf16_steps_of_one_split_match_oracle = None
+  test_heads_in_n_lowers_for_hopper = None
+  test_heads_in_n_bad_input_raises = None
+  test_empty_batch_gives_empty_results = None
