@@ -6,7 +6,8 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            N < 64 to 64 heads inside; FLOPs count the N asked for), and for the Mosaic kernel's
            other configs (its SWEEP; cache "<cache> <field>=<value>"; not with --no-sweep-rows;
            only those named with --sweep-rows; fp8_pipeline and fp8_stage_halves only with the
-           fp8_ds_mla cache; heads_in=n only with the bf16 cache at N <= 32).
+           fp8_ds_mla cache; heads_in=n only at N <= 32, and with the fp8_ds_mla cache only
+           beside fp8_pipeline=serial or in_place).
            Decode rows (T <= 128) pick 2048 slots each, uniformly from a 1M-token cache (1.2 GB
            bf16), so gathers do not hit L2; a 4096-row prefill chunk picks from one 32K-token
            context (one request: rows share rows, and L2 helps). Bytes = T*2048*row bytes (1152
@@ -146,10 +147,13 @@ def run_sparse(args, t, n, kind, cache):
     if (not changed or (args.sweep_rows and changed not in args.sweep_rows)
         or (kind != "fp8_ds_mla" and any(getattr(cfg, k) != getattr(pallas_mosaic_sparse.CONFIG, k)
                                          for k in FP8_DS_MLA_FIELDS))
-        or (cfg.heads_in == "n" and (kind != "bf16"
-                                     or n > pallas_mosaic_sparse.HEADS_N_TILES[-1]))):
+        or (cfg.heads_in == "n" and (
+            n > pallas_mosaic_sparse.HEADS_N_TILES[-1]
+            or (kind == "fp8_ds_mla"
+                and cfg.fp8_pipeline not in pallas_mosaic_sparse.HEADS_N_FP8_PIPELINES)))):
       # The chosen config, one not asked for, an fp8_ds_mla pipeline on a bf16 cache, or heads in
-      # wgmma's N where the kernel refuses them (fp8_ds_mla, more than 32 heads).
+      # wgmma's N where the kernel refuses them (more than 32 heads; fp8_ds_mla unless the
+      # pipeline is named and steps 64 slots).
       continue
     other = lambda be, cfg=cfg: jax.jit(functools.partial(mosaic_sparse_variant, cfg=cfg))
     rows.append(timed_row(args, case_row("sparse", t, n=n, context=span, cache=f"{kind} {changed}"),

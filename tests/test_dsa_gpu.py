@@ -111,16 +111,30 @@ def test_mosaic_sparse_in_place_equals_serial_bit_for_bit(n):
 
 
 # heads_in="n" (RESULTS, sparse v12): N <= 32 heads in wgmma's N (S^T = K Q^T, P^T stored
-# transposed, O^T = V^T P^T stored transposed), bf16 cache, against the reference at the timed
-# shape: 2048 slots a token over a 1M-token cache (NaN in every unselected row); 16 and 32 heads
-# (the tiles), 27 (padded to 32). What the interpreter cannot check: the swizzled transposed stores
-# of P^T and O^T, the MN-major V^T operand, the cross-warp reductions.
+# transposed, O^T = V^T P^T stored transposed) against the reference at the timed shape: 2048 slots
+# a token over a 1M-token cache (NaN in every unselected row). bf16: 16 and 32 heads (the tiles),
+# 27 (padded to 32); fp8_ds_mla with the two pipelines that take it. What the interpreter cannot
+# check: the swizzled transposed stores of P^T and O^T, the MN-major V^T operand, the cross-warp
+# reductions (and "in_place"'s aliases behind a query tile of 16 or 32 heads).
+def heads_in_n(q, cache, slots, *, scale, kv_lora_rank, fp8_pipeline=None):
+  if isinstance(cache, DSMLACache):
+    return mosaic_sparse.sparse_attention_fp8_ds_mla(q, cache.nope, cache.tile_scales, cache.rope,
+                                                     slots, scale=scale, fp8_pipeline=fp8_pipeline,
+                                                     heads_in="n")
+  return mosaic_sparse.sparse_attention(q, cache.data, slots, scale=scale,
+                                        kv_lora_rank=kv_lora_rank, heads_in="n")
+
+
 @pytest.mark.parametrize("n", [16, 32, 27])
-def test_mosaic_sparse_heads_in_n_matches_reference(n):
-  def run(q, cache, slots, *, scale, kv_lora_rank):
-    return mosaic_sparse.sparse_attention(q, cache.data, slots, scale=scale,
-                                          kv_lora_rank=kv_lora_rank, heads_in="n")
-  check_sparse_attention(n, "bf16", run, tokens=1 << 20)
+def test_mosaic_sparse_heads_in_n_bf16_matches_reference(n):
+  check_sparse_attention(n, "bf16", heads_in_n, tokens=1 << 20)
+
+
+@pytest.mark.parametrize("n", [16, 32])
+@pytest.mark.parametrize("fp8_pipeline", ["serial", "in_place"])
+def test_mosaic_sparse_heads_in_n_fp8_ds_mla_matches_reference(n, fp8_pipeline):
+  check_sparse_attention(n, "fp8_ds_mla",
+                         functools.partial(heads_in_n, fp8_pipeline=fp8_pipeline), tokens=1 << 20)
 
 
 # fp8_pipeline=None, the default, picks "in_place" where many one-split programs run: 4096 tokens
