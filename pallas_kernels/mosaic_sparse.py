@@ -918,8 +918,8 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   L/128] float32 (row value = nope * its tile's scale, a power of two); rope [num_blocks, page, R]
   bfloat16; slots and options as in `sparse_attention`; fp8_pipeline ("serial", "half_rows",
   "in_place", or None: `default_fp8_pipeline`'s pick for these shapes, num_splits, split_rule and
-  gather) and fp8_stage_halves: `MosaicSparseConfig`'s. Returns o [T, N, L] bf16 and lse [T, N]
-  float32.
+  gather) and fp8_stage_halves: `MosaicSparseConfig`'s; heads_in too ("n" with fp8_pipeline "serial"
+  or "in_place" named). Returns o [T, N, L] bf16 and lse [T, N] float32.
   """
   nb, page, lora = nope.shape
   _check(q, slots, lora, num_splits)
