@@ -60,9 +60,7 @@ first head. Shared memory and steps are the same as with k whole.
 
 Shared memory (Dk 192, Dv 128): query tiles 48 KB + the K/V ring (128-key steps: 2 x 80 KB;
 64-key steps: 4 x 40 KB) + lse staging 0.5 KB (1 KB aligned) + barriers = 214,136 bytes (64-key
-steps: 214,216) of the 227 KB (232,448 bytes) a block may have. With two query tiles a compute
-warpgroup (`q_buffers=2`: the next item's queries copied during this one) 96 KB of query tiles
-leave room for 3 x 40 KB of 64-key stages: 222,400 bytes.
+steps: 214,216) of the 227 KB (232,448 bytes) a block may have.
 
 `interpret=True` (or an `InterpretGPUParams`) runs the same kernel on the CPU through Mosaic GPU's
 interpreter (see `pallas_kernels.mosaic_decode` for what it does and does not simulate), with one
@@ -139,14 +137,6 @@ class MosaicPrefillConfig:
   # it for head dims over 128 (H200, N=128: 1.04x ping-pong at 4096 and 16K tokens, 1.07x at
   # 8 x 1024; benchmarks/RESULTS.md, session 10). Neither (both False): the steps in order.
   intra_overlap: bool = True
-  # Query tiles a compute warpgroup holds (1 or 2). With 2 its next item's queries are copied
-  # while this item computes, into the other tile, where the item before staged its output: that
-  # store is waited for (until it has read shared memory) a step into this item, not at its end.
-  # A program's items then no longer wait, in series, for their queries and for the previous
-  # output to land (~3 of the 4.7 us an item takes at 8 x 1024; RESULTS, session 11). Needs
-  # intra_overlap, and at MLA's Dk 192 / Dv 128, 64-key steps: 4 query tiles (96 KB) leave room
-  # for a ring of 3 x 64 keys (120 KB), not of 2 x 128 (160 KB).
-  q_buffers: int = 1
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -166,12 +156,6 @@ class MosaicPrefillConfig:
     if self.intra_overlap and self.ping_pong:
       raise ValueError("ping_pong and intra_overlap are two schedules, pick one: "
                        "ping_pong=True needs intra_overlap=False")
-    if type(self.q_buffers) is not int or self.q_buffers not in (1, 2):
-      raise ValueError(f"q_buffers must be 1 or 2 (query tiles a compute warpgroup), got "
-                       f"{self.q_buffers!r}")
-    if self.q_buffers == 2 and not self.intra_overlap:
-      raise ValueError("q_buffers=2 prefetches queries within the intra_overlap schedule: it "
-                       "needs intra_overlap=True")
 
 
 # The chosen config (128-key steps, ring as deep as fits, intra-warpgroup overlap, the queue in
@@ -186,29 +170,25 @@ SWEEP = (DEFAULT, MosaicPrefillConfig(persistent=True),
     MosaicPrefillConfig(block_k, stages, ping_pong, persistent=False, intra_overlap=overlap)
     for block_k, stages, ping_pong, overlap in [(128, 2, False, True), (128, 2, True, False),
                                                 (128, 2, False, False), (64, 4, False, True),
-                                                (64, 4, True, False)]) + (
-    # Two query tiles a warpgroup (the next item's queries copied during this one), beside the
-    # same 3 x 64-key ring with one: what the prefetch gains apart from what the ring costs.
-    MosaicPrefillConfig(block_k=64, q_buffers=2), MosaicPrefillConfig(block_k=64, num_stages=3))
+                                                (64, 4, True, False)])
 
 
-def _smem_bytes(dk, dv, block_k, stages, q_buffers=1):
+def _smem_bytes(dk, dv, block_k, stages):
   """Shared memory of one program on the GPU, as Mosaic GPU (jax 0.11.2) allocates it (each buffer
   1024-byte aligned, 8 bytes a barrier; the CUDA lowering test checks it against Mosaic GPU's own
-  count): the query tiles, q_buffers a compute warpgroup, in columns [0, Dv) (also the output
-  staging) and [Dv, Dk); the K/V ring (split keys: the same bytes in three buffers); the lse
-  staging (512 bytes, so 1 KB); the barriers: two a query tile, five a ring slot, the turns. The
-  interpreter's P tiles are left out: it has no shared-memory bound."""
-  tiles = _COMPUTE_WGS * q_buffers
-  buffers = (tiles * _TILE * dv * 2, tiles * _TILE * (dk - dv) * 2, stages * block_k * dk * 2,
-             stages * block_k * dv * 2, _COMPUTE_WGS * _TILE * 4)
-  return sum(-(-b // 1024) * 1024 for b in buffers) + 8 * (2 * tiles + 5 * stages + 1)
+  count): the query tiles, one a compute warpgroup, in columns [0, Dv) (also the output staging)
+  and [Dv, Dk); the K/V ring (split keys: the same bytes in three buffers); the lse staging (512
+  bytes, so 1 KB); the barriers: two a query tile, five a ring slot, the turns. The interpreter's
+  P tiles are left out: it has no shared-memory bound."""
+  buffers = (_COMPUTE_WGS * _TILE * dv * 2, _COMPUTE_WGS * _TILE * (dk - dv) * 2,
+             stages * block_k * dk * 2, stages * block_k * dv * 2, _COMPUTE_WGS * _TILE * 4)
+  return sum(-(-b // 1024) * 1024 for b in buffers) + 8 * (2 * _COMPUTE_WGS + 5 * stages + 1)
 
 
-def _stages_for(dk, dv, block_k, q_buffers=1):
+def _stages_for(dk, dv, block_k):
   """The deepest K/V ring (at most _MAX_STAGES, at least 2) that fits, or 0 if none does."""
   return next((s for s in range(_MAX_STAGES, 1, -1)
-               if _smem_bytes(dk, dv, block_k, s, q_buffers) <= _SMEM_BYTES), 0)
+               if _smem_bytes(dk, dv, block_k, s) <= _SMEM_BYTES), 0)
 
 
 def _aligned_rows(q_len, q_lead):
@@ -254,7 +234,7 @@ def _block_keys(qs, q_lead, q_len, k_len, causal):
 
 def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref, *rest, scale,
                     causal, num_q_programs, block_k, ping_pong, p_in_registers, persistent,
-                    section_heads, direct, split_k, intra_overlap, q_buffers):
+                    section_heads, direct, split_k, intra_overlap):
   # GMEM: cu_q_ref, cu_k_ref [R+1] int32; tile_ref [R] int32 (request r's first edge slot, 2r);
   # queue_ref [2, B+1] int32 (persistent: column 0 row 0 the number of blocks, then per block,
   # heaviest first, its request (row 0) and index in the request (row 1); otherwise unused);
@@ -266,13 +246,12 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
   # keys) only the tiles inside a request (`_interior`), the others to edge_o_ref [E*64, N, Dv]
   # and edge_lse_ref [N, E*64], request r's first tile in slot tile_ref[r] (= 2r), its last in
   # slot 2r + 1 (no edge refs when direct).
-  # SMEM: qv_smem [2 * q_buffers, 64, Dv] (query tiles: warpgroup wg's b-th is tile wg + 2b;
-  # columns [0, Dv), then the output staging); qr_smem [2 * q_buffers, 64, Dk-Dv] (columns
-  # [Dv, Dk); absent when Dk == Dv); k_smem
+  # SMEM: qv_smem [2, 64, Dv] (each compute warpgroup's query columns [0, Dv), then its output
+  # staging); qr_smem [2, 64, Dk-Dv] (columns [Dv, Dk); absent when Dk == Dv); k_smem
   # [stages, block_k, Dk] (split_k: [stages, block_k, Dv], and kr_smem [stages, block_k, Dk-Dv]
   # k_pe's rows); v_smem [stages, block_k, Dv]; p_smem [2, 64, block_k] (each warpgroup's
-  # P; only without p_in_registers); lse_smem [2, 64] f32. Barriers: q_bar [2 * tiles] (a query
-  # tile's columns [0, Dv), then the rest, landed); k_ready (split_k: both key boxes), v_ready
+  # P; only without p_in_registers); lse_smem [2, 64] f32. Barriers: q_bar [4] (a warpgroup's
+  # query columns [0, Dv), then the rest, landed); k_ready (split_k: both key boxes), v_ready
   # [stages] (slot landed);
   # v_clean [stages] (both compute warpgroups zeroed a slot's rows outside the request);
   # k_consumed, v_consumed [stages] (both compute warpgroups done); schedule (the compute
@@ -294,7 +273,6 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
   num_heads = q_ref.shape[1]
   dv = qv_smem.shape[2]
   stages = k_smem.shape[0]
-  q_tiles = _COMPUTE_WGS * q_buffers
   qk_scale = scale * LOG2E  # log2(e) folded in: the softmax runs on exp2
 
   def request(r):
@@ -409,12 +387,11 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
         pl.when(clean)(lambda: plgpu.barrier_wait(v_clean.at[slot]))
         pl.when(~clean)(lambda: plgpu.barrier_wait(v_ready.at[slot]))
 
-    def issue_scores(acc_ref, slot, qt):
-      # acc_ref [64 rows, block_k keys] f32; nope then rope; qt: the item's query tile
-      plgpu.wgmma(acc_ref, qv_smem.at[qt], k_smem.at[slot, :, pl.ds(0, dv)].transpose((1, 0)))
+    def issue_scores(acc_ref, slot):  # acc_ref [64 rows, block_k keys] f32; nope then rope
+      plgpu.wgmma(acc_ref, qv_smem.at[wg], k_smem.at[slot, :, pl.ds(0, dv)].transpose((1, 0)))
       if qr_smem is not None:
         k_rope = kr_smem.at[slot] if split_k else k_smem.at[slot, :, pl.ds(dv, dk - dv)]
-        plgpu.wgmma(acc_ref, qr_smem.at[qt], k_rope.transpose((1, 0)))
+        plgpu.wgmma(acc_ref, qr_smem.at[wg], k_rope.transpose((1, 0)))
 
     def mask_scores(s, w, j, q_shift):
       """s with -inf where step j's keys are outside the request or (causal) after the row's."""
@@ -465,7 +442,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       clean = zero_foreign_values(w, j, slot) if masked else False
 
       def scores(acc_ref):
-        issue_scores(acc_ref, slot, wg)  # one query tile a warpgroup (q_buffers is 1)
+        issue_scores(acc_ref, slot)
         take_turn()
         return acc_ref[...]
 
@@ -494,7 +471,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       plgpu.barrier_arrive(v_consumed.at[slot])
       return m_new, l, acc, count + 1
 
-    def overlapped_step(j, carry, w, q_shift, qt, masked, first=False):
+    def overlapped_step(j, carry, w, q_shift, masked, first=False):
       """intra_overlap (FlashAttention-3's intra-warpgroup overlap): step j's S = Q K^T is issued,
       then step j - 1's P V, and step j's softmax runs while P V is on the tensor cores. After
       step j, acc holds the P V of the steps before j, scaled to step j's row max, and p16 is
@@ -508,7 +485,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
         plgpu.barrier_wait(k_ready.at[slot])
 
       def products(s_ref, o_ref=None):  # s_ref [64, block_k], o_ref [64, Dv] f32
-        issue_scores(s_ref, slot, qt)
+        issue_scores(s_ref, slot)
         if not first:
           # Only a masked step zeroes V rows; an unmasked one has no foreign keys, so this is
           # False there.
@@ -551,43 +528,17 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       plgpu.barrier_arrive(v_consumed.at[prev])
       return m, l, acc, count, p16
 
-    def copy_query(w, tile_row, qt):
-      """Starts the copies of item w's query rows of this warpgroup (from tile_row, counted from
-      q_base) into query tile qt, columns [0, Dv) and the rest onto a barrier each; returns the
-      box's first row and how far it was moved back."""
-      q_first, q_shift = box(w.q_base + tile_row, _TILE, tq)
-      q_rows = pl.ds(q_first, _TILE)
-      plgpu.copy_gmem_to_smem(q_ref.at[q_rows, w.h, pl.ds(0, dv)], qv_smem.at[qt], q_bar.at[qt])
-      if qr_smem is not None:
-        plgpu.copy_gmem_to_smem(q_ref.at[q_rows, w.h, pl.ds(dv, dk - dv)], qr_smem.at[qt],
-                                q_bar.at[q_tiles + qt])
-      return q_first, q_shift
-
-    def prefetch_query(trip, w):
-      """q_buffers=2: starts the copy of the next item's (w's) queries into this warpgroup's
-      other tile. That tile staged the previous item's output: its store (the only one in flight)
-      must have read it first, waited for here, a step after the store was issued."""
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-      @pl.when(trip + 1 < trips)
-      def _():
-        copy_query(w, w.qs + wg * _TILE, wg + _COMPUTE_WGS * lax.rem(trip + 1, 2))
-
     def q_block(trip, count):
       w = item(trip)
       tile_row = w.qs + wg * _TILE  # this warpgroup's first row, counted from q_base
-      if q_buffers == 1:
-        qt = wg
-        q_first, q_shift = copy_query(w, tile_row, qt)
-      else:  # copied during the previous item (the first item: before the loop)
-        qt = wg + _COMPUTE_WGS * lax.rem(trip, 2)
-        q_first, q_shift = box(w.q_base + tile_row, _TILE, tq)
-        # The next item's scalars (a queue entry, then its request's), loaded beside this item's
-        # rather than after them mid-item; the last item reloads its own (no copy follows).
-        next_w = item(jnp.minimum(trip + 1, trips - 1))
+      q_first, q_shift = box(w.q_base + tile_row, _TILE, tq)
+      q_rows = pl.ds(q_first, _TILE)
+      plgpu.copy_gmem_to_smem(q_ref.at[q_rows, w.h, pl.ds(0, dv)], qv_smem.at[wg], q_bar.at[wg])
       if qr_smem is not None:
-        plgpu.barrier_wait(q_bar.at[q_tiles + qt])
-      plgpu.barrier_wait(q_bar.at[qt])
+        plgpu.copy_gmem_to_smem(q_ref.at[q_rows, w.h, pl.ds(dv, dk - dv)], qr_smem.at[wg],
+                                q_bar.at[_COMPUTE_WGS + wg])
+        plgpu.barrier_wait(q_bar.at[_COMPUTE_WGS + wg])
+      plgpu.barrier_wait(q_bar.at[wg])
       lo, hi, end = key_steps(w)
 
       @pl.when(end > 0)
@@ -602,12 +553,10 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
         # Step 0 apart (no P V before it), always masked (a mask an unmasked step passes whole);
         # then the steps as below, from 1; then the last step's P V.
         first = jnp.minimum(end, 1)
-        run = functools.partial(overlapped_step, w=w, q_shift=q_shift, qt=qt)
+        run = functools.partial(overlapped_step, w=w, q_shift=q_shift)
         carry += (plgpu.layout_cast(jnp.zeros((_TILE, block_k), v_smem.dtype),
                                     plgpu.Layout.WGMMA),)
         carry = lax.fori_loop(0, first, functools.partial(run, masked=True, first=True), carry)
-        if q_buffers == 2:
-          prefetch_query(trip, next_w)
         lo, hi = jnp.maximum(lo, first), jnp.maximum(hi, first)
         carry = lax.fori_loop(first, lo, functools.partial(run, masked=True), carry)
         carry = lax.fori_loop(lo, hi, functools.partial(run, masked=False), carry)
@@ -634,12 +583,12 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
         l_safe = jnp.where(seen, l, 1.0)
         o = jnp.where((tile_rows >= 0) & (tile_rows < w.q_len),
                       acc * row_broadcast(1.0 / l_safe, acc.shape), 0.0)
-        qv_smem.at[qt][...] = o.astype(qv_smem.dtype)
+        qv_smem.at[wg][...] = o.astype(qv_smem.dtype)
         lse_smem.at[wg][...] = jnp.where(seen, m * LN2 + jnp.log(l_safe), -jnp.inf)
         plgpu.commit_smem()
 
         def store(o_out, lse_out, row):
-          plgpu.copy_smem_to_gmem(qv_smem.at[qt], o_out.at[pl.ds(row, _TILE), w.h])
+          plgpu.copy_smem_to_gmem(qv_smem.at[wg], o_out.at[pl.ds(row, _TILE), w.h])
           plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_out.at[w.h, pl.ds(row, _TILE)])
 
         if direct:
@@ -651,26 +600,16 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
           pl.when(interior)(lambda: store(o_ref, lse_ref, q_first))
           edge_row = (w.tile + jnp.where(tile_row > 0, 1, 0)) * _TILE
           pl.when(~interior)(lambda: store(edge_o_ref, edge_lse_ref, edge_row))
-        if q_buffers == 1:
-          # The staging is the next block's query tile: the store must have landed (waiting only
-          # until it read shared memory measured no faster; RESULTS, session 8). With two tiles
-          # the next item's prefetch waits for it (prefetch_query).
-          plgpu.wait_smem_to_gmem(0)
+        # The staging is the next block's query tile: the store must have landed (waiting only
+        # until it read shared memory measured no faster; RESULTS, session 8).
+        plgpu.wait_smem_to_gmem(0)
 
       return count
-
-    if q_buffers == 2:
-      @pl.when(trips > 0)
-      def _():
-        w = item(0)
-        copy_query(w, w.qs + wg * _TILE, wg)
 
     # Warpgroup 1 starts a turn behind, so the two alternate; warpgroup 0 closes the last turn.
     pl.when(wg == 1)(take_turn)
     lax.fori_loop(0, trips, q_block, jnp.int32(0))
     pl.when(wg == 0)(take_turn)
-    if q_buffers == 2:
-      plgpu.wait_smem_to_gmem(0)  # the last item's store, before the program ends
 
   @pl.when(wg == _COMPUTE_WGS)
   def _memory():
@@ -714,31 +653,27 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
 
 
 def head_sizes_fit(dk: int, dv: int, block_k: int = DEFAULT.block_k, *,
-                   split_k_dim: int | None = None, q_buffers: int = DEFAULT.q_buffers) -> bool:
-  """Whether the kernel takes q/k heads of dk and v heads of dv (at block_k keys a step, q_buffers
-  query tiles a compute warpgroup); split_k_dim: k's own columns in the split form (k_pe apart),
-  which must be dv: the query tile is split there too, so each key box meets its own query columns
-  in one wgmma."""
+                   split_k_dim: int | None = None) -> bool:
+  """Whether the kernel takes q/k heads of dk and v heads of dv (at block_k keys a step);
+  split_k_dim: k's own columns in the split form (k_pe apart), which must be dv: the query tile is
+  split there too, so each key box meets its own query columns in one wgmma."""
   return (dk % 64 == 0 and dv % 64 == 0 and dv <= min(dk, _MAX_DV)
-          and split_k_dim in (None, dv) and bool(_stages_for(dk, dv, block_k, q_buffers)))
+          and split_k_dim in (None, dv) and bool(_stages_for(dk, dv, block_k)))
 
 
 def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, config, k_pe):
   check_prefill_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, DTYPES, k_pe)
   dk, dv, block_k, num_stages = q.shape[2], v.shape[2], config.block_k, config.num_stages
-  q_buffers = config.q_buffers
   if k_pe is not None and k.shape[2] != dv:
     raise ValueError(f"with k_pe apart, k must hold Dv ({dv}) columns a head (the query tile's "
                      f"split), got {k.shape[2]}")
-  if not head_sizes_fit(dk, dv, block_k, q_buffers=q_buffers):
+  if not head_sizes_fit(dk, dv, block_k):
     raise ValueError(f"Dk ({dk}) and Dv ({dv}) must be multiples of 64 (the swizzle tile), Dv at "
                      f"most Dk (the output is staged in the query tile) and at most {_MAX_DV}, and "
-                     f"2 stages of {block_k}-key K/V blocks must fit in shared memory beside "
-                     f"{q_buffers} query tile(s) a warpgroup")
-  most = _stages_for(dk, dv, block_k, q_buffers)
-  if num_stages is not None and not 2 <= num_stages <= most:
-    raise ValueError(f"num_stages must be in [2, {most}] (what fits in shared memory at block_k "
-                     f"{block_k}, q_buffers {q_buffers}), got {num_stages}")
+                     f"2 stages of {block_k}-key K/V blocks must fit in shared memory")
+  if num_stages is not None and not 2 <= num_stages <= _stages_for(dk, dv, block_k):
+    raise ValueError(f"num_stages must be in [2, {_stages_for(dk, dv, block_k)}] (what fits in "
+                     f"shared memory at block_k {block_k}), got {num_stages}")
 
 
 def _pad_rows(x, rows):
@@ -804,7 +739,7 @@ def _section_heads(num_heads, head_kv_bytes, budget):
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "max_seqlen_q", "block_k",
                                              "num_stages", "ping_pong", "persistent",
                                              "num_programs", "l2_section_bytes", "intra_overlap",
-                                             "q_buffers", "interpret"))
+                                             "interpret"))
 def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
                 cu_seqlens_k: jax.Array, *, scale: float, causal: bool, max_seqlen_q: int,
                 k_pe: jax.Array | None = None, block_k: int = DEFAULT.block_k,
@@ -813,7 +748,6 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                 num_programs: int | None = DEFAULT.num_programs,
                 l2_section_bytes: int | None = DEFAULT.l2_section_bytes,
                 intra_overlap: bool = DEFAULT.intra_overlap,
-                q_buffers: int = DEFAULT.q_buffers,
                 interpret: bool | plgpu.InterpretGPUParams = False
                 ) -> tuple[jax.Array, jax.Array]:
   """Variable-length attention with a running LSE; see the module docstring for the layout.
@@ -833,14 +767,12 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   first; else one program per (query slot, head, request); default (None): the queue up to 8192
   query rows at 64 heads or more, below 4096 at fewer, where it measured faster. l2_section_bytes
   (persistent only): walk the queue in sections of as many heads as have their K/V within that many
-  bytes (see MosaicPrefillConfig). q_buffers: query tiles a compute warpgroup; 2 copies the next
-  item's queries during this one (intra_overlap only; at Dk 192, Dv 128 with block_k 64).
-  interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic
+  bytes (see MosaicPrefillConfig). interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic
   GPU's CPU interpreter. Returns o [Tq, N, Dv] bf16 and lse [Tq, N] float32 (natural log); rows
   past cu_q[-1], and rows that see no key, give (0, -inf).
   """
   config = MosaicPrefillConfig(block_k, num_stages, ping_pong, persistent, num_programs,
-                               l2_section_bytes, intra_overlap, q_buffers)
+                               l2_section_bytes, intra_overlap)
   _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, config, k_pe)
   split_k = k_pe is not None
   tq, n, dk = q.shape
@@ -868,7 +800,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   tile_offsets = 2 * jnp.arange(num_requests, dtype=jnp.int32)  # first and last edge slots
   # No request is longer than Tq, so more slots than that would only idle.
   num_q_programs = max(1, -(-min(max_seqlen_q, tq) // _BLOCK_Q))
-  stages = num_stages or _stages_for(dk, dv, block_k, q_buffers)
+  stages = num_stages or _stages_for(dk, dv, block_k)
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
   # Mosaic GPU's interpreter (jax 0.11.2) runs wgmma only with shared-memory operands into
@@ -876,8 +808,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   # registers and P V accumulates in place.
   p_in_registers = not interpret
   p_tiles = [] if p_in_registers else [swizzled((_COMPUTE_WGS, _TILE, block_k), q.dtype)]
-  q_tiles = _COMPUTE_WGS * q_buffers
-  q_rest = [swizzled((q_tiles, _TILE, dk - dv), q.dtype)] if dk > dv else []
+  q_rest = [swizzled((_COMPUTE_WGS, _TILE, dk - dv), q.dtype)] if dk > dv else []
   k_rest = [swizzled((stages, block_k, dk - dv), k.dtype)] if split_k else []
 
   # Programs (or queue items) launch in grid (queue) order, the grid's last axis fastest. The
@@ -905,7 +836,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                              num_q_programs=num_q_programs, block_k=block_k, ping_pong=ping_pong,
                              p_in_registers=p_in_registers, persistent=persistent,
                              section_heads=section_heads, direct=direct, split_k=split_k,
-                             intra_overlap=intra_overlap, q_buffers=q_buffers)
+                             intra_overlap=intra_overlap)
   edge_rows = [] if direct else [2 * num_requests * _TILE]  # first and last tile slots
   outs = plgpu.kernel(
       kernel,
@@ -913,14 +844,14 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
           jax.ShapeDtypeStruct(shape, dtype) for rows in [q.shape[0], *edge_rows]
           for shape, dtype in (((rows, n, dv), q.dtype), ((n, rows), jnp.float32))),
       scratch_types=(
-          swizzled((q_tiles, _TILE, dv), q.dtype),
+          swizzled((_COMPUTE_WGS, _TILE, dv), q.dtype),
           *q_rest,
           swizzled((stages, block_k, k.shape[2]), k.dtype),
           *k_rest,
           swizzled((stages, block_k, dv), v.dtype),
           *p_tiles,
           plgpu.SMEM((_COMPUTE_WGS, _TILE), jnp.float32),
-          plgpu.Barrier(num_barriers=2 * q_tiles),
+          plgpu.Barrier(num_barriers=2 * _COMPUTE_WGS),
           plgpu.Barrier(num_arrivals=1 + split_k, num_barriers=stages),  # one copy a key box
           plgpu.Barrier(num_barriers=stages),
           plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
@@ -939,7 +870,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
       kernel_name=(f"mosaic_mla_prefill_{'causal' if causal else 'full'}_k{block_k}_s{stages}"
                    f"{'_pp' if ping_pong else ''}{'_persistent' if persistent else ''}"
                    f"{'_kpe' if split_k else ''}{'' if direct else '_in_place'}"
-                   f"{'_overlap' if intra_overlap else ''}{'_q2' if q_buffers == 2 else ''}"),
+                   f"{'_overlap' if intra_overlap else ''}"),
   )(cu_q, cu_k, tile_offsets, queue, q, *k_inputs)
   o, lse = outs if direct else _patch_edges(*outs, cu_q)
   return o[:tq], lse.T[:tq]  # a slice (a copy) only where q was padded

@@ -174,17 +174,12 @@ class TestPallasMosaicPrefill(PrefillContract):
   # split: the keys in the split form (two boxes a key step into one barrier). knobs: one program
   # walks all three items, tiles in place and patched (intra_overlap, the default: each step's
   # P V issued in the next step, its V slot released there, the ring running on across items);
-  # the steps in order, and with turns (ping-pong), one program; two query tiles a warpgroup, one
-  # program (each tile holds the next-but-one item's queries after staging an output: the
-  # store's read of it against the next copy), joined and split.
+  # the steps in order, and with turns (ping-pong), one program.
   @pytest.mark.parametrize("split, knobs", [
       (False, {}), (True, {}), (False, dict(num_programs=1)),
       (False, dict(num_programs=1, intra_overlap=False)),
       (False, dict(num_programs=1, ping_pong=True, intra_overlap=False)),
-      (False, dict(num_programs=1, block_k=64, q_buffers=2)),
-      (True, dict(num_programs=1, block_k=64, q_buffers=2)),
-  ], ids=["joined", "split", "one_program", "in_order", "ping_pong", "q_buffers",
-          "q_buffers_split"])
+  ], ids=["joined", "split", "one_program", "in_order", "ping_pong"])
   def test_no_races_in_the_interpreter(self, split, knobs):
     # The race detector sees plain loads and stores and bulk copies (each warpgroup's P, the K/V
     # ring refills, the output staging), not the operand reads of wgmma. jax 0.11.2 reports it
@@ -224,11 +219,6 @@ class TestPallasMosaicPrefill(PrefillContract):
       # 4096-token request on the queue.
       (16384, 128, 1, True, dict(ping_pong=True, intra_overlap=False)),
       (4096, 128, 1, True, dict(ping_pong=True, intra_overlap=False)),
-      # Two query tiles a warpgroup (64-key steps, 3 stages): the queue (8 x 1024, tiles in place;
-      # one 4096-token request, direct) and the grid (16K).
-      (8192, 128, 8, True, dict(block_k=64, q_buffers=2)),
-      (4096, 128, 1, True, dict(block_k=64, q_buffers=2)),
-      (16384, 128, 1, True, dict(block_k=64, q_buffers=2)),
   ])
   def test_lowers_for_hopper(self, tokens, n, requests, causal, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
@@ -249,7 +239,7 @@ class TestPallasMosaicPrefill(PrefillContract):
       (8192, 16384, 128, 4, False, dict(persistent=False)), (2048, 8192, 128, 1, False, {}),
       (8192, 8192, 128, 4, True, {}),
       (4096, 4096, 64, 2, True, dict(block_k=64, num_stages=4, intra_overlap=False)),
-      (8192, 8192, 128, 8, True, {}), (8192, 8192, 128, 8, True, dict(block_k=64, q_buffers=2)),
+      (8192, 8192, 128, 8, True, {}),
   ])
   def test_split_keys_lower_for_hopper(self, tokens, keys, n, requests, causal, knobs):
     q = jax.ShapeDtypeStruct((tokens, n, DK), jnp.bfloat16)
@@ -264,25 +254,24 @@ class TestPallasMosaicPrefill(PrefillContract):
 
   # What the kernel counts (`_smem_bytes`, which picks the ring's depth and refuses what does not
   # fit) against Mosaic GPU's own count (with its bound at 0 its error names the bytes): 128-key
-  # steps (2 stages, 214,136 bytes), 64-key steps (4 stages, 214,216), two query tiles a
-  # warpgroup with 64-key steps (3 stages, 222,400; the keys joined and split).
-  @pytest.mark.parametrize("block_k, q_buffers, split", [
-      (128, 1, False), (64, 1, False), (64, 2, False), (64, 2, True)])
-  def test_shared_memory_count_is_mosaic_gpus(self, block_k, q_buffers, split, monkeypatch):
+  # steps (2 stages, 214,136 bytes; the keys joined and split) and 64-key steps (4 stages,
+  # 214,216).
+  @pytest.mark.parametrize("block_k, split", [(128, False), (128, True), (64, False)])
+  def test_shared_memory_count_is_mosaic_gpus(self, block_k, split, monkeypatch):
     tokens, n, requests = 8192, 128, 8
     q = jax.ShapeDtypeStruct((tokens, n, DK), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((tokens, n, DV if split else DK), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((tokens, n, DV), jnp.bfloat16)
     k_pe = dict(k_pe=jax.ShapeDtypeStruct((tokens, ROPE), jnp.bfloat16)) if split else {}
     cu = jax.ShapeDtypeStruct((requests + 1,), jnp.int32)
-    stages = mosaic_prefill._stages_for(DK, DV, block_k, q_buffers)
-    counted = mosaic_prefill._smem_bytes(DK, DV, block_k, stages, q_buffers)
+    stages = mosaic_prefill._stages_for(DK, DV, block_k)
+    counted = mosaic_prefill._smem_bytes(DK, DV, block_k, stages)
     assert stages >= 2 and counted <= 227 * 1024
     jax.clear_caches()  # a lowering cached by another test would not be checked again
     monkeypatch.setattr(mosaic_gpu_core, "_SMEM_SIZE_BOUND", 0)
     traced = mosaic_prefill.mla_prefill.trace(q, k, v, cu, cu, scale=SCALE, causal=True,
                                               max_seqlen_q=tokens // requests, block_k=block_k,
-                                              q_buffers=q_buffers, **k_pe)
+                                              **k_pe)
     with pytest.raises(ValueError, match=f"smem_bytes={counted} "):
       traced.lower(lowering_platforms=("cuda",))
 
@@ -301,12 +290,6 @@ class TestPallasMosaicPrefill(PrefillContract):
       (dict(l2_section_bytes=0), "l2_section_bytes must be an int >= 1"),
       (dict(intra_overlap=1), "intra_overlap must be a bool"),
       (dict(ping_pong=True), "ping_pong=True needs intra_overlap=False"),
-      (dict(q_buffers=3), "q_buffers must be 1 or 2"),
-      (dict(q_buffers=True), "q_buffers must be 1 or 2"),
-      (dict(q_buffers=2, block_k=64, intra_overlap=False), "q_buffers=2 .* needs intra_overlap"),
-      # 4 query tiles (96 KB) and 2 x 128-key stages (160 KB) pass 227 KB; 64-key steps fit 3.
-      (dict(q_buffers=2), "beside 2 query tile"),
-      (dict(q_buffers=2, block_k=64, num_stages=4), r"num_stages must be in \[2, 3\]"),
       (dict(cu_seqlens_q=jnp.array([0.0, 8.0])), "int32"),
       (dict(cu_seqlens_k=jnp.array([0, 4, 8], jnp.int32)), "differ in length"),
       # Split keys whose own columns are not Dv: the query tile is split at Dv.
@@ -324,14 +307,12 @@ class TestPallasMosaicPrefill(PrefillContract):
 
 class TestPallasMosaicPrefillItemVariants:
   """How a batch's items end, in the interpreter, on the queue (3 programs, each taking several
-  items; also with two query tiles a warpgroup, whose outputs are staged in alternate tiles) and
-  the grid: tiles of one request's rows written in place, the rows of each request's first and
-  last tiles from their slots through `_patch_edges`. Interpreter outputs start as NaN, so the
-  no-NaN checks also show that every row was written: in place or patched."""
+  items) and the grid: tiles of one request's rows written in place, the rows of each request's
+  first and last tiles from their slots through `_patch_edges`. Interpreter outputs start as NaN,
+  so the no-NaN checks also show that every row was written: in place or patched."""
 
-  @pytest.fixture(autouse=True, params=[dict(persistent=True), dict(persistent=False),
-                                        dict(persistent=True, block_k=64, q_buffers=2)],
-                  ids=["queue", "grid", "queue-q2"])
+  @pytest.fixture(autouse=True, params=[dict(persistent=True), dict(persistent=False)],
+                  ids=["queue", "grid"])
   def knobs(self, request):
     self.knobs = request.param
 
@@ -419,44 +400,6 @@ class TestPallasMosaicPrefillPingPong(PrefillContract):
   @pytest.mark.parametrize("case", ["causal_bf16_n2_packed"])
   def test_matches_oracle(self, case, rng):
     super().test_matches_oracle(case, rng)
-
-  @pytest.mark.parametrize("len_q, len_k, split", [([150, 100, 5], [150, 100, 5], True)])
-  def test_a_poisoned_request_leaves_the_others_exact(self, rng, len_q, len_k, split):
-    super().test_a_poisoned_request_leaves_the_others_exact(rng, len_q, len_k, split)
-
-
-class TestPallasMosaicPrefillQueryBuffers(PrefillContract):
-  """The contract with two query tiles a compute warpgroup (`q_buffers=2`, 64-key steps, 3
-  stages): each item's queries copied during the item before into the warpgroup's other tile,
-  the output staged in the tile just finished and its store waited for (until read) a step into
-  the next item. In the interpreter, on the queue (3 programs, each taking several items, so
-  both tiles alternate) and on the grid with one query-block slot (max_seqlen_q 64: each program
-  walks its request's blocks, several items with 300 rows). Narrowed for the suite's time to the
-  cases that reach what the tiles change: the packed requests (1, 7, 128, 0 and 300 tokens: items
-  of 2 to 10 steps, a request of no queries, items with no step, rows past the batch; outputs NaN
-  before the run), the split form's (NaN in the rows no query reads), the poisoned requests in
-  the split form (NaN, inf in the neighbours' rows, a 5-row request at the arrays' end whose box
-  moves back). The argument checks run no code the tiles change (theirs: bad_arguments above)."""
-  test_bad_backend_input_raises = None
-
-  @pytest.fixture(autouse=True, params=[dict(persistent=True, num_programs=3),
-                                        dict(persistent=False)], ids=["queue", "grid"])
-  def knobs(self, request):
-    self.knobs = request.param
-
-  def prefill(self, q, *args, max_seqlen_q, **kwargs):
-    if not self.knobs["persistent"]:
-      max_seqlen_q = 64
-    return mosaic_prefill.mla_prefill(q, *args, **kwargs, max_seqlen_q=max_seqlen_q, block_k=64,
-                                      q_buffers=2, **self.knobs, interpret=True)
-
-  @pytest.mark.parametrize("case", ["causal_bf16_n2_packed", "causal_bf16_n16"])
-  def test_matches_oracle(self, case, rng):
-    super().test_matches_oracle(case, rng)
-
-  @pytest.mark.parametrize("case", ["causal_bf16_n2_packed"])
-  def test_split_keys_match_oracle_and_joined_keys(self, case, rng):
-    super().test_split_keys_match_oracle_and_joined_keys(case, rng)
 
   @pytest.mark.parametrize("len_q, len_k, split", [([150, 100, 5], [150, 100, 5], True)])
   def test_a_poisoned_request_leaves_the_others_exact(self, rng, len_q, len_k, split):

@@ -47,19 +47,14 @@ def test_prefill_matches_reference(case, backend):
 # in the queue without sections and in the grid (each writing its tiles in place:
 # the poisoned allocator shows a row neither written in place nor patched); the ping-pong
 # schedule (the default before intra_overlap) on the 16384-token batch's grid and the short
-# batch's queue; two query tiles a warpgroup (64-key steps, 3 stages: the next item's queries
-# copied during this one) on the short batch's queue (many items a program, both tiles in turn)
-# and the 16384-token batch's grid.
+# batch's queue.
 @pytest.mark.parametrize("case, knobs", [
     ("n128_causal", dict(persistent=True)),
     ("n128_causal_short", dict(persistent=True, l2_section_bytes=None)),
     ("n128_causal_short", dict(persistent=False)),
     ("n128_causal", dict(ping_pong=True, intra_overlap=False)),
     ("n128_causal_short", dict(ping_pong=True, intra_overlap=False)),
-    ("n128_causal_short", dict(block_k=64, q_buffers=2)),
-    ("n128_causal", dict(block_k=64, q_buffers=2)),
-], ids=["queue", "short-unsectioned", "short-grid", "ping-pong", "short-ping-pong", "short-q2",
-        "q2"])
+], ids=["queue", "short-unsectioned", "short-grid", "ping-pong", "short-ping-pong"])
 def test_mosaic_variants_match_reference(case, knobs):
   check_case(case, functools.partial(mosaic_prefill.mla_prefill, **knobs))
 
