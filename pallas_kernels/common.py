@@ -105,8 +105,10 @@ def sm_count() -> int:
 
 
 def default_num_kv_splits(num_tokens: int, num_head_blocks: int, max_len: int,
-                          sm_count: int = H200_SMS) -> int:
-  """vLLM's rule on a static length bound, capped so the grid holds about 2 programs per SM.
+                          sm_count: int = H200_SMS, programs_per_sm: int = 2) -> int:
+  """vLLM's rule on a static length bound, capped so the grid holds about `programs_per_sm`
+  programs per SM (2: the Triton kernels; 1: the Mosaic decode kernel, whose shared memory holds
+  one program a SM).
 
   vLLM's `min(next_pow2(max(1, max_len // 512)), 2 * SMs)` alone grows with the length even when
   tokens x head blocks already fill the GPU, and every extra split costs a float32 partial output
@@ -114,7 +116,7 @@ def default_num_kv_splits(num_tokens: int, num_head_blocks: int, max_len: int,
   fastest at 1-2 and 46% slower at 32).
   """
   vllm = min(next_pow2(max(1, max_len // 512)), 2 * sm_count)
-  fill = next_pow2(-(-2 * sm_count // max(1, num_tokens * num_head_blocks)))
+  fill = next_pow2(-(-programs_per_sm * sm_count // max(1, num_tokens * num_head_blocks)))
   return max(1, min(vllm, fill))
 
 

@@ -384,8 +384,15 @@ def _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, tiles, stag
 
 
 def num_kv_splits_for(num_tokens: int, num_heads: int, max_len: int) -> int:
-  """The split count `latent_decode` picks when num_kv_splits is None (Triton kernel's rule)."""
-  return default_num_kv_splits(num_tokens, pl.cdiv(num_heads, _TILE_H), max_len, sm_count())
+  """The split count `latent_decode` picks when num_kv_splits is None: the Triton kernel's rule
+  filling one program a SM instead of two (shared memory holds one; each split costs a float32
+  partial output and its merge). H200, bf16, page 64, ms by split count (benchmarks/RESULTS.md,
+  "Latent decode (pallas_mosaic)", session 11; * this rule's pick, + the two-a-SM rule's): B=128
+  S=8192 N=16 4+ / 2* / 1: 0.329 / 0.315 / 0.307; N=128 2+ / 1*: 0.588 / 0.572 (S=4096 0.329 /
+  0.295; fp8 cache 0.997 / 0.955 and 0.538 / 0.489); B=64 N=128 4+ / 2*: 0.320 / 0.298; B=32
+  N=16 16+ / 8*: 0.119 / 0.109."""
+  return default_num_kv_splits(num_tokens, pl.cdiv(num_heads, _TILE_H), max_len, sm_count(),
+                               programs_per_sm=1)
 
 
 def head_dims_fit(head_dim: int, kv_lora_rank: int) -> bool:
