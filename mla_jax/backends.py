@@ -297,9 +297,14 @@ PALLAS_MOSAIC = dataclasses.replace(
 # was 0.98x with "serial", which "half_rows" beat by 1.29-1.34x at every shape timed).
 # v11 (session 10): the fp8_ds_mla default is "in_place" at T=4096 (1.04-1.07x "half_rows"),
 # "half_rows" at T=128: Mosaic only got faster there.
+# Session 11 (Mosaic's fewer-than-64 heads unpadded: no XLA pad and slice around the kernel), T=128
+# bf16 in one run: N=16 Triton 0.116 ms, Mosaic 0.107 (1.08x); N=32 0.185 / 0.113. So bf16 takes
+# Mosaic from 16 heads up to 128 tokens (T=4096 at N=16 not re-timed: 0.65x in v3, Triton's).
 _MOSAIC_PREFILL_MIN_TOKENS = CONTEXT_MIN_QUERY_ROWS  # context chunks' windows keep to it
 _MOSAIC_DECODE_MIN_HEADS = 64
 _MOSAIC_SPARSE_MIN_HEADS = {"bfloat16": 32, caches.FP8_DS_MLA: 16}  # by cache dtype_name
+# bf16 below 32 heads: Mosaic from 16 heads where T <= this (measured at 128).
+_MOSAIC_SPARSE_FEW_HEADS = (16, 128)
 
 
 def _on_hopper() -> bool:
@@ -347,13 +352,16 @@ def _fastest_indexer_logits(q, weights, k_cache, block_tables, seq_lens):
 
 def _fastest_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
   """pallas_mosaic's sparse attention where it measured faster: bf16 q over a bf16 latent cache or
-  an fp8_ds_mla cache (32 heads or more over bf16, 16 over fp8_ds_mla), on Hopper; else
-  pallas_triton's."""
+  an fp8_ds_mla cache (32 heads or more over bf16, or 16 up to 128 tokens; 16 over fp8_ds_mla),
+  on Hopper; else pallas_triton's."""
   _check_sparse(q, cache, slots, kv_lora_rank)
   layout = (cache.dtype_name == caches.FP8_DS_MLA
             or (cache.dtype_name == "bfloat16" and cache.scale_or_none is None))
-  mosaic = (q.dtype == jnp.bfloat16 and layout
-            and q.shape[1] >= _MOSAIC_SPARSE_MIN_HEADS[cache.dtype_name]
+  few_heads, few_heads_max_tokens = _MOSAIC_SPARSE_FEW_HEADS
+  heads = lambda: (q.shape[1] >= _MOSAIC_SPARSE_MIN_HEADS[cache.dtype_name]
+                   or (cache.dtype_name == "bfloat16" and q.shape[1] >= few_heads
+                       and q.shape[0] <= few_heads_max_tokens))
+  mosaic = (q.dtype == jnp.bfloat16 and layout and heads()
             and pallas_mosaic_sparse.head_dims_fit(q.shape[2], kv_lora_rank) and _on_hopper())
   sparse = PALLAS_MOSAIC.sparse_attention if mosaic else PALLAS_TRITON.sparse_attention
   return sparse(q, cache, slots, scale=scale, kv_lora_rank=kv_lora_rank)
