@@ -116,3 +116,32 @@ def test_mosaic_configs_times_what_changes_the_program(dtype):
   swept = {getattr(c, knob) for c in mosaic_decode.SWEEP} - {getattr(mosaic_decode.CONFIG, knob)}
   assert swept and named[0] == {} and all(set(k) == {knob} for k in named[1:])
   assert sorted(k[knob] for k in named[1:]) == (sorted(swept) if dtype == "float8_e4m3fn" else [])
+
+
+def test_kernel_times_splits_an_ncu_log_at_its_markers():
+  from benchmarks import kernel_times
+  log = "\n".join([
+      "==PROF== Connected to process 1", '"ID","Kernel Name","gpu__time_duration.sum"',
+      '"","","ns"', '"0","void at::vectorized_elementwise_kernel<4>(int)","1,000"',
+      '"1","loop_pad_fusion","7,400"', '"2","mosaic_sparse_bf16_mosaic_gpu_kernel","93,196"',
+      '"3","void at::vectorized_elementwise_kernel<4>(int)","900"', '"4","sparse_latent","95,600"'])
+  got = kernel_times.calls(log)
+  assert [[name for name, _ in call] for call in got] == [
+      ["loop_pad_fusion", "mosaic_sparse_bf16_mosaic_gpu_kernel"], ["sparse_latent"]]
+  assert [[t for _, t in call] for call in got] == [[pytest.approx(7.4), pytest.approx(93.196)],
+                                                    [pytest.approx(95.6)]]
+  assert "call 0: 100.6 us in 2 kernels" in kernel_times.format_calls(got)
+  with pytest.raises(ValueError, match="no ncu CSV rows"):
+    kernel_times.calls("==PROF== Disconnected")
+
+
+def test_kernel_times_help_and_its_wrong_use(capsys):
+  from benchmarks import kernel_times
+  with pytest.raises(SystemExit) as exit_info:
+    kernel_times.main(["--help"])
+  assert exit_info.value.code == 0
+  assert kernel_times.__doc__.strip() in capsys.readouterr().out
+  with pytest.raises(SystemExit) as exit_info:
+    kernel_times.main([])  # neither a benchmark nor --table
+  assert exit_info.value.code == 2
+  assert "name a benchmark, or give --table" in capsys.readouterr().err
