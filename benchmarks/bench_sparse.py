@@ -2,12 +2,13 @@
 
 Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 128, fp8 keys):
   sparse   sparse attention, T in {64, 128, 4096}, N in {16, 32, 64, 128}, bf16 and fp8_ds_mla
-           caches, each case timed for pallas_triton and pallas_mosaic (the Mosaic GPU kernel pads
-           N < 64 to 64 heads inside; FLOPs count the N asked for), and for the Mosaic kernel's
-           other configs (its SWEEP; cache "<cache> <field>=<value>"; not with --no-sweep-rows;
-           only those named with --sweep-rows; fp8_pipeline and fp8_stage_halves only with the
-           fp8_ds_mla cache; heads_in=n only at N <= 32, and with the fp8_ds_mla cache only
-           beside fp8_pipeline=serial or in_place).
+           caches, each case timed for pallas_triton and pallas_mosaic (the Mosaic GPU kernel
+           runs N < 64 heads in a 64-head tile, or bf16 at N <= 32 in wgmma's N, heads_in "n";
+           FLOPs count the N asked for), and for the Mosaic kernel's other configs (its SWEEP;
+           cache "<cache> <field>=<value>"; not with --no-sweep-rows; only those named with
+           --sweep-rows; fp8_pipeline and fp8_stage_halves only with the fp8_ds_mla cache;
+           heads_in=n only at N <= 32, and with the fp8_ds_mla cache only beside
+           fp8_pipeline=serial or in_place).
            Decode rows (T <= 128) pick 2048 slots each, uniformly from a 1M-token cache (1.2 GB
            bf16), so gathers do not hit L2; a 4096-row prefill chunk picks from one 32K-token
            context (one request: rows share rows, and L2 helps). Bytes = T*2048*row bytes (1152

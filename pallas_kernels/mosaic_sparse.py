@@ -23,8 +23,9 @@ warpgroups:
 - scores (warpgroup 0): S = Q K^T (wgmma, M = 64 heads, N = 64 rows, K = 576 in 9 chunks), the
   masked float32 online softmax, P and the rescale factors to warpgroup 1, O[:, :L/2] += P V.
 - values (warpgroup 1): O[:, L/2:] += P V.
-With heads_in="n" (N <= 32) a program's heads are wgmma's N instead, and the consumers compute
-S^T = K Q^T and O^T = V^T P^T (`MosaicSparseConfig`).
+With heads_in="n" (N <= 32; by default for bf16 caches there, `default_heads_in`) a program's
+heads are wgmma's N instead, and the consumers compute S^T = K Q^T and O^T = V^T P^T
+(`MosaicSparseConfig`).
 bf16 caches use 2 row slots (the next step's rows land while this one computes); fp8_ds_mla uses
 1 bf16 slot + the staging buffer (two bf16 slots, the query tile and the staging do not fit in a
 block's 227 KB), or with fp8_pipeline="half_rows" the same bytes as two 32-row slots that the
@@ -621,6 +622,15 @@ def default_fp8_pipeline(num_tokens, num_heads, top_k, *, num_splits, split_rule
   return "in_place" if one_split else "half_rows"
 
 
+def default_heads_in(num_heads, fp8):
+  """The heads_in that heads_in=None runs (static shapes only): "n" for bf16 caches at N <= 32
+  (HEADS_N_TILES[-1]), else "m" (fp8_ds_mla at any N; any cache above 32 heads, which "n" does not
+  take). H200, T=128 over a 1M-token cache, ms, "m" (unpadded) / "n": bf16 N=16 0.107 / 0.106,
+  N=32 0.113 / 0.106 (never slower); fp8_ds_mla N=16 0.143 (half_rows) / 0.136 (in_place), N=32
+  0.139 / 0.147 (mixed, within one run's noise: "m" kept). Timings in `MosaicSparseConfig`."""
+  return "n" if not fp8 and num_heads <= HEADS_N_TILES[-1] else "m"
+
+
 def smem_bytes(scratch, reduction_bytes=0):
   """Bytes of shared memory Pallas Mosaic GPU (jax 0.11.2) allocates for these scratch types and a
   kernel that reduces across warps with `CompilerParams(reduction_scratch_bytes=reduction_bytes)`:
@@ -825,21 +835,29 @@ class MosaicSparseConfig:
     bf16's 64-slot steps (half_rows' 32-slot steps set its pace at N=128, RESULTS v7, v8); a
     step's gather then waits for its slot to be free (half_rows': two half steps ahead). cp_async
     only (the bulk gather on the GPU would need untiled aliases of the in-place views).
-  heads_in, where a program's heads sit in the wgmma shapes. "m" (the default): 64 heads as M
-  (N < 64 padded to 64: at N=16 three quarters of the tensor work and of the softmax are padding).
-  "n" (RESULTS, sparse v12; prepared, not timed): N <= 32 heads as wgmma's N, padded to 16 or 32
-  (`heads_tile`; a ValueError above 32): S^T = K Q^T [64 slots, heads], its softmax over the slot
-  rows (two cross-warp reductions a step, through `reduction_scratch_bytes`), P^T stored
-  transposed into p_smem [heads, 64], O^T = V^T P^T a value tile (V^T an MN-major A operand), the
-  output tiles stored transposed into the [heads, columns] staging. Both caches; fp8_ds_mla with
-  fp8_pipeline "serial" or "in_place" named (their consumers step 64 slots over widened bf16 rows,
-  as bf16's do; a ValueError with "half_rows", whose 32-slot steps are under wgmma's M of 64, and
-  with None, which picks "half_rows" at few tokens)."""
+  heads_in, where a program's heads sit in the wgmma shapes. None (the default) picks from static
+  shapes (`default_heads_in`): "n" for bf16 caches at N <= 32, else "m". "m": 64 heads as M (N < 64
+  in the 64-row tile: at N=16 three quarters of the tensor work and of the softmax are padding;
+  only the N query rows are copied in and stored, `padded_heads`, where N is a multiple of 8).
+  "n" (RESULTS, sparse v12): N <= 32 heads as wgmma's N, padded to 16 or 32 (`heads_tile`; a
+  ValueError above 32): S^T = K Q^T [64 slots, heads], its softmax over the slot rows (two
+  cross-warp reductions a step, through `reduction_scratch_bytes`), P^T stored transposed into
+  p_smem [heads, 64], O^T = V^T P^T a value tile (V^T an MN-major A operand), the output tiles
+  stored transposed into the [heads, columns] staging. Both caches; fp8_ds_mla with fp8_pipeline
+  "serial" or "in_place" named (their consumers step 64 slots over widened bf16 rows, as bf16's
+  do; a ValueError with "half_rows", whose 32-slot steps are under wgmma's M of 64, and with None,
+  which picks "half_rows" at few tokens). H200 (RESULTS v12 timed, session 11), T=128 over a
+  1M-token cache (2048 slots a token, 1 split), ms a call, "m" / "n": bf16 N=16 0.107 / 0.106,
+  N=32 0.113 / 0.106 (2.93 TB/s gathered); fp8_ds_mla N=16 0.143 (half_rows) / 0.136 (in_place),
+  N=32 0.139 / 0.147. "n" runs flat over 16 and 32 heads: the gather paces the call, not the
+  consumers (the prediction of 0.080-0.098 ms bf16 missed). Not timed: "n" at other token counts
+  (several splits at few tokens; 4096 tokens), and with the bulk gather (which the rule does not
+  see: it is no default)."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
   fp8_pipeline: str | None = None
   fp8_stage_halves: int = 2  # staging in 32-row buffers: "serial" stages 64 rows (2 halves)
-  heads_in: str = "m"
+  heads_in: str | None = None
 
   def __post_init__(self):
     if self.gather not in GATHERS:
@@ -854,8 +872,8 @@ class MosaicSparseConfig:
     if self.fp8_stage_halves not in ((2, 3) if self.fp8_pipeline == "half_rows" else (2,)):
       raise ValueError(f"fp8_stage_halves must be 2 (or 3 with fp8_pipeline \"half_rows\"), got "
                        f"{self.fp8_stage_halves!r} with {self.fp8_pipeline!r}")
-    if self.heads_in not in HEADS_IN:
-      raise ValueError(f"heads_in must be one of {HEADS_IN}, got {self.heads_in!r}")
+    if self.heads_in is not None and self.heads_in not in HEADS_IN:
+      raise ValueError(f"heads_in must be None or one of {HEADS_IN}, got {self.heads_in!r}")
 
 
 CONFIG = MosaicSparseConfig()
@@ -863,7 +881,8 @@ CONFIG = MosaicSparseConfig()
 SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rule="fill"),
          MosaicSparseConfig(fp8_pipeline="serial"), MosaicSparseConfig(fp8_pipeline="half_rows"),
          MosaicSparseConfig(fp8_pipeline="half_rows", fp8_stage_halves=3),
-         MosaicSparseConfig(fp8_pipeline="in_place"), MosaicSparseConfig(heads_in="n"),
+         MosaicSparseConfig(fp8_pipeline="in_place"), MosaicSparseConfig(heads_in="m"),
+         MosaicSparseConfig(heads_in="n"),
          MosaicSparseConfig(fp8_pipeline="in_place", heads_in="n"))
 
 
@@ -871,24 +890,28 @@ SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rul
 def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, scale: float,
                      kv_lora_rank: int = 512, num_splits: int | None = None,
                      auto_barriers: bool = False, gather: str = CONFIG.gather,
-                     split_rule: str = CONFIG.split_rule, heads_in: str = CONFIG.heads_in,
+                     split_rule: str = CONFIG.split_rule,
+                     heads_in: str | None = CONFIG.heads_in,
                      interpret: bool | plgpu.InterpretGPUParams = False
                      ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over a bf16 latent cache (semantics of `mla_jax.reference.sparse_attention`).
 
-  q [T, N, L+R] bf16 (any N: heads are padded to tiles of 64; heads_in="n": N <= 32, padded to 16 or
-  32); kv_cache [num_blocks, page, L+R] bf16; slots [T, K] int32 (block * page + offset; -1 or past
-  the cache: skipped). num_splits=None picks a split count of the slot axis from static shapes by
+  q [T, N, L+R] bf16 (any N: heads in tiles of 64; heads_in="n": N <= 32, padded to 16 or 32);
+  kv_cache [num_blocks, page, L+R] bf16; slots [T, K] int32 (block * page + offset; -1 or past the
+  cache: skipped). num_splits=None picks a split count of the slot axis from static shapes by
   split_rule (`split_count`). auto_barriers=True lets Pallas put a warpgroup barrier before every
   bulk copy and around every shared-memory store (its safe default, kept to measure against).
   gather: "cp_async" (the 128 lanes of the memory warpgroup copy 16 bytes each into the swizzled row
   slot) or "bulk" (one bulk copy per row and 64-column chunk, 9 a row; what the interpreter runs
-  either way). heads_in: `MosaicSparseConfig`'s ("n": N <= 32 heads in wgmma's N). interpret: True
-  or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and
-  lse [T, N] float32 (natural log); a row with no valid slot gives (0, -inf).
+  either way). heads_in: `MosaicSparseConfig`'s ("n": N <= 32 heads in wgmma's N; None:
+  `default_heads_in`, "n" at N <= 32, else "m"). interpret: True or a `plgpu.InterpretGPUParams`
+  runs Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and lse [T, N] float32 (natural
+  log); a row with no valid slot gives (0, -inf).
   """
   _check(q, slots, kv_lora_rank, num_splits)
   MosaicSparseConfig(gather, split_rule, heads_in=heads_in)  # checks them
+  if heads_in is None:
+    heads_in = default_heads_in(q.shape[1], fp8=False)
   if kv_cache.ndim != 3 or kv_cache.shape[2] != q.shape[2] or kv_cache.dtype != jnp.bfloat16:
     raise ValueError(f"want a bfloat16 kv_cache [num_blocks, page, {q.shape[2]}] (q's head dim), "
                      f"got {kv_cache.dtype.name}{kv_cache.shape}")
@@ -909,7 +932,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                                 split_rule: str = CONFIG.split_rule,
                                 fp8_pipeline: str | None = CONFIG.fp8_pipeline,
                                 fp8_stage_halves: int = CONFIG.fp8_stage_halves,
-                                heads_in: str = CONFIG.heads_in,
+                                heads_in: str | None = CONFIG.heads_in,
                                 interpret: bool | plgpu.InterpretGPUParams = False
                                 ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over an fp8_ds_mla cache, widened to bf16 once per gathered row.
@@ -919,7 +942,8 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   bfloat16; slots and options as in `sparse_attention`; fp8_pipeline ("serial", "half_rows",
   "in_place", or None: `default_fp8_pipeline`'s pick for these shapes, num_splits, split_rule and
   gather) and fp8_stage_halves: `MosaicSparseConfig`'s; heads_in too ("n" with fp8_pipeline "serial"
-  or "in_place" named). Returns o [T, N, L] bf16 and lse [T, N] float32.
+  or "in_place" named; None: `default_heads_in`, "m"). Returns o [T, N, L] bf16 and lse [T, N]
+  float32.
   """
   nb, page, lora = nope.shape
   _check(q, slots, lora, num_splits)
@@ -931,6 +955,8 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                      f"{nope.dtype.name}{nope.shape}, {tile_scales.dtype.name}{tile_scales.shape}, "
                      f"{rope.dtype.name}{rope.shape}, q {q.shape}")
   MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in)  # checks them
+  if heads_in is None:
+    heads_in = default_heads_in(q.shape[1], fp8=True)
   if heads_in == "n" and fp8_pipeline not in HEADS_N_FP8_PIPELINES:
     raise ValueError(f"heads_in=\"n\" takes fp8_pipeline {' or '.join(HEADS_N_FP8_PIPELINES)} "
                      f"(named: the default picks per shape), whose consumers step 64 slots; got "
