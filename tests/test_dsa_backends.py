@@ -464,6 +464,43 @@ def test_mosaic_sparse_default_fp8_pipeline_reaches_the_kernel(t, want):
   assert f"mosaic_sparse_ds_mla_{want}_bulk_s1" in str(jax.make_jaxpr(backend)(q, cache, slots))
 
 
+@pytest.mark.parametrize("n,fp8,want", [
+    # Timed on the H200 (RESULTS v12 timed, session 11), T=128: bf16 "n" 1.01x "m" at 16 heads,
+    # 1.07x at 32; fp8_ds_mla mixed (in_place "n" 1.05x at 16, 0.95x at 32): "m".
+    (16, False, "n"), (32, False, "n"), (4, False, "n"), (27, False, "n"),
+    (33, False, "m"), (64, False, "m"), (128, False, "m"),
+    (16, True, "m"), (32, True, "m"), (128, True, "m")])
+def test_mosaic_sparse_default_heads_in(n, fp8, want):
+  assert mosaic_sparse.default_heads_in(n, fp8) == want
+
+
+@pytest.mark.parametrize("n,want", [(16, "n"), (27, "n"), (32, "n"), (64, "m"), (128, "m")])
+def test_mosaic_sparse_default_heads_in_reaches_the_kernel(n, want):
+  # heads_in=None resolves in the jit entries, so the default call traces the same program as the
+  # explicit heads_in (bf16: "n" up to 32 heads; fp8_ds_mla: "m" at any N), and pallas_mosaic's
+  # backend (which names none) runs it too. The kernel's name says which.
+  t, tokens = 128, 1 << 14
+  q = jax.ShapeDtypeStruct((t, n, L + R), jnp.bfloat16)
+  slots = jax.ShapeDtypeStruct((t, 2048), jnp.int32)
+  kv = jax.ShapeDtypeStruct((tokens // 64, 64, L + R), jnp.bfloat16)
+  entry = functools.partial(mosaic_sparse.sparse_attention, scale=0.1, kv_lora_rank=L)
+  default = str(jax.make_jaxpr(entry)(q, kv, slots))
+  tile = f"_heads_n{16 if n <= 16 else 32}" if want == "n" else ""
+  assert f"mosaic_sparse_bf16{tile}_cp_async_s1" in default
+  assert default == str(jax.make_jaxpr(functools.partial(entry, heads_in=want))(q, kv, slots))
+  backend = functools.partial(backends.get_backend("pallas_mosaic").sparse_attention, scale=0.1,
+                              kv_lora_rank=L)
+  # (The interpreter, on this CPU, gathers in bulk.)
+  cache = LatentCache(kv, jax.ShapeDtypeStruct((), jnp.float32))
+  assert f"mosaic_sparse_bf16{tile}_bulk_s1" in str(jax.make_jaxpr(backend)(q, cache, slots))
+  cache = DSMLACache(jax.ShapeDtypeStruct((tokens // 64, 64, L), jnp.float8_e4m3fn),
+                     jax.ShapeDtypeStruct((tokens // 64, 64, L // 128), jnp.float32),
+                     jax.ShapeDtypeStruct((tokens // 64, 64, R), jnp.bfloat16))
+  fp8 = functools.partial(mosaic_sparse.sparse_attention_fp8_ds_mla, q, cache.nope,
+                          cache.tile_scales, cache.rope, slots, scale=0.1)
+  assert str(jax.make_jaxpr(fp8)()) == str(jax.make_jaxpr(functools.partial(fp8, heads_in="m"))())
+
+
 def check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves, heads_in="m"):
   """The Mosaic sparse kernel at T=128, 2048 slots over 1M tokens, lowered for CUDA (it runs on
   this CPU), which checks what the interpreter does not: wgmma operand layouts and swizzles,
@@ -500,12 +537,14 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
   """The Mosaic GPU kernel in Mosaic GPU's interpreter on CPUs. It takes bf16 q over bf16 or
   fp8_ds_mla caches: the contract cases with float32 q or a per-tensor fp8 cache skip, naming
   why; the bf16-q cases below cover what they test (NaN in unselected rows, -1 and past-the-cache
-  slots, a row with nothing selected, 16 and 128 heads, both caches)."""
+  slots, a row with nothing selected, 16 and 128 heads, both caches). Defaults throughout: bf16
+  caches up to 32 heads run heads_in "n" (`default_heads_in`), "m" is named below."""
   backend = "pallas_mosaic"
   # What the fp8_ds_mla cases run: the default, "half_rows" at these few tokens.
   fp8_pipeline = mosaic_sparse.CONFIG.fp8_pipeline
   fp8_stage_halves = mosaic_sparse.CONFIG.fp8_stage_halves
-  heads_in = mosaic_sparse.CONFIG.heads_in  # what the bf16 cases run
+  # What the cases run: the default (None), "n" for bf16 caches up to 32 heads, else "m".
+  heads_in = mosaic_sparse.CONFIG.heads_in
 
   def fn(self):
     run = super().fn()
@@ -515,10 +554,12 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
         pytest.skip(f"pallas_mosaic's sparse kernel takes bfloat16 q only, got {q.dtype}")
       if isinstance(cache, LatentCache) and cache.scale_or_none is not None:
         pytest.skip("pallas_mosaic's sparse kernel reads no per-tensor float8 latent cache")
-      if self.heads_in != mosaic_sparse.CONFIG.heads_in:
+      if self.heads_in is not None:
         if q.shape[1] > mosaic_sparse.HEADS_N_TILES[-1]:
-          pytest.skip(f"heads_in={self.heads_in!r} takes at most "
-                      f"{mosaic_sparse.HEADS_N_TILES[-1]} heads")
+          pytest.skip(f"heads_in=\"n\" takes at most {mosaic_sparse.HEADS_N_TILES[-1]} heads, and "
+                      f"above them \"m\" is the default (the parent's case)")
+        if isinstance(cache, DSMLACache) and self.heads_in == "m":
+          pytest.skip("heads_in=\"m\" is the fp8_ds_mla default (the parent's case)")
         if isinstance(cache, DSMLACache):
           return mosaic_sparse.sparse_attention_fp8_ds_mla(
               q, cache.nope, cache.tile_scales, cache.rope, slots, scale=scale,
@@ -577,6 +618,24 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     o_ref, _ = sparse_np(np.asarray(q.astype(jnp.float32)), lambda s: rows[s].astype(np.float64),
                          slots, rows.shape[0], 0.05, 256)
     assert cosine_diff(np.asarray(o.astype(jnp.float32), np.float64), o_ref) < 1e-5
+
+  # 300 slots in one split (5 steps: both row slots alternate, the index ring wraps), NaN in every
+  # unselected row, -1 and past-the-cache slots, row 1 with none valid, row 2's last step without
+  # one, bf16 caches; 4 heads (heads_in "n": padded to 16; "m": to 64) and 27 (to 32; 64); the
+  # contract's own bf16 cases take float32 q, which skip. The race detector watches the P (or P^T)
+  # and rescale hand-off and the output staged over the slots.
+  @pytest.mark.parametrize("n", [4, 27])
+  def test_bf16_steps_of_one_split_match_oracle(self, n):
+    report = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
+    q, cache, slots, rows = poisoned_case(50 + n, n, "bf16", L, t=3, k=300, nb=22)
+    slots[2, 256:] = -1
+    o, lse = mosaic_sparse.sparse_attention(
+        q, cache.data, jnp.asarray(slots), scale=0.05, kv_lora_rank=L, num_splits=1,
+        heads_in=self.heads_in, interpret=plgpu.InterpretGPUParams(detect_races=True))
+    jax.block_until_ready(o)
+    assert not report.get_races().races_found
+    assert o.shape == (3, n, L) and lse.shape == (3, n)
+    assert_matches_oracle(o, lse, q, rows, slots, rows.shape[0], L)
 
   def test_splits_match_one_split(self):
     q, cache, slots, _ = poisoned_case(31, 16, "bf16", k=90)  # 2 steps of 64 slots
@@ -663,11 +722,12 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
             slots, scale=0.1, fp8_pipeline=pipeline, fp8_stage_halves=halves, interpret=True)
 
   def test_config_default_and_sweep(self):
+    # The timed rules (`default_fp8_pipeline`, `default_heads_in`); both heads_in named beside.
     assert (mosaic_sparse.CONFIG.fp8_pipeline, mosaic_sparse.CONFIG.fp8_stage_halves,
-            mosaic_sparse.CONFIG.heads_in) == (None, 2, "m")  # the timed rule; heads in M
+            mosaic_sparse.CONFIG.heads_in) == (None, 2, None)
     for other in (dict(fp8_pipeline="serial"), dict(fp8_pipeline="half_rows"),
                   dict(fp8_pipeline="half_rows", fp8_stage_halves=3),
-                  dict(fp8_pipeline="in_place"), dict(heads_in="n"),
+                  dict(fp8_pipeline="in_place"), dict(heads_in="m"), dict(heads_in="n"),
                   dict(fp8_pipeline="in_place", heads_in="n")):
       assert mosaic_sparse.MosaicSparseConfig(**other) in mosaic_sparse.SWEEP
 
@@ -680,6 +740,7 @@ class TestPallasMosaicSparseAttentionSerial(TestPallasMosaicSparseAttention):
   fp8_pipeline = "serial"
   # Cases that read no fp8_ds_mla cache through fn, or check every variant already: the parent's.
   test_splits_match_one_split = None
+  test_bf16_steps_of_one_split_match_oracle = None
   test_no_races_in_the_interpreter = None
   test_lowers_for_hopper = None
   test_shared_memory_past_the_limit_raises = None
@@ -712,17 +773,41 @@ class TestPallasMosaicSparseAttentionInPlace(TestPallasMosaicSparseAttentionSeri
     super().test_fp8_ds_mla_steps_of_one_split_match_oracle(n, lora)
 
 
+class TestPallasMosaicSparseAttentionHeadsM(TestPallasMosaicSparseAttention):
+  """heads_in="m" named where the default runs "n" (`default_heads_in`: bf16 caches up to 32
+  heads): 64-head tiles, copying in and storing only the N query rows at 16 and 32 heads
+  (multiples of 8, `padded_heads`), padded to 64 at 4 and 27. The poisoned cases at 16 and 32
+  heads, several steps (4, 27) and splits (16); fp8_ds_mla and more than 32 heads run "m" by
+  default (the parent's cases) and skip."""
+  heads_in = "m"
+  # Cases that call the default only, or fp8_ds_mla's default again: the parent's.
+  test_bad_backend_input_raises = None
+  test_bad_input_raises = None
+  test_fp8_ds_mla_steps_of_one_split_match_oracle = None
+  test_no_races_in_the_interpreter = None
+  test_lowers_for_hopper = None  # its cases name heads_in="m" already
+  test_shared_memory_past_the_limit_raises = None
+  test_bad_ds_mla_layout_raises = None
+  test_config_default_and_sweep = None
+
+  @pytest.mark.parametrize("kind,n,lora", [("bf16", 16, L), ("bf16", 32, L)])
+  def test_bf16_q_poisoned_cache_matches_oracle(self, kind, n, lora):
+    super().test_bf16_q_poisoned_cache_matches_oracle(kind, n, lora)
+
+
 class TestPallasMosaicSparseAttentionHeadsN(TestPallasMosaicSparseAttention):
-  """heads_in="n" (RESULTS, sparse v12): N <= 32 heads in wgmma's N (padded to 16 or 32), S^T =
-  K Q^T, the softmax over the slot rows, P^T stored transposed, O^T = V^T P^T stored transposed
-  into the output's [heads, columns]. bf16 caches, and fp8_ds_mla with fp8_pipeline="serial"
-  here ("in_place" below): the contract's cases with bf16 q up to 32 heads (the poisoned ones at
-  16 heads, the fp8_ds_mla ones at 16 and 32), several steps and splits; the others skip, naming
-  why. The interpreter neither swizzles nor runs the transposed stores as the GPU does: the
-  lowering cases check those layouts, the GPU cases the numbers."""
+  """heads_in="n" named (RESULTS, sparse v12; the bf16 default up to 32 heads, which the parent
+  runs): N <= 32 heads in wgmma's N (padded to 16 or 32), S^T = K Q^T, the softmax over the slot
+  rows, P^T stored transposed, O^T = V^T P^T stored transposed into the output's [heads,
+  columns]. fp8_ds_mla with fp8_pipeline="serial" here ("in_place" below): the contract's
+  fp8_ds_mla cases at 16 and 32 heads, the poisoned one at 16, several steps; the others skip,
+  naming why. The interpreter neither swizzles nor runs the transposed stores as the GPU does:
+  the lowering cases check those layouts, the GPU cases the numbers."""
   heads_in = "n"
   fp8_pipeline = "serial"
-  # Cases that call the default only (the parent runs them): none here.
+  # Cases that call the default only, or bf16's default ("n") again: the parent's.
+  test_splits_match_one_split = None
+  test_bf16_steps_of_one_split_match_oracle = None
   test_bad_backend_input_raises = None
   test_bad_input_raises = None
   test_no_races_in_the_interpreter = None
@@ -731,22 +816,9 @@ class TestPallasMosaicSparseAttentionHeadsN(TestPallasMosaicSparseAttention):
   test_bad_ds_mla_layout_raises = None
   test_config_default_and_sweep = None
 
-  # 300 slots in one split (5 steps: both row slots alternate, the index ring wraps), NaN in every
-  # unselected row, -1 and past-the-cache slots, row 1 with none valid, row 2's last step without
-  # one; 4 heads pad to 16, 27 to 32 (the contract's own bf16 cases take float32 q, which skip).
-  # The race detector watches the P^T and rescale hand-off and the output staged over the slots.
-  @pytest.mark.parametrize("n", [4, 27])
-  def test_bf16_steps_of_one_split_match_oracle(self, n):
-    report = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
-    q, cache, slots, rows = poisoned_case(50 + n, n, "bf16", L, t=3, k=300, nb=22)
-    slots[2, 256:] = -1
-    o, lse = mosaic_sparse.sparse_attention(
-        q, cache.data, jnp.asarray(slots), scale=0.05, kv_lora_rank=L, num_splits=1,
-        heads_in="n", interpret=plgpu.InterpretGPUParams(detect_races=True))
-    jax.block_until_ready(o)
-    assert not report.get_races().races_found
-    assert o.shape == (3, n, L) and lse.shape == (3, n)
-    assert_matches_oracle(o, lse, q, rows, slots, rows.shape[0], L)
+  @pytest.mark.parametrize("kind,n,lora", [("fp8_ds_mla", 16, 256)])
+  def test_bf16_q_poisoned_cache_matches_oracle(self, kind, n, lora):
+    super().test_bf16_q_poisoned_cache_matches_oracle(kind, n, lora)
 
   # fp8_ds_mla: 16 and 27 heads (padded to 32) over V3.2's four e4m3 tiles, 5 steps.
   @pytest.mark.parametrize("n,lora", [(16, 256), (27, 512)])
@@ -766,7 +838,7 @@ class TestPallasMosaicSparseAttentionHeadsN(TestPallasMosaicSparseAttention):
     with pytest.raises(ValueError, match="at most 32 heads"):
       mosaic_sparse.sparse_attention(q, kv, slots, scale=0.1, kv_lora_rank=L, heads_in="n",
                                      interpret=True)
-    with pytest.raises(ValueError, match="heads_in must be one of"):
+    with pytest.raises(ValueError, match="heads_in must be None or one of"):
       mosaic_sparse.sparse_attention(q[:, :16], kv, slots, scale=0.1, kv_lora_rank=L,
                                      heads_in="k", interpret=True)
     for pipeline in ("half_rows", None):  # None picks "half_rows" at these few tokens
@@ -779,11 +851,10 @@ class TestPallasMosaicSparseAttentionHeadsN(TestPallasMosaicSparseAttention):
 
 class TestPallasMosaicSparseAttentionHeadsNInPlace(TestPallasMosaicSparseAttentionHeadsN):
   """heads_in="n" with fp8_pipeline="in_place": the contract's fp8_ds_mla cases (16 and 32 heads;
-  L=128 and 512) and the multi-step ones (16 and 27 heads); the bf16 cases are the parent's."""
+  L=128 and 512) and the multi-step ones (16 and 27 heads); the bf16 cases are the default's
+  (`TestPallasMosaicSparseAttention`)."""
   fp8_pipeline = "in_place"
   test_bf16_q_poisoned_cache_matches_oracle = None  # the multi-step cases are poisoned too
-  test_splits_match_one_split = None
-  test_bf16_steps_of_one_split_match_oracle = None
   test_heads_in_n_lowers_for_hopper = None
   test_heads_in_n_bad_input_raises = None
   test_empty_batch_gives_empty_results = None

@@ -2,7 +2,7 @@
 XLA reference run there.
 
 Sparse attention (T=128, top-k 2048 over a 32K-token cache, 1M tokens for the Mosaic kernel's
-heads_in="n"; T=4096 for its default fp8_ds_mla pipeline there), indexer logits (128 rows over 32K
+named heads_in; T=4096 for its default fp8_ds_mla pipeline there), indexer logits (128 rows over 32K
 context) and top-k (128 x 32768, k=2048). Cache rows and pages that nothing may read hold NaN, and
 the allocator is poisoned before every kernel call, so a stray read or an unwritten output shows.
 """
@@ -115,14 +115,18 @@ def test_mosaic_sparse_in_place_equals_serial_bit_for_bit(n):
 # a token over a 1M-token cache (NaN in every unselected row). bf16: 16 and 32 heads (the tiles),
 # 27 (padded to 32); fp8_ds_mla with the two pipelines that take it. What the interpreter cannot
 # check: the swizzled transposed stores of P^T and O^T, the MN-major V^T operand, the cross-warp
-# reductions (and "in_place"'s aliases behind a query tile of 16 or 32 heads).
-def heads_in_n(q, cache, slots, *, scale, kv_lora_rank, fp8_pipeline=None):
+# reductions (and "in_place"'s aliases behind a query tile of 16 or 32 heads). bf16 runs "n" by
+# default up to 32 heads (`default_heads_in`), so the pallas_mosaic case at 16 heads above does too.
+def named_heads_in(q, cache, slots, *, scale, kv_lora_rank, heads_in, fp8_pipeline=None):
   if isinstance(cache, DSMLACache):
     return mosaic_sparse.sparse_attention_fp8_ds_mla(q, cache.nope, cache.tile_scales, cache.rope,
                                                      slots, scale=scale, fp8_pipeline=fp8_pipeline,
-                                                     heads_in="n")
+                                                     heads_in=heads_in)
   return mosaic_sparse.sparse_attention(q, cache.data, slots, scale=scale,
-                                        kv_lora_rank=kv_lora_rank, heads_in="n")
+                                        kv_lora_rank=kv_lora_rank, heads_in=heads_in)
+
+
+heads_in_n = functools.partial(named_heads_in, heads_in="n")
 
 
 @pytest.mark.parametrize("n", [16, 32, 27])
@@ -135,6 +139,13 @@ def test_mosaic_sparse_heads_in_n_bf16_matches_reference(n):
 def test_mosaic_sparse_heads_in_n_fp8_ds_mla_matches_reference(n, fp8_pipeline):
   check_sparse_attention(n, "fp8_ds_mla",
                          functools.partial(heads_in_n, fp8_pipeline=fp8_pipeline), tokens=1 << 20)
+
+
+# heads_in="m" named where the bf16 default runs "n": 64-head tiles that copy in and store only the
+# N query rows (16 and 32 heads, multiples of 8), at the same shape.
+@pytest.mark.parametrize("n", [16, 32])
+def test_mosaic_sparse_heads_in_m_bf16_matches_reference(n):
+  check_sparse_attention(n, "bf16", functools.partial(named_heads_in, heads_in="m"), tokens=1 << 20)
 
 
 # fp8_pipeline=None, the default, picks "in_place" where many one-split programs run: 4096 tokens
