@@ -803,12 +803,12 @@ HEADS_N_FP8_PIPELINES = ("serial", "in_place")  # fp8_ds_mla pipelines heads_in=
 @dataclasses.dataclass(frozen=True)
 class MosaicSparseConfig:
   """Launch knobs; the field names are the jit entries' keyword arguments (fp8_pipeline and
-  fp8_stage_halves the fp8_ds_mla entry's only). Heads per program (64, the M of a wgmma) and
-  slots per step (64) are fixed by wgmma; the gather (H200: cp_async 2.2-2.6x bulk for bf16, 1.4x
-  for fp8_ds_mla, benchmarks/RESULTS.md, "DSA sparse attention (pallas_mosaic)", v2 and v3), the
-  split rule (`split_count`; H200, T=128: "one_wave" 1.14-1.38x "fill" at N 16, 32, 128 for both
-  caches, v4; once tokens x head tiles >= 2 x 132 both give 1 split) and fp8_pipeline are the
-  choices.
+  fp8_stage_halves the fp8_ds_mla entry's only). Heads per program (64, the M of a wgmma, or 16 or
+  32 as its N, heads_in below) and slots per step (64) are fixed by wgmma; the gather (H200:
+  cp_async 2.2-2.6x bulk for bf16, 1.4x for fp8_ds_mla, benchmarks/RESULTS.md, "DSA sparse attention
+  (pallas_mosaic)", v2 and v3), the split rule (`split_count`; H200, T=128: "one_wave" 1.14-1.38x
+  "fill" at N 16, 32, 128 for both caches, v4; once tokens x head tiles >= 2 x 132 both give 1
+  split) and fp8_pipeline are the choices.
   fp8_pipeline, how fp8_ds_mla rows are widened into bf16 row slots (one 64-row slot is what fits
   beside the query tile and the staging). None (the default) picks "in_place" or "half_rows" from
   static shapes (`default_fp8_pipeline`): "in_place" where tokens x head tiles >= 2 x SMs (264 on
