@@ -109,11 +109,12 @@ def _cp_async_rows(parts, idx, *, num_slots):
   parts: (src, dst) pairs, one per part of a row (bf16: the whole row; fp8_ds_mla: the e4m3 NoPE
   and the bf16 RoPE). src [S, C, w] (GMEM, C chunks of 128 bytes a row); dst [C, rows, w] in the
   tiled, 128-byte-swizzled layout (rows x 128 B a chunk); idx [rows] int32 (the rows; an index
-  >= num_slots is an invalid slot). Each lane copies 16 bytes at a time: 8 lanes cover one row's
-  128-byte chunk, a warp 4 rows, so each warp instruction reads 4 whole 128-byte lines; a warp
-  takes rows / 4 rows, rows / 16 x C instructions a part. The destination of row r, chunk c,
-  unit u is c * rows * 128 + r * 128 + (u ^ (r % 8)) * 16 (the 128-byte swizzle). An invalid row
-  copies 0 source bytes: cp.async fills the 16 bytes with zeros and reads nothing.
+  >= num_slots, or negative, is an invalid slot: the compare is unsigned, so raw slots' -1 too).
+  Each lane copies 16 bytes at a time: 8 lanes cover one row's 128-byte chunk, a warp 4 rows, so
+  each warp instruction reads 4 whole 128-byte lines; a warp takes rows / 4 rows, rows / 16 x C
+  instructions a part. The destination of row r, chunk c, unit u is c * rows * 128 + r * 128 +
+  (u ^ (r % 8)) * 16 (the 128-byte swizzle). An invalid row copies 0 source bytes: cp.async fills
+  the 16 bytes with zeros and reads nothing.
   """
   rows = parts[0][1].shape[1]
   unit_per_row = _CHUNK_BYTES // _SEG
@@ -175,11 +176,13 @@ def _cp_async_wait(pending):
   wait()
 
 
-def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_place, num_slots,
-            gather, heads_n, interpret):
+def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_slots, gather,
+            heads_n, prep_in_kernel, interpret):
   # GMEM: q_ref [T, Np, D] bf16 (Np: heads padded to 64, or fewer unpadded, `padded_heads`: the
   # tile's first Np rows, the others never stored); idx_ref [T, Kp] int32 (slot, or num_slots
-  # where invalid); steps_ref [T] int32 (steps of 64 slots up to the last valid one). bf16:
+  # where invalid); steps_ref [T] int32 (steps of 64 slots up to the last valid one).
+  # prep_in_kernel: idx_ref holds the raw slots (-1 padded to Kp; -1 and past the cache invalid),
+  # and there is no steps_ref: every program walks all Kp/64 steps (its split's share). bf16:
   # kv_ref [S, D/64, 64] bf16. fp8: nope_ref [S, L/128, 128] e4m3, rope_ref [S, R/64, 64] bf16,
   # scales_ref [T, Kp/64, L/128, 64] f32 (the selected rows' tile scales, a block a step).
   # o_ref [T, splits, Np, L]; lse_ref [T, splits, Np] f32.
@@ -199,6 +202,8 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_p
   # tiled and swizzled (a step's e4m3 NoPE rows land in tiles L/128 to L/64 - 1 of its slot) and
   # slot_scales [2, D/64, 32, 64] f32 (its tile scales in tile 0); the RoPE rows land in the
   # slot's RoPE tiles; staged [2].
+  if not prep_in_kernel:
+    steps_ref, *rest = rest
   if in_place:
     (nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buffers, p_smem, row_smem, idx_smem, q_bar,
      ready, consumed, p_ready, p_free, idx_bar, staged) = rest
@@ -231,7 +236,12 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_p
   half = lora // _VALUE_WGS
   qk_scale = scale * LOG2E
 
-  num_steps = jnp.maximum(steps_ref[t], 0)
+  if prep_in_kernel:
+    # No per-row step count (it would take a reduction over the row's slots before the first
+    # gather): all steps, those past the last valid slot gathering zeros and scoring -inf.
+    num_steps = idx_ref.shape[1] // _STEP
+  else:
+    num_steps = jnp.maximum(steps_ref[t], 0)
   per_split = lax.div(num_steps + (num_splits - 1), num_splits)
   first = split * per_split
   n = jnp.maximum(jnp.minimum(first + per_split, num_steps) - first, 0)
@@ -313,7 +323,10 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_p
       piece = idx_smem.at[ring] if pieces == 1 else idx_smem.at[
           ring, pl.ds(lax.rem(i, pieces) * step_rows, step_rows)]
       idx = plgpu.load(piece, layout=slots_layout)
-      valid = lax.broadcast_in_dim(idx < num_slots, s.shape, [1 - heads_axis])
+      valid = idx < num_slots
+      if prep_in_kernel:  # raw slots: -1 is invalid too (XLA's idx maps it to num_slots)
+        valid = valid & (idx >= 0)
+      valid = lax.broadcast_in_dim(valid, s.shape, [1 - heads_axis])
       m_new, alpha, p, l = softmax_step(jnp.where(valid, s * qk_scale, -jnp.inf), m, l,
                                         heads_axis)
       p16 = hand_over_p(i, p, alpha, p_smem.transpose((1, 0)) if heads_n else p_smem, row_smem,
@@ -357,6 +370,8 @@ def _kernel(q_ref, idx_ref, steps_ref, *rest, scale, lora, num_splits, fp8, in_p
     @pl.loop(0, rows)
     def _(r):
       row = idx_smem[ring, first_row + r]
+      if prep_in_kernel:  # raw slots: -1 to the row past the cache too, which reads nothing
+        row = jnp.where((row >= 0) & (row < num_slots), row, num_slots)
       for src, tiled, raw in parts:
         for c in range(tiled.shape[0]):
           _copy_row_chunk(src.at[pl.ds(row, 1), c], tiled, raw, r, c, barrier)
@@ -664,9 +679,10 @@ def heads_tile(num_heads, heads_in):
 
 
 def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_splits, auto_barriers,
-                 gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in, interpret):
+                 gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in, prep_in_kernel,
+                 interpret):
   """Pads heads to tiles of heads_tile(N) and slots to 64-slot steps, runs the kernel, merges
-  splits."""
+  splits. prep_in_kernel: the kernel takes the padded slots as they are (`MosaicSparseConfig`)."""
   t, n, d = q.shape
   tile_h = heads_tile(n, heads_in)
   if t == 0 or n == 0:  # no program to run (and no split count: it divides by T x head tiles)
@@ -678,11 +694,16 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
     q = jnp.pad(q, ((0, 0), (0, np_ - n), (0, 0)))
   k = max(pl.cdiv(slots.shape[1], _STEP), 1) * _STEP
   slots = jnp.pad(slots, ((0, 0), (0, k - slots.shape[1])), constant_values=-1)
-  valid = (slots >= 0) & (slots < num_slots)
-  idx = jnp.where(valid, slots, num_slots)  # past the cache: either gather reads nothing there
-  # Walk only up to each row's last valid slot: top-k lists of short rows are mostly -1 padding.
-  extent = jnp.max(jnp.where(valid, jnp.arange(1, k + 1, dtype=jnp.int32), 0), axis=1)
-  steps = lax.div(extent + (_STEP - 1), _STEP)
+  if fp8 or not prep_in_kernel:  # prep_in_kernel: for fp8_ds_mla's scale gather only
+    valid = (slots >= 0) & (slots < num_slots)
+  if prep_in_kernel:
+    index_args = (slots,)
+  else:
+    idx = jnp.where(valid, slots, num_slots)  # past the cache: either gather reads nothing there
+    # Walk only up to each row's last valid slot: top-k lists of short rows are mostly -1 padding.
+    extent = jnp.max(jnp.where(valid, jnp.arange(1, k + 1, dtype=jnp.int32), 0), axis=1)
+    steps = lax.div(extent + (_STEP - 1), _STEP)
+    index_args = (idx, steps)
   splits = _splits(t, head_tiles, k, num_splits, split_rule)
   out_dtype = q.dtype if splits == 1 else jnp.float32
   if interpret is True:
@@ -756,7 +777,8 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
 
   kernel = functools.partial(_kernel, scale=scale, lora=lora, num_splits=splits, fp8=fp8,
                              in_place=in_place, num_slots=num_slots, gather=gather,
-                             heads_n=heads_n, interpret=bool(interpret))
+                             heads_n=heads_n, prep_in_kernel=prep_in_kernel,
+                             interpret=bool(interpret))
   o_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((t, splits, np_, lora), out_dtype),
@@ -782,8 +804,9 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                    f"{f'_half{fp8_stage_halves}' if half_rows else ''}"
                    f"{'_in_place' if in_place else ''}"
                    f"{f'_heads_n{tile_h}' if heads_n else ''}"
+                   f"{'_prep' if prep_in_kernel else ''}"
                    f"_{gather}_s{splits}"),
-  )(q, idx, steps, *cache_args)
+  )(q, *index_args, *cache_args)
   if splits == 1:
     o, lse = o_parts[:, 0], lse_parts[:, 0]
   else:
@@ -792,7 +815,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
 
 
 _STATIC = ("scale", "num_splits", "auto_barriers", "interpret", "gather", "split_rule",
-           "heads_in")
+           "heads_in", "prep_in_kernel")
 GATHERS = ("cp_async", "bulk")
 SPLIT_RULES = ("fill", "one_wave")
 FP8_PIPELINES = ("serial", "half_rows", "in_place")
@@ -858,6 +881,7 @@ class MosaicSparseConfig:
   fp8_pipeline: str | None = None
   fp8_stage_halves: int = 2  # staging in 32-row buffers: "serial" stages 64 rows (2 halves)
   heads_in: str | None = None
+  prep_in_kernel: bool = False
 
   def __post_init__(self):
     if self.gather not in GATHERS:
@@ -874,6 +898,8 @@ class MosaicSparseConfig:
                        f"{self.fp8_stage_halves!r} with {self.fp8_pipeline!r}")
     if self.heads_in is not None and self.heads_in not in HEADS_IN:
       raise ValueError(f"heads_in must be None or one of {HEADS_IN}, got {self.heads_in!r}")
+    if not isinstance(self.prep_in_kernel, bool):
+      raise ValueError(f"prep_in_kernel must be a bool, got {self.prep_in_kernel!r}")
 
 
 CONFIG = MosaicSparseConfig()
@@ -883,7 +909,8 @@ SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rul
          MosaicSparseConfig(fp8_pipeline="half_rows", fp8_stage_halves=3),
          MosaicSparseConfig(fp8_pipeline="in_place"), MosaicSparseConfig(heads_in="m"),
          MosaicSparseConfig(heads_in="n"),
-         MosaicSparseConfig(fp8_pipeline="in_place", heads_in="n"))
+         MosaicSparseConfig(fp8_pipeline="in_place", heads_in="n"),
+         MosaicSparseConfig(prep_in_kernel=True))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))
@@ -892,6 +919,7 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
                      auto_barriers: bool = False, gather: str = CONFIG.gather,
                      split_rule: str = CONFIG.split_rule,
                      heads_in: str | None = CONFIG.heads_in,
+                     prep_in_kernel: bool = CONFIG.prep_in_kernel,
                      interpret: bool | plgpu.InterpretGPUParams = False
                      ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over a bf16 latent cache (semantics of `mla_jax.reference.sparse_attention`).
@@ -904,12 +932,14 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   gather: "cp_async" (the 128 lanes of the memory warpgroup copy 16 bytes each into the swizzled row
   slot) or "bulk" (one bulk copy per row and 64-column chunk, 9 a row; what the interpreter runs
   either way). heads_in: `MosaicSparseConfig`'s ("n": N <= 32 heads in wgmma's N; None:
-  `default_heads_in`, "n" at N <= 32, else "m"). interpret: True or a `plgpu.InterpretGPUParams`
+  `default_heads_in`, "n" at N <= 32, else "m"). prep_in_kernel: `MosaicSparseConfig`'s (the kernel
+  reads the raw slots and walks every step). interpret: True or a `plgpu.InterpretGPUParams`
   runs Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and lse [T, N] float32 (natural
   log); a row with no valid slot gives (0, -inf).
   """
   _check(q, slots, kv_lora_rank, num_splits)
-  MosaicSparseConfig(gather, split_rule, heads_in=heads_in)  # checks them
+  MosaicSparseConfig(gather, split_rule, heads_in=heads_in,
+                     prep_in_kernel=prep_in_kernel)  # checks them
   if heads_in is None:
     heads_in = default_heads_in(q.shape[1], fp8=False)
   if kv_cache.ndim != 3 or kv_cache.shape[2] != q.shape[2] or kv_cache.dtype != jnp.bfloat16:
@@ -921,7 +951,7 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
                       fp8=False, num_splits=num_splits, auto_barriers=auto_barriers,
                       gather=gather, split_rule=split_rule, fp8_pipeline=CONFIG.fp8_pipeline,
                       fp8_stage_halves=CONFIG.fp8_stage_halves, heads_in=heads_in,
-                      interpret=interpret)
+                      prep_in_kernel=prep_in_kernel, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("fp8_pipeline", "fp8_stage_halves"))
@@ -933,6 +963,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                                 fp8_pipeline: str | None = CONFIG.fp8_pipeline,
                                 fp8_stage_halves: int = CONFIG.fp8_stage_halves,
                                 heads_in: str | None = CONFIG.heads_in,
+                                prep_in_kernel: bool = CONFIG.prep_in_kernel,
                                 interpret: bool | plgpu.InterpretGPUParams = False
                                 ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over an fp8_ds_mla cache, widened to bf16 once per gathered row.
@@ -942,8 +973,8 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   bfloat16; slots and options as in `sparse_attention`; fp8_pipeline ("serial", "half_rows",
   "in_place", or None: `default_fp8_pipeline`'s pick for these shapes, num_splits, split_rule and
   gather) and fp8_stage_halves: `MosaicSparseConfig`'s; heads_in too ("n" with fp8_pipeline "serial"
-  or "in_place" named; None: `default_heads_in`, "m"). Returns o [T, N, L] bf16 and lse [T, N]
-  float32.
+  or "in_place" named; None: `default_heads_in`, "m") and prep_in_kernel too. Returns o [T, N, L]
+  bf16 and lse [T, N] float32.
   """
   nb, page, lora = nope.shape
   _check(q, slots, lora, num_splits)
@@ -954,7 +985,8 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                      f"[NB, BS, L/{DS_MLA_TILE}] f32, rope [NB, BS, R] bf16 and q [T, N, L+R]; got "
                      f"{nope.dtype.name}{nope.shape}, {tile_scales.dtype.name}{tile_scales.shape}, "
                      f"{rope.dtype.name}{rope.shape}, q {q.shape}")
-  MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in)  # checks them
+  MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in,
+                     prep_in_kernel)  # checks them
   if heads_in is None:
     heads_in = default_heads_in(q.shape[1], fp8=True)
   if heads_in == "n" and fp8_pipeline not in HEADS_N_FP8_PIPELINES:
@@ -972,4 +1004,4 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                       scale=scale, lora=lora, num_slots=num_slots, fp8=True, num_splits=num_splits,
                       auto_barriers=auto_barriers, gather=gather, split_rule=split_rule,
                       fp8_pipeline=fp8_pipeline, fp8_stage_halves=fp8_stage_halves,
-                      heads_in=heads_in, interpret=interpret)
+                      heads_in=heads_in, prep_in_kernel=prep_in_kernel, interpret=interpret)
