@@ -369,9 +369,10 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
 
     @pl.loop(0, rows)
     def _(r):
+      # Raw slots (prep_in_kernel) need no mapping: a copy at row -1 reads nothing either (bulk
+      # copy coordinates are signed: the box lies outside the cache and fills zeros; so does the
+      # interpreter's).
       row = idx_smem[ring, first_row + r]
-      if prep_in_kernel:  # raw slots: -1 to the row past the cache too, which reads nothing
-        row = jnp.where((row >= 0) & (row < num_slots), row, num_slots)
       for src, tiled, raw in parts:
         for c in range(tiled.shape[0]):
           _copy_row_chunk(src.at[pl.ds(row, 1), c], tiled, raw, r, c, barrier)

@@ -501,7 +501,8 @@ def test_mosaic_sparse_default_heads_in_reaches_the_kernel(n, want):
   assert str(jax.make_jaxpr(fp8)()) == str(jax.make_jaxpr(functools.partial(fp8, heads_in="m"))())
 
 
-def check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves, heads_in="m"):
+def check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves, heads_in="m",
+                            prep_in_kernel=False):
   """The Mosaic sparse kernel at T=128, 2048 slots over 1M tokens, lowered for CUDA (it runs on
   this CPU), which checks what the interpreter does not: wgmma operand layouts and swizzles,
   bulk-copy boxes, the untiled aliases, the cp.async code, the register layouts of the widening
@@ -520,11 +521,12 @@ def check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves, h
         q, jax.ShapeDtypeStruct((tokens // 64, 64, 512), jnp.float8_e4m3fn),
         jax.ShapeDtypeStruct((tokens // 64, 64, 4), jnp.float32),
         jax.ShapeDtypeStruct((tokens // 64, 64, 64), jnp.bfloat16), slots, scale=0.1,
-        gather=gather, fp8_pipeline=fp8_pipeline, fp8_stage_halves=halves, heads_in=heads_in)
+        gather=gather, fp8_pipeline=fp8_pipeline, fp8_stage_halves=halves, heads_in=heads_in,
+        prep_in_kernel=prep_in_kernel)
   else:
     traced = mosaic_sparse.sparse_attention.trace(
         q, jax.ShapeDtypeStruct((tokens // 64, 64, 576), jnp.bfloat16), slots, scale=0.1,
-        gather=gather, heads_in=heads_in)
+        gather=gather, heads_in=heads_in, prep_in_kernel=prep_in_kernel)
   assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
   assert counted[-1] <= 227 * 1024
   jax.clear_caches()
@@ -545,6 +547,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
   fp8_stage_halves = mosaic_sparse.CONFIG.fp8_stage_halves
   # What the cases run: the default (None), "n" for bf16 caches up to 32 heads, else "m".
   heads_in = mosaic_sparse.CONFIG.heads_in
+  prep_in_kernel = mosaic_sparse.CONFIG.prep_in_kernel  # False: XLA's idx and steps
 
   def fn(self):
     run = super().fn()
@@ -554,8 +557,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
         pytest.skip(f"pallas_mosaic's sparse kernel takes bfloat16 q only, got {q.dtype}")
       if isinstance(cache, LatentCache) and cache.scale_or_none is not None:
         pytest.skip("pallas_mosaic's sparse kernel reads no per-tensor float8 latent cache")
-      if self.heads_in is not None:
-        if q.shape[1] > mosaic_sparse.HEADS_N_TILES[-1]:
+      if self.heads_in is not None or self.prep_in_kernel:
+        if self.heads_in is not None and q.shape[1] > mosaic_sparse.HEADS_N_TILES[-1]:
           pytest.skip(f"heads_in=\"n\" takes at most {mosaic_sparse.HEADS_N_TILES[-1]} heads, and "
                       f"above them \"m\" is the default (the parent's case)")
         if isinstance(cache, DSMLACache) and self.heads_in == "m":
@@ -563,10 +566,11 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
         if isinstance(cache, DSMLACache):
           return mosaic_sparse.sparse_attention_fp8_ds_mla(
               q, cache.nope, cache.tile_scales, cache.rope, slots, scale=scale,
-              fp8_pipeline=self.fp8_pipeline, heads_in=self.heads_in, interpret=True)
+              fp8_pipeline=self.fp8_pipeline, heads_in=self.heads_in,
+              prep_in_kernel=self.prep_in_kernel, interpret=True)
         return mosaic_sparse.sparse_attention(q, cache.data, slots, scale=scale,
                                               kv_lora_rank=kv_lora_rank, heads_in=self.heads_in,
-                                              interpret=True)
+                                              prep_in_kernel=self.prep_in_kernel, interpret=True)
       if (self.fp8_pipeline, self.fp8_stage_halves) == (mosaic_sparse.CONFIG.fp8_pipeline,
                                                         mosaic_sparse.CONFIG.fp8_stage_halves):
         return run(q, cache, slots, scale=scale, kv_lora_rank=kv_lora_rank)
@@ -597,7 +601,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     o, lse = mosaic_sparse.sparse_attention_fp8_ds_mla(
         q, cache.nope, cache.tile_scales, cache.rope, jnp.asarray(slots), scale=0.05, num_splits=1,
         fp8_pipeline=self.fp8_pipeline, fp8_stage_halves=self.fp8_stage_halves,
-        heads_in=self.heads_in, interpret=True)
+        heads_in=self.heads_in, prep_in_kernel=self.prep_in_kernel, interpret=True)
     assert_matches_oracle(o, lse, q, rows, slots, rows.shape[0], lora)
 
   @pytest.mark.parametrize("fp8_pipeline", ["serial", "half_rows"])
@@ -612,7 +616,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     q, cache, slots, rows = poisoned_case(70, 16, "fp8_ds_mla", 256, t=2, k=160, nb=12)
     o, lse = mosaic_sparse.sparse_attention_fp8_ds_mla(
         q, cache.nope, cache.tile_scales, cache.rope, jnp.asarray(slots), scale=0.05, num_splits=1,
-        fp8_pipeline=fp8_pipeline, interpret=plgpu.InterpretGPUParams(detect_races=True))
+        fp8_pipeline=fp8_pipeline, prep_in_kernel=self.prep_in_kernel,
+        interpret=plgpu.InterpretGPUParams(detect_races=True))
     jax.block_until_ready(o)
     assert not report.get_races().races_found
     o_ref, _ = sparse_np(np.asarray(q.astype(jnp.float32)), lambda s: rows[s].astype(np.float64),
@@ -631,7 +636,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     slots[2, 256:] = -1
     o, lse = mosaic_sparse.sparse_attention(
         q, cache.data, jnp.asarray(slots), scale=0.05, kv_lora_rank=L, num_splits=1,
-        heads_in=self.heads_in, interpret=plgpu.InterpretGPUParams(detect_races=True))
+        heads_in=self.heads_in, prep_in_kernel=self.prep_in_kernel,
+        interpret=plgpu.InterpretGPUParams(detect_races=True))
     jax.block_until_ready(o)
     assert not report.get_races().races_found
     assert o.shape == (3, n, L) and lse.shape == (3, n)
@@ -641,7 +647,9 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     q, cache, slots, _ = poisoned_case(31, 16, "bf16", k=90)  # 2 steps of 64 slots
     run = lambda s: mosaic_sparse.sparse_attention(q, cache.data, jnp.asarray(slots), scale=0.05,
                                                    kv_lora_rank=L, num_splits=s,
-                                                   heads_in=self.heads_in, interpret=True)
+                                                   heads_in=self.heads_in,
+                                                   prep_in_kernel=self.prep_in_kernel,
+                                                   interpret=True)
     (o1, l1), (o3, l3) = run(1), run(3)
     np.testing.assert_allclose(np.asarray(o3, np.float32), np.asarray(o1, np.float32), rtol=2 / 128,
                                atol=1e-2)  # bf16 outputs: a split merge may round 1 ulp apart
@@ -858,3 +866,86 @@ class TestPallasMosaicSparseAttentionHeadsNInPlace(TestPallasMosaicSparseAttenti
   test_heads_in_n_lowers_for_hopper = None
   test_heads_in_n_bad_input_raises = None
   test_empty_batch_gives_empty_results = None
+
+
+class TestPallasMosaicSparseAttentionPrepInKernel(TestPallasMosaicSparseAttention):
+  """prep_in_kernel=True (RESULTS, sparse v13): the kernel takes the raw slots (-1 padded to whole
+  steps), masks -1 and past-the-cache slots itself (the gathers read nothing there, the scores
+  are -inf) and walks every step. The contract's cases (bf16 and fp8_ds_mla; fp8_ds_mla's default
+  "half_rows" at these few tokens; bf16 "n" up to 32 heads, else "m"), the poisoned ones (NaN in
+  unselected rows, -1 and past-the-cache slots, row 1 with none valid), several steps with rows
+  ending early (steps past a row's last valid slot walked, and row 1's all of them), splits, the
+  race detector, and the lowering with the smem count."""
+  prep_in_kernel = True
+  # Cases that call the default only: the parent's.
+  test_bad_backend_input_raises = None
+  test_bad_input_raises = None
+  test_shared_memory_past_the_limit_raises = None
+  test_bad_ds_mla_layout_raises = None
+  test_config_default_and_sweep = None
+
+  @pytest.mark.parametrize("n,fp8,gather,fp8_pipeline", [
+      (128, False, "cp_async", None), (16, False, "cp_async", None), (128, False, "bulk", None),
+      (128, True, "cp_async", "half_rows"), (128, True, "bulk", "half_rows"),
+      (128, True, "cp_async", "in_place")])
+  def test_lowers_for_hopper(self, n, fp8, gather, fp8_pipeline, monkeypatch):
+    heads_in = mosaic_sparse.default_heads_in(n, fp8)
+    check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, 2, heads_in=heads_in,
+                            prep_in_kernel=True)
+
+  @pytest.mark.parametrize("fp8", [False, True])
+  def test_slot_prep_leaves_the_call(self, fp8):
+    # Outside the kernel, the default computes idx (a select) and the per-row steps (a max over
+    # the row); prep_in_kernel passes the slots as they are. fp8_ds_mla keeps its scale gather
+    # (a gather and a select, which the default has too).
+    t, n, k, nb = 128, 128, 2048, 1 << 14
+    q = jax.ShapeDtypeStruct((t, n, L + R), jnp.bfloat16)
+    slots = jax.ShapeDtypeStruct((t, k), jnp.int32)
+    if fp8:
+      cache = (jax.ShapeDtypeStruct((nb, 64, L), jnp.float8_e4m3fn),
+               jax.ShapeDtypeStruct((nb, 64, L // 128), jnp.float32),
+               jax.ShapeDtypeStruct((nb, 64, R), jnp.bfloat16))
+      entry = lambda **kw: jax.make_jaxpr(functools.partial(
+          mosaic_sparse.sparse_attention_fp8_ds_mla, scale=0.1, **kw))(q, *cache, slots)
+    else:
+      kv = jax.ShapeDtypeStruct((nb, 64, L + R), jnp.bfloat16)
+      entry = lambda **kw: jax.make_jaxpr(functools.partial(
+          mosaic_sparse.sparse_attention, scale=0.1, kv_lora_rank=L, **kw))(q, kv, slots)
+
+    def outside(jaxpr):  # primitives outside the kernel, through the jit entry
+      names = []
+      for eqn in jaxpr.eqns:
+        inner = eqn.params.get("jaxpr")
+        if eqn.primitive.name != "pallas_call" and inner is not None:
+          names += outside(getattr(inner, "jaxpr", inner))
+        else:
+          names.append(eqn.primitive.name)
+      return names
+
+    default, prep = outside(entry().jaxpr), outside(entry(prep_in_kernel=True).jaxpr)
+    assert "reduce_max" in default and "reduce_max" not in prep
+    assert default.count("select_n") == prep.count("select_n") + 2  # idx and the extent
+    assert prep.count("gather") == default.count("gather") == (1 if fp8 else 0)
+    assert "_prep_" in str(entry(prep_in_kernel=True)) and "_prep_" not in str(entry())
+
+
+class TestPallasMosaicSparseAttentionPrepInKernelInPlace(TestPallasMosaicSparseAttentionSerial):
+  """prep_in_kernel=True with fp8_pipeline="in_place" (the fp8_ds_mla default where many one-split
+  programs run): the contract's fp8_ds_mla cases and the multi-step one (128 heads, poisoned,
+  rows ending early and one with none valid); bf16 skips (the class above)."""
+  fp8_pipeline = "in_place"
+  prep_in_kernel = True
+  test_bf16_q_poisoned_cache_matches_oracle = None  # the multi-step case is poisoned too
+
+  def fn(self):
+    run = super().fn()
+
+    def fp8_only(q, cache, slots, **kwargs):
+      if not isinstance(cache, DSMLACache):
+        pytest.skip("fp8_pipeline changes only the fp8_ds_mla path (bf16: the class above)")
+      return run(q, cache, slots, **kwargs)
+    return fp8_only
+
+  @pytest.mark.parametrize("n,lora", [(128, L)])
+  def test_fp8_ds_mla_steps_of_one_split_match_oracle(self, n, lora):
+    super().test_fp8_ds_mla_steps_of_one_split_match_oracle(n, lora)
