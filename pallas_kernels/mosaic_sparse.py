@@ -876,7 +876,17 @@ class MosaicSparseConfig:
   N=32 0.139 / 0.147. "n" runs flat over 16 and 32 heads: the gather paces the call, not the
   consumers (the prediction of 0.080-0.098 ms bf16 missed). Not timed: "n" at other token counts
   (several splits at few tokens; 4096 tokens), and with the bulk gather (which the rule does not
-  see: it is no default)."""
+  see: it is no default).
+  prep_in_kernel (RESULTS, sparse v13, prepared, not timed; default False): the kernel takes the
+  slots as they are (-1 padded to whole steps) instead of XLA's idx (invalid slots mapped past the
+  cache) and per-row step counts, so those two XLA kernels (T=128: 4.3-4.6 us) and their launch
+  gaps leave the call. Invalid slots need nothing new on the memory side (the cp.async gather's
+  compare is unsigned, so -1 reads nothing like a slot past the cache; a bulk copy's signed
+  coordinates put a row at -1 outside the cache, zero-filled); the scores mask them with one more
+  compare. Every program walks all its steps: a step past a row's last valid slot gathers zeros
+  and scores -inf, changing nothing (alpha 1, P 0), so top-k lists that end early cost their
+  missing steps (none for full 2048-slot decode lists; up to 1.32x the kernel for a first 4096-token
+  prefill chunk). fp8_ds_mla keeps XLA's scale gather."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
   fp8_pipeline: str | None = None

@@ -170,6 +170,40 @@ def test_mosaic_sparse_default_fp8_pipeline_at_4096_tokens_equals_serial_bit_for
     np.testing.assert_array_equal(g, w)
 
 
+# prep_in_kernel (RESULTS, sparse v13): the kernel takes the raw slots (-1 and past-the-cache
+# slots: the cp.async gather's unsigned compare and the bulk copy's signed coordinates read nothing
+# there, the scores mask them) and walks every step. A step past a row's last valid slot changes
+# nothing (alpha 1, P 0, zero rows), so at one split (T=128) it equals the default bit for bit:
+# checked with rows 2 and 3 ending early (-1 and past-the-cache tails) beside rows 0 (nothing) and 1
+# (one slot); and against the reference. Both gathers for bf16, fp8_ds_mla's two pipelines.
+@pytest.mark.parametrize("n,kind,options", [
+    (128, "bf16", {}), (16, "bf16", {}), (128, "bf16", {"gather": "bulk"}),
+    (128, "fp8_ds_mla", {"fp8_pipeline": "half_rows"}),
+    (16, "fp8_ds_mla", {"fp8_pipeline": "half_rows"}),
+    (128, "fp8_ds_mla", {"fp8_pipeline": "in_place"})])
+def test_mosaic_sparse_prep_in_kernel_matches_reference_and_the_default(n, kind, options):
+  def run(q, cache, slots, *, scale, kv_lora_rank, prep_in_kernel=True):
+    if isinstance(cache, DSMLACache):
+      return mosaic_sparse.sparse_attention_fp8_ds_mla(
+          q, cache.nope, cache.tile_scales, cache.rope, slots, scale=scale,
+          prep_in_kernel=prep_in_kernel, **options)
+    return mosaic_sparse.sparse_attention(q, cache.data, slots, scale=scale,
+                                          kv_lora_rank=kv_lora_rank,
+                                          prep_in_kernel=prep_in_kernel, **options)
+
+  check_sparse_attention(n, kind, run)
+  q, cache, slots = sparse_case(n + 3, n, kind)
+  slots = slots.at[2, 1000:].set(-1).at[3, 5 * 64 + 3:].set(CACHE_TOKENS + 5)
+  results = []
+  for prep in (False, True):
+    poison_allocator()
+    results.append([np.asarray(a, np.float32)
+                    for a in run(q, cache, slots, scale=SCALE, kv_lora_rank=L,
+                                 prep_in_kernel=prep)])
+  for got, want in zip(results[1], results[0]):
+    np.testing.assert_array_equal(got, want)
+
+
 def check_sparse_attention(n, kind, sparse_attention, tokens=CACHE_TOKENS):
   """sparse_attention (the backend contract's signature) against the XLA reference on the GPU."""
   q, cache, slots = sparse_case(n + len(kind), n, kind, tokens=tokens)
