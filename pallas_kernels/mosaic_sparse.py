@@ -102,7 +102,7 @@ _SWIZZLE_ROWS = 8  # the 128-byte swizzle permutes 16-byte units by the row's pl
 _CHUNK_BYTES = 128  # a tile row: the swizzle width
 
 
-def _cp_async_rows(parts, idx, *, num_slots):
+def _cp_async_rows(parts, idx, *, num_slots, scales=None):
   """Warp-cooperative gather of a step's 64 rows (or a half step's 32), issued by every lane of
   the memory warpgroup (then one `cp.async` group committed).
 
@@ -115,6 +115,10 @@ def _cp_async_rows(parts, idx, *, num_slots):
   instructions a part. The destination of row r, chunk c, unit u is c * rows * 128 + r * 128 +
   (u ^ (r % 8)) * 16 (the 128-byte swizzle). An invalid row copies 0 source bytes: cp.async fills
   the 16 bytes with zeros and reads nothing.
+  scales (prep_in_kernel's fp8_ds_mla): (src [S, J] f32, the cache's tile scales; dst [J, rows]
+  f32, what the widening reads): rows x J 4-byte copies in the same group, J consecutive lanes
+  reading one row's 4 J contiguous bytes (rows * J / 128 a lane; 0, zero-filled, for an invalid
+  row).
   """
   rows = parts[0][1].shape[1]
   unit_per_row = _CHUNK_BYTES // _SEG
@@ -128,6 +132,12 @@ def _cp_async_rows(parts, idx, *, num_slots):
                        f"and {dst.shape}")
     swizzle = (plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(_CHUNK_BYTES))
     arg_types += [plgpu.RefType(), plgpu.RefType(swizzle)]
+  if scales is not None:
+    per_row = scales[0].shape[1]
+    if scales[1].shape != (per_row, rows):
+      raise ValueError(f"want scales src [S, J] and dst [J, {rows}], got {scales[0].shape} and "
+                       f"{scales[1].shape}")
+    arg_types += [plgpu.RefType(), plgpu.RefType()]
 
   @plgpu.inline_mgpu(arg_types=tuple(arg_types))
   def issue(_, rows_ref, *refs):
@@ -137,6 +147,8 @@ def _cp_async_rows(parts, idx, *, num_slots):
     lane, warp = arith.remui(tid, c32(32)), arith.divui(tid, c32(32))
     unit = arith.remui(lane, c32(unit_per_row))
     global_ptr = llvm.PointerType.get(address_space=1)
+    if scales is not None:
+      *refs, scale_src, scale_dst = refs
     bases = [(llvm.addrspacecast(global_ptr, mgpu_utils.memref_ptr(src)),
               mgpu_utils.memref_ptr(dst), chunks)
              for src, dst, chunks in zip(refs[::2], refs[1::2], chunk_counts)]
@@ -161,9 +173,29 @@ def _cp_async_rows(parts, idx, *, num_slots):
               dst_base, [arith.addi(dst_off, c32(c * rows * _CHUNK_BYTES))], i8)
           nvvm.cp_async_shared_global(dst_ptr, src_ptr, _SEG, nvvm.LoadCacheModifierKind.CG,
                                       cp_size=size)
+    if scales is not None:
+      src_base = llvm.addrspacecast(global_ptr, mgpu_utils.memref_ptr(scale_src))
+      dst_base = mgpu_utils.memref_ptr(scale_dst)
+      total = rows * per_row
+      for g in range(-(-total // _WG_THREADS)):
+        e = arith.addi(tid, c32(g * _WG_THREADS))  # row e / J, tile e % J
+        if (g + 1) * _WG_THREADS > total:  # lanes past the end repeat the last copy (same bytes)
+          e = arith.minui(e, c32(total - 1))
+        r, j = arith.divui(e, c32(per_row)), arith.remui(e, c32(per_row))
+        row = memref.load(rows_ref, [arith.index_cast(ir.IndexType.get(), r)])
+        valid = arith.cmpi(arith.CmpIPredicate.ult, row, c32(num_slots))
+        row = arith.select(valid, row, c32(0))
+        src_ptr = mgpu_utils.getelementptr(
+            src_base, [arith.extui(i64, arith.addi(arith.muli(row, c32(per_row)), j))],
+            ir.F32Type.get())
+        dst_ptr = mgpu_utils.getelementptr(
+            dst_base, [arith.addi(arith.muli(j, c32(rows)), r)], ir.F32Type.get())
+        # 4 bytes: cp.async's .cg takes 16 only (.ca: 4, 8 or 16).
+        nvvm.cp_async_shared_global(dst_ptr, src_ptr, 4, nvvm.LoadCacheModifierKind.CA,
+                                    cp_size=arith.select(valid, c32(4), c32(0)))
     nvvm.cp_async_commit_group()
 
-  issue(idx, *(ref for part in parts for ref in part))
+  issue(idx, *(ref for part in parts for ref in part), *(scales or ()))
 
 
 def _cp_async_wait(pending):
@@ -182,7 +214,9 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
   # tile's first Np rows, the others never stored); idx_ref [T, Kp] int32 (slot, or num_slots
   # where invalid); steps_ref [T] int32 (steps of 64 slots up to the last valid one).
   # prep_in_kernel: idx_ref holds the raw slots (-1 padded to Kp; -1 and past the cache invalid),
-  # and there is no steps_ref: every program walks all Kp/64 steps (its split's share). bf16:
+  # there is no steps_ref (every program walks all Kp/64 steps, its split's share), fp8's
+  # scales_ref is the cache's [S, L/128] (gathered with the rows), and with the cp_async gather
+  # there is no staged barrier. bf16:
   # kv_ref [S, D/64, 64] bf16. fp8: nope_ref [S, L/128, 128] e4m3, rope_ref [S, R/64, 64] bf16,
   # scales_ref [T, Kp/64, L/128, 64] f32 (the selected rows' tile scales, a block a step).
   # o_ref [T, splits, Np, L]; lse_ref [T, splits, Np] f32.
@@ -204,6 +238,8 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
   # slot's RoPE tiles; staged [2].
   if not prep_in_kernel:
     steps_ref, *rest = rest
+  elif fp8 and gather == "cp_async":
+    rest = (*rest, None)  # no staged barrier: the rows' cp.async groups carry the tile scales
   if in_place:
     (nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buffers, p_smem, row_smem, idx_smem, q_bar,
      ready, consumed, p_ready, p_free, idx_bar, staged) = rest
@@ -352,19 +388,21 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
     plgpu.copy_gmem_to_smem(idx_ref.at[t, pl.ds((first + i) * _STEP, _STEP)], idx_smem.at[ring],
                             idx_bar.at[ring])
 
-  def gather_step(i, parts, barrier, half=None):
+  def gather_step(i, parts, barrier, half=None, scales=None):
     """Issues step i's 64 rows (or rows 32 * half to 32 * half + 31) once its indices have landed
     (waited for here, but not again for half 1: a warpgroup waits on each phase once). parts:
-    (src [S, C, w], tiled dst [C, rows, w], its untiled alias or None) per part of a row.
+    (src [S, C, w], tiled dst [C, rows, w], its untiled alias or None) per part of a row; scales
+    (prep_in_kernel's fp8_ds_mla): (src [S, J] f32, dst [J, rows] f32) the rows' tile scales.
     cp_async: one committed group of the warpgroup's copies (the caller waits for it); bulk:
-    every row chunk's copy arrives on barrier."""
+    every row chunk's copy (and every row's tile scale's) arrives on barrier."""
     ring = lax.rem(i, _IDX_RING)
     if half != 1 and not in_place:  # "in_place" waits for them a step earlier (indices_landed)
       plgpu.barrier_wait(idx_bar.at[ring])
     rows, first_row = (_STEP, 0) if half is None else (HALF_ROWS, half * HALF_ROWS)
     if gather == "cp_async":
       _cp_async_rows(tuple((src, dst) for src, dst, _ in parts),
-                     idx_smem.at[ring, pl.ds(first_row, rows)], num_slots=num_slots)
+                     idx_smem.at[ring, pl.ds(first_row, rows)], num_slots=num_slots,
+                     scales=scales)
       return
 
     @pl.loop(0, rows)
@@ -376,6 +414,29 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
       for src, tiled, raw in parts:
         for c in range(tiled.shape[0]):
           _copy_row_chunk(src.at[pl.ds(row, 1), c], tiled, raw, r, c, barrier)
+      if scales is not None:  # one float a copy: the interpreter's (the GPU's bulk copies take
+        src, dst = scales     # 16-byte boxes; prep_in_kernel's fp8_ds_mla takes cp_async there)
+        for j in range(src.shape[1]):
+          plgpu.copy_gmem_to_smem(src.at[pl.ds(row, 1), j], dst.at[j, pl.ds(r, 1)], barrier)
+
+  def scale_part(block, dst, barrier):
+    """A staging fill's tile scales into dst [L/128, rows]: XLA's gathered block (a bulk copy
+    arriving on barrier, issued here), or with prep_in_kernel the (src, dst) that gather_step
+    gathers with the rows."""
+    if prep_in_kernel:
+      return scales_ref, dst
+    plgpu.copy_gmem_to_smem(scales_ref.at[t, block], dst, barrier)
+    return None
+
+  def staged_barrier(k):
+    """Staging fill k's barrier (None without one, as wait_staged says)."""
+    return None if staged is None else staged.at[k]
+
+  def wait_staged(barrier):
+    """Waits for a staging fill's bulk copies: none with prep_in_kernel's cp_async gather (no
+    barrier; the rows' cp.async group carries the scales, which the caller waits for)."""
+    if barrier is not None:
+      plgpu.barrier_wait(barrier)
 
   @pl.when(wg == _VALUE_WGS)
   def _memory():
@@ -432,11 +493,11 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
       def stage(i):
         """Step i's tile scales, e4m3 NoPE rows and RoPE rows into its row slot (free by now)."""
         slot = lax.rem(i, slots)
-        plgpu.copy_gmem_to_smem(scales_ref.at[t, first + i],
-                                slot_scales.at[slot, 0, pl.ds(0, tiles)], staged.at[slot])
+        scales = scale_part(first + i, slot_scales.at[slot, 0, pl.ds(0, tiles)],
+                            staged_barrier(slot))
         gather_step(i, ((nope_ref, slot_nope.at[slot, pl.ds(tiles, tiles)], None),
                         (rope_ref, kv.at[slot, pl.ds(2 * tiles, chunks - 2 * tiles)], None)),
-                    staged.at[slot])
+                    staged_barrier(slot), scales=scales)
 
       def widen_in_place(slot):
         """The slot's e4m3 NoPE tile j (staged in bf16 tile L/128 + j) times its tile scales
@@ -467,7 +528,7 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
       @pl.loop(0, n)
       def _(i):
         slot = lax.rem(i, slots)
-        plgpu.barrier_wait(staged.at[slot])
+        wait_staged(staged_barrier(slot))
         if gather == "cp_async":
           rows_landed()  # this step's is the only group in flight
         widen_in_place(slot)
@@ -513,15 +574,15 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
 
     if pieces == 1:
       def stage(i):
-        plgpu.copy_gmem_to_smem(scales_ref.at[t, first + i], stage_scales, staged)
+        scales = scale_part(first + i, stage_scales, staged)
         gather_step(i, ((nope_ref, stage_nope, nope_raw), (rope_ref, stage_rope, rope_raw)),
-                    staged)
+                    staged, scales=scales)
 
       pl.when(n > 0)(functools.partial(stage, 0))
 
       @pl.loop(0, n)
       def _(i):
-        plgpu.barrier_wait(staged)
+        wait_staged(staged)
         if gather == "cp_async":
           rows_landed()
         pl.when(i > 0)(lambda: plgpu.barrier_wait(consumed.at[0]))
@@ -545,11 +606,11 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
 
     def stage_half(i, part, buf):
       """Step i's half part (its tile scales, NoPE and RoPE rows) into staging buffer buf."""
-      plgpu.copy_gmem_to_smem(scales_ref.at[t, (first + i) * pieces + part], stage_scales.at[buf],
-                              staged.at[buf])
+      scales = scale_part((first + i) * pieces + part, stage_scales.at[buf], staged_barrier(buf))
       at = lambda ref: None if ref is None else ref.at[buf]
       gather_step(i, ((nope_ref, stage_nope.at[buf], at(nope_raw)),
-                      (rope_ref, stage_rope.at[buf], at(rope_raw))), staged.at[buf], half=part)
+                      (rope_ref, stage_rope.at[buf], at(rope_raw))), staged_barrier(buf),
+                  half=part, scales=scales)
 
     for j in range(ring):
       pl.when(j < n * pieces)(functools.partial(stage_half, j // pieces, j % pieces, j))
@@ -559,7 +620,7 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
       for part in range(pieces):
         j = i * pieces + part
         buf = lax.rem(j, ring)
-        plgpu.barrier_wait(staged.at[buf])
+        wait_staged(staged_barrier(buf))
         if gather == "cp_async":
           in_flight = n * pieces - 1 - j  # groups committed after G(j), up to ring - 1
           for k in range(ring):
@@ -695,11 +756,10 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
     q = jnp.pad(q, ((0, 0), (0, np_ - n), (0, 0)))
   k = max(pl.cdiv(slots.shape[1], _STEP), 1) * _STEP
   slots = jnp.pad(slots, ((0, 0), (0, k - slots.shape[1])), constant_values=-1)
-  if fp8 or not prep_in_kernel:  # prep_in_kernel: for fp8_ds_mla's scale gather only
-    valid = (slots >= 0) & (slots < num_slots)
   if prep_in_kernel:
     index_args = (slots,)
   else:
+    valid = (slots >= 0) & (slots < num_slots)
     idx = jnp.where(valid, slots, num_slots)  # past the cache: either gather reads nothing there
     # Walk only up to each row's last valid slot: top-k lists of short rows are mostly -1 padding.
     extent = jnp.max(jnp.where(valid, jnp.arange(1, k + 1, dtype=jnp.int32), 0), axis=1)
@@ -738,7 +798,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                 plgpu.SMEM((row_slots, chunks, _COLS // 2, _STEP), jnp.float32))]
   scratch = [plgpu.RefUnion(*groups)]
   tiles = lora // DS_MLA_TILE, (d - lora) // _COLS  # fp8_ds_mla: NoPE scale tiles, RoPE tiles
-  if fp8:
+  if fp8 and not prep_in_kernel:  # prep_in_kernel: the kernel gathers them from tile_scales
     nope, rope, tile_scales = cache_args
     # The selected rows' tile scales, [T, Kp/rows, L/128, rows] (rows: 64, or 32 with
     # "half_rows"): 16 bytes a slot (0 where invalid), one contiguous block a staging fill.
@@ -763,10 +823,13 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                             num_barriers=row_slots),
               plgpu.Barrier(num_arrivals=_VALUE_WGS, num_barriers=row_slots),
               plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(num_barriers=_IDX_RING)]
-  if fp8:
-    # A staging fill's scales copy, and with the bulk gather every row chunk's copy.
+  if fp8 and not (prep_in_kernel and gather == "cp_async"):
+    # A staging fill's scales copy, and with the bulk gather every row chunk's copy; prep_in_kernel
+    # (bulk in the interpreter): every row chunk's and every row's tile scale's copy (cp_async:
+    # none, the rows' cp.async group carries the scales).
     scratch.append(plgpu.Barrier(
-        num_arrivals=1 + (step_rows * sum(tiles) if gather == "bulk" else 0),
+        num_arrivals=(step_rows * (sum(tiles) + tiles[0]) if prep_in_kernel
+                      else 1 + (step_rows * sum(tiles) if gather == "bulk" else 0)),
         num_barriers=(row_slots,) if in_place else halves))
   heads_n = heads_in == "n"
   reduction_bytes = _REDUCTION_BYTES_PER_8_HEADS * tile_h // 8 if heads_n else 0
@@ -998,6 +1061,9 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                      f"{rope.dtype.name}{rope.shape}, q {q.shape}")
   MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in,
                      prep_in_kernel)  # checks them
+  if prep_in_kernel and gather != "cp_async":
+    raise ValueError(f"prep_in_kernel with fp8_ds_mla takes the cp_async gather (bulk copies of "
+                     f"4-byte tile scales are under a bulk copy's 16-byte box), got {gather!r}")
   if heads_in is None:
     heads_in = default_heads_in(q.shape[1], fp8=True)
   if heads_in == "n" and fp8_pipeline not in HEADS_N_FP8_PIPELINES:

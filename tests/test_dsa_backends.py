@@ -886,8 +886,8 @@ class TestPallasMosaicSparseAttentionPrepInKernel(TestPallasMosaicSparseAttentio
 
   @pytest.mark.parametrize("n,fp8,gather,fp8_pipeline", [
       (128, False, "cp_async", None), (16, False, "cp_async", None), (128, False, "bulk", None),
-      (128, True, "cp_async", "half_rows"), (128, True, "bulk", "half_rows"),
-      (128, True, "cp_async", "in_place")])
+      (128, True, "cp_async", "half_rows"), (128, True, "cp_async", "serial"),
+      (128, True, "cp_async", "in_place"), (32, True, "cp_async", "half_rows")])
   def test_lowers_for_hopper(self, n, fp8, gather, fp8_pipeline, monkeypatch):
     heads_in = mosaic_sparse.default_heads_in(n, fp8)
     check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, 2, heads_in=heads_in,
@@ -895,9 +895,9 @@ class TestPallasMosaicSparseAttentionPrepInKernel(TestPallasMosaicSparseAttentio
 
   @pytest.mark.parametrize("fp8", [False, True])
   def test_slot_prep_leaves_the_call(self, fp8):
-    # Outside the kernel, the default computes idx (a select) and the per-row steps (a max over
-    # the row); prep_in_kernel passes the slots as they are. fp8_ds_mla keeps its scale gather
-    # (a gather and a select, which the default has too).
+    # Outside the kernel, the default computes idx (a select), the per-row steps (a max over the
+    # row) and for fp8_ds_mla the rows' tile scales (a gather, a select, a transpose);
+    # prep_in_kernel passes the slots (padded with -1 where K is not whole steps) as they are.
     t, n, k, nb = 128, 128, 2048, 1 << 14
     q = jax.ShapeDtypeStruct((t, n, L + R), jnp.bfloat16)
     slots = jax.ShapeDtypeStruct((t, k), jnp.int32)
@@ -923,10 +923,21 @@ class TestPallasMosaicSparseAttentionPrepInKernel(TestPallasMosaicSparseAttentio
       return names
 
     default, prep = outside(entry().jaxpr), outside(entry(prep_in_kernel=True).jaxpr)
-    assert "reduce_max" in default and "reduce_max" not in prep
-    assert default.count("select_n") == prep.count("select_n") + 2  # idx and the extent
-    assert prep.count("gather") == default.count("gather") == (1 if fp8 else 0)
+    assert {"reduce_max", "select_n"} <= set(default) and ("gather" in default) == fp8
+    assert not {"reduce_max", "select_n", "gather", "transpose", "ge", "lt"} & set(prep), prep
     assert "_prep_" in str(entry(prep_in_kernel=True)) and "_prep_" not in str(entry())
+
+
+  def test_prep_in_kernel_bad_input_raises(self):
+    q, slots = jnp.zeros((2, 16, L + R), jnp.bfloat16), jnp.zeros((2, 8), jnp.int32)
+    cache = (jnp.zeros((4, 16, L), jnp.float8_e4m3fn), jnp.zeros((4, 16, L // 128), jnp.float32),
+             jnp.zeros((4, 16, R), jnp.bfloat16))
+    with pytest.raises(ValueError, match="prep_in_kernel with fp8_ds_mla takes the cp_async"):
+      mosaic_sparse.sparse_attention_fp8_ds_mla(q, *cache, slots, scale=0.1, gather="bulk",
+                                                prep_in_kernel=True, interpret=True)
+    with pytest.raises(ValueError, match="prep_in_kernel must be a bool"):
+      mosaic_sparse.sparse_attention(q, jnp.zeros((4, 16, L + R), jnp.bfloat16), slots, scale=0.1,
+                                     kv_lora_rank=L, prep_in_kernel=1, interpret=True)
 
 
 class TestPallasMosaicSparseAttentionPrepInKernelInPlace(TestPallasMosaicSparseAttentionSerial):
