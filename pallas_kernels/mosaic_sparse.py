@@ -18,8 +18,9 @@ warpgroups:
   2.2-2.6x slower. Invalid slots become the row index past the cache: both gathers read nothing
   there and fill zeros, so their P V terms are 0 * 0, never 0 * NaN.
   fp8_ds_mla: the rows land in a staging buffer (e4m3 NoPE, bf16 RoPE, the step's tile scales,
-  gathered by XLA beforehand, 16 bytes a row); this warpgroup widens them into the bf16 tile the
-  consumers read (e4m3 times a power-of-two scale is exact in bf16), then fetches the next step.
+  gathered by XLA beforehand, or with prep_in_kernel by this warpgroup, 16 bytes a row); this
+  warpgroup widens them into the bf16 tile the consumers read (e4m3 times a power-of-two scale is
+  exact in bf16), then fetches the next step.
 - scores (warpgroup 0): S = Q K^T (wgmma, M = 64 heads, N = 64 rows, K = 576 in 9 chunks), the
   masked float32 online softmax, P and the rescale factors to warpgroup 1, O[:, :L/2] += P V.
 - values (warpgroup 1): O[:, L/2:] += P V.
@@ -942,14 +943,17 @@ class MosaicSparseConfig:
   see: it is no default).
   prep_in_kernel (RESULTS, sparse v13, prepared, not timed; default False): the kernel takes the
   slots as they are (-1 padded to whole steps) instead of XLA's idx (invalid slots mapped past the
-  cache) and per-row step counts, so those two XLA kernels (T=128: 4.3-4.6 us) and their launch
-  gaps leave the call. Invalid slots need nothing new on the memory side (the cp.async gather's
-  compare is unsigned, so -1 reads nothing like a slot past the cache; a bulk copy's signed
-  coordinates put a row at -1 outside the cache, zero-filled); the scores mask them with one more
-  compare. Every program walks all its steps: a step past a row's last valid slot gathers zeros
-  and scores -inf, changing nothing (alpha 1, P 0), so top-k lists that end early cost their
-  missing steps (none for full 2048-slot decode lists; up to 1.32x the kernel for a first 4096-token
-  prefill chunk). fp8_ds_mla keeps XLA's scale gather."""
+  cache) and per-row step counts, and fp8_ds_mla's cache tile scales instead of XLA's gathered,
+  transposed blocks, so those XLA kernels (T=128: 4.3-4.6 us of slot prep, 9.7-9.8 us of scale
+  gather) and their launch gaps leave the call. Invalid slots need nothing new on the memory side
+  (the cp.async gather's compare is unsigned, so -1 reads nothing like a slot past the cache; a
+  bulk copy's signed coordinates put a row at -1 outside the cache, zero-filled); the scores mask
+  them with one more compare. Every program walks all its steps: a step past a row's last valid
+  slot gathers zeros and scores -inf, changing nothing (alpha 1, P 0), so top-k lists that end
+  early cost their missing steps (none for full 2048-slot decode lists; up to 1.32x the kernel for
+  a first 4096-token prefill chunk). The scales come in each step's cp.async group (4-byte copies,
+  2 a lane a 64-row step), so fp8_ds_mla takes the cp_async gather only (bulk copies of 4 bytes
+  are under a bulk copy's 16-byte box)."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
   fp8_pipeline: str | None = None
