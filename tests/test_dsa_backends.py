@@ -732,11 +732,12 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
   def test_config_default_and_sweep(self):
     # The timed rules (`default_fp8_pipeline`, `default_heads_in`); both heads_in named beside.
     assert (mosaic_sparse.CONFIG.fp8_pipeline, mosaic_sparse.CONFIG.fp8_stage_halves,
-            mosaic_sparse.CONFIG.heads_in) == (None, 2, None)
+            mosaic_sparse.CONFIG.heads_in, mosaic_sparse.CONFIG.prep_in_kernel) == (None, 2, None,
+                                                                                   False)
     for other in (dict(fp8_pipeline="serial"), dict(fp8_pipeline="half_rows"),
                   dict(fp8_pipeline="half_rows", fp8_stage_halves=3),
                   dict(fp8_pipeline="in_place"), dict(heads_in="m"), dict(heads_in="n"),
-                  dict(fp8_pipeline="in_place", heads_in="n")):
+                  dict(fp8_pipeline="in_place", heads_in="n"), dict(prep_in_kernel=True)):
       assert mosaic_sparse.MosaicSparseConfig(**other) in mosaic_sparse.SWEEP
 
 
