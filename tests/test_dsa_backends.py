@@ -742,11 +742,16 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
 
 
 class TestPallasMosaicSparseAttentionSerial(TestPallasMosaicSparseAttention):
-  """The fp8_ds_mla cases again with fp8_pipeline="serial" (one 64-row bf16 slot, widened only
-  once both consumers are done with the step before): the contract's, the poisoned ones (16 and
-  128 heads, NaN in unselected rows, -1 and past-the-cache slots, a row with none valid) and the
-  multi-step one; bf16 caches skip, naming why."""
+  """The fp8_ds_mla multi-step case again with fp8_pipeline="serial" (one 64-row bf16 slot,
+  widened only once both consumers are done with the step before), a non-default pipeline: 128
+  heads, NaN in unselected rows, -1 and past-the-cache slots, a row with none valid, per-row and
+  per-tile magnitudes 20x apart; bf16 caches skip, naming why."""
   fp8_pipeline = "serial"
+  # The multi-step case is poisoned too, with the same 20x per-tile magnitudes as the contract's
+  # fp8_ds_mla cases (at a 1e-5 cosine against their 1e-3): the other sizes are the default's
+  # (the parent's), the pipeline is the same at every size.
+  test_fp8_ds_mla_cache_matches_dequantized_oracle = None
+  test_bf16_q_poisoned_cache_matches_oracle = None
   # Cases that read no fp8_ds_mla cache through fn, or check every variant already: the parent's.
   test_splits_match_one_split = None
   test_bf16_steps_of_one_split_match_oracle = None
@@ -757,10 +762,14 @@ class TestPallasMosaicSparseAttentionSerial(TestPallasMosaicSparseAttention):
   test_bad_ds_mla_layout_raises = None
   test_config_default_and_sweep = None
 
+  @pytest.mark.parametrize("n,lora", [(128, L)])
+  def test_fp8_ds_mla_steps_of_one_split_match_oracle(self, n, lora):
+    super().test_fp8_ds_mla_steps_of_one_split_match_oracle(n, lora)
+
 
 class TestPallasMosaicSparseAttentionHalfRows3(TestPallasMosaicSparseAttentionSerial):
   """The default "half_rows" with a ring of 3 staging buffers (each gather issued 3 half steps
-  ahead)."""
+  ahead): the multi-step case (the staging ring wraps) as for "serial"."""
   fp8_pipeline = "half_rows"
   fp8_stage_halves = 3
 
@@ -775,20 +784,23 @@ class TestPallasMosaicSparseAttentionInPlace(TestPallasMosaicSparseAttentionSeri
   (bit for bit against "serial", whose consumers run the same 64-slot products on the same widened
   values)."""
   fp8_pipeline = "in_place"
-  test_bf16_q_poisoned_cache_matches_oracle = None  # the multi-step case is poisoned too
-
-  @pytest.mark.parametrize("n,lora", [(128, L)])
-  def test_fp8_ds_mla_steps_of_one_split_match_oracle(self, n, lora):
-    super().test_fp8_ds_mla_steps_of_one_split_match_oracle(n, lora)
+  # A default pipeline (at many tokens; the parent's few-token cases run "half_rows"): the
+  # contract's fp8_ds_mla cases run here too.
+  test_fp8_ds_mla_cache_matches_dequantized_oracle = (
+      TestPallasMosaicSparseAttention.test_fp8_ds_mla_cache_matches_dequantized_oracle)
 
 
 class TestPallasMosaicSparseAttentionHeadsM(TestPallasMosaicSparseAttention):
   """heads_in="m" named where the default runs "n" (`default_heads_in`: bf16 caches up to 32
   heads): 64-head tiles, copying in and storing only the N query rows at 16 and 32 heads
-  (multiples of 8, `padded_heads`), padded to 64 at 4 and 27. The poisoned cases at 16 and 32
-  heads, several steps (4, 27) and splits (16); fp8_ds_mla and more than 32 heads run "m" by
-  default (the parent's cases) and skip."""
+  (multiples of 8, `padded_heads`), padded to 64 at 4 and 27. A non-default variant at these
+  heads: the poisoned case at 16 heads (only the N rows copied and stored; 2 splits of its 80
+  slots, merged) and several steps at 27 (padded to 64) under the race detector; fp8_ds_mla and
+  more than 32 heads run "m" by default (the parent's cases) and skip."""
   heads_in = "m"
+  # The other sizes: 32 heads stores N rows as 16 does, 4 pads as 27 does; the split merge is the
+  # poisoned case's (80 slots: 2 splits at its 4 tokens, `split_count`).
+  test_splits_match_one_split = None
   # Cases that call the default only, or fp8_ds_mla's default again: the parent's.
   test_bad_backend_input_raises = None
   test_bad_input_raises = None
@@ -799,21 +811,30 @@ class TestPallasMosaicSparseAttentionHeadsM(TestPallasMosaicSparseAttention):
   test_bad_ds_mla_layout_raises = None
   test_config_default_and_sweep = None
 
-  @pytest.mark.parametrize("kind,n,lora", [("bf16", 16, L), ("bf16", 32, L)])
+  @pytest.mark.parametrize("kind,n,lora", [("bf16", 16, L)])
   def test_bf16_q_poisoned_cache_matches_oracle(self, kind, n, lora):
     super().test_bf16_q_poisoned_cache_matches_oracle(kind, n, lora)
+
+  @pytest.mark.parametrize("n", [27])
+  def test_bf16_steps_of_one_split_match_oracle(self, n):
+    super().test_bf16_steps_of_one_split_match_oracle(n)
 
 
 class TestPallasMosaicSparseAttentionHeadsN(TestPallasMosaicSparseAttention):
   """heads_in="n" named (RESULTS, sparse v12; the bf16 default up to 32 heads, which the parent
   runs): N <= 32 heads in wgmma's N (padded to 16 or 32), S^T = K Q^T, the softmax over the slot
   rows, P^T stored transposed, O^T = V^T P^T stored transposed into the output's [heads,
-  columns]. fp8_ds_mla with fp8_pipeline="serial" here ("in_place" below): the contract's
-  fp8_ds_mla cases at 16 and 32 heads, the poisoned one at 16, several steps; the others skip,
-  naming why. The interpreter neither swizzles nor runs the transposed stores as the GPU does:
-  the lowering cases check those layouts, the GPU cases the numbers."""
+  columns]. fp8_ds_mla (a selectable non-default) with fp8_pipeline="serial" here ("in_place"
+  below): the multi-step case at 16 heads over two e4m3 tiles (poisoned, 5 steps; "in_place"
+  below takes 27 heads, padded to 32, over four); the others skip, naming why. The interpreter
+  neither swizzles nor runs the transposed stores as the GPU does: the lowering cases check
+  those layouts, the GPU cases the numbers."""
   heads_in = "n"
   fp8_pipeline = "serial"
+  # The multi-step case is poisoned too, with the contract's 20x per-tile magnitudes: the other
+  # sizes are the default's ("m") and the class below's.
+  test_fp8_ds_mla_cache_matches_dequantized_oracle = None
+  test_bf16_q_poisoned_cache_matches_oracle = None
   # Cases that call the default only, or bf16's default ("n") again: the parent's.
   test_splits_match_one_split = None
   test_bf16_steps_of_one_split_match_oracle = None
@@ -825,12 +846,8 @@ class TestPallasMosaicSparseAttentionHeadsN(TestPallasMosaicSparseAttention):
   test_bad_ds_mla_layout_raises = None
   test_config_default_and_sweep = None
 
-  @pytest.mark.parametrize("kind,n,lora", [("fp8_ds_mla", 16, 256)])
-  def test_bf16_q_poisoned_cache_matches_oracle(self, kind, n, lora):
-    super().test_bf16_q_poisoned_cache_matches_oracle(kind, n, lora)
-
-  # fp8_ds_mla: 16 and 27 heads (padded to 32) over V3.2's four e4m3 tiles, 5 steps.
-  @pytest.mark.parametrize("n,lora", [(16, 256), (27, 512)])
+  # fp8_ds_mla: 16 heads over two e4m3 tiles, 5 steps.
+  @pytest.mark.parametrize("n,lora", [(16, 256)])
   def test_fp8_ds_mla_steps_of_one_split_match_oracle(self, n, lora):
     super().test_fp8_ds_mla_steps_of_one_split_match_oracle(n, lora)
 
@@ -859,31 +876,56 @@ class TestPallasMosaicSparseAttentionHeadsN(TestPallasMosaicSparseAttention):
 
 
 class TestPallasMosaicSparseAttentionHeadsNInPlace(TestPallasMosaicSparseAttentionHeadsN):
-  """heads_in="n" with fp8_pipeline="in_place": the contract's fp8_ds_mla cases (16 and 32 heads;
-  L=128 and 512) and the multi-step ones (16 and 27 heads); the bf16 cases are the default's
-  (`TestPallasMosaicSparseAttention`)."""
+  """heads_in="n" with fp8_pipeline="in_place": the multi-step case at 27 heads (padded to 32)
+  over V3.2's four e4m3 tiles (tiles 2 and 3 widened over the staged ones), poisoned; the bf16
+  cases are the default's (`TestPallasMosaicSparseAttention`)."""
   fp8_pipeline = "in_place"
-  test_bf16_q_poisoned_cache_matches_oracle = None  # the multi-step cases are poisoned too
   test_heads_in_n_lowers_for_hopper = None
   test_heads_in_n_bad_input_raises = None
   test_empty_batch_gives_empty_results = None
+
+  @pytest.mark.parametrize("n,lora", [(27, 512)])
+  def test_fp8_ds_mla_steps_of_one_split_match_oracle(self, n, lora):
+    super().test_fp8_ds_mla_steps_of_one_split_match_oracle(n, lora)
 
 
 class TestPallasMosaicSparseAttentionPrepInKernel(TestPallasMosaicSparseAttention):
   """prep_in_kernel=True (RESULTS, sparse v13): the kernel takes the raw slots (-1 padded to whole
   steps), masks -1 and past-the-cache slots itself (the gathers read nothing there, the scores
-  are -inf) and walks every step. The contract's cases (bf16 and fp8_ds_mla; fp8_ds_mla's default
-  "half_rows" at these few tokens; bf16 "n" up to 32 heads, else "m"), the poisoned ones (NaN in
-  unselected rows, -1 and past-the-cache slots, row 1 with none valid), several steps with rows
-  ending early (steps past a row's last valid slot walked, and row 1's all of them), splits, the
-  race detector, and the lowering with the smem count."""
+  are -inf) and walks every step. A non-default variant: the poisoned cases (NaN in unselected
+  rows and scales, -1 and past-the-cache slots, row 1 with none valid) of bf16 at 128 heads ("m")
+  and fp8_ds_mla at 16 over two tiles (fp8_ds_mla's default "half_rows" at these few tokens),
+  several steps with rows ending early (steps past a row's last valid slot walked, and row 1's
+  all of them) for bf16 at 27 heads ("n", race detector) and fp8_ds_mla at 16, splits, the race
+  detector over "half_rows" with the in-kernel scales, and the lowering with the smem count."""
   prep_in_kernel = True
+  # The same checks at other sizes (the parent's, with the default prep): the poisoned cases
+  # carry the contract's 20x per-tile magnitudes; "n" masks at 16 heads as at 27 (the steps case);
+  # the 128-head fp8_ds_mla step walk in the class below; "serial" gathers the scales as
+  # "half_rows" does, into one staging buffer.
+  test_fp8_ds_mla_cache_matches_dequantized_oracle = None
   # Cases that call the default only: the parent's.
   test_bad_backend_input_raises = None
   test_bad_input_raises = None
   test_shared_memory_past_the_limit_raises = None
   test_bad_ds_mla_layout_raises = None
   test_config_default_and_sweep = None
+
+  @pytest.mark.parametrize("kind,n,lora", [("bf16", 128, L), ("fp8_ds_mla", 16, 256)])
+  def test_bf16_q_poisoned_cache_matches_oracle(self, kind, n, lora):
+    super().test_bf16_q_poisoned_cache_matches_oracle(kind, n, lora)
+
+  @pytest.mark.parametrize("n,lora", [(16, 256)])
+  def test_fp8_ds_mla_steps_of_one_split_match_oracle(self, n, lora):
+    super().test_fp8_ds_mla_steps_of_one_split_match_oracle(n, lora)
+
+  @pytest.mark.parametrize("n", [27])
+  def test_bf16_steps_of_one_split_match_oracle(self, n):
+    super().test_bf16_steps_of_one_split_match_oracle(n)
+
+  @pytest.mark.parametrize("fp8_pipeline", ["half_rows"])
+  def test_no_races_in_the_interpreter(self, fp8_pipeline):
+    super().test_no_races_in_the_interpreter(fp8_pipeline)
 
   @pytest.mark.parametrize("n,fp8,gather,fp8_pipeline", [
       (128, False, "cp_async", None), (16, False, "cp_async", None), (128, False, "bulk", None),
@@ -943,11 +985,10 @@ class TestPallasMosaicSparseAttentionPrepInKernel(TestPallasMosaicSparseAttentio
 
 class TestPallasMosaicSparseAttentionPrepInKernelInPlace(TestPallasMosaicSparseAttentionSerial):
   """prep_in_kernel=True with fp8_pipeline="in_place" (the fp8_ds_mla default where many one-split
-  programs run): the contract's fp8_ds_mla cases and the multi-step one (128 heads, poisoned,
-  rows ending early and one with none valid); bf16 skips (the class above)."""
+  programs run): the multi-step case (128 heads, poisoned, rows ending early and one with none
+  valid); bf16 skips (the class above)."""
   fp8_pipeline = "in_place"
   prep_in_kernel = True
-  test_bf16_q_poisoned_cache_matches_oracle = None  # the multi-step case is poisoned too
 
   def fn(self):
     run = super().fn()
@@ -957,7 +998,3 @@ class TestPallasMosaicSparseAttentionPrepInKernelInPlace(TestPallasMosaicSparseA
         pytest.skip("fp8_pipeline changes only the fp8_ds_mla path (bf16: the class above)")
       return run(q, cache, slots, **kwargs)
     return fp8_only
-
-  @pytest.mark.parametrize("n,lora", [(128, L)])
-  def test_fp8_ds_mla_steps_of_one_split_match_oracle(self, n, lora):
-    super().test_fp8_ds_mla_steps_of_one_split_match_oracle(n, lora)
