@@ -359,10 +359,10 @@ def _fastest_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
   layout = (cache.dtype_name == caches.FP8_DS_MLA
             or (cache.dtype_name == "bfloat16" and cache.scale_or_none is None))
   few_heads, few_heads_max_tokens = _MOSAIC_SPARSE_FEW_HEADS
-  heads = lambda: (q.shape[1] >= _MOSAIC_SPARSE_MIN_HEADS[cache.dtype_name]
-                   or (cache.dtype_name == "bfloat16" and q.shape[1] >= few_heads
-                       and q.shape[0] <= few_heads_max_tokens))
-  mosaic = (q.dtype == jnp.bfloat16 and layout and heads()
+  mosaic = (q.dtype == jnp.bfloat16 and layout
+            and (q.shape[1] >= _MOSAIC_SPARSE_MIN_HEADS[cache.dtype_name]
+                 or (cache.dtype_name == "bfloat16" and q.shape[1] >= few_heads
+                     and q.shape[0] <= few_heads_max_tokens))
             and pallas_mosaic_sparse.head_dims_fit(q.shape[2], kv_lora_rank) and _on_hopper())
   sparse = PALLAS_MOSAIC.sparse_attention if mosaic else PALLAS_TRITON.sparse_attention
   return sparse(q, cache, slots, scale=scale, kv_lora_rank=kv_lora_rank)

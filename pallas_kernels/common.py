@@ -376,8 +376,9 @@ def padded_heads(n: int, tile: int) -> int:
   return -(-n // tile) * tile
 
 
-def _leading_rows(smem, gmem):
-  """smem's first rows, as many as gmem has (an output of fewer heads than the 64-row tile)."""
+def leading_rows(smem, gmem):
+  """smem's first rows, as many as gmem has (a query or output of fewer heads than the tile):
+  the shared-memory side of a bulk copy to or from gmem."""
   return smem if gmem.shape[0] == smem.shape[0] else smem.at[pl.ds(0, gmem.shape[0])]
 
 
@@ -397,7 +398,7 @@ def _store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis=0):
       o_smem.at[:, pl.ds(col, width)].transpose((1, 0))[...] = scaled
     col += width
   plmgpu.commit_smem()
-  plmgpu.copy_smem_to_gmem(_leading_rows(o_smem, o_gmem), o_gmem)
+  plmgpu.copy_smem_to_gmem(leading_rows(o_smem, o_gmem), o_gmem)
 
 
 def run_scores(n, step, acc, *, row_smem, p_ready, p_free, o_smem, o_gmem, lse_smem, lse_gmem,
@@ -424,7 +425,7 @@ def run_scores(n, step, acc, *, row_smem, p_ready, p_free, o_smem, o_gmem, lse_s
   seen = l > 0
   lse_smem[...] = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
   plmgpu.commit_smem()
-  plmgpu.copy_smem_to_gmem(_leading_rows(lse_smem, lse_gmem), lse_gmem)
+  plmgpu.copy_smem_to_gmem(leading_rows(lse_smem, lse_gmem), lse_gmem)
   plmgpu.wait_smem_to_gmem(0)
 
 

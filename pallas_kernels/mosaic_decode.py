@@ -46,9 +46,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E, check_decode_args,
                                    check_split_args, default_num_kv_splits, feed_ring,
-                                   hand_over_p, merge_splits, num_fixed_splits, padded_heads,
-                                   partials_dtype, row_broadcast, run_scores, run_values, sm_count,
-                                   softmax_step, split_range, swizzled, SWIZZLE)
+                                   hand_over_p, leading_rows, merge_splits, num_fixed_splits,
+                                   padded_heads, partials_dtype, row_broadcast, run_scores,
+                                   run_values, sm_count, softmax_step, split_range, swizzled,
+                                   SWIZZLE)
 
 
 FP8_PIPELINES = ("serial", "half_pages", "shared_widening")
@@ -216,8 +217,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
 
   # Fewer than 64 heads come unpadded: the tile's first rows are theirs, the others hold whatever
   # shared memory held (every product and reduction is per row, so it reaches no stored row).
-  tile_rows = min(_TILE_H, q_ref.shape[1])
-  rows_out = pl.ds(h * _TILE_H, tile_rows)
+  rows_out = pl.ds(h * _TILE_H, min(_TILE_H, q_ref.shape[1]))
   # Warpgroup w's output columns; k_scale (the fp8 cache's, else 1) scales them once at the end.
   out = lambda w: dict(o_smem=o_smem.at[w], out_scale=k_scale,
                        o_gmem=o_ref.at[t, split, rows_out, pl.ds(w * half, half)])
@@ -291,8 +291,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
 
     @pl.when(n > 0)
     def _():
-      q_rows = q_smem if tile_rows == _TILE_H else q_smem.at[pl.ds(0, tile_rows)]
-      plgpu.copy_gmem_to_smem(q_ref.at[t, rows_out], q_rows, q_bar)
+      q_rows = q_ref.at[t, rows_out]
+      plgpu.copy_gmem_to_smem(q_rows, leading_rows(q_smem, q_rows), q_bar)
 
     if fp8:
       _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, memory_tiles, *staging)

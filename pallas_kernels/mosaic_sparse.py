@@ -63,8 +63,9 @@ from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
 
 from pallas_kernels.common import (DS_MLA_TILE, F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
                                    check_sparse_args, default_num_kv_splits, hand_over_p,
-                                   merge_splits, padded_heads, row_broadcast, run_scores,
-                                   run_values, sm_count, softmax_step, swizzled, SWIZZLE)
+                                   leading_rows, merge_splits, padded_heads, row_broadcast,
+                                   run_scores, run_values, sm_count, softmax_step, swizzled,
+                                   SWIZZLE)
 
 _TILE_H = 64  # heads per program: the M of every Hopper wgmma
 # heads_in="n": heads per program, wgmma's N (a multiple of 8): N <= 16 pads to 16, else to 32.
@@ -217,9 +218,9 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
   # prep_in_kernel: idx_ref holds the raw slots (-1 padded to Kp; -1 and past the cache invalid),
   # there is no steps_ref (every program walks all Kp/64 steps, its split's share), fp8's
   # scales_ref is the cache's [S, L/128] (gathered with the rows), and with the cp_async gather
-  # there is no staged barrier. bf16:
-  # kv_ref [S, D/64, 64] bf16. fp8: nope_ref [S, L/128, 128] e4m3, rope_ref [S, R/64, 64] bf16,
-  # scales_ref [T, Kp/64, L/128, 64] f32 (the selected rows' tile scales, a block a step).
+  # there is no staged barrier.
+  # bf16: kv_ref [S, D/64, 64] bf16. fp8: nope_ref [S, L/128, 128] e4m3, rope_ref [S, R/64, 64]
+  # bf16, scales_ref [T, Kp/64, L/128, 64] f32 (the selected rows' tile scales, a block a step).
   # o_ref [T, splits, Np, L]; lse_ref [T, splits, Np] f32.
   # SMEM: buffers = union of (q_smem [64, D], kv [slots, D/64, rows, 64]) bf16 tiled, and
   # (o_smem [2, 64, L/2], lse_smem [64]) (and on the GPU, for the bulk bf16 gather, the untiled
@@ -320,8 +321,7 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
 
   # Fewer heads than the tile unpadded: the tile's other rows hold whatever shared memory held,
   # which every product and reduction (per row) keeps out of the stored rows.
-  tile_rows = min(tile_h, q_ref.shape[1])
-  rows_out = pl.ds(h * tile_h, tile_rows)
+  rows_out = pl.ds(h * tile_h, min(tile_h, q_ref.shape[1]))
   out = lambda w: dict(o_smem=o_smem.at[w],  # warpgroup w's output columns
                        o_gmem=o_ref.at[t, split, rows_out, pl.ds(w * half, half)])
 
@@ -445,8 +445,8 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
 
     @pl.when(n > 0)
     def _():
-      q_rows = q_smem if tile_rows == tile_h else q_smem.at[pl.ds(0, tile_rows)]
-      plgpu.copy_gmem_to_smem(q_ref.at[t, rows_out], q_rows, q_bar)
+      q_rows = q_ref.at[t, rows_out]
+      plgpu.copy_gmem_to_smem(q_rows, leading_rows(q_smem, q_rows), q_bar)
 
     # Slot indices are fetched 2 steps ahead ("half_rows": 3, as its gathers run ahead of the
     # widening by up to 2 half steps; "in_place": 3, as it reads them a step before its gather).
