@@ -215,8 +215,8 @@ def _pallas_triton_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
 def _pallas_mosaic_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
   """The Mosaic GPU sparse kernel for bf16 q over a bf16 latent cache or an fp8_ds_mla cache
   (else the kernel's ValueError), with the kernel's defaults (fp8_ds_mla: the pipeline
-  `mosaic_sparse.default_fp8_pipeline` picks for the shapes; bf16 at N <= 32: heads in wgmma's N,
-  `mosaic_sparse.default_heads_in`)."""
+  `mosaic_sparse.default_fp8_pipeline` picks for the shapes; bf16 at N <= 32 in one split: heads
+  in wgmma's N, `mosaic_sparse.default_heads_in`)."""
   _check_sparse(q, cache, slots, kv_lora_rank)
   interpret = jax.default_backend() != "gpu"
   if cache.dtype_name == caches.FP8_DS_MLA:

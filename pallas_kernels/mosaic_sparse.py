@@ -24,8 +24,8 @@ warpgroups:
 - scores (warpgroup 0): S = Q K^T (wgmma, M = 64 heads, N = 64 rows, K = 576 in 9 chunks), the
   masked float32 online softmax, P and the rescale factors to warpgroup 1, O[:, :L/2] += P V.
 - values (warpgroup 1): O[:, L/2:] += P V.
-With heads_in="n" (N <= 32; by default for bf16 caches there, `default_heads_in`) a program's
-heads are wgmma's N instead, and the consumers compute S^T = K Q^T and O^T = V^T P^T
+With heads_in="n" (N <= 32, one split; by default for bf16 caches there, `default_heads_in`) a
+program's heads are wgmma's N instead, and the consumers compute S^T = K Q^T and O^T = V^T P^T
 (`MosaicSparseConfig`).
 bf16 caches use 2 row slots (the next step's rows land while this one computes); fp8_ds_mla uses
 1 bf16 slot + the staging buffer (two bf16 slots, the query tile and the staging do not fit in a
@@ -700,13 +700,29 @@ def default_fp8_pipeline(num_tokens, num_heads, top_k, *, num_splits, split_rule
   return "in_place" if one_split else "half_rows"
 
 
-def default_heads_in(num_heads, fp8):
+def default_heads_in(num_tokens, num_heads, top_k, *, fp8, num_splits, split_rule):
   """The heads_in that heads_in=None runs (static shapes only): "n" for bf16 caches at N <= 32
-  (HEADS_N_TILES[-1]), else "m" (fp8_ds_mla at any N; any cache above 32 heads, which "n" does not
-  take). H200, T=128 over a 1M-token cache, ms, "m" (unpadded) / "n": bf16 N=16 0.107 / 0.106,
-  N=32 0.113 / 0.106 (never slower); fp8_ds_mla N=16 0.143 (half_rows) / 0.136 (in_place), N=32
-  0.139 / 0.147 (mixed, within one run's noise: "m" kept). Timings in `MosaicSparseConfig`."""
-  return "n" if not fp8 and num_heads <= HEADS_N_TILES[-1] else "m"
+  (HEADS_N_TILES[-1]) where the kernel runs one split a token, else "m" (fp8_ds_mla at any N; any
+  cache above 32 heads, which "n" does not take; several splits, whose float32 partial output
+  "n" cannot store: `heads_n_splits`). H200, T=128 over a 1M-token cache, ms, "m" (unpadded) /
+  "n": bf16 N=16 0.107 / 0.106, N=32 0.113 / 0.106 (never slower); fp8_ds_mla N=16 0.143
+  (half_rows) / 0.136 (in_place), N=32 0.139 / 0.147 (mixed, within one run's noise: "m" kept).
+  T=4096 over 32K: bf16 N=16 2.64 / 2.18, N=32 2.63 / 2.60. Timings in `MosaicSparseConfig`."""
+  if fp8 or num_heads > HEADS_N_TILES[-1]:
+    return "m"
+  padded_slots = max(pl.cdiv(top_k, _STEP), 1) * _STEP
+  one_split = _splits(num_tokens, 1, padded_slots, num_splits, split_rule) == 1
+  return "n" if one_split else "m"
+
+
+def heads_n_splits(num_splits):
+  """The split count heads_in="n" runs: one. Its output tile is O^T, stored transposed into the
+  [heads, columns] output, and Mosaic GPU (jax 0.11.2) lowers that transposed store for bf16 but
+  not for a split's float32 partial ("Failed to infer a possible set of layouts")."""
+  if num_splits is not None and num_splits != 1:
+    raise ValueError(f"heads_in=\"n\" runs one split (its transposed output store takes bf16, "
+                     f"not a split's float32 partial); got num_splits={num_splits}")
+  return 1
 
 
 def smem_bytes(scratch, reduction_bytes=0):
@@ -924,9 +940,10 @@ class MosaicSparseConfig:
     step's gather then waits for its slot to be free (half_rows': two half steps ahead). cp_async
     only (the bulk gather on the GPU would need untiled aliases of the in-place views).
   heads_in, where a program's heads sit in the wgmma shapes. None (the default) picks from static
-  shapes (`default_heads_in`): "n" for bf16 caches at N <= 32, else "m". "m": 64 heads as M (N < 64
-  in the 64-row tile: at N=16 three quarters of the tensor work and of the softmax are padding;
-  only the N query rows are copied in and stored, `padded_heads`, where N is a multiple of 8).
+  shapes (`default_heads_in`): "n" for bf16 caches at N <= 32 run in one split, else "m". "m": 64
+  heads as M (N < 64 in the 64-row tile: at N=16 three quarters of the tensor work and of the
+  softmax are padding; only the N query rows are copied in and stored, `padded_heads`, where N is
+  a multiple of 8).
   "n" (RESULTS, sparse v12): N <= 32 heads as wgmma's N, padded to 16 or 32 (`heads_tile`; a
   ValueError above 32): S^T = K Q^T [64 slots, heads], its softmax over the slot rows (two
   cross-warp reductions a step, through `reduction_scratch_bytes`), P^T stored transposed into
@@ -938,9 +955,11 @@ class MosaicSparseConfig:
   1M-token cache (2048 slots a token, 1 split), ms a call, "m" / "n": bf16 N=16 0.107 / 0.106,
   N=32 0.113 / 0.106 (2.93 TB/s gathered); fp8_ds_mla N=16 0.143 (half_rows) / 0.136 (in_place),
   N=32 0.139 / 0.147. "n" runs flat over 16 and 32 heads: the gather paces the call, not the
-  consumers (the prediction of 0.080-0.098 ms bf16 missed). Not timed: "n" at other token counts
-  (several splits at few tokens; 4096 tokens), and with the bulk gather (which the rule does not
-  see: it is no default).
+  consumers (the prediction of 0.080-0.098 ms bf16 missed). T=4096 over 32K (session 12), bf16
+  "m" / "n": N=16 2.64 / 2.18, N=32 2.63 / 2.60. "n" runs one split (`heads_n_splits`: its
+  float32 partials' transposed store does not lower; session 12 found the default failing there,
+  T=64); "m" at T=64 (2 splits): N=16 0.0756, N=32 0.0773 ms against Triton's 0.091 / 0.110. Not
+  timed: "n" with the bulk gather (which the rule does not see: it is no default).
   prep_in_kernel (RESULTS, sparse v13, prepared, not timed; default False): the kernel takes the
   slots as they are (-1 padded to whole steps) instead of XLA's idx (invalid slots mapped past the
   cache) and per-row step counts, and fp8_ds_mla's cache tile scales instead of XLA's gathered,
@@ -1009,9 +1028,10 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   bulk copy and around every shared-memory store (its safe default, kept to measure against).
   gather: "cp_async" (the 128 lanes of the memory warpgroup copy 16 bytes each into the swizzled row
   slot) or "bulk" (one bulk copy per row and 64-column chunk, 9 a row; what the interpreter runs
-  either way). heads_in: `MosaicSparseConfig`'s ("n": N <= 32 heads in wgmma's N; None:
-  `default_heads_in`, "n" at N <= 32, else "m"). prep_in_kernel: `MosaicSparseConfig`'s (the kernel
-  reads the raw slots and walks every step). interpret: True or a `plgpu.InterpretGPUParams`
+  either way). heads_in: `MosaicSparseConfig`'s ("n": N <= 32 heads in wgmma's N, one split;
+  None: `default_heads_in`, "n" at N <= 32 where the split rule gives one split, else "m").
+  prep_in_kernel: `MosaicSparseConfig`'s (the kernel reads the raw slots and walks every step).
+  interpret: True or a `plgpu.InterpretGPUParams`
   runs Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and lse [T, N] float32 (natural
   log); a row with no valid slot gives (0, -inf).
   """
@@ -1019,7 +1039,10 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   MosaicSparseConfig(gather, split_rule, heads_in=heads_in,
                      prep_in_kernel=prep_in_kernel)  # checks them
   if heads_in is None:
-    heads_in = default_heads_in(q.shape[1], fp8=False)
+    heads_in = default_heads_in(q.shape[0], q.shape[1], slots.shape[1], fp8=False,
+                                num_splits=num_splits, split_rule=split_rule)
+  if heads_in == "n":
+    num_splits = heads_n_splits(num_splits)
   if kv_cache.ndim != 3 or kv_cache.shape[2] != q.shape[2] or kv_cache.dtype != jnp.bfloat16:
     raise ValueError(f"want a bfloat16 kv_cache [num_blocks, page, {q.shape[2]}] (q's head dim), "
                      f"got {kv_cache.dtype.name}{kv_cache.shape}")
@@ -1069,7 +1092,10 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
     raise ValueError(f"prep_in_kernel with fp8_ds_mla takes the cp_async gather (bulk copies of "
                      f"4-byte tile scales are under a bulk copy's 16-byte box), got {gather!r}")
   if heads_in is None:
-    heads_in = default_heads_in(q.shape[1], fp8=True)
+    heads_in = default_heads_in(q.shape[0], q.shape[1], slots.shape[1], fp8=True,
+                                num_splits=num_splits, split_rule=split_rule)
+  if heads_in == "n":
+    num_splits = heads_n_splits(num_splits)
   if heads_in == "n" and fp8_pipeline not in HEADS_N_FP8_PIPELINES:
     raise ValueError(f"heads_in=\"n\" takes fp8_pipeline {' or '.join(HEADS_N_FP8_PIPELINES)} "
                      f"(named: the default picks per shape), whose consumers step 64 slots; got "

@@ -464,14 +464,36 @@ def test_mosaic_sparse_default_fp8_pipeline_reaches_the_kernel(t, want):
   assert f"mosaic_sparse_ds_mla_{want}_bulk_s1" in str(jax.make_jaxpr(backend)(q, cache, slots))
 
 
-@pytest.mark.parametrize("n,fp8,want", [
+@pytest.mark.parametrize("t,n,fp8,num_splits,want", [
     # Timed on the H200 (RESULTS v12 timed, session 11), T=128: bf16 "n" 1.01x "m" at 16 heads,
-    # 1.07x at 32; fp8_ds_mla mixed (in_place "n" 1.05x at 16, 0.95x at 32): "m".
-    (16, False, "n"), (32, False, "n"), (4, False, "n"), (27, False, "n"),
-    (33, False, "m"), (64, False, "m"), (128, False, "m"),
-    (16, True, "m"), (32, True, "m"), (128, True, "m")])
-def test_mosaic_sparse_default_heads_in(n, fp8, want):
-  assert mosaic_sparse.default_heads_in(n, fp8) == want
+    # 1.07x at 32; fp8_ds_mla mixed (in_place "n" 1.05x at 16, 0.95x at 32): "m". Several splits
+    # (T=64 splits in 2 by the one-wave rule, or named): "m", the only one that stores them.
+    (128, 16, False, None, "n"), (128, 32, False, None, "n"), (128, 4, False, None, "n"),
+    (128, 27, False, None, "n"), (4096, 32, False, None, "n"), (64, 16, False, 1, "n"),
+    (64, 16, False, None, "m"), (64, 32, False, None, "m"), (128, 16, False, 2, "m"),
+    (128, 33, False, None, "m"), (128, 64, False, None, "m"), (128, 128, False, None, "m"),
+    (128, 16, True, None, "m"), (128, 32, True, None, "m"), (128, 128, True, None, "m")])
+def test_mosaic_sparse_default_heads_in(t, n, fp8, num_splits, want):
+  assert mosaic_sparse.default_heads_in(t, n, 2048, fp8=fp8, num_splits=num_splits,
+                                        split_rule=mosaic_sparse.CONFIG.split_rule) == want
+
+
+def test_mosaic_sparse_heads_in_n_runs_one_split(monkeypatch):
+  # Session 12 found the default failing to lower at T=64 (2 splits: "n" with float32 partials).
+  # Now the default there is "m", and "n" named runs one split whatever the rule gives (T=3: the
+  # rule would split); a named split count above one is refused before any launch.
+  q = jax.ShapeDtypeStruct((64, 16, L + R), jnp.bfloat16)
+  slots = jax.ShapeDtypeStruct((64, 2048), jnp.int32)
+  kv = jax.ShapeDtypeStruct(((1 << 20) // 64, 64, L + R), jnp.bfloat16)
+  traced = mosaic_sparse.sparse_attention.trace(q, kv, slots, scale=0.1, kv_lora_rank=L)
+  assert "mosaic_sparse_bf16_cp_async_s2" in str(traced.jaxpr)
+  assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+  named = mosaic_sparse.sparse_attention.trace(q, kv, slots, scale=0.1, kv_lora_rank=L,
+                                               heads_in="n")
+  assert "mosaic_sparse_bf16_heads_n16_cp_async_s1" in str(named.jaxpr)
+  with pytest.raises(ValueError, match="runs one split"):
+    mosaic_sparse.sparse_attention.trace(q, kv, slots, scale=0.1, kv_lora_rank=L, heads_in="n",
+                                         num_splits=2)
 
 
 @pytest.mark.parametrize("n,want", [(16, "n"), (27, "n"), (32, "n"), (64, "m"), (128, "m")])
@@ -932,8 +954,7 @@ class TestPallasMosaicSparseAttentionPrepInKernel(TestPallasMosaicSparseAttentio
       (128, True, "cp_async", "half_rows"), (128, True, "cp_async", "serial"),
       (128, True, "cp_async", "in_place"), (32, True, "cp_async", "half_rows")])
   def test_lowers_for_hopper(self, n, fp8, gather, fp8_pipeline, monkeypatch):
-    heads_in = mosaic_sparse.default_heads_in(n, fp8)
-    check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, 2, heads_in=heads_in,
+    check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, 2, heads_in=None,
                             prep_in_kernel=True)
 
   @pytest.mark.parametrize("fp8", [False, True])
