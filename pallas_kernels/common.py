@@ -104,20 +104,30 @@ def sm_count() -> int:
   return getattr(device, "core_count", None) or H200_SMS
 
 
-def default_num_kv_splits(num_tokens: int, num_head_blocks: int, max_len: int,
-                          sm_count: int = H200_SMS, programs_per_sm: int = 2) -> int:
-  """vLLM's rule on a static length bound, capped so the grid holds about `programs_per_sm`
-  programs per SM (2: the Triton kernels; 1: the Mosaic decode kernel, whose shared memory holds
-  one program a SM).
+def length_splits(max_len: int, sm_count: int = H200_SMS) -> int:
+  """vLLM's split count for a static length bound: `min(next_pow2(max(1, max_len // 512)), 2 *
+  SMs)` (a split of at least ~512 tokens)."""
+  return min(next_pow2(max(1, max_len // 512)), 2 * sm_count)
 
-  vLLM's `min(next_pow2(max(1, max_len // 512)), 2 * SMs)` alone grows with the length even when
-  tokens x head blocks already fill the GPU, and every extra split costs a float32 partial output
-  write and read (measured at B=128, S=8192: N=16 fastest at 2-4 splits and 23% slower at 32, N=128
-  fastest at 1-2 and 46% slower at 32).
+
+def default_num_kv_splits(num_tokens: int, num_head_blocks: int, max_len: int,
+                          sm_count: int = H200_SMS) -> int:
+  """The Triton decode kernels' split count: vLLM's (`length_splits`), capped so the grid holds
+  about 2 programs per SM.
+
+  vLLM's rule alone grows with the length even when tokens x head blocks already fill the GPU, and
+  every extra split costs a float32 partial output write and read (measured at B=128, S=8192: N=16
+  fastest at 2-4 splits and 23% slower at 32, N=128 fastest at 1-2 and 46% slower at 32).
   """
-  vllm = min(next_pow2(max(1, max_len // 512)), 2 * sm_count)
-  fill = next_pow2(-(-programs_per_sm * sm_count // max(1, num_tokens * num_head_blocks)))
-  return max(1, min(vllm, fill))
+  fill = next_pow2(-(-2 * sm_count // max(1, num_tokens * num_head_blocks)))
+  return max(1, min(length_splits(max_len, sm_count), fill))
+
+
+def one_wave_splits(num_programs: int, sm_count: int = H200_SMS) -> int:
+  """The most splits a grid of num_programs programs a split runs in one wave of one program a SM
+  (the Mosaic kernels, whose shared memory holds one): splits help only while programs leave SMs
+  idle, and each costs a float32 partial output and its merge."""
+  return max(1, sm_count // max(1, num_programs))
 
 
 # The batch-invariant decode mode's split size: every split covers this many of a row's tokens, so

@@ -45,8 +45,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E, check_decode_args,
-                                   check_split_args, default_num_kv_splits, feed_ring,
-                                   hand_over_p, leading_rows, merge_splits, num_fixed_splits,
+                                   check_split_args, feed_ring, hand_over_p, leading_rows,
+                                   length_splits, merge_splits, num_fixed_splits, one_wave_splits,
                                    padded_heads, partials_dtype, row_broadcast, run_scores,
                                    run_values, sm_count, softmax_step, split_range, swizzled,
                                    SWIZZLE)
@@ -384,15 +384,16 @@ def _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, tiles, stag
 
 
 def num_kv_splits_for(num_tokens: int, num_heads: int, max_len: int) -> int:
-  """The split count `latent_decode` picks when num_kv_splits is None: the Triton kernel's rule
-  filling one program a SM instead of two (shared memory holds one; each split costs a float32
-  partial output and its merge). H200, bf16, page 64, ms by split count (benchmarks/RESULTS.md,
-  "Latent decode (pallas_mosaic)", session 11; * this rule's pick, + the two-a-SM rule's): B=128
-  S=8192 N=16 4+ / 2* / 1: 0.329 / 0.315 / 0.307; N=128 2+ / 1*: 0.588 / 0.572 (S=4096 0.329 /
-  0.295; fp8 cache 0.997 / 0.955 and 0.538 / 0.489); B=64 N=128 4+ / 2*: 0.320 / 0.298; B=32
-  N=16 16+ / 8*: 0.119 / 0.109."""
-  return default_num_kv_splits(num_tokens, pl.cdiv(num_heads, _TILE_H), max_len, sm_count(),
-                               programs_per_sm=1)
+  """The split count `latent_decode` picks when num_kv_splits is None: as many as one wave of one
+  program a SM holds (`one_wave_splits`; shared memory holds one program a SM), within vLLM's
+  length cap. H200, bf16, page 64, ms by split count (benchmarks/RESULTS.md, "Latent decode
+  (pallas_mosaic)", sessions 11-12; * this rule's pick): B=128 S=8192 N=16 4 / 2 / 1*: 0.329 /
+  0.315 / 0.307; N=128 2 / 1*: 0.588 / 0.572 (S=4096 0.329 / 0.295; fp8 cache 0.997 / 0.955 and
+  0.538 / 0.489); B=64 N=128 4 / 2 / 1*: 0.320 / 0.298 (0.303) / 0.286; B=32 N=16 16 / 8 / 4*:
+  0.119 / 0.109 (0.107) / 0.096. Its one loss: B=128 N=16 S=32768 4 / 1*: 1.134 / 1.144."""
+  head_tiles = pl.cdiv(num_heads, _TILE_H)
+  return min(length_splits(max_len, sm_count()), one_wave_splits(num_tokens * head_tiles,
+                                                                  sm_count()))
 
 
 def head_dims_fit(head_dim: int, kv_lora_rank: int) -> bool:

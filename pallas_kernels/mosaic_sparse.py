@@ -63,7 +63,8 @@ from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
 
 from pallas_kernels.common import (DS_MLA_TILE, F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
                                    check_sparse_args, default_num_kv_splits, hand_over_p,
-                                   leading_rows, merge_splits, padded_heads, row_broadcast,
+                                   leading_rows, merge_splits, one_wave_splits, padded_heads,
+                                   row_broadcast,
                                    run_scores, run_values, sm_count, softmax_step, swizzled,
                                    SWIZZLE)
 
@@ -676,7 +677,7 @@ def split_count(rule, num_tokens, head_tiles, max_len, sms):
   "fill" gives 4 at N <= 64 and 2 at N=128)."""
   if rule == "fill":
     return default_num_kv_splits(num_tokens, head_tiles, max_len, sms)
-  return max(1, sms // (num_tokens * head_tiles))
+  return one_wave_splits(num_tokens * head_tiles, sms)
 
 
 def _splits(num_tokens, head_tiles, padded_slots, num_splits, split_rule):

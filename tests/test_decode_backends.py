@@ -184,16 +184,18 @@ class TestPallasMosaicDecode(DecodeContract):
                                                k_scale=k_scale, num_kv_splits=splits, **knobs)
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
-  def test_default_splits_fill_one_program_a_sm(self):
-    # The Triton rule at one program a SM (132 on the H200, what the CPU assumes): the timed
-    # shapes' picks, and vLLM's length cap still applies.
+  def test_default_splits_fill_one_wave(self):
+    # As many splits as one wave of one program a SM holds (132 on the H200, what the CPU
+    # assumes): the timed shapes' picks (num_kv_splits_for's docstring), and vLLM's length cap
+    # still applies. The Triton kernels' rule (about 2 programs a SM) beside.
     assert mosaic_decode.num_kv_splits_for(128, 128, 8192) == 1  # 256 programs
-    assert mosaic_decode.num_kv_splits_for(128, 16, 8192) == 2
-    assert mosaic_decode.num_kv_splits_for(64, 128, 8192) == 2
-    assert mosaic_decode.num_kv_splits_for(32, 16, 8192) == 8
+    assert mosaic_decode.num_kv_splits_for(128, 16, 8192) == 1
+    assert mosaic_decode.num_kv_splits_for(64, 128, 8192) == 1
+    assert mosaic_decode.num_kv_splits_for(32, 16, 8192) == 4
+    assert mosaic_decode.num_kv_splits_for(20, 16, 8192) == 6  # not only powers of two
     assert mosaic_decode.num_kv_splits_for(1, 16, 32768) == 64
     assert mosaic_decode.num_kv_splits_for(3, 16, 320) == 1
-    assert default_num_kv_splits(128, 1, 8192, programs_per_sm=1) == 2
+    assert default_num_kv_splits(128, 1, 8192) == 4
 
   def test_register_split_fits_the_launch(self):
     # setmaxnreg.inc past the registers the block was launched with waits forever (a hang on the
