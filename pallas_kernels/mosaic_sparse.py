@@ -217,8 +217,9 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
   # tile's first Np rows, the others never stored); idx_ref [T, Kp] int32 (slot, or num_slots
   # where invalid); steps_ref [T] int32 (steps of 64 slots up to the last valid one).
   # prep_in_kernel: idx_ref holds the raw slots (-1 padded to Kp; -1 and past the cache invalid),
-  # fp8's scales_ref is the cache's [S, L/128] (gathered with the rows), and with the cp_async
-  # gather there is no staged barrier.
+  # there is no steps_ref (every program walks all Kp/64 steps, its split's share), fp8's
+  # scales_ref is the cache's [S, L/128] (gathered with the rows), and with the cp_async gather
+  # there is no staged barrier.
   # bf16: kv_ref [S, D/64, 64] bf16. fp8: nope_ref [S, L/128, 128] e4m3, rope_ref [S, R/64, 64]
   # bf16, scales_ref [T, Kp/64, L/128, 64] f32 (the selected rows' tile scales, a block a step).
   # o_ref [T, splits, Np, L]; lse_ref [T, splits, Np] f32.
@@ -238,8 +239,9 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
   # tiled and swizzled (a step's e4m3 NoPE rows land in tiles L/128 to L/64 - 1 of its slot) and
   # slot_scales [2, D/64, 32, 64] f32 (its tile scales in tile 0); the RoPE rows land in the
   # slot's RoPE tiles; staged [2].
-  steps_ref, *rest = rest
-  if prep_in_kernel and fp8 and gather == "cp_async":
+  if not prep_in_kernel:
+    steps_ref, *rest = rest
+  elif fp8 and gather == "cp_async":
     rest = (*rest, None)  # no staged barrier: the rows' cp.async groups carry the tile scales
   if in_place:
     (nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buffers, p_smem, row_smem, idx_smem, q_bar,
@@ -273,7 +275,12 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
   half = lora // _VALUE_WGS
   qk_scale = scale * LOG2E
 
-  num_steps = jnp.maximum(steps_ref[t], 0)
+  if prep_in_kernel:
+    # No per-row step count (it would take a reduction over the row's slots before the first
+    # gather): all steps, those past the last valid slot gathering zeros and scoring -inf.
+    num_steps = idx_ref.shape[1] // _STEP
+  else:
+    num_steps = jnp.maximum(steps_ref[t], 0)
   per_split = lax.div(num_steps + (num_splits - 1), num_splits)
   first = split * per_split
   n = jnp.maximum(jnp.minimum(first + per_split, num_steps) - first, 0)
@@ -767,13 +774,15 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
     q = jnp.pad(q, ((0, 0), (0, np_ - n), (0, 0)))
   k = max(pl.cdiv(slots.shape[1], _STEP), 1) * _STEP
   slots = jnp.pad(slots, ((0, 0), (0, k - slots.shape[1])), constant_values=-1)
-  valid = (slots >= 0) & (slots < num_slots)
-  # Walk only up to each row's last valid slot: top-k lists of short rows are mostly -1 padding.
-  extent = jnp.max(jnp.where(valid, jnp.arange(1, k + 1, dtype=jnp.int32), 0), axis=1)
-  steps = lax.div(extent + (_STEP - 1), _STEP)
-  # prep_in_kernel: the raw slots (the kernel masks them); else invalid ones mapped past the cache,
-  # where either gather reads nothing.
-  index_args = (slots if prep_in_kernel else jnp.where(valid, slots, num_slots), steps)
+  if prep_in_kernel:
+    index_args = (slots,)
+  else:
+    valid = (slots >= 0) & (slots < num_slots)
+    idx = jnp.where(valid, slots, num_slots)  # past the cache: either gather reads nothing there
+    # Walk only up to each row's last valid slot: top-k lists of short rows are mostly -1 padding.
+    extent = jnp.max(jnp.where(valid, jnp.arange(1, k + 1, dtype=jnp.int32), 0), axis=1)
+    steps = lax.div(extent + (_STEP - 1), _STEP)
+    index_args = (idx, steps)
   splits = _splits(t, head_tiles, k, num_splits, split_rule)
   out_dtype = q.dtype if splits == 1 else jnp.float32
   if interpret is True:
@@ -952,19 +961,19 @@ class MosaicSparseConfig:
   float32 partials' transposed store does not lower; session 12 found the default failing there,
   T=64); "m" at T=64 (2 splits): N=16 0.0756, N=32 0.0773 ms against Triton's 0.091 / 0.110. Not
   timed: "n" with the bulk gather (which the rule does not see: it is no default).
-  prep_in_kernel (RESULTS, sparse v13; default False): the kernel takes the slots as they are (-1
-  padded to whole steps) instead of XLA's idx (invalid slots mapped past the cache), and
-  fp8_ds_mla's cache tile scales instead of XLA's gathered, transposed blocks, so those XLA
-  kernels (T=128: 1.7 us of slot select, 9.7-9.8 us of scale gather) and their launch gaps leave
-  the call; XLA still counts each row's steps (a max over the row, which fuses into whatever made
-  the slots). Invalid slots need nothing new on the memory side (the cp.async gather's compare is
-  unsigned, so -1 reads nothing like a slot past the cache; a bulk copy's signed coordinates put a
-  row at -1 outside the cache, zero-filled); the scores mask them with one more compare. The
-  scales come in each step's cp.async group (4-byte copies, 2 a lane a 64-row step), so
-  fp8_ds_mla takes the cp_async gather only (bulk copies of 4 bytes are under a bulk copy's
-  16-byte box). H200 (session 12), T=128 over a 1M-token cache, ms, default / v13's first form
-  (no step counts at all: every step walked, which costs short rows their missing steps): bf16
-  N=128 0.201 / 0.184, N=16 0.0891 / 0.0841; fp8_ds_mla N=128 0.266 / 0.254, N=16 0.140 / 0.132."""
+  prep_in_kernel (RESULTS, sparse v13, prepared, not timed; default False): the kernel takes the
+  slots as they are (-1 padded to whole steps) instead of XLA's idx (invalid slots mapped past the
+  cache) and per-row step counts, and fp8_ds_mla's cache tile scales instead of XLA's gathered,
+  transposed blocks, so those XLA kernels (T=128: 4.3-4.6 us of slot prep, 9.7-9.8 us of scale
+  gather) and their launch gaps leave the call. Invalid slots need nothing new on the memory side
+  (the cp.async gather's compare is unsigned, so -1 reads nothing like a slot past the cache; a
+  bulk copy's signed coordinates put a row at -1 outside the cache, zero-filled); the scores mask
+  them with one more compare. Every program walks all its steps: a step past a row's last valid
+  slot gathers zeros and scores -inf, changing nothing (alpha 1, P 0), so top-k lists that end
+  early cost their missing steps (none for full 2048-slot decode lists; up to 1.32x the kernel for
+  a first 4096-token prefill chunk). The scales come in each step's cp.async group (4-byte copies,
+  2 a lane a 64-row step), so fp8_ds_mla takes the cp_async gather only (bulk copies of 4 bytes
+  are under a bulk copy's 16-byte box)."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
   fp8_pipeline: str | None = None
@@ -1022,7 +1031,7 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   slot) or "bulk" (one bulk copy per row and 64-column chunk, 9 a row; what the interpreter runs
   either way). heads_in: `MosaicSparseConfig`'s ("n": N <= 32 heads in wgmma's N, one split;
   None: `default_heads_in`, "n" at N <= 32 where the split rule gives one split, else "m").
-  prep_in_kernel: `MosaicSparseConfig`'s (the kernel reads and masks the raw slots).
+  prep_in_kernel: `MosaicSparseConfig`'s (the kernel reads the raw slots and walks every step).
   interpret: True or a `plgpu.InterpretGPUParams`
   runs Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and lse [T, N] float32 (natural
   log); a row with no valid slot gives (0, -inf).

@@ -172,10 +172,10 @@ def test_mosaic_sparse_default_fp8_pipeline_at_4096_tokens_equals_serial_bit_for
 
 # prep_in_kernel (RESULTS, sparse v13): the kernel takes the raw slots (-1 and past-the-cache
 # slots: the cp.async gather's unsigned compare and the bulk copy's signed coordinates read nothing
-# there, the scores mask them), walking the steps XLA counts as the default does, so at one split
-# (T=128) it equals the default bit for bit: checked with rows 2 and 3 ending early (-1 and
-# past-the-cache tails inside their last step) beside rows 0 (nothing) and 1 (one slot); and
-# against the reference. Both gathers for bf16; fp8_ds_mla's two pipelines, whose
+# there, the scores mask them) and walks every step. A step past a row's last valid slot changes
+# nothing (alpha 1, P 0, zero rows), so at one split (T=128) it equals the default bit for bit:
+# checked with rows 2 and 3 ending early (-1 and past-the-cache tails) beside rows 0 (nothing) and 1
+# (one slot); and against the reference. Both gathers for bf16; fp8_ds_mla's two pipelines, whose
 # memory warpgroup also gathers the rows' tile scales (4-byte cp.async copies in the rows' group,
 # zeros for invalid slots) where the default copies XLA's gathered blocks: the widened bits equal.
 @pytest.mark.parametrize("n,kind,options", [
