@@ -79,13 +79,20 @@ class TopkConfig:
   # Group maxima and theta in one kernel, a program per row (`_maxima_theta_kernel`, v3), instead
   # of the maxima kernel (a program per tile) and the theta kernel.
   fused_theta: bool = False
+  # Theta per tile in the maxima kernel, several programs a row (`_maxima_tile_theta_kernel`,
+  # v7): each tile's theta from its own maxima and its share of k; the threshold and select
+  # kernels take the row's minimum. No theta kernel, whose one program a row was latency-bound at
+  # 128 rows (RESULTS.md, "DSA selection", session 11's profile).
+  tile_theta: bool = False
 
   def __post_init__(self):
     check_triton_config(self, ("chunk",))
     check_pow2("select_warps", self.select_warps)
-    for name in ("per_lane", "fused_theta"):
+    for name in ("per_lane", "fused_theta", "tile_theta"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+    if self.fused_theta and self.tile_theta:
+      raise ValueError("fused_theta and tile_theta are two ways to find theta: take one")
 
 
 # The chosen configs, from H200 sweeps of each kernel alone (benchmarks/RESULTS.md, "DSA
@@ -167,18 +174,47 @@ def _compact(take, base, bound):
   return jnp.where(take & (dst < bound), dst, bound), taken.sum()
 
 
-def _maxima_kernel(logits_ref, len_ref, max_ref, *, groups):
-  # logits_ref [T, S] f32; len_ref [T] int32; max_ref [w] int32 (row t's maxima of groups
-  # c*w ... c*w + w - 1; past the last group INT_MIN)
+def _tile_maxima(logits_ref, len_ref, groups, w):
+  """int32 [w]: this program's (row t, tile c) maxima of groups c*w ... c*w + w - 1; past the last
+  group INT_MIN."""
   t, c = pl.program_id(0), pl.program_id(1)
   s = logits_ref.shape[1]
-  g, w = groups, max_ref.shape[0]
+  g = groups
   m = -(-s // g)
   col = c * w + jnp.arange(w, dtype=jnp.int32)
   pos = jnp.arange(g, dtype=jnp.int32)[:, None] * m + col[None, :]  # [G, w]
   inside = (pos < jnp.clip(len_ref[t], 0, s)) & (col < m)[None, :]
   x = plgpu.load(logits_ref.at[t, pos], mask=inside, other=-jnp.inf)
-  max_ref[...] = _keys(x, inside).max(axis=0)
+  return _keys(x, inside).max(axis=0)
+
+
+def _maxima_kernel(logits_ref, len_ref, max_ref, *, groups):
+  # logits_ref [T, S] f32; len_ref [T] int32; max_ref [w] int32 (row t's maxima of tile c)
+  max_ref[...] = _tile_maxima(logits_ref, len_ref, groups, max_ref.shape[0])
+
+
+def _maxima_tile_theta_kernel(logits_ref, len_ref, theta_ref, *, k, bits, groups, w):
+  # logits_ref [T, S] f32; len_ref [T] int32; theta_ref [T, tiles] int32 (tile c's theta of row t).
+  # Group col is reachable when col < min(length, m) (its first member is col). A tile with r of
+  # the row's n reachable groups takes k_c = ceil(k r / n), so the k_c sum to at least k; theta_c
+  # has at least k_c of the tile's maxima at or above it, so the row's minimum theta has at least
+  # k maxima (distinct keys) at or above it: a lower bound of v, as the row's own theta. A tile
+  # with no reachable group writes INT_MAX (no part in the minimum); a row with none INT_MIN (as
+  # `_theta` gives it).
+  t, c = pl.program_id(0), pl.program_id(1)
+  s = logits_ref.shape[1]
+  reachable = jnp.minimum(jnp.clip(len_ref[t], 0, s), -(-s // groups))
+  mine = jnp.clip(reachable - c * w, 0, w)
+  share = (k * mine + reachable - 1) // jnp.maximum(reachable, 1)
+  theta = _theta(_tile_maxima(logits_ref, len_ref, groups, w), share, bits)
+  theta_ref[t, c] = jnp.where(mine > 0, theta, jnp.where(reachable > 0, _INT_MAX, _INT_MIN))
+
+
+def _row_theta_of(theta_ref, t):
+  """Row t's theta: theta_ref [T] (one a row), or [T, tiles] (`tile_theta`: their minimum)."""
+  if len(theta_ref.shape) == 1:
+    return theta_ref[t]
+  return theta_ref[t, :].min()
 
 
 def _theta(maxima, k, bits):
@@ -218,12 +254,12 @@ def _maxima_theta_kernel(logits_ref, len_ref, theta_ref, *, k, bits, groups, wid
 
 def _threshold_kernel(theta_ref, logits_ref, len_ref, cand_key_ref, cand_pos_ref, count_ref, *,
                       chunk, segment):
-  # theta_ref [T] int32 (every row's theta); logits_ref [T, S] f32; len_ref [T] int32;
+  # theta_ref [T] or [T, tiles] int32 (`_row_theta_of`); logits_ref [T, S] f32; len_ref [T] int32;
   # cand_key_ref, cand_pos_ref [cap] int32 (this row's and segment's place); count_ref [T, P] int32
   # (candidates per row and segment, counted past cap)
   t, p = pl.program_id(0), pl.program_id(1)
   cap = cand_key_ref.shape[0]
-  theta = theta_ref[t]
+  theta = _row_theta_of(theta_ref, t)
   # This program streams positions [start, end) of the row, its segment clipped to the window.
   start = p * segment
   end = jnp.minimum(start + segment, jnp.clip(len_ref[t], 0, logits_ref.shape[1]))
@@ -253,7 +289,7 @@ def _lane_threshold_kernel(theta_ref, logits_ref, len_ref, slot_key_ref, slot_po
   t, p = pl.program_id(0), pl.program_id(1)
   cap = cand_key_ref.shape[0]
   slots = slot_key_ref.shape[0] // chunk
-  theta = theta_ref[t]
+  theta = _row_theta_of(theta_ref, t)
   start = p * segment
   end = jnp.minimum(start + segment, jnp.clip(len_ref[t], 0, logits_ref.shape[1]))
   lane = jnp.arange(chunk, dtype=jnp.int32)
@@ -293,14 +329,14 @@ def _lane_threshold_kernel(theta_ref, logits_ref, len_ref, slot_key_ref, slot_po
 
 def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref, len_ref, out_ref,
                    *, k, chunk, fill):
-  # theta_ref [T] int32; cand_key_ref, cand_pos_ref [P * cap] int32 (this row's segments' places);
+  # theta_ref [T] or [T, tiles] int32; cand_key_ref, cand_pos_ref [P * cap] int32 (this row's segments' places);
   # count_ref [T, P] int32; logits_ref [T, S] f32; len_ref [T] int32; out_ref [k] int32 (this
   # row's positions)
   t = pl.program_id(0)
   segments = count_ref.shape[1]
   cap = cand_key_ref.shape[0] // segments
   s = logits_ref.shape[1]
-  theta = theta_ref[t]
+  theta = _row_theta_of(theta_ref, t)
   counts = [count_ref[t, p] for p in range(segments)]
   count = sum(counts)
   length = jnp.clip(len_ref[t], 0, s)
@@ -402,6 +438,29 @@ def group_maxima(logits: jax.Array, seq_lens: jax.Array, groups: int, width: int
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="topk_maxima",
+  )(logits, seq_lens)
+
+
+def tile_thetas(logits: jax.Array, seq_lens: jax.Array, topk: int, groups: int, width: int, *,
+                tile: int = _MAXIMA_TILE, num_warps: int = 4, bits: int = _THETA_BITS,
+                interpret: bool = False) -> jax.Array:
+  """Steps 1 and 2 with theta per tile (`tile_theta`): int32 [T, tiles], each (row, tile)'s theta
+  from its own maxima (as `group_maxima`'s tiles); the row's theta is their minimum. Tiles of at
+  most `tile` positions, and narrower (down to 16 groups) until rows x tiles reach 2 programs an SM:
+  each program's bisection is a chain of block-wide counts, and only more programs overlap them."""
+  t = logits.shape[0]
+  w = min(width, max(16, min(tile // groups, width // next_pow2(pl.cdiv(2 * sm_count(), t)))))
+  if topk * w >= 2 ** 31:  # the kernel's int32 share of k
+    raise ValueError(f"tile_theta: topk {topk} x {w} groups a tile passes int32")
+  return pl.pallas_call(
+      functools.partial(_maxima_tile_theta_kernel, k=topk, bits=bits, groups=groups, w=w),
+      grid=(t, width // w),
+      in_specs=[_whole(logits), _whole(seq_lens)],
+      out_specs=pl.BlockSpec((t, width // w), lambda i, c: (0, 0)),
+      out_shape=jax.ShapeDtypeStruct((t, width // w), jnp.int32),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=interpret,
+      name="topk_maxima_tile_theta",
   )(logits, seq_lens)
 
 
@@ -509,21 +568,22 @@ def select_positions(theta: jax.Array, cand_keys: jax.Array, cand_pos: jax.Array
 
 @functools.partial(jax.jit, static_argnames=("topk", "chunk", "num_warps", "num_stages",
                                              "select_warps", "per_lane", "fused_theta",
-                                             "interpret"))
+                                             "tile_theta", "interpret"))
 def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None,
                    select_warps: int | None = None, per_lane: bool | None = None,
-                   fused_theta: bool | None = None, interpret: bool = False) -> jax.Array:
+                   fused_theta: bool | None = None, tile_theta: bool | None = None,
+                   interpret: bool = False) -> jax.Array:
   """Top-`topk` positions of each row within its window (semantics of
   `mla_jax.reference.topk_positions`): logits [T, S] float32, seq_lens [T] int32 (row t sees
   s < seq_lens[t]) -> int32 [T, topk], -1 padded, in no particular order; of positions tied at the
   k-th largest value, the lowest. chunk, num_warps, num_stages, select_warps, per_lane,
-  fused_theta: `TopkConfig`'s (None: `default_config`'s).
+  fused_theta, tile_theta: `TopkConfig`'s (None: `default_config`'s).
   """
   check_topk_args(logits, seq_lens, topk)
   config = with_overrides(default_config(*logits.shape), chunk=chunk, num_warps=num_warps,
                           num_stages=num_stages, select_warps=select_warps, per_lane=per_lane,
-                          fused_theta=fused_theta)
+                          fused_theta=fused_theta, tile_theta=tile_theta)
   t, s = logits.shape
   if t == 0 or s == 0:
     return jnp.full((t, topk), -1, jnp.int32)
@@ -532,7 +592,9 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: 
   g = group_size(s, topk)
   width = next_pow2(-(-s // g))
   cap = next_pow2(min(_CAP_PER_K * topk, s))
-  if config.fused_theta:
+  if config.tile_theta:
+    theta = tile_thetas(logits, seq_lens, topk, g, width, interpret=interpret)
+  elif config.fused_theta:
     theta = fused_row_theta(logits, seq_lens, topk, g, width, params(_THETA_WARPS),
                             interpret=interpret)
   else:
