@@ -329,9 +329,9 @@ def _lane_threshold_kernel(theta_ref, logits_ref, len_ref, slot_key_ref, slot_po
 
 def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref, len_ref, out_ref,
                    *, k, chunk, fill):
-  # theta_ref [T] or [T, tiles] int32; cand_key_ref, cand_pos_ref [P * cap] int32 (this row's segments' places);
-  # count_ref [T, P] int32; logits_ref [T, S] f32; len_ref [T] int32; out_ref [k] int32 (this
-  # row's positions)
+  # theta_ref [T] or [T, tiles] int32; cand_key_ref, cand_pos_ref [P * cap] int32 (this row's
+  # segments' places); count_ref [T, P] int32; logits_ref [T, S] f32; len_ref [T] int32; out_ref
+  # [k] int32 (this row's positions)
   t = pl.program_id(0)
   segments = count_ref.shape[1]
   cap = cand_key_ref.shape[0] // segments

@@ -258,6 +258,23 @@ class TestPallasTritonIndexer(IndexerContract):
       kth = np.sort(keys[i])[::-1][k - 1]
       assert got[i].min() <= kth or got[i].min() == -2 ** 31, i
 
+  @pytest.mark.parametrize("t,s,knobs", [(128, 32768, {}), (128, 131072, {"per_lane": True}),
+                                          (4096, 32768, {"fused_theta": False})])
+  def test_tile_theta_lowers_for_hopper(self, monkeypatch, t, s, knobs):
+    # The tile_theta top-k at the benchmark's shapes, lowered to Triton IR for compute capability
+    # 9.0 on this CPU (the lowering asks the device for it; there is none here): three kernels.
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+    hopper = gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90)
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: hopper)
+    traced = jax.jit(functools.partial(pallas_topk.topk_positions, topk=2048, tile_theta=True,
+                                       **knobs)).trace(jax.ShapeDtypeStruct((t, s), jnp.float32),
+                                                       jax.ShapeDtypeStruct((t,), jnp.int32))
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3
+    threshold = "topk_threshold_lanes" if knobs.get("per_lane") else "topk_threshold"
+    for name in ("topk_maxima_tile_theta", threshold, "topk_select"):
+      assert f'"{name}"' in text, name
+
   def test_group_size(self):
     # At least 4k strided groups, G a power of two; V3.2 at 128K and 32K context.
     assert pallas_topk.group_size(131072, 2048) == 16
