@@ -214,6 +214,9 @@ def run_topk(args, t, s):
     knobs[name] = not knobs[name]
     if knobs != v2:
       variants[f"v3, {name}={knobs[name]}"] = knobs
+  # v7: the default's threshold kernel with theta per maxima tile (several programs a row, no
+  # theta kernel) in place of its theta step.
+  variants["v7, tile_theta"] = dict(per_lane=default.per_lane, fused_theta=False, tile_theta=True)
   for name, knobs in variants.items():
     variant = lambda be, knobs=knobs: jax.jit(lambda x, lens: pallas_topk.topk_positions(
         x, lens, TOPK, interpret=jax.default_backend() != "gpu", **knobs))

@@ -116,7 +116,8 @@ _LONG_ROW = 32768  # positions past which few rows take DEFAULT_LONG_ROWS
 # The sweep space: the variants `benchmarks/bench_sparse.py --sweep` times (128 x 131072).
 SWEEP = tuple(TopkConfig(*v) for v in [
     (1024, 4, 1, 8, True), (2048, 4, 1, 8, True), (2048, 8, 1, 8, True), (4096, 8, 1, 8, True),
-    (512, 4, 1, 8, True), (1024, 4, 2, 8, True), (1024, 4, 1, 8), (2048, 8, 1, 8)])
+    (512, 4, 1, 8, True), (1024, 4, 2, 8, True), (1024, 4, 1, 8), (2048, 8, 1, 8),
+    (1024, 4, 1, 8, True, False, True), (1024, 4, 1, 8, False, False, True)])
 
 
 def _keys(x, inside):
