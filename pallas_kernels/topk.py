@@ -14,7 +14,8 @@ kernels, each reading the logits at most once (steps 1 and 2 fuse into one where
    theta), found by bisection on the key bits between the row's smallest and largest maximum, only
    the top `_THETA_BITS` bits: a lower theta only admits a few more candidates. Where rows alone
    fill the SMs, one program a row takes its maxima in registers and theta from them (no maxima
-   written: `fused_theta`).
+   written: `fused_theta`). Or (`tile_theta`) each maxima program, several a row, bisects its own
+   tile's maxima for its share of k, and the later kernels take the row's minimum (no theta kernel).
 3. threshold: a row is split into segments (several per row when rows are few); each streams its
    segment once and compacts every position with key >= theta into its own `cap` = 4k places of
    the row's candidate list: by a block-wide cumsum per chunk, in position order, or (`per_lane`,
