@@ -209,7 +209,10 @@ def _maxima_tile_theta_kernel(logits_ref, len_ref, theta_ref, *, k, bits, groups
   mine = jnp.clip(reachable - c * w, 0, w)
   share = (k * mine + reachable - 1) // jnp.maximum(reachable, 1)
   theta = _theta(_tile_maxima(logits_ref, len_ref, groups, w), share, bits)
-  theta_ref[t, c] = jnp.where(mine > 0, theta, jnp.where(reachable > 0, _INT_MAX, _INT_MIN))
+  # A tile without groups: INT_MAX where the row has some (the select of two constants lowers to a
+  # mistyped Triton select, so it is INT_MIN with every bit flipped), else INT_MIN.
+  empty = jnp.int32(_INT_MIN) ^ -(reachable > 0).astype(jnp.int32)
+  theta_ref[t, c] = jnp.where(mine > 0, theta, empty)
 
 
 def _row_theta_of(theta_ref, t):

@@ -262,15 +262,26 @@ class TestPallasTritonIndexer(IndexerContract):
                                           (4096, 32768, {"fused_theta": False})])
   def test_tile_theta_lowers_for_hopper(self, monkeypatch, t, s, knobs):
     # The tile_theta top-k at the benchmark's shapes, lowered to Triton IR for compute capability
-    # 9.0 on this CPU (the lowering asks the device for it; there is none here): three kernels.
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+    # 9.0 on this CPU (the lowering asks the device for it; there is none here): three kernels,
+    # each module verified (the GPU's Triton parser refuses one that does not verify: session 12's
+    # first run of tile_theta failed so, on a select of two constants typed i1).
+    from jax._src.pallas.triton import gpu_info, lowering, pallas_call_registration
     hopper = gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90)
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: hopper)
+    verified = []
+
+    def lower_and_verify(*args, lower=lowering.lower_jaxpr_to_triton_module, **kwargs):
+      result = lower(*args, **kwargs)
+      verified.append(result.module.operation.verify())
+      return result
+
+    monkeypatch.setattr(pallas_call_registration.lowering, "lower_jaxpr_to_triton_module",
+                        lower_and_verify)
     traced = jax.jit(functools.partial(pallas_topk.topk_positions, topk=2048, tile_theta=True,
                                        **knobs)).trace(jax.ShapeDtypeStruct((t, s), jnp.float32),
                                                        jax.ShapeDtypeStruct((t,), jnp.int32))
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 3
+    assert text.count("__gpu$xla.gpu.triton") == 3 and verified == [True] * 3
     threshold = "topk_threshold_lanes" if knobs.get("per_lane") else "topk_threshold"
     for name in ("topk_maxima_tile_theta", threshold, "topk_select"):
       assert f'"{name}"' in text, name
