@@ -961,7 +961,7 @@ class MosaicSparseConfig:
   float32 partials' transposed store does not lower; session 12 found the default failing there,
   T=64); "m" at T=64 (2 splits): N=16 0.0756, N=32 0.0773 ms against Triton's 0.091 / 0.110. Not
   timed: "n" with the bulk gather (which the rule does not see: it is no default).
-  prep_in_kernel (RESULTS, sparse v13, prepared, not timed; default False): the kernel takes the
+  prep_in_kernel (RESULTS, sparse v13 and v13 timed; default False): the kernel takes the
   slots as they are (-1 padded to whole steps) instead of XLA's idx (invalid slots mapped past the
   cache) and per-row step counts, and fp8_ds_mla's cache tile scales instead of XLA's gathered,
   transposed blocks, so those XLA kernels (T=128: 4.3-4.6 us of slot prep, 9.7-9.8 us of scale
@@ -973,7 +973,11 @@ class MosaicSparseConfig:
   early cost their missing steps (none for full 2048-slot decode lists; up to 1.32x the kernel for
   a first 4096-token prefill chunk). The scales come in each step's cp.async group (4-byte copies,
   2 a lane a 64-row step), so fp8_ds_mla takes the cp_async gather only (bulk copies of 4 bytes
-  are under a bulk copy's 16-byte box)."""
+  are under a bulk copy's 16-byte box). H200 (session 12), T=128 over a 1M-token cache, ms,
+  default / prep_in_kernel: full rows (2048 valid slots) bf16 N=128 0.197 / 0.185, N=16 0.0931 /
+  0.0862; fp8_ds_mla N=128 0.264 / 0.249, N=16 0.138 / 0.124; rows of 256 valid slots bf16
+  N=128 0.0855 / 0.1917, fp8_ds_mla N=128 0.0768 / 0.2641: not the default (static shapes do
+  not tell the rows apart)."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
   fp8_pipeline: str | None = None
