@@ -54,6 +54,28 @@ HALF_ROWS_LAYOUT = plmgpu.Layout.TILED(mgpu_fa.Tiling(((HALF_ROWS, 8), (8, 8), (
                                        warp_dims=(-5,), lane_dims=(-3, -2), vector_dim=-1)
 
 
+# Where a Mosaic GPU attention kernel's heads sit in its wgmma shapes (mosaic_decode, mosaic_sparse:
+# `heads_in`). "m": 64 heads a program, the M of every Hopper wgmma. "n": heads as wgmma's N (a
+# multiple of 8): N <= 16 pads to 16, else to 32.
+HEADS_M_TILE = 64
+HEADS_N_TILES = (16, 32)
+# Cross-warp reduction scratch a step's softmax takes with heads in N: a [64, N] max or sum over
+# its rows leaves N / 8 registers a thread, each reduced through 4 warps x 32 lanes x 2 float32
+# (Mosaic GPU's `FragmentedArray.reduce`); this is all of them at once (no scratch reuse rounds).
+REDUCTION_BYTES_PER_8_HEADS = 4 * 32 * 2 * 4
+
+
+def heads_tile(num_heads: int, heads_in: str) -> int:
+  """Heads a program takes: 64 (heads_in="m", wgmma's M; any N in tiles of 64), or with
+  heads_in="n" 16 or 32 (wgmma's N; N <= 32 only, a ValueError above)."""
+  if heads_in == "m":
+    return HEADS_M_TILE
+  if num_heads > HEADS_N_TILES[-1]:
+    raise ValueError(f"heads_in=\"n\" takes at most {HEADS_N_TILES[-1]} heads (one program's "
+                     f"wgmma N; more run as heads_in=\"m\"), got {num_heads}")
+  return next(tile for tile in HEADS_N_TILES if num_heads <= tile)
+
+
 def is_pow2(x: int) -> bool:
   return x > 0 and x & (x - 1) == 0
 
@@ -396,14 +418,19 @@ def _store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis=0):
   """acc (column tiles [64, w] f32 of one warpgroup's output) * out_scale / l, rows that saw
   nothing 0, staged in o_smem [64, cols] and copied to o_gmem (its rows: the first 64 or fewer).
   heads_axis=1: the tiles are O^T [w, heads], stored transposed into o_smem [heads, cols], so
-  o_gmem keeps the [heads, cols] layout."""
+  o_gmem keeps the [heads, cols] layout; or, where o_smem is [cols, heads] (told apart by its
+  shape: heads <= 32 < cols), stored as they are, o_gmem [cols, heads] (mosaic_decode's float32
+  partials: Mosaic GPU, jax 0.11.2, lowers a transposed store of bf16 but not of float32)."""
   inv = out_scale / jnp.where(l > 0, l, 1.0)
+  cols_first = heads_axis == 1 and o_smem.shape[-1] == acc[0].shape[1]
   col = 0
   for part in acc:
     width = part.shape[1 - heads_axis]
     scaled = (part * lax.broadcast_in_dim(inv, part.shape, [heads_axis])).astype(o_smem.dtype)
     if heads_axis == 0:
       o_smem[:, pl.ds(col, width)] = scaled
+    elif cols_first:
+      o_smem[pl.ds(col, width), :] = scaled
     else:
       o_smem.at[:, pl.ds(col, width)].transpose((1, 0))[...] = scaled
     col += width

@@ -44,15 +44,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E, check_decode_args,
-                                   check_split_args, feed_ring, hand_over_p, leading_rows,
-                                   length_splits, merge_splits, num_fixed_splits, one_wave_splits,
-                                   padded_heads, partials_dtype, row_broadcast, run_scores,
-                                   run_values, sm_count, softmax_step, split_range, swizzled,
-                                   SWIZZLE)
+from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
+                                   REDUCTION_BYTES_PER_8_HEADS, check_decode_args,
+                                   check_split_args, feed_ring, hand_over_p, heads_tile,
+                                   leading_rows, length_splits, merge_splits, num_fixed_splits,
+                                   one_wave_splits, padded_heads, partials_dtype, row_broadcast,
+                                   run_scores, run_values, sm_count, softmax_step, split_range,
+                                   swizzled, SWIZZLE)
 
 
 FP8_PIPELINES = ("serial", "half_pages", "shared_widening")
+HEADS_IN = ("m", "n")
+HEADS_N_FP8_PIPELINE = "serial"  # the fp8 pipeline heads_in="n" takes (64-token consumer steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +76,24 @@ class MosaicDecodeConfig:
     half-page j, while warpgroup 0 computes the next scores; the memory warpgroup widens the rest
     (0-255 and the rope columns), 5 of the 9 column tiles instead of all 9 (the default; H200,
     B=128, S=8192: 1.16x "half_pages" at N=128 and N=16, bit-identical outputs; RESULTS.md,
-    session 7)."""
+    session 7).
+  heads_in, where a program's heads sit in the wgmma shapes (benchmarks/RESULTS.md, "Latent decode
+  (pallas_mosaic)", session 12: prepared, not timed). None (the default) runs "m": 64 heads as
+  wgmma's M (N < 64 in the 64-row tile: at N=16 three quarters of every product and of the
+  softmax are padding). "n": N <= 32 heads as wgmma's N, padded to 16 or 32 (`common.heads_tile`;
+  a ValueError above 32), mosaic_sparse's heads_in="n": S^T = K Q^T [64 tokens, heads], its
+  softmax over the token rows (cross-warp reductions through `reduction_scratch_bytes`), P^T
+  stored transposed into p_smem [heads, 64], O^T = V^T P^T in [64 columns, heads] value tiles; a
+  bf16 output (one split) stored transposed into the [heads, columns] staging, float32 partials
+  (several splits, fixed splits) stored as they are and written [T, splits, L, Np] (Mosaic GPU,
+  jax 0.11.2, does not lower a transposed float32 store), which the XLA merge reads transposed.
+  Both caches; an fp8 cache with fp8_pipeline="serial" only (wgmma's M is 64: the half-page
+  pipelines' 32-token steps cannot be S^T's rows), a ValueError otherwise."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
   fp8_pipeline: str = "shared_widening"
+  heads_in: str | None = None
 
   def __post_init__(self):
     if self.block_h != 64:
@@ -90,12 +106,15 @@ class MosaicDecodeConfig:
                        f"got {self.num_stages}")
     if self.fp8_pipeline not in FP8_PIPELINES:
       raise ValueError(f"fp8_pipeline must be one of {FP8_PIPELINES}, got {self.fp8_pipeline!r}")
+    if self.heads_in is not None and self.heads_in not in HEADS_IN:
+      raise ValueError(f"heads_in must be None or one of {HEADS_IN}, got {self.heads_in!r}")
 
 
 CONFIG = MosaicDecodeConfig()
 # The sweep space: the variants `benchmarks/bench_decode.py --mosaic-configs` times beside CONFIG.
 SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"),
-         MosaicDecodeConfig(fp8_pipeline="half_pages"))
+         MosaicDecodeConfig(fp8_pipeline="half_pages"),
+         MosaicDecodeConfig(fp8_pipeline=HEADS_N_FP8_PIPELINE, heads_in="n"))
 # Fields that one cache dtype alone reads (with the other, the program is the same whatever they
 # are): a sweep times a config only with the cache dtype whose program it changes.
 DTYPE_KNOBS = {"fp8_pipeline": jnp.dtype(F8)}
@@ -123,7 +142,7 @@ _MAX_HEAD_DIM = 576  # 3 x 64 rows x D bf16 + P must fit in shared memory
 
 def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffers, p_smem,
                    row_smem, q_bar, ready, consumed, p_ready, p_free, *staging, scale, lora,
-                   num_splits, split_steps, in_place, shared_widening):
+                   num_splits, split_steps, in_place, shared_widening, heads_n):
   # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64, or fewer than 64 unpadded: the tile's
   # first Np rows, the others never stored); kv_ref [num_blocks, page, D] bf16 or
   # e4m3; bt_ref [T, max_blocks] int32; len_ref [T] int32; ks_ref [1] f32 (the cache's scale, 1
@@ -138,6 +157,11 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
   # D] e4m3, 64-byte swizzled; staged [FP8_STAGES] barriers: a stage slot's bytes landed), and
   # with shared_widening (warpgroup 1 widens its value columns; ready then takes 2 arrivals) a
   # third: stage_free [FP8_STAGES] barriers (warpgroup 1 done reading a stage slot).
+  # heads_n (heads_in="n"): the tile's 16 or 32 heads (q_smem [tile_h, D], p_smem [tile_h, 64],
+  # row_smem and lse_smem [tile_h]) are wgmma's N: S^T = K Q^T [64 tokens, heads], its softmax over
+  # axis 0, P^T stored transposed into p_smem, O^T = V^T P^T in [64 columns, heads] value tiles
+  # (V^T an MN-major A operand); bf16 outputs stored transposed into o_smem [2, heads, L/2],
+  # float32 partials as they are into o_smem [2, L/2, heads] and o_ref [T, splits, L, Np].
   (q_smem, kv_smem), (o_smem, lse_smem) = buffers
   fp8 = bool(staging)
   slots, step_rows = kv_smem.shape[:2]
@@ -149,9 +173,16 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
   max_blocks = bt_ref.shape[1]
   steps_per_page = page // _STEP
   half = lora // _VALUE_WGS
+  tile_h = q_smem.shape[0]
+  heads_axis = 1 if heads_n else 0
   # Value columns per P V product: all of a warpgroup's when it accumulates in place (wgmma's N is
-  # at most 256), else _CHUNK-wide fresh accumulators.
-  width = half if in_place and half <= _MAX_WGMMA_N else _CHUNK
+  # at most 256), else _CHUNK-wide fresh accumulators; with heads in N the columns are O^T's rows,
+  # wgmma's M: 64 a product.
+  if heads_n:
+    width = _TILE_H
+  else:
+    width = half if in_place and half <= _MAX_WGMMA_N else _CHUNK
+  acc_shape = (width, tile_h) if heads_n else (_TILE_H, width)
   # log2(e) folded in: the softmax runs on exp2. The per-tensor fp8 scale is linear: it scales the
   # logits here and the output at the end instead of every cache value.
   k_scale = ks_ref[0]
@@ -178,12 +209,13 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
     return jnp.clip(rows - lax.rem(k, pieces) * step_rows, 0, step_rows)
 
   def zero_acc():
-    return tuple(plgpu.layout_cast(jnp.zeros((_TILE_H, width), jnp.float32), plgpu.Layout.WGMMA)
+    return tuple(plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
                  for _ in range(half // width))
 
   def accumulate_values(acc, alpha, slot, w, p=None):
     """acc * alpha + P V over warpgroup w's value columns, `width` columns a product; P from
-    registers when given (warpgroup 0's own), else from p_smem.
+    registers when given (warpgroup 0's own), else from p_smem. heads_n: O^T += V^T P^T, both
+    operands from shared memory (P^T is the B operand).
 
     On the GPU each product accumulates in place into the rescaled running sum. Mosaic GPU's
     interpreter (jax 0.11.2) runs wgmma only with shared-memory operands into run_scoped
@@ -192,18 +224,22 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
     out = []
     for c, part in enumerate(acc):
       values = kv_smem.at[slot, :, pl.ds(w * half + c * width, width)]  # [64 rows, width]
-      scaled = part * row_broadcast(alpha, part.shape)
+      if heads_n:
+        operands = values.transpose((1, 0)), p_smem.transpose((1, 0))
+      else:
+        operands = p_smem if p is None else p, values
+      scaled = part * lax.broadcast_in_dim(alpha, part.shape, [heads_axis])
       if in_place:
-        def product(acc_ref, values=values):  # acc_ref [64, width] f32, the running sum
-          plgpu.wgmma(acc_ref, p_smem if p is None else p, values)
+        def product(acc_ref, operands=operands):  # acc_ref: acc_shape f32, the running sum
+          plgpu.wgmma(acc_ref, *operands)
 
         out.append(pl.run_state(product)(plgpu.ACC.init(scaled)))
       else:
-        def product(acc_ref, values=values):  # acc_ref [64, width] f32
-          plgpu.wgmma(acc_ref, p_smem, values)
+        def product(acc_ref, operands=operands):  # acc_ref: acc_shape f32
+          plgpu.wgmma(acc_ref, *operands)
           return acc_ref[...]
 
-        out.append(scaled + pl.run_scoped(product, plgpu.ACC((_TILE_H, width), jnp.float32)))
+        out.append(scaled + pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32)))
     return tuple(out)
 
   def zero_rows(slot, rows):
@@ -217,10 +253,16 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
 
   # Fewer than 64 heads come unpadded: the tile's first rows are theirs, the others hold whatever
   # shared memory held (every product and reduction is per row, so it reaches no stored row).
-  rows_out = pl.ds(h * _TILE_H, min(_TILE_H, q_ref.shape[1]))
-  # Warpgroup w's output columns; k_scale (the fp8 cache's, else 1) scales them once at the end.
-  out = lambda w: dict(o_smem=o_smem.at[w], out_scale=k_scale,
-                       o_gmem=o_ref.at[t, split, rows_out, pl.ds(w * half, half)])
+  rows_out = pl.ds(h * tile_h, min(tile_h, q_ref.shape[1]))
+  cols_first = heads_n and o_ref.dtype == jnp.float32  # o_ref [T, splits, L, Np]
+
+  def out(w):
+    """Warpgroup w's output columns; k_scale (the fp8 cache's, else 1) scales them once at the
+    end."""
+    cols = pl.ds(w * half, half)
+    return dict(o_smem=o_smem.at[w], out_scale=k_scale,
+                o_gmem=o_ref.at[t, split, cols, rows_out] if cols_first
+                else o_ref.at[t, split, rows_out, cols])
 
   @pl.when(wg == 0)
   def _scores():
@@ -240,21 +282,28 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
       if not fp8:
         pl.when(rows < _STEP)(functools.partial(zero_rows, slot, rows))
 
-      def scores(acc_ref):  # acc_ref [64 heads, step_rows] f32
-        plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
+      def scores(acc_ref):  # acc_ref [64 heads, step_rows] f32 (heads in N: S^T [64, heads])
+        if heads_n:
+          plgpu.wgmma(acc_ref, kv_smem.at[slot], q_smem.transpose((1, 0)))
+        else:
+          plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
         return acc_ref[...]
 
-      s = pl.run_scoped(scores, plgpu.ACC((_TILE_H, step_rows), jnp.float32))
+      s_shape = (step_rows, tile_h) if heads_n else (_TILE_H, step_rows)
+      s = pl.run_scoped(scores, plgpu.ACC(s_shape, jnp.float32))
       # Made in the step, not carried: a 64 x 64 int32 iota is 32 registers a thread.
-      cols = plgpu.broadcasted_iota(jnp.int32, (_TILE_H, step_rows), 1, layout=plgpu.Layout.WGMMA)
-      m_new, alpha, p, l = softmax_step(jnp.where(cols < rows, s * qk_scale, -jnp.inf), m, l)
-      p16 = hand_over_p(i, p, alpha, p_smem, row_smem, p_ready, p_free)
-      acc = accumulate_values(acc, alpha, slot, 0, p16 if in_place else None)
+      keys = plgpu.broadcasted_iota(jnp.int32, s_shape, 1 - heads_axis, layout=plgpu.Layout.WGMMA)
+      m_new, alpha, p, l = softmax_step(jnp.where(keys < rows, s * qk_scale, -jnp.inf), m, l,
+                                        heads_axis)
+      p16 = hand_over_p(i, p, alpha, p_smem.transpose((1, 0)) if heads_n else p_smem, row_smem,
+                        p_ready, p_free)
+      acc = accumulate_values(acc, alpha, slot, 0, p16 if in_place and not heads_n else None)
       plgpu.barrier_arrive(consumed.at[slot])
       return m_new, l, acc
 
     run_scores(n * pieces, step, zero_acc(), row_smem=row_smem, p_ready=p_ready, p_free=p_free,
-               **out(0), lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out])
+               **out(0), lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out],
+               heads_axis=heads_axis)
 
   # Column tiles of the stage each widening warpgroup takes (shared_widening: warpgroup 1 its own
   # value columns, the memory warpgroup the rest; otherwise the memory warpgroup all).
@@ -283,7 +332,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
 
     run_values(n * pieces, slots, lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, 1),
                zero_acc(), ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready,
-               p_free=p_free, **out(1), widen=widen_own)
+               p_free=p_free, **out(1), widen=widen_own, heads_axis=heads_axis)
 
   @pl.when(wg == _VALUE_WGS)
   def _memory():
@@ -427,11 +476,13 @@ def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_sp
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits",
-                                             "split_tokens", "fp8_pipeline", "interpret"))
+                                             "split_tokens", "fp8_pipeline", "heads_in",
+                                             "interpret"))
 def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
                   *, scale: float, kv_lora_rank: int = 512,
                   k_scale: jax.Array | float | None = None, num_kv_splits: int | None = None,
                   split_tokens: int | None = None, fp8_pipeline: str = CONFIG.fp8_pipeline,
+                  heads_in: str | None = CONFIG.heads_in,
                   interpret: bool | plgpu.InterpretGPUParams = False
                   ) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
@@ -444,21 +495,30 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   num_kv_splits, a multiple of 64): splits of that many tokens merged in a fixed order, so each
   row's result is bit-identical in any batch and with any table width (batch-invariant mode).
   fp8_pipeline: how an fp8 cache's pages are widened (one of FP8_PIPELINES, see
-  `MosaicDecodeConfig`; a bf16 cache ignores it). interpret: True or a `plgpu.InterpretGPUParams`
-  runs Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and lse [T, N] float32 (natural
-  log).
+  `MosaicDecodeConfig`; a bf16 cache ignores it). heads_in: `MosaicDecodeConfig`'s (None: "m";
+  "n": N <= 32 heads as wgmma's N, with an fp8 cache only with fp8_pipeline "serial").
+  interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
+  o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
   _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits, split_tokens)
-  MosaicDecodeConfig(fp8_pipeline=fp8_pipeline)  # checks it
+  MosaicDecodeConfig(fp8_pipeline=fp8_pipeline, heads_in=heads_in)  # checks them
+  fp8 = kv_cache.dtype == F8
+  heads_n = heads_in == "n"
+  if heads_n and fp8 and fp8_pipeline != HEADS_N_FP8_PIPELINE:
+    raise ValueError(f"heads_in=\"n\" with an fp8 cache takes fp8_pipeline "
+                     f"\"{HEADS_N_FP8_PIPELINE}\" (64-token steps: wgmma's M), got "
+                     f"{fp8_pipeline!r}")
   t, n, d = q.shape
+  tile_h = heads_tile(n, "n" if heads_n else "m")
   page = kv_cache.shape[1]
-  head_tiles = pl.cdiv(n, _TILE_H)
+  head_tiles = pl.cdiv(n, tile_h)
   max_len = block_tables.shape[1] * page
   if split_tokens:
     splits = num_fixed_splits(split_tokens, max_len)
   else:
     splits = num_kv_splits or num_kv_splits_for(t, n, max_len)
-  np_ = padded_heads(n, _TILE_H)
+  # Heads in N take whole tiles (the query tile is the B operand, all of its rows read).
+  np_ = tile_h if heads_n else padded_heads(n, tile_h)
   if np_ != n:
     q = jnp.pad(q, ((0, 0), (0, np_ - n), (0, 0)))
   fixed_order = split_tokens is not None
@@ -466,13 +526,13 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
 
-  fp8 = kv_cache.dtype == F8
   shared_widening = fp8 and fp8_pipeline == "shared_widening"
   half_pages = fp8 and fp8_pipeline in ("half_pages", "shared_widening")
   # Mosaic GPU's interpreter runs no in-place accumulation (see accumulate_values).
   kernel = functools.partial(_decode_kernel, scale=scale, lora=kv_lora_rank, num_splits=splits,
                              split_steps=split_tokens and split_tokens // _STEP,
-                             in_place=not interpret, shared_widening=shared_widening)
+                             in_place=not interpret, shared_widening=shared_widening,
+                             heads_n=heads_n)
   # bf16 slots x rows (the consumers' step). wgmma's K must be a multiple of its operands' swizzle
   # width, and P V's K is the step: 32-row steps take 64-byte swizzles (32 bf16) for the query,
   # the slots and P alike (one wgmma takes one swizzle). Half pages: 72 + 2 x 36 (bf16 slots) +
@@ -489,17 +549,26 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
       staging += (plgpu.Barrier(num_barriers=_FP8_STAGES),)
   k_scale = jnp.ones((1,), jnp.float32) if k_scale is None else (
       jnp.asarray(k_scale, jnp.float32).reshape(1))
+  # Heads in N with float32 partials: the output tiles O^T [64 columns, heads] are staged and
+  # written as they are (a transposed float32 store does not lower), o [T, splits, L, Np].
+  cols_first = heads_n and out_dtype == jnp.float32
+  half = kv_lora_rank // _VALUE_WGS
+  if cols_first:
+    o_shape = (t, splits, kv_lora_rank, np_)
+    o_staging = swizzled((_VALUE_WGS, half, tile_h), out_dtype, tile_h * 4)
+  else:
+    o_shape = (t, splits, np_, kv_lora_rank)
+    o_staging = swizzled((_VALUE_WGS, tile_h, half), out_dtype)
   o_parts, lse_parts = plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct((t, splits, np_, kv_lora_rank), out_dtype),
+      out_type=(jax.ShapeDtypeStruct(o_shape, out_dtype),
                 jax.ShapeDtypeStruct((t, splits, np_), jnp.float32)),
       scratch_types=(
           plgpu.RefUnion(
-              (swizzled((_TILE_H, d), q.dtype, sw), swizzled((slots, step_rows, d), q.dtype, sw)),
-              (swizzled((_VALUE_WGS, _TILE_H, kv_lora_rank // _VALUE_WGS), out_dtype),
-               plgpu.SMEM((_TILE_H,), jnp.float32))),
-          swizzled((_TILE_H, step_rows), q.dtype, sw),
-          plgpu.SMEM((_TILE_H,), jnp.float32),
+              (swizzled((tile_h, d), q.dtype, sw), swizzled((slots, step_rows, d), q.dtype, sw)),
+              (o_staging, plgpu.SMEM((tile_h,), jnp.float32))),
+          swizzled((tile_h, step_rows), q.dtype, sw),
+          plgpu.SMEM((tile_h,), jnp.float32),
           plgpu.Barrier(),
           # ready: the memory warpgroup's bulk copy or widening, and warpgroup 1's widening too
           # with shared_widening.
@@ -517,13 +586,19 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
       num_threads=_VALUE_WGS + 1,
       thread_name="wg",
       # Row reductions of the WGMMA layout stay within a warp (shuffles), so the cross-warp
-      # reduction scratch (2 KB by default) is not needed, and it would not fit.
-      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+      # reduction scratch (2 KB by default) is not needed, and with 64 heads it would not fit;
+      # heads in N reduce S^T over its rows, across the warpgroup's warps.
+      compiler_params=plgpu.CompilerParams(
+          approx_math=True,
+          reduction_scratch_bytes=REDUCTION_BYTES_PER_8_HEADS * tile_h // 8 if heads_n else 0),
       interpret=interpret or None,
       kernel_name=(f"mosaic_latent_decode_{'fp8' if fp8 else 'bf16'}{'_half' if half_pages else ''}"
-                   f"{'_shared' if shared_widening else ''}_p{page}_s{splits}"),
+                   f"{'_shared' if shared_widening else ''}{f'_heads_n{tile_h}' if heads_n else ''}"
+                   f"_p{page}_s{splits}"),
   )(q, kv_cache, block_tables, seq_lens, k_scale)
 
+  if cols_first:  # the XLA merge reads them transposed
+    o_parts = jnp.swapaxes(o_parts, 2, 3)
   if splits == 1 and not fixed_order:
     o, lse = o_parts[:, 0], lse_parts[:, 0]
   else:

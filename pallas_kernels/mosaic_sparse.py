@@ -61,20 +61,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
 
-from pallas_kernels.common import (DS_MLA_TILE, F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
+from pallas_kernels.common import (DS_MLA_TILE, F8, HALF_ROWS, HALF_ROWS_LAYOUT, HEADS_M_TILE,
+                                   HEADS_N_TILES, LOG2E, REDUCTION_BYTES_PER_8_HEADS,
                                    check_sparse_args, default_num_kv_splits, hand_over_p,
-                                   leading_rows, merge_splits, one_wave_splits, padded_heads,
-                                   row_broadcast,
-                                   run_scores, run_values, sm_count, softmax_step, swizzled,
-                                   SWIZZLE)
+                                   heads_tile, leading_rows, merge_splits, one_wave_splits,
+                                   padded_heads, row_broadcast, run_scores, run_values, sm_count,
+                                   softmax_step, swizzled, SWIZZLE)
 
-_TILE_H = 64  # heads per program: the M of every Hopper wgmma
-# heads_in="n": heads per program, wgmma's N (a multiple of 8): N <= 16 pads to 16, else to 32.
-HEADS_N_TILES = (16, 32)
-# Cross-warp reduction scratch a step's softmax takes with heads in N: a [64, N] max or sum over
-# its rows leaves N / 8 registers a thread, each reduced through 4 warps x 32 lanes x 2 float32
-# (Mosaic GPU's `FragmentedArray.reduce`); this is all of them at once (no scratch reuse rounds).
-_REDUCTION_BYTES_PER_8_HEADS = 4 * 32 * 2 * 4
+_TILE_H = HEADS_M_TILE  # heads per program: the M of every Hopper wgmma
 _STEP = 64  # slots per step: N of S = Q K^T, K of P V
 _COLS = 64  # columns per shared-memory tile: 128 bytes of bf16, the swizzle width
 _VALUE_WGS = 2
@@ -747,17 +741,6 @@ def smem_bytes(scratch, reduction_bytes=0):
   return buffers + 8 * barriers + -(-reduction_bytes // 1024) * 1024
 
 
-def heads_tile(num_heads, heads_in):
-  """Heads a program takes: 64 (heads_in="m", wgmma's M; any N in tiles of 64), or with
-  heads_in="n" 16 or 32 (wgmma's N; N <= 32 only, a ValueError above)."""
-  if heads_in == "m":
-    return _TILE_H
-  if num_heads > HEADS_N_TILES[-1]:
-    raise ValueError(f"heads_in=\"n\" takes at most {HEADS_N_TILES[-1]} heads (one program's "
-                     f"wgmma N; more run as heads_in=\"m\"), got {num_heads}")
-  return next(tile for tile in HEADS_N_TILES if num_heads <= tile)
-
-
 def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_splits, auto_barriers,
                  gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in, prep_in_kernel,
                  interpret):
@@ -850,7 +833,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                       else 1 + (step_rows * sum(tiles) if gather == "bulk" else 0)),
         num_barriers=(row_slots,) if in_place else halves))
   heads_n = heads_in == "n"
-  reduction_bytes = _REDUCTION_BYTES_PER_8_HEADS * tile_h // 8 if heads_n else 0
+  reduction_bytes = REDUCTION_BYTES_PER_8_HEADS * tile_h // 8 if heads_n else 0
   used = smem_bytes(scratch, reduction_bytes)
   if used > _SMEM_LIMIT:
     raise ValueError(f"the kernel's shared memory ({used} bytes: fp8_ds_mla {fp8}, fp8_pipeline "
