@@ -13,7 +13,7 @@ from decode_contract import FP8_SCALE, L, SCALE, DecodeContract, assert_decode_c
 from mla_jax import backends
 from oracles import latent_decode_np
 from pallas_kernels import mosaic_decode
-from pallas_kernels.common import default_num_kv_splits, register_pool
+from pallas_kernels.common import HEADS_N_TILES, default_num_kv_splits, register_pool
 from pallas_kernels.latent_decode import latent_decode
 
 
@@ -171,7 +171,14 @@ class TestPallasMosaicDecode(DecodeContract):
       (128, 128, 4096, None, jnp.float8_e4m3fn, {"fp8_pipeline": "half_pages"}),
       (128, 16, 8192, 1, jnp.float8_e4m3fn, {"fp8_pipeline": "half_pages"}),
       (128, 128, 4096, None, jnp.float8_e4m3fn, {"fp8_pipeline": "shared_widening"}),
-      (128, 16, 8192, 1, jnp.float8_e4m3fn, {"fp8_pipeline": "shared_widening"})])
+      (128, 16, 8192, 1, jnp.float8_e4m3fn, {"fp8_pipeline": "shared_widening"}),
+      # heads_in="n": a transposed float32 store does not lower (the partials are staged as they
+      # are), so every output form: one split (bf16, transposed), several and fixed splits
+      # (float32), at 16 and 32 heads, both caches.
+      *[(32, n, 8192, splits, dtype, {"heads_in": "n", "fp8_pipeline": "serial", **fixed})
+        for n in (16, 32) for dtype in (jnp.bfloat16, jnp.float8_e4m3fn)
+        for splits, fixed in ((1, {}), (4, {}), (None, {"split_tokens": 2048}))],
+      (128, 16, 8192, None, jnp.bfloat16, {"heads_in": "n"})])
   def test_lowers_for_hopper(self, batch, n, seq, splits, cache_dtype, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # shapes and layouts, bulk-copy boxes, and that shared memory fits a Hopper block's 227 KB.
@@ -249,20 +256,21 @@ class TestPallasMosaicDecode(DecodeContract):
 
 class _MosaicDecodeKnob(DecodeContract):
   """The contract through the backend's MOSAIC_DECODE_CONFIG with one field, `knob`, set to
-  `value`; cases of the other cache dtype skip (`mosaic_decode.DTYPE_KNOBS`: the field does not
-  change their program)."""
+  `value` (and the fields of `others`); where the field changes one cache dtype's program only
+  (`mosaic_decode.DTYPE_KNOBS`), cases of the other skip."""
   backend = "pallas_mosaic"
   knob: str
   value: str
+  others: dict = {}
 
   @pytest.fixture(autouse=True)
   def _config(self, monkeypatch):
     monkeypatch.setattr(backends, "MOSAIC_DECODE_CONFIG",
-                        mosaic_decode.MosaicDecodeConfig(**{self.knob: self.value}))
+                        mosaic_decode.MosaicDecodeConfig(**{self.knob: self.value}, **self.others))
 
   def decode(self, q, kv_cache, *args, **kwargs):
-    dtype = mosaic_decode.DTYPE_KNOBS[self.knob]
-    if kv_cache.dtype != dtype:
+    dtype = mosaic_decode.DTYPE_KNOBS.get(self.knob)
+    if dtype is not None and kv_cache.dtype != dtype:
       pytest.skip(f"{self.knob} only changes {dtype.name} caches")
     _skip_unless_mosaic_takes(q, kv_cache)
     return super().decode(q, kv_cache, *args, **kwargs)
@@ -276,7 +284,7 @@ class _MosaicDecodeKnob(DecodeContract):
       return None, None
 
     monkeypatch.setattr(mosaic_decode, "latent_decode", latent_decode)
-    dtype = mosaic_decode.DTYPE_KNOBS[self.knob]
+    dtype = mosaic_decode.DTYPE_KNOBS.get(self.knob, jnp.dtype(jnp.bfloat16))
     q, cache, tables, lens = make_case(112, n=16, page=64, req_lens=[5], cache_dtype=dtype)
     self.decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(tables), jnp.asarray(lens),
                 k_scale=FP8_SCALE if dtype == jnp.float8_e4m3fn else None)
@@ -311,6 +319,65 @@ class TestPallasMosaicDecodeSharedWidening(TestPallasMosaicDecodeHalfPages):
   half-page after next, the memory warpgroup the rest) on the same cases: every half-page's
   columns come from two warpgroups, and the stage ring is refilled only once both are done."""
   value = "shared_widening"
+
+
+class TestPallasMosaicDecodeHeadsN(_MosaicDecodeKnob):
+  """heads_in="n" (N <= 32 heads as wgmma's N: S^T = K Q^T, O^T = V^T P^T; fp8 caches through
+  fp8_pipeline "serial") through the backend's MOSAIC_DECODE_CONFIG: the contract's page-64 cases
+  of at most 32 heads (bf16 and fp8, the batch-invariant mode's fixed splits), and 8, 16, 20 and
+  32 heads (padded to 16 or 32) with one split (bf16 output stored transposed) and several
+  (float32 partials written [T, splits, L, Np]), lengths cutting pages, bad table entries."""
+  knob, value, others = "heads_in", "n", {"fp8_pipeline": mosaic_decode.HEADS_N_FP8_PIPELINE}
+
+  def decode(self, q, kv_cache, *args, **kwargs):
+    if q.shape[1] > HEADS_N_TILES[-1]:
+      pytest.skip(f"heads_in=\"n\" takes at most {HEADS_N_TILES[-1]} heads")
+    return super().decode(q, kv_cache, *args, **kwargs)
+
+  @pytest.mark.parametrize("seed,n,splits,cache_dtype", [
+      (120, 16, 1, jnp.bfloat16), (121, 32, 3, jnp.bfloat16), (122, 20, 2, jnp.bfloat16),
+      (123, 8, 1, jnp.bfloat16), (124, 16, 1, jnp.float8_e4m3fn),
+      (125, 32, 4, jnp.float8_e4m3fn)])
+  def test_heads_n(self, seed, n, splits, cache_dtype):
+    case = make_case(seed, n=n, page=64, req_lens=[1, 161, 0, 64, 95, 300],
+                     cache_dtype=cache_dtype)
+    self.check(*case, num_kv_splits=splits,
+               k_scale=FP8_SCALE if cache_dtype == jnp.float8_e4m3fn else None)
+
+  @pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+  def test_bad_table_entries_page_64(self, cache_dtype):
+    self.check_bad_table_entries(page=64, req_lens=[200, 150], cache_dtype=cache_dtype)
+
+  @pytest.mark.parametrize("n,cache_dtype", [(16, jnp.bfloat16), (32, jnp.float8_e4m3fn)])
+  def test_no_races_in_the_interpreter(self, n, cache_dtype):
+    # The transposed P hand-off, the softmax's cross-warp reductions and both output stagings
+    # (bf16 transposed with one split, float32 as it is with two) under the race detector.
+    report = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
+    q, cache, tables, lens = make_case(126, n=n, page=64, req_lens=[200, 1, 0],
+                                       cache_dtype=cache_dtype)
+    k_scale = FP8_SCALE if cache_dtype == jnp.float8_e4m3fn else None
+    for splits in (1, 2):
+      o, lse = mosaic_decode.latent_decode(
+          q, cache, tables, lens, scale=SCALE, num_kv_splits=splits, k_scale=k_scale,
+          heads_in="n", fp8_pipeline="serial",
+          interpret=plgpu.InterpretGPUParams(detect_races=True))
+      jax.block_until_ready(o)
+      assert not report.get_races().races_found
+      assert_decode_close(np.asarray(o.astype(jnp.float32)), lse, *latent_decode_np(
+          q.astype(np.float32), cache, tables, lens, SCALE, L, k_scale or 1.0))
+
+  @pytest.mark.parametrize("change,message", [
+      (lambda a: {**a, "q": jnp.zeros((2, 33, 576), jnp.bfloat16)}, "at most 32 heads"),
+      (lambda a: {**a, "kv_cache": a["kv_cache"].astype(jnp.float8_e4m3fn), "k_scale": 1.0,
+                  "fp8_pipeline": "half_pages"}, "takes fp8_pipeline \"serial\""),
+      (lambda a: {**a, "heads_in": "k"}, "heads_in must be None or one of"),
+  ])
+  def test_bad_input_raises(self, change, message):
+    q, cache, tables, lens = (jnp.asarray(a)
+                              for a in make_case(127, n=16, page=64, req_lens=[20, 5]))
+    args = dict(q=q, kv_cache=cache, block_tables=tables, seq_lens=lens, heads_in="n")
+    with pytest.raises(ValueError, match=message):
+      mosaic_decode.latent_decode(**change(args), scale=0.1, interpret=True)
 
 
 def _stage1_splits(jaxpr):
