@@ -366,6 +366,19 @@ class TestPallasMosaicDecodeHeadsN(_MosaicDecodeKnob):
       assert_decode_close(np.asarray(o.astype(jnp.float32)), lse, *latent_decode_np(
           q.astype(np.float32), cache, tables, lens, SCALE, L, k_scale or 1.0))
 
+  @pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+  def test_default_is_heads_in_m(self, cache_dtype):
+    # heads_in=None (the default) traces the "m" program, and "n" another one.
+    q = jax.ShapeDtypeStruct((32, 16, 576), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((32 * 128, 64, 576), cache_dtype)
+    tables = jax.ShapeDtypeStruct((32, 128), jnp.int32)
+    lens = jax.ShapeDtypeStruct((32,), jnp.int32)
+    k_scale = jnp.float32(FP8_SCALE) if cache_dtype == jnp.float8_e4m3fn else None
+    jaxpr = lambda **knobs: str(mosaic_decode.latent_decode.trace(
+        q, cache, tables, lens, scale=SCALE, k_scale=k_scale, fp8_pipeline="serial",
+        **knobs).jaxpr)
+    assert jaxpr() == jaxpr(heads_in="m") != jaxpr(heads_in="n")
+
   @pytest.mark.parametrize("change,message", [
       (lambda a: {**a, "q": jnp.zeros((2, 33, 576), jnp.bfloat16)}, "at most 32 heads"),
       (lambda a: {**a, "kv_cache": a["kv_cache"].astype(jnp.float8_e4m3fn), "k_scale": 1.0,
