@@ -23,7 +23,8 @@ the query and page memory once every step is done. An fp8 (e4m3) cache lands in 
 (fp8_pipeline "serial", widening and products take turns), or into two 32-row slots that the
 consumers use 32 tokens a step ("half_pages", widening overlaps the products; 64-byte swizzles,
 220.3 KB; "shared_widening": the same, with warpgroup 1 widening its own value columns); see
-`MosaicDecodeConfig`.
+`MosaicDecodeConfig`. With heads_in="n" (N <= 32) a program's 16 or 32 heads are wgmma's N
+instead: the consumers compute S^T = K Q^T and O^T = V^T P^T (`MosaicDecodeConfig`).
 
 `interpret=True` (or an `InterpretGPUParams`) runs the same kernel on the CPU through Mosaic GPU's
 interpreter, which simulates the warpgroups, barriers, bulk copies and wgmma, but not registers,
