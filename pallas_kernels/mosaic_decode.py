@@ -56,7 +56,10 @@ from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
 
 FP8_PIPELINES = ("serial", "half_pages", "shared_widening")
 HEADS_IN = ("m", "n")
-HEADS_N_FP8_PIPELINE = "serial"  # the fp8 pipeline heads_in="n" takes (64-token consumer steps)
+# The fp8 pipelines heads_in="n" takes: its consumers step 64 tokens (wgmma's M), so
+# "shared_widening" runs as 64-token steps there (one bf16 slot, warpgroup 1 widening its value
+# columns of page i + 1 after its P V of page i, the memory warpgroup the other tiles).
+HEADS_N_FP8_PIPELINES = ("serial", "shared_widening")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +91,11 @@ class MosaicDecodeConfig:
   bf16 output (one split) stored transposed into the [heads, columns] staging, float32 partials
   (several splits, fixed splits) stored as they are and written [T, splits, L, Np] (Mosaic GPU,
   jax 0.11.2, does not lower a transposed float32 store), which the XLA merge reads transposed.
-  Both caches; an fp8 cache with fp8_pipeline="serial" only (wgmma's M is 64: the half-page
-  pipelines' 32-token steps cannot be S^T's rows), a ValueError otherwise."""
+  Both caches; an fp8 cache with fp8_pipeline "serial" or "shared_widening" (wgmma's M is 64: the
+  half-page pipelines' 32-token steps cannot be S^T's rows, so "shared_widening" runs 64-token
+  steps there: one bf16 slot, warpgroup 1 widening its value columns of page i + 1 right after
+  its P V of page i while the memory warpgroup widens the other 5 tiles; `HEADS_N_FP8_PIPELINES`),
+  "half_pages" a ValueError."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -115,7 +121,7 @@ CONFIG = MosaicDecodeConfig()
 # The sweep space: the variants `benchmarks/bench_decode.py --mosaic-configs` times beside CONFIG.
 SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"),
          MosaicDecodeConfig(fp8_pipeline="half_pages"),
-         MosaicDecodeConfig(fp8_pipeline=HEADS_N_FP8_PIPELINE, heads_in="n"))
+         MosaicDecodeConfig(heads_in="n"), MosaicDecodeConfig(fp8_pipeline="serial", heads_in="n"))
 # Fields that one cache dtype alone reads (with the other, the program is the same whatever they
 # are): a sweep times a config only with the cache dtype whose program it changes.
 DTYPE_KNOBS = {"fp8_pipeline": jnp.dtype(F8)}
@@ -320,8 +326,19 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
       stage, staged, stage_free = staging
 
       def widen_own(k):
-        """Widens value_tiles of consumer step k (half `part` of 64-row step k // 2) into its
-        slot and arrives on ready (the memory warpgroup's tiles are the other arrival)."""
+        """Widens value_tiles of consumer step k (half `part` of 64-row step k // 2; with heads in
+        N, 64-row step k into the one slot) into its slot and arrives on ready (the memory
+        warpgroup's tiles are the other arrival)."""
+        if step_rows == _STEP:
+          s = lax.rem(k, _FP8_STAGES)
+          plgpu.barrier_wait(staged.at[s])
+          keep = plgpu.broadcasted_iota(jnp.int32, (_STEP,), 0,
+                                        layout=plgpu.Layout.WGMMA.reduce(1)) < step_source(k)[2]
+          _widen_page(stage, kv_smem, s, keep, value_tiles)
+          plgpu.commit_smem()  # also a warpgroup barrier: every thread's reads are done
+          plgpu.barrier_arrive(stage_free.at[s])
+          plgpu.barrier_arrive(ready.at[0])
+          return
         i, part = lax.div(k, slots), lax.rem(k, slots)
         s = lax.rem(i, _FP8_STAGES)
         # A stage slot's first half: its bytes must have landed.
@@ -371,6 +388,18 @@ def _widen_half(stage, kv_smem, s, part, rows, tiles):
     kv_smem[part, :, cols] = x.astype(kv_smem.dtype)
 
 
+def _widen_page(stage, kv_smem, s, keep, tiles):
+  """Widens the given 64-column tiles of stage slot s's 64 rows (e4m3, exactly: every e4m3 value
+  is a bf16 one) into the one bf16 slot; rows where keep [64] is False become 0 (they may hold NaN
+  bytes)."""
+  for c in tiles:
+    # [64 rows, 64] e4m3 -> f16 (one instruction per pair) -> f32 -> bf16, all exact
+    x = stage[s, :, pl.ds(c * _FP8_COLS, _FP8_COLS)].astype(jnp.float16).astype(jnp.float32)
+    x = plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+    x = jnp.where(row_broadcast(keep, x.shape), x, 0.0)
+    kv_smem[0, :, pl.ds(c * _FP8_COLS, _FP8_COLS)] = x.astype(kv_smem.dtype)
+
+
 def _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, tiles, stage, staged,
                    stage_free=None):
   """The memory warpgroup's loop for an fp8 cache: e4m3 page tiles are fetched 2 steps ahead into
@@ -394,15 +423,6 @@ def _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, tiles, stag
   row_ids = (plgpu.broadcasted_iota(jnp.int32, (_STEP,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
              if step_rows == _STEP else None)
 
-  def widen_page(s, rows):
-    keep = row_ids < rows
-    for c in tiles:
-      # [64 rows, 64] e4m3 -> f16 (one instruction per pair) -> f32 -> bf16, all exact
-      x = stage[s, :, pl.ds(c * _FP8_COLS, _FP8_COLS)].astype(jnp.float16).astype(jnp.float32)
-      x = plgpu.layout_cast(x, plgpu.Layout.WGMMA)
-      x = jnp.where(row_broadcast(keep, x.shape), x, 0.0)
-      kv_smem[0, :, pl.ds(c * _FP8_COLS, _FP8_COLS)] = x.astype(kv_smem.dtype)
-
   def refill(i, s):
     if stage_free is not None:
       plgpu.barrier_wait(stage_free.at[s])
@@ -417,7 +437,7 @@ def _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, tiles, stag
     for part in range(slots):
       pl.when(i > 0)(functools.partial(plgpu.barrier_wait, consumed.at[part]))
       if step_rows == _STEP:
-        widen_page(s, rows)
+        _widen_page(stage, kv_smem, s, row_ids < rows, tiles)
       else:
         _widen_half(stage, kv_smem, s, part, rows, tiles)
       # Also a warpgroup barrier: every thread's reads of stage slot s are done before its refill.
@@ -497,7 +517,8 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   row's result is bit-identical in any batch and with any table width (batch-invariant mode).
   fp8_pipeline: how an fp8 cache's pages are widened (one of FP8_PIPELINES, see
   `MosaicDecodeConfig`; a bf16 cache ignores it). heads_in: `MosaicDecodeConfig`'s (None: "m";
-  "n": N <= 32 heads as wgmma's N, with an fp8 cache only with fp8_pipeline "serial").
+  "n": N <= 32 heads as wgmma's N, with an fp8 cache with fp8_pipeline "serial" or
+  "shared_widening").
   interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
   o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
@@ -505,9 +526,9 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   MosaicDecodeConfig(fp8_pipeline=fp8_pipeline, heads_in=heads_in)  # checks them
   fp8 = kv_cache.dtype == F8
   heads_n = heads_in == "n"
-  if heads_n and fp8 and fp8_pipeline != HEADS_N_FP8_PIPELINE:
+  if heads_n and fp8 and fp8_pipeline not in HEADS_N_FP8_PIPELINES:
     raise ValueError(f"heads_in=\"n\" with an fp8 cache takes fp8_pipeline "
-                     f"\"{HEADS_N_FP8_PIPELINE}\" (64-token steps: wgmma's M), got "
+                     f"{' or '.join(HEADS_N_FP8_PIPELINES)} (64-token steps: wgmma's M), got "
                      f"{fp8_pipeline!r}")
   t, n, d = q.shape
   tile_h = heads_tile(n, "n" if heads_n else "m")
@@ -528,7 +549,8 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
     interpret = plgpu.InterpretGPUParams()
 
   shared_widening = fp8 and fp8_pipeline == "shared_widening"
-  half_pages = fp8 and fp8_pipeline in ("half_pages", "shared_widening")
+  # Heads in N step 64 tokens: "shared_widening" without half pages.
+  half_pages = fp8 and fp8_pipeline in ("half_pages", "shared_widening") and not heads_n
   # Mosaic GPU's interpreter runs no in-place accumulation (see accumulate_values).
   kernel = functools.partial(_decode_kernel, scale=scale, lora=kv_lora_rank, num_splits=splits,
                              split_steps=split_tokens and split_tokens // _STEP,
