@@ -175,8 +175,10 @@ class TestPallasMosaicDecode(DecodeContract):
       # heads_in="n": a transposed float32 store does not lower (the partials are staged as they
       # are), so every output form: one split (bf16, transposed), several and fixed splits
       # (float32), at 16 and 32 heads, both caches.
-      *[(32, n, 8192, splits, dtype, {"heads_in": "n", "fp8_pipeline": "serial", **fixed})
-        for n in (16, 32) for dtype in (jnp.bfloat16, jnp.float8_e4m3fn)
+      *[(32, n, 8192, splits, dtype, {"heads_in": "n", "fp8_pipeline": pipeline, **fixed})
+        for n in (16, 32)
+        for dtype, pipeline in ((jnp.bfloat16, "serial"), (jnp.float8_e4m3fn, "serial"),
+                                (jnp.float8_e4m3fn, "shared_widening"))
         for splits, fixed in ((1, {}), (4, {}), (None, {"split_tokens": 2048}))],
       (128, 16, 8192, None, jnp.bfloat16, {"heads_in": "n"})])
   def test_lowers_for_hopper(self, batch, n, seq, splits, cache_dtype, knobs):
@@ -327,11 +329,14 @@ class TestPallasMosaicDecodeHeadsN(_MosaicDecodeKnob):
   of at most 32 heads (bf16 and fp8, the batch-invariant mode's fixed splits), and 8, 16, 20 and
   32 heads (padded to 16 or 32) with one split (bf16 output stored transposed) and several
   (float32 partials written [T, splits, L, Np]), lengths cutting pages, bad table entries."""
-  knob, value, others = "heads_in", "n", {"fp8_pipeline": mosaic_decode.HEADS_N_FP8_PIPELINE}
+  knob, value, others = "heads_in", "n", {"fp8_pipeline": "serial"}
+  fp8_only = False  # a subclass that changes only the fp8 pipeline skips the bf16 cases
 
   def decode(self, q, kv_cache, *args, **kwargs):
     if q.shape[1] > HEADS_N_TILES[-1]:
       pytest.skip(f"heads_in=\"n\" takes at most {HEADS_N_TILES[-1]} heads")
+    if self.fp8_only and kv_cache.dtype != jnp.float8_e4m3fn:
+      pytest.skip("fp8_pipeline only changes fp8 caches")
     return super().decode(q, kv_cache, *args, **kwargs)
 
   @pytest.mark.parametrize("seed,n,splits,cache_dtype", [
@@ -348,18 +353,21 @@ class TestPallasMosaicDecodeHeadsN(_MosaicDecodeKnob):
   def test_bad_table_entries_page_64(self, cache_dtype):
     self.check_bad_table_entries(page=64, req_lens=[200, 150], cache_dtype=cache_dtype)
 
-  @pytest.mark.parametrize("n,cache_dtype", [(16, jnp.bfloat16), (32, jnp.float8_e4m3fn)])
+  @pytest.mark.parametrize("n,cache_dtype", [(16, jnp.bfloat16), (32, jnp.float8_e4m3fn),
+                                             (16, jnp.float8_e4m3fn)])
   def test_no_races_in_the_interpreter(self, n, cache_dtype):
     # The transposed P hand-off, the softmax's cross-warp reductions and both output stagings
     # (bf16 transposed with one split, float32 as it is with two) under the race detector.
     report = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
+    if self.fp8_only and cache_dtype != jnp.float8_e4m3fn:
+      pytest.skip("fp8_pipeline only changes fp8 caches")
     q, cache, tables, lens = make_case(126, n=n, page=64, req_lens=[200, 1, 0],
                                        cache_dtype=cache_dtype)
     k_scale = FP8_SCALE if cache_dtype == jnp.float8_e4m3fn else None
     for splits in (1, 2):
       o, lse = mosaic_decode.latent_decode(
           q, cache, tables, lens, scale=SCALE, num_kv_splits=splits, k_scale=k_scale,
-          heads_in="n", fp8_pipeline="serial",
+          heads_in="n", fp8_pipeline=self.others["fp8_pipeline"],
           interpret=plgpu.InterpretGPUParams(detect_races=True))
       jax.block_until_ready(o)
       assert not report.get_races().races_found
@@ -382,7 +390,7 @@ class TestPallasMosaicDecodeHeadsN(_MosaicDecodeKnob):
   @pytest.mark.parametrize("change,message", [
       (lambda a: {**a, "q": jnp.zeros((2, 33, 576), jnp.bfloat16)}, "at most 32 heads"),
       (lambda a: {**a, "kv_cache": a["kv_cache"].astype(jnp.float8_e4m3fn), "k_scale": 1.0,
-                  "fp8_pipeline": "half_pages"}, "takes fp8_pipeline \"serial\""),
+                  "fp8_pipeline": "half_pages"}, "takes fp8_pipeline serial or shared_widening"),
       (lambda a: {**a, "heads_in": "k"}, "heads_in must be None or one of"),
   ])
   def test_bad_input_raises(self, change, message):
@@ -391,6 +399,15 @@ class TestPallasMosaicDecodeHeadsN(_MosaicDecodeKnob):
     args = dict(q=q, kv_cache=cache, block_tables=tables, seq_lens=lens, heads_in="n")
     with pytest.raises(ValueError, match=message):
       mosaic_decode.latent_decode(**change(args), scale=0.1, interpret=True)
+
+
+class TestPallasMosaicDecodeHeadsNSharedWidening(TestPallasMosaicDecodeHeadsN):
+  """heads_in="n" with fp8_pipeline="shared_widening" (64-token steps into one bf16 slot:
+  warpgroup 1 widens its value columns of page i + 1 right after its P V of page i, the memory
+  warpgroup the other tiles; ready takes both, a stage slot is refilled once both read it): the
+  fp8 cases of the same tests."""
+  others = {"fp8_pipeline": "shared_widening"}
+  fp8_only = True
 
 
 def _stage1_splits(jaxpr):

@@ -104,17 +104,20 @@ def test_fp8_half_pages_matches_reference(pipeline, seed, batch, max_len, n, spl
   assert_decode_close(np.asarray(o.astype(jnp.float32)), np.asarray(lse), ref_o, ref_lse)
 
 
-@pytest.mark.parametrize("seed,batch,max_len,n,cache_dtype,splits", [
-    (7, 128, 8192, 16, jnp.bfloat16, None),  # the timed shape: 2 splits, float32 partials
-    (8, 128, 8192, 32, jnp.bfloat16, 1),  # one split: the bf16 output stored transposed
-    (4, 32, 4096, 20, jnp.bfloat16, 16),  # 20 heads padded to 32
-    (7, 128, 8192, 16, jnp.float8_e4m3fn, None),
-    (9, 32, 8192, 32, jnp.float8_e4m3fn, 1),
-    (3, 128, 32768, 16, jnp.float8_e4m3fn, 4),  # 2**31+ e4m3 values
+@pytest.mark.parametrize("seed,batch,max_len,n,cache_dtype,splits,pipeline", [
+    (7, 128, 8192, 16, jnp.bfloat16, None, None),  # the timed shape: 2 splits, float32 partials
+    (8, 128, 8192, 32, jnp.bfloat16, 1, None),  # one split: the bf16 output stored transposed
+    (4, 32, 4096, 20, jnp.bfloat16, 16, None),  # 20 heads padded to 32
+    (7, 128, 8192, 16, jnp.float8_e4m3fn, None, "serial"),
+    (7, 128, 8192, 16, jnp.float8_e4m3fn, None, "shared_widening"),
+    (9, 32, 8192, 32, jnp.float8_e4m3fn, 1, "serial"),
+    (9, 32, 8192, 32, jnp.float8_e4m3fn, 1, "shared_widening"),
+    (3, 128, 32768, 16, jnp.float8_e4m3fn, 4, "shared_widening"),  # 2**31+ e4m3 values
 ])
-def test_heads_n_matches_reference(seed, batch, max_len, n, cache_dtype, splits):
-  # The Mosaic kernel's heads_in="n" (heads as wgmma's N; fp8 through the "serial" pipeline) at
-  # serving sizes, every output form: bf16 transposed, float32 partials written [T, splits, L, N].
+def test_heads_n_matches_reference(seed, batch, max_len, n, cache_dtype, splits, pipeline):
+  # The Mosaic kernel's heads_in="n" (heads as wgmma's N; fp8 through the "serial" pipeline or
+  # 64-token "shared_widening") at serving sizes, every output form: bf16 transposed, float32
+  # partials written [T, splits, L, N].
   q, cache, tables, lens = serving_case(seed, batch=batch, max_len=max_len, n=n,
                                         cache_dtype=cache_dtype)
   k_scale = jnp.float32(FP8_SCALE) if jnp.dtype(cache_dtype) == jnp.float8_e4m3fn else None
@@ -124,7 +127,7 @@ def test_heads_n_matches_reference(seed, batch, max_len, n, cache_dtype, splits)
   poison_allocator()
   o, lse = mosaic_decode.latent_decode(q, cache, tables, lens, scale=SCALE, k_scale=k_scale,
                                        num_kv_splits=splits, heads_in="n",
-                                       fp8_pipeline=mosaic_decode.HEADS_N_FP8_PIPELINE)
+                                       **({"fp8_pipeline": pipeline} if pipeline else {}))
   assert o.dtype == q.dtype
   assert_decode_close(np.asarray(o.astype(jnp.float32)), np.asarray(lse), ref_o, ref_lse)
 
