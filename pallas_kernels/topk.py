@@ -14,8 +14,7 @@ kernels, each reading the logits at most once (steps 1 and 2 fuse into one where
    theta), found by bisection on the key bits between the row's smallest and largest maximum, only
    the top `_THETA_BITS` bits: a lower theta only admits a few more candidates. Where rows alone
    fill the SMs, one program a row takes its maxima in registers and theta from them (no maxima
-   written: `fused_theta`). Or (`tile_theta`) each maxima program, several a row, bisects its own
-   tile's maxima for its share of k, and the later kernels take the row's minimum (no theta kernel).
+   written: `fused_theta`).
 3. threshold: a row is split into segments (several per row when rows are few); each streams its
    segment once and compacts every position with key >= theta into its own `cap` = 4k places of
    the row's candidate list: by a block-wide cumsum per chunk, in position order, or (`per_lane`,
@@ -80,20 +79,13 @@ class TopkConfig:
   # Group maxima and theta in one kernel, a program per row (`_maxima_theta_kernel`, v3), instead
   # of the maxima kernel (a program per tile) and the theta kernel.
   fused_theta: bool = False
-  # Theta per tile in the maxima kernel, several programs a row (`_maxima_tile_theta_kernel`,
-  # v7): each tile's theta from its own maxima and its share of k; the threshold and select
-  # kernels take the row's minimum. No theta kernel, whose one program a row was latency-bound at
-  # 128 rows (RESULTS.md, "DSA selection", session 11's profile).
-  tile_theta: bool = False
 
   def __post_init__(self):
     check_triton_config(self, ("chunk",))
     check_pow2("select_warps", self.select_warps)
-    for name in ("per_lane", "fused_theta", "tile_theta"):
+    for name in ("per_lane", "fused_theta"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-    if self.fused_theta and self.tile_theta:
-      raise ValueError("fused_theta and tile_theta are two ways to find theta: take one")
 
 
 # The chosen configs, from H200 sweeps of each kernel alone (benchmarks/RESULTS.md, "DSA
@@ -117,8 +109,7 @@ _LONG_ROW = 32768  # positions past which few rows take DEFAULT_LONG_ROWS
 # The sweep space: the variants `benchmarks/bench_sparse.py --sweep` times (128 x 131072).
 SWEEP = tuple(TopkConfig(*v) for v in [
     (1024, 4, 1, 8, True), (2048, 4, 1, 8, True), (2048, 8, 1, 8, True), (4096, 8, 1, 8, True),
-    (512, 4, 1, 8, True), (1024, 4, 2, 8, True), (1024, 4, 1, 8), (2048, 8, 1, 8),
-    (1024, 4, 1, 8, True, False, True), (1024, 4, 1, 8, False, False, True)])
+    (512, 4, 1, 8, True), (1024, 4, 2, 8, True), (1024, 4, 1, 8), (2048, 8, 1, 8)])
 
 
 def _keys(x, inside):
@@ -176,50 +167,18 @@ def _compact(take, base, bound):
   return jnp.where(take & (dst < bound), dst, bound), taken.sum()
 
 
-def _tile_maxima(logits_ref, len_ref, groups, w):
-  """int32 [w]: this program's (row t, tile c) maxima of groups c*w ... c*w + w - 1; past the last
-  group INT_MIN."""
+def _maxima_kernel(logits_ref, len_ref, max_ref, *, groups):
+  # logits_ref [T, S] f32; len_ref [T] int32; max_ref [w] int32 (row t's maxima of groups
+  # c*w ... c*w + w - 1; past the last group INT_MIN)
   t, c = pl.program_id(0), pl.program_id(1)
   s = logits_ref.shape[1]
-  g = groups
+  g, w = groups, max_ref.shape[0]
   m = -(-s // g)
   col = c * w + jnp.arange(w, dtype=jnp.int32)
   pos = jnp.arange(g, dtype=jnp.int32)[:, None] * m + col[None, :]  # [G, w]
   inside = (pos < jnp.clip(len_ref[t], 0, s)) & (col < m)[None, :]
   x = plgpu.load(logits_ref.at[t, pos], mask=inside, other=-jnp.inf)
-  return _keys(x, inside).max(axis=0)
-
-
-def _maxima_kernel(logits_ref, len_ref, max_ref, *, groups):
-  # logits_ref [T, S] f32; len_ref [T] int32; max_ref [w] int32 (row t's maxima of tile c)
-  max_ref[...] = _tile_maxima(logits_ref, len_ref, groups, max_ref.shape[0])
-
-
-def _maxima_tile_theta_kernel(logits_ref, len_ref, theta_ref, *, k, bits, groups, w):
-  # logits_ref [T, S] f32; len_ref [T] int32; theta_ref [T, tiles] int32 (tile c's theta of row t).
-  # Group col is reachable when col < min(length, m) (its first member is col). A tile with r of
-  # the row's n reachable groups takes k_c = ceil(k r / n), so the k_c sum to at least k; theta_c
-  # has at least k_c of the tile's maxima at or above it, so the row's minimum theta has at least
-  # k maxima (distinct keys) at or above it: a lower bound of v, as the row's own theta. A tile
-  # with no reachable group writes INT_MAX (no part in the minimum); a row with none INT_MIN (as
-  # `_theta` gives it).
-  t, c = pl.program_id(0), pl.program_id(1)
-  s = logits_ref.shape[1]
-  reachable = jnp.minimum(jnp.clip(len_ref[t], 0, s), -(-s // groups))
-  mine = jnp.clip(reachable - c * w, 0, w)
-  share = (k * mine + reachable - 1) // jnp.maximum(reachable, 1)
-  theta = _theta(_tile_maxima(logits_ref, len_ref, groups, w), share, bits)
-  # A tile without groups: INT_MAX where the row has some (the select of two constants lowers to a
-  # mistyped Triton select, so it is INT_MIN with every bit flipped), else INT_MIN.
-  empty = jnp.int32(_INT_MIN) ^ -(reachable > 0).astype(jnp.int32)
-  theta_ref[t, c] = jnp.where(mine > 0, theta, empty)
-
-
-def _row_theta_of(theta_ref, t):
-  """Row t's theta: theta_ref [T] (one a row), or [T, tiles] (`tile_theta`: their minimum)."""
-  if len(theta_ref.shape) == 1:
-    return theta_ref[t]
-  return theta_ref[t, :].min()
+  max_ref[...] = _keys(x, inside).max(axis=0)
 
 
 def _theta(maxima, k, bits):
@@ -259,12 +218,12 @@ def _maxima_theta_kernel(logits_ref, len_ref, theta_ref, *, k, bits, groups, wid
 
 def _threshold_kernel(theta_ref, logits_ref, len_ref, cand_key_ref, cand_pos_ref, count_ref, *,
                       chunk, segment):
-  # theta_ref [T] or [T, tiles] int32 (`_row_theta_of`); logits_ref [T, S] f32; len_ref [T] int32;
+  # theta_ref [T] int32 (every row's theta); logits_ref [T, S] f32; len_ref [T] int32;
   # cand_key_ref, cand_pos_ref [cap] int32 (this row's and segment's place); count_ref [T, P] int32
   # (candidates per row and segment, counted past cap)
   t, p = pl.program_id(0), pl.program_id(1)
   cap = cand_key_ref.shape[0]
-  theta = _row_theta_of(theta_ref, t)
+  theta = theta_ref[t]
   # This program streams positions [start, end) of the row, its segment clipped to the window.
   start = p * segment
   end = jnp.minimum(start + segment, jnp.clip(len_ref[t], 0, logits_ref.shape[1]))
@@ -294,7 +253,7 @@ def _lane_threshold_kernel(theta_ref, logits_ref, len_ref, slot_key_ref, slot_po
   t, p = pl.program_id(0), pl.program_id(1)
   cap = cand_key_ref.shape[0]
   slots = slot_key_ref.shape[0] // chunk
-  theta = _row_theta_of(theta_ref, t)
+  theta = theta_ref[t]
   start = p * segment
   end = jnp.minimum(start + segment, jnp.clip(len_ref[t], 0, logits_ref.shape[1]))
   lane = jnp.arange(chunk, dtype=jnp.int32)
@@ -334,14 +293,14 @@ def _lane_threshold_kernel(theta_ref, logits_ref, len_ref, slot_key_ref, slot_po
 
 def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref, len_ref, out_ref,
                    *, k, chunk, fill):
-  # theta_ref [T] or [T, tiles] int32; cand_key_ref, cand_pos_ref [P * cap] int32 (this row's
-  # segments' places); count_ref [T, P] int32; logits_ref [T, S] f32; len_ref [T] int32; out_ref
-  # [k] int32 (this row's positions)
+  # theta_ref [T] int32; cand_key_ref, cand_pos_ref [P * cap] int32 (this row's segments' places);
+  # count_ref [T, P] int32; logits_ref [T, S] f32; len_ref [T] int32; out_ref [k] int32 (this
+  # row's positions)
   t = pl.program_id(0)
   segments = count_ref.shape[1]
   cap = cand_key_ref.shape[0] // segments
   s = logits_ref.shape[1]
-  theta = _row_theta_of(theta_ref, t)
+  theta = theta_ref[t]
   counts = [count_ref[t, p] for p in range(segments)]
   count = sum(counts)
   length = jnp.clip(len_ref[t], 0, s)
@@ -443,29 +402,6 @@ def group_maxima(logits: jax.Array, seq_lens: jax.Array, groups: int, width: int
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="topk_maxima",
-  )(logits, seq_lens)
-
-
-def tile_thetas(logits: jax.Array, seq_lens: jax.Array, topk: int, groups: int, width: int, *,
-                tile: int = _MAXIMA_TILE, num_warps: int = 4, bits: int = _THETA_BITS,
-                interpret: bool = False) -> jax.Array:
-  """Steps 1 and 2 with theta per tile (`tile_theta`): int32 [T, tiles], each (row, tile)'s theta
-  from its own maxima (as `group_maxima`'s tiles); the row's theta is their minimum. Tiles of at
-  most `tile` positions, and narrower (down to 16 groups) until rows x tiles reach 2 programs an SM:
-  each program's bisection is a chain of block-wide counts, and only more programs overlap them."""
-  t = logits.shape[0]
-  w = min(width, max(16, min(tile // groups, width // next_pow2(pl.cdiv(2 * sm_count(), t)))))
-  if topk * w >= 2 ** 31:  # the kernel's int32 share of k
-    raise ValueError(f"tile_theta: topk {topk} x {w} groups a tile passes int32")
-  return pl.pallas_call(
-      functools.partial(_maxima_tile_theta_kernel, k=topk, bits=bits, groups=groups, w=w),
-      grid=(t, width // w),
-      in_specs=[_whole(logits), _whole(seq_lens)],
-      out_specs=pl.BlockSpec((t, width // w), lambda i, c: (0, 0)),
-      out_shape=jax.ShapeDtypeStruct((t, width // w), jnp.int32),
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-      interpret=interpret,
-      name="topk_maxima_tile_theta",
   )(logits, seq_lens)
 
 
@@ -573,22 +509,21 @@ def select_positions(theta: jax.Array, cand_keys: jax.Array, cand_pos: jax.Array
 
 @functools.partial(jax.jit, static_argnames=("topk", "chunk", "num_warps", "num_stages",
                                              "select_warps", "per_lane", "fused_theta",
-                                             "tile_theta", "interpret"))
+                                             "interpret"))
 def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None,
                    select_warps: int | None = None, per_lane: bool | None = None,
-                   fused_theta: bool | None = None, tile_theta: bool | None = None,
-                   interpret: bool = False) -> jax.Array:
+                   fused_theta: bool | None = None, interpret: bool = False) -> jax.Array:
   """Top-`topk` positions of each row within its window (semantics of
   `mla_jax.reference.topk_positions`): logits [T, S] float32, seq_lens [T] int32 (row t sees
   s < seq_lens[t]) -> int32 [T, topk], -1 padded, in no particular order; of positions tied at the
   k-th largest value, the lowest. chunk, num_warps, num_stages, select_warps, per_lane,
-  fused_theta, tile_theta: `TopkConfig`'s (None: `default_config`'s).
+  fused_theta: `TopkConfig`'s (None: `default_config`'s).
   """
   check_topk_args(logits, seq_lens, topk)
   config = with_overrides(default_config(*logits.shape), chunk=chunk, num_warps=num_warps,
                           num_stages=num_stages, select_warps=select_warps, per_lane=per_lane,
-                          fused_theta=fused_theta, tile_theta=tile_theta)
+                          fused_theta=fused_theta)
   t, s = logits.shape
   if t == 0 or s == 0:
     return jnp.full((t, topk), -1, jnp.int32)
@@ -597,9 +532,7 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: 
   g = group_size(s, topk)
   width = next_pow2(-(-s // g))
   cap = next_pow2(min(_CAP_PER_K * topk, s))
-  if config.tile_theta:
-    theta = tile_thetas(logits, seq_lens, topk, g, width, interpret=interpret)
-  elif config.fused_theta:
+  if config.fused_theta:
     theta = fused_row_theta(logits, seq_lens, topk, g, width, params(_THETA_WARPS),
                             interpret=interpret)
   else:

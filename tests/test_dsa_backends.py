@@ -93,11 +93,10 @@ class TestPallasTritonIndexer(IndexerContract):
 
   def topk_variants(self):
     # The contract's small rows take the block-wide threshold and separate maxima and theta
-    # kernels; the per-lane threshold (few long rows), the fused theta (many rows) and theta per
-    # maxima tile (v7: at these few rows, tiles of 16 groups, many a row) too.
+    # kernels; the per-lane threshold (few long rows) and the fused theta (many rows) too.
     return super().topk_variants() + [
         functools.partial(pallas_topk.topk_positions, interpret=True, **knobs)
-        for knobs in ({"per_lane": True}, {"fused_theta": True}, {"tile_theta": True})]
+        for knobs in ({"per_lane": True}, {"fused_theta": True})]
 
   @pytest.mark.parametrize("dtype,widen_fp8", [(jnp.bfloat16, False), (jnp.float8_e4m3fn, True)])
   def test_chunks_and_steps_match_reference(self, dtype, widen_fp8):
@@ -133,10 +132,8 @@ class TestPallasTritonIndexer(IndexerContract):
     with pytest.raises(ValueError, match=message):
       pallas_indexer.indexer_logits(**change(args), interpret=True)
 
-  @pytest.mark.parametrize("variant", [
-      {}, {"per_lane": True}, {"fused_theta": True}, {"tile_theta": True},
-      {"tile_theta": True, "per_lane": True}],
-      ids=["default", "per_lane", "fused_theta", "tile_theta", "tile_theta_per_lane"])
+  @pytest.mark.parametrize("variant", [{}, {"per_lane": True}, {"fused_theta": True}],
+                           ids=["default", "per_lane", "fused_theta"])
   def test_topk_segments_ties_and_overflow_match_reference(self, variant):
     # Small chunks split rows into several segments that claim candidate places concurrently;
     # row 1's ties overflow the candidate list (the slow exact path); row 3 mixes signs and
@@ -221,71 +218,6 @@ class TestPallasTritonIndexer(IndexerContract):
     want = np.pad(keys.reshape(3, 4, 250).max(axis=1), ((0, 0), (0, 6)), constant_values=-2 ** 31)
     np.testing.assert_array_equal(got, want)
 
-  def test_tile_thetas_match_numpy(self):
-    # Theta per maxima tile (v7), 6 rows of 1000 at k = 40 (G = 4, 256 groups, tiles of 16: 16 a
-    # row): rows full, empty, short (a last tile partly reachable), shorter than k, half -inf, and
-    # tied. The oracle: the group maxima as in `test_group_maxima_match_xla`; tile c with r of the
-    # row's n reachable groups takes k_c = ceil(k r / n) and its theta is the top 16 bits of its
-    # k_c-th largest maximum (INT_MIN with fewer valid); INT_MAX with r = 0, INT_MIN where n = 0.
-    # Every row's minimum is at most its k-th largest key (or INT_MIN).
-    rng = np.random.default_rng(12)
-    s, k, g = 1000, 40, 4
-    logits = rng.standard_normal((6, s)).astype(np.float32)
-    logits[3, 1::2] = -np.inf
-    logits[4] = np.round(logits[4])
-    lens = np.array([s, 0, 777, 30, s, 999], np.int32)
-    got = np.asarray(pallas_topk.tile_thetas(jnp.asarray(logits), jnp.asarray(lens), k, g, 256,
-                                             interpret=True))
-    assert got.shape == (6, 16)
-    bits = logits.view(np.int32)
-    keys = np.where((np.arange(s) < lens[:, None]) & (logits > -np.inf),
-                    bits ^ ((bits >> 31) & 0x7FFFFFFF), -2 ** 31)
-    maxima = np.pad(keys.reshape(6, g, 250).max(axis=1), ((0, 0), (0, 6)),
-                    constant_values=-2 ** 31).reshape(6, 16, 16)
-    for i in range(6):
-      n = min(int(lens[i]), 250)
-      for c in range(16):
-        r = min(max(n - 16 * c, 0), 16)
-        tile = np.sort(maxima[i, c])[::-1]
-        kc = -(-k * r // max(n, 1))
-        if r == 0:
-          want = 2 ** 31 - 1 if n else -2 ** 31
-        elif (tile > -2 ** 31).sum() < kc:
-          want = -2 ** 31
-        else:
-          want = int(((int(tile[kc - 1]) ^ -2 ** 31) & ~0xFFFF) ^ -2 ** 31)
-        assert got[i, c] == want, (i, c)
-      kth = np.sort(keys[i])[::-1][k - 1]
-      assert got[i].min() <= kth or got[i].min() == -2 ** 31, i
-
-  @pytest.mark.parametrize("t,s,knobs", [(128, 32768, {}), (128, 131072, {"per_lane": True}),
-                                          (4096, 32768, {"fused_theta": False})])
-  def test_tile_theta_lowers_for_hopper(self, monkeypatch, t, s, knobs):
-    # The tile_theta top-k at the benchmark's shapes, lowered to Triton IR for compute capability
-    # 9.0 on this CPU (the lowering asks the device for it; there is none here): three kernels,
-    # each module verified (the GPU's Triton parser refuses one that does not verify: session 12's
-    # first run of tile_theta failed so, on a select of two constants typed i1).
-    from jax._src.pallas.triton import gpu_info, lowering, pallas_call_registration
-    hopper = gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90)
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: hopper)
-    verified = []
-
-    def lower_and_verify(*args, lower=lowering.lower_jaxpr_to_triton_module, **kwargs):
-      result = lower(*args, **kwargs)
-      verified.append(result.module.operation.verify())
-      return result
-
-    monkeypatch.setattr(pallas_call_registration.lowering, "lower_jaxpr_to_triton_module",
-                        lower_and_verify)
-    traced = jax.jit(functools.partial(pallas_topk.topk_positions, topk=2048, tile_theta=True,
-                                       **knobs)).trace(jax.ShapeDtypeStruct((t, s), jnp.float32),
-                                                       jax.ShapeDtypeStruct((t,), jnp.int32))
-    text = traced.lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 3 and verified == [True] * 3
-    threshold = "topk_threshold_lanes" if knobs.get("per_lane") else "topk_threshold"
-    for name in ("topk_maxima_tile_theta", threshold, "topk_select"):
-      assert f'"{name}"' in text, name
-
   def test_group_size(self):
     # At least 4k strided groups, G a power of two; V3.2 at 128K and 32K context.
     assert pallas_topk.group_size(131072, 2048) == 16
@@ -300,7 +232,6 @@ class TestPallasTritonIndexer(IndexerContract):
       (lambda a: {**a, "topk": True}, "topk"),
       (lambda a: {**a, "chunk": 100}, "chunk"),
       (lambda a: {**a, "per_lane": 1}, "per_lane"),
-      (lambda a: {**a, "tile_theta": True, "fused_theta": True}, "take one"),
   ])
   def test_topk_bad_input_raises(self, change, message):
     args = dict(logits=jnp.zeros((2, 64), jnp.float32), seq_lens=jnp.ones((2,), jnp.int32), topk=8)
