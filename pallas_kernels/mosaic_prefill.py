@@ -275,21 +275,15 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
   stages = k_smem.shape[0]
   qk_scale = scale * LOG2E  # log2(e) folded in: the softmax runs on exp2
 
-  def bounds_of(r):
-    """Request r's scalars as loaded: (q_start, k_start, q_end, k_end, first output tile)."""
-    return cu_q_ref[r], cu_k_ref[r], cu_q_ref[r + 1], cu_k_ref[r + 1], tile_ref[r]
-
-  def item(fetched):
-    """The _Item of fetch(trip)'s scalars (h, block, *bounds_of(r)). Derived where it is used:
-    written as products, the rows are multiples of 8 that Mosaic GPU can see (not through a loop
-    carry). Direct: blocks start at row 0 and cover all Tq rows, those outside the request giving
-    0, -inf."""
-    h, block, q_start, k_start, q_end, k_end, tile = fetched
+  def request(r):
+    q_start, k_start = cu_q_ref[r], cu_k_ref[r]
+    # Written as products so that Mosaic GPU sees them divisible by 8. Direct: blocks start at row
+    # 0 and cover all Tq rows, those outside the request giving 0, -inf.
     q_base = jnp.int32(0) if direct else lax.div(q_start, _ALIGN) * _ALIGN
     k_base = lax.div(k_start, _ALIGN) * _ALIGN
-    return _Item(h=h, qs=block * _BLOCK_Q, tile=tile, q_start=q_start, k_start=k_start,
-                 q_len=q_end - q_start, k_len=k_end - k_start, q_base=q_base, k_base=k_base,
-                 q_lead=q_start - q_base, k_lead=k_start - k_base)
+    return dict(tile=tile_ref[r], q_start=q_start, k_start=k_start,
+                q_len=cu_q_ref[r + 1] - q_start, k_len=cu_k_ref[r + 1] - k_start,
+                q_base=q_base, k_base=k_base, q_lead=q_start - q_base, k_lead=k_start - k_base)
 
   if persistent:
     # Program p takes items p, p + P, ... of the queue: the heads in sections of section_heads,
@@ -302,24 +296,23 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
     trips = lax.div(jnp.maximum(num_blocks * num_heads - prog, 0) + (num_programs - 1),
                     num_programs)
 
-    def fetch(trip):
+    def item(trip):
       i = prog + trip * num_programs
-      # (At least 1: the compute warpgroups fetch an item ahead, also where there is none.)
-      items_a_section = jnp.maximum(section_heads * num_blocks, 1)
-      section, i = lax.div(i, items_a_section), lax.rem(i, items_a_section)
+      section, i = lax.div(i, section_heads * num_blocks), lax.rem(i, section_heads * num_blocks)
       block, h = lax.div(i, section_heads), section * section_heads + lax.rem(i, section_heads)
-      return (h, queue_ref[1, block + 1], *bounds_of(queue_ref[0, block + 1]))
+      r = queue_ref[0, block + 1]
+      return _Item(h=h, qs=queue_ref[1, block + 1] * _BLOCK_Q, **request(r))
   else:
     # Slot p takes its request's blocks nb-1-p, nb-1-p-P, ...: the heaviest causal blocks launch
     # first, and a request longer than max_seqlen_q is still covered, just serially.
     prog, h, r = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("requests")
-    bounds = bounds_of(r)
-    fixed = item((h, 0, *bounds))
-    num_blocks = lax.div(_aligned_rows(fixed.q_len, fixed.q_lead) + (_BLOCK_Q - 1), _BLOCK_Q)
+    fixed = request(r)
+    num_blocks = lax.div(_aligned_rows(fixed["q_len"], fixed["q_lead"]) + (_BLOCK_Q - 1),
+                         _BLOCK_Q)
     trips = lax.div(jnp.maximum(num_blocks - prog, 0) + (num_q_programs - 1), num_q_programs)
 
-    def fetch(trip):
-      return (h, num_blocks - 1 - prog - trip * num_q_programs, *bounds)
+    def item(trip):
+      return _Item(h=h, qs=(num_blocks - 1 - prog - trip * num_q_programs) * _BLOCK_Q, **fixed)
 
   def key_steps(w):
     """Step bounds (lo, hi, end) of item w's block: steps [lo, hi) need no mask, steps [0, lo)
@@ -535,9 +528,8 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       plgpu.barrier_arrive(v_consumed.at[prev])
       return m, l, acc, count, p16
 
-    def q_block(trip, carry):
-      count, fetched = carry
-      w = item(fetched)
+    def q_block(trip, count):
+      w = item(trip)
       tile_row = w.qs + wg * _TILE  # this warpgroup's first row, counted from q_base
       q_first, q_shift = box(w.q_base + tile_row, _TILE, tq)
       q_rows = pl.ds(q_first, _TILE)
@@ -545,10 +537,6 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       if qr_smem is not None:
         plgpu.copy_gmem_to_smem(q_ref.at[q_rows, w.h, pl.ds(dv, dk - dv)], qr_smem.at[wg],
                                 q_bar.at[_COMPUTE_WGS + wg])
-      # The next item's scalars (its queue entry, then its request's bounds: two dependent rounds
-      # of global loads) are read now, while this one runs, not at the next one's start.
-      fetched_next = fetch(jnp.minimum(trip + 1, jnp.maximum(trips - 1, 0)))
-      if qr_smem is not None:
         plgpu.barrier_wait(q_bar.at[_COMPUTE_WGS + wg])
       plgpu.barrier_wait(q_bar.at[wg])
       lo, hi, end = key_steps(w)
@@ -616,11 +604,11 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
         # until it read shared memory measured no faster; RESULTS, session 8).
         plgpu.wait_smem_to_gmem(0)
 
-      return count, fetched_next
+      return count
 
     # Warpgroup 1 starts a turn behind, so the two alternate; warpgroup 0 closes the last turn.
     pl.when(wg == 1)(take_turn)
-    lax.fori_loop(0, trips, q_block, (jnp.int32(0), fetch(0)))
+    lax.fori_loop(0, trips, q_block, jnp.int32(0))
     pl.when(wg == 0)(take_turn)
 
   @pl.when(wg == _COMPUTE_WGS)
@@ -628,7 +616,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
     plgpu.set_max_registers(_MEMORY_REGS, action="decrease")
 
     def q_block(trip, count):
-      w = item(fetch(trip))
+      w = item(trip)
       _, _, n_end = key_steps(w)
 
       @pl.loop(0, n_end)
