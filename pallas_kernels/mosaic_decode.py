@@ -23,8 +23,9 @@ the query and page memory once every step is done. An fp8 (e4m3) cache lands in 
 (fp8_pipeline "serial", widening and products take turns), or into two 32-row slots that the
 consumers use 32 tokens a step ("half_pages", widening overlaps the products; 64-byte swizzles,
 220.3 KB; "shared_widening": the same, with warpgroup 1 widening its own value columns); see
-`MosaicDecodeConfig`. With heads_in="n" (N <= 32) a program's 16 or 32 heads are wgmma's N
-instead: the consumers compute S^T = K Q^T and O^T = V^T P^T (`MosaicDecodeConfig`).
+`MosaicDecodeConfig`. With heads_in="n" (N <= 32; the default at N <= 16) a program's 16 or 32
+heads are wgmma's N instead: the consumers compute S^T = K Q^T and O^T = V^T P^T
+(`MosaicDecodeConfig`).
 
 `interpret=True` (or an `InterpretGPUParams`) runs the same kernel on the CPU through Mosaic GPU's
 interpreter, which simulates the warpgroups, barriers, bulk copies and wgmma, but not registers,
@@ -82,12 +83,14 @@ class MosaicDecodeConfig:
     B=128, S=8192: 1.16x "half_pages" at N=128 and N=16, bit-identical outputs; RESULTS.md,
     session 7).
   heads_in, where a program's heads sit in the wgmma shapes (benchmarks/RESULTS.md, "Latent decode
-  (pallas_mosaic)", session 12: prepared, not timed). None (the default) runs "m": 64 heads as
-  wgmma's M (N < 64 in the 64-row tile: at N=16 three quarters of every product and of the
-  softmax are padding). "n": N <= 32 heads as wgmma's N, padded to 16 or 32 (`common.heads_tile`;
-  a ValueError above 32), mosaic_sparse's heads_in="n": S^T = K Q^T [64 tokens, heads], its
-  softmax over the token rows (cross-warp reductions through `reduction_scratch_bytes`), P^T
-  stored transposed into p_smem [heads, 64], O^T = V^T P^T in [64 columns, heads] value tiles; a
+  (pallas_mosaic)", session 12). None (the default) picks from static shapes
+  (`default_heads_in`): "n" at N <= 16 (with an fp8 cache, where its pipeline takes "n"), else
+  "m": 64 heads as wgmma's M (N < 64 in the 64-row tile: at N=16 three quarters of every product
+  and of the softmax are padding). "n": N <= 32 heads as wgmma's N, padded to 16 or 32
+  (`common.heads_tile`; a ValueError above 32), mosaic_sparse's heads_in="n": S^T = K Q^T [64
+  tokens, heads], its softmax over the token rows (cross-warp reductions through
+  `reduction_scratch_bytes`), P^T stored transposed into p_smem [heads, 64], O^T = V^T P^T in
+  [64 columns, heads] value tiles; a
   bf16 output (one split) stored transposed into the [heads, columns] staging, float32 partials
   (several splits, fixed splits) stored as they are and written [T, splits, L, Np] (Mosaic GPU,
   jax 0.11.2, does not lower a transposed float32 store), which the XLA merge reads transposed.
@@ -95,7 +98,9 @@ class MosaicDecodeConfig:
   half-page pipelines' 32-token steps cannot be S^T's rows, so "shared_widening" runs 64-token
   steps there: one bf16 slot, warpgroup 1 widening its value columns of page i + 1 right after
   its P V of page i while the memory warpgroup widens the other 5 tiles; `HEADS_N_FP8_PIPELINES`),
-  "half_pages" a ValueError."""
+  "half_pages" a ValueError. H200 (session 12), S=8192, N=16, ms, "m" / "n" in one process: bf16
+  B=128 0.309 / 0.296, B=32 0.0994 / 0.0902; fp8 ("shared_widening") B=128 0.481 / 0.462, B=32
+  0.142 / 0.142. 17-32 heads not timed: "m"."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -115,6 +120,17 @@ class MosaicDecodeConfig:
       raise ValueError(f"fp8_pipeline must be one of {FP8_PIPELINES}, got {self.fp8_pipeline!r}")
     if self.heads_in is not None and self.heads_in not in HEADS_IN:
       raise ValueError(f"heads_in must be None or one of {HEADS_IN}, got {self.heads_in!r}")
+
+
+HEADS_N_DEFAULT_MAX = 16  # heads_in=None runs "n" up to this many heads (timed at 16)
+
+
+def default_heads_in(num_heads: int, fp8: bool, fp8_pipeline: str) -> str:
+  """The heads_in that heads_in=None runs (static shapes only): "n" at N <= HEADS_N_DEFAULT_MAX
+  (with an fp8 cache where fp8_pipeline takes it, `HEADS_N_FP8_PIPELINES`), else "m". Timings in
+  `MosaicDecodeConfig`."""
+  takes_n = not fp8 or fp8_pipeline in HEADS_N_FP8_PIPELINES
+  return "n" if num_heads <= HEADS_N_DEFAULT_MAX and takes_n else "m"
 
 
 CONFIG = MosaicDecodeConfig()
@@ -516,15 +532,17 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   num_kv_splits, a multiple of 64): splits of that many tokens merged in a fixed order, so each
   row's result is bit-identical in any batch and with any table width (batch-invariant mode).
   fp8_pipeline: how an fp8 cache's pages are widened (one of FP8_PIPELINES, see
-  `MosaicDecodeConfig`; a bf16 cache ignores it). heads_in: `MosaicDecodeConfig`'s (None: "m";
-  "n": N <= 32 heads as wgmma's N, with an fp8 cache with fp8_pipeline "serial" or
-  "shared_widening").
+  `MosaicDecodeConfig`; a bf16 cache ignores it). heads_in: `MosaicDecodeConfig`'s (None:
+  `default_heads_in`, "n" at N <= 16; "n": N <= 32 heads as wgmma's N, with an fp8 cache with
+  fp8_pipeline "serial" or "shared_widening").
   interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
   o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
   _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits, split_tokens)
   MosaicDecodeConfig(fp8_pipeline=fp8_pipeline, heads_in=heads_in)  # checks them
   fp8 = kv_cache.dtype == F8
+  if heads_in is None:
+    heads_in = default_heads_in(q.shape[1], fp8, fp8_pipeline)
   heads_n = heads_in == "n"
   if heads_n and fp8 and fp8_pipeline not in HEADS_N_FP8_PIPELINES:
     raise ValueError(f"heads_in=\"n\" with an fp8 cache takes fp8_pipeline "
