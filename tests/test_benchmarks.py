@@ -146,3 +146,38 @@ def test_kernel_times_help_and_its_wrong_use(capsys):
     kernel_times.main([])  # neither a benchmark nor --table
   assert exit_info.value.code == 2
   assert "name a benchmark, or give --table" in capsys.readouterr().err
+
+
+def test_ptxas_report_reads_ptxas_and_finds_the_step_loops_spills():
+  # A ptxas -v log and SASS as Mosaic GPU dumps them (shapes of the real prefill dump): one spill
+  # reload in the item loop, one in the step loop (the innermost that issues wgmma), and one in
+  # an out-of-line retry block whose unconditional branch back is no loop.
+  from benchmarks import ptxas_report
+  out = "\n".join([
+      "ptxas info    : Function properties for k_mosaic_gpu_kernel",
+      "    48 bytes stack frame, 48 bytes spill stores, 72 bytes spill loads",
+      "ptxas info    : Used 168 registers, used 16 barriers, 48 bytes cumulative stack size",
+      "        /*0000*/                   STL [R1], R4 ;",
+      ".L_x_1:",
+      "        /*0010*/                   LDL R2, [R1] ;",
+      ".L_x_2:",
+      "        /*0020*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;",
+      "        /*0030*/                   LDL.64 R4, [R1+0x8] ;",
+      "        /*0040*/              @P0  BRA `(.L_x_2) ;",
+      "        /*0050*/              @!P1 BRA `(.L_x_1) ;",
+      "        /*0060*/                   EXIT ;",
+      ".L_x_3:",
+      "        /*0070*/                   LDL R5, [R1] ;",
+      "        /*0080*/                   BRA `(.L_x_1) ;"])
+  assert ptxas_report.parse(out, sass=True) == dict(
+      kernel="k_mosaic_gpu_kernel", registers=168, frame=48, spill_stores=48, spill_loads=72,
+      sass=(1, 3, 0, 1))
+  with pytest.raises(RuntimeError, match="could not read"):
+    ptxas_report.parse("ptxas info    : Compile time = 1 ms", sass=False)
+
+
+def test_ptxas_report_takes_the_mosaic_module_from_the_cuda_lowering():
+  from benchmarks import ptxas_report
+  traced = ptxas_report.traced_prefill(256, 2, 16, True, {})
+  modules = ptxas_report.mosaic_modules(traced)
+  assert len(modules) == 1 and modules[0].startswith(b"ML\xefR")  # MLIR bytecode
