@@ -79,13 +79,19 @@ class TopkConfig:
   # Group maxima and theta in one kernel, a program per row (`_maxima_theta_kernel`, v3), instead
   # of the maxima kernel (a program per tile) and the theta kernel.
   fused_theta: bool = False
+  # Per-lane threshold kernel, v8 (`_flat_lane_stream`): the stream in one register layout (no
+  # shared-memory conversion or barrier a chunk), each chunk loaded a step before its keys are
+  # formed, the slots moved by a loop to the fullest lane's count (registers for one slot, not all).
+  flat_lanes: bool = False
 
   def __post_init__(self):
     check_triton_config(self, ("chunk",))
     check_pow2("select_warps", self.select_warps)
-    for name in ("per_lane", "fused_theta"):
+    for name in ("per_lane", "fused_theta", "flat_lanes"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+    if self.flat_lanes and not self.per_lane:
+      raise ValueError("flat_lanes is a form of the per-lane threshold kernel: it needs per_lane")
 
 
 # The chosen configs, from H200 sweeps of each kernel alone (benchmarks/RESULTS.md, "DSA
@@ -109,7 +115,9 @@ _LONG_ROW = 32768  # positions past which few rows take DEFAULT_LONG_ROWS
 # The sweep space: the variants `benchmarks/bench_sparse.py --sweep` times (128 x 131072).
 SWEEP = tuple(TopkConfig(*v) for v in [
     (1024, 4, 1, 8, True), (2048, 4, 1, 8, True), (2048, 8, 1, 8, True), (4096, 8, 1, 8, True),
-    (512, 4, 1, 8, True), (1024, 4, 2, 8, True), (1024, 4, 1, 8), (2048, 8, 1, 8)])
+    (512, 4, 1, 8, True), (1024, 4, 2, 8, True), (1024, 4, 1, 8), (2048, 8, 1, 8)]) + tuple(
+        TopkConfig(chunk, warps, 1, 8, per_lane=True, flat_lanes=True)
+        for chunk, warps in [(1024, 4), (2048, 4), (2048, 8)])
 
 
 def _keys(x, inside):
@@ -242,14 +250,51 @@ def _threshold_kernel(theta_ref, logits_ref, len_ref, cand_key_ref, cand_pos_ref
   count_ref[t, p] = count
 
 
+def _flat_lane_stream(theta, logits_ref, t, start, end, slot_key_ref, slot_pos_ref, chunk):
+  """`_lane_threshold_kernel`'s stream in one register layout (v8, `flat_lanes`): the lanes'
+  counts of candidates [chunk] (past the slots where they overflowed).
+
+  Two things the v3 stream (in the kernel) pays for every chunk (pip Triton 3.6's sm_90 code of it
+  at 128 x 131072: 4 layout conversions a chunk through shared memory, 10 block barriers;
+  benchmarks/RESULTS.md, "DSA selection", top-k v8). Triton gives the logits' load a 4-wide
+  layout from its offsets' contiguity (the load stays scalar: its mask `pos < end` has a dynamic
+  end) and the slot stores, whose offsets depend on the data, one element a thread. Here the
+  offsets are hinted to be multiples of 1 only, which is true and leaves the load nothing to align
+  to, so both take the stores' layout. And v3 carries keys, formed in the step that issues their
+  load (its first use); here the carry is the raw chunk, its keys formed in the next step."""
+  past = slot_key_ref.shape[0]
+  slots = past // chunk
+  lane = jnp.arange(chunk, dtype=jnp.int32)
+
+  def raw(i):
+    pos = pl.multiple_of(start + i * chunk + lane, 1)
+    return plgpu.load(logits_ref.at[t, pos], mask=pos < end, other=-jnp.inf)
+
+  def body(i, carry):
+    x, filled = carry
+    nxt = raw(i + 1)
+    pos = start + i * chunk + lane
+    key = _keys(x, pos < end)
+    take = (key >= theta) & (key > _INT_MIN)
+    dst = jnp.where(take & (filled < slots), filled * chunk + lane, past)
+    plgpu.store(slot_key_ref.at[dst], key, mask=dst < past)
+    plgpu.store(slot_pos_ref.at[dst], pos, mask=dst < past)
+    return nxt, filled + take.astype(jnp.int32)
+
+  return lax.fori_loop(0, pl.cdiv(jnp.maximum(end - start, 0), chunk), body,
+                       (raw(0), jnp.zeros((chunk,), jnp.int32)))[1]
+
+
 def _lane_threshold_kernel(theta_ref, logits_ref, len_ref, slot_key_ref, slot_pos_ref,
-                           cand_key_ref, cand_pos_ref, count_ref, *, chunk, segment, interpret):
+                           cand_key_ref, cand_pos_ref, count_ref, *, chunk, segment, flat,
+                           interpret):
   # As `_threshold_kernel`, but the stream keeps no block-wide state: lane j of the chunk (positions
   # j, j + chunk, ...) stores its candidates in its own slots, slot s at slot_*_ref[s * chunk + j]
   # ([slots * chunk] int32, this row's and segment's), so a chunk costs no cumsum. After the stream,
   # one cumsum of the lanes' counts places every lane's slots in the cap places of the candidate
   # list (lane order, not position order: the select needs no order). A lane that fills its slots
-  # marks the segment as overflowed (count past cap: the select's exact row path).
+  # marks the segment as overflowed (count past cap: the select's exact row path). flat: v8's
+  # stream and move (`_flat_lane_stream`).
   t, p = pl.program_id(0), pl.program_id(1)
   cap = cand_key_ref.shape[0]
   slots = slot_key_ref.shape[0] // chunk
@@ -268,18 +313,20 @@ def _lane_threshold_kernel(theta_ref, logits_ref, len_ref, slot_key_ref, slot_po
     plgpu.store(slot_pos_ref.at[dst], pos, mask=dst < past)
     return nxt, filled + take.astype(jnp.int32)
 
-  _, filled = lax.fori_loop(0, pl.cdiv(jnp.maximum(end - start, 0), chunk), body,
-                            (_row_keys(logits_ref, t, end, start, chunk),
-                             jnp.zeros((chunk,), jnp.int32)))
+  if flat:
+    filled = _flat_lane_stream(theta, logits_ref, t, start, end, slot_key_ref, slot_pos_ref, chunk)
+  else:
+    _, filled = lax.fori_loop(0, pl.cdiv(jnp.maximum(end - start, 0), chunk), body,
+                              (_row_keys(logits_ref, t, end, start, chunk),
+                               jnp.zeros((chunk,), jnp.int32)))
   # A lane's slots may be read back by other threads than wrote them: a block barrier makes the
   # writes visible (the interpreter runs a program sequentially, and has no barrier).
   if not interpret:
     plgpu.debug_barrier()
   kept = jnp.minimum(filled, slots)
   base = jnp.cumsum(kept) - kept
-  # Unrolled over the slots, so their loads are all in flight at once (a loop waited for each; the
-  # slots past a lane's count are masked off and cost no memory traffic).
-  for slot in range(slots):
+
+  def move(slot):
     has = slot < kept
     src = jnp.where(has, slot * chunk + lane, past)
     key = plgpu.load(slot_key_ref.at[src], mask=has, other=0)
@@ -287,6 +334,20 @@ def _lane_threshold_kernel(theta_ref, logits_ref, len_ref, slot_key_ref, slot_po
     dst = jnp.where(has & (base + slot < cap), base + slot, cap)
     plgpu.store(cand_key_ref.at[dst], key, mask=dst < cap)
     plgpu.store(cand_pos_ref.at[dst], pos, mask=dst < cap)
+
+  if flat:
+    # A loop to the fullest lane's count (~4 of 8 on random rows at 128 x 131072): registers for
+    # one slot's loads, where the unrolled form below holds all of them for the whole kernel.
+    def move_slot(slot, carry):
+      move(slot)
+      return carry
+
+    lax.fori_loop(0, kept.max(), move_slot, 0)
+  else:
+    # Unrolled over the slots, so their loads are all in flight at once (a loop waited for each;
+    # the slots past a lane's count are masked off and cost no memory traffic).
+    for slot in range(slots):
+      move(slot)
   count_ref[t, p] = jnp.where(filled.max() > slots, jnp.maximum(filled.sum(), cap + 1),
                               filled.sum())
 
@@ -455,11 +516,12 @@ def lane_slots(cap: int, segments: int, chunk: int) -> int:
 
 def threshold_candidates(theta: jax.Array, logits: jax.Array, seq_lens: jax.Array, cap: int,
                          chunk: int, params: plgpu.CompilerParams, *, slots: int = 0,
+                         flat: bool = False,
                          interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Step 3: (keys, positions) int32 [T, P * cap] of each row's candidates, each of its P segments'
   at its own `cap` places, and their counts [T, P] (past cap when they overflowed). slots: 0 for
   the block-wide compaction per chunk (`_threshold_kernel`), else the slots a lane keeps
-  (`_lane_threshold_kernel`)."""
+  (`_lane_threshold_kernel`); flat: its v8 form (`TopkConfig.flat_lanes`)."""
   t, s = logits.shape
   segments, segment = threshold_segments(t, s, chunk)
   places = lambda width: pl.BlockSpec((None, width), lambda i, p: (i, p))
@@ -467,7 +529,7 @@ def threshold_candidates(theta: jax.Array, logits: jax.Array, seq_lens: jax.Arra
   lists = [jax.ShapeDtypeStruct((t, segments * cap), jnp.int32)] * 2
   counts_shape = [jax.ShapeDtypeStruct((t, segments), jnp.int32)]
   if slots:
-    kernel = functools.partial(_lane_threshold_kernel, chunk=chunk, segment=segment,
+    kernel = functools.partial(_lane_threshold_kernel, chunk=chunk, segment=segment, flat=flat,
                                interpret=interpret)
     out_specs = [places(slots * chunk)] * 2 + [places(cap)] * 2 + counts
     out_shape = [jax.ShapeDtypeStruct((t, segments * slots * chunk), jnp.int32)] * 2 + lists
@@ -482,7 +544,8 @@ def threshold_candidates(theta: jax.Array, logits: jax.Array, seq_lens: jax.Arra
       out_shape=out_shape + counts_shape,
       compiler_params=params,
       interpret=interpret,
-      name="topk_threshold_lanes" if slots else "topk_threshold",
+      name=("topk_threshold_flat_lanes" if flat else "topk_threshold_lanes") if slots else
+      "topk_threshold",
   )(theta, logits, seq_lens)
   return tuple(out[-3:])
 
@@ -509,21 +572,22 @@ def select_positions(theta: jax.Array, cand_keys: jax.Array, cand_pos: jax.Array
 
 @functools.partial(jax.jit, static_argnames=("topk", "chunk", "num_warps", "num_stages",
                                              "select_warps", "per_lane", "fused_theta",
-                                             "interpret"))
+                                             "flat_lanes", "interpret"))
 def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None,
                    select_warps: int | None = None, per_lane: bool | None = None,
-                   fused_theta: bool | None = None, interpret: bool = False) -> jax.Array:
+                   fused_theta: bool | None = None, flat_lanes: bool | None = None,
+                   interpret: bool = False) -> jax.Array:
   """Top-`topk` positions of each row within its window (semantics of
   `mla_jax.reference.topk_positions`): logits [T, S] float32, seq_lens [T] int32 (row t sees
   s < seq_lens[t]) -> int32 [T, topk], -1 padded, in no particular order; of positions tied at the
   k-th largest value, the lowest. chunk, num_warps, num_stages, select_warps, per_lane,
-  fused_theta: `TopkConfig`'s (None: `default_config`'s).
+  fused_theta, flat_lanes: `TopkConfig`'s (None: `default_config`'s).
   """
   check_topk_args(logits, seq_lens, topk)
   config = with_overrides(default_config(*logits.shape), chunk=chunk, num_warps=num_warps,
                           num_stages=num_stages, select_warps=select_warps, per_lane=per_lane,
-                          fused_theta=fused_theta)
+                          fused_theta=fused_theta, flat_lanes=flat_lanes)
   t, s = logits.shape
   if t == 0 or s == 0:
     return jnp.full((t, topk), -1, jnp.int32)
@@ -541,6 +605,6 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: 
   slots = lane_slots(cap, threshold_segments(t, s, chunk)[0], chunk) if config.per_lane else 0
   cand_keys, cand_pos, counts = threshold_candidates(theta, logits, seq_lens, cap, chunk,
                                                      params(config.num_warps), slots=slots,
-                                                     interpret=interpret)
+                                                     flat=config.flat_lanes, interpret=interpret)
   return select_positions(theta, cand_keys, cand_pos, counts, logits, seq_lens, topk, chunk,
                           params(config.select_warps), interpret=interpret)
