@@ -93,10 +93,12 @@ class TestPallasTritonIndexer(IndexerContract):
 
   def topk_variants(self):
     # The contract's small rows take the block-wide threshold and separate maxima and theta
-    # kernels; the per-lane threshold (few long rows) and the fused theta (many rows) too.
+    # kernels; the per-lane threshold (few long rows), its v8 form (`flat_lanes`) and the fused
+    # theta (many rows) too.
     return super().topk_variants() + [
         functools.partial(pallas_topk.topk_positions, interpret=True, **knobs)
-        for knobs in ({"per_lane": True}, {"fused_theta": True})]
+        for knobs in ({"per_lane": True}, {"per_lane": True, "flat_lanes": True},
+                      {"fused_theta": True})]
 
   @pytest.mark.parametrize("dtype,widen_fp8", [(jnp.bfloat16, False), (jnp.float8_e4m3fn, True)])
   def test_chunks_and_steps_match_reference(self, dtype, widen_fp8):
@@ -132,8 +134,9 @@ class TestPallasTritonIndexer(IndexerContract):
     with pytest.raises(ValueError, match=message):
       pallas_indexer.indexer_logits(**change(args), interpret=True)
 
-  @pytest.mark.parametrize("variant", [{}, {"per_lane": True}, {"fused_theta": True}],
-                           ids=["default", "per_lane", "fused_theta"])
+  @pytest.mark.parametrize("variant", [
+      {}, {"per_lane": True}, {"per_lane": True, "flat_lanes": True}, {"fused_theta": True}],
+      ids=["default", "per_lane", "flat_lanes", "fused_theta"])
   def test_topk_segments_ties_and_overflow_match_reference(self, variant):
     # Small chunks split rows into several segments that claim candidate places concurrently;
     # row 1's ties overflow the candidate list (the slow exact path); row 3 mixes signs and
@@ -142,7 +145,8 @@ class TestPallasTritonIndexer(IndexerContract):
     # values at 4 of the 8 members of its strided group (G = 8), so 256-512 candidates (past half
     # the 512-entry list: the full-width select) tie in fours. Variants: the default for these
     # rows (block-wide threshold, separate maxima and theta kernels), the per-lane threshold (long
-    # rows' default) and theta fused with the maxima (many rows' default).
+    # rows' default), its v8 form (`flat_lanes`) and theta fused with the maxima (many rows'
+    # default).
     rng = np.random.default_rng(6)
     logits = rng.standard_normal((6, 5000)).astype(np.float32)
     logits[5] = np.where(np.arange(5000) // 625 < 4, np.tile(logits[5, :625], 8), -10)
@@ -151,6 +155,7 @@ class TestPallasTritonIndexer(IndexerContract):
     kth = np.argsort(-logits[4])[99]
     logits[4, [4900, 3100, 2000, 1500]] = logits[4, kth]
     lens = jnp.asarray([5000, 4999, 1300, 5000, 5000, 5000], jnp.int32)
+    logits[1, 4999:] = logits[2, 1300:] = np.nan  # past the rows' lengths: never selected
     got = np.asarray(pallas_topk.topk_positions(jnp.asarray(logits), lens, 100, chunk=256,
                                                 interpret=True, **variant))
     for i in range(6):
@@ -164,24 +169,28 @@ class TestPallasTritonIndexer(IndexerContract):
     theta = pallas_topk.row_theta(maxima, 100, params, interpret=True)
     slots = 8 if variant.get("per_lane") else 0
     counts = pallas_topk.threshold_candidates(theta, jnp.asarray(logits), lens, 512, 256, params,
-                                              slots=slots, interpret=True)[2].sum(axis=1)
+                                              slots=slots, flat=variant.get("flat_lanes", False),
+                                              interpret=True)[2].sum(axis=1)
     assert counts[1] > 512 and 256 < counts[5] <= 512, counts
 
-  def test_lane_slots_hold_the_candidates_or_overflow(self):
-    # The per-lane threshold kernel with 2 slots a lane (16 lanes, 32 segments of 64 positions: 4
-    # a lane): a segment's list holds exactly its positions with key >= theta, unless a lane had
-    # more than 2 (row 0, segment 0: positions 5, 21, 37 of lane 5), which must mark it past cap;
-    # the select then still finds the exact top-k (the row path).
+  @pytest.mark.parametrize("flat", [False, True], ids=["v3", "flat_lanes"])
+  def test_lane_slots_hold_the_candidates_or_overflow(self, flat):
+    # The per-lane threshold kernel (v3's and v8's `flat_lanes` form) with 2 slots a lane (16
+    # lanes, 32 segments of 64 positions: 4 a lane): a segment's list holds exactly its positions
+    # with key >= theta, unless a lane had more than 2 (row 0, segment 0: positions 5, 21, 37 of
+    # lane 5), which must mark it past cap; the select then still finds the exact top-k (the row
+    # path). Row 1 ends inside a segment (2000 = 31 x 64 + 16).
     rng = np.random.default_rng(9)
     logits = rng.standard_normal((2, 2048)).astype(np.float32)
     logits[0, [5, 21, 37]] = [10.0, 11.0, 12.0]
+    logits[1, 2000:] = np.nan  # past row 1's length: never a candidate
     lens = jnp.asarray([2048, 2000], jnp.int32)
     x = jnp.asarray(logits)
     params = pallas_topk.plgpu.CompilerParams(num_warps=4, num_stages=1)
     theta = pallas_topk.row_theta(pallas_topk.group_maxima(x, lens, 4, 512, interpret=True), 100,
                                   params, interpret=True)
     keys, pos, counts = (np.asarray(a) for a in pallas_topk.threshold_candidates(
-        theta, x, lens, 512, 16, params, slots=2, interpret=True))
+        theta, x, lens, 512, 16, params, slots=2, flat=flat, interpret=True))
     assert pallas_topk.threshold_segments(2, 2048, 16) == (32, 64) and counts.shape == (2, 32)
     bits = logits.view(np.int32)
     want_keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)
@@ -218,6 +227,39 @@ class TestPallasTritonIndexer(IndexerContract):
     want = np.pad(keys.reshape(3, 4, 250).max(axis=1), ((0, 0), (0, 6)), constant_values=-2 ** 31)
     np.testing.assert_array_equal(got, want)
 
+  @pytest.mark.parametrize("t,s,knobs", [(128, 131072, {}), (128, 32768, {"per_lane": True}),
+                                          (4096, 32768, {"per_lane": True})])
+  def test_flat_lanes_lowers_for_hopper(self, monkeypatch, t, s, knobs):
+    # The flat_lanes top-k (v8) at the benchmark's shapes, lowered to Triton IR for compute
+    # capability 9.0 on this CPU (the lowering asks the device for it; there is none here): four
+    # kernels (three with theta fused, 4096 rows), each module verified (the GPU's Triton parser
+    # refuses one that does not verify: session 12's v7 failed so on the GPU, a select of two
+    # constants typed i1), and the threshold kernel's load offsets carry the hint that keeps the
+    # stream in one layout.
+    from jax._src.pallas.triton import gpu_info, lowering, pallas_call_registration
+    hopper = gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90)
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: hopper)
+    modules = {}
+
+    def lower_and_verify(*args, lower=lowering.lower_jaxpr_to_triton_module, **kwargs):
+      result = lower(*args, **kwargs)
+      name = result.module.body.operations[0].attributes["sym_name"].value
+      modules[name] = (result.module.operation.verify(), str(result.module))
+      return result
+
+    monkeypatch.setattr(pallas_call_registration.lowering, "lower_jaxpr_to_triton_module",
+                        lower_and_verify)
+    traced = jax.jit(functools.partial(pallas_topk.topk_positions, topk=2048, flat_lanes=True,
+                                       **knobs)).trace(jax.ShapeDtypeStruct((t, s), jnp.float32),
+                                                       jax.ShapeDtypeStruct((t,), jnp.int32))
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    theta = ["topk_maxima_theta"] if t > 2 * pallas_topk.sm_count() else ["topk_maxima",
+                                                                         "topk_theta"]
+    names = theta + ["topk_threshold_flat_lanes", "topk_select"]
+    assert text.count("__gpu$xla.gpu.triton") == len(names) and sorted(modules) == sorted(names)
+    assert all(ok for ok, _ in modules.values()), modules
+    assert "tt.divisibility = dense<1>" in modules["topk_threshold_flat_lanes"][1]
+
   def test_group_size(self):
     # At least 4k strided groups, G a power of two; V3.2 at 128K and 32K context.
     assert pallas_topk.group_size(131072, 2048) == 16
@@ -232,6 +274,8 @@ class TestPallasTritonIndexer(IndexerContract):
       (lambda a: {**a, "topk": True}, "topk"),
       (lambda a: {**a, "chunk": 100}, "chunk"),
       (lambda a: {**a, "per_lane": 1}, "per_lane"),
+      (lambda a: {**a, "flat_lanes": 1}, "flat_lanes"),
+      (lambda a: {**a, "flat_lanes": True, "per_lane": False}, "needs per_lane"),
   ])
   def test_topk_bad_input_raises(self, change, message):
     args = dict(logits=jnp.zeros((2, 64), jnp.float32), seq_lens=jnp.ones((2,), jnp.int32), topk=8)
