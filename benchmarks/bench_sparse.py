@@ -22,8 +22,10 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
   topk     top-2048 positions of 128 x 32K, 128 x 128K and 4096 x 32K float32 logits, every
            position visible. Bytes = one read of the logits + the positions written. Further rows
            time v2 (the threshold kernel's block-wide compaction per chunk, separate maxima and
-           theta kernels) and the shape's default with either v3 choice flipped (per-lane
-           threshold; theta fused with the group maxima).
+           theta kernels), the shape's default with either v3 choice flipped (per-lane
+           threshold; theta fused with the group maxima) and with v8's per-lane threshold
+           (`flat_lanes`: one register layout, no barrier a chunk); --topk-rows keeps only some
+           of them.
   step     one layer's DSA decode step: indexer logits + top-k + slots + sparse attention (N=128,
            fp8_ds_mla latent cache), 128 decode rows at 32K context each; pallas_triton's and the
            `pallas` default's.
@@ -214,6 +216,12 @@ def run_topk(args, t, s):
     knobs[name] = not knobs[name]
     if knobs != v2:
       variants[f"v3, {name}={knobs[name]}"] = knobs
+  # v8: the default's theta with the per-lane threshold kernel in its flat_lanes form.
+  variants["v8, flat_lanes"] = dict(per_lane=True, fused_theta=default.fused_theta,
+                                    flat_lanes=True)
+  if args.topk_rows:
+    variants = {name: knobs for name, knobs in variants.items()
+                if name.split(" ")[0].rstrip(",") in args.topk_rows}
   for name, knobs in variants.items():
     variant = lambda be, knobs=knobs: jax.jit(lambda x, lens: pallas_topk.topk_positions(
         x, lens, TOPK, interpret=jax.default_backend() != "gpu", **knobs))
@@ -354,6 +362,9 @@ def main(argv=None):
   parser.add_argument("--sweep-rows", nargs="+", metavar="FIELD=VALUE",
                       help="sparse cases: only these of the Mosaic kernel's SWEEP configs, named "
                            "as in the cache column (e.g. fp8_pipeline=half_rows)")
+  parser.add_argument("--topk-rows", nargs="+", metavar="VERSION",
+                      help="top-k cases: beside the default, only these variants' rows, named by "
+                           "the version opening their cache column (e.g. v8)")
   parser.add_argument("--iters", type=int, default=20, help="back-to-back calls per timing")
   parser.add_argument("--repeats", type=int, default=5, help="timings; the median is reported")
   parser.add_argument("--out", default="benchmarks/out", help="directory for the result tables")
