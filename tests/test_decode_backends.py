@@ -116,6 +116,22 @@ _WHOLE_PAGE_CASES = [
 ]
 
 
+def check_no_races(seed, n, cache_dtype, **knobs):
+  """The Mosaic decode kernel under the interpreter's race detector (requests of 200, 1 and 0
+  tokens): no race, and the numpy oracle's results."""
+  report = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
+  q, cache, tables, lens = make_case(seed, n=n, page=64, req_lens=[200, 1, 0],
+                                     cache_dtype=cache_dtype)
+  k_scale = FP8_SCALE if cache_dtype == jnp.float8_e4m3fn else None
+  o, lse = mosaic_decode.latent_decode(q, cache, tables, lens, scale=SCALE, k_scale=k_scale,
+                                       **knobs,
+                                       interpret=plgpu.InterpretGPUParams(detect_races=True))
+  jax.block_until_ready(o)
+  assert not report.get_races().races_found
+  assert_decode_close(np.asarray(o.astype(jnp.float32)), lse, *latent_decode_np(
+      q.astype(np.float32), cache, tables, lens, SCALE, L, k_scale or 1.0))
+
+
 class TestPallasMosaicDecode(DecodeContract):
   """The Mosaic GPU kernel, in Mosaic GPU's interpreter on CPUs. Contract cases it cannot take
   (f16 or f32; pages not a multiple of 64) skip, naming why; the page-64 cases below cover what
@@ -151,17 +167,7 @@ class TestPallasMosaicDecode(DecodeContract):
     # rescale hand-off between the warpgroups, the output staged over the page memory, fp8's stage
     # ring and its widening into one or two slots), not the operand reads of wgmma. jax 0.11.2
     # reports it only through a private module.
-    report = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
-    q, cache, tables, lens = make_case(62, n=16, page=64, req_lens=[200, 1, 0],
-                                       cache_dtype=cache_dtype)
-    k_scale = FP8_SCALE if cache_dtype == jnp.float8_e4m3fn else None
-    o, lse = mosaic_decode.latent_decode(q, cache, tables, lens, scale=SCALE, num_kv_splits=2,
-                                         k_scale=k_scale, **knobs,
-                                         interpret=plgpu.InterpretGPUParams(detect_races=True))
-    jax.block_until_ready(o)
-    assert not report.get_races().races_found
-    assert_decode_close(np.asarray(o.astype(jnp.float32)), lse, *latent_decode_np(
-        q.astype(np.float32), cache, tables, lens, SCALE, L, k_scale or 1.0))
+    check_no_races(62, 16, cache_dtype, num_kv_splits=2, **knobs)
 
   @pytest.mark.parametrize("batch,n,seq,splits,cache_dtype,knobs", [
       (128, 128, 8192, None, jnp.bfloat16, {}), (128, 16, 32768, None, jnp.bfloat16, {}),
@@ -358,21 +364,11 @@ class TestPallasMosaicDecodeHeadsN(_MosaicDecodeKnob):
   def test_no_races_in_the_interpreter(self, n, cache_dtype):
     # The transposed P hand-off, the softmax's cross-warp reductions and both output stagings
     # (bf16 transposed with one split, float32 as it is with two) under the race detector.
-    report = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
     if self.fp8_only and cache_dtype != jnp.float8_e4m3fn:
       pytest.skip("fp8_pipeline only changes fp8 caches")
-    q, cache, tables, lens = make_case(126, n=n, page=64, req_lens=[200, 1, 0],
-                                       cache_dtype=cache_dtype)
-    k_scale = FP8_SCALE if cache_dtype == jnp.float8_e4m3fn else None
     for splits in (1, 2):
-      o, lse = mosaic_decode.latent_decode(
-          q, cache, tables, lens, scale=SCALE, num_kv_splits=splits, k_scale=k_scale,
-          heads_in="n", fp8_pipeline=self.others["fp8_pipeline"],
-          interpret=plgpu.InterpretGPUParams(detect_races=True))
-      jax.block_until_ready(o)
-      assert not report.get_races().races_found
-      assert_decode_close(np.asarray(o.astype(jnp.float32)), lse, *latent_decode_np(
-          q.astype(np.float32), cache, tables, lens, SCALE, L, k_scale or 1.0))
+      check_no_races(126, n, cache_dtype, num_kv_splits=splits, heads_in="n",
+                     fp8_pipeline=self.others["fp8_pipeline"])
 
   @pytest.mark.parametrize("n,cache_dtype,pipeline,want", [
       # Timed (session 12): "n" 1.04-1.10x at 16 heads (bf16), 1.00-1.04x (fp8 shared_widening).

@@ -4,6 +4,7 @@ XLA reference run there.
 Shapes too large for the numpy oracle: the reference (float32, HIGHEST precision) is the yardstick.
 """
 
+import functools
 
 import numpy as np
 import pytest
@@ -70,6 +71,13 @@ def serving_case(seed, *, batch, max_len, n, cache_dtype):
 ])
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_matches_reference(kernel, seed, batch, max_len, n, cache_dtype, splits):
+  check_serving_case(seed, batch, max_len, n, cache_dtype,
+                     functools.partial(KERNELS[kernel], num_kv_splits=splits))
+
+
+def check_serving_case(seed, batch, max_len, n, cache_dtype, decode):
+  """decode(q, cache, tables, lens, scale=, k_scale=) on a serving-size case against the XLA
+  reference, the output buffers poisoned first."""
   q, cache, tables, lens = serving_case(seed, batch=batch, max_len=max_len, n=n,
                                         cache_dtype=cache_dtype)
   k_scale = jnp.float32(FP8_SCALE) if jnp.dtype(cache_dtype) == jnp.float8_e4m3fn else None
@@ -77,8 +85,7 @@ def test_matches_reference(kernel, seed, batch, max_len, n, cache_dtype, splits)
   ref_o, ref_lse = (np.asarray(a, np.float64) for a in
                     ref(q, cache, tables, lens, scale=SCALE, kv_lora_rank=L, k_scale=k_scale))
   poison_allocator()
-  o, lse = KERNELS[kernel](q, cache, tables, lens, scale=SCALE, k_scale=k_scale,
-                           num_kv_splits=splits)
+  o, lse = decode(q, cache, tables, lens, scale=SCALE, k_scale=k_scale)
   assert o.dtype == q.dtype
   assert_decode_close(np.asarray(o.astype(jnp.float32)), np.asarray(lse), ref_o, ref_lse)
 
@@ -92,20 +99,12 @@ def test_matches_reference(kernel, seed, batch, max_len, n, cache_dtype, splits)
 def test_fp8_half_pages_matches_reference(pipeline, seed, batch, max_len, n, splits):
   # The Mosaic kernel's half-page fp8 pipelines (two 32-row bf16 slots; "shared_widening" also
   # widens in warpgroup 1) at serving sizes.
-  q, cache, tables, lens = serving_case(seed, batch=batch, max_len=max_len, n=n,
-                                        cache_dtype=jnp.float8_e4m3fn)
-  k_scale = jnp.float32(FP8_SCALE)
-  ref = jax.jit(reference.latent_decode, static_argnames=("scale", "kv_lora_rank"))
-  ref_o, ref_lse = (np.asarray(a, np.float64) for a in
-                    ref(q, cache, tables, lens, scale=SCALE, kv_lora_rank=L, k_scale=k_scale))
-  poison_allocator()
-  o, lse = mosaic_decode.latent_decode(q, cache, tables, lens, scale=SCALE, k_scale=k_scale,
-                                       num_kv_splits=splits, fp8_pipeline=pipeline)
-  assert_decode_close(np.asarray(o.astype(jnp.float32)), np.asarray(lse), ref_o, ref_lse)
+  check_serving_case(seed, batch, max_len, n, jnp.float8_e4m3fn, functools.partial(
+      mosaic_decode.latent_decode, num_kv_splits=splits, fp8_pipeline=pipeline))
 
 
 @pytest.mark.parametrize("seed,batch,max_len,n,cache_dtype,splits,pipeline", [
-    (7, 128, 8192, 16, jnp.bfloat16, None, None),  # the timed shape: 2 splits, float32 partials
+    (7, 128, 8192, 16, jnp.bfloat16, None, None),  # the timed shape (one split, one-wave rule)
     (8, 128, 8192, 32, jnp.bfloat16, 1, None),  # one split: the bf16 output stored transposed
     (4, 32, 4096, 20, jnp.bfloat16, 16, None),  # 20 heads padded to 32
     (7, 128, 8192, 16, jnp.float8_e4m3fn, None, "serial"),
@@ -118,18 +117,9 @@ def test_heads_n_matches_reference(seed, batch, max_len, n, cache_dtype, splits,
   # The Mosaic kernel's heads_in="n" (heads as wgmma's N; fp8 through the "serial" pipeline or
   # 64-token "shared_widening") at serving sizes, every output form: bf16 transposed, float32
   # partials written [T, splits, L, N].
-  q, cache, tables, lens = serving_case(seed, batch=batch, max_len=max_len, n=n,
-                                        cache_dtype=cache_dtype)
-  k_scale = jnp.float32(FP8_SCALE) if jnp.dtype(cache_dtype) == jnp.float8_e4m3fn else None
-  ref = jax.jit(reference.latent_decode, static_argnames=("scale", "kv_lora_rank"))
-  ref_o, ref_lse = (np.asarray(a, np.float64) for a in
-                    ref(q, cache, tables, lens, scale=SCALE, kv_lora_rank=L, k_scale=k_scale))
-  poison_allocator()
-  o, lse = mosaic_decode.latent_decode(q, cache, tables, lens, scale=SCALE, k_scale=k_scale,
-                                       num_kv_splits=splits, heads_in="n",
-                                       **({"fp8_pipeline": pipeline} if pipeline else {}))
-  assert o.dtype == q.dtype
-  assert_decode_close(np.asarray(o.astype(jnp.float32)), np.asarray(lse), ref_o, ref_lse)
+  check_serving_case(seed, batch, max_len, n, cache_dtype, functools.partial(
+      mosaic_decode.latent_decode, num_kv_splits=splits, heads_in="n",
+      **({"fp8_pipeline": pipeline} if pipeline else {})))
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
