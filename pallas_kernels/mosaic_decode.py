@@ -55,12 +55,13 @@ from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
                                    swizzled, SWIZZLE)
 
 
-FP8_PIPELINES = ("serial", "half_pages", "shared_widening")
+FP8_PIPELINES = ("serial", "half_pages", "shared_widening", "register_a")
 HEADS_IN = ("m", "n")
 # The fp8 pipelines heads_in="n" takes: its consumers step 64 tokens (wgmma's M), so
 # "shared_widening" runs as 64-token steps there (one bf16 slot, warpgroup 1 widening its value
 # columns of page i + 1 after its P V of page i, the memory warpgroup the other tiles).
-HEADS_N_FP8_PIPELINES = ("serial", "shared_widening")
+# "register_a" needs heads in N (the page is wgmma's A operand only in S^T = K Q^T, O^T = V^T P^T).
+HEADS_N_FP8_PIPELINES = ("serial", "shared_widening", "register_a")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,15 @@ class MosaicDecodeConfig:
     (0-255 and the rope columns), 5 of the 9 column tiles instead of all 9 (the default; H200,
     B=128, S=8192: 1.16x "half_pages" at N=128 and N=16, bit-identical outputs; RESULTS.md,
     session 7).
+  - "register_a" (heads_in="n" only, a ValueError with "m"; not timed, benchmarks/RESULTS.md,
+    "fp8_pipeline="register_a""): no bf16 slot. The e4m3 pages land in a ring of 4 e4m3 slots
+    (bulk copies, as the bf16 cache's pages), and the consumers load their [64, 64] e4m3 tiles
+    from it, convert them to f16 in registers and hand them to wgmma as its register A operand:
+    warpgroup 0 the keys of S^T = K Q^T (WGMMA layout), each value warpgroup its V^T tiles of
+    O^T = V^T P^T (the transposed view in WGMMA_TRANSPOSED, converted, then relaid to WGMMA).
+    e4m3 -> bf16 does not lower (Mosaic GPU, jax 0.11.2) and wgmma takes one 16-bit type for A
+    and B, so the query tile and P^T are f16: q is converted before the call (exact for bf16
+    magnitudes from 2^-14 to 65504; smaller ones round in f16's subnormals, larger overflow).
   heads_in, where a program's heads sit in the wgmma shapes (benchmarks/RESULTS.md, "Latent decode
   (pallas_mosaic)", session 12). None (the default) picks from static shapes
   (`default_heads_in`): "n" at N <= 16 (with an fp8 cache, where its pipeline takes "n"), else
@@ -127,8 +137,10 @@ HEADS_N_DEFAULT_MAX = 16  # heads_in=None runs "n" up to this many heads (timed 
 
 def default_heads_in(num_heads: int, fp8: bool, fp8_pipeline: str) -> str:
   """The heads_in that heads_in=None runs (static shapes only): "n" at N <= HEADS_N_DEFAULT_MAX
-  (with an fp8 cache where fp8_pipeline takes it, `HEADS_N_FP8_PIPELINES`), else "m". Timings in
-  `MosaicDecodeConfig`."""
+  (with an fp8 cache where fp8_pipeline takes it, `HEADS_N_FP8_PIPELINES`), else "m"; an fp8 cache
+  with fp8_pipeline="register_a", which has no "m" form, "n". Timings in `MosaicDecodeConfig`."""
+  if fp8 and fp8_pipeline == "register_a":
+    return "n"
   takes_n = not fp8 or fp8_pipeline in HEADS_N_FP8_PIPELINES
   return "n" if num_heads <= HEADS_N_DEFAULT_MAX and takes_n else "m"
 
@@ -137,7 +149,8 @@ CONFIG = MosaicDecodeConfig()
 # The sweep space: the variants `benchmarks/bench_decode.py --mosaic-configs` times beside CONFIG.
 SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"),
          MosaicDecodeConfig(fp8_pipeline="half_pages"),
-         MosaicDecodeConfig(heads_in="n"), MosaicDecodeConfig(fp8_pipeline="serial", heads_in="n"))
+         MosaicDecodeConfig(heads_in="n"), MosaicDecodeConfig(fp8_pipeline="serial", heads_in="n"),
+         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n"))
 # Fields that one cache dtype alone reads (with the other, the program is the same whatever they
 # are): a sweep times a config only with the cache dtype whose program it changes.
 DTYPE_KNOBS = {"fp8_pipeline": jnp.dtype(F8)}
@@ -160,12 +173,16 @@ MAX_GRID_TOKENS = 65535  # tokens launch on the grid's z axis, at most 65535 pro
 # common.register_pool(3) (504, not 512: the inferred cause of the fp8 path's hang on the H200
 # with (224, 64), RESULTS.md). With an fp8 cache the memory warpgroup widens tiles.
 _REGS = {False: (232, 40), True: (224, 56)}
+# fp8_pipeline="register_a": e4m3 slots in a ring of 4 (18-36 KB query tile + 4 x 36 KB + P^T fit:
+# 166 KB at 16 heads, 188 at 32); its memory warpgroup only issues bulk copies (the bf16 split of
+# _REGS).
+_REGISTER_A_STAGES = 4
 _MAX_HEAD_DIM = 576  # 3 x 64 rows x D bf16 + P must fit in shared memory
 
 
 def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffers, p_smem,
                    row_smem, q_bar, ready, consumed, p_ready, p_free, *staging, scale, lora,
-                   num_splits, split_steps, in_place, shared_widening, heads_n):
+                   num_splits, split_steps, in_place, shared_widening, heads_n, register_a):
   # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64, or fewer than 64 unpadded: the tile's
   # first Np rows, the others never stored); kv_ref [num_blocks, page, D] bf16 or
   # e4m3; bt_ref [T, max_blocks] int32; len_ref [T] int32; ks_ref [1] f32 (the cache's scale, 1
@@ -185,8 +202,13 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
   # axis 0, P^T stored transposed into p_smem, O^T = V^T P^T in [64 columns, heads] value tiles
   # (V^T an MN-major A operand); bf16 outputs stored transposed into o_smem [2, heads, L/2],
   # float32 partials as they are into o_smem [2, L/2, heads] and o_ref [T, splits, L, Np].
+  # register_a (fp8_pipeline="register_a", heads_n): kv_smem is a ring of 4 e4m3 slots [4, 64, D]
+  # (64-byte swizzled) filled by bulk copies as the bf16 slots are; q_smem and p_smem are f16; the
+  # consumers convert their e4m3 tiles in registers into wgmma's A operand. No staging then, except
+  # in the interpreter form: a_smem [2, 64, 64] f16, warpgroup w's converted tile (`a_operand`).
   (q_smem, kv_smem), (o_smem, lse_smem) = buffers
-  fp8 = bool(staging)
+  a_smem, staging = (staging[0] if staging else None, ()) if register_a else (None, staging)
+  fp8 = bool(staging)  # the widening pipelines (bf16 slots widened from an e4m3 stage)
   slots, step_rows = kv_smem.shape[:2]
   pieces = _STEP // step_rows  # consumer steps per 64-row bulk copy
   consumer_regs, memory_regs = _REGS[fp8]
@@ -231,6 +253,25 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
     rows = step_source(lax.div(k, pieces))[2]
     return jnp.clip(rows - lax.rem(k, pieces) * step_rows, 0, step_rows)
 
+  def a_operand(tile, w):
+    """wgmma's A from warpgroup w's converted [64, 64] f16 tile (WGMMA layout): the registers on
+    the GPU; Mosaic GPU's interpreter (jax 0.11.2) takes a shared-memory A only, so there the tile
+    goes through a_smem[w] (which checks the loads, views and conversions, not the register
+    operand's layout: the CUDA lowering and the -m gpu tests do)."""
+    if a_smem is None:
+      return tile
+    a_smem[w] = tile
+    plgpu.commit_smem()  # plain stores read next by wgmma (the async proxy)
+    return a_smem.at[w]
+
+  def value_tile(values, w):
+    """V^T [64 columns, 64 tokens] f16 of an e4m3 slot's [64 tokens, 64 columns] tile, as wgmma's
+    A: an 8-bit transposed relayout does not lower (nor a transposed 8-bit ldmatrix before
+    Blackwell), so the transposed view is loaded in WGMMA_TRANSPOSED, converted, then relaid as
+    16-bit (tests/test_register_a_probe.py)."""
+    x = plgpu.load(values.transpose((1, 0)), layout=plgpu.Layout.WGMMA_TRANSPOSED)
+    return a_operand(plgpu.layout_cast(x.astype(jnp.float16), plgpu.Layout.WGMMA), w)
+
   def zero_acc():
     return tuple(plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
                  for _ in range(half // width))
@@ -247,7 +288,9 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
     out = []
     for c, part in enumerate(acc):
       values = kv_smem.at[slot, :, pl.ds(w * half + c * width, width)]  # [64 rows, width]
-      if heads_n:
+      if register_a:
+        operands = value_tile(values, w), p_smem.transpose((1, 0))
+      elif heads_n:
         operands = values.transpose((1, 0)), p_smem.transpose((1, 0))
       else:
         operands = p_smem if p is None else p, values
@@ -267,11 +310,19 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
 
   def zero_rows(slot, rows):
     """Zeroes the slot's rows from `rows` on: rows past the length or behind a bad table entry may
-    hold NaN, and P = 0 there would still give 0 * NaN = NaN in P V."""
+    hold NaN, and P = 0 there would still give 0 * NaN = NaN in P V. register_a's e4m3 slot: Mosaic
+    GPU (jax 0.11.2) selects no 8-bit values, so its bytes are ANDed with 0 or 0xff (a bitwise
+    operation it takes)."""
     row_ids = plgpu.broadcasted_iota(jnp.int32, (_STEP, 64), 0, layout=plgpu.Layout.WGMMA)
+    if register_a:
+      byte_mask = jnp.where(row_ids < rows, -1, 0).astype(jnp.int8)
     for c in range(kv_smem.shape[-1] // 64):
       cols = kv_smem.at[slot, :, pl.ds(c * 64, 64)]  # [64 rows, 64]
-      cols[...] = jnp.where(row_ids < rows, cols[...], 0)
+      if register_a:
+        x = plgpu.load(cols, layout=plgpu.Layout.WGMMA)
+        cols[...] = lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.int8) & byte_mask, F8)
+      else:
+        cols[...] = jnp.where(row_ids < rows, cols[...], 0)
     plgpu.commit_smem()  # these plain stores are read next by wgmma (the async proxy)
 
   # Fewer than 64 heads come unpadded: the tile's first rows are theirs, the others hold whatever
@@ -301,12 +352,18 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
       rows = piece_rows(i)
       plgpu.barrier_wait(ready.at[slot])
       # Only the last page of a row (and a bad table entry) has rows that do not count; an fp8
-      # tile is masked as it is widened.
+      # tile is masked as it is widened (register_a's e4m3 slot here, as a bf16 one).
       if not fp8:
         pl.when(rows < _STEP)(functools.partial(zero_rows, slot, rows))
 
       def scores(acc_ref):  # acc_ref [64 heads, step_rows] f32 (heads in N: S^T [64, heads])
-        if heads_n:
+        if register_a:  # K's e4m3 [64 tokens, 64] tiles converted in registers (WGMMA layout)
+          for c in range(kv_smem.shape[-1] // _FP8_COLS):
+            cols = pl.ds(c * _FP8_COLS, _FP8_COLS)
+            k = plgpu.load(kv_smem.at[slot, :, cols], layout=plgpu.Layout.WGMMA)
+            plgpu.wgmma(acc_ref, a_operand(k.astype(jnp.float16), 0),
+                        q_smem.at[:, cols].transpose((1, 0)))
+        elif heads_n:
           plgpu.wgmma(acc_ref, kv_smem.at[slot], q_smem.transpose((1, 0)))
         else:
           plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
@@ -386,7 +443,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
       plgpu.copy_gmem_to_smem(kv_ref.at[block, pl.ds(offset, _STEP)], kv_smem.at[slot],
                               ready.at[slot])
 
-    feed_ring(n, _STAGES, consumed, fetch)
+    feed_ring(n, slots, consumed, fetch)
 
 
 def _widen_half(stage, kv_smem, s, part, rows, tiles):
@@ -534,7 +591,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   fp8_pipeline: how an fp8 cache's pages are widened (one of FP8_PIPELINES, see
   `MosaicDecodeConfig`; a bf16 cache ignores it). heads_in: `MosaicDecodeConfig`'s (None:
   `default_heads_in`, "n" at N <= 16; "n": N <= 32 heads as wgmma's N, with an fp8 cache with
-  fp8_pipeline "serial" or "shared_widening").
+  fp8_pipeline "serial", "shared_widening" or "register_a", the last with "n" only).
   interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
   o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
@@ -544,6 +601,10 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   if heads_in is None:
     heads_in = default_heads_in(q.shape[1], fp8, fp8_pipeline)
   heads_n = heads_in == "n"
+  register_a = fp8 and fp8_pipeline == "register_a"
+  if register_a and not heads_n:
+    raise ValueError("fp8_pipeline=\"register_a\" takes heads_in=\"n\" (or None) only: the page "
+                     f"is wgmma's A operand only with heads in N; got heads_in={heads_in!r}")
   if heads_n and fp8 and fp8_pipeline not in HEADS_N_FP8_PIPELINES:
     raise ValueError(f"heads_in=\"n\" with an fp8 cache takes fp8_pipeline "
                      f"{' or '.join(HEADS_N_FP8_PIPELINES)} (64-token steps: wgmma's M), got "
@@ -563,6 +624,9 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
     q = jnp.pad(q, ((0, 0), (0, np_ - n), (0, 0)))
   fixed_order = split_tokens is not None
   out_dtype = partials_dtype(q.dtype, splits, fixed_order)
+  dtype = q.dtype
+  if register_a:  # wgmma's B beside an f16 A (`MosaicDecodeConfig`)
+    q = q.astype(jnp.float16)
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
 
@@ -573,15 +637,21 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   kernel = functools.partial(_decode_kernel, scale=scale, lora=kv_lora_rank, num_splits=splits,
                              split_steps=split_tokens and split_tokens // _STEP,
                              in_place=not interpret, shared_widening=shared_widening,
-                             heads_n=heads_n)
+                             heads_n=heads_n, register_a=register_a)
   # bf16 slots x rows (the consumers' step). wgmma's K must be a multiple of its operands' swizzle
   # width, and P V's K is the step: 32-row steps take 64-byte swizzles (32 bf16) for the query,
   # the slots and P alike (one wgmma takes one swizzle). Half pages: 72 + 2 x 36 (bf16 slots) +
   # 2 x 36 (e4m3 stage) + 4 KB (P) + 0.25 = 220.3 KB of the 227.
   slots, step_rows = (2, _HALF) if half_pages else (1, _STEP) if fp8 else (_STAGES, _STEP)
   sw = 2 * _HALF if half_pages else SWIZZLE
+  slot_type = swizzled((slots, step_rows, d), q.dtype, sw)
   staging = ()
-  if fp8:
+  if register_a:  # no bf16 slot: the e4m3 pages' ring is the slots
+    slots = _REGISTER_A_STAGES
+    slot_type = swizzled((slots, _STEP, d), F8, _FP8_COLS)
+    if interpret:  # each consumer's converted A tile (`a_operand`)
+      staging = (swizzled((_VALUE_WGS, _FP8_COLS, _FP8_COLS), q.dtype),)
+  elif fp8:
     staging = (plgpu.SMEM((_FP8_STAGES, _STEP, d), F8,
                           transforms=(plgpu.TilingTransform((8, _FP8_COLS)),
                                       plgpu.SwizzleTransform(_FP8_COLS))),
@@ -606,7 +676,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                 jax.ShapeDtypeStruct((t, splits, np_), jnp.float32)),
       scratch_types=(
           plgpu.RefUnion(
-              (swizzled((tile_h, d), q.dtype, sw), swizzled((slots, step_rows, d), q.dtype, sw)),
+              (swizzled((tile_h, d), q.dtype, sw), slot_type),
               (o_staging, plgpu.SMEM((tile_h,), jnp.float32))),
           swizzled((tile_h, step_rows), q.dtype, sw),
           plgpu.SMEM((tile_h,), jnp.float32),
@@ -634,7 +704,8 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
           reduction_scratch_bytes=REDUCTION_BYTES_PER_8_HEADS * tile_h // 8 if heads_n else 0),
       interpret=interpret or None,
       kernel_name=(f"mosaic_latent_decode_{'fp8' if fp8 else 'bf16'}{'_half' if half_pages else ''}"
-                   f"{'_shared' if shared_widening else ''}{f'_heads_n{tile_h}' if heads_n else ''}"
+                   f"{'_shared' if shared_widening else ''}{'_register_a' if register_a else ''}"
+                   f"{f'_heads_n{tile_h}' if heads_n else ''}"
                    f"_p{page}_s{splits}"),
   )(q, kv_cache, block_tables, seq_lens, k_scale)
 
@@ -643,5 +714,5 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   if splits == 1 and not fixed_order:
     o, lse = o_parts[:, 0], lse_parts[:, 0]
   else:
-    o, lse = merge_splits(o_parts, lse_parts, q.dtype, fixed_order=fixed_order)
+    o, lse = merge_splits(o_parts, lse_parts, dtype, fixed_order=fixed_order)
   return o[:, :n], lse[:, :n]

@@ -415,6 +415,35 @@ class TestPallasMosaicDecodeHeadsNSharedWidening(TestPallasMosaicDecodeHeadsN):
   fp8_only = True
 
 
+class TestPallasMosaicDecodeHeadsNRegisterA(TestPallasMosaicDecodeHeadsN):
+  """heads_in="n" with fp8_pipeline="register_a" (no bf16 slot: e4m3 pages in a ring of 4 slots,
+  each consumer converting its tiles to f16 as wgmma's A operand; q and P^T f16; tail rows zeroed
+  in the e4m3 slot by a bitwise AND): the fp8 cases of the same tests. The interpreter form hands
+  the converted tiles to wgmma through shared memory (it takes no register A), so these check the
+  loads, transposed views, conversions and masking; the CUDA lowering (`test_lowers_for_hopper`)
+  and the -m gpu test check the register form."""
+  others = {"fp8_pipeline": "register_a"}
+  fp8_only = True
+
+  @pytest.mark.parametrize("n,want", [(16, "n"), (20, "n"), (32, "n")])
+  def test_register_a_defaults_to_heads_n(self, n, want):
+    # It has no "m" form: heads_in=None runs "n" at every head count "n" takes.
+    assert mosaic_decode.default_heads_in(n, True, "register_a") == want
+
+  @pytest.mark.parametrize("change,message", [
+      (lambda a: {**a, "heads_in": "m"}, "register_a\" takes heads_in=\"n\""),
+      (lambda a: {**a, "heads_in": None, "q": jnp.zeros((2, 33, 576), jnp.bfloat16)},
+       "at most 32 heads"),
+  ])
+  def test_register_a_bad_input_raises(self, change, message):
+    q, cache, tables, lens = (jnp.asarray(a) for a in make_case(
+        128, n=16, page=64, req_lens=[20, 5], cache_dtype=jnp.float8_e4m3fn))
+    args = dict(q=q, kv_cache=cache, block_tables=tables, seq_lens=lens, k_scale=FP8_SCALE,
+                fp8_pipeline="register_a")
+    with pytest.raises(ValueError, match=message):
+      mosaic_decode.latent_decode(**change(args), scale=0.1, interpret=True)
+
+
 def _stage1_splits(jaxpr):
   """The split count of every Pallas call in a jaxpr: dimension 1 of its first output (Mosaic GPU's
   `plgpu.kernel` shows as a custom_vmap_call around it)."""
