@@ -25,14 +25,17 @@ consumers use 32 tokens a step ("half_pages", widening overlaps the products; 64
 220.3 KB; "shared_widening": the same, with warpgroup 1 widening its own value columns); see
 `MosaicDecodeConfig`. With heads_in="n" (N <= 32; the default at N <= 16) a program's 16 or 32
 heads are wgmma's N instead: the consumers compute S^T = K Q^T and O^T = V^T P^T
-(`MosaicDecodeConfig`).
+(`MosaicDecodeConfig`); there fp8_pipeline "register_a" drops the bf16 slot: the e4m3 pages land in
+a ring of 4 slots (18 + 4 x 36 + 2 KB + the reduction scratch = 166 KB at 16 heads, 188 at 32)
+and the consumers convert their tiles in registers as wgmma's A operand.
 
 `interpret=True` (or an `InterpretGPUParams`) runs the same kernel on the CPU through Mosaic GPU's
 interpreter, which simulates the warpgroups, barriers, bulk copies and wgmma, but not registers,
 swizzles or timing. One difference: the interpreter (jax 0.11.2) runs wgmma only with
 shared-memory operands into run_scoped accumulators, so there both warpgroups read P from shared
-memory and add each P V product (128 columns at a time) to the rescaled sum; lowering for CUDA,
-which also runs on a CPU, checks the GPU form.
+memory and add each P V product (128 columns at a time) to the rescaled sum, and "register_a"'s
+converted tiles go through a shared-memory tile; lowering for CUDA, which also runs on a CPU,
+checks the GPU form.
 """
 
 from __future__ import annotations

@@ -114,7 +114,8 @@ def test_mosaic_configs_times_what_changes_the_program(dtype):
   assert named[0] == {}
   if dtype == "float8_e4m3fn":
     assert named[1:] == [{"fp8_pipeline": "serial"}, {"fp8_pipeline": "half_pages"},
-                         {"heads_in": "n"}, {"fp8_pipeline": "serial", "heads_in": "n"}]
+                         {"heads_in": "n"}, {"fp8_pipeline": "serial", "heads_in": "n"},
+                         {"fp8_pipeline": "register_a", "heads_in": "n"}]
   else:
     assert named[1:] == [{"heads_in": "n"}]
 

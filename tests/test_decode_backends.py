@@ -184,9 +184,13 @@ class TestPallasMosaicDecode(DecodeContract):
       *[(32, n, 8192, splits, dtype, {"heads_in": "n", "fp8_pipeline": pipeline, **fixed})
         for n in (16, 32)
         for dtype, pipeline in ((jnp.bfloat16, "serial"), (jnp.float8_e4m3fn, "serial"),
-                                (jnp.float8_e4m3fn, "shared_widening"))
+                                (jnp.float8_e4m3fn, "shared_widening"),
+                                (jnp.float8_e4m3fn, "register_a"))
         for splits, fixed in ((1, {}), (4, {}), (None, {"split_tokens": 2048}))],
-      (128, 16, 8192, None, jnp.bfloat16, {"heads_in": "n"})])
+      (128, 16, 8192, None, jnp.bfloat16, {"heads_in": "n"}),
+      # register_a's timed shape (one split); only this lowering (and the GPU) runs its register
+      # A operands, which the interpreter takes through shared memory.
+      (128, 16, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a"})])
   def test_lowers_for_hopper(self, batch, n, seq, splits, cache_dtype, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # shapes and layouts, bulk-copy boxes, and that shared memory fits a Hopper block's 227 KB.

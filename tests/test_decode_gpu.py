@@ -122,6 +122,20 @@ def test_heads_n_matches_reference(seed, batch, max_len, n, cache_dtype, splits,
       **({"fp8_pipeline": pipeline} if pipeline else {})))
 
 
+@pytest.mark.parametrize("seed,batch,max_len,n,splits,fixed", [
+    (7, 128, 8192, 16, None, {}),  # the timed shape (one split): bf16 output stored transposed
+    (9, 32, 8192, 32, 4, {}),  # float32 partials
+    (4, 32, 4096, 20, None, {"split_tokens": BATCH_INVARIANT_SPLIT_TOKENS}),  # padded to 32
+    (3, 128, 32768, 16, 4, {}),  # 2**31+ e4m3 values
+])
+def test_register_a_matches_reference(seed, batch, max_len, n, splits, fixed):
+  # fp8_pipeline="register_a": the e4m3 tiles as wgmma's register A operands, whose layouts only
+  # the GPU runs (the interpreter takes them through shared memory).
+  check_serving_case(seed, batch, max_len, n, jnp.float8_e4m3fn, functools.partial(
+      mosaic_decode.latent_decode, num_kv_splits=splits, heads_in="n",
+      fp8_pipeline="register_a", **fixed))
+
+
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_one_split_is_batch_independent(kernel):
   q, cache, tables, lens = serving_case(5, batch=128, max_len=4096, n=16, cache_dtype=jnp.bfloat16)
