@@ -111,9 +111,9 @@ class MosaicDecodeConfig:
   half-page pipelines' 32-token steps cannot be S^T's rows, so "shared_widening" runs 64-token
   steps there: one bf16 slot, warpgroup 1 widening its value columns of page i + 1 right after
   its P V of page i while the memory warpgroup widens the other 5 tiles; `HEADS_N_FP8_PIPELINES`),
-  "half_pages" a ValueError. H200 (session 12), S=8192, N=16, ms, "m" / "n" in one process: bf16
-  B=128 0.309 / 0.296, B=32 0.0994 / 0.0902; fp8 ("shared_widening") B=128 0.481 / 0.462, B=32
-  0.142 / 0.142. 17-32 heads not timed: "m"."""
+  or "register_a" (above; "n" only), "half_pages" a ValueError. H200 (session 12), S=8192, N=16,
+  ms, "m" / "n" in one process: bf16 B=128 0.309 / 0.296, B=32 0.0994 / 0.0902; fp8
+  ("shared_widening") B=128 0.481 / 0.462, B=32 0.142 / 0.142. 17-32 heads not timed: "m"."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
