@@ -137,6 +137,18 @@ class MosaicPrefillConfig:
   # it for head dims over 128 (H200, N=128: 1.04x ping-pong at 4096 and 16K tokens, 1.07x at
   # 8 x 1024; benchmarks/RESULTS.md, session 10). Neither (both False): the steps in order.
   intra_overlap: bool = True
+  # Fewer values live across the item loop, which ptxas (13.5, sm_90a) otherwise spills and
+  # reloads every item (13 reloads an item a compute warp in the queue kernel at 8 x 1024, 3 with
+  # this; benchmarks/ptxas_report.py, RESULTS.md "lean_item_loop"), by three changes of form, the
+  # same results: (a) a masked step's mask is two compares an element, of its request-local key
+  # against the step's first new key (a scalar) and its row's last visible key (one a row: the
+  # request's end and the causal diagonal folded in), instead of four over the column and key
+  # iotas (ptxas kept the column iota's per-thread constants live across items); (b) each
+  # warpgroup derives the item schedule (the queue's count, the trips, the grid's request) after
+  # its setmaxnreg, not before the branch into the warpgroups, where it was live into both; (c) a
+  # query tile's two copies (columns [0, Dv) and [Dv, Dk)) arrive on one barrier (one address and
+  # one phase bit fewer; 16 bytes of shared memory fewer than `_smem_bytes` counts).
+  lean_item_loop: bool = False
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -153,6 +165,8 @@ class MosaicPrefillConfig:
       check_at_least("l2_section_bytes", self.l2_section_bytes, 1)
     if not isinstance(self.intra_overlap, bool):
       raise ValueError(f"intra_overlap must be a bool, got {self.intra_overlap!r}")
+    if not isinstance(self.lean_item_loop, bool):
+      raise ValueError(f"lean_item_loop must be a bool, got {self.lean_item_loop!r}")
     if self.intra_overlap and self.ping_pong:
       raise ValueError("ping_pong and intra_overlap are two schedules, pick one: "
                        "ping_pong=True needs intra_overlap=False")
@@ -166,7 +180,8 @@ DEFAULT = MosaicPrefillConfig()
 SWEEP = (DEFAULT, MosaicPrefillConfig(persistent=True),
          MosaicPrefillConfig(persistent=True, l2_section_bytes=8 << 20),
          MosaicPrefillConfig(persistent=True, l2_section_bytes=None),
-         MosaicPrefillConfig(ping_pong=True, intra_overlap=False)) + tuple(
+         MosaicPrefillConfig(ping_pong=True, intra_overlap=False),
+         MosaicPrefillConfig(lean_item_loop=True)) + tuple(
     MosaicPrefillConfig(block_k, stages, ping_pong, persistent=False, intra_overlap=overlap)
     for block_k, stages, ping_pong, overlap in [(128, 2, False, True), (128, 2, True, False),
                                                 (128, 2, False, False), (64, 4, False, True),
@@ -234,7 +249,7 @@ def _block_keys(qs, q_lead, q_len, k_len, causal):
 
 def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref, *rest, scale,
                     causal, num_q_programs, block_k, ping_pong, p_in_registers, persistent,
-                    section_heads, direct, split_k, intra_overlap):
+                    section_heads, direct, split_k, intra_overlap, lean_item_loop):
   # GMEM: cu_q_ref, cu_k_ref [R+1] int32; tile_ref [R] int32 (request r's first edge slot, 2r);
   # queue_ref [2, B+1] int32 (persistent: column 0 row 0 the number of blocks, then per block,
   # heaviest first, its request (row 0) and index in the request (row 1); otherwise unused);
@@ -251,8 +266,8 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
   # [stages, block_k, Dk] (split_k: [stages, block_k, Dv], and kr_smem [stages, block_k, Dk-Dv]
   # k_pe's rows); v_smem [stages, block_k, Dv]; p_smem [2, 64, block_k] (each warpgroup's
   # P; only without p_in_registers); lse_smem [2, 64] f32. Barriers: q_bar [4] (a warpgroup's
-  # query columns [0, Dv), then the rest, landed); k_ready (split_k: both key boxes), v_ready
-  # [stages] (slot landed);
+  # query columns [0, Dv), then the rest, landed; lean_item_loop: [2], both copies on one);
+  # k_ready (split_k: both key boxes), v_ready [stages] (slot landed);
   # v_clean [stages] (both compute warpgroups zeroed a slot's rows outside the request);
   # k_consumed, v_consumed [stages] (both compute warpgroups done); schedule (the compute
   # warpgroups' turns on the tensor cores).
@@ -285,34 +300,41 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
                 q_len=cu_q_ref[r + 1] - q_start, k_len=cu_k_ref[r + 1] - k_start,
                 q_base=q_base, k_base=k_base, q_lead=q_start - q_base, k_lead=k_start - k_base)
 
-  if persistent:
-    # Program p takes items p, p + P, ... of the queue: the heads in sections of section_heads,
-    # one section after another; in a section the blocks heaviest first, each for the section's
-    # heads (heads fastest: items side by side do equal work; the section's K/V is what the
-    # programs at work read, so it can stay in L2). All heads one section: every block for every
-    # head; one head a section: each head for every block.
-    prog, num_programs = lax.axis_index("programs"), lax.axis_size("programs")
-    num_blocks = queue_ref[0, 0]
-    trips = lax.div(jnp.maximum(num_blocks * num_heads - prog, 0) + (num_programs - 1),
-                    num_programs)
+  def item_schedule():
+    """(trips, item): how many items this program takes, and item(trip) -> _Item."""
+    if persistent:
+      # Program p takes items p, p + P, ... of the queue: the heads in sections of section_heads,
+      # one section after another; in a section the blocks heaviest first, each for the section's
+      # heads (heads fastest: items side by side do equal work; the section's K/V is what the
+      # programs at work read, so it can stay in L2). All heads one section: every block for every
+      # head; one head a section: each head for every block.
+      prog, num_programs = lax.axis_index("programs"), lax.axis_size("programs")
+      num_blocks = queue_ref[0, 0]
+      trips = lax.div(jnp.maximum(num_blocks * num_heads - prog, 0) + (num_programs - 1),
+                      num_programs)
 
-    def item(trip):
-      i = prog + trip * num_programs
-      section, i = lax.div(i, section_heads * num_blocks), lax.rem(i, section_heads * num_blocks)
-      block, h = lax.div(i, section_heads), section * section_heads + lax.rem(i, section_heads)
-      r = queue_ref[0, block + 1]
-      return _Item(h=h, qs=queue_ref[1, block + 1] * _BLOCK_Q, **request(r))
-  else:
-    # Slot p takes its request's blocks nb-1-p, nb-1-p-P, ...: the heaviest causal blocks launch
-    # first, and a request longer than max_seqlen_q is still covered, just serially.
-    prog, h, r = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("requests")
-    fixed = request(r)
-    num_blocks = lax.div(_aligned_rows(fixed["q_len"], fixed["q_lead"]) + (_BLOCK_Q - 1),
-                         _BLOCK_Q)
-    trips = lax.div(jnp.maximum(num_blocks - prog, 0) + (num_q_programs - 1), num_q_programs)
+      def item(trip):
+        i = prog + trip * num_programs
+        section, i = lax.div(i, section_heads * num_blocks), lax.rem(i, section_heads * num_blocks)
+        block, h = lax.div(i, section_heads), section * section_heads + lax.rem(i, section_heads)
+        r = queue_ref[0, block + 1]
+        return _Item(h=h, qs=queue_ref[1, block + 1] * _BLOCK_Q, **request(r))
+    else:
+      # Slot p takes its request's blocks nb-1-p, nb-1-p-P, ...: the heaviest causal blocks launch
+      # first, and a request longer than max_seqlen_q is still covered, just serially.
+      prog, h, r = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("requests")
+      fixed = request(r)
+      num_blocks = lax.div(_aligned_rows(fixed["q_len"], fixed["q_lead"]) + (_BLOCK_Q - 1),
+                           _BLOCK_Q)
+      trips = lax.div(jnp.maximum(num_blocks - prog, 0) + (num_q_programs - 1), num_q_programs)
 
-    def item(trip):
-      return _Item(h=h, qs=(num_blocks - 1 - prog - trip * num_q_programs) * _BLOCK_Q, **fixed)
+      def item(trip):
+        return _Item(h=h, qs=(num_blocks - 1 - prog - trip * num_q_programs) * _BLOCK_Q, **fixed)
+    return trips, item
+
+  # lean_item_loop: each warpgroup derives them after its setmaxnreg, so that they are not live
+  # across the branch into the warpgroups (where ptxas spilled them).
+  schedule_before = None if lean_item_loop else item_schedule()
 
   def key_steps(w):
     """Step bounds (lo, hi, end) of item w's block: steps [lo, hi) need no mask, steps [0, lo)
@@ -399,6 +421,18 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
       _, k_shift = box(w.k_base + j * block_k, block_k, tk)
       keys = cols + (j * block_k - k_shift - w.k_lead)  # request-local key positions
+      if lean_item_loop:
+        # Keys before the step's first (j * block_k - k_lead: those before the request, and with
+        # a box moved back the previous step's) and past the row's last (the request's end, the
+        # diagonal) are hidden: two compares of keys, the bounds made once a step or a row.
+        last = jnp.full((_TILE,), w.k_len - 1, jnp.int32)
+        if causal:
+          rows = plgpu.broadcasted_iota(jnp.int32, (_TILE,), 0, layout=rows_layout)
+          diag = w.k_len - w.q_len
+          last = jnp.minimum(last, rows + (w.qs + wg * _TILE - q_shift - w.q_lead + diag))
+        visible = ((keys >= jnp.maximum(j * block_k - w.k_lead, 0))
+                   & (keys <= row_broadcast(last, s.shape)))
+        return jnp.where(visible, s, -jnp.inf)
       # cols >= k_shift: keys before those were counted by the previous step.
       visible = (cols >= k_shift) & (keys >= 0) & (keys < w.k_len)
       if causal:
@@ -534,7 +568,10 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       q_first, q_shift = box(w.q_base + tile_row, _TILE, tq)
       q_rows = pl.ds(q_first, _TILE)
       plgpu.copy_gmem_to_smem(q_ref.at[q_rows, w.h, pl.ds(0, dv)], qv_smem.at[wg], q_bar.at[wg])
-      if qr_smem is not None:
+      if qr_smem is not None and lean_item_loop:  # both on the tile's barrier (see the config)
+        plgpu.copy_gmem_to_smem(q_ref.at[q_rows, w.h, pl.ds(dv, dk - dv)], qr_smem.at[wg],
+                                q_bar.at[wg])
+      elif qr_smem is not None:
         plgpu.copy_gmem_to_smem(q_ref.at[q_rows, w.h, pl.ds(dv, dk - dv)], qr_smem.at[wg],
                                 q_bar.at[_COMPUTE_WGS + wg])
         plgpu.barrier_wait(q_bar.at[_COMPUTE_WGS + wg])
@@ -608,6 +645,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
 
     # Warpgroup 1 starts a turn behind, so the two alternate; warpgroup 0 closes the last turn.
     pl.when(wg == 1)(take_turn)
+    trips, item = schedule_before or item_schedule()
     lax.fori_loop(0, trips, q_block, jnp.int32(0))
     pl.when(wg == 0)(take_turn)
 
@@ -642,6 +680,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
 
       return count + n_end
 
+    trips, item = schedule_before or item_schedule()
     total = lax.fori_loop(0, trips, q_block, jnp.int32(0))
 
     # Sees the last uses of the slots out too: a warpgroup that waits on some phases of a barrier
@@ -739,7 +778,7 @@ def _section_heads(num_heads, head_kv_bytes, budget):
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "max_seqlen_q", "block_k",
                                              "num_stages", "ping_pong", "persistent",
                                              "num_programs", "l2_section_bytes", "intra_overlap",
-                                             "interpret"))
+                                             "lean_item_loop", "interpret"))
 def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
                 cu_seqlens_k: jax.Array, *, scale: float, causal: bool, max_seqlen_q: int,
                 k_pe: jax.Array | None = None, block_k: int = DEFAULT.block_k,
@@ -748,6 +787,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                 num_programs: int | None = DEFAULT.num_programs,
                 l2_section_bytes: int | None = DEFAULT.l2_section_bytes,
                 intra_overlap: bool = DEFAULT.intra_overlap,
+                lean_item_loop: bool = DEFAULT.lean_item_loop,
                 interpret: bool | plgpu.InterpretGPUParams = False
                 ) -> tuple[jax.Array, jax.Array]:
   """Variable-length attention with a running LSE; see the module docstring for the layout.
@@ -761,7 +801,8 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   that fits) are tuning knobs, and so is the schedule: intra_overlap (default) runs each compute
   warpgroup's softmax while its previous step's P V does (FA3's intra-warpgroup overlap);
   ping_pong (with intra_overlap False) has the two compute warpgroups take turns on the tensor
-  cores instead; neither runs the steps in order.
+  cores instead; neither runs the steps in order. lean_item_loop: fewer values live across the
+  item loop, the same results (see MosaicPrefillConfig; fewer spills).
   persistent: as many programs (num_programs; default the device's SM count, 4 in the interpreter,
   so that each takes several items) walk a queue of (query block, head) items, the heaviest blocks
   first; else one program per (query slot, head, request); default (None): the queue up to 8192
@@ -772,7 +813,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   past cu_q[-1], and rows that see no key, give (0, -inf).
   """
   config = MosaicPrefillConfig(block_k, num_stages, ping_pong, persistent, num_programs,
-                               l2_section_bytes, intra_overlap)
+                               l2_section_bytes, intra_overlap, lean_item_loop)
   _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, config, k_pe)
   split_k = k_pe is not None
   tq, n, dk = q.shape
@@ -836,7 +877,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                              num_q_programs=num_q_programs, block_k=block_k, ping_pong=ping_pong,
                              p_in_registers=p_in_registers, persistent=persistent,
                              section_heads=section_heads, direct=direct, split_k=split_k,
-                             intra_overlap=intra_overlap)
+                             intra_overlap=intra_overlap, lean_item_loop=lean_item_loop)
   edge_rows = [] if direct else [2 * num_requests * _TILE]  # first and last tile slots
   outs = plgpu.kernel(
       kernel,
@@ -851,7 +892,9 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
           swizzled((stages, block_k, dv), v.dtype),
           *p_tiles,
           plgpu.SMEM((_COMPUTE_WGS, _TILE), jnp.float32),
-          plgpu.Barrier(num_barriers=2 * _COMPUTE_WGS),
+          # The query tiles' columns [0, Dv) and [Dv, Dk): lean_item_loop one barrier a tile.
+          (plgpu.Barrier(num_arrivals=1 + (dk > dv), num_barriers=_COMPUTE_WGS) if lean_item_loop
+           else plgpu.Barrier(num_barriers=2 * _COMPUTE_WGS)),
           plgpu.Barrier(num_arrivals=1 + split_k, num_barriers=stages),  # one copy a key box
           plgpu.Barrier(num_barriers=stages),
           plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
@@ -870,7 +913,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
       kernel_name=(f"mosaic_mla_prefill_{'causal' if causal else 'full'}_k{block_k}_s{stages}"
                    f"{'_pp' if ping_pong else ''}{'_persistent' if persistent else ''}"
                    f"{'_kpe' if split_k else ''}{'' if direct else '_in_place'}"
-                   f"{'_overlap' if intra_overlap else ''}"),
+                   f"{'_overlap' if intra_overlap else ''}{'_lean' if lean_item_loop else ''}"),
   )(cu_q, cu_k, tile_offsets, queue, q, *k_inputs)
   o, lse = outs if direct else _patch_edges(*outs, cu_q)
   return o[:tq], lse.T[:tq]  # a slice (a copy) only where q was padded
