@@ -282,9 +282,9 @@ PALLAS_MOSAIC = dataclasses.replace(
 # heads (session 7, the queue in L2 sections: 1.13x at 1x1024 and 1.21x at 8 x 1024 for N=16,
 # 1.32-1.77x elsewhere); fewer tokens were not measured.
 # Decode: 1.85-1.92x at 128 heads, 0.85-0.94x at 16; 64 heads fill one 64-row tile as each half of
-# 128 does. Session 12 (fewer heads unpadded, one-wave splits), S=8192 N=16 bf16, Triton / Mosaic
-# ms in one run: B=128 0.376 / 0.322 (0.307 at the one-wave rule's 1 split), B=32 0.110 / 0.111
-# (0.096 at its 4): bf16 takes Mosaic from 16 heads.
+# 128 does. Session 12 (fewer heads unpadded, one-wave splits), S=8192 bf16, Triton and Mosaic in
+# interleaved rounds in one process: 1.03-1.07x at N=16 (B 32, 64, 128), 1.30-1.32x at N=32; heads
+# in wgmma's N (Mosaic's default at N <= 16 since) 1.04-1.10x more: bf16 takes Mosaic from 16 heads.
 # fp8 decode (the "shared_widening" pipeline, session 7): 1.00 ms at N=128 B=128 S=8192 (Triton:
 # 1.94, session 3); at N=16 0.532 ms against Triton's 0.459 (B=128, S=8192; session 12: 0.507 /
 # 0.465, B=32 0.155 / 0.149), so Triton's there.
