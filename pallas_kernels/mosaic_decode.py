@@ -93,8 +93,14 @@ class MosaicDecodeConfig:
     warpgroup 0 the keys of S^T = K Q^T (WGMMA layout), each value warpgroup its V^T tiles of
     O^T = V^T P^T (the transposed view in WGMMA_TRANSPOSED, converted, then relaid to WGMMA).
     e4m3 -> bf16 does not lower (Mosaic GPU, jax 0.11.2) and wgmma takes one 16-bit type for A
-    and B, so the query tile and P^T are f16: q is converted before the call (exact for bf16
-    magnitudes from 2^-14 to 65504; smaller ones round in f16's subnormals, larger overflow).
+    and B, so the query tile and P^T are f16: q is converted before the call, each token scaled
+    by a power of two that keeps it within f16's range and scaled back in its score scale
+    (`_f16_queries`; exact, bf16 magnitudes below 2^-14 of the token's largest round in f16's
+    subnormals). H200 (session 13), S=8192, N=16, ms, "shared_widening" / "register_a" (both
+    heads_in="n", one process): B=128 0.462 / 0.365, B=32 0.138 / 0.112; at N=32 0.490 ("m",
+    "shared_widening") / 0.493.
+  fp8_pipeline=None (the default) takes "register_a" where heads_in resolves to "n", else
+  "shared_widening" (`default_fp8_pipeline`).
   heads_in, where a program's heads sit in the wgmma shapes (benchmarks/RESULTS.md, "Latent decode
   (pallas_mosaic)", session 12). None (the default) picks from static shapes
   (`default_heads_in`): "n" at N <= 16 (with an fp8 cache, where its pipeline takes "n"), else
@@ -117,7 +123,7 @@ class MosaicDecodeConfig:
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
-  fp8_pipeline: str = "shared_widening"
+  fp8_pipeline: str | None = None
   heads_in: str | None = None
 
   def __post_init__(self):
@@ -129,8 +135,9 @@ class MosaicDecodeConfig:
     if self.num_stages != 2:
       raise ValueError(f"num_stages must be 2 (what fits in shared memory beside the query tile), "
                        f"got {self.num_stages}")
-    if self.fp8_pipeline not in FP8_PIPELINES:
-      raise ValueError(f"fp8_pipeline must be one of {FP8_PIPELINES}, got {self.fp8_pipeline!r}")
+    if self.fp8_pipeline is not None and self.fp8_pipeline not in FP8_PIPELINES:
+      raise ValueError(f"fp8_pipeline must be None or one of {FP8_PIPELINES}, got "
+                       f"{self.fp8_pipeline!r}")
     if self.heads_in is not None and self.heads_in not in HEADS_IN:
       raise ValueError(f"heads_in must be None or one of {HEADS_IN}, got {self.heads_in!r}")
 
@@ -138,14 +145,21 @@ class MosaicDecodeConfig:
 HEADS_N_DEFAULT_MAX = 16  # heads_in=None runs "n" up to this many heads (timed at 16)
 
 
-def default_heads_in(num_heads: int, fp8: bool, fp8_pipeline: str) -> str:
+def default_heads_in(num_heads: int, fp8: bool, fp8_pipeline: str | None) -> str:
   """The heads_in that heads_in=None runs (static shapes only): "n" at N <= HEADS_N_DEFAULT_MAX
-  (with an fp8 cache where fp8_pipeline takes it, `HEADS_N_FP8_PIPELINES`), else "m"; an fp8 cache
-  with fp8_pipeline="register_a", which has no "m" form, "n". Timings in `MosaicDecodeConfig`."""
+  (with an fp8 cache where fp8_pipeline takes it, `HEADS_N_FP8_PIPELINES`, or is None), else
+  "m"; an fp8 cache with fp8_pipeline="register_a", which has no "m" form, "n". Timings in
+  `MosaicDecodeConfig`."""
   if fp8 and fp8_pipeline == "register_a":
     return "n"
-  takes_n = not fp8 or fp8_pipeline in HEADS_N_FP8_PIPELINES
+  takes_n = not fp8 or fp8_pipeline is None or fp8_pipeline in HEADS_N_FP8_PIPELINES
   return "n" if num_heads <= HEADS_N_DEFAULT_MAX and takes_n else "m"
+
+
+def default_fp8_pipeline(heads_in: str) -> str:
+  """The fp8_pipeline that fp8_pipeline=None runs: "register_a" with heads in N (H200, session
+  13: 1.23-1.27x "shared_widening" at N=16), "shared_widening" with heads in M."""
+  return "register_a" if heads_in == "n" else "shared_widening"
 
 
 CONFIG = MosaicDecodeConfig()
@@ -183,13 +197,14 @@ _REGISTER_A_STAGES = 4
 _MAX_HEAD_DIM = 576  # 3 x 64 rows x D bf16 + P must fit in shared memory
 
 
-def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffers, p_smem,
+def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_ref, buffers, p_smem,
                    row_smem, q_bar, ready, consumed, p_ready, p_free, *staging, scale, lora,
                    num_splits, split_steps, in_place, shared_widening, heads_n, register_a):
   # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64, or fewer than 64 unpadded: the tile's
   # first Np rows, the others never stored); kv_ref [num_blocks, page, D] bf16 or
   # e4m3; bt_ref [T, max_blocks] int32; len_ref [T] int32; ks_ref [1] f32 (the cache's scale, 1
-  # for bf16); o_ref [T, splits, Np, L]; lse_ref [T, splits, Np] f32. SMEM: buffers = union of
+  # for bf16); qs_ref [T] f32 (each token's query scale-back, 1 but with register_a's f16 q:
+  # `_f16_queries`); o_ref [T, splits, Np, L]; lse_ref [T, splits, Np] f32. SMEM: buffers = union of
   # (q_smem [64, D], kv_smem [slots, rows, D]) bf16 (2 x 64 rows; with an fp8 cache 1 x 64, or
   # 2 x 32 with fp8_pipeline="half_pages"), live while the steps run, and (o_smem [2, 64, L/2] o
   # dtype, lse_smem [64] f32), live after; p_smem [64, rows] bf16 (this step's P); row_smem [64]
@@ -234,7 +249,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, o_ref, lse_ref, buffe
   # log2(e) folded in: the softmax runs on exp2. The per-tensor fp8 scale is linear: it scales the
   # logits here and the output at the end instead of every cache value.
   k_scale = ks_ref[0]
-  qk_scale = scale * LOG2E * k_scale
+  qk_scale = scale * LOG2E * k_scale * qs_ref[t]
 
   length = jnp.minimum(jnp.maximum(len_ref[t], 0), max_blocks * page)
   first, end = split_range(pl.cdiv(length, _STEP), split, num_splits, split_steps)
@@ -572,13 +587,26 @@ def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_sp
   check_split_args(num_kv_splits, split_tokens, _STEP)
 
 
+def _f16_queries(q):
+  """q [T, Np, D] bf16 as f16 for register_a's products (wgmma takes one 16-bit type for A and B,
+  and e4m3 widens to f16 only), each token scaled by the power of two that keeps its largest
+  magnitude below 2^15 (f16 ends at 65504, bf16 at 3.4e38), and the inverse powers [T] f32 that
+  the kernel folds into each token's score scale. Both exact (powers of two), 1 for a token
+  already in range (its products unchanged), and per token: a row's result never depends on the
+  batch."""
+  _, exponent = jnp.frexp(jnp.max(jnp.abs(q.astype(jnp.float32)), axis=(1, 2)))  # |q| < 2^e
+  shift = jnp.maximum(exponent - 15, 0)
+  scaled = q.astype(jnp.float32) * jnp.ldexp(jnp.float32(1), -shift)[:, None, None]
+  return scaled.astype(jnp.float16), jnp.ldexp(jnp.float32(1), shift)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits",
                                              "split_tokens", "fp8_pipeline", "heads_in",
                                              "interpret"))
 def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
                   *, scale: float, kv_lora_rank: int = 512,
                   k_scale: jax.Array | float | None = None, num_kv_splits: int | None = None,
-                  split_tokens: int | None = None, fp8_pipeline: str = CONFIG.fp8_pipeline,
+                  split_tokens: int | None = None, fp8_pipeline: str | None = CONFIG.fp8_pipeline,
                   heads_in: str | None = CONFIG.heads_in,
                   interpret: bool | plgpu.InterpretGPUParams = False
                   ) -> tuple[jax.Array, jax.Array]:
@@ -592,9 +620,10 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   num_kv_splits, a multiple of 64): splits of that many tokens merged in a fixed order, so each
   row's result is bit-identical in any batch and with any table width (batch-invariant mode).
   fp8_pipeline: how an fp8 cache's pages are widened (one of FP8_PIPELINES, see
-  `MosaicDecodeConfig`; a bf16 cache ignores it). heads_in: `MosaicDecodeConfig`'s (None:
-  `default_heads_in`, "n" at N <= 16; "n": N <= 32 heads as wgmma's N, with an fp8 cache with
-  fp8_pipeline "serial", "shared_widening" or "register_a", the last with "n" only).
+  `MosaicDecodeConfig`; None: `default_fp8_pipeline`; a bf16 cache ignores it). heads_in:
+  `MosaicDecodeConfig`'s (None: `default_heads_in`, "n" at N <= 16; "n": N <= 32 heads as
+  wgmma's N, with an fp8 cache with fp8_pipeline "serial", "shared_widening" or "register_a",
+  the last with "n" only).
   interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
   o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
@@ -603,6 +632,8 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   fp8 = kv_cache.dtype == F8
   if heads_in is None:
     heads_in = default_heads_in(q.shape[1], fp8, fp8_pipeline)
+  if fp8_pipeline is None:
+    fp8_pipeline = default_fp8_pipeline(heads_in)
   heads_n = heads_in == "n"
   register_a = fp8 and fp8_pipeline == "register_a"
   if register_a and not heads_n:
@@ -629,7 +660,9 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   out_dtype = partials_dtype(q.dtype, splits, fixed_order)
   dtype = q.dtype
   if register_a:  # wgmma's B beside an f16 A (`MosaicDecodeConfig`)
-    q = q.astype(jnp.float16)
+    q, q_scales = _f16_queries(q)
+  else:
+    q_scales = jnp.ones((t,), jnp.float32)
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
 
@@ -710,7 +743,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                    f"{'_shared' if shared_widening else ''}{'_register_a' if register_a else ''}"
                    f"{f'_heads_n{tile_h}' if heads_n else ''}"
                    f"_p{page}_s{splits}"),
-  )(q, kv_cache, block_tables, seq_lens, k_scale)
+  )(q, kv_cache, block_tables, seq_lens, k_scale, q_scales)
 
   if cols_first:  # the XLA merge reads them transposed
     o_parts = jnp.swapaxes(o_parts, 2, 3)

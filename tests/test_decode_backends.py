@@ -244,7 +244,7 @@ class TestPallasMosaicDecode(DecodeContract):
       (lambda a: {**a, "num_kv_splits": 0}, "num_kv_splits"),
       (lambda a: {**a, "num_kv_splits": 2, "split_tokens": 64}, "not both"),
       (lambda a: {**a, "split_tokens": 96}, "multiple of the kernel's step"),
-      (lambda a: {**a, "fp8_pipeline": "quarter_pages"}, "fp8_pipeline must be one of"),
+      (lambda a: {**a, "fp8_pipeline": "quarter_pages"}, "fp8_pipeline must be None or one of"),
   ])
   def test_bad_input_raises(self, change, message):
     q, cache, tables, lens = (jnp.asarray(a)
@@ -379,7 +379,10 @@ class TestPallasMosaicDecodeHeadsN(_MosaicDecodeKnob):
       (16, jnp.bfloat16, "shared_widening", "n"), (8, jnp.bfloat16, "shared_widening", "n"),
       (16, jnp.float8_e4m3fn, "shared_widening", "n"), (16, jnp.float8_e4m3fn, "serial", "n"),
       (16, jnp.float8_e4m3fn, "half_pages", "m"),  # its 32-token steps cannot be S^T's rows
-      (20, jnp.bfloat16, "shared_widening", "m"), (32, jnp.float8_e4m3fn, "serial", "m")])
+      (20, jnp.bfloat16, "shared_widening", "m"), (32, jnp.float8_e4m3fn, "serial", "m"),
+      # The default pipeline (None): "register_a" in N (session 13: 1.23-1.27x at 16 heads, equal
+      # to "m" with "shared_widening" at 32).
+      (16, jnp.float8_e4m3fn, None, "n"), (32, jnp.float8_e4m3fn, None, "m")])
   def test_default_heads_in(self, n, cache_dtype, pipeline, want):
     # heads_in=None (the default) traces the program of `default_heads_in`'s pick, another than
     # the other one's.
@@ -445,6 +448,42 @@ class TestPallasMosaicDecodeHeadsNRegisterA(TestPallasMosaicDecodeHeadsN):
   def test_register_a_defaults_to_heads_n(self, n, want):
     # It has no "m" form: heads_in=None runs "n" at every head count "n" takes.
     assert mosaic_decode.default_heads_in(n, True, "register_a") == want
+
+  @pytest.mark.parametrize("n,heads_in,want", [(16, None, "register_a"), (32, "n", "register_a"),
+                                                (32, None, "shared_widening"),
+                                                (128, None, "shared_widening")])
+  def test_default_fp8_pipeline(self, n, heads_in, want):
+    # fp8_pipeline=None traces the program of the pipeline its heads_in takes.
+    q = jax.ShapeDtypeStruct((32, n, 576), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((32 * 128, 64, 576), jnp.float8_e4m3fn)
+    tables = jax.ShapeDtypeStruct((32, 128), jnp.int32)
+    lens = jax.ShapeDtypeStruct((32,), jnp.int32)
+    jaxpr = lambda pipeline: str(mosaic_decode.latent_decode.trace(
+        q, cache, tables, lens, scale=SCALE, k_scale=jnp.float32(FP8_SCALE), heads_in=heads_in,
+        fp8_pipeline=pipeline).jaxpr)
+    assert mosaic_decode.CONFIG.fp8_pipeline is None
+    assert jaxpr(None) == jaxpr(want)
+
+  def test_queries_past_f16_range(self):
+    # The products take q as f16: a token past 65504 (bf16 reaches 3.4e38) runs scaled down by a
+    # power of two and scaled back in its score scale; unscaled, its scores overflow to inf.
+    q, cache, tables, lens = make_case(129, n=16, page=64, req_lens=[150, 64, 7],
+                                       cache_dtype=jnp.float8_e4m3fn)
+    q = q.copy()
+    q[0] *= 4096
+    q[0, 3, 10], q[2, 0, 500] = 1e5, -3e5
+    self.check(q, cache, tables, lens, k_scale=FP8_SCALE, num_kv_splits=1)
+
+  def test_f16_queries_are_exact_powers_of_two(self):
+    q = np.random.default_rng(130).standard_normal((4, 16, 576)).astype(jnp.bfloat16)
+    q[1] *= 2.0 ** 20
+    q[1, 0, 0] = 5 * 2.0 ** 20  # its largest in [2^22, 2^23): 2^8 brings it below 2^15
+    q[3, 5, 7] = 65536.0
+    q16, back = mosaic_decode._f16_queries(jnp.asarray(q))
+    assert q16.dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(back), [1, 2.0 ** 8, 1, 4])
+    np.testing.assert_array_equal(np.asarray(q16, np.float32) * np.asarray(back)[:, None, None],
+                                  q.astype(np.float32))
 
   @pytest.mark.parametrize("change,message", [
       (lambda a: {**a, "heads_in": "m"}, "register_a\" takes heads_in=\"n\""),
