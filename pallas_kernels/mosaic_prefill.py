@@ -137,18 +137,6 @@ class MosaicPrefillConfig:
   # it for head dims over 128 (H200, N=128: 1.04x ping-pong at 4096 and 16K tokens, 1.07x at
   # 8 x 1024; benchmarks/RESULTS.md, session 10). Neither (both False): the steps in order.
   intra_overlap: bool = True
-  # Fewer values live across the item loop, which ptxas (13.5, sm_90a) otherwise spills and
-  # reloads every item (13 reloads an item a compute warp in the queue kernel at 8 x 1024, 3 with
-  # this; benchmarks/ptxas_report.py, RESULTS.md "lean_item_loop"), by three changes of form, the
-  # same results: (a) a masked step's mask is two compares an element, of its request-local key
-  # against the step's first new key (a scalar) and its row's last visible key (one a row: the
-  # request's end and the causal diagonal folded in), instead of four over the column and key
-  # iotas (ptxas kept the column iota's per-thread constants live across items); (b) each
-  # warpgroup derives the item schedule (the queue's count, the trips, the grid's request) after
-  # its setmaxnreg, not before the branch into the warpgroups, where it was live into both; (c) a
-  # query tile's two copies (columns [0, Dv) and [Dv, Dk)) arrive on one barrier (one address and
-  # one phase bit fewer; 16 bytes of shared memory fewer than `_smem_bytes` counts).
-  lean_item_loop: bool = False
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -165,8 +153,6 @@ class MosaicPrefillConfig:
       check_at_least("l2_section_bytes", self.l2_section_bytes, 1)
     if not isinstance(self.intra_overlap, bool):
       raise ValueError(f"intra_overlap must be a bool, got {self.intra_overlap!r}")
-    if not isinstance(self.lean_item_loop, bool):
-      raise ValueError(f"lean_item_loop must be a bool, got {self.lean_item_loop!r}")
     if self.intra_overlap and self.ping_pong:
       raise ValueError("ping_pong and intra_overlap are two schedules, pick one: "
                        "ping_pong=True needs intra_overlap=False")
@@ -180,8 +166,7 @@ DEFAULT = MosaicPrefillConfig()
 SWEEP = (DEFAULT, MosaicPrefillConfig(persistent=True),
          MosaicPrefillConfig(persistent=True, l2_section_bytes=8 << 20),
          MosaicPrefillConfig(persistent=True, l2_section_bytes=None),
-         MosaicPrefillConfig(ping_pong=True, intra_overlap=False),
-         MosaicPrefillConfig(lean_item_loop=True)) + tuple(
+         MosaicPrefillConfig(ping_pong=True, intra_overlap=False)) + tuple(
     MosaicPrefillConfig(block_k, stages, ping_pong, persistent=False, intra_overlap=overlap)
     for block_k, stages, ping_pong, overlap in [(128, 2, False, True), (128, 2, True, False),
                                                 (128, 2, False, False), (64, 4, False, True),
@@ -193,11 +178,11 @@ def _smem_bytes(dk, dv, block_k, stages):
   1024-byte aligned, 8 bytes a barrier; the CUDA lowering test checks it against Mosaic GPU's own
   count): the query tiles, one a compute warpgroup, in columns [0, Dv) (also the output staging)
   and [Dv, Dk); the K/V ring (split keys: the same bytes in three buffers); the lse staging (512
-  bytes, so 1 KB); the barriers: two a query tile, five a ring slot, the turns. The interpreter's
+  bytes, so 1 KB); the barriers: one a query tile, five a ring slot, the turns. The interpreter's
   P tiles are left out: it has no shared-memory bound."""
   buffers = (_COMPUTE_WGS * _TILE * dv * 2, _COMPUTE_WGS * _TILE * (dk - dv) * 2,
              stages * block_k * dk * 2, stages * block_k * dv * 2, _COMPUTE_WGS * _TILE * 4)
-  return sum(-(-b // 1024) * 1024 for b in buffers) + 8 * (2 * _COMPUTE_WGS + 5 * stages + 1)
+  return sum(-(-b // 1024) * 1024 for b in buffers) + 8 * (_COMPUTE_WGS + 5 * stages + 1)
 
 
 def _stages_for(dk, dv, block_k):
@@ -249,7 +234,7 @@ def _block_keys(qs, q_lead, q_len, k_len, causal):
 
 def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref, *rest, scale,
                     causal, num_q_programs, block_k, ping_pong, p_in_registers, persistent,
-                    section_heads, direct, split_k, intra_overlap, lean_item_loop):
+                    section_heads, direct, split_k, intra_overlap):
   # GMEM: cu_q_ref, cu_k_ref [R+1] int32; tile_ref [R] int32 (request r's first edge slot, 2r);
   # queue_ref [2, B+1] int32 (persistent: column 0 row 0 the number of blocks, then per block,
   # heaviest first, its request (row 0) and index in the request (row 1); otherwise unused);
@@ -265,8 +250,8 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
   # staging); qr_smem [2, 64, Dk-Dv] (columns [Dv, Dk); absent when Dk == Dv); k_smem
   # [stages, block_k, Dk] (split_k: [stages, block_k, Dv], and kr_smem [stages, block_k, Dk-Dv]
   # k_pe's rows); v_smem [stages, block_k, Dv]; p_smem [2, 64, block_k] (each warpgroup's
-  # P; only without p_in_registers); lse_smem [2, 64] f32. Barriers: q_bar [4] (a warpgroup's
-  # query columns [0, Dv), then the rest, landed; lean_item_loop: [2], both copies on one);
+  # P; only without p_in_registers); lse_smem [2, 64] f32. Barriers: q_bar [2] (a warpgroup's
+  # query columns [0, Dv) and the rest landed: both copies on one barrier);
   # k_ready (split_k: both key boxes), v_ready [stages] (slot landed);
   # v_clean [stages] (both compute warpgroups zeroed a slot's rows outside the request);
   # k_consumed, v_consumed [stages] (both compute warpgroups done); schedule (the compute
@@ -331,10 +316,6 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       def item(trip):
         return _Item(h=h, qs=(num_blocks - 1 - prog - trip * num_q_programs) * _BLOCK_Q, **fixed)
     return trips, item
-
-  # lean_item_loop: each warpgroup derives them after its setmaxnreg, so that they are not live
-  # across the branch into the warpgroups (where ptxas spilled them).
-  schedule_before = None if lean_item_loop else item_schedule()
 
   def key_steps(w):
     """Step bounds (lo, hi, end) of item w's block: steps [lo, hi) need no mask, steps [0, lo)
@@ -421,24 +402,16 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
       _, k_shift = box(w.k_base + j * block_k, block_k, tk)
       keys = cols + (j * block_k - k_shift - w.k_lead)  # request-local key positions
-      if lean_item_loop:
-        # Keys before the step's first (j * block_k - k_lead: those before the request, and with
-        # a box moved back the previous step's) and past the row's last (the request's end, the
-        # diagonal) are hidden: two compares of keys, the bounds made once a step or a row.
-        last = jnp.full((_TILE,), w.k_len - 1, jnp.int32)
-        if causal:
-          rows = plgpu.broadcasted_iota(jnp.int32, (_TILE,), 0, layout=rows_layout)
-          diag = w.k_len - w.q_len
-          last = jnp.minimum(last, rows + (w.qs + wg * _TILE - q_shift - w.q_lead + diag))
-        visible = ((keys >= jnp.maximum(j * block_k - w.k_lead, 0))
-                   & (keys <= row_broadcast(last, s.shape)))
-        return jnp.where(visible, s, -jnp.inf)
-      # cols >= k_shift: keys before those were counted by the previous step.
-      visible = (cols >= k_shift) & (keys >= 0) & (keys < w.k_len)
+      # Keys before the step's first (j * block_k - k_lead: those before the request, and with
+      # a box moved back the previous step's) and past the row's last (the request's end, the
+      # diagonal) are hidden: two compares of keys, the bounds made once a step or a row.
+      last = jnp.full((_TILE,), w.k_len - 1, jnp.int32)
       if causal:
-        rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+        rows = plgpu.broadcasted_iota(jnp.int32, (_TILE,), 0, layout=rows_layout)
         diag = w.k_len - w.q_len
-        visible &= keys <= rows + (w.qs + wg * _TILE - q_shift - w.q_lead + diag)
+        last = jnp.minimum(last, rows + (w.qs + wg * _TILE - q_shift - w.q_lead + diag))
+      visible = ((keys >= jnp.maximum(j * block_k - w.k_lead, 0))
+                 & (keys <= row_broadcast(last, s.shape)))
       return jnp.where(visible, s, -jnp.inf)
 
     def softmax(s, m):
@@ -568,13 +541,9 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       q_first, q_shift = box(w.q_base + tile_row, _TILE, tq)
       q_rows = pl.ds(q_first, _TILE)
       plgpu.copy_gmem_to_smem(q_ref.at[q_rows, w.h, pl.ds(0, dv)], qv_smem.at[wg], q_bar.at[wg])
-      if qr_smem is not None and lean_item_loop:  # both on the tile's barrier (see the config)
+      if qr_smem is not None:  # both copies on the tile's barrier (one phase to track)
         plgpu.copy_gmem_to_smem(q_ref.at[q_rows, w.h, pl.ds(dv, dk - dv)], qr_smem.at[wg],
                                 q_bar.at[wg])
-      elif qr_smem is not None:
-        plgpu.copy_gmem_to_smem(q_ref.at[q_rows, w.h, pl.ds(dv, dk - dv)], qr_smem.at[wg],
-                                q_bar.at[_COMPUTE_WGS + wg])
-        plgpu.barrier_wait(q_bar.at[_COMPUTE_WGS + wg])
       plgpu.barrier_wait(q_bar.at[wg])
       lo, hi, end = key_steps(w)
 
@@ -645,7 +614,9 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
 
     # Warpgroup 1 starts a turn behind, so the two alternate; warpgroup 0 closes the last turn.
     pl.when(wg == 1)(take_turn)
-    trips, item = schedule_before or item_schedule()
+    # Derived here, after setmaxnreg, not before the branch into the warpgroups, where it was live
+    # into both and ptxas spilled it (benchmarks/RESULTS.md, "lean_item_loop").
+    trips, item = item_schedule()
     lax.fori_loop(0, trips, q_block, jnp.int32(0))
     pl.when(wg == 0)(take_turn)
 
@@ -680,7 +651,9 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
 
       return count + n_end
 
-    trips, item = schedule_before or item_schedule()
+    # Derived here, after setmaxnreg, not before the branch into the warpgroups, where it was live
+    # into both and ptxas spilled it (benchmarks/RESULTS.md, "lean_item_loop").
+    trips, item = item_schedule()
     total = lax.fori_loop(0, trips, q_block, jnp.int32(0))
 
     # Sees the last uses of the slots out too: a warpgroup that waits on some phases of a barrier
@@ -778,7 +751,7 @@ def _section_heads(num_heads, head_kv_bytes, budget):
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "max_seqlen_q", "block_k",
                                              "num_stages", "ping_pong", "persistent",
                                              "num_programs", "l2_section_bytes", "intra_overlap",
-                                             "lean_item_loop", "interpret"))
+                                             "interpret"))
 def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
                 cu_seqlens_k: jax.Array, *, scale: float, causal: bool, max_seqlen_q: int,
                 k_pe: jax.Array | None = None, block_k: int = DEFAULT.block_k,
@@ -787,7 +760,6 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                 num_programs: int | None = DEFAULT.num_programs,
                 l2_section_bytes: int | None = DEFAULT.l2_section_bytes,
                 intra_overlap: bool = DEFAULT.intra_overlap,
-                lean_item_loop: bool = DEFAULT.lean_item_loop,
                 interpret: bool | plgpu.InterpretGPUParams = False
                 ) -> tuple[jax.Array, jax.Array]:
   """Variable-length attention with a running LSE; see the module docstring for the layout.
@@ -801,8 +773,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   that fits) are tuning knobs, and so is the schedule: intra_overlap (default) runs each compute
   warpgroup's softmax while its previous step's P V does (FA3's intra-warpgroup overlap);
   ping_pong (with intra_overlap False) has the two compute warpgroups take turns on the tensor
-  cores instead; neither runs the steps in order. lean_item_loop: fewer values live across the
-  item loop, the same results (see MosaicPrefillConfig; fewer spills).
+  cores instead; neither runs the steps in order.
   persistent: as many programs (num_programs; default the device's SM count, 4 in the interpreter,
   so that each takes several items) walk a queue of (query block, head) items, the heaviest blocks
   first; else one program per (query slot, head, request); default (None): the queue up to 8192
@@ -813,7 +784,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   past cu_q[-1], and rows that see no key, give (0, -inf).
   """
   config = MosaicPrefillConfig(block_k, num_stages, ping_pong, persistent, num_programs,
-                               l2_section_bytes, intra_overlap, lean_item_loop)
+                               l2_section_bytes, intra_overlap)
   _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, config, k_pe)
   split_k = k_pe is not None
   tq, n, dk = q.shape
@@ -877,7 +848,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                              num_q_programs=num_q_programs, block_k=block_k, ping_pong=ping_pong,
                              p_in_registers=p_in_registers, persistent=persistent,
                              section_heads=section_heads, direct=direct, split_k=split_k,
-                             intra_overlap=intra_overlap, lean_item_loop=lean_item_loop)
+                             intra_overlap=intra_overlap)
   edge_rows = [] if direct else [2 * num_requests * _TILE]  # first and last tile slots
   outs = plgpu.kernel(
       kernel,
@@ -892,9 +863,8 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
           swizzled((stages, block_k, dv), v.dtype),
           *p_tiles,
           plgpu.SMEM((_COMPUTE_WGS, _TILE), jnp.float32),
-          # The query tiles' columns [0, Dv) and [Dv, Dk): lean_item_loop one barrier a tile.
-          (plgpu.Barrier(num_arrivals=1 + (dk > dv), num_barriers=_COMPUTE_WGS) if lean_item_loop
-           else plgpu.Barrier(num_barriers=2 * _COMPUTE_WGS)),
+          # A query tile's columns [0, Dv) and [Dv, Dk): one barrier, both copies.
+          plgpu.Barrier(num_arrivals=1 + (dk > dv), num_barriers=_COMPUTE_WGS),
           plgpu.Barrier(num_arrivals=1 + split_k, num_barriers=stages),  # one copy a key box
           plgpu.Barrier(num_barriers=stages),
           plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
@@ -913,7 +883,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
       kernel_name=(f"mosaic_mla_prefill_{'causal' if causal else 'full'}_k{block_k}_s{stages}"
                    f"{'_pp' if ping_pong else ''}{'_persistent' if persistent else ''}"
                    f"{'_kpe' if split_k else ''}{'' if direct else '_in_place'}"
-                   f"{'_overlap' if intra_overlap else ''}{'_lean' if lean_item_loop else ''}"),
+                   f"{'_overlap' if intra_overlap else ''}"),
   )(cu_q, cu_k, tile_offsets, queue, q, *k_inputs)
   o, lse = outs if direct else _patch_edges(*outs, cu_q)
   return o[:tq], lse.T[:tq]  # a slice (a copy) only where q was padded

@@ -174,14 +174,14 @@ class TestPallasMosaicPrefill(PrefillContract):
   # split: the keys in the split form (two boxes a key step into one barrier). knobs: one program
   # walks all three items, tiles in place and patched (intra_overlap, the default: each step's
   # P V issued in the next step, its V slot released there, the ring running on across items);
-  # the steps in order, and with turns (ping-pong), one program; lean_item_loop (a query tile's
-  # two copies on one barrier, reused by every item) in the split form, one program.
+  # the steps in order, and with turns (ping-pong), one program; the split form in one program
+  # (a query tile's two copies on one barrier, reused by every item).
   @pytest.mark.parametrize("split, knobs", [
       (False, {}), (True, {}), (False, dict(num_programs=1)),
       (False, dict(num_programs=1, intra_overlap=False)),
       (False, dict(num_programs=1, ping_pong=True, intra_overlap=False)),
-      (True, dict(num_programs=1, lean_item_loop=True)),
-  ], ids=["joined", "split", "one_program", "in_order", "ping_pong", "lean"])
+      (True, dict(num_programs=1)),
+  ], ids=["joined", "split", "one_program", "in_order", "ping_pong", "split_one_program"])
   def test_no_races_in_the_interpreter(self, split, knobs):
     # The race detector sees plain loads and stores and bulk copies (each warpgroup's P, the K/V
     # ring refills, the output staging), not the operand reads of wgmma. jax 0.11.2 reports it
@@ -221,15 +221,6 @@ class TestPallasMosaicPrefill(PrefillContract):
       # 4096-token request on the queue.
       (16384, 128, 1, True, dict(ping_pong=True, intra_overlap=False)),
       (4096, 128, 1, True, dict(ping_pong=True, intra_overlap=False)),
-      # lean_item_loop (fewer values live across items: the mask as two key compares, the
-      # schedule derived in each warpgroup, one barrier a query tile): the queue (8 x 1024), the
-      # grid (16K), non-causal at 16 heads, 64-key steps in order, ping-pong.
-      (8192, 128, 8, True, dict(lean_item_loop=True)),
-      (16384, 128, 1, True, dict(lean_item_loop=True)),
-      (16384, 16, 4, False, dict(lean_item_loop=True)),
-      (4096, 64, 2, True, dict(block_k=64, num_stages=4, intra_overlap=False,
-                               lean_item_loop=True)),
-      (4096, 128, 1, True, dict(ping_pong=True, intra_overlap=False, lean_item_loop=True)),
   ])
   def test_lowers_for_hopper(self, tokens, n, requests, causal, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
@@ -251,8 +242,6 @@ class TestPallasMosaicPrefill(PrefillContract):
       (8192, 8192, 128, 4, True, {}),
       (4096, 4096, 64, 2, True, dict(block_k=64, num_stages=4, intra_overlap=False)),
       (8192, 8192, 128, 8, True, {}),
-      (8192, 8192, 128, 8, True, dict(lean_item_loop=True)),
-      (8192, 16384, 128, 4, False, dict(persistent=False, lean_item_loop=True)),
   ])
   def test_split_keys_lower_for_hopper(self, tokens, keys, n, requests, causal, knobs):
     q = jax.ShapeDtypeStruct((tokens, n, DK), jnp.bfloat16)
@@ -302,7 +291,6 @@ class TestPallasMosaicPrefill(PrefillContract):
       (dict(persistent="yes"), "persistent must be a bool or None"),
       (dict(l2_section_bytes=0), "l2_section_bytes must be an int >= 1"),
       (dict(intra_overlap=1), "intra_overlap must be a bool"),
-      (dict(lean_item_loop=None), "lean_item_loop must be a bool"),
       (dict(ping_pong=True), "ping_pong=True needs intra_overlap=False"),
       (dict(cu_seqlens_q=jnp.array([0.0, 8.0])), "int32"),
       (dict(cu_seqlens_k=jnp.array([0, 4, 8], jnp.int32)), "differ in length"),
@@ -392,47 +380,6 @@ class TestPallasMosaicPrefillL2Sections(PrefillContract):
   ])
   def test_section_heads(self, heads, head_kv_bytes, budget, want):
     assert mosaic_prefill._section_heads(heads, head_kv_bytes, budget) == want
-
-
-class TestPallasMosaicPrefillLeanItemLoop(PrefillContract):
-  """The whole contract with `lean_item_loop` (each masked step's mask as two compares of the
-  scores' keys against the step's first new key and the row's last visible key; the item
-  schedule derived in each warpgroup; a query tile's two copies on one barrier), in the
-  interpreter, on the queue (3 programs, each taking several items) and the grid: the masked
-  steps are those of requests off 8-aligned rows (the first step's keys before the request), the
-  causal diagonal, ragged key ends and boxes moved back at the arrays' end (the previous step's
-  keys), all of which the contract's cases and its poisoned requests (NaN, inf in the
-  neighbours' rows) reach."""
-
-  @pytest.fixture(autouse=True, params=[True, False], ids=["queue", "grid"])
-  def persistent(self, request):
-    self.persistent = request.param
-
-  def prefill(self, q, *args, **kwargs):
-    if q.dtype.name not in mosaic_prefill.DTYPES:
-      pytest.skip(f"pallas_mosaic's prefill kernel takes {mosaic_prefill.DTYPES} only, "
-                  f"got {q.dtype}")
-    return mosaic_prefill.mla_prefill(q, *args, **kwargs, lean_item_loop=True,
-                                      persistent=self.persistent, num_programs=3, interpret=True)
-
-  # Narrowed for the suite's time (a non-default variant): the cases that reach each masked path
-  # (packed requests off 8-aligned rows, a request of no keys' rows, the causal diagonal, a
-  # non-causal context, boxes moved back at the arrays' end, the split form); argument checks run
-  # no code the variant changes.
-  test_bad_backend_input_raises = None
-
-  @pytest.mark.parametrize("case", ["causal_bf16_n2_packed", "noncausal_bf16_n16",
-                                    "causal_bf16_n4_all_padding"])
-  def test_matches_oracle(self, case, rng):
-    super().test_matches_oracle(case, rng)
-
-  @pytest.mark.parametrize("case", ["causal_bf16_n2_packed"])
-  def test_split_keys_match_oracle_and_joined_keys(self, case, rng):
-    super().test_split_keys_match_oracle_and_joined_keys(case, rng)
-
-  @pytest.mark.parametrize("len_q, len_k, split", [([150, 100, 5], [150, 100, 5], True)])
-  def test_a_poisoned_request_leaves_the_others_exact(self, rng, len_q, len_k, split):
-    super().test_a_poisoned_request_leaves_the_others_exact(rng, len_q, len_k, split)
 
 
 class TestPallasMosaicPrefillPingPong(PrefillContract):

@@ -47,19 +47,14 @@ def test_prefill_matches_reference(case, backend):
 # in the queue without sections and in the grid (each writing its tiles in place:
 # the poisoned allocator shows a row neither written in place nor patched); the ping-pong
 # schedule (the default before intra_overlap) on the 16384-token batch's grid and the short
-# batch's queue; lean_item_loop (fewer values live across items, the same results) on the
-# 16384-token batch's grid, the short batch's queue and the non-causal context chunk.
+# batch's queue.
 @pytest.mark.parametrize("case, knobs", [
     ("n128_causal", dict(persistent=True)),
     ("n128_causal_short", dict(persistent=True, l2_section_bytes=None)),
     ("n128_causal_short", dict(persistent=False)),
     ("n128_causal", dict(ping_pong=True, intra_overlap=False)),
     ("n128_causal_short", dict(ping_pong=True, intra_overlap=False)),
-    ("n128_causal", dict(lean_item_loop=True)),
-    ("n128_causal_short", dict(lean_item_loop=True)),
-    ("n16_context", dict(lean_item_loop=True)),
-], ids=["queue", "short-unsectioned", "short-grid", "ping-pong", "short-ping-pong", "lean",
-        "short-lean", "context-lean"])
+], ids=["queue", "short-unsectioned", "short-grid", "ping-pong", "short-ping-pong"])
 def test_mosaic_variants_match_reference(case, knobs):
   check_case(case, functools.partial(mosaic_prefill.mla_prefill, **knobs))
 
