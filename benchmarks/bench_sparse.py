@@ -215,10 +215,13 @@ def run_topk(args, t, s):
     knobs = dict(per_lane=default.per_lane, fused_theta=default.fused_theta)
     knobs[name] = not knobs[name]
     if knobs != v2:
-      variants[f"v3, {name}={knobs[name]}"] = knobs
-  # v8: the default's theta with the per-lane threshold kernel in its flat_lanes form.
-  variants["v8, flat_lanes"] = dict(per_lane=True, fused_theta=default.fused_theta,
-                                    flat_lanes=True)
+      variants[f"v3, {name}={knobs[name]}"] = dict(
+          knobs, flat_lanes=knobs["per_lane"] and default.flat_lanes)
+  # v8: the default's theta with the per-lane threshold kernel in the other form than the
+  # default's (flat_lanes, or v3's where that is the default).
+  flat = not (default.per_lane and default.flat_lanes)
+  variants[f"v8, flat_lanes={flat}"] = dict(per_lane=True, fused_theta=default.fused_theta,
+                                            flat_lanes=flat)
   if args.topk_rows:
     variants = {name: knobs for name, knobs in variants.items()
                 if name.split(" ")[0].rstrip(",") in args.topk_rows}

@@ -107,11 +107,14 @@ class TopkConfig:
 # compaction writes them contiguously). Theta fused with the maxima where rows are many (4096 x
 # 32768: 0.838 against 0.925; alone 0.179 against 0.268, the maxima no longer written and read
 # back); at 128 rows, no faster at 32768 (0.059 against 0.0584) and slower at 131072 (0.139 against
-# 0.120: 128 programs each streaming 512 KB).
+# 0.120: 128 programs each streaming 512 KB). v8 (session 13, whole top-k in one run): the
+# per-lane kernel's flat_lanes form 0.102 ms at 128 x 131072 against v3's 0.124 (the kernel alone
+# 40.1 us against 61.9), and at 128 x 32768 0.0658 against the block-wide default's 0.0702 (13.7
+# us against 18.2), so few rows from 32768 positions take it; at 4096 x 32768 1.05 against 0.849.
 DEFAULT = TopkConfig(1024, 4, 1, 8)
-DEFAULT_LONG_ROWS = TopkConfig(1024, 4, 1, 8, per_lane=True)
+DEFAULT_LONG_ROWS = TopkConfig(1024, 4, 1, 8, per_lane=True, flat_lanes=True)
 DEFAULT_MANY_ROWS = TopkConfig(1024, 4, 1, 4, fused_theta=True)
-_LONG_ROW = 32768  # positions past which few rows take DEFAULT_LONG_ROWS
+_LONG_ROW = 32768  # positions from which few rows take DEFAULT_LONG_ROWS
 # The sweep space: the variants `benchmarks/bench_sparse.py --sweep` times (128 x 131072).
 SWEEP = tuple(TopkConfig(*v) for v in [
     (1024, 4, 1, 8, True), (2048, 4, 1, 8, True), (2048, 8, 1, 8, True), (4096, 8, 1, 8, True),
@@ -430,7 +433,7 @@ def default_config(rows: int, positions: int) -> TopkConfig:
   """The chosen config for `rows` rows of `positions` logits."""
   if rows > 2 * sm_count():
     return DEFAULT_MANY_ROWS
-  return DEFAULT_LONG_ROWS if positions > _LONG_ROW else DEFAULT
+  return DEFAULT_LONG_ROWS if positions >= _LONG_ROW else DEFAULT
 
 
 def group_size(num_positions: int, k: int) -> int:

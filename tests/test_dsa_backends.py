@@ -260,6 +260,16 @@ class TestPallasTritonIndexer(IndexerContract):
     assert all(ok for ok, _ in modules.values()), modules
     assert "tt.divisibility = dense<1>" in modules["topk_threshold_flat_lanes"][1]
 
+  @pytest.mark.parametrize("rows,positions,want", [
+      (128, 131072, "DEFAULT_LONG_ROWS"), (128, 32768, "DEFAULT_LONG_ROWS"),
+      (128, 16384, "DEFAULT"), (4096, 32768, "DEFAULT_MANY_ROWS")])
+  def test_default_config(self, rows, positions, want, monkeypatch):
+    # Few rows from 32768 positions take the per-lane kernel in its flat_lanes form (H200,
+    # session 13: faster at 32768 and 131072), many rows the fused theta; the H200's 132 SMs.
+    monkeypatch.setattr(pallas_topk, "sm_count", lambda: 132)
+    assert pallas_topk.default_config(rows, positions) == getattr(pallas_topk, want)
+    assert pallas_topk.DEFAULT_LONG_ROWS.flat_lanes
+
   def test_group_size(self):
     # At least 4k strided groups, G a power of two; V3.2 at 128K and 32K context.
     assert pallas_topk.group_size(131072, 2048) == 16
