@@ -287,7 +287,9 @@ PALLAS_MOSAIC = dataclasses.replace(
 # in wgmma's N (Mosaic's default at N <= 16 since) 1.04-1.10x more: bf16 takes Mosaic from 16 heads.
 # fp8 decode (the "shared_widening" pipeline, session 7): 1.00 ms at N=128 B=128 S=8192 (Triton:
 # 1.94, session 3); at N=16 0.532 ms against Triton's 0.459 (B=128, S=8192; session 12: 0.507 /
-# 0.465, B=32 0.155 / 0.149), so Triton's there.
+# 0.465, B=32 0.155 / 0.149). Session 13 (the "register_a" default at N <= 16), one process, S=8192,
+# Triton / Mosaic ms: N=16 B=128 0.454 / 0.357, B=32 0.133 / 0.108; N=32 B=128 0.537 / 0.486,
+# B=32 0.161 / 0.142: fp8 takes Mosaic from 16 heads too.
 # Sparse attention (RESULTS.md, "DSA sparse attention (pallas_mosaic)", v3: cp.async gather for
 # both caches, T in {128, 4096} x N in {16, 32, 64, 128}): the Mosaic kernel measured faster at
 # every N >= 32, bf16 1.10-1.91x and fp8_ds_mla 1.22-1.81x, and slower at N=16 in all four
@@ -305,7 +307,7 @@ PALLAS_MOSAIC = dataclasses.replace(
 # bf16 in one run: N=16 Triton 0.116 ms, Mosaic 0.107 (1.08x); N=32 0.185 / 0.113. So bf16 takes
 # Mosaic from 16 heads up to 128 tokens (T=4096 at N=16 not re-timed: 0.65x in v3, Triton's).
 _MOSAIC_PREFILL_MIN_TOKENS = CONTEXT_MIN_QUERY_ROWS  # context chunks' windows keep to it
-_MOSAIC_DECODE_MIN_HEADS = {"bfloat16": 16, "float8_e4m3fn": 64}  # by cache dtype_name
+_MOSAIC_DECODE_MIN_HEADS = 16  # bf16 and fp8 caches
 _MOSAIC_SPARSE_MIN_HEADS = {"bfloat16": 32, caches.FP8_DS_MLA: 16}  # by cache dtype_name
 # bf16 below 32 heads: Mosaic from 16 heads where T <= this (measured at 128).
 _MOSAIC_SPARSE_FEW_HEADS = (16, 128)
@@ -337,7 +339,7 @@ def _fastest_decode(q, cache, block_tables, seq_lens, *, scale, kv_lora_rank, nu
   else pallas_triton's."""
   _check_decode(q, cache, block_tables, seq_lens, kv_lora_rank)
   mosaic = (q.dtype == jnp.bfloat16 and cache.dtype_name in ("bfloat16", "float8_e4m3fn")
-            and q.shape[1] >= _MOSAIC_DECODE_MIN_HEADS[cache.dtype_name]
+            and q.shape[1] >= _MOSAIC_DECODE_MIN_HEADS
             and cache.block_size % pallas_mosaic_decode.PAGE_MULTIPLE == 0
             and pallas_mosaic_decode.head_dims_fit(q.shape[2], kv_lora_rank) and _on_hopper())
   decode = PALLAS_MOSAIC.decode if mosaic else PALLAS_TRITON.decode

@@ -23,11 +23,12 @@ the query and page memory once every step is done. An fp8 (e4m3) cache lands in 
 (fp8_pipeline "serial", widening and products take turns), or into two 32-row slots that the
 consumers use 32 tokens a step ("half_pages", widening overlaps the products; 64-byte swizzles,
 220.3 KB; "shared_widening": the same, with warpgroup 1 widening its own value columns); see
-`MosaicDecodeConfig`. With heads_in="n" (N <= 32; the default at N <= 16) a program's 16 or 32
-heads are wgmma's N instead: the consumers compute S^T = K Q^T and O^T = V^T P^T
-(`MosaicDecodeConfig`); there fp8_pipeline "register_a" drops the bf16 slot: the e4m3 pages land in
-a ring of 4 slots (18 + 4 x 36 + 2 KB + the reduction scratch = 166 KB at 16 heads, 188 at 32)
-and the consumers convert their tiles in registers as wgmma's A operand.
+`MosaicDecodeConfig`. With heads_in="n" (N <= 32; the default at N <= 32 for bf16, 16 for fp8) a
+program's 16 or 32 heads are wgmma's N instead: the consumers compute S^T = K Q^T and O^T = V^T
+P^T (`MosaicDecodeConfig`); there fp8_pipeline "register_a" (the fp8 default there) drops the
+bf16 slot: the e4m3 pages land in a ring of 4 slots (18 + 4 x 36 + 2 KB + the reduction scratch =
+166 KB at 16 heads, 188 at 32) and the consumers convert their tiles in registers as wgmma's A
+operand.
 
 `interpret=True` (or an `InterpretGPUParams`) runs the same kernel on the CPU through Mosaic GPU's
 interpreter, which simulates the warpgroups, barriers, bulk copies and wgmma, but not registers,
@@ -103,7 +104,7 @@ class MosaicDecodeConfig:
   "shared_widening" (`default_fp8_pipeline`).
   heads_in, where a program's heads sit in the wgmma shapes (benchmarks/RESULTS.md, "Latent decode
   (pallas_mosaic)", session 12). None (the default) picks from static shapes
-  (`default_heads_in`): "n" at N <= 16 (with an fp8 cache, where its pipeline takes "n"), else
+  (`default_heads_in`): "n" at N <= 32 (16 with an fp8 cache, where its pipeline takes "n"), else
   "m": 64 heads as wgmma's M (N < 64 in the 64-row tile: at N=16 three quarters of every product
   and of the softmax are padding). "n": N <= 32 heads as wgmma's N, padded to 16 or 32
   (`common.heads_tile`; a ValueError above 32), mosaic_sparse's heads_in="n": S^T = K Q^T [64
@@ -119,7 +120,8 @@ class MosaicDecodeConfig:
   its P V of page i while the memory warpgroup widens the other 5 tiles; `HEADS_N_FP8_PIPELINES`),
   or "register_a" (above; "n" only), "half_pages" a ValueError. H200 (session 12), S=8192, N=16,
   ms, "m" / "n" in one process: bf16 B=128 0.309 / 0.296, B=32 0.0994 / 0.0902; fp8
-  ("shared_widening") B=128 0.481 / 0.462, B=32 0.142 / 0.142. 17-32 heads not timed: "m"."""
+  ("shared_widening") B=128 0.481 / 0.462, B=32 0.142 / 0.142; session 13, bf16 N=32: B=128
+  0.301 / 0.297, B=32 0.100 / 0.0954."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -142,18 +144,20 @@ class MosaicDecodeConfig:
       raise ValueError(f"heads_in must be None or one of {HEADS_IN}, got {self.heads_in!r}")
 
 
-HEADS_N_DEFAULT_MAX = 16  # heads_in=None runs "n" up to this many heads (timed at 16)
+# heads_in=None runs "n" up to this many heads, by cache: bf16 1.01-1.10x "m" at 16 and 32 heads
+# (sessions 12, 13); fp8 at 32 heads equal ("register_a" 0.493 ms, "m" 0.490, session 13).
+HEADS_N_DEFAULT_MAX = {False: 32, True: 16}  # by fp8
 
 
 def default_heads_in(num_heads: int, fp8: bool, fp8_pipeline: str | None) -> str:
   """The heads_in that heads_in=None runs (static shapes only): "n" at N <= HEADS_N_DEFAULT_MAX
-  (with an fp8 cache where fp8_pipeline takes it, `HEADS_N_FP8_PIPELINES`, or is None), else
-  "m"; an fp8 cache with fp8_pipeline="register_a", which has no "m" form, "n". Timings in
-  `MosaicDecodeConfig`."""
+  (32 for bf16, 16 for fp8; with an fp8 cache where fp8_pipeline takes it,
+  `HEADS_N_FP8_PIPELINES`, or is None), else "m"; an fp8 cache with fp8_pipeline="register_a",
+  which has no "m" form, "n". Timings in `MosaicDecodeConfig`."""
   if fp8 and fp8_pipeline == "register_a":
     return "n"
   takes_n = not fp8 or fp8_pipeline is None or fp8_pipeline in HEADS_N_FP8_PIPELINES
-  return "n" if num_heads <= HEADS_N_DEFAULT_MAX and takes_n else "m"
+  return "n" if num_heads <= HEADS_N_DEFAULT_MAX[fp8] and takes_n else "m"
 
 
 def default_fp8_pipeline(heads_in: str) -> str:
@@ -621,7 +625,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   row's result is bit-identical in any batch and with any table width (batch-invariant mode).
   fp8_pipeline: how an fp8 cache's pages are widened (one of FP8_PIPELINES, see
   `MosaicDecodeConfig`; None: `default_fp8_pipeline`; a bf16 cache ignores it). heads_in:
-  `MosaicDecodeConfig`'s (None: `default_heads_in`, "n" at N <= 16; "n": N <= 32 heads as
+  `MosaicDecodeConfig`'s (None: `default_heads_in`, "n" at N <= 32, fp8 16; "n": N <= 32 heads as
   wgmma's N, with an fp8 cache with fp8_pipeline "serial", "shared_widening" or "register_a",
   the last with "n" only).
   interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns

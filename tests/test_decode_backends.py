@@ -379,7 +379,9 @@ class TestPallasMosaicDecodeHeadsN(_MosaicDecodeKnob):
       (16, jnp.bfloat16, "shared_widening", "n"), (8, jnp.bfloat16, "shared_widening", "n"),
       (16, jnp.float8_e4m3fn, "shared_widening", "n"), (16, jnp.float8_e4m3fn, "serial", "n"),
       (16, jnp.float8_e4m3fn, "half_pages", "m"),  # its 32-token steps cannot be S^T's rows
-      (20, jnp.bfloat16, "shared_widening", "m"), (32, jnp.float8_e4m3fn, "serial", "m"),
+      # bf16 up to 32 heads (session 13: 1.01-1.05x at 32).
+      (20, jnp.bfloat16, None, "n"), (32, jnp.bfloat16, None, "n"),
+      (32, jnp.float8_e4m3fn, "serial", "m"),
       # The default pipeline (None): "register_a" in N (session 13: 1.23-1.27x at 16 heads, equal
       # to "m" with "shared_widening" at 32).
       (16, jnp.float8_e4m3fn, None, "n"), (32, jnp.float8_e4m3fn, None, "m")])
