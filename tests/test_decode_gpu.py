@@ -23,8 +23,8 @@ from pallas_kernels.common import BATCH_INVARIANT_SPLIT_TOKENS
 pytestmark = pytest.mark.gpu
 
 def _pallas_default(q, kv_cache, tables, lens, *, k_scale=None, **kwargs):
-  """The GPU default backend over `kv_cache` as a LatentCache: Mosaic from 64 heads on a bf16
-  cache (on Hopper), else Triton."""
+  """The GPU default backend over `kv_cache` as a LatentCache: Mosaic from 16 heads (on Hopper),
+  else Triton."""
   cache = LatentCache(kv_cache, jnp.float32(1.0 if k_scale is None else k_scale))
   return get_backend("pallas").decode(q, cache, tables, lens, kv_lora_rank=512, **kwargs)
 
@@ -75,11 +75,13 @@ def test_matches_reference(kernel, seed, batch, max_len, n, cache_dtype, splits)
                      functools.partial(KERNELS[kernel], num_kv_splits=splits))
 
 
-def check_serving_case(seed, batch, max_len, n, cache_dtype, decode):
+def check_serving_case(seed, batch, max_len, n, cache_dtype, decode, q_scale=None):
   """decode(q, cache, tables, lens, scale=, k_scale=) on a serving-size case against the XLA
-  reference, the output buffers poisoned first."""
+  reference, the output buffers poisoned first; q_scale [batch] multiplies each row's q."""
   q, cache, tables, lens = serving_case(seed, batch=batch, max_len=max_len, n=n,
                                         cache_dtype=cache_dtype)
+  if q_scale is not None:
+    q = (q * q_scale[:, None, None]).astype(q.dtype)
   k_scale = jnp.float32(FP8_SCALE) if jnp.dtype(cache_dtype) == jnp.float8_e4m3fn else None
   ref = jax.jit(reference.latent_decode, static_argnames=("scale", "kv_lora_rank"))
   ref_o, ref_lse = (np.asarray(a, np.float64) for a in
@@ -134,6 +136,14 @@ def test_register_a_matches_reference(seed, batch, max_len, n, splits, fixed):
   check_serving_case(seed, batch, max_len, n, jnp.float8_e4m3fn, functools.partial(
       mosaic_decode.latent_decode, num_kv_splits=splits, heads_in="n",
       fp8_pipeline="register_a", **fixed))
+
+
+def test_register_a_queries_past_f16_range():
+  # The f16 queries of register_a (the fp8 default at 16 heads): rows past f16's 65504 run scaled
+  # by a power of two, scaled back in the kernel's score scale.
+  q_scale = jnp.where(jnp.arange(32) % 3 == 0, 2.0 ** 15, 1.0)
+  check_serving_case(11, 32, 4096, 16, jnp.float8_e4m3fn, functools.partial(
+      mosaic_decode.latent_decode, heads_in="n", fp8_pipeline="register_a"), q_scale=q_scale)
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
