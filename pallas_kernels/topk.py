@@ -64,6 +64,7 @@ _THETA_BITS = 16
 _THETA_WARPS = 8  # spread the 8K-16K register-resident maxima at 32-64 a thread
 _MAXIMA_TILE = 8192  # positions a maxima program reads: G rows of tile / G groups
 _HALVED_MIN = 512  # candidate lists from this size get a half-width select path too
+_SECTOR = 8  # positions a sector maximum covers (v9): 32 bytes of logits, one DRAM sector
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,15 +84,22 @@ class TopkConfig:
   # shared-memory conversion or barrier a chunk), each chunk loaded a step before its keys are
   # formed, the slots moved by a loop to the fullest lane's count (registers for one slot, not all).
   flat_lanes: bool = False
+  # v9: the maxima kernel also writes each 8-position sector's maximum (`_sector_maxima_kernel`),
+  # and the threshold kernel reads only the sectors whose maximum reaches theta
+  # (`_sector_threshold_kernel`): ~14% of them on random rows at 131072 positions.
+  sectors: bool = False
 
   def __post_init__(self):
     check_triton_config(self, ("chunk",))
     check_pow2("select_warps", self.select_warps)
-    for name in ("per_lane", "fused_theta", "flat_lanes"):
+    for name in ("per_lane", "fused_theta", "flat_lanes", "sectors"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.flat_lanes and not self.per_lane:
       raise ValueError("flat_lanes is a form of the per-lane threshold kernel: it needs per_lane")
+    if self.sectors and (self.per_lane or self.fused_theta):
+      raise ValueError("sectors is a threshold kernel of its own after the separate maxima and "
+                       "theta kernels: it takes neither per_lane nor fused_theta")
 
 
 # The chosen configs, from H200 sweeps of each kernel alone (benchmarks/RESULTS.md, "DSA
@@ -355,6 +363,94 @@ def _lane_threshold_kernel(theta_ref, logits_ref, len_ref, slot_key_ref, slot_po
                               filled.sum())
 
 
+def _sector_maxima_kernel(logits_ref, len_ref, max_ref, sec_ref, *, groups, m8, masked):
+  # `_maxima_kernel` for v9 (`sectors`): the groups are {j, j + m8, j + 2 m8, ...} with m8 a
+  # multiple of 8, so each of the tile's G rows of w positions is w / 8 whole sectors, whose
+  # maxima come from the same load. logits_ref [T, S] f32; len_ref [T] int32; max_ref [w / 8, 8]
+  # int32 (row t's maxima of groups c*w ... c*w + w - 1, INT_MIN past m8); sec_ref [G, w / 8]
+  # int32 (entry [g, j]: the maximum of positions g*m8 + c*w + 8j ... + 7). masked: a tile can
+  # reach past the row's S positions or its m8 groups (else the load takes no mask, only static
+  # offsets).
+  t, c = pl.program_id(0), pl.program_id(1)
+  s = logits_ref.shape[1]
+  sectors = max_ref.shape[0]
+  g = jnp.arange(groups, dtype=jnp.int32)[:, None, None]
+  j = jnp.arange(sectors, dtype=jnp.int32)[None, :, None]
+  col = c * (sectors * _SECTOR) + j * _SECTOR + jnp.arange(_SECTOR, dtype=jnp.int32)
+  pos = g * m8 + col  # [G, w / 8, 8]
+  inside = pos < jnp.clip(len_ref[t], 0, s)
+  if masked:
+    in_row = (col < m8) & (pos < s)
+    x = plgpu.load(logits_ref.at[t, pos], mask=in_row, other=-jnp.inf)
+    inside &= in_row
+  else:
+    x = plgpu.load(logits_ref.at[t, pos])
+  keys = _keys(x, inside)
+  max_ref[...] = keys.max(axis=0)
+  sec_ref[...] = keys.max(axis=2)
+
+
+def _sector_threshold_kernel(theta_ref, sec_ref, logits_ref, len_ref, ids_ref, cand_key_ref,
+                             cand_pos_ref, count_ref, *, chunk, span, m8, row_sectors,
+                             interpret):
+  # v9's threshold (`sectors`): a position can reach theta only inside a sector whose maximum
+  # does, so program p of row t reads its span of the row's sector maxima, keeps the sectors that
+  # reach theta, and reads the logits of those only. theta_ref [T] int32; sec_ref [G * w8] int32
+  # (this row's sector maxima, w8 = row_sectors: sector f covers positions (f // w8) * m8 +
+  # 8 (f % w8) ... + 7); logits_ref [T, S] f32; len_ref [T] int32; ids_ref [>= span] int32 (this
+  # program's scratch: the first positions of its kept sectors); cand_key_ref, cand_pos_ref [cap]
+  # int32 (its places in the row's candidate list, as `_threshold_kernel`'s); count_ref [T, P]
+  # int32 (candidates per row and program, counted past cap).
+  t, p = pl.program_id(0), pl.program_id(1)
+  cap, bound = cand_key_ref.shape[0], ids_ref.shape[0]
+  theta = theta_ref[t]
+  length = jnp.clip(len_ref[t], 0, logits_ref.shape[1])
+  lane = jnp.arange(chunk, dtype=jnp.int32)
+  first = p * span
+  last = jnp.minimum(first + span, sec_ref.shape[0])
+  shift = row_sectors.bit_length() - 1
+
+  # 1. Its sectors that reach theta, chunk a step: their first positions, in order, to ids_ref.
+  def sector_max(i):
+    f = first + i * chunk + lane
+    return plgpu.load(sec_ref.at[f], mask=f < last, other=_INT_MIN), f
+
+  def keep_sectors(i, carry):
+    (smax, f), n = carry
+    nxt = sector_max(i + 1)
+    dst, taken = _compact((smax >= theta) & (smax > _INT_MIN), n, bound)
+    start = lax.shift_right_logical(f, shift) * m8 + (f & (row_sectors - 1)) * _SECTOR
+    plgpu.store(ids_ref.at[dst], start, mask=dst < bound)
+    return nxt, n + taken
+
+  _, n = lax.fori_loop(0, pl.cdiv(jnp.maximum(last - first, 0), chunk), keep_sectors,
+                       (sector_max(0), jnp.int32(0)))
+  # The kept sectors are read back by other threads than wrote them (as the per-lane slots).
+  if not interpret:
+    plgpu.debug_barrier()
+
+  # 2. Their positions, chunk / 8 sectors a step (lane l: position l % 8 of kept sector l // 8),
+  # compacted as `_threshold_kernel` does; each step's logits loaded a step ahead.
+  def sector_logits(i):
+    idx = i * chunk + lane
+    pos = plgpu.load(ids_ref.at[idx // _SECTOR], mask=idx < n * _SECTOR, other=0) + idx % _SECTOR
+    inside = (idx < n * _SECTOR) & (pos < length)
+    return plgpu.load(logits_ref.at[t, pos], mask=inside, other=-jnp.inf), pos
+
+  def keep_positions(i, carry):
+    x, pos, count = carry
+    nxt = sector_logits(i + 1)
+    key = _keys(x, (i * chunk + lane < n * _SECTOR) & (pos < length))
+    dst, taken = _compact((key >= theta) & (key > _INT_MIN), count, cap)
+    plgpu.store(cand_key_ref.at[dst], key, mask=dst < cap)
+    plgpu.store(cand_pos_ref.at[dst], pos, mask=dst < cap)
+    return *nxt, count + taken
+
+  count = lax.fori_loop(0, pl.cdiv(n * _SECTOR, chunk), keep_positions,
+                        (*sector_logits(0), jnp.int32(0)))[2]
+  count_ref[t, p] = count
+
+
 def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref, len_ref, out_ref,
                    *, k, chunk, fill):
   # theta_ref [T] int32; cand_key_ref, cand_pos_ref [P * cap] int32 (this row's segments' places);
@@ -503,6 +599,31 @@ def fused_row_theta(logits: jax.Array, seq_lens: jax.Array, topk: int, groups: i
   )(logits, seq_lens)
 
 
+def sector_maxima(logits: jax.Array, seq_lens: jax.Array, groups: int, m8: int, width: int, *,
+                  tile: int = _MAXIMA_TILE, num_warps: int = 4,
+                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+  """v9's step 1: int32 [T, width], the maxima of the groups {j, j + m8, ...} of each row's keys
+  (INT_MIN past m8; m8 a multiple of 8, groups * m8 >= S, width a power of two >= m8), and int32
+  [T, groups * width / 8], the maxima of the groups' rows' 8-position sectors: sector f of a row
+  covers positions (f // (width / 8)) * m8 + 8 (f % (width / 8)) ... + 7 (INT_MIN past m8)."""
+  t, s = logits.shape
+  tile = min(width, max(16, tile // groups))
+  maxima, sectors = pl.pallas_call(
+      functools.partial(_sector_maxima_kernel, groups=groups, m8=m8,
+                        masked=groups * m8 != s or m8 != width),
+      grid=(t, width // tile),
+      in_specs=[_whole(logits), _whole(seq_lens)],
+      out_specs=[pl.BlockSpec((None, tile // _SECTOR, _SECTOR), lambda i, c: (i, c, 0)),
+                 pl.BlockSpec((None, groups, tile // _SECTOR), lambda i, c: (i, 0, c))],
+      out_shape=[jax.ShapeDtypeStruct((t, width // _SECTOR, _SECTOR), jnp.int32),
+                 jax.ShapeDtypeStruct((t, groups, width // _SECTOR), jnp.int32)],
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=interpret,
+      name="topk_sector_maxima",
+  )(logits, seq_lens)
+  return maxima.reshape(t, width), sectors.reshape(t, groups * width // _SECTOR)
+
+
 def threshold_segments(num_rows: int, num_positions: int, chunk: int) -> tuple[int, int]:
   """(segments a row, positions a segment): rows split until the grid holds ~4 programs per SM,
   each segment at least 4 chunks long."""
@@ -553,6 +674,35 @@ def threshold_candidates(theta: jax.Array, logits: jax.Array, seq_lens: jax.Arra
   return tuple(out[-3:])
 
 
+def sector_candidates(theta: jax.Array, sector_max: jax.Array, logits: jax.Array,
+                      seq_lens: jax.Array, m8: int, cap: int, chunk: int,
+                      params: plgpu.CompilerParams, *,
+                      interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """v9's step 3 (`TopkConfig.sectors`), from `sector_maxima`'s sectors (the row's groups rows of
+  sector_max.shape[1] / groups sectors; m8 as there): as `threshold_candidates`, P programs a row
+  (`threshold_segments`), each over a span of the row's sectors instead of positions."""
+  t, s = logits.shape
+  num_sectors = sector_max.shape[1]
+  segments = threshold_segments(t, s, chunk)[0]
+  span = pl.cdiv(num_sectors, segments)
+  places = lambda width: pl.BlockSpec((None, width), lambda i, p: (i, p))
+  out = pl.pallas_call(
+      functools.partial(_sector_threshold_kernel, chunk=chunk, span=span, m8=m8,
+                        row_sectors=next_pow2(m8) // _SECTOR, interpret=interpret),
+      grid=(t, segments),
+      in_specs=[_whole(theta), _row(num_sectors), _whole(logits), _whole(seq_lens)],
+      out_specs=[places(next_pow2(span))] + [places(cap)] * 2 + [
+          pl.BlockSpec((t, segments), lambda i, p: (0, 0))],
+      out_shape=[jax.ShapeDtypeStruct((t, segments * next_pow2(span)), jnp.int32)] + [
+          jax.ShapeDtypeStruct((t, segments * cap), jnp.int32)] * 2 + [
+          jax.ShapeDtypeStruct((t, segments), jnp.int32)],
+      compiler_params=params,
+      interpret=interpret,
+      name="topk_sector_threshold",
+  )(theta, sector_max, logits, seq_lens)
+  return tuple(out[1:])
+
+
 def select_positions(theta: jax.Array, cand_keys: jax.Array, cand_pos: jax.Array,
                      counts: jax.Array, logits: jax.Array, seq_lens: jax.Array, topk: int,
                      chunk: int, params: plgpu.CompilerParams, *,
@@ -575,22 +725,22 @@ def select_positions(theta: jax.Array, cand_keys: jax.Array, cand_pos: jax.Array
 
 @functools.partial(jax.jit, static_argnames=("topk", "chunk", "num_warps", "num_stages",
                                              "select_warps", "per_lane", "fused_theta",
-                                             "flat_lanes", "interpret"))
+                                             "flat_lanes", "sectors", "interpret"))
 def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None,
                    select_warps: int | None = None, per_lane: bool | None = None,
                    fused_theta: bool | None = None, flat_lanes: bool | None = None,
-                   interpret: bool = False) -> jax.Array:
+                   sectors: bool | None = None, interpret: bool = False) -> jax.Array:
   """Top-`topk` positions of each row within its window (semantics of
   `mla_jax.reference.topk_positions`): logits [T, S] float32, seq_lens [T] int32 (row t sees
   s < seq_lens[t]) -> int32 [T, topk], -1 padded, in no particular order; of positions tied at the
   k-th largest value, the lowest. chunk, num_warps, num_stages, select_warps, per_lane,
-  fused_theta, flat_lanes: `TopkConfig`'s (None: `default_config`'s).
+  fused_theta, flat_lanes, sectors: `TopkConfig`'s (None: `default_config`'s).
   """
   check_topk_args(logits, seq_lens, topk)
   config = with_overrides(default_config(*logits.shape), chunk=chunk, num_warps=num_warps,
                           num_stages=num_stages, select_warps=select_warps, per_lane=per_lane,
-                          fused_theta=fused_theta, flat_lanes=flat_lanes)
+                          fused_theta=fused_theta, flat_lanes=flat_lanes, sectors=sectors)
   t, s = logits.shape
   if t == 0 or s == 0:
     return jnp.full((t, topk), -1, jnp.int32)
@@ -599,15 +749,26 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: 
   g = group_size(s, topk)
   width = next_pow2(-(-s // g))
   cap = next_pow2(min(_CAP_PER_K * topk, s))
-  if config.fused_theta:
+  if config.sectors:
+    m8 = pl.cdiv(pl.cdiv(s, g), _SECTOR) * _SECTOR  # groups {j, j + m8, ...}: whole sectors
+    maxima, sector_max = sector_maxima(logits, seq_lens, g, m8, next_pow2(m8),
+                                       interpret=interpret)
+  elif config.fused_theta:
     theta = fused_row_theta(logits, seq_lens, topk, g, width, params(_THETA_WARPS),
                             interpret=interpret)
   else:
     maxima = group_maxima(logits, seq_lens, g, width, interpret=interpret)
+  if not config.fused_theta:
     theta = row_theta(maxima, topk, params(_THETA_WARPS), interpret=interpret)
-  slots = lane_slots(cap, threshold_segments(t, s, chunk)[0], chunk) if config.per_lane else 0
-  cand_keys, cand_pos, counts = threshold_candidates(theta, logits, seq_lens, cap, chunk,
-                                                     params(config.num_warps), slots=slots,
-                                                     flat=config.flat_lanes, interpret=interpret)
+  if config.sectors:
+    cand_keys, cand_pos, counts = sector_candidates(theta, sector_max, logits, seq_lens, m8, cap,
+                                                    chunk, params(config.num_warps),
+                                                    interpret=interpret)
+  else:
+    slots = lane_slots(cap, threshold_segments(t, s, chunk)[0], chunk) if config.per_lane else 0
+    cand_keys, cand_pos, counts = threshold_candidates(theta, logits, seq_lens, cap, chunk,
+                                                       params(config.num_warps), slots=slots,
+                                                       flat=config.flat_lanes,
+                                                       interpret=interpret)
   return select_positions(theta, cand_keys, cand_pos, counts, logits, seq_lens, topk, chunk,
                           params(config.select_warps), interpret=interpret)

@@ -88,17 +88,21 @@ class TestPallasTritonSparseAttention(SparseAttentionContract):
                      cache, slots)
 
 
+# v9's knobs at any shape (the sector filter takes neither of the defaults' other choices).
+SECTORS = {"sectors": True, "per_lane": False, "fused_theta": False}
+
+
 class TestPallasTritonIndexer(IndexerContract):
   backend = "pallas_triton"
 
   def topk_variants(self):
     # The contract's small rows take the block-wide threshold and separate maxima and theta
-    # kernels; the per-lane threshold (few long rows), its v8 form (`flat_lanes`) and the fused
-    # theta (many rows) too.
+    # kernels; the per-lane threshold (few long rows), its v8 form (`flat_lanes`), the fused
+    # theta (many rows) and v9's sector filter (`sectors`) too.
     return super().topk_variants() + [
         functools.partial(pallas_topk.topk_positions, interpret=True, **knobs)
         for knobs in ({"per_lane": True}, {"per_lane": True, "flat_lanes": True},
-                      {"fused_theta": True})]
+                      {"fused_theta": True}, SECTORS)]
 
   @pytest.mark.parametrize("dtype,widen_fp8", [(jnp.bfloat16, False), (jnp.float8_e4m3fn, True)])
   def test_chunks_and_steps_match_reference(self, dtype, widen_fp8):
@@ -135,8 +139,8 @@ class TestPallasTritonIndexer(IndexerContract):
       pallas_indexer.indexer_logits(**change(args), interpret=True)
 
   @pytest.mark.parametrize("variant", [
-      {}, {"per_lane": True}, {"per_lane": True, "flat_lanes": True}, {"fused_theta": True}],
-      ids=["default", "per_lane", "flat_lanes", "fused_theta"])
+      {}, {"per_lane": True}, {"per_lane": True, "flat_lanes": True}, {"fused_theta": True},
+      SECTORS], ids=["default", "per_lane", "flat_lanes", "fused_theta", "sectors"])
   def test_topk_segments_ties_and_overflow_match_reference(self, variant):
     # Small chunks split rows into several segments that claim candidate places concurrently;
     # row 1's ties overflow the candidate list (the slow exact path); row 3 mixes signs and
@@ -145,8 +149,9 @@ class TestPallasTritonIndexer(IndexerContract):
     # values at 4 of the 8 members of its strided group (G = 8), so 256-512 candidates (past half
     # the 512-entry list: the full-width select) tie in fours. Variants: the default for these
     # rows (block-wide threshold, separate maxima and theta kernels), the per-lane threshold (long
-    # rows' default), its v8 form (`flat_lanes`) and theta fused with the maxima (many rows'
-    # default).
+    # rows' default), its v8 form (`flat_lanes`), theta fused with the maxima (many rows'
+    # default) and v9's sector filter (`sectors`: groups of m8 = 632, so row 5's repeats fall in
+    # different groups and its ~100 candidates take the half-width select).
     rng = np.random.default_rng(6)
     logits = rng.standard_normal((6, 5000)).astype(np.float32)
     logits[5] = np.where(np.arange(5000) // 625 < 4, np.tile(logits[5, :625], 8), -10)
@@ -165,6 +170,14 @@ class TestPallasTritonIndexer(IndexerContract):
     assert min(kth, 1500) in got[4] and not np.isin([2000, 3100, 4900], got[4]).any()
     # The rows' candidate counts: row 1 past the list (the row path), row 5 past half of it.
     params = pallas_topk.plgpu.CompilerParams(num_warps=4, num_stages=1)
+    if variant.get("sectors"):
+      maxima, sectors = pallas_topk.sector_maxima(jnp.asarray(logits), lens, 8, 632, 1024,
+                                                  interpret=True)
+      theta = pallas_topk.row_theta(maxima, 100, params, interpret=True)
+      counts = pallas_topk.sector_candidates(theta, sectors, jnp.asarray(logits), lens, 632, 512,
+                                             256, params, interpret=True)[2].sum(axis=1)
+      assert counts[1] > 512, counts
+      return
     maxima = pallas_topk.group_maxima(jnp.asarray(logits), lens, 8, 1024, interpret=True)
     theta = pallas_topk.row_theta(maxima, 100, params, interpret=True)
     slots = 8 if variant.get("per_lane") else 0
@@ -213,6 +226,75 @@ class TestPallasTritonIndexer(IndexerContract):
                                                   interpret=True))
     for i in range(2):
       assert set(got[i].tolist()) == lowest_index_topk(logits[i], int(lens[i]), 100), i
+
+  @pytest.mark.parametrize("t,s,k,chunk", [(5, 1000, 32, 64), (4, 2048, 64, 64),
+                                            (2, 40000, 64, 16)],
+                           ids=["masked", "unmasked", "spans"])
+  def test_sector_candidates_are_the_positions_reaching_theta(self, t, s, k, chunk):
+    # v9 (`sectors`), each kernel against numpy. "masked": S = 1000 with G = 4 groups of m8 = 256
+    # (the maxima load masked past S), rows: 100 ties at the top (~100 candidates, the k-th's ties
+    # bisected), empty, 997 long (not whole sectors; NaN past it), all equal (each of its 4
+    # programs' candidates past cap: the row path), 20 long (fewer than k: every position a
+    # candidate). "unmasked": S = 2048 = G x m8 (no mask on the load), rows full, 2047 long, empty,
+    # 40 long. "spans": 264 programs a row of 32 sectors, 2 steps of 16 each (the others take
+    # one).
+    rng = np.random.default_rng(10)
+    logits = rng.standard_normal((t, s)).astype(np.float32)
+    lens = np.full(t, s, np.int32)
+    if s == 1000:
+      logits[0, :100] = 5.0
+      logits[3] = 1.5
+      lens[1:5] = [0, 997, 1000, 20]
+    elif s == 2048:
+      lens[1:4] = [2047, 0, 40]
+    else:
+      lens[1] = s - 1
+    logits[np.arange(s) >= lens[:, None]] = np.nan  # never a candidate
+    x, lens_j = jnp.asarray(logits), jnp.asarray(lens)
+    g = pallas_topk.group_size(s, k)
+    m8 = -(-(-(-s // g)) // 8) * 8  # cdiv(S, G) rounded up to whole sectors
+    width = pallas_topk.next_pow2(m8)
+    w8 = width // 8
+    maxima, sectors = pallas_topk.sector_maxima(x, lens_j, g, m8, width, interpret=True)
+    bits = logits.view(np.int32)
+    keys = np.where(np.arange(s) < lens[:, None], bits ^ ((bits >> 31) & 0x7FFFFFFF), -2 ** 31)
+    padded = np.pad(keys, ((0, 0), (0, g * m8 - s)), constant_values=-2 ** 31)
+    grouped = padded.reshape(t, g, m8)
+    np.testing.assert_array_equal(maxima, np.pad(grouped.max(axis=1), ((0, 0), (0, width - m8)),
+                                                 constant_values=-2 ** 31))
+    want_sectors = np.pad(grouped.reshape(t, g, m8 // 8, 8).max(axis=3),
+                          ((0, 0), (0, 0), (0, w8 - m8 // 8)), constant_values=-2 ** 31)
+    np.testing.assert_array_equal(sectors, want_sectors.reshape(t, g * w8))
+    params = pallas_topk.plgpu.CompilerParams(num_warps=4, num_stages=1)
+    theta = np.asarray(pallas_topk.row_theta(maxima, k, params, interpret=True))
+    cap = pallas_topk.next_pow2(min(4 * k, s))
+    cand_keys, cand_pos, counts = (np.asarray(a) for a in pallas_topk.sector_candidates(
+        jnp.asarray(theta), sectors, x, lens_j, m8, cap, chunk, params, interpret=True))
+    programs = pallas_topk.threshold_segments(t, s, chunk)[0]
+    span = -(-g * w8 // programs)
+    assert counts.shape == (t, programs)
+    overflowed = 0
+    for i, p in np.ndindex(t, programs):
+      f = np.arange(p * span, min((p + 1) * span, g * w8))
+      f = f[f % w8 < m8 // 8]
+      pos = ((f // w8) * m8 + (f % w8) * 8)[:, None] + np.arange(8)
+      pos = pos[pos < s]
+      want = pos[(keys[i, pos] >= theta[i]) & (keys[i, pos] > -2 ** 31)]
+      assert counts[i, p] == len(want), (i, p)
+      if len(want) > cap:
+        overflowed += 1
+        continue
+      got = cand_pos[i, p * cap:p * cap + len(want)]
+      np.testing.assert_array_equal(np.sort(got), np.sort(want))
+      np.testing.assert_array_equal(cand_keys[i, p * cap:p * cap + len(want)], keys[i, got])
+    assert overflowed == (4 if s == 1000 else 0), overflowed  # row 3 of "masked" only
+    got = np.asarray(pallas_topk.select_positions(jnp.asarray(theta), jnp.asarray(cand_keys),
+                                                  jnp.asarray(cand_pos), jnp.asarray(counts), x,
+                                                  lens_j, k, chunk, params, interpret=True))
+    for i in range(t):
+      g_i = got[i][got[i] >= 0]
+      assert len(g_i) == min(k, lens[i]) and (got[i][len(g_i):] == -1).all(), i
+      assert set(g_i.tolist()) == lowest_index_topk(logits[i], int(lens[i]), k), i
 
   def test_group_maxima_match_xla(self):
     # Rows of several lengths (one empty, one not a multiple of anything), G = 4 strided groups;
