@@ -378,14 +378,11 @@ def _sector_maxima_kernel(logits_ref, len_ref, max_ref, sec_ref, *, groups, m8, 
   j = jnp.arange(sectors, dtype=jnp.int32)[None, :, None]
   col = c * (sectors * _SECTOR) + j * _SECTOR + jnp.arange(_SECTOR, dtype=jnp.int32)
   pos = g * m8 + col  # [G, w / 8, 8]
-  inside = pos < jnp.clip(len_ref[t], 0, s)
-  if masked:
-    in_row = (col < m8) & (pos < s)
-    x = plgpu.load(logits_ref.at[t, pos], mask=in_row, other=-jnp.inf)
-    inside &= in_row
+  if masked:  # -inf past m8 or S: INT_MIN keys
+    x = plgpu.load(logits_ref.at[t, pos], mask=(col < m8) & (pos < s), other=-jnp.inf)
   else:
     x = plgpu.load(logits_ref.at[t, pos])
-  keys = _keys(x, inside)
+  keys = _keys(x, pos < jnp.clip(len_ref[t], 0, s))
   max_ref[...] = keys.max(axis=0)
   sec_ref[...] = keys.max(axis=2)
 
@@ -440,7 +437,7 @@ def _sector_threshold_kernel(theta_ref, sec_ref, logits_ref, len_ref, ids_ref, c
   def keep_positions(i, carry):
     x, pos, count = carry
     nxt = sector_logits(i + 1)
-    key = _keys(x, (i * chunk + lane < n * _SECTOR) & (pos < length))
+    key = _keys(x, True)  # -inf where not loaded: INT_MIN
     dst, taken = _compact((key >= theta) & (key > _INT_MIN), count, cap)
     plgpu.store(cand_key_ref.at[dst], key, mask=dst < cap)
     plgpu.store(cand_pos_ref.at[dst], pos, mask=dst < cap)

@@ -228,7 +228,7 @@ class TestPallasTritonIndexer(IndexerContract):
       assert set(got[i].tolist()) == lowest_index_topk(logits[i], int(lens[i]), 100), i
 
   @pytest.mark.parametrize("t,s,k,chunk", [(5, 1000, 32, 64), (4, 2048, 64, 64),
-                                            (2, 40000, 64, 16)],
+                                            (3, 40000, 64, 16)],
                            ids=["masked", "unmasked", "spans"])
   def test_sector_candidates_are_the_positions_reaching_theta(self, t, s, k, chunk):
     # v9 (`sectors`), each kernel against numpy. "masked": S = 1000 with G = 4 groups of m8 = 256
@@ -236,8 +236,10 @@ class TestPallasTritonIndexer(IndexerContract):
     # bisected), empty, 997 long (not whole sectors; NaN past it), all equal (each of its 4
     # programs' candidates past cap: the row path), 20 long (fewer than k: every position a
     # candidate). "unmasked": S = 2048 = G x m8 (no mask on the load), rows full, 2047 long, empty,
-    # 40 long. "spans": 264 programs a row of 32 sectors, 2 steps of 16 each (the others take
-    # one).
+    # 40 long. "spans": 167 programs a row of 50 sectors, 4 steps of 16 each (the others take
+    # one); G = 128 groups of m8 = 320 in rows of 512 (sectors past m8 are padding); rows full,
+    # 39999 long, 40 finite positions among -inf (fewer than k: theta INT_MIN, and no padding
+    # sector may stand for positions of the next group row).
     rng = np.random.default_rng(10)
     logits = rng.standard_normal((t, s)).astype(np.float32)
     lens = np.full(t, s, np.int32)
@@ -249,7 +251,12 @@ class TestPallasTritonIndexer(IndexerContract):
       lens[1:4] = [2047, 0, 40]
     else:
       lens[1] = s - 1
-    logits[np.arange(s) >= lens[:, None]] = np.nan  # never a candidate
+      logits[2, rng.permutation(s)[40:]] = -np.inf
+    # A row ending inside a sector has its largest visible value there (so the sector is read);
+    # past the lengths: never a candidate (NaN, or larger values).
+    ends = np.flatnonzero((lens % 8 > 0) & (lens < s))
+    logits[ends, lens[ends] - 1] = 9.0
+    logits[np.arange(s) >= lens[:, None]] = np.nan if s == 1000 else 10.0
     x, lens_j = jnp.asarray(logits), jnp.asarray(lens)
     g = pallas_topk.group_size(s, k)
     m8 = -(-(-(-s // g)) // 8) * 8  # cdiv(S, G) rounded up to whole sectors
@@ -257,7 +264,8 @@ class TestPallasTritonIndexer(IndexerContract):
     w8 = width // 8
     maxima, sectors = pallas_topk.sector_maxima(x, lens_j, g, m8, width, interpret=True)
     bits = logits.view(np.int32)
-    keys = np.where(np.arange(s) < lens[:, None], bits ^ ((bits >> 31) & 0x7FFFFFFF), -2 ** 31)
+    selectable = (np.arange(s) < lens[:, None]) & (logits > -np.inf)  # NaN: False
+    keys = np.where(selectable, bits ^ ((bits >> 31) & 0x7FFFFFFF), -2 ** 31)
     padded = np.pad(keys, ((0, 0), (0, g * m8 - s)), constant_values=-2 ** 31)
     grouped = padded.reshape(t, g, m8)
     np.testing.assert_array_equal(maxima, np.pad(grouped.max(axis=1), ((0, 0), (0, width - m8)),
@@ -292,9 +300,9 @@ class TestPallasTritonIndexer(IndexerContract):
                                                   jnp.asarray(cand_pos), jnp.asarray(counts), x,
                                                   lens_j, k, chunk, params, interpret=True))
     for i in range(t):
-      g_i = got[i][got[i] >= 0]
-      assert len(g_i) == min(k, lens[i]) and (got[i][len(g_i):] == -1).all(), i
-      assert set(g_i.tolist()) == lowest_index_topk(logits[i], int(lens[i]), k), i
+      g_i, want = got[i][got[i] >= 0], lowest_index_topk(logits[i], int(lens[i]), k)
+      assert len(g_i) == len(want) and (got[i][len(g_i):] == -1).all(), i
+      assert set(g_i.tolist()) == want, i
 
   def test_group_maxima_match_xla(self):
     # Rows of several lengths (one empty, one not a multiple of anything), G = 4 strided groups;
