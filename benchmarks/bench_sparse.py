@@ -24,8 +24,9 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            time v2 (the threshold kernel's block-wide compaction per chunk, separate maxima and
            theta kernels), the shape's default with either v3 choice flipped (per-lane
            threshold; theta fused with the group maxima) and with v8's per-lane threshold
-           (`flat_lanes`: one register layout, no barrier a chunk); --topk-rows keeps only some
-           of them.
+           (`flat_lanes`: one register layout, no barrier a chunk) and v9's (`sectors`: the
+           threshold reads only the 8-position sectors whose maximum reaches theta);
+           --topk-rows keeps only some of them.
   step     one layer's DSA decode step: indexer logits + top-k + slots + sparse attention (N=128,
            fp8_ds_mla latent cache), 128 decode rows at 32K context each; pallas_triton's and the
            `pallas` default's.
@@ -222,6 +223,10 @@ def run_topk(args, t, s):
   flat = not (default.per_lane and default.flat_lanes)
   variants[f"v8, flat_lanes={flat}"] = dict(per_lane=True, fused_theta=default.fused_theta,
                                             flat_lanes=flat)
+  # v9: sector maxima beside the group maxima, the threshold reading only the sectors that reach
+  # theta (separate maxima and theta kernels at every shape).
+  variants["v9, sectors"] = dict(per_lane=False, fused_theta=False, flat_lanes=False,
+                                 sectors=True)
   if args.topk_rows:
     variants = {name: knobs for name, knobs in variants.items()
                 if name.split(" ")[0].rstrip(",") in args.topk_rows}

@@ -128,7 +128,9 @@ SWEEP = tuple(TopkConfig(*v) for v in [
     (1024, 4, 1, 8, True), (2048, 4, 1, 8, True), (2048, 8, 1, 8, True), (4096, 8, 1, 8, True),
     (512, 4, 1, 8, True), (1024, 4, 2, 8, True), (1024, 4, 1, 8), (2048, 8, 1, 8)]) + tuple(
         TopkConfig(chunk, warps, 1, 8, per_lane=True, flat_lanes=True)
-        for chunk, warps in [(1024, 4), (2048, 4), (2048, 8)])
+        for chunk, warps in [(1024, 4), (2048, 4), (2048, 8)]) + tuple(
+            TopkConfig(chunk, warps, 1, 8, sectors=True)
+            for chunk, warps in [(1024, 4), (512, 4), (2048, 8)])
 
 
 def _keys(x, inside):

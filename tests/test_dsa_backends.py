@@ -89,7 +89,7 @@ class TestPallasTritonSparseAttention(SparseAttentionContract):
 
 
 # v9's knobs at any shape (the sector filter takes neither of the defaults' other choices).
-SECTORS = {"sectors": True, "per_lane": False, "fused_theta": False}
+SECTORS = {"sectors": True, "per_lane": False, "fused_theta": False, "flat_lanes": False}
 
 
 class TestPallasTritonIndexer(IndexerContract):
@@ -317,15 +317,13 @@ class TestPallasTritonIndexer(IndexerContract):
     want = np.pad(keys.reshape(3, 4, 250).max(axis=1), ((0, 0), (0, 6)), constant_values=-2 ** 31)
     np.testing.assert_array_equal(got, want)
 
-  @pytest.mark.parametrize("t,s,knobs", [(128, 131072, {}), (128, 32768, {"per_lane": True}),
-                                          (4096, 32768, {"per_lane": True})])
-  def test_flat_lanes_lowers_for_hopper(self, monkeypatch, t, s, knobs):
-    # The flat_lanes top-k (v8) at the benchmark's shapes, lowered to Triton IR for compute
-    # capability 9.0 on this CPU (the lowering asks the device for it; there is none here): four
-    # kernels (three with theta fused, 4096 rows), each module verified (the GPU's Triton parser
-    # refuses one that does not verify: session 12's v7 failed so on the GPU, a select of two
-    # constants typed i1), and the threshold kernel's load offsets carry the hint that keeps the
-    # stream in one layout.
+  @staticmethod
+  def lowered_topk_modules(monkeypatch, t, s, knobs):
+    """The top-k with `knobs` at [t, s] (topk 2048), lowered to Triton IR for compute capability
+    9.0 on this CPU (the lowering asks the device for it; there is none here): the StableHLO
+    text, and each kernel's (module verified, module text) by kernel name. The GPU's Triton parser
+    refuses a module that does not verify: session 12's v7 failed so on the GPU, a select of two
+    constants typed i1."""
     from jax._src.pallas.triton import gpu_info, lowering, pallas_call_registration
     hopper = gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90)
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: hopper)
@@ -339,10 +337,17 @@ class TestPallasTritonIndexer(IndexerContract):
 
     monkeypatch.setattr(pallas_call_registration.lowering, "lower_jaxpr_to_triton_module",
                         lower_and_verify)
-    traced = jax.jit(functools.partial(pallas_topk.topk_positions, topk=2048, flat_lanes=True,
-                                       **knobs)).trace(jax.ShapeDtypeStruct((t, s), jnp.float32),
-                                                       jax.ShapeDtypeStruct((t,), jnp.int32))
-    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    traced = jax.jit(functools.partial(pallas_topk.topk_positions, topk=2048, **knobs)).trace(
+        jax.ShapeDtypeStruct((t, s), jnp.float32), jax.ShapeDtypeStruct((t,), jnp.int32))
+    return traced.lower(lowering_platforms=("cuda",)).as_text(), modules
+
+  @pytest.mark.parametrize("t,s,knobs", [(128, 131072, {}), (128, 32768, {"per_lane": True}),
+                                          (4096, 32768, {"per_lane": True})])
+  def test_flat_lanes_lowers_for_hopper(self, monkeypatch, t, s, knobs):
+    # The flat_lanes top-k (v8) at the benchmark's shapes (`lowered_topk_modules`): four kernels
+    # (three with theta fused, 4096 rows), each module verified, and the threshold kernel's load
+    # offsets carry the hint that keeps the stream in one layout.
+    text, modules = self.lowered_topk_modules(monkeypatch, t, s, {"flat_lanes": True, **knobs})
     theta = ["topk_maxima_theta"] if t > 2 * pallas_topk.sm_count() else ["topk_maxima",
                                                                          "topk_theta"]
     names = theta + ["topk_threshold_flat_lanes", "topk_select"]
@@ -360,6 +365,19 @@ class TestPallasTritonIndexer(IndexerContract):
     assert pallas_topk.default_config(rows, positions) == getattr(pallas_topk, want)
     assert pallas_topk.DEFAULT_LONG_ROWS.flat_lanes
 
+  @pytest.mark.parametrize("t,s", [(128, 131072), (128, 32768), (4096, 32768), (6, 5000)])
+  def test_sectors_lowers_for_hopper(self, monkeypatch, t, s):
+    # The v9 top-k (`sectors`) at the benchmark's shapes and at 5000 positions (G = 1: one group
+    # row of m8 = 5000 in 8192): four kernels, each module verified; the sector maxima kernel's
+    # logits load takes a mask only where a tile can reach past S or m8.
+    text, modules = self.lowered_topk_modules(monkeypatch, t, s, SECTORS)
+    names = ["topk_sector_maxima", "topk_theta", "topk_sector_threshold", "topk_select"]
+    assert text.count("__gpu$xla.gpu.triton") == len(names) and sorted(modules) == sorted(names)
+    assert all(ok for ok, _ in modules.values()), modules
+    loads = [line for line in modules["topk_sector_maxima"][1].splitlines()
+             if "tt.load" in line and "x!tt.ptr<f32>" in line]
+    assert len(loads) == 1 and ("," in loads[0].split(":")[0]) == (s == 5000), loads
+
   def test_group_size(self):
     # At least 4k strided groups, G a power of two; V3.2 at 128K and 32K context.
     assert pallas_topk.group_size(131072, 2048) == 16
@@ -376,6 +394,9 @@ class TestPallasTritonIndexer(IndexerContract):
       (lambda a: {**a, "per_lane": 1}, "per_lane"),
       (lambda a: {**a, "flat_lanes": 1}, "flat_lanes"),
       (lambda a: {**a, "flat_lanes": True, "per_lane": False}, "needs per_lane"),
+      (lambda a: {**a, "sectors": 1}, "sectors"),
+      (lambda a: {**a, "sectors": True, "per_lane": True}, "neither per_lane"),
+      (lambda a: {**a, "sectors": True, "fused_theta": True}, "nor fused_theta"),
   ])
   def test_topk_bad_input_raises(self, change, message):
     args = dict(logits=jnp.zeros((2, 64), jnp.float32), seq_lens=jnp.ones((2,), jnp.int32), topk=8)

@@ -306,14 +306,18 @@ def test_mosaic_indexer_compute_wgs_match_reference(compute_wgs):
 
 
 @pytest.mark.parametrize("variant", [
-    {}, {"per_lane": True}, {"per_lane": True, "flat_lanes": True}, {"fused_theta": True}],
-    ids=["default", "per_lane", "flat_lanes", "fused_theta"])
+    {}, {"per_lane": True}, {"per_lane": True, "flat_lanes": True}, {"fused_theta": True},
+    {"sectors": True, "per_lane": False, "fused_theta": False, "flat_lanes": False,
+     "s": 131072}],
+    ids=["default", "per_lane", "flat_lanes", "fused_theta", "sectors"])
 @pytest.mark.parametrize("kind", ["normal", "ties", "few_ties"])
 def test_topk_sets_match_lax_top_k(kind, variant):
   # variant: {} through the backend (this shape's default: block-wide threshold, separate maxima
   # and theta kernels); else one kernel swapped for the one that long rows (per-lane threshold, or
-  # its v8 form `flat_lanes`) or many rows (theta fused with the maxima) take.
-  t, s = 128, 32768
+  # its v8 form `flat_lanes`) or many rows (theta fused with the maxima) take; or v9's sector
+  # maxima and threshold (`sectors`), at 131072 positions (what it is for).
+  variant = dict(variant)
+  t, s = 128, variant.pop("s", 32768)
   x = jax.random.normal(jax.random.key(2), (t, s), jnp.float32)
   if kind == "ties":  # a few values only: the candidate list overflows on some rows
     x = jnp.round(x * 4) / 4
