@@ -89,9 +89,10 @@ class TopkConfig:
   # shared-memory conversion or barrier a chunk), each chunk loaded a step before its keys are
   # formed, the slots moved by a loop to the fullest lane's count (registers for one slot, not all).
   flat_lanes: bool = False
-  # v9: the maxima kernel also writes each 8-position sector's maximum (`_sector_maxima_kernel`),
-  # and the threshold kernel reads only the sectors whose maximum reaches theta
-  # (`_sector_threshold_kernel`): ~14% of them on random rows at 131072 positions.
+  # v9: the maxima kernel also writes each 8-position sector's maximum (`_sector_maxima_kernel`,
+  # or `_sector_maxima_theta_kernel` with fused_theta), and the threshold kernel reads only the
+  # sectors whose maximum reaches theta (`_sector_threshold_kernel`): ~14% of them on random rows
+  # at 131072 positions.
   sectors: bool = False
 
   def __post_init__(self):
@@ -102,9 +103,8 @@ class TopkConfig:
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.flat_lanes and not self.per_lane:
       raise ValueError("flat_lanes is a form of the per-lane threshold kernel: it needs per_lane")
-    if self.sectors and (self.per_lane or self.fused_theta):
-      raise ValueError("sectors is a threshold kernel of its own after the separate maxima and "
-                       "theta kernels: it takes neither per_lane nor fused_theta")
+    if self.sectors and self.per_lane:
+      raise ValueError("sectors is a threshold kernel of its own: it takes no per_lane")
 
 
 # The chosen configs, from H200 sweeps of each kernel alone (benchmarks/RESULTS.md, "DSA
@@ -394,6 +394,33 @@ def _sector_maxima_kernel(logits_ref, len_ref, max_ref, sec_ref, *, groups, m8, 
   sec_ref[...] = keys.max(axis=2)
 
 
+def _sector_maxima_theta_kernel(logits_ref, len_ref, theta_ref, sec_ref, *, k, bits, groups, m8,
+                                masked):
+  # `_maxima_theta_kernel` for v9 (`sectors` with `fused_theta`), groups as in
+  # `_sector_maxima_kernel`: a step reads one member of every group, m8 contiguous positions, and
+  # writes their sector maxima. logits_ref [T, S] f32; len_ref [T] int32; theta_ref [T] int32;
+  # sec_ref [G, w8] int32 (row t's sector maxima, INT_MIN past m8 / 8). masked: as there.
+  t = pl.program_id(0)
+  s = logits_ref.shape[1]
+  sectors = sec_ref.shape[1]
+  col = jnp.arange(sectors, dtype=jnp.int32)[:, None] * _SECTOR + jnp.arange(_SECTOR,
+                                                                             dtype=jnp.int32)
+  length = jnp.clip(len_ref[t], 0, s)
+
+  def member(g, maxima):
+    pos = g * m8 + col  # [w8, 8]
+    if masked:
+      x = plgpu.load(logits_ref.at[t, pos], mask=(col < m8) & (pos < s), other=-jnp.inf)
+    else:
+      x = plgpu.load(logits_ref.at[t, pos])
+    keys = _keys(x, pos < length)
+    sec_ref[g, :] = keys.max(axis=1)
+    return jnp.maximum(maxima, keys)
+
+  maxima = lax.fori_loop(0, groups, member, jnp.full((sectors, _SECTOR), _INT_MIN, jnp.int32))
+  theta_ref[t] = _theta(maxima, k, bits)
+
+
 def _sector_threshold_kernel(theta_ref, sec_ref, logits_ref, len_ref, ids_ref, cand_key_ref,
                              cand_pos_ref, count_ref, *, chunk, span, m8, row_sectors,
                              interpret):
@@ -415,8 +442,12 @@ def _sector_threshold_kernel(theta_ref, sec_ref, logits_ref, len_ref, ids_ref, c
   shift = row_sectors.bit_length() - 1
 
   # 1. Its sectors that reach theta, chunk a step: their first positions, in order, to ids_ref.
+  # The offsets are hinted to be multiples of 1 only (as in `_flat_lane_stream`): where span is a
+  # multiple of 4 Triton would give the load a 4-wide layout and convert it to the stores' (pip
+  # Triton 3.6, sm_90a: 7 conversions and 29 block barriers in the kernel at 128 x 32768, none
+  # and 11 with the hint).
   def sector_max(i):
-    f = first + i * chunk + lane
+    f = pl.multiple_of(first + i * chunk + lane, 1)
     return plgpu.load(sec_ref.at[f], mask=f < last, other=_INT_MIN), f
 
   def keep_sectors(i, carry):
@@ -678,6 +709,29 @@ def threshold_candidates(theta: jax.Array, logits: jax.Array, seq_lens: jax.Arra
   return tuple(out[-3:])
 
 
+def fused_sector_theta(logits: jax.Array, seq_lens: jax.Array, topk: int, groups: int, m8: int,
+                       params: plgpu.CompilerParams, *, bits: int = _THETA_BITS,
+                       interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+  """`sector_maxima` and `row_theta` fused, a program per row: (int32 [T], each row's theta;
+  int32 [T, groups * next_pow2(m8) / 8], the sector maxima as `sector_maxima`'s)."""
+  t, s = logits.shape
+  width = next_pow2(m8)
+  theta, sectors = pl.pallas_call(
+      functools.partial(_sector_maxima_theta_kernel, k=topk, bits=bits, groups=groups, m8=m8,
+                        masked=groups * m8 != s or m8 != width),
+      grid=(t,),
+      in_specs=[_whole(logits), _whole(seq_lens)],
+      out_specs=[pl.BlockSpec((t,), lambda i: (0,)),
+                 pl.BlockSpec((None, groups, width // _SECTOR), lambda i: (i, 0, 0))],
+      out_shape=[jax.ShapeDtypeStruct((t,), jnp.int32),
+                 jax.ShapeDtypeStruct((t, groups, width // _SECTOR), jnp.int32)],
+      compiler_params=params,
+      interpret=interpret,
+      name="topk_sector_maxima_theta",
+  )(logits, seq_lens)
+  return theta, sectors.reshape(t, groups * width // _SECTOR)
+
+
 def sector_candidates(theta: jax.Array, sector_max: jax.Array, logits: jax.Array,
                       seq_lens: jax.Array, m8: int, cap: int, chunk: int,
                       params: plgpu.CompilerParams, *,
@@ -753,8 +807,11 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: 
   g = group_size(s, topk)
   width = next_pow2(-(-s // g))
   cap = next_pow2(min(_CAP_PER_K * topk, s))
-  if config.sectors:
-    m8 = pl.cdiv(pl.cdiv(s, g), _SECTOR) * _SECTOR  # groups {j, j + m8, ...}: whole sectors
+  m8 = pl.cdiv(pl.cdiv(s, g), _SECTOR) * _SECTOR  # v9's groups {j, j + m8, ...}: whole sectors
+  if config.sectors and config.fused_theta:
+    theta, sector_max = fused_sector_theta(logits, seq_lens, topk, g, m8, params(_THETA_WARPS),
+                                           interpret=interpret)
+  elif config.sectors:
     maxima, sector_max = sector_maxima(logits, seq_lens, g, m8, next_pow2(m8),
                                        interpret=interpret)
   elif config.fused_theta:

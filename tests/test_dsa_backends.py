@@ -88,8 +88,10 @@ class TestPallasTritonSparseAttention(SparseAttentionContract):
                      cache, slots)
 
 
-# v9's knobs at any shape (the sector filter takes neither of the defaults' other choices).
+# v9's knobs at any shape (the sector filter takes no per-lane threshold): with the separate
+# maxima and theta kernels, and with theta fused (many rows).
 SECTORS = {"sectors": True, "per_lane": False, "fused_theta": False, "flat_lanes": False}
+SECTORS_FUSED = {**SECTORS, "fused_theta": True}
 
 
 class TestPallasTritonIndexer(IndexerContract):
@@ -102,7 +104,7 @@ class TestPallasTritonIndexer(IndexerContract):
     return super().topk_variants() + [
         functools.partial(pallas_topk.topk_positions, interpret=True, **knobs)
         for knobs in ({"per_lane": True}, {"per_lane": True, "flat_lanes": True},
-                      {"fused_theta": True}, SECTORS)]
+                      {"fused_theta": True}, SECTORS, SECTORS_FUSED)]
 
   @pytest.mark.parametrize("dtype,widen_fp8", [(jnp.bfloat16, False), (jnp.float8_e4m3fn, True)])
   def test_chunks_and_steps_match_reference(self, dtype, widen_fp8):
@@ -140,7 +142,8 @@ class TestPallasTritonIndexer(IndexerContract):
 
   @pytest.mark.parametrize("variant", [
       {}, {"per_lane": True}, {"per_lane": True, "flat_lanes": True}, {"fused_theta": True},
-      SECTORS], ids=["default", "per_lane", "flat_lanes", "fused_theta", "sectors"])
+      SECTORS, SECTORS_FUSED],
+      ids=["default", "per_lane", "flat_lanes", "fused_theta", "sectors", "sectors_fused"])
   def test_topk_segments_ties_and_overflow_match_reference(self, variant):
     # Small chunks split rows into several segments that claim candidate places concurrently;
     # row 1's ties overflow the candidate list (the slow exact path); row 3 mixes signs and
@@ -150,8 +153,8 @@ class TestPallasTritonIndexer(IndexerContract):
     # the 512-entry list: the full-width select) tie in fours. Variants: the default for these
     # rows (block-wide threshold, separate maxima and theta kernels), the per-lane threshold (long
     # rows' default), its v8 form (`flat_lanes`), theta fused with the maxima (many rows'
-    # default) and v9's sector filter (`sectors`: groups of m8 = 632, so row 5's repeats fall in
-    # different groups and its ~100 candidates take the half-width select).
+    # default) and v9's sector filter (`sectors`, theta apart or fused: groups of m8 = 632, so row
+    # 5's repeats fall in different groups and its ~100 candidates take the half-width select).
     rng = np.random.default_rng(6)
     logits = rng.standard_normal((6, 5000)).astype(np.float32)
     logits[5] = np.where(np.arange(5000) // 625 < 4, np.tile(logits[5, :625], 8), -10)
@@ -275,6 +278,10 @@ class TestPallasTritonIndexer(IndexerContract):
     np.testing.assert_array_equal(sectors, want_sectors.reshape(t, g * w8))
     params = pallas_topk.plgpu.CompilerParams(num_warps=4, num_stages=1)
     theta = np.asarray(pallas_topk.row_theta(maxima, k, params, interpret=True))
+    # Theta fused with the maxima (many rows' form): the same theta and sectors.
+    fused = pallas_topk.fused_sector_theta(x, lens_j, k, g, m8, params, interpret=True)
+    np.testing.assert_array_equal(fused[0], theta)
+    np.testing.assert_array_equal(fused[1], sectors)
     cap = pallas_topk.next_pow2(min(4 * k, s))
     cand_keys, cand_pos, counts = (np.asarray(a) for a in pallas_topk.sector_candidates(
         jnp.asarray(theta), sectors, x, lens_j, m8, cap, chunk, params, interpret=True))
@@ -365,18 +372,24 @@ class TestPallasTritonIndexer(IndexerContract):
     assert pallas_topk.default_config(rows, positions) == getattr(pallas_topk, want)
     assert pallas_topk.DEFAULT_LONG_ROWS.flat_lanes
 
+  @pytest.mark.parametrize("fused", [False, True], ids=["sectors", "sectors_fused"])
   @pytest.mark.parametrize("t,s", [(128, 131072), (128, 32768), (4096, 32768), (6, 5000)])
-  def test_sectors_lowers_for_hopper(self, monkeypatch, t, s):
-    # The v9 top-k (`sectors`) at the benchmark's shapes and at 5000 positions (G = 1: one group
-    # row of m8 = 5000 in 8192): four kernels, each module verified; the sector maxima kernel's
-    # logits load takes a mask only where a tile can reach past S or m8.
-    text, modules = self.lowered_topk_modules(monkeypatch, t, s, SECTORS)
-    names = ["topk_sector_maxima", "topk_theta", "topk_sector_threshold", "topk_select"]
+  def test_sectors_lowers_for_hopper(self, monkeypatch, t, s, fused):
+    # The v9 top-k (`sectors`, theta apart or fused) at the benchmark's shapes and at 5000
+    # positions (G = 1: one group row of m8 = 5000 in 8192): four kernels (three fused), each
+    # module verified; the sector maxima's logits load takes a mask only where a tile can reach
+    # past S or m8; the threshold's sector maxima load carries the hint that keeps it in the
+    # stores' layout.
+    text, modules = self.lowered_topk_modules(monkeypatch, t, s,
+                                              SECTORS_FUSED if fused else SECTORS)
+    first = ["topk_sector_maxima_theta"] if fused else ["topk_sector_maxima", "topk_theta"]
+    names = first + ["topk_sector_threshold", "topk_select"]
     assert text.count("__gpu$xla.gpu.triton") == len(names) and sorted(modules) == sorted(names)
     assert all(ok for ok, _ in modules.values()), modules
-    loads = [line for line in modules["topk_sector_maxima"][1].splitlines()
+    loads = [line for line in modules[first[0]][1].splitlines()
              if "tt.load" in line and "x!tt.ptr<f32>" in line]
     assert len(loads) == 1 and ("," in loads[0].split(":")[0]) == (s == 5000), loads
+    assert "tt.divisibility = dense<1>" in modules["topk_sector_threshold"][1]
 
   def test_group_size(self):
     # At least 4k strided groups, G a power of two; V3.2 at 128K and 32K context.
@@ -395,8 +408,7 @@ class TestPallasTritonIndexer(IndexerContract):
       (lambda a: {**a, "flat_lanes": 1}, "flat_lanes"),
       (lambda a: {**a, "flat_lanes": True, "per_lane": False}, "needs per_lane"),
       (lambda a: {**a, "sectors": 1}, "sectors"),
-      (lambda a: {**a, "sectors": True, "per_lane": True}, "neither per_lane"),
-      (lambda a: {**a, "sectors": True, "fused_theta": True}, "nor fused_theta"),
+      (lambda a: {**a, "sectors": True, "per_lane": True}, "no per_lane"),
   ])
   def test_topk_bad_input_raises(self, change, message):
     args = dict(logits=jnp.zeros((2, 64), jnp.float32), seq_lens=jnp.ones((2,), jnp.int32), topk=8)
