@@ -198,6 +198,13 @@ _REGS = {False: (232, 40), True: (224, 56)}
 # 166 KB at 16 heads, 188 at 32); its memory warpgroup only issues bulk copies (the bf16 split of
 # _REGS).
 _REGISTER_A_STAGES = 4
+# register_a: a register A operand stays pinned until its wgmma completes, so without waits all 9
+# key tiles of a step (16 registers a thread each) were live at once and ptxas spilled the query
+# tile's wgmma descriptors, reloaded in the step loop (ncu, B=128 N=16: 1.79M local loads, 54% of
+# the stalls). (key, value) tiles a consumer keeps in flight, issued but not complete, the next
+# loading meanwhile; by heads in the tile, the most that ptxas (13.5) fits without spills or
+# serialized wgmmas (benchmarks/RESULTS.md, "register_a without spills"); 4 value tiles: one wait.
+_A_TILES_IN_FLIGHT = {16: (4, 4), 32: (1, 1)}
 _MAX_HEAD_DIM = 576  # 3 x 64 rows x D bf16 + P must fit in shared memory
 
 
@@ -250,6 +257,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   else:
     width = half if in_place and half <= _MAX_WGMMA_N else _CHUNK
   acc_shape = (width, tile_h) if heads_n else (_TILE_H, width)
+  if register_a:
+    key_tiles_in_flight, value_tiles_in_flight = _A_TILES_IN_FLIGHT[tile_h]
   # log2(e) folded in: the softmax runs on exp2. The per-tensor fp8 scale is linear: it scales the
   # logits here and the output at the end instead of every cache value.
   k_scale = ks_ref[0]
@@ -307,15 +316,30 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
     interpreter (jax 0.11.2) runs wgmma only with shared-memory operands into run_scoped
     accumulators, so there each product goes to a fresh accumulator that is added.
     """
-    out = []
-    for c, part in enumerate(acc):
+    def tile_operands(c):
+      """wgmma's A and B for the warpgroup's value tile c."""
       values = kv_smem.at[slot, :, pl.ds(w * half + c * width, width)]  # [64 rows, width]
       if register_a:
-        operands = value_tile(values, w), p_smem.transpose((1, 0))
-      elif heads_n:
-        operands = values.transpose((1, 0)), p_smem.transpose((1, 0))
-      else:
-        operands = p_smem if p is None else p, values
+        return value_tile(values, w), p_smem.transpose((1, 0))
+      if heads_n:
+        return values.transpose((1, 0)), p_smem.transpose((1, 0))
+      return p_smem if p is None else p, values
+
+    if register_a and in_place:
+      # One accumulation for all the tiles, value_tiles_in_flight at once: each tile is loaded and
+      # converted while the previous ones' products run (one wait a tile serialized them).
+      def products(acc_refs):
+        for c, acc_ref in enumerate(acc_refs):
+          plgpu.wgmma(acc_ref, *tile_operands(c))
+          if c >= value_tiles_in_flight:
+            plgpu.wgmma_wait(value_tiles_in_flight)
+
+      return tuple(pl.run_state(products)(tuple(
+          plgpu.ACC.init(part * lax.broadcast_in_dim(alpha, part.shape, [heads_axis]))
+          for part in acc)))
+    out = []
+    for c, part in enumerate(acc):
+      operands = tile_operands(c)
       scaled = part * lax.broadcast_in_dim(alpha, part.shape, [heads_axis])
       if in_place:
         def product(acc_ref, operands=operands):  # acc_ref: acc_shape f32, the running sum
@@ -385,6 +409,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
             k = plgpu.load(kv_smem.at[slot, :, cols], layout=plgpu.Layout.WGMMA)
             plgpu.wgmma(acc_ref, a_operand(k.astype(jnp.float16), 0),
                         q_smem.at[:, cols].transpose((1, 0)))
+            if c >= key_tiles_in_flight:  # tile c - key_tiles_in_flight's registers free
+              plgpu.wgmma_wait(key_tiles_in_flight)
         elif heads_n:
           plgpu.wgmma(acc_ref, kv_smem.at[slot], q_smem.transpose((1, 0)))
         else:
