@@ -438,15 +438,16 @@ def _store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis=0):
   plmgpu.copy_smem_to_gmem(leading_rows(o_smem, o_gmem), o_gmem)
 
 
-def run_scores(n, step, acc, *, row_smem, p_ready, p_free, o_smem, o_gmem, lse_smem, lse_gmem,
-               out_scale=1.0, heads_axis=0):
+def run_scores(n, step, acc, *, row_smem, p_ready, p_free, lse_smem, lse_gmem, o_smem=None,
+               o_gmem=None, out_scale=1.0, heads_axis=0):
   """Warpgroup 0's n steps, (m, l, acc) = step(i, (m, l, acc)) from an empty softmax over 64 rows,
   and its end: once warpgroup 1 has read the last P (every step of both is done, so the step
   buffers are free for the output staging), hands it l, stores its output columns and the rows'
   log-sum-exps (natural log; -inf where nothing was seen). heads_axis=1: the heads are acc's
-  columns (tiles of O^T, `softmax_step`)."""
+  columns (tiles of O^T, `softmax_step`). acc empty (no output columns: mosaic_decode's
+  register_a, whose warpgroup 1 holds them all): no o_smem, o_gmem, only the log-sum-exps."""
   rows_layout = plmgpu.Layout.WGMMA.reduce(1 - heads_axis)
-  rows = acc[0].shape[heads_axis]
+  rows = row_smem.shape[0]
   init = (plmgpu.layout_cast(jnp.full((rows,), M_INIT, jnp.float32), rows_layout),
           plmgpu.layout_cast(jnp.zeros((rows,), jnp.float32), rows_layout), acc)
   m, l, acc = lax.fori_loop(0, n, step, init)
@@ -458,7 +459,8 @@ def run_scores(n, step, acc, *, row_smem, p_ready, p_free, o_smem, o_gmem, lse_s
   row_smem[...] = l
   plmgpu.commit_smem()
   plmgpu.barrier_arrive(p_ready)
-  _store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis)
+  if acc:
+    _store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis)
   seen = l > 0
   lse_smem[...] = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
   plmgpu.commit_smem()

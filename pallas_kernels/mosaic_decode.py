@@ -28,7 +28,8 @@ program's 16 or 32 heads are wgmma's N instead: the consumers compute S^T = K Q^
 P^T (`MosaicDecodeConfig`); there fp8_pipeline "register_a" (the fp8 default there) drops the
 bf16 slot: the e4m3 pages land in a ring of 4 slots (18 + 4 x 36 + 2 KB + the reduction scratch =
 166 KB at 16 heads, 188 at 32) and the consumers convert their tiles in registers as wgmma's A
-operand.
+operand, warpgroup 0 the keys and warpgroup 1 all 512 value columns (O^T takes 64 registers a
+thread at 16 heads).
 
 `interpret=True` (or an `InterpretGPUParams`) runs the same kernel on the CPU through Mosaic GPU's
 interpreter, which simulates the warpgroups, barriers, bulk copies and wgmma, but not registers,
@@ -91,8 +92,9 @@ class MosaicDecodeConfig:
     "fp8_pipeline="register_a""): no bf16 slot. The e4m3 pages land in a ring of 4 e4m3 slots
     (bulk copies, as the bf16 cache's pages), and the consumers load their [64, 64] e4m3 tiles
     from it, convert them to f16 in registers and hand them to wgmma as its register A operand:
-    warpgroup 0 the keys of S^T = K Q^T (WGMMA layout), each value warpgroup its V^T tiles of
-    O^T = V^T P^T (the transposed view in WGMMA_TRANSPOSED, converted, then relaid to WGMMA).
+    warpgroup 0 the keys of S^T = K Q^T (WGMMA layout), warpgroup 1 all the V^T tiles of
+    O^T = V^T P^T (the transposed view in WGMMA_TRANSPOSED, converted, then relaid to WGMMA;
+    `_value_columns`), a few tiles in flight (`_KEY_TILES_IN_FLIGHT`).
     e4m3 -> bf16 does not lower (Mosaic GPU, jax 0.11.2) and wgmma takes one 16-bit type for A
     and B, so the query tile and P^T are f16: q is converted before the call, each token scaled
     by a power of two that keeps it within f16's range and scaled back in its score scale
@@ -198,19 +200,29 @@ _REGS = {False: (232, 40), True: (224, 56)}
 # 166 KB at 16 heads, 188 at 32); its memory warpgroup only issues bulk copies (the bf16 split of
 # _REGS).
 _REGISTER_A_STAGES = 4
-# register_a: a register A operand stays pinned until its wgmma completes, so without waits all 9
-# key tiles of a step (16 registers a thread each) were live at once and ptxas spilled the query
-# tile's wgmma descriptors, reloaded in the step loop (ncu, B=128 N=16: 1.79M local loads, 54% of
-# the stalls). (key, value) tiles a consumer keeps in flight, issued but not complete, the next
-# loading meanwhile; by heads in the tile, the most that ptxas (13.5) fits without spills or
-# serialized wgmmas (benchmarks/RESULTS.md, "register_a without spills"); 4 value tiles: one wait.
-_A_TILES_IN_FLIGHT = {16: (4, 4), 32: (1, 1)}
+# register_a: a register A operand stays pinned until its wgmma completes (16 registers a thread a
+# [64, 64] tile), so a consumer waits for all but this many of its tiles' products after issuing
+# each (key tiles; value tiles by heads in the tile, whose O^T accumulators take 64 or 128
+# registers), loading the next tile meanwhile. With no wait, 9 key tiles beside the value
+# accumulators spilled (benchmarks/RESULTS.md, "register_a without spills"); these leave ptxas
+# (13.5) room: one more value tile in flight at 32 heads or 5 more key tiles at 16 still fit.
+_KEY_TILES_IN_FLIGHT = 4
+_VALUE_TILES_IN_FLIGHT = {16: 4, 32: 2}
 _MAX_HEAD_DIM = 576  # 3 x 64 rows x D bf16 + P must fit in shared memory
+
+
+def _value_columns(lora: int, register_a: bool) -> tuple[int, int]:
+  """Value columns of warpgroups 0 and 1: half each, or with register_a all in warpgroup 1 (O^T
+  [512, 16 heads] is 64 registers a thread, 128 at 32), so that warpgroup 0's step is the scores
+  and softmax only and warpgroup 1 converts every value tile: SASS instructions a thread a step,
+  B=128 N=16, 650 and 658 (973 and 343 with the halves; warpgroup 0's chain paced the kernel)."""
+  return (0, lora) if register_a else (lora // _VALUE_WGS,) * _VALUE_WGS
 
 
 def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_ref, buffers, p_smem,
                    row_smem, q_bar, ready, consumed, p_ready, p_free, *staging, scale, lora,
-                   num_splits, split_steps, in_place, shared_widening, heads_n, register_a):
+                   num_splits, split_steps, in_place, shared_widening, heads_n, register_a,
+                   value_cols):
   # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64, or fewer than 64 unpadded: the tile's
   # first Np rows, the others never stored); kv_ref [num_blocks, page, D] bf16 or
   # e4m3; bt_ref [T, max_blocks] int32; len_ref [T] int32; ks_ref [1] f32 (the cache's scale, 1
@@ -233,7 +245,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # float32 partials as they are into o_smem [2, L/2, heads] and o_ref [T, splits, L, Np].
   # register_a (fp8_pipeline="register_a", heads_n): kv_smem is a ring of 4 e4m3 slots [4, 64, D]
   # (64-byte swizzled) filled by bulk copies as the bf16 slots are; q_smem and p_smem are f16; the
-  # consumers convert their e4m3 tiles in registers into wgmma's A operand. No staging then, except
+  # consumers convert their e4m3 tiles in registers into wgmma's A operand; warpgroup 1 holds all
+  # the value columns (value_cols, o_smem [1, heads, L] or [1, L, heads]). No staging then, except
   # in the interpreter form: a_smem [2, 64, 64] f16, warpgroup w's converted tile (`a_operand`).
   (q_smem, kv_smem), (o_smem, lse_smem) = buffers
   a_smem, staging = (staging[0] if staging else None, ()) if register_a else (None, staging)
@@ -258,7 +271,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
     width = half if in_place and half <= _MAX_WGMMA_N else _CHUNK
   acc_shape = (width, tile_h) if heads_n else (_TILE_H, width)
   if register_a:
-    key_tiles_in_flight, value_tiles_in_flight = _A_TILES_IN_FLIGHT[tile_h]
+    value_tiles_in_flight = _VALUE_TILES_IN_FLIGHT[tile_h]
   # log2(e) folded in: the softmax runs on exp2. The per-tensor fp8 scale is linear: it scales the
   # logits here and the output at the end instead of every cache value.
   k_scale = ks_ref[0]
@@ -303,9 +316,9 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
     x = plgpu.load(values.transpose((1, 0)), layout=plgpu.Layout.WGMMA_TRANSPOSED)
     return a_operand(plgpu.layout_cast(x.astype(jnp.float16), plgpu.Layout.WGMMA), w)
 
-  def zero_acc():
+  def zero_acc(w):
     return tuple(plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
-                 for _ in range(half // width))
+                 for _ in range(value_cols[w] // width))
 
   def accumulate_values(acc, alpha, slot, w, p=None):
     """acc * alpha + P V over warpgroup w's value columns, `width` columns a product; P from
@@ -318,7 +331,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
     """
     def tile_operands(c):
       """wgmma's A and B for the warpgroup's value tile c."""
-      values = kv_smem.at[slot, :, pl.ds(w * half + c * width, width)]  # [64 rows, width]
+      values = kv_smem.at[slot, :, pl.ds(sum(value_cols[:w]) + c * width, width)]  # [64, width]
       if register_a:
         return value_tile(values, w), p_smem.transpose((1, 0))
       if heads_n:
@@ -327,7 +340,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
 
     if register_a and in_place:
       # One accumulation for all the tiles, value_tiles_in_flight at once: each tile is loaded and
-      # converted while the previous ones' products run (one wait a tile serialized them).
+      # converted while the previous ones' products run (a wait after each serialized them).
       def products(acc_refs):
         for c, acc_ref in enumerate(acc_refs):
           plgpu.wgmma(acc_ref, *tile_operands(c))
@@ -377,10 +390,13 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   cols_first = heads_n and o_ref.dtype == jnp.float32  # o_ref [T, splits, L, Np]
 
   def out(w):
-    """Warpgroup w's output columns; k_scale (the fp8 cache's, else 1) scales them once at the
-    end."""
-    cols = pl.ds(w * half, half)
-    return dict(o_smem=o_smem.at[w], out_scale=k_scale,
+    """Warpgroup w's output columns (none: no keywords) and their staging (o_smem holds one
+    buffer a warpgroup that has columns); k_scale (the fp8 cache's, else 1) scales them once at
+    the end."""
+    if not value_cols[w]:
+      return {}
+    cols = pl.ds(sum(value_cols[:w]), value_cols[w])
+    return dict(o_smem=o_smem.at[sum(map(bool, value_cols[:w]))], out_scale=k_scale,
                 o_gmem=o_ref.at[t, split, cols, rows_out] if cols_first
                 else o_ref.at[t, split, rows_out, cols])
 
@@ -409,8 +425,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
             k = plgpu.load(kv_smem.at[slot, :, cols], layout=plgpu.Layout.WGMMA)
             plgpu.wgmma(acc_ref, a_operand(k.astype(jnp.float16), 0),
                         q_smem.at[:, cols].transpose((1, 0)))
-            if c >= key_tiles_in_flight:  # tile c - key_tiles_in_flight's registers free
-              plgpu.wgmma_wait(key_tiles_in_flight)
+            if c >= _KEY_TILES_IN_FLIGHT:  # frees tile c - _KEY_TILES_IN_FLIGHT's registers
+              plgpu.wgmma_wait(_KEY_TILES_IN_FLIGHT)
         elif heads_n:
           plgpu.wgmma(acc_ref, kv_smem.at[slot], q_smem.transpose((1, 0)))
         else:
@@ -425,11 +441,12 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
                                         heads_axis)
       p16 = hand_over_p(i, p, alpha, p_smem.transpose((1, 0)) if heads_n else p_smem, row_smem,
                         p_ready, p_free)
-      acc = accumulate_values(acc, alpha, slot, 0, p16 if in_place and not heads_n else None)
+      if acc:
+        acc = accumulate_values(acc, alpha, slot, 0, p16 if in_place and not heads_n else None)
       plgpu.barrier_arrive(consumed.at[slot])
       return m_new, l, acc
 
-    run_scores(n * pieces, step, zero_acc(), row_smem=row_smem, p_ready=p_ready, p_free=p_free,
+    run_scores(n * pieces, step, zero_acc(0), row_smem=row_smem, p_ready=p_ready, p_free=p_free,
                **out(0), lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out],
                heads_axis=heads_axis)
 
@@ -470,7 +487,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
         plgpu.barrier_arrive(ready.at[part])
 
     run_values(n * pieces, slots, lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, 1),
-               zero_acc(), ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready,
+               zero_acc(1), ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready,
                p_free=p_free, **out(1), widen=widen_own, heads_axis=heads_axis)
 
   @pl.when(wg == _VALUE_WGS)
@@ -699,11 +716,13 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   shared_widening = fp8 and fp8_pipeline == "shared_widening"
   # Heads in N step 64 tokens: "shared_widening" without half pages.
   half_pages = fp8 and fp8_pipeline in ("half_pages", "shared_widening") and not heads_n
+  value_cols = _value_columns(kv_lora_rank, register_a)
   # Mosaic GPU's interpreter runs no in-place accumulation (see accumulate_values).
   kernel = functools.partial(_decode_kernel, scale=scale, lora=kv_lora_rank, num_splits=splits,
                              split_steps=split_tokens and split_tokens // _STEP,
                              in_place=not interpret, shared_widening=shared_widening,
-                             heads_n=heads_n, register_a=register_a)
+                             heads_n=heads_n, register_a=register_a,
+                             value_cols=value_cols)
   # bf16 slots x rows (the consumers' step). wgmma's K must be a multiple of its operands' swizzle
   # width, and P V's K is the step: 32-row steps take 64-byte swizzles (32 bf16) for the query,
   # the slots and P alike (one wgmma takes one swizzle). Half pages: 72 + 2 x 36 (bf16 slots) +
@@ -729,13 +748,14 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   # Heads in N with float32 partials: the output tiles O^T [64 columns, heads] are staged and
   # written as they are (a transposed float32 store does not lower), o [T, splits, L, Np].
   cols_first = heads_n and out_dtype == jnp.float32
-  half = kv_lora_rank // _VALUE_WGS
+  # One staging buffer a warpgroup with value columns.
+  stores, cols = sum(map(bool, value_cols)), max(value_cols)
   if cols_first:
     o_shape = (t, splits, kv_lora_rank, np_)
-    o_staging = swizzled((_VALUE_WGS, half, tile_h), out_dtype, tile_h * 4)
+    o_staging = swizzled((stores, cols, tile_h), out_dtype, tile_h * 4)
   else:
     o_shape = (t, splits, np_, kv_lora_rank)
-    o_staging = swizzled((_VALUE_WGS, tile_h, half), out_dtype)
+    o_staging = swizzled((stores, tile_h, cols), out_dtype)
   o_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct(o_shape, out_dtype),
