@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
@@ -205,13 +206,57 @@ def _cp_async_wait(pending):
   wait()
 
 
+def _row_steps(row_ref, *, num_slots, interpret):
+  """Steps of 64 slots up to the last valid slot of row_ref [Kp] int32 (GMEM, raw slots: -1 or
+  >= num_slots invalid, anywhere in the row), as a scalar every thread of the warpgroup holds.
+  On the GPU each warp reads the whole row (Kp / 128 16-byte loads a lane, coalesced) and takes
+  the max over its lanes with redux.sync: no shared memory and no barrier, so every warp of every
+  warpgroup derives the same count on its own. The interpreter (no inline Mosaic GPU code) loops
+  over the slots."""
+  kp = row_ref.shape[0]
+  if interpret:
+    def last_valid(k, extent):
+      slot = row_ref[k]
+      return jnp.where((slot >= 0) & (slot < num_slots), k + 1, extent)
+
+    extent = lax.fori_loop(0, kp, last_valid, jnp.int32(0))
+    return lax.div(extent + (_STEP - 1), _STEP)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                     return_type=plgpu.ShapeDtypeStruct((), jnp.int32,
+                                                        layout=plgpu.Layout.WG_SPLAT(())))
+  def count(_, row):
+    i32, i64 = (ir.IntegerType.get_signless(w) for w in (32, 64))
+    c32 = lambda v: arith.constant(i32, v)
+    lane = arith.remui(mgpu_utils.thread_idx(), c32(32))
+    base = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(row))
+    vec = ir.VectorType.get((4,), i32)
+    extent = c32(0)
+    for g in range(-(-kp // 128)):
+      first = arith.addi(c32(g * 128), arith.muli(lane, c32(4)))  # this lane's 4 slots
+      if (g + 1) * 128 > kp:  # Kp an odd number of steps: lanes past the row reread its last 4
+        first = arith.minui(first, c32(kp - 4))
+      ptr = mgpu_utils.getelementptr(base, [arith.extui(i64, first)], i32)
+      values = llvm.load(vec, ptr, alignment=16)
+      for e in range(4):
+        slot = llvm.extractelement(values, c32(e))
+        valid = arith.cmpi(arith.CmpIPredicate.ult, slot, c32(num_slots))
+        extent = arith.maxsi(extent, arith.select(valid, arith.addi(first, c32(e + 1)), c32(0)))
+    extent = mgpu_utils.redux(extent, c32(0xFFFFFFFF), mgpu_utils.ReductionKind.MAX)
+    steps = arith.divui(arith.addi(extent, c32(_STEP - 1)), c32(_STEP))
+    return mgpu_fa.FragmentedArray.splat(steps, (), layout=mgpu_fa.WGSplatFragLayout(()),
+                                          is_signed=True)
+
+  return count(row_ref)
+
+
 def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_slots, gather,
             heads_n, prep_in_kernel, interpret):
   # GMEM: q_ref [T, Np, D] bf16 (Np: heads padded to 64, or fewer unpadded, `padded_heads`: the
   # tile's first Np rows, the others never stored); idx_ref [T, Kp] int32 (slot, or num_slots
   # where invalid); steps_ref [T] int32 (steps of 64 slots up to the last valid one).
   # prep_in_kernel: idx_ref holds the raw slots (-1 padded to Kp; -1 and past the cache invalid),
-  # there is no steps_ref (every program walks all Kp/64 steps, its split's share), fp8's
+  # there is no steps_ref (each warpgroup counts its row's steps from idx_ref, `own_steps`), fp8's
   # scales_ref is the cache's [S, L/128] (gathered with the rows), and with the cp_async gather
   # there is no staged barrier.
   # bf16: kv_ref [S, D/64, 64] bf16. fp8: nope_ref [S, L/128, 128] e4m3, rope_ref [S, R/64, 64]
@@ -269,17 +314,34 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
   half = lora // _VALUE_WGS
   qk_scale = scale * LOG2E
 
+  def split_steps(num_steps):
+    """(first step, steps) of this program's split of a row of num_steps steps."""
+    per_split = lax.div(num_steps + (num_splits - 1), num_splits)
+    first = split * per_split
+    return first, jnp.maximum(jnp.minimum(first + per_split, num_steps) - first, 0)
+
+  def consumer_steps_of(n):
+    """Consumer steps of n steps of 64 slots (the 64-slot steps when pieces is 1, traced as they
+    were)."""
+    return n if pieces == 1 else n * pieces
+
   if prep_in_kernel:
-    # No per-row step count (it would take a reduction over the row's slots before the first
-    # gather): all steps, those past the last valid slot gathering zeros and scoring -inf.
-    num_steps = idx_ref.shape[1] // _STEP
+    # Each warpgroup counts its row's steps in its own branch (`own_steps`): a count taken here
+    # would stay live through the other warpgroups' code (the branches are consecutive ifs), and
+    # ptxas then spills in their step loops (fp8_ds_mla; RESULTS, sparse v14).
+    first = n = consumer_steps = None
   else:
-    num_steps = jnp.maximum(steps_ref[t], 0)
-  per_split = lax.div(num_steps + (num_splits - 1), num_splits)
-  first = split * per_split
-  n = jnp.maximum(jnp.minimum(first + per_split, num_steps) - first, 0)
-  # Consumer steps of this program (the 64-slot steps when pieces is 1, traced as they were).
-  consumer_steps = n if pieces == 1 else n * pieces
+    first, n = split_steps(jnp.maximum(steps_ref[t], 0))
+    consumer_steps = consumer_steps_of(n)
+
+  def own_steps():
+    """prep_in_kernel: this warpgroup's (first, n, consumer_steps), which the helpers below read,
+    from its own count of the row (`_row_steps`: every warp reads the row and derives the same
+    count, so the three warpgroups agree on every barrier phase without exchanging it)."""
+    nonlocal first, n, consumer_steps
+    first, n = split_steps(_row_steps(idx_ref.at[t], num_slots=num_slots, interpret=interpret))
+    consumer_steps = consumer_steps_of(n)
+
   slots_layout = plgpu.Layout.WGMMA.reduce(heads_axis)  # one slot index a score row or column
   acc_shape = (_COLS, tile_h) if heads_n else (_TILE_H, _COLS)  # a value tile of O^T or O
 
@@ -325,10 +387,15 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
   @pl.when(wg == 0)
   def _scores():
     plgpu.set_max_registers(consumer_regs, action="increase")
-
-    @pl.when(n > 0)
-    def _():
+    if prep_in_kernel:
+      own_steps()
+      # Every program copies its query tile, even where its split has no step: a wait under
+      # n > 0 made ptxas spill in the step loop (the default's 10 reloads a step, bf16 N=128).
       plgpu.barrier_wait(q_bar)
+    else:
+      @pl.when(n > 0)
+      def _():
+        plgpu.barrier_wait(q_bar)
 
     def step(i, carry):
       m, l, acc = carry
@@ -374,6 +441,8 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
   @pl.when(wg == 1)
   def _values():
     plgpu.set_max_registers(consumer_regs, action="increase")
+    if prep_in_kernel:
+      own_steps()
     run_values(consumer_steps, slots,
                lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, 1),
                zero_acc(), ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready,
@@ -438,10 +507,15 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
   def _memory():
     plgpu.set_max_registers(memory_regs, action="decrease")
 
-    @pl.when(n > 0)
-    def _():
+    def copy_q():
       q_rows = q_ref.at[t, rows_out]
       plgpu.copy_gmem_to_smem(q_rows, leading_rows(q_smem, q_rows), q_bar)
+
+    if prep_in_kernel:
+      copy_q()  # before the count: the row's read overlaps the query tile's copy
+      own_steps()
+    else:
+      pl.when(n > 0)(copy_q)
 
     # Slot indices are fetched 2 steps ahead ("half_rows": 3, as its gathers run ahead of the
     # widening by up to 2 half steps; "in_place": 3, as it reads them a step before its gather).
@@ -951,16 +1025,19 @@ class MosaicSparseConfig:
   gather) and their launch gaps leave the call. Invalid slots need nothing new on the memory side
   (the cp.async gather's compare is unsigned, so -1 reads nothing like a slot past the cache; a
   bulk copy's signed coordinates put a row at -1 outside the cache, zero-filled); the scores mask
-  them with one more compare. Every program walks all its steps: a step past a row's last valid
-  slot gathers zeros and scores -inf, changing nothing (alpha 1, P 0), so top-k lists that end
-  early cost their missing steps (none for full 2048-slot decode lists; up to 1.32x the kernel for
-  a first 4096-token prefill chunk). The scales come in each step's cp.async group (4-byte copies,
-  2 a lane a 64-row step), so fp8_ds_mla takes the cp_async gather only (bulk copies of 4 bytes
-  are under a bulk copy's 16-byte box). H200 (session 12), T=128 over a 1M-token cache, ms,
-  default / prep_in_kernel: full rows (2048 valid slots) bf16 N=128 0.197 / 0.185, N=16 0.0931 /
-  0.0862; fp8_ds_mla N=128 0.264 / 0.249, N=16 0.138 / 0.124; rows of 256 valid slots bf16
-  N=128 0.0855 / 0.1917, fp8_ds_mla N=128 0.0768 / 0.2641: not the default (static shapes do
-  not tell the rows apart)."""
+  them with one more compare. Each warpgroup counts the row's steps itself (`_row_steps`: every
+  warp reads the row's Kp slots from GMEM, 8 KB at Kp=2048, and takes the max over its lanes of
+  the last valid position, which -1 anywhere in the row leaves right), so a row walks only up to
+  its last valid slot, as the default's XLA count does (v14; v13 walked all Kp/64 steps: rows of
+  256 valid slots 2.2-3.4x slower). Every program copies its query tile and the consumers wait
+  for it unconditionally: under the default's `n > 0` ptxas spills in the scores loop (bf16
+  N=128: 10 reloads a step; none here). The scales come in each step's cp.async group (4-byte
+  copies, 2 a lane a 64-row step), so fp8_ds_mla takes the cp_async gather only (bulk copies of 4
+  bytes are under a bulk copy's 16-byte box). H200 (session 12, v13: every step walked), T=128
+  over a 1M-token cache, ms, default / prep_in_kernel: full rows (2048 valid slots) bf16 N=128
+  0.197 / 0.185, N=16 0.0931 / 0.0862; fp8_ds_mla N=128 0.264 / 0.249, N=16 0.138 / 0.124; rows
+  of 256 valid slots bf16 N=128 0.0855 / 0.1917, fp8_ds_mla N=128 0.0768 / 0.2641. v14 (the
+  count in the kernel) not timed yet: not the default."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
   fp8_pipeline: str | None = None
@@ -1018,7 +1095,8 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   slot) or "bulk" (one bulk copy per row and 64-column chunk, 9 a row; what the interpreter runs
   either way). heads_in: `MosaicSparseConfig`'s ("n": N <= 32 heads in wgmma's N, one split;
   None: `default_heads_in`, "n" at N <= 32 where the split rule gives one split, else "m").
-  prep_in_kernel: `MosaicSparseConfig`'s (the kernel reads the raw slots and walks every step).
+  prep_in_kernel: `MosaicSparseConfig`'s (the kernel reads the raw slots and counts each row's
+  steps).
   interpret: True or a `plgpu.InterpretGPUParams`
   runs Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and lse [T, N] float32 (natural
   log); a row with no valid slot gives (0, -inf).
