@@ -531,14 +531,17 @@ class TestPallasMosaicIndexer(IndexerContract):
       mosaic_indexer.indexer_logits(**change(args), interpret=True)
 
 
-def poisoned_case(seed, n, kind, lora=L, t=4, k=80, nb=6):
+def poisoned_case(seed, n, kind, lora=L, t=4, k=80, nb=6, edit=None):
   """bf16 q, a cache whose rows no slot selects hold NaN, and slots with -1, past-the-cache entries
-  and a row (1) that selects nothing. Returns (q, cache, slots, dequantized rows [S, L+R])."""
+  and a row (1) that selects nothing; edit(slots) changes them in place before the cache is
+  poisoned. Returns (q, cache, slots, dequantized rows [S, L+R])."""
   rng = np.random.default_rng(seed)
   bs = 16
   num_slots = nb * bs
   slots = random_slots(rng, t, k, num_slots)
   slots[1] = -1
+  if edit is not None:
+    edit(slots)
   unused = np.ones(num_slots, bool)
   unused[slots[(slots >= 0) & (slots < num_slots)]] = False
   # Per-row and per-tile magnitudes 20x apart, so a scale applied to the wrong tile or row shows.
@@ -701,14 +704,14 @@ def test_mosaic_sparse_default_heads_in_reaches_the_kernel(n, want):
 
 
 def check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves, heads_in="m",
-                            prep_in_kernel=False):
-  """The Mosaic sparse kernel at T=128, 2048 slots over 1M tokens, lowered for CUDA (it runs on
+                            prep_in_kernel=False, k=2048):
+  """The Mosaic sparse kernel at T=128, k (2048) slots over 1M tokens, lowered for CUDA (it runs on
   this CPU), which checks what the interpreter does not: wgmma operand layouts and swizzles,
   bulk-copy boxes, the untiled aliases, the cp.async code, the register layouts of the widening
   (and with heads_in="n" of the transposed stores and the cross-warp reductions), and that shared
   memory fits 227 KB; with the limit at 0, Mosaic GPU's error names the bytes it counts, which
   must be smem_bytes' (what _sparse_call checks before any launch)."""
-  t, k, tokens = 128, 2048, 1 << 20
+  t, tokens = 128, 1 << 20
   counted = []  # what _sparse_call counts while tracing
   monkeypatch.setattr(mosaic_sparse, "smem_bytes",
                       lambda *args, count=mosaic_sparse.smem_bytes: counted.append(
@@ -1089,14 +1092,15 @@ class TestPallasMosaicSparseAttentionHeadsNInPlace(TestPallasMosaicSparseAttenti
 
 
 class TestPallasMosaicSparseAttentionPrepInKernel(TestPallasMosaicSparseAttention):
-  """prep_in_kernel=True (RESULTS, sparse v13): the kernel takes the raw slots (-1 padded to whole
-  steps), masks -1 and past-the-cache slots itself (the gathers read nothing there, the scores
-  are -inf) and walks every step. A non-default variant: the poisoned cases (NaN in unselected
-  rows and scales, -1 and past-the-cache slots, row 1 with none valid) of bf16 at 128 heads ("m")
-  and fp8_ds_mla at 16 over two tiles (fp8_ds_mla's default "half_rows" at these few tokens),
-  several steps with rows ending early (steps past a row's last valid slot walked, and row 1's
-  all of them) for bf16 at 27 heads ("n", race detector) and fp8_ds_mla at 16, splits, the race
-  detector over "half_rows" with the in-kernel scales, and the lowering with the smem count."""
+  """prep_in_kernel=True (RESULTS, sparse v13, v14): the kernel takes the raw slots (-1 padded to
+  whole steps), masks -1 and past-the-cache slots itself (the gathers read nothing there, the
+  scores are -inf) and each warpgroup counts the steps up to the row's last valid slot. A
+  non-default variant: the poisoned cases (NaN in unselected rows and scales, -1 and
+  past-the-cache slots, row 1 with none valid) of bf16 at 128 heads ("m") and fp8_ds_mla at 16
+  over two tiles (fp8_ds_mla's default "half_rows" at these few tokens), several steps with rows
+  ending early (row 1 with no step) for bf16 at 27 heads ("n", race detector) and fp8_ds_mla at
+  16, rows of few valid slots not packed first (the count), splits, the race detector over
+  "half_rows" with the in-kernel scales, and the lowering with the smem count."""
   prep_in_kernel = True
   # The same checks at other sizes (the parent's, with the default prep): the poisoned cases
   # carry the contract's 20x per-tile magnitudes; "n" masks at 16 heads as at 27 (the steps case);
@@ -1126,6 +1130,37 @@ class TestPallasMosaicSparseAttentionPrepInKernel(TestPallasMosaicSparseAttentio
   def test_no_races_in_the_interpreter(self, fp8_pipeline):
     super().test_no_races_in_the_interpreter(fp8_pipeline)
 
+  # The in-kernel step count (v14: each warpgroup counts the steps up to its row's last valid
+  # slot): 300 slots (5 steps), valid slots not packed first. Row 0: one valid slot, at 250, after
+  # three whole steps of -1; row 1: none (0, -inf); row 2: 10 valid (one step, the others never
+  # walked); row 3: steps 1 to 3 all -1 between valid slots in steps 0 and 4 (a count of the
+  # leading valid run would stop at 1); row 4: as drawn (-1 and past-the-cache slots anywhere,
+  # slot 299 valid). NaN in every unselected row; 1 split, and 3 (a row of 1 or 2 steps leaves a
+  # split with none: its partial is (0, -inf)); bf16 and fp8_ds_mla ("half_rows").
+  @pytest.mark.parametrize("kind,splits", [("bf16", 1), ("bf16", 3), ("fp8_ds_mla", 1)])
+  def test_rows_of_few_valid_slots_match_oracle(self, kind, splits):
+    def edit(slots):
+      num_slots = 22 * 16
+      keep = slots[0, 250] if 0 <= slots[0, 250] < num_slots else 7
+      slots[0] = -1
+      slots[0, 250] = keep
+      slots[2, 10:] = -1
+      slots[3, 64:256] = -1
+      slots[4, 299] = slots[4, 299] % num_slots
+
+    lora = L if kind == "bf16" else 256
+    q, cache, slots, rows = poisoned_case(90 + splits, 16, kind, lora, t=5, k=300, nb=22,
+                                          edit=edit)
+    if kind == "bf16":
+      o, lse = mosaic_sparse.sparse_attention(
+          q, cache.data, jnp.asarray(slots), scale=0.05, kv_lora_rank=L, num_splits=splits,
+          prep_in_kernel=True, interpret=True)
+    else:
+      o, lse = mosaic_sparse.sparse_attention_fp8_ds_mla(
+          q, cache.nope, cache.tile_scales, cache.rope, jnp.asarray(slots), scale=0.05,
+          num_splits=splits, prep_in_kernel=True, interpret=True)
+    assert_matches_oracle(o, lse, q, rows, slots, rows.shape[0], lora)
+
   @pytest.mark.parametrize("n,fp8,gather,fp8_pipeline", [
       (128, False, "cp_async", None), (16, False, "cp_async", None), (128, False, "bulk", None),
       (128, True, "cp_async", "half_rows"), (128, True, "cp_async", "serial"),
@@ -1133,6 +1168,13 @@ class TestPallasMosaicSparseAttentionPrepInKernel(TestPallasMosaicSparseAttentio
   def test_lowers_for_hopper(self, n, fp8, gather, fp8_pipeline, monkeypatch):
     check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, 2, heads_in=None,
                             prep_in_kernel=True)
+
+  @pytest.mark.parametrize("fp8", [False, True])
+  def test_odd_step_count_lowers_for_hopper(self, fp8, monkeypatch):
+    # 960 slots, 15 steps: the count's last 128-slot load group is half the row's lanes' (the
+    # others reread its last 4 slots).
+    check_lowers_for_hopper(monkeypatch, 128, fp8, "cp_async", None, 2, heads_in=None,
+                            prep_in_kernel=True, k=960)
 
   @pytest.mark.parametrize("fp8", [False, True])
   def test_slot_prep_leaves_the_call(self, fp8):

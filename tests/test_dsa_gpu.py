@@ -170,14 +170,18 @@ def test_mosaic_sparse_default_fp8_pipeline_at_4096_tokens_equals_serial_bit_for
     np.testing.assert_array_equal(g, w)
 
 
-# prep_in_kernel (RESULTS, sparse v13): the kernel takes the raw slots (-1 and past-the-cache
+# prep_in_kernel (RESULTS, sparse v13, v14): the kernel takes the raw slots (-1 and past-the-cache
 # slots: the cp.async gather's unsigned compare and the bulk copy's signed coordinates read nothing
-# there, the scores mask them) and walks every step. A step past a row's last valid slot changes
-# nothing (alpha 1, P 0, zero rows), so at one split (T=128) it equals the default (o bit for bit):
-# checked with rows 2 and 3 ending early (-1 and past-the-cache tails) beside rows 0 (nothing) and 1
-# (one slot); and against the reference. Both gathers for bf16; fp8_ds_mla's two pipelines, whose
-# memory warpgroup also gathers the rows' tile scales (4-byte cp.async copies in the rows' group,
-# zeros for invalid slots) where the default copies XLA's gathered blocks: the widened bits equal.
+# there, the scores mask them) and each warpgroup counts the steps up to its row's last valid slot
+# (every warp reads the row from GMEM: the inline count the interpreter does not run). At one split
+# (T=128) it equals the default (o bit for bit), whose count XLA takes: checked with rows 2 and 3
+# ending early (-1 and past-the-cache tails), row 4 valid only within slots 700 to 719 (10 leading
+# steps all -1: a count of the leading valid run would give 0), row 5 with 256 valid slots (the
+# short rows v13 walked in full), beside rows 0 (nothing) and 1 (one slot); then again over the
+# first 960 slots (15 steps: the count's last load group is half a row's lanes); and against the
+# reference. Both gathers for bf16; fp8_ds_mla's two pipelines, whose memory warpgroup also gathers
+# the rows' tile scales (4-byte cp.async copies in the rows' group, zeros for invalid slots) where
+# the default copies XLA's gathered blocks: the widened bits equal.
 @pytest.mark.parametrize("n,kind,options", [
     (128, "bf16", {}), (16, "bf16", {}), (128, "bf16", {"gather": "bulk"}),
     (128, "fp8_ds_mla", {"fp8_pipeline": "half_rows"}),
@@ -196,17 +200,20 @@ def test_mosaic_sparse_prep_in_kernel_matches_reference_and_the_default(n, kind,
   check_sparse_attention(n, kind, run)
   q, cache, slots = sparse_case(n + 3, n, kind)
   slots = slots.at[2, 1000:].set(-1).at[3, 5 * 64 + 3:].set(CACHE_TOKENS + 5)
-  results = []
-  for prep in (False, True):
-    poison_allocator()
-    results.append([np.asarray(a, np.float32)
-                    for a in run(q, cache, slots, scale=SCALE, kv_lora_rank=L,
-                                 prep_in_kernel=prep)])
-  (o, lse), (want_o, want_lse) = results[1], results[0]
-  np.testing.assert_array_equal(o, want_o)
-  # Its static trip count compiles the log-sum-exp's epilogue differently from the default's
-  # dynamic one: 1 ulp apart in ~25% of entries on the H200 (session 12), o equal.
-  np.testing.assert_allclose(lse, want_lse, rtol=2 * np.finfo(np.float32).eps, atol=0)
+  slots = slots.at[4, :700].set(-1).at[4, 720:].set(-1).at[5, 256:].set(-1)
+  for k in (TOPK, 960):
+    results = []
+    for prep in (False, True):
+      poison_allocator()
+      results.append([np.asarray(a, np.float32)
+                      for a in run(q, cache, slots[:, :k], scale=SCALE, kv_lora_rank=L,
+                                   prep_in_kernel=prep)])
+    (o, lse), (want_o, want_lse) = results[1], results[0]
+    assert np.isfinite(lse[4]).all()  # row 4 selects some of its slots 700 to 719
+    np.testing.assert_array_equal(o, want_o)
+    # v13's static trip count compiled the log-sum-exp's epilogue differently from the default's
+    # dynamic one: 1 ulp apart in ~25% of entries on the H200 (session 12), o equal.
+    np.testing.assert_allclose(lse, want_lse, rtol=2 * np.finfo(np.float32).eps, atol=0)
 
 
 def check_sparse_attention(n, kind, sparse_attention, tokens=CACHE_TOKENS):
