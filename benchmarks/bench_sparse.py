@@ -12,7 +12,9 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            Decode rows (T <= 128) pick 2048 slots each, uniformly from a 1M-token cache (1.2 GB
            bf16), so gathers do not hit L2; a 4096-row prefill chunk picks from one 32K-token
            context (one request: rows share rows, and L2 helps). Bytes = T*2048*row bytes (1152
-           bf16, 656 fp8_ds_mla) + q + o, FLOPs = 2*T*N*2048*(576+512).
+           bf16, 656 fp8_ds_mla) + q + o, FLOPs = 2*T*N*2048*(576+512). --sparse-valid V: each
+           row's first V picks, -1 after (a short context's top-k list; column "valid"), bytes
+           and FLOPs over V.
   indexer  logits, T in {128, 2048} over 32K and 128K contexts. T=128: one row per request (decode),
            each sees its whole context; T=2048: one request's last 2048 tokens (causal prefill).
            Bytes = keys each distinct context holds (132 B a token) + the logits written;
@@ -127,23 +129,26 @@ def chunked_reference_indexer(q, weights, k_cache, tables, lens):
   return out.reshape(t, span)
 
 
-def run_sparse(args, t, n, kind, cache):
+def run_sparse(args, t, n, kind, cache, valid=TOPK):
   decode = t <= 128
   span = DECODE_CACHE_TOKENS if decode else PREFILL_CONTEXT
   sets = []
   for i in range(2):
     kq, ks = jax.random.split(jax.random.key(100 + i))
     # Duplicate picks (a few per row) are harmless here: they only attend to a row twice.
-    sets.append((jax.random.normal(kq, (t, n, L + R), jnp.bfloat16), cache,
-                 jax.random.randint(ks, (t, TOPK), 0, span, jnp.int32)))
-  case_bytes = t * TOPK * ROW_BYTES[kind] + t * n * (L + R + L) * 2
-  flops = 2 * t * n * TOPK * (L + R + L)
+    slots = jax.random.randint(ks, (t, TOPK), 0, span, jnp.int32)
+    # Short rows: each row's first `valid` slots, -1 after (a top-k list of a short context).
+    slots = slots.at[:, valid:].set(-1)
+    sets.append((jax.random.normal(kq, (t, n, L + R), jnp.bfloat16), cache, slots))
+  case_bytes = t * valid * ROW_BYTES[kind] + t * n * (L + R + L) * 2
+  flops = 2 * t * n * valid * (L + R + L)
+  case = lambda label: case_row("sparse", t, n=n, context=span, cache=label) | (
+      {} if valid == TOPK else {"valid": valid})
   # Caches are arguments, never closed over: jit would embed a closed-over array as a constant.
   fn = lambda be: jax.jit(functools.partial(be.sparse_attention, scale=SCALE, kv_lora_rank=L))
-  rows = [timed_row(args, case_row("sparse", t, n=n, context=span, cache=kind), fn, sets,
-                    case_bytes, flops)]
-  rows.append(timed_row(args, case_row("sparse", t, n=n, context=span, cache=kind), fn, sets,
-                        case_bytes, flops, xla_ms=rows[0].get("xla ms"), backend="pallas_mosaic"))
+  rows = [timed_row(args, case(kind), fn, sets, case_bytes, flops)]
+  rows.append(timed_row(args, case(kind), fn, sets, case_bytes, flops,
+                        xla_ms=rows[0].get("xla ms"), backend="pallas_mosaic"))
   # The Mosaic kernel's other configs: its SWEEP beside the chosen CONFIG.
   for cfg in () if args.no_sweep_rows else pallas_mosaic_sparse.SWEEP:
     changed = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()
@@ -160,9 +165,8 @@ def run_sparse(args, t, n, kind, cache):
       # pipeline is named and steps 64 slots).
       continue
     other = lambda be, cfg=cfg: jax.jit(functools.partial(mosaic_sparse_variant, cfg=cfg))
-    rows.append(timed_row(args, case_row("sparse", t, n=n, context=span, cache=f"{kind} {changed}"),
-                          other, sets, case_bytes, flops, xla_ms=rows[0].get("xla ms"),
-                          backend="pallas_mosaic"))
+    rows.append(timed_row(args, case(f"{kind} {changed}"), other, sets, case_bytes, flops,
+                          xla_ms=rows[0].get("xla ms"), backend="pallas_mosaic"))
   return rows
 
 
@@ -361,6 +365,9 @@ def main(argv=None):
                       help="sparse cases' head counts")
   parser.add_argument("--sparse-caches", nargs="+", default=["bf16", "fp8_ds_mla"],
                       choices=["bf16", "fp8_ds_mla"], help="sparse cases' cache layouts")
+  parser.add_argument("--sparse-valid", type=int, nargs="+", default=[TOPK],
+                      help=f"sparse cases: valid slots a row (its first ones, -1 after; default "
+                           f"{TOPK}, all); bytes and FLOPs count the valid ones")
   parser.add_argument("--sweep", action="store_true", help="time each kernel's tuning variants")
   parser.add_argument("--sweep-kernels", nargs="+", default=list(SWEEPS), choices=list(SWEEPS),
                       help="--sweep: only these kernels' variants (default all)")
@@ -377,6 +384,8 @@ def main(argv=None):
   parser.add_argument("--repeats", type=int, default=5, help="timings; the median is reported")
   parser.add_argument("--out", default="benchmarks/out", help="directory for the result tables")
   args = parser.parse_args(argv)
+  if not all(1 <= v <= TOPK for v in args.sparse_valid):
+    parser.error(f"--sparse-valid takes 1 to {TOPK} slots a row, got {args.sparse_valid}")
   require_gpu("benchmarks.bench_sparse")
   if args.sweep:
     print(write_results(run_sweep(args), "sparse_sweep", args.out))
@@ -388,8 +397,8 @@ def main(argv=None):
   if "sparse" in args.parts:
     for kind in args.sparse_caches:
       decode_cache = latent_cache(kind, DECODE_CACHE_TOKENS, jax.random.key(1))
-      for t, n in itertools.product(sparse_t, args.sparse_n):
-        rows += run_sparse(args, t, n, kind, decode_cache)
+      for t, n, valid in itertools.product(sparse_t, args.sparse_n, args.sparse_valid):
+        rows += run_sparse(args, t, n, kind, decode_cache, valid)
       del decode_cache
   if "indexer" in args.parts:
     for t, ctx in itertools.product(indexer_t, (32768, 131072)):
