@@ -448,9 +448,11 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
                zero_acc(), ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready,
                p_free=p_free, **out(1), heads_axis=heads_axis)
 
-  def fetch_indices(i):
+  def fetch_indices(i, start=None):
+    """Step i's slot indices (of the split starting at step `start`, else `first`) into the ring."""
     ring = lax.rem(i, _IDX_RING)
-    plgpu.copy_gmem_to_smem(idx_ref.at[t, pl.ds((first + i) * _STEP, _STEP)], idx_smem.at[ring],
+    step = (first if start is None else start) + i
+    plgpu.copy_gmem_to_smem(idx_ref.at[t, pl.ds(step * _STEP, _STEP)], idx_smem.at[ring],
                             idx_bar.at[ring])
 
   def gather_step(i, parts, barrier, half=None, scales=None):
@@ -511,15 +513,23 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
       q_rows = q_ref.at[t, rows_out]
       plgpu.copy_gmem_to_smem(q_rows, leading_rows(q_smem, q_rows), q_bar)
 
-    if prep_in_kernel:
-      copy_q()  # before the count: the row's read overlaps the query tile's copy
-      own_steps()
-    else:
-      pl.when(n > 0)(copy_q)
-
     # Slot indices are fetched 2 steps ahead ("half_rows": 3, as its gathers run ahead of the
     # widening by up to 2 half steps; "in_place": 3, as it reads them a step before its gather).
-    for i in range(3 if pieces > 1 or in_place else 2):
+    ahead = 3 if pieces > 1 or in_place else 2
+    early = 0
+    if prep_in_kernel:
+      copy_q()  # before the count: the row's read overlaps the query tile's copy
+      # With one split the first steps' indices start at slot 0 whatever the count: they are
+      # fetched before it, and those past the row's steps waited for here, where no step will.
+      early = min(ahead, idx_ref.shape[1] // _STEP) if num_splits == 1 else 0
+      for i in range(early):
+        fetch_indices(i, start=0)
+      own_steps()
+      for i in range(early):
+        pl.when(i >= n)(functools.partial(plgpu.barrier_wait, idx_bar.at[i]))
+    else:
+      pl.when(n > 0)(copy_q)
+    for i in range(early, ahead):
       pl.when(i < n)(functools.partial(fetch_indices, i))
 
     def rows_landed():
