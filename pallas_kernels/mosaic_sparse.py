@@ -1028,7 +1028,8 @@ class MosaicSparseConfig:
   float32 partials' transposed store does not lower; session 12 found the default failing there,
   T=64); "m" at T=64 (2 splits): N=16 0.0756, N=32 0.0773 ms against Triton's 0.091 / 0.110. Not
   timed: "n" with the bulk gather (which the rule does not see: it is no default).
-  prep_in_kernel (RESULTS, sparse v13 and v13 timed; default False): the kernel takes the
+  prep_in_kernel (RESULTS, sparse v13, v13 timed and v14; None, the default: True, but with
+  fp8_ds_mla and the bulk gather, which it does not take): the kernel takes the
   slots as they are (-1 padded to whole steps) instead of XLA's idx (invalid slots mapped past the
   cache) and per-row step counts, and fp8_ds_mla's cache tile scales instead of XLA's gathered,
   transposed blocks, so those XLA kernels (T=128: 4.3-4.6 us of slot prep, 9.7-9.8 us of scale
@@ -1047,13 +1048,14 @@ class MosaicSparseConfig:
   over a 1M-token cache, ms, default / prep_in_kernel: full rows (2048 valid slots) bf16 N=128
   0.197 / 0.185, N=16 0.0931 / 0.0862; fp8_ds_mla N=128 0.264 / 0.249, N=16 0.138 / 0.124; rows
   of 256 valid slots bf16 N=128 0.0855 / 0.1917, fp8_ds_mla N=128 0.0768 / 0.2641. v14 (the
-  count in the kernel) not timed yet: not the default."""
+  count in the kernel; session 13, one process), N=128: full rows bf16 0.202 / 0.190, fp8_ds_mla
+  0.267 / 0.251; 256 valid slots bf16 0.0698 / 0.0567, fp8_ds_mla 0.0723 / 0.0697."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
   fp8_pipeline: str | None = None
   fp8_stage_halves: int = 2  # staging in 32-row buffers: "serial" stages 64 rows (2 halves)
   heads_in: str | None = None
-  prep_in_kernel: bool = False
+  prep_in_kernel: bool | None = None
 
   def __post_init__(self):
     if self.gather not in GATHERS:
@@ -1070,8 +1072,8 @@ class MosaicSparseConfig:
                        f"{self.fp8_stage_halves!r} with {self.fp8_pipeline!r}")
     if self.heads_in is not None and self.heads_in not in HEADS_IN:
       raise ValueError(f"heads_in must be None or one of {HEADS_IN}, got {self.heads_in!r}")
-    if not isinstance(self.prep_in_kernel, bool):
-      raise ValueError(f"prep_in_kernel must be a bool, got {self.prep_in_kernel!r}")
+    if self.prep_in_kernel is not None and not isinstance(self.prep_in_kernel, bool):
+      raise ValueError(f"prep_in_kernel must be None or a bool, got {self.prep_in_kernel!r}")
 
 
 CONFIG = MosaicSparseConfig()
@@ -1082,7 +1084,7 @@ SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rul
          MosaicSparseConfig(fp8_pipeline="in_place"), MosaicSparseConfig(heads_in="m"),
          MosaicSparseConfig(heads_in="n"),
          MosaicSparseConfig(fp8_pipeline="in_place", heads_in="n"),
-         MosaicSparseConfig(prep_in_kernel=True))
+         MosaicSparseConfig(prep_in_kernel=False))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))
@@ -1091,7 +1093,7 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
                      auto_barriers: bool = False, gather: str = CONFIG.gather,
                      split_rule: str = CONFIG.split_rule,
                      heads_in: str | None = CONFIG.heads_in,
-                     prep_in_kernel: bool = CONFIG.prep_in_kernel,
+                     prep_in_kernel: bool | None = CONFIG.prep_in_kernel,
                      interpret: bool | plgpu.InterpretGPUParams = False
                      ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over a bf16 latent cache (semantics of `mla_jax.reference.sparse_attention`).
@@ -1106,7 +1108,7 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   either way). heads_in: `MosaicSparseConfig`'s ("n": N <= 32 heads in wgmma's N, one split;
   None: `default_heads_in`, "n" at N <= 32 where the split rule gives one split, else "m").
   prep_in_kernel: `MosaicSparseConfig`'s (the kernel reads the raw slots and counts each row's
-  steps).
+  steps; None: True).
   interpret: True or a `plgpu.InterpretGPUParams`
   runs Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and lse [T, N] float32 (natural
   log); a row with no valid slot gives (0, -inf).
@@ -1114,6 +1116,8 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   _check(q, slots, kv_lora_rank, num_splits)
   MosaicSparseConfig(gather, split_rule, heads_in=heads_in,
                      prep_in_kernel=prep_in_kernel)  # checks them
+  if prep_in_kernel is None:
+    prep_in_kernel = True
   if heads_in is None:
     heads_in = default_heads_in(q.shape[0], q.shape[1], slots.shape[1], fp8=False,
                                 num_splits=num_splits, split_rule=split_rule)
@@ -1140,7 +1144,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                                 fp8_pipeline: str | None = CONFIG.fp8_pipeline,
                                 fp8_stage_halves: int = CONFIG.fp8_stage_halves,
                                 heads_in: str | None = CONFIG.heads_in,
-                                prep_in_kernel: bool = CONFIG.prep_in_kernel,
+                                prep_in_kernel: bool | None = CONFIG.prep_in_kernel,
                                 interpret: bool | plgpu.InterpretGPUParams = False
                                 ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over an fp8_ds_mla cache, widened to bf16 once per gathered row.
@@ -1150,8 +1154,8 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   bfloat16; slots and options as in `sparse_attention`; fp8_pipeline ("serial", "half_rows",
   "in_place", or None: `default_fp8_pipeline`'s pick for these shapes, num_splits, split_rule and
   gather) and fp8_stage_halves: `MosaicSparseConfig`'s; heads_in too ("n" with fp8_pipeline "serial"
-  or "in_place" named; None: `default_heads_in`, "m") and prep_in_kernel too. Returns o [T, N, L]
-  bf16 and lse [T, N] float32.
+  or "in_place" named; None: `default_heads_in`, "m") and prep_in_kernel too (None: True with the
+  cp_async gather, False with the bulk one). Returns o [T, N, L] bf16 and lse [T, N] float32.
   """
   nb, page, lora = nope.shape
   _check(q, slots, lora, num_splits)
@@ -1164,6 +1168,8 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                      f"{rope.dtype.name}{rope.shape}, q {q.shape}")
   MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in,
                      prep_in_kernel)  # checks them
+  if prep_in_kernel is None:
+    prep_in_kernel = gather == "cp_async"
   if prep_in_kernel and gather != "cp_async":
     raise ValueError(f"prep_in_kernel with fp8_ds_mla takes the cp_async gather (bulk copies of "
                      f"4-byte tile scales are under a bulk copy's 16-byte box), got {gather!r}")

@@ -366,11 +366,12 @@ class TestPallasTritonIndexer(IndexerContract):
       (128, 131072, "DEFAULT_LONG_ROWS"), (128, 32768, "DEFAULT_LONG_ROWS"),
       (128, 16384, "DEFAULT"), (4096, 32768, "DEFAULT_MANY_ROWS")])
   def test_default_config(self, rows, positions, want, monkeypatch):
-    # Few rows from 32768 positions take the per-lane kernel in its flat_lanes form (H200,
-    # session 13: faster at 32768 and 131072), many rows the fused theta; the H200's 132 SMs.
+    # Few rows from 32768 positions and many rows (theta fused) take v9's sector threshold (H200,
+    # session 13: faster at 131072 and at 4096 rows, equal at 32768); the H200's 132 SMs.
     monkeypatch.setattr(pallas_topk, "sm_count", lambda: 132)
     assert pallas_topk.default_config(rows, positions) == getattr(pallas_topk, want)
-    assert pallas_topk.DEFAULT_LONG_ROWS.flat_lanes
+    assert pallas_topk.DEFAULT_LONG_ROWS.sectors and pallas_topk.DEFAULT_MANY_ROWS.sectors
+    assert pallas_topk.DEFAULT_MANY_ROWS.fused_theta and not pallas_topk.DEFAULT.sectors
 
   @pytest.mark.parametrize("fused", [False, True], ids=["sectors", "sectors_fused"])
   @pytest.mark.parametrize("t,s", [(128, 131072), (128, 32768), (4096, 32768), (6, 5000)])
@@ -749,7 +750,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
   fp8_stage_halves = mosaic_sparse.CONFIG.fp8_stage_halves
   # What the cases run: the default (None), "n" for bf16 caches up to 32 heads, else "m".
   heads_in = mosaic_sparse.CONFIG.heads_in
-  prep_in_kernel = mosaic_sparse.CONFIG.prep_in_kernel  # False: XLA's idx and steps
+  # None: the kernel reads the raw slots (fp8_ds_mla with the bulk gather: XLA's idx and steps).
+  prep_in_kernel = mosaic_sparse.CONFIG.prep_in_kernel
 
   def fn(self):
     run = super().fn()
@@ -871,22 +873,24 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
   def test_shared_memory_past_the_limit_raises(self, monkeypatch):
     # fp8_ds_mla at L=512 with the cp.async gather: 199,760 bytes "serial", 195,688 "half_rows"
     # (P is 64 x 32; 3 more barriers), 217,200 with 3 staging buffers (RESULTS v6), 231,528
-    # "in_place" (bf16's 231,512 and 2 barriers; RESULTS v9). Past the limit: a ValueError.
+    # "in_place" (bf16's 231,512 and 2 barriers; RESULTS v9), counted with XLA's slot prep
+    # (prep_in_kernel=False: the default's in-kernel scales take no staging-fill barrier). Past
+    # the limit: a ValueError.
     monkeypatch.setattr(mosaic_sparse, "_SMEM_LIMIT", 199_759)
+    trace = functools.partial(mosaic_sparse.sparse_attention_fp8_ds_mla.trace, prep_in_kernel=False)
     q = jax.ShapeDtypeStruct((4, 64, 576), jnp.bfloat16)
     args = (q, jax.ShapeDtypeStruct((16, 64, 512), jnp.float8_e4m3fn),
             jax.ShapeDtypeStruct((16, 64, 4), jnp.float32),
             jax.ShapeDtypeStruct((16, 64, 64), jnp.bfloat16),
             jax.ShapeDtypeStruct((4, 64), jnp.int32))
-    mosaic_sparse.sparse_attention_fp8_ds_mla.trace(*args, scale=0.1, fp8_pipeline="half_rows")
+    trace(*args, scale=0.1, fp8_pipeline="half_rows")
     with pytest.raises(ValueError, match="199760 bytes.*exceeds"):
-      mosaic_sparse.sparse_attention_fp8_ds_mla.trace(*args, scale=0.1, fp8_pipeline="serial")
+      trace(*args, scale=0.1, fp8_pipeline="serial")
     monkeypatch.setattr(mosaic_sparse, "_SMEM_LIMIT", 217_199)
     with pytest.raises(ValueError, match="217200 bytes.*exceeds"):
-      mosaic_sparse.sparse_attention_fp8_ds_mla.trace(*args, scale=0.1, fp8_pipeline="half_rows",
-                                                      fp8_stage_halves=3)
+      trace(*args, scale=0.1, fp8_pipeline="half_rows", fp8_stage_halves=3)
     with pytest.raises(ValueError, match="231528 bytes.*exceeds"):
-      mosaic_sparse.sparse_attention_fp8_ds_mla.trace(*args, scale=0.1, fp8_pipeline="in_place")
+      trace(*args, scale=0.1, fp8_pipeline="in_place")
 
   @pytest.mark.parametrize("change,message", [
       (lambda a: {**a, "q": a["q"][0]}, "want q"),
@@ -935,11 +939,11 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     # The timed rules (`default_fp8_pipeline`, `default_heads_in`); both heads_in named beside.
     assert (mosaic_sparse.CONFIG.fp8_pipeline, mosaic_sparse.CONFIG.fp8_stage_halves,
             mosaic_sparse.CONFIG.heads_in, mosaic_sparse.CONFIG.prep_in_kernel) == (None, 2, None,
-                                                                                   False)
+                                                                                   None)
     for other in (dict(fp8_pipeline="serial"), dict(fp8_pipeline="half_rows"),
                   dict(fp8_pipeline="half_rows", fp8_stage_halves=3),
                   dict(fp8_pipeline="in_place"), dict(heads_in="m"), dict(heads_in="n"),
-                  dict(fp8_pipeline="in_place", heads_in="n"), dict(prep_in_kernel=True)):
+                  dict(fp8_pipeline="in_place", heads_in="n"), dict(prep_in_kernel=False)):
       assert mosaic_sparse.MosaicSparseConfig(**other) in mosaic_sparse.SWEEP
 
 
@@ -1178,9 +1182,10 @@ class TestPallasMosaicSparseAttentionPrepInKernel(TestPallasMosaicSparseAttentio
 
   @pytest.mark.parametrize("fp8", [False, True])
   def test_slot_prep_leaves_the_call(self, fp8):
-    # Outside the kernel, the default computes idx (a select), the per-row steps (a max over the
-    # row) and for fp8_ds_mla the rows' tile scales (a gather, a select, a transpose);
-    # prep_in_kernel passes the slots (padded with -1 where K is not whole steps) as they are.
+    # Outside the kernel, prep_in_kernel=False computes idx (a select), the per-row steps (a max
+    # over the row) and for fp8_ds_mla the rows' tile scales (a gather, a select, a transpose);
+    # prep_in_kernel (the default with the cp_async gather) passes the slots (padded with -1 where
+    # K is not whole steps) as they are.
     t, n, k, nb = 128, 128, 2048, 1 << 14
     q = jax.ShapeDtypeStruct((t, n, L + R), jnp.bfloat16)
     slots = jax.ShapeDtypeStruct((t, k), jnp.int32)
@@ -1205,10 +1210,11 @@ class TestPallasMosaicSparseAttentionPrepInKernel(TestPallasMosaicSparseAttentio
           names.append(eqn.primitive.name)
       return names
 
-    default, prep = outside(entry().jaxpr), outside(entry(prep_in_kernel=True).jaxpr)
-    assert {"reduce_max", "select_n"} <= set(default) and ("gather" in default) == fp8
+    xla, prep = outside(entry(prep_in_kernel=False).jaxpr), outside(entry().jaxpr)
+    assert {"reduce_max", "select_n"} <= set(xla) and ("gather" in xla) == fp8
     assert not {"reduce_max", "select_n", "gather", "transpose", "ge", "lt"} & set(prep), prep
-    assert "_prep_" in str(entry(prep_in_kernel=True)) and "_prep_" not in str(entry())
+    assert "_prep_" in str(entry()) and "_prep_" not in str(entry(prep_in_kernel=False))
+    assert str(entry()) == str(entry(prep_in_kernel=True))
 
 
   def test_prep_in_kernel_bad_input_raises(self):
@@ -1218,7 +1224,7 @@ class TestPallasMosaicSparseAttentionPrepInKernel(TestPallasMosaicSparseAttentio
     with pytest.raises(ValueError, match="prep_in_kernel with fp8_ds_mla takes the cp_async"):
       mosaic_sparse.sparse_attention_fp8_ds_mla(q, *cache, slots, scale=0.1, gather="bulk",
                                                 prep_in_kernel=True, interpret=True)
-    with pytest.raises(ValueError, match="prep_in_kernel must be a bool"):
+    with pytest.raises(ValueError, match="prep_in_kernel must be None or a bool"):
       mosaic_sparse.sparse_attention(q, jnp.zeros((4, 16, L + R), jnp.bfloat16), slots, scale=0.1,
                                      kv_lora_rank=L, prep_in_kernel=1, interpret=True)
 
