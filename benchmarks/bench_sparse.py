@@ -23,12 +23,12 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            kernel (fp8 wgmma) and the `pallas` default, against the same XLA.
   topk     top-2048 positions of 128 x 32K, 128 x 128K and 4096 x 32K float32 logits, every
            position visible. Bytes = one read of the logits + the positions written. Further rows
-           time v2 (the threshold kernel's block-wide compaction per chunk, separate maxima and
-           theta kernels), the shape's default with either v3 choice flipped (per-lane
-           threshold; theta fused with the group maxima) and with v8's per-lane threshold
-           (`flat_lanes`: one register layout, no barrier a chunk) and v9's (`sectors`: the
-           threshold reads only the 8-position sectors whose maximum reaches theta);
-           --topk-rows keeps only some of them.
+           time the other threshold forms with the default's theta: v2 (block-wide compaction
+           per chunk), v3's per-lane threshold, v8's flat form of it (`flat_lanes`: one register
+           layout, no barrier a chunk), v9's (`sectors`: the threshold reads only the 8-position
+           sectors whose maximum reaches theta; the default from 32768 positions), and the
+           default with its theta flipped (fused with the group maxima or not); --topk-rows
+           keeps only some of them.
   step     one layer's DSA decode step: indexer logits + top-k + slots + sparse attention (N=128,
            fp8_ds_mla latent cache), 128 decode rows at 32K context each; pallas_triton's and the
            `pallas` default's.
@@ -211,26 +211,22 @@ def run_topk(args, t, s):
   row = case_row("topk", t, context=s, cache="default")
   fn = lambda be: jax.jit(lambda x, lens: be.topk(x, lens, TOPK))
   rows = [timed_row(args, row, fn, sets, case_bytes, None)]
-  # v2 (block-wide compaction per chunk, separate maxima and theta kernels), and the default with
-  # either v3 choice flipped (unless that is v2), against the same XLA.
+  # Each form beside the default (every knob named; a form equal to the default's is left out):
+  # v2 (block-wide compaction per chunk), v3's per-lane threshold, v8's flat form of it, v9's
+  # sector threshold (the other way from the default), each with the default's theta, and the
+  # default with its theta flipped (fused with the maxima or not).
   default = pallas_topk.default_config(t, s)
-  v2 = dict(per_lane=False, fused_theta=False)
-  variants = {"v2 (block compaction)": v2}
-  for name in ("per_lane", "fused_theta"):
-    knobs = dict(per_lane=default.per_lane, fused_theta=default.fused_theta)
-    knobs[name] = not knobs[name]
-    if knobs != v2:
-      variants[f"v3, {name}={knobs[name]}"] = dict(
-          knobs, flat_lanes=knobs["per_lane"] and default.flat_lanes)
-  # v8: the default's theta with the per-lane threshold kernel in the other form than the
-  # default's (flat_lanes, or v3's where that is the default).
-  flat = not (default.per_lane and default.flat_lanes)
-  variants[f"v8, flat_lanes={flat}"] = dict(per_lane=True, fused_theta=default.fused_theta,
-                                            flat_lanes=flat)
-  # v9: the default's theta with sector maxima beside the group maxima, the threshold reading
-  # only the sectors that reach theta.
-  variants["v9, sectors"] = dict(per_lane=False, fused_theta=default.fused_theta,
-                                 flat_lanes=False, sectors=True)
+  knobs_of = lambda c: dict(per_lane=c.per_lane, fused_theta=c.fused_theta,
+                            flat_lanes=c.flat_lanes, sectors=c.sectors)
+  plain = dict(per_lane=False, fused_theta=default.fused_theta, flat_lanes=False, sectors=False)
+  forms = {"v2 (block compaction)": dict(plain, fused_theta=False),
+           "v3, per_lane": dict(plain, per_lane=True),
+           "v8, flat_lanes": dict(plain, per_lane=True, flat_lanes=True),
+           f"v9, sectors={not default.sectors}": (
+               dict(plain) if default.sectors else dict(plain, sectors=True)),
+           f"v3, fused_theta={not default.fused_theta}": dict(
+               knobs_of(default), fused_theta=not default.fused_theta)}
+  variants = {name: knobs for name, knobs in forms.items() if knobs != knobs_of(default)}
   if args.topk_rows:
     variants = {name: knobs for name, knobs in variants.items()
                 if name.split(" ")[0].rstrip(",") in args.topk_rows}

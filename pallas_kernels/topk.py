@@ -27,7 +27,7 @@ kernels, each reading the logits at most once (steps 1 and 2 fuse into one where
    padded. A row whose candidates overflowed `cap` (many ties at theta) takes an exact but slow
    path: the bisections stream the whole row.
 
-v9 (`TopkConfig.sectors`, not a default): step 1 also writes the maximum of every 8 positions (a
+v9 (`TopkConfig.sectors`, the default for rows from 32768 positions and for many rows): step 1 also writes the maximum of every 8 positions (a
 32-byte sector; groups {j, j + m8, ...} with m8 rounded up to whole sectors), and step 3 reads a
 row's sector maxima, keeps the sectors that reach theta (every candidate lies in one) and reads
 the logits of those only: ~14% of the sectors at 131072 positions, ~44% at 32768 (random rows).
@@ -123,10 +123,13 @@ class TopkConfig:
 # 0.120: 128 programs each streaming 512 KB). v8 (session 13, whole top-k in one run): the
 # per-lane kernel's flat_lanes form 0.102 ms at 128 x 131072 against v3's 0.124 (the kernel alone
 # 40.1 us against 61.9), and at 128 x 32768 0.0658 against the block-wide default's 0.0702 (13.7
-# us against 18.2), so few rows from 32768 positions take it; at 4096 x 32768 1.05 against 0.849.
+# us against 18.2); at 4096 x 32768 1.05 against 0.849. v9 (sectors; session 13, one process, the
+# v8 default beside it): 128 x 131072 0.0785 ms against 0.104, 4096 x 32768 (theta fused) 0.766
+# against 0.832, 128 x 32768 0.0656 against 0.0648 (equal): few rows from 32768 positions and many
+# rows take it.
 DEFAULT = TopkConfig(1024, 4, 1, 8)
-DEFAULT_LONG_ROWS = TopkConfig(1024, 4, 1, 8, per_lane=True, flat_lanes=True)
-DEFAULT_MANY_ROWS = TopkConfig(1024, 4, 1, 4, fused_theta=True)
+DEFAULT_LONG_ROWS = TopkConfig(1024, 4, 1, 8, sectors=True)
+DEFAULT_MANY_ROWS = TopkConfig(1024, 4, 1, 4, fused_theta=True, sectors=True)
 _LONG_ROW = 32768  # positions from which few rows take DEFAULT_LONG_ROWS
 # The sweep space: the variants `benchmarks/bench_sparse.py --sweep` times (128 x 131072).
 SWEEP = tuple(TopkConfig(*v) for v in [
