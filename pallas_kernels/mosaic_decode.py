@@ -101,7 +101,8 @@ class MosaicDecodeConfig:
     (`_f16_queries`; exact, bf16 magnitudes below 2^-14 of the token's largest round in f16's
     subnormals). H200 (session 13), S=8192, N=16, ms, "shared_widening" / "register_a" (both
     heads_in="n", one process): B=128 0.462 / 0.365, B=32 0.138 / 0.112; at N=32 0.490 ("m",
-    "shared_widening") / 0.493.
+    "shared_widening") / 0.493; without spills (the waits and warpgroup 1's columns above), B=128
+    N=16 0.273 (bf16: 0.296), bit-identical; N=32 not re-timed.
   fp8_pipeline=None (the default) takes "register_a" where heads_in resolves to "n", else
   "shared_widening" (`default_fp8_pipeline`).
   heads_in, where a program's heads sit in the wgmma shapes (benchmarks/RESULTS.md, "Latent decode

@@ -27,10 +27,11 @@ kernels, each reading the logits at most once (steps 1 and 2 fuse into one where
    padded. A row whose candidates overflowed `cap` (many ties at theta) takes an exact but slow
    path: the bisections stream the whole row.
 
-v9 (`TopkConfig.sectors`, the default for rows from 32768 positions and for many rows): step 1 also writes the maximum of every 8 positions (a
-32-byte sector; groups {j, j + m8, ...} with m8 rounded up to whole sectors), and step 3 reads a
-row's sector maxima, keeps the sectors that reach theta (every candidate lies in one) and reads
-the logits of those only: ~14% of the sectors at 131072 positions, ~44% at 32768 (random rows).
+v9 (`TopkConfig.sectors`, the default for rows from 32768 positions and for many rows): step 1
+also writes the maximum of every 8 positions (a 32-byte sector; groups {j, j + m8, ...} with m8
+rounded up to whole sectors), and step 3 reads a row's sector maxima, keeps the sectors that reach
+theta (every candidate lies in one) and reads the logits of those only: ~14% of the sectors at
+131072 positions, ~44% at 32768 (random rows).
 
 Not a radix select: a histogram of the keys' high bits needs scatter-adds into shared memory (or a
 warp's match). jax 0.11.2 offers none with an interpreter path: Pallas-Triton has no scratch
