@@ -23,7 +23,10 @@ the grid stays and is the default from there (`persistent`). Three warpgroups a 
   with `ping_pong` instead the two warpgroups take turns on the tensor cores through a barrier
   (one's softmax overlaps the other's products);
 - memory (warpgroup 2): the request's K and V blocks, block_k keys a step, one bulk copy each into a
-  ring of slots, refilled as soon as both compute warpgroups are done with a slot's K (or V).
+  ring of slots, refilled as soon as both compute warpgroups are done with a slot's K (or V);
+  with `prefetch_q` (not the default) also each item's query tiles, each copied once its compute
+  warpgroup's last S of the item before has read the tile (the output then staged apart, 64
+  columns at a time, its stores never waited for in the item loop).
 Both compute warpgroups walk the same steps (those the block's last row needs), so they share every
 slot; the diagonal, ragged and misaligned steps are masked, the others are not.
 Items run in sections of `l2_section_bytes` worth of heads' K/V, heads fastest within a section;
@@ -110,6 +113,9 @@ _MAX_DV = 256  # wgmma N limit; the 64 x Dv float32 accumulator is Dv / 2 regist
 # Row alignment of a bulk copy's first row: Mosaic GPU copies a (8, 64)-tiled buffer as whole
 # tiles of the global array, so it must prove the start a multiple of 8.
 _ALIGN = 8
+# prefetch_q: output columns a staging tile holds (a 128-byte swizzled row of bf16); the output
+# goes out in Dv / 64 such pieces.
+_STAGE_COLS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +143,12 @@ class MosaicPrefillConfig:
   # it for head dims over 128 (H200, N=128: 1.04x ping-pong at 4096 and 16K tokens, 1.07x at
   # 8 x 1024; benchmarks/RESULTS.md, session 10). Neither (both False): the steps in order.
   intra_overlap: bool = True
+  # The next item's query tiles copied by the memory warpgroup as soon as each compute warpgroup's
+  # last S = Q K^T of an item has read its tile (FlashAttention-3's producer-loaded Q), so an item
+  # starts on queries already landed; the output then goes out through a staging tile of its own,
+  # 64 columns at a time (16 KB more shared memory: 230,520 bytes), and no item waits for its
+  # stores to land.
+  prefetch_q: bool = False
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -153,6 +165,8 @@ class MosaicPrefillConfig:
       check_at_least("l2_section_bytes", self.l2_section_bytes, 1)
     if not isinstance(self.intra_overlap, bool):
       raise ValueError(f"intra_overlap must be a bool, got {self.intra_overlap!r}")
+    if not isinstance(self.prefetch_q, bool):
+      raise ValueError(f"prefetch_q must be a bool, got {self.prefetch_q!r}")
     if self.intra_overlap and self.ping_pong:
       raise ValueError("ping_pong and intra_overlap are two schedules, pick one: "
                        "ping_pong=True needs intra_overlap=False")
@@ -173,22 +187,25 @@ SWEEP = (DEFAULT, MosaicPrefillConfig(persistent=True),
                                                 (64, 4, True, False)])
 
 
-def _smem_bytes(dk, dv, block_k, stages):
+def _smem_bytes(dk, dv, block_k, stages, prefetch_q=False):
   """Shared memory of one program on the GPU, as Mosaic GPU (jax 0.11.2) allocates it (each buffer
   1024-byte aligned, 8 bytes a barrier; the CUDA lowering test checks it against Mosaic GPU's own
   count): the query tiles, one a compute warpgroup, in columns [0, Dv) (also the output staging)
   and [Dv, Dk); the K/V ring (split keys: the same bytes in three buffers); the lse staging (512
-  bytes, so 1 KB); the barriers: one a query tile, five a ring slot, the turns. The interpreter's
-  P tiles are left out: it has no shared-memory bound."""
+  bytes, so 1 KB); the barriers: one a query tile, five a ring slot, the turns. prefetch_q: the
+  output staging apart (64 columns a compute warpgroup) and a barrier a query tile more. The
+  interpreter's P tiles are left out: it has no shared-memory bound."""
   buffers = (_COMPUTE_WGS * _TILE * dv * 2, _COMPUTE_WGS * _TILE * (dk - dv) * 2,
-             stages * block_k * dk * 2, stages * block_k * dv * 2, _COMPUTE_WGS * _TILE * 4)
-  return sum(-(-b // 1024) * 1024 for b in buffers) + 8 * (_COMPUTE_WGS + 5 * stages + 1)
+             stages * block_k * dk * 2, stages * block_k * dv * 2, _COMPUTE_WGS * _TILE * 4,
+             _COMPUTE_WGS * _TILE * _STAGE_COLS * 2 * prefetch_q)
+  return (sum(-(-b // 1024) * 1024 for b in buffers)
+          + 8 * (_COMPUTE_WGS * (1 + prefetch_q) + 5 * stages + 1))
 
 
-def _stages_for(dk, dv, block_k):
+def _stages_for(dk, dv, block_k, prefetch_q=False):
   """The deepest K/V ring (at most _MAX_STAGES, at least 2) that fits, or 0 if none does."""
   return next((s for s in range(_MAX_STAGES, 1, -1)
-               if _smem_bytes(dk, dv, block_k, s) <= _SMEM_BYTES), 0)
+               if _smem_bytes(dk, dv, block_k, s, prefetch_q) <= _SMEM_BYTES), 0)
 
 
 def _aligned_rows(q_len, q_lead):
@@ -234,7 +251,7 @@ def _block_keys(qs, q_lead, q_len, k_len, causal):
 
 def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref, *rest, scale,
                     causal, num_q_programs, block_k, ping_pong, p_in_registers, persistent,
-                    section_heads, direct, split_k, intra_overlap):
+                    section_heads, direct, split_k, intra_overlap, prefetch_q):
   # GMEM: cu_q_ref, cu_k_ref [R+1] int32; tile_ref [R] int32 (request r's first edge slot, 2r);
   # queue_ref [2, B+1] int32 (persistent: column 0 row 0 the number of blocks, then per block,
   # heaviest first, its request (row 0) and index in the request (row 1); otherwise unused);
@@ -255,7 +272,9 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
   # k_ready (split_k: both key boxes), v_ready [stages] (slot landed);
   # v_clean [stages] (both compute warpgroups zeroed a slot's rows outside the request);
   # k_consumed, v_consumed [stages] (both compute warpgroups done); schedule (the compute
-  # warpgroups' turns on the tensor cores).
+  # warpgroups' turns on the tensor cores). prefetch_q: o_stage [2, 64, 64] (each compute
+  # warpgroup's output staging, 64 columns at a time) and q_free [2] (a warpgroup's last S of an
+  # item read its query tile: the memory warpgroup may copy the next item's there).
   k_pe_ref, *rest = rest if split_k else (None, *rest)
   o_ref, lse_ref, *rest = rest
   edge_o_ref, edge_lse_ref, qv_smem, *rest = (None, None, *rest) if direct else rest
@@ -267,7 +286,8 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
   kr_smem = rest.pop(0) if split_k else None
   v_smem, *rest = rest
   p_smem = None if p_in_registers else rest.pop(0)
-  lse_smem, q_bar, k_ready, v_ready, v_clean, k_consumed, v_consumed, schedule = rest
+  lse_smem, q_bar, k_ready, v_ready, v_clean, k_consumed, v_consumed, schedule, *rest = rest
+  o_stage, q_free = rest if prefetch_q else (None, None)
   wg = lax.axis_index("wg")
   tq, tk, dk = q_ref.shape[0], k_ref.shape[0], q_ref.shape[2]
   num_heads = q_ref.shape[1]
@@ -341,6 +361,15 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
     key0 = first - w.k_start
     return (key0 < 0) | (key0 + block_k > w.k_len) | (shift > 0), key0, shift
 
+  def copy_queries(w, g, q_first):
+    """Starts the copy of compute warpgroup g's query tile of item w (its box from q_first), both
+    column ranges on the tile's one barrier."""
+    q_rows = pl.ds(q_first, _TILE)
+    plgpu.copy_gmem_to_smem(q_ref.at[q_rows, w.h, pl.ds(0, dv)], qv_smem.at[g], q_bar.at[g])
+    if qr_smem is not None:  # both copies on the tile's barrier (one phase to track)
+      plgpu.copy_gmem_to_smem(q_ref.at[q_rows, w.h, pl.ds(dv, dk - dv)], qr_smem.at[g],
+                              q_bar.at[g])
+
   def take_turn():
     """Ping-pong (FA3): a compute warpgroup's softmax runs while the other's products do."""
     if ping_pong:
@@ -351,6 +380,11 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
   def _compute():
     plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
     rows_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def release_queries():
+      """prefetch_q: this warpgroup's last read of its query tile in an item is done (its last S
+      waited for), so the memory warpgroup may copy the next item's queries there."""
+      plgpu.barrier_arrive(q_free.at[wg])
 
     def zero_foreign_values(w, j, slot):
       """A box's rows outside the request get P = 0, but 0 * NaN (or inf) in V is NaN: step j's
@@ -455,6 +489,8 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
 
       s = pl.run_scoped(scores, plgpu.ACC((_TILE, block_k), jnp.float32))
       plgpu.barrier_arrive(k_consumed.at[slot])
+      if prefetch_q:
+        pl.when(j + 1 == end)(release_queries)
       if masked:
         s = mask_scores(s, w, j, q_shift)
       m_new, alpha, p = softmax(s, m)
@@ -478,7 +514,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       plgpu.barrier_arrive(v_consumed.at[slot])
       return m_new, l, acc, count + 1
 
-    def overlapped_step(j, carry, w, q_shift, masked, first=False):
+    def overlapped_step(j, carry, w, q_shift, end, masked, first=False):
       """intra_overlap (FlashAttention-3's intra-warpgroup overlap): step j's S = Q K^T is issued,
       then step j - 1's P V, and step j's softmax runs while P V is on the tensor cores. After
       step j, acc holds the P V of the steps before j, scaled to step j's row max, and p16 is
@@ -507,6 +543,8 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
         # Waits for the scores only: P V (the last group issued) stays in flight.
         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if first else 1)
         plgpu.barrier_arrive(k_consumed.at[slot])
+        if prefetch_q:
+          pl.when(j + 1 == end)(release_queries)
         if masked:
           s = mask_scores(s, w, j, q_shift)
         m_new, alpha, p = softmax(s, m)
@@ -539,13 +577,12 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       w = item(trip)
       tile_row = w.qs + wg * _TILE  # this warpgroup's first row, counted from q_base
       q_first, q_shift = box(w.q_base + tile_row, _TILE, tq)
-      q_rows = pl.ds(q_first, _TILE)
-      plgpu.copy_gmem_to_smem(q_ref.at[q_rows, w.h, pl.ds(0, dv)], qv_smem.at[wg], q_bar.at[wg])
-      if qr_smem is not None:  # both copies on the tile's barrier (one phase to track)
-        plgpu.copy_gmem_to_smem(q_ref.at[q_rows, w.h, pl.ds(dv, dk - dv)], qr_smem.at[wg],
-                                q_bar.at[wg])
+      if not prefetch_q:  # else the memory warpgroup copied them, an item ahead
+        copy_queries(w, wg, q_first)
       plgpu.barrier_wait(q_bar.at[wg])
       lo, hi, end = key_steps(w)
+      if prefetch_q:  # an item without steps never reads its queries
+        pl.when(end == 0)(release_queries)
 
       @pl.when(end > 0)
       def _():
@@ -559,7 +596,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
         # Step 0 apart (no P V before it), always masked (a mask an unmasked step passes whole);
         # then the steps as below, from 1; then the last step's P V.
         first = jnp.minimum(end, 1)
-        run = functools.partial(overlapped_step, w=w, q_shift=q_shift)
+        run = functools.partial(overlapped_step, w=w, q_shift=q_shift, end=end)
         carry += (plgpu.layout_cast(jnp.zeros((_TILE, block_k), v_smem.dtype),
                                     plgpu.Layout.WGMMA),)
         carry = lax.fori_loop(0, first, functools.partial(run, masked=True, first=True), carry)
@@ -589,26 +626,48 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
         l_safe = jnp.where(seen, l, 1.0)
         o = jnp.where((tile_rows >= 0) & (tile_rows < w.q_len),
                       acc * row_broadcast(1.0 / l_safe, acc.shape), 0.0)
-        qv_smem.at[wg][...] = o.astype(qv_smem.dtype)
-        lse_smem.at[wg][...] = jnp.where(seen, m * LN2 + jnp.log(l_safe), -jnp.inf)
-        plgpu.commit_smem()
+        lse = lambda: jnp.where(seen, m * LN2 + jnp.log(l_safe), -jnp.inf)
 
-        def store(o_out, lse_out, row):
-          plgpu.copy_smem_to_gmem(qv_smem.at[wg], o_out.at[pl.ds(row, _TILE), w.h])
-          plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_out.at[w.h, pl.ds(row, _TILE)])
+        def store(o_out, lse_out, row, staged, cols, with_lse):
+          plgpu.copy_smem_to_gmem(staged, o_out.at[(pl.ds(row, _TILE), w.h) + cols])
+          if with_lse:
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_out.at[w.h, pl.ds(row, _TILE)])
 
-        if direct:
-          store(o_ref, lse_ref, q_first)
+        def store_tile(staged, cols=(), with_lse=True):
+          """Stores the staged output columns (all of them: cols ()) and the lse if with_lse."""
+          if direct:
+            store(o_ref, lse_ref, q_first, staged, cols, with_lse)
+          else:
+            # A tile of the request's rows only is written in place (not moved back: those end
+            # past the request); the request's first or last tile otherwise goes to its own slot.
+            interior = _interior(w.q_base + tile_row, w.q_start, w.q_len)
+            pl.when(interior)(lambda: store(o_ref, lse_ref, q_first, staged, cols, with_lse))
+            edge_row = (w.tile + jnp.where(tile_row > 0, 1, 0)) * _TILE
+            pl.when(~interior)(
+                lambda: store(edge_o_ref, edge_lse_ref, edge_row, staged, cols, with_lse))
+
+        if prefetch_q:
+          # The query tile may already hold the next item's queries: the output goes out through
+          # its own staging, 64 columns at a time, each piece once the stores before it (the
+          # previous piece's, or the previous item's) have read the staging; none is waited for
+          # until it lands.
+          o16 = o.astype(o_stage.dtype)
+          for piece in range(dv // _STAGE_COLS):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            start = piece * _STAGE_COLS
+            o_stage.at[wg][...] = o16[:, start:start + _STAGE_COLS]
+            if piece == 0:
+              lse_smem.at[wg][...] = lse()
+            plgpu.commit_smem()
+            store_tile(o_stage.at[wg], (pl.ds(start, _STAGE_COLS),), with_lse=piece == 0)
         else:
-          # A tile of the request's rows only is written in place (not moved back: those end past
-          # the request); the request's first or last tile otherwise goes to its own slot.
-          interior = _interior(w.q_base + tile_row, w.q_start, w.q_len)
-          pl.when(interior)(lambda: store(o_ref, lse_ref, q_first))
-          edge_row = (w.tile + jnp.where(tile_row > 0, 1, 0)) * _TILE
-          pl.when(~interior)(lambda: store(edge_o_ref, edge_lse_ref, edge_row))
-        # The staging is the next block's query tile: the store must have landed (waiting only
-        # until it read shared memory measured no faster; RESULTS, session 8).
-        plgpu.wait_smem_to_gmem(0)
+          qv_smem.at[wg][...] = o.astype(qv_smem.dtype)
+          lse_smem.at[wg][...] = lse()
+          plgpu.commit_smem()
+          store_tile(qv_smem.at[wg])
+          # The staging is the next block's query tile: the store must have landed (waiting only
+          # until it read shared memory measured no faster; RESULTS, session 8).
+          plgpu.wait_smem_to_gmem(0)
 
       return count
 
@@ -618,6 +677,8 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
     # into both and ptxas spilled it (benchmarks/RESULTS.md, "lean_item_loop").
     trips, item = item_schedule()
     lax.fori_loop(0, trips, q_block, jnp.int32(0))
+    if prefetch_q:  # the last item's stores, never waited for in the loop
+      plgpu.wait_smem_to_gmem(0)
     pl.when(wg == 0)(take_turn)
 
   @pl.when(wg == _COMPUTE_WGS)
@@ -628,8 +689,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       w = item(trip)
       _, _, n_end = key_steps(w)
 
-      @pl.loop(0, n_end)
-      def _(j):
+      def kv_step(j):
         c = count + j
         slot = lax.rem(c, stages)
         first, _ = box(w.k_base + j * block_k, block_k, tk)
@@ -649,12 +709,26 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
 
         plgpu.copy_gmem_to_smem(v_ref.at[rows, w.h], v_smem.at[slot], v_ready.at[slot])
 
+      if prefetch_q:
+        # Step 0's K/V first (its slot was freed by an earlier step than the query tiles, which
+        # the previous item's last S frees), then each compute warpgroup's query tile once that
+        # S has read it, then the other steps.
+        pl.when(n_end > 0)(lambda: kv_step(0))
+        for g in range(_COMPUTE_WGS):
+          pl.when(trip > 0)(functools.partial(plgpu.barrier_wait, q_free.at[g]))
+          copy_queries(w, g, box(w.q_base + w.qs + g * _TILE, _TILE, tq)[0])
+        pl.loop(1, n_end)(kv_step)
+      else:
+        pl.loop(0, n_end)(kv_step)
       return count + n_end
 
     # Derived here, after setmaxnreg, not before the branch into the warpgroups, where it was live
     # into both and ptxas spilled it (benchmarks/RESULTS.md, "lean_item_loop").
     trips, item = item_schedule()
     total = lax.fori_loop(0, trips, q_block, jnp.int32(0))
+    if prefetch_q:  # the last item's releases of the query tiles
+      for g in range(_COMPUTE_WGS):
+        pl.when(trips > 0)(functools.partial(plgpu.barrier_wait, q_free.at[g]))
 
     # Sees the last uses of the slots out too: a warpgroup that waits on some phases of a barrier
     # waits on all of them (the interpreter checks this when the barriers are freed).
@@ -683,8 +757,12 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, config, k_pe):
     raise ValueError(f"Dk ({dk}) and Dv ({dv}) must be multiples of 64 (the swizzle tile), Dv at "
                      f"most Dk (the output is staged in the query tile) and at most {_MAX_DV}, and "
                      f"2 stages of {block_k}-key K/V blocks must fit in shared memory")
-  if num_stages is not None and not 2 <= num_stages <= _stages_for(dk, dv, block_k):
-    raise ValueError(f"num_stages must be in [2, {_stages_for(dk, dv, block_k)}] (what fits in "
+  most = _stages_for(dk, dv, block_k, config.prefetch_q)
+  if config.prefetch_q and not most:
+    raise ValueError(f"prefetch_q: 2 stages of {block_k}-key K/V blocks and the output staging "
+                     f"do not fit in shared memory at Dk {dk}, Dv {dv}")
+  if num_stages is not None and not 2 <= num_stages <= most:
+    raise ValueError(f"num_stages must be in [2, {most}] (what fits in "
                      f"shared memory at block_k {block_k}), got {num_stages}")
 
 
@@ -751,7 +829,7 @@ def _section_heads(num_heads, head_kv_bytes, budget):
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "max_seqlen_q", "block_k",
                                              "num_stages", "ping_pong", "persistent",
                                              "num_programs", "l2_section_bytes", "intra_overlap",
-                                             "interpret"))
+                                             "prefetch_q", "interpret"))
 def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
                 cu_seqlens_k: jax.Array, *, scale: float, causal: bool, max_seqlen_q: int,
                 k_pe: jax.Array | None = None, block_k: int = DEFAULT.block_k,
@@ -760,6 +838,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                 num_programs: int | None = DEFAULT.num_programs,
                 l2_section_bytes: int | None = DEFAULT.l2_section_bytes,
                 intra_overlap: bool = DEFAULT.intra_overlap,
+                prefetch_q: bool = DEFAULT.prefetch_q,
                 interpret: bool | plgpu.InterpretGPUParams = False
                 ) -> tuple[jax.Array, jax.Array]:
   """Variable-length attention with a running LSE; see the module docstring for the layout.
@@ -773,7 +852,8 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   that fits) are tuning knobs, and so is the schedule: intra_overlap (default) runs each compute
   warpgroup's softmax while its previous step's P V does (FA3's intra-warpgroup overlap);
   ping_pong (with intra_overlap False) has the two compute warpgroups take turns on the tensor
-  cores instead; neither runs the steps in order.
+  cores instead; neither runs the steps in order. prefetch_q: the memory warpgroup copies each
+  item's queries as soon as the item before has read its tiles (see MosaicPrefillConfig).
   persistent: as many programs (num_programs; default the device's SM count, 4 in the interpreter,
   so that each takes several items) walk a queue of (query block, head) items, the heaviest blocks
   first; else one program per (query slot, head, request); default (None): the queue up to 8192
@@ -784,7 +864,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   past cu_q[-1], and rows that see no key, give (0, -inf).
   """
   config = MosaicPrefillConfig(block_k, num_stages, ping_pong, persistent, num_programs,
-                               l2_section_bytes, intra_overlap)
+                               l2_section_bytes, intra_overlap, prefetch_q)
   _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, config, k_pe)
   split_k = k_pe is not None
   tq, n, dk = q.shape
@@ -812,7 +892,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   tile_offsets = 2 * jnp.arange(num_requests, dtype=jnp.int32)  # first and last edge slots
   # No request is longer than Tq, so more slots than that would only idle.
   num_q_programs = max(1, -(-min(max_seqlen_q, tq) // _BLOCK_Q))
-  stages = num_stages or _stages_for(dk, dv, block_k)
+  stages = num_stages or _stages_for(dk, dv, block_k, prefetch_q)
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
   # Mosaic GPU's interpreter (jax 0.11.2) runs wgmma only with shared-memory operands into
@@ -848,7 +928,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                              num_q_programs=num_q_programs, block_k=block_k, ping_pong=ping_pong,
                              p_in_registers=p_in_registers, persistent=persistent,
                              section_heads=section_heads, direct=direct, split_k=split_k,
-                             intra_overlap=intra_overlap)
+                             intra_overlap=intra_overlap, prefetch_q=prefetch_q)
   edge_rows = [] if direct else [2 * num_requests * _TILE]  # first and last tile slots
   outs = plgpu.kernel(
       kernel,
@@ -871,6 +951,10 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
           plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
           plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
           plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+          # prefetch_q: each compute warpgroup's output staging; its query tile read for the
+          # last time in an item (one barrier a warpgroup).
+          *([swizzled((_COMPUTE_WGS, _TILE, _STAGE_COLS), q.dtype),
+             plgpu.Barrier(num_barriers=_COMPUTE_WGS)] if prefetch_q else []),
       ),
       grid=grid,
       grid_names=grid_names,
@@ -883,7 +967,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
       kernel_name=(f"mosaic_mla_prefill_{'causal' if causal else 'full'}_k{block_k}_s{stages}"
                    f"{'_pp' if ping_pong else ''}{'_persistent' if persistent else ''}"
                    f"{'_kpe' if split_k else ''}{'' if direct else '_in_place'}"
-                   f"{'_overlap' if intra_overlap else ''}"),
+                   f"{'_overlap' if intra_overlap else ''}{'_prefetch_q' if prefetch_q else ''}"),
   )(cu_q, cu_k, tile_offsets, queue, q, *k_inputs)
   o, lse = outs if direct else _patch_edges(*outs, cu_q)
   return o[:tq], lse.T[:tq]  # a slice (a copy) only where q was padded

@@ -175,13 +175,19 @@ class TestPallasMosaicPrefill(PrefillContract):
   # walks all three items, tiles in place and patched (intra_overlap, the default: each step's
   # P V issued in the next step, its V slot released there, the ring running on across items);
   # the steps in order, and with turns (ping-pong), one program; the split form in one program
-  # (a query tile's two copies on one barrier, reused by every item).
+  # (a query tile's two copies on one barrier, reused by every item); prefetch_q in one program
+  # (the memory warpgroup copying each item's queries over the tile the last one's S read, the
+  # output through its own staging while the next item reads the new queries), joined and split,
+  # and with the steps in order.
   @pytest.mark.parametrize("split, knobs", [
       (False, {}), (True, {}), (False, dict(num_programs=1)),
       (False, dict(num_programs=1, intra_overlap=False)),
       (False, dict(num_programs=1, ping_pong=True, intra_overlap=False)),
       (True, dict(num_programs=1)),
-  ], ids=["joined", "split", "one_program", "in_order", "ping_pong", "split_one_program"])
+      (False, dict(num_programs=1, prefetch_q=True)), (True, dict(num_programs=1, prefetch_q=True)),
+      (False, dict(num_programs=1, prefetch_q=True, intra_overlap=False)),
+  ], ids=["joined", "split", "one_program", "in_order", "ping_pong", "split_one_program",
+          "prefetch_q", "prefetch_q_split", "prefetch_q_in_order"])
   def test_no_races_in_the_interpreter(self, split, knobs):
     # The race detector sees plain loads and stores and bulk copies (each warpgroup's P, the K/V
     # ring refills, the output staging), not the operand reads of wgmma. jax 0.11.2 reports it
@@ -221,6 +227,12 @@ class TestPallasMosaicPrefill(PrefillContract):
       # 4096-token request on the queue.
       (16384, 128, 1, True, dict(ping_pong=True, intra_overlap=False)),
       (4096, 128, 1, True, dict(ping_pong=True, intra_overlap=False)),
+      # prefetch_q: the queue with tiles in place and patched (8 x 1024), one request's queue
+      # (4096, direct), the grid (16K), ping-pong's steps, 64-key steps (4 stages still fit).
+      (8192, 128, 8, True, dict(prefetch_q=True)), (4096, 128, 1, True, dict(prefetch_q=True)),
+      (16384, 128, 1, True, dict(prefetch_q=True)),
+      (8192, 128, 8, True, dict(prefetch_q=True, ping_pong=True, intra_overlap=False)),
+      (8192, 128, 8, True, dict(prefetch_q=True, block_k=64)),
   ])
   def test_lowers_for_hopper(self, tokens, n, requests, causal, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
@@ -241,7 +253,7 @@ class TestPallasMosaicPrefill(PrefillContract):
       (8192, 16384, 128, 4, False, dict(persistent=False)), (2048, 8192, 128, 1, False, {}),
       (8192, 8192, 128, 4, True, {}),
       (4096, 4096, 64, 2, True, dict(block_k=64, num_stages=4, intra_overlap=False)),
-      (8192, 8192, 128, 8, True, {}),
+      (8192, 8192, 128, 8, True, {}), (8192, 8192, 128, 8, True, dict(prefetch_q=True)),
   ])
   def test_split_keys_lower_for_hopper(self, tokens, keys, n, requests, causal, knobs):
     q = jax.ShapeDtypeStruct((tokens, n, DK), jnp.bfloat16)
@@ -257,23 +269,25 @@ class TestPallasMosaicPrefill(PrefillContract):
   # What the kernel counts (`_smem_bytes`, which picks the ring's depth and refuses what does not
   # fit) against Mosaic GPU's own count (with its bound at 0 its error names the bytes): 128-key
   # steps (2 stages, 214,136 bytes; the keys joined and split) and 64-key steps (4 stages,
-  # 214,216).
-  @pytest.mark.parametrize("block_k, split", [(128, False), (128, True), (64, False)])
-  def test_shared_memory_count_is_mosaic_gpus(self, block_k, split, monkeypatch):
+  # 214,216); prefetch_q's output staging and barriers (230,520 and 230,600).
+  @pytest.mark.parametrize("block_k, split, prefetch_q", [
+      (128, False, False), (128, True, False), (64, False, False), (128, False, True),
+      (128, True, True), (64, False, True)])
+  def test_shared_memory_count_is_mosaic_gpus(self, block_k, split, prefetch_q, monkeypatch):
     tokens, n, requests = 8192, 128, 8
     q = jax.ShapeDtypeStruct((tokens, n, DK), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((tokens, n, DV if split else DK), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((tokens, n, DV), jnp.bfloat16)
     k_pe = dict(k_pe=jax.ShapeDtypeStruct((tokens, ROPE), jnp.bfloat16)) if split else {}
     cu = jax.ShapeDtypeStruct((requests + 1,), jnp.int32)
-    stages = mosaic_prefill._stages_for(DK, DV, block_k)
-    counted = mosaic_prefill._smem_bytes(DK, DV, block_k, stages)
+    stages = mosaic_prefill._stages_for(DK, DV, block_k, prefetch_q)
+    counted = mosaic_prefill._smem_bytes(DK, DV, block_k, stages, prefetch_q)
     assert stages >= 2 and counted <= 227 * 1024
     jax.clear_caches()  # a lowering cached by another test would not be checked again
     monkeypatch.setattr(mosaic_gpu_core, "_SMEM_SIZE_BOUND", 0)
     traced = mosaic_prefill.mla_prefill.trace(q, k, v, cu, cu, scale=SCALE, causal=True,
                                               max_seqlen_q=tokens // requests, block_k=block_k,
-                                              **k_pe)
+                                              prefetch_q=prefetch_q, **k_pe)
     with pytest.raises(ValueError, match=f"smem_bytes={counted} "):
       traced.lower(lowering_platforms=("cuda",))
 
@@ -292,6 +306,11 @@ class TestPallasMosaicPrefill(PrefillContract):
       (dict(l2_section_bytes=0), "l2_section_bytes must be an int >= 1"),
       (dict(intra_overlap=1), "intra_overlap must be a bool"),
       (dict(ping_pong=True), "ping_pong=True needs intra_overlap=False"),
+      (dict(prefetch_q=1), "prefetch_q must be a bool"),
+      # Dk 256, Dv 64: 2 stages of 128-key steps fit, not with prefetch_q's staging.
+      (dict(q=jnp.zeros((8, 2, 256), jnp.bfloat16), k=jnp.zeros((8, 2, 256), jnp.bfloat16),
+            v=jnp.zeros((8, 2, 64), jnp.bfloat16), prefetch_q=True),
+       "prefetch_q: 2 stages of 128-key K/V blocks and the output staging do not fit"),
       (dict(cu_seqlens_q=jnp.array([0.0, 8.0])), "int32"),
       (dict(cu_seqlens_k=jnp.array([0, 4, 8], jnp.int32)), "differ in length"),
       # Split keys whose own columns are not Dv: the query tile is split at Dv.
@@ -406,3 +425,38 @@ class TestPallasMosaicPrefillPingPong(PrefillContract):
   @pytest.mark.parametrize("len_q, len_k, split", [([150, 100, 5], [150, 100, 5], True)])
   def test_a_poisoned_request_leaves_the_others_exact(self, rng, len_q, len_k, split):
     super().test_a_poisoned_request_leaves_the_others_exact(rng, len_q, len_k, split)
+
+
+class TestPallasMosaicPrefillPrefetchQ(PrefillContract):
+  """The contract with `prefetch_q` (each item's query tiles copied by the memory warpgroup once
+  the previous item's last S read them; the output through a staging tile of its own, 64 columns
+  at a time), in the interpreter, on the queue (3 programs, each taking several items, so tiles
+  are refilled across items), narrowed as the ping-pong class is: the packed requests (1, 7, 128,
+  0 and 300 tokens: items of one step, whose only S releases the tile, and of several; a request
+  off 8-aligned rows, edge tiles patched) and the poisoned requests in the split form (NaN, inf in
+  the neighbours' rows, a 5-row request at the arrays' end whose box moves back). The race
+  detector: `test_no_races_in_the_interpreter[prefetch_q*]`."""
+  test_split_keys_match_oracle_and_joined_keys = None
+  test_bad_split_keys_raise = None
+
+  knobs = {}
+
+  def prefill(self, q, *args, **kwargs):
+    return mosaic_prefill.mla_prefill(q, *args, **kwargs, **self.knobs, prefetch_q=True,
+                                      num_programs=3, interpret=True)
+
+  @pytest.mark.parametrize("case", ["causal_bf16_n2_packed"])
+  def test_matches_oracle(self, case, rng):
+    super().test_matches_oracle(case, rng)
+
+  @pytest.mark.parametrize("len_q, len_k, split", [([150, 100, 5], [150, 100, 5], True)])
+  def test_a_poisoned_request_leaves_the_others_exact(self, rng, len_q, len_k, split):
+    super().test_a_poisoned_request_leaves_the_others_exact(rng, len_q, len_k, split)
+
+
+class TestPallasMosaicPrefillPrefetchQ64(TestPallasMosaicPrefillPrefetchQ):
+  """The same with 64-key steps and a ring of 4: the memory warpgroup's copy of the next item's
+  step 0 no longer waits on a slot of this item's last steps, so only the release after the last
+  S keeps the next queries from landing over a tile a later step still reads."""
+  knobs = dict(block_k=64, num_stages=4)
+  test_a_poisoned_request_leaves_the_others_exact = None

@@ -47,14 +47,19 @@ def test_prefill_matches_reference(case, backend):
 # in the queue without sections and in the grid (each writing its tiles in place:
 # the poisoned allocator shows a row neither written in place nor patched); the ping-pong
 # schedule (the default before intra_overlap) on the 16384-token batch's grid and the short
-# batch's queue.
+# batch's queue; prefetch_q (the queries copied an item ahead by the memory warpgroup, the output
+# staged apart) on the short batch's queue (many items a program, so every tile is refilled
+# while the previous item's output goes out) and the 16384-token batch's grid.
 @pytest.mark.parametrize("case, knobs", [
     ("n128_causal", dict(persistent=True)),
     ("n128_causal_short", dict(persistent=True, l2_section_bytes=None)),
     ("n128_causal_short", dict(persistent=False)),
     ("n128_causal", dict(ping_pong=True, intra_overlap=False)),
     ("n128_causal_short", dict(ping_pong=True, intra_overlap=False)),
-], ids=["queue", "short-unsectioned", "short-grid", "ping-pong", "short-ping-pong"])
+    ("n128_causal_short", dict(prefetch_q=True)),
+    ("n128_causal", dict(prefetch_q=True)),
+], ids=["queue", "short-unsectioned", "short-grid", "ping-pong", "short-ping-pong",
+        "short-prefetch_q", "prefetch_q"])
 def test_mosaic_variants_match_reference(case, knobs):
   check_case(case, functools.partial(mosaic_prefill.mla_prefill, **knobs))
 
