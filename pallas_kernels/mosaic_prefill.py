@@ -149,6 +149,10 @@ class MosaicPrefillConfig:
   # 64 columns at a time (16 KB more shared memory: 230,520 bytes), and no item waits for its
   # stores to land.
   prefetch_q: bool = False
+  # intra_overlap's step 0 (apart: no P V before it, its softmax alone on the item's path) masked
+  # only where it needs it (a request off 8-aligned keys, a block without a step all its rows
+  # see), not always: most causal blocks' first step is whole (8 x 1024: 54 of every 62 items).
+  first_step_unmasked: bool = False
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -167,6 +171,11 @@ class MosaicPrefillConfig:
       raise ValueError(f"intra_overlap must be a bool, got {self.intra_overlap!r}")
     if not isinstance(self.prefetch_q, bool):
       raise ValueError(f"prefetch_q must be a bool, got {self.prefetch_q!r}")
+    if not isinstance(self.first_step_unmasked, bool):
+      raise ValueError(f"first_step_unmasked must be a bool, got {self.first_step_unmasked!r}")
+    if self.first_step_unmasked and not self.intra_overlap:
+      raise ValueError("first_step_unmasked is intra_overlap's step 0: the other schedules mask "
+                       "only the steps that need it already")
     if self.intra_overlap and self.ping_pong:
       raise ValueError("ping_pong and intra_overlap are two schedules, pick one: "
                        "ping_pong=True needs intra_overlap=False")
@@ -251,7 +260,8 @@ def _block_keys(qs, q_lead, q_len, k_len, causal):
 
 def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref, *rest, scale,
                     causal, num_q_programs, block_k, ping_pong, p_in_registers, persistent,
-                    section_heads, direct, split_k, intra_overlap, prefetch_q):
+                    section_heads, direct, split_k, intra_overlap, prefetch_q,
+                    first_step_unmasked):
   # GMEM: cu_q_ref, cu_k_ref [R+1] int32; tile_ref [R] int32 (request r's first edge slot, 2r);
   # queue_ref [2, B+1] int32 (persistent: column 0 row 0 the number of blocks, then per block,
   # heaviest first, its request (row 0) and index in the request (row 1); otherwise unused);
@@ -593,13 +603,21 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
                plgpu.layout_cast(jnp.zeros((_TILE, dv), jnp.float32), plgpu.Layout.WGMMA),
                count)
       if intra_overlap:
-        # Step 0 apart (no P V before it), always masked (a mask an unmasked step passes whole);
-        # then the steps as below, from 1; then the last step's P V.
+        # Step 0 apart (no P V before it), always masked (a mask an unmasked step passes whole;
+        # first_step_unmasked: only where needed); then the steps as below, from 1; then the
+        # last step's P V.
         first = jnp.minimum(end, 1)
         run = functools.partial(overlapped_step, w=w, q_shift=q_shift, end=end)
         carry += (plgpu.layout_cast(jnp.zeros((_TILE, block_k), v_smem.dtype),
                                     plgpu.Layout.WGMMA),)
-        carry = lax.fori_loop(0, first, functools.partial(run, masked=True, first=True), carry)
+        if first_step_unmasked:  # masked where it holds keys to hide (see key_steps)
+          first_masked = jnp.where((lo > 0) | (hi == 0), first, 0)
+          carry = lax.fori_loop(0, first_masked, functools.partial(run, masked=True, first=True),
+                                carry)
+          carry = lax.fori_loop(first_masked, first,
+                                functools.partial(run, masked=False, first=True), carry)
+        else:
+          carry = lax.fori_loop(0, first, functools.partial(run, masked=True, first=True), carry)
         lo, hi = jnp.maximum(lo, first), jnp.maximum(hi, first)
         carry = lax.fori_loop(first, lo, functools.partial(run, masked=True), carry)
         carry = lax.fori_loop(lo, hi, functools.partial(run, masked=False), carry)
@@ -829,7 +847,8 @@ def _section_heads(num_heads, head_kv_bytes, budget):
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "max_seqlen_q", "block_k",
                                              "num_stages", "ping_pong", "persistent",
                                              "num_programs", "l2_section_bytes", "intra_overlap",
-                                             "prefetch_q", "interpret"))
+                                             "prefetch_q", "first_step_unmasked",
+                                             "interpret"))
 def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
                 cu_seqlens_k: jax.Array, *, scale: float, causal: bool, max_seqlen_q: int,
                 k_pe: jax.Array | None = None, block_k: int = DEFAULT.block_k,
@@ -839,6 +858,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                 l2_section_bytes: int | None = DEFAULT.l2_section_bytes,
                 intra_overlap: bool = DEFAULT.intra_overlap,
                 prefetch_q: bool = DEFAULT.prefetch_q,
+                first_step_unmasked: bool = DEFAULT.first_step_unmasked,
                 interpret: bool | plgpu.InterpretGPUParams = False
                 ) -> tuple[jax.Array, jax.Array]:
   """Variable-length attention with a running LSE; see the module docstring for the layout.
@@ -854,6 +874,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   ping_pong (with intra_overlap False) has the two compute warpgroups take turns on the tensor
   cores instead; neither runs the steps in order. prefetch_q: the memory warpgroup copies each
   item's queries as soon as the item before has read its tiles (see MosaicPrefillConfig).
+  first_step_unmasked (with intra_overlap): an item's step 0 masked only where it needs it.
   persistent: as many programs (num_programs; default the device's SM count, 4 in the interpreter,
   so that each takes several items) walk a queue of (query block, head) items, the heaviest blocks
   first; else one program per (query slot, head, request); default (None): the queue up to 8192
@@ -864,7 +885,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   past cu_q[-1], and rows that see no key, give (0, -inf).
   """
   config = MosaicPrefillConfig(block_k, num_stages, ping_pong, persistent, num_programs,
-                               l2_section_bytes, intra_overlap, prefetch_q)
+                               l2_section_bytes, intra_overlap, prefetch_q, first_step_unmasked)
   _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, config, k_pe)
   split_k = k_pe is not None
   tq, n, dk = q.shape
@@ -928,7 +949,8 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                              num_q_programs=num_q_programs, block_k=block_k, ping_pong=ping_pong,
                              p_in_registers=p_in_registers, persistent=persistent,
                              section_heads=section_heads, direct=direct, split_k=split_k,
-                             intra_overlap=intra_overlap, prefetch_q=prefetch_q)
+                             intra_overlap=intra_overlap, prefetch_q=prefetch_q,
+                             first_step_unmasked=first_step_unmasked)
   edge_rows = [] if direct else [2 * num_requests * _TILE]  # first and last tile slots
   outs = plgpu.kernel(
       kernel,
@@ -967,7 +989,8 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
       kernel_name=(f"mosaic_mla_prefill_{'causal' if causal else 'full'}_k{block_k}_s{stages}"
                    f"{'_pp' if ping_pong else ''}{'_persistent' if persistent else ''}"
                    f"{'_kpe' if split_k else ''}{'' if direct else '_in_place'}"
-                   f"{'_overlap' if intra_overlap else ''}{'_prefetch_q' if prefetch_q else ''}"),
+                   f"{'_overlap' if intra_overlap else ''}{'_prefetch_q' if prefetch_q else ''}"
+                   f"{'_first_unmasked' if first_step_unmasked else ''}"),
   )(cu_q, cu_k, tile_offsets, queue, q, *k_inputs)
   o, lse = outs if direct else _patch_edges(*outs, cu_q)
   return o[:tq], lse.T[:tq]  # a slice (a copy) only where q was padded

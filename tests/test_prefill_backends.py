@@ -186,8 +186,10 @@ class TestPallasMosaicPrefill(PrefillContract):
       (True, dict(num_programs=1)),
       (False, dict(num_programs=1, prefetch_q=True)), (True, dict(num_programs=1, prefetch_q=True)),
       (False, dict(num_programs=1, prefetch_q=True, intra_overlap=False)),
+      (False, dict(num_programs=1, prefetch_q=True, first_step_unmasked=True)),
   ], ids=["joined", "split", "one_program", "in_order", "ping_pong", "split_one_program",
-          "prefetch_q", "prefetch_q_split", "prefetch_q_in_order"])
+          "prefetch_q", "prefetch_q_split", "prefetch_q_in_order",
+          "prefetch_q_first_step_unmasked"])
   def test_no_races_in_the_interpreter(self, split, knobs):
     # The race detector sees plain loads and stores and bulk copies (each warpgroup's P, the K/V
     # ring refills, the output staging), not the operand reads of wgmma. jax 0.11.2 reports it
@@ -233,6 +235,10 @@ class TestPallasMosaicPrefill(PrefillContract):
       (16384, 128, 1, True, dict(prefetch_q=True)),
       (8192, 128, 8, True, dict(prefetch_q=True, ping_pong=True, intra_overlap=False)),
       (8192, 128, 8, True, dict(prefetch_q=True, block_k=64)),
+      # first_step_unmasked: the queue (8 x 1024), the grid (16K), with prefetch_q.
+      (8192, 128, 8, True, dict(first_step_unmasked=True)),
+      (16384, 128, 1, True, dict(first_step_unmasked=True)),
+      (8192, 128, 8, True, dict(first_step_unmasked=True, prefetch_q=True)),
   ])
   def test_lowers_for_hopper(self, tokens, n, requests, causal, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
@@ -307,6 +313,8 @@ class TestPallasMosaicPrefill(PrefillContract):
       (dict(intra_overlap=1), "intra_overlap must be a bool"),
       (dict(ping_pong=True), "ping_pong=True needs intra_overlap=False"),
       (dict(prefetch_q=1), "prefetch_q must be a bool"),
+      (dict(first_step_unmasked=1), "first_step_unmasked must be a bool"),
+      (dict(first_step_unmasked=True, intra_overlap=False), "first_step_unmasked is intra_overlap"),
       # Dk 256, Dv 64: 2 stages of 128-key steps fit, not with prefetch_q's staging.
       (dict(q=jnp.zeros((8, 2, 256), jnp.bfloat16), k=jnp.zeros((8, 2, 256), jnp.bfloat16),
             v=jnp.zeros((8, 2, 64), jnp.bfloat16), prefetch_q=True),
@@ -460,3 +468,15 @@ class TestPallasMosaicPrefillPrefetchQ64(TestPallasMosaicPrefillPrefetchQ):
   S keeps the next queries from landing over a tile a later step still reads."""
   knobs = dict(block_k=64, num_stages=4)
   test_a_poisoned_request_leaves_the_others_exact = None
+
+
+class TestPallasMosaicPrefillFirstStepUnmasked(TestPallasMosaicPrefillPrefetchQ):
+  """The same two contract cases with `first_step_unmasked` (step 0 masked only where it needs
+  it): the packed requests hold every kind of step 0, unmasked (the 300-row request's second and
+  third blocks), masked for keys before the request (the 7-row request, off 8-aligned keys) and
+  for the diagonal (one-step blocks: no step all their rows see); the poisoned requests' boxes
+  hold a neighbour's NaN and inf where a step 0 is masked."""
+
+  def prefill(self, q, *args, **kwargs):
+    return mosaic_prefill.mla_prefill(q, *args, **kwargs, first_step_unmasked=True,
+                                      num_programs=3, interpret=True)

@@ -49,7 +49,8 @@ def test_prefill_matches_reference(case, backend):
 # schedule (the default before intra_overlap) on the 16384-token batch's grid and the short
 # batch's queue; prefetch_q (the queries copied an item ahead by the memory warpgroup, the output
 # staged apart) on the short batch's queue (many items a program, so every tile is refilled
-# while the previous item's output goes out) and the 16384-token batch's grid.
+# while the previous item's output goes out) and the 16384-token batch's grid; step 0 masked
+# only where needed (first_step_unmasked) on the short batch's queue, alone and with prefetch_q.
 @pytest.mark.parametrize("case, knobs", [
     ("n128_causal", dict(persistent=True)),
     ("n128_causal_short", dict(persistent=True, l2_section_bytes=None)),
@@ -58,8 +59,11 @@ def test_prefill_matches_reference(case, backend):
     ("n128_causal_short", dict(ping_pong=True, intra_overlap=False)),
     ("n128_causal_short", dict(prefetch_q=True)),
     ("n128_causal", dict(prefetch_q=True)),
+    ("n128_causal_short", dict(first_step_unmasked=True)),
+    ("n128_causal_short", dict(first_step_unmasked=True, prefetch_q=True)),
 ], ids=["queue", "short-unsectioned", "short-grid", "ping-pong", "short-ping-pong",
-        "short-prefetch_q", "prefetch_q"])
+        "short-prefetch_q", "prefetch_q", "short-first_step_unmasked",
+        "short-first_step_unmasked-prefetch_q"])
 def test_mosaic_variants_match_reference(case, knobs):
   check_case(case, functools.partial(mosaic_prefill.mla_prefill, **knobs))
 
