@@ -153,6 +153,11 @@ class MosaicPrefillConfig:
   # only where it needs it (a request off 8-aligned keys, a block without a step all its rows
   # see), not always: most causal blocks' first step is whole (8 x 1024: 54 of every 62 items).
   first_step_unmasked: bool = False
+  # intra_overlap's last step of an item on the first 64 keys of its box for a compute warpgroup
+  # whose rows see none of the other 64 (the causal diagonal's first 64 rows, a ragged end of at
+  # most 64 keys): S = Q K^T with N = 64, its softmax on 64 columns, P V with K = 64 (128-key
+  # steps only).
+  diagonal_half: bool = False
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -176,6 +181,11 @@ class MosaicPrefillConfig:
     if self.first_step_unmasked and not self.intra_overlap:
       raise ValueError("first_step_unmasked is intra_overlap's step 0: the other schedules mask "
                        "only the steps that need it already")
+    if not isinstance(self.diagonal_half, bool):
+      raise ValueError(f"diagonal_half must be a bool, got {self.diagonal_half!r}")
+    if self.diagonal_half and not (self.intra_overlap and self.block_k == 128):
+      raise ValueError("diagonal_half halves intra_overlap's 128-key last step: it needs "
+                       "intra_overlap=True and block_k=128")
     if self.intra_overlap and self.ping_pong:
       raise ValueError("ping_pong and intra_overlap are two schedules, pick one: "
                        "ping_pong=True needs intra_overlap=False")
@@ -261,7 +271,7 @@ def _block_keys(qs, q_lead, q_len, k_len, causal):
 def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref, *rest, scale,
                     causal, num_q_programs, block_k, ping_pong, p_in_registers, persistent,
                     section_heads, direct, split_k, intra_overlap, prefetch_q,
-                    first_step_unmasked):
+                    first_step_unmasked, diagonal_half):
   # GMEM: cu_q_ref, cu_k_ref [R+1] int32; tile_ref [R] int32 (request r's first edge slot, 2r);
   # queue_ref [2, B+1] int32 (persistent: column 0 row 0 the number of blocks, then per block,
   # heaviest first, its request (row 0) and index in the request (row 1); otherwise unused);
@@ -434,10 +444,16 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
         pl.when(clean)(lambda: plgpu.barrier_wait(v_clean.at[slot]))
         pl.when(~clean)(lambda: plgpu.barrier_wait(v_ready.at[slot]))
 
-    def issue_scores(acc_ref, slot):  # acc_ref [64 rows, block_k keys] f32; nope then rope
-      plgpu.wgmma(acc_ref, qv_smem.at[wg], k_smem.at[slot, :, pl.ds(0, dv)].transpose((1, 0)))
+    def issue_scores(acc_ref, slot, keys=block_k):
+      """acc_ref [64 rows, keys] f32 (the box's first `keys` keys); nope then rope."""
+      rows = slice(None) if keys == block_k else pl.ds(0, keys)
+      plgpu.wgmma(acc_ref, qv_smem.at[wg],
+                  k_smem.at[slot, rows, pl.ds(0, dv)].transpose((1, 0)))
       if qr_smem is not None:
-        k_rope = kr_smem.at[slot] if split_k else k_smem.at[slot, :, pl.ds(dv, dk - dv)]
+        if split_k:
+          k_rope = kr_smem.at[slot] if keys == block_k else kr_smem.at[slot, rows]
+        else:
+          k_rope = k_smem.at[slot, rows, pl.ds(dv, dk - dv)]
         plgpu.wgmma(acc_ref, qr_smem.at[wg], k_rope.transpose((1, 0)))
 
     def mask_scores(s, w, j, q_shift):
@@ -468,19 +484,23 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       return m_new, alpha, p
 
     def add_values(acc, p16, slot, in_flight=lambda: None):
-      """acc + P V with the slot's V; in_flight runs while the product does."""
+      """acc + P V with the slot's V (its first p16.shape[1] rows); in_flight runs while the
+      product does."""
+      keys = p16.shape[1]
+      values_ref = v_smem.at[slot] if keys == block_k else v_smem.at[slot, pl.ds(0, keys)]
       if p_in_registers:
         def values(acc_ref):  # acc_ref [64 rows, Dv] f32, accumulating in place
-          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+          plgpu.wgmma(acc_ref, p16, values_ref)
           in_flight()
 
         return pl.run_state(values)(plgpu.ACC.init(acc))
       # The interpreter's form: wgmma with shared-memory operands into a fresh accumulator.
-      p_smem.at[wg][...] = p16
+      p_ref = p_smem.at[wg] if keys == block_k else p_smem.at[wg, :, pl.ds(0, keys)]
+      p_ref[...] = p16
       plgpu.commit_smem()  # these plain stores are read next by wgmma (the async proxy)
 
       def values(acc_ref):
-        plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+        plgpu.wgmma(acc_ref, p_ref, values_ref)
         return acc_ref[...]
 
       acc = acc + pl.run_scoped(values, plgpu.ACC(acc.shape, jnp.float32))
@@ -524,7 +544,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       plgpu.barrier_arrive(v_consumed.at[slot])
       return m_new, l, acc, count + 1
 
-    def overlapped_step(j, carry, w, q_shift, end, masked, first=False):
+    def overlapped_step(j, carry, w, q_shift, end, masked, first=False, keys=block_k):
       """intra_overlap (FlashAttention-3's intra-warpgroup overlap): step j's S = Q K^T is issued,
       then step j - 1's P V, and step j's softmax runs while P V is on the tensor cores. After
       step j, acc holds the P V of the steps before j, scaled to step j's row max, and p16 is
@@ -537,8 +557,8 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       if not first:  # step 0's K was waited for by the block
         plgpu.barrier_wait(k_ready.at[slot])
 
-      def products(s_ref, o_ref=None):  # s_ref [64, block_k], o_ref [64, Dv] f32
-        issue_scores(s_ref, slot)
+      def products(s_ref, o_ref=None):  # s_ref [64, keys], o_ref [64, Dv] f32
+        issue_scores(s_ref, slot, keys)
         if not first:
           # Only a masked step zeroes V rows; an unmasked one has no foreign keys, so this is
           # False there.
@@ -565,7 +585,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
           plgpu.barrier_arrive(v_consumed.at[prev])
         return m_new, alpha, p, l_new, pv
 
-      accs = [plgpu.ACC((_TILE, block_k), jnp.float32)]
+      accs = [plgpu.ACC((_TILE, keys), jnp.float32)]
       if not first:
         accs.append(plgpu.ACC((_TILE, dv), jnp.float32))
       m_new, alpha, p, l, pv = pl.run_scoped(products, *accs)
@@ -582,6 +602,21 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       acc = add_values(acc, p16, prev)
       plgpu.barrier_arrive(v_consumed.at[prev])
       return m, l, acc, count, p16
+
+    def half_keys_only(w, end, tile_row):
+      """diagonal_half: whether this warpgroup's rows see no key of the item's last step past
+      the first half of its box (request-local keys from the box's first on)."""
+      first_key, _ = box(w.k_base + (end - 1) * block_k, block_k, tk)
+      rows_end = jnp.minimum(tile_row + _TILE - w.q_lead, w.q_len)  # past its last row
+      seen = jnp.clip(rows_end + (w.k_len - w.q_len), 0, w.k_len) if causal else w.k_len
+      return (end > 0) & (seen <= first_key - w.k_start + block_k // 2)
+
+    def half_last_step(_, carry, w, q_shift, end, first):
+      """diagonal_half: the item's last step on its box's first 64 keys, then that step's P V
+      (K = 64); the carry's P (the step before's, added here) is passed on unused."""
+      half = overlapped_step(end - 1, carry, w, q_shift, end, masked=True, first=first,
+                             keys=block_k // 2)
+      return last_values(None, half, w, end)[:4] + carry[4:]
 
     def q_block(trip, count):
       w = item(trip)
@@ -610,6 +645,12 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
         run = functools.partial(overlapped_step, w=w, q_shift=q_shift, end=end)
         carry += (plgpu.layout_cast(jnp.zeros((_TILE, block_k), v_smem.dtype),
                                     plgpu.Layout.WGMMA),)
+        full_end, full_first = end, first  # the steps run whole (all but a halved last one)
+        if diagonal_half:
+          half = half_keys_only(w, end, tile_row)
+          full_end = end - jnp.where(half, 1, 0)
+          full_first = jnp.minimum(full_end, 1)
+          first = full_first
         if first_step_unmasked:  # masked where it holds keys to hide (see key_steps)
           first_masked = jnp.where((lo > 0) | (hi == 0), first, 0)
           carry = lax.fori_loop(0, first_masked, functools.partial(run, masked=True, first=True),
@@ -618,12 +659,24 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
                                 functools.partial(run, masked=False, first=True), carry)
         else:
           carry = lax.fori_loop(0, first, functools.partial(run, masked=True, first=True), carry)
-        lo, hi = jnp.maximum(lo, first), jnp.maximum(hi, first)
+        if diagonal_half:  # a halved last step is masked: lo, hi <= full_end
+          lo, hi = jnp.clip(lo, first, full_end), jnp.clip(hi, first, full_end)
+        else:
+          lo, hi = jnp.maximum(lo, first), jnp.maximum(hi, first)
         carry = lax.fori_loop(first, lo, functools.partial(run, masked=True), carry)
         carry = lax.fori_loop(lo, hi, functools.partial(run, masked=False), carry)
-        carry = lax.fori_loop(hi, end, functools.partial(run, masked=True), carry)
-        m, l, acc, count, _ = lax.fori_loop(0, first, functools.partial(last_values, w=w, end=end),
-                                            carry)
+        carry = lax.fori_loop(hi, full_end, functools.partial(run, masked=True), carry)
+        if diagonal_half:
+          carry = lax.fori_loop(0, jnp.where(half, 0, full_first),
+                                functools.partial(last_values, w=w, end=end), carry)
+          for alone in (False, True):  # the halved step after others, or the item's only one
+            carry = lax.fori_loop(0, jnp.where(half & ((end == 1) == alone), 1, 0),
+                                  functools.partial(half_last_step, w=w, q_shift=q_shift,
+                                                    end=end, first=alone), carry)
+          m, l, acc, count, _ = carry
+        else:
+          m, l, acc, count, _ = lax.fori_loop(0, first,
+                                              functools.partial(last_values, w=w, end=end), carry)
       else:
         run = functools.partial(step, w=w, q_shift=q_shift, end=end)
         carry = lax.fori_loop(0, lo, functools.partial(run, masked=True), carry)
@@ -848,7 +901,7 @@ def _section_heads(num_heads, head_kv_bytes, budget):
                                              "num_stages", "ping_pong", "persistent",
                                              "num_programs", "l2_section_bytes", "intra_overlap",
                                              "prefetch_q", "first_step_unmasked",
-                                             "interpret"))
+                                             "diagonal_half", "interpret"))
 def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
                 cu_seqlens_k: jax.Array, *, scale: float, causal: bool, max_seqlen_q: int,
                 k_pe: jax.Array | None = None, block_k: int = DEFAULT.block_k,
@@ -859,6 +912,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                 intra_overlap: bool = DEFAULT.intra_overlap,
                 prefetch_q: bool = DEFAULT.prefetch_q,
                 first_step_unmasked: bool = DEFAULT.first_step_unmasked,
+                diagonal_half: bool = DEFAULT.diagonal_half,
                 interpret: bool | plgpu.InterpretGPUParams = False
                 ) -> tuple[jax.Array, jax.Array]:
   """Variable-length attention with a running LSE; see the module docstring for the layout.
@@ -875,6 +929,8 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   cores instead; neither runs the steps in order. prefetch_q: the memory warpgroup copies each
   item's queries as soon as the item before has read its tiles (see MosaicPrefillConfig).
   first_step_unmasked (with intra_overlap): an item's step 0 masked only where it needs it.
+  diagonal_half (with intra_overlap, 128-key steps): a warpgroup's last step on 64 keys where its
+  rows see no more of it.
   persistent: as many programs (num_programs; default the device's SM count, 4 in the interpreter,
   so that each takes several items) walk a queue of (query block, head) items, the heaviest blocks
   first; else one program per (query slot, head, request); default (None): the queue up to 8192
@@ -885,7 +941,8 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   past cu_q[-1], and rows that see no key, give (0, -inf).
   """
   config = MosaicPrefillConfig(block_k, num_stages, ping_pong, persistent, num_programs,
-                               l2_section_bytes, intra_overlap, prefetch_q, first_step_unmasked)
+                               l2_section_bytes, intra_overlap, prefetch_q, first_step_unmasked,
+                               diagonal_half)
   _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, config, k_pe)
   split_k = k_pe is not None
   tq, n, dk = q.shape
@@ -950,7 +1007,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                              p_in_registers=p_in_registers, persistent=persistent,
                              section_heads=section_heads, direct=direct, split_k=split_k,
                              intra_overlap=intra_overlap, prefetch_q=prefetch_q,
-                             first_step_unmasked=first_step_unmasked)
+                             first_step_unmasked=first_step_unmasked, diagonal_half=diagonal_half)
   edge_rows = [] if direct else [2 * num_requests * _TILE]  # first and last tile slots
   outs = plgpu.kernel(
       kernel,
@@ -990,7 +1047,8 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                    f"{'_pp' if ping_pong else ''}{'_persistent' if persistent else ''}"
                    f"{'_kpe' if split_k else ''}{'' if direct else '_in_place'}"
                    f"{'_overlap' if intra_overlap else ''}{'_prefetch_q' if prefetch_q else ''}"
-                   f"{'_first_unmasked' if first_step_unmasked else ''}"),
+                   f"{'_first_unmasked' if first_step_unmasked else ''}"
+                   f"{'_half_diagonal' if diagonal_half else ''}"),
   )(cu_q, cu_k, tile_offsets, queue, q, *k_inputs)
   o, lse = outs if direct else _patch_edges(*outs, cu_q)
   return o[:tq], lse.T[:tq]  # a slice (a copy) only where q was padded

@@ -187,9 +187,11 @@ class TestPallasMosaicPrefill(PrefillContract):
       (False, dict(num_programs=1, prefetch_q=True)), (True, dict(num_programs=1, prefetch_q=True)),
       (False, dict(num_programs=1, prefetch_q=True, intra_overlap=False)),
       (False, dict(num_programs=1, prefetch_q=True, first_step_unmasked=True)),
+      (False, dict(num_programs=1, diagonal_half=True)),
+      (True, dict(num_programs=1, diagonal_half=True, first_step_unmasked=True, prefetch_q=True)),
   ], ids=["joined", "split", "one_program", "in_order", "ping_pong", "split_one_program",
           "prefetch_q", "prefetch_q_split", "prefetch_q_in_order",
-          "prefetch_q_first_step_unmasked"])
+          "prefetch_q_first_step_unmasked", "diagonal_half", "all_three_split"])
   def test_no_races_in_the_interpreter(self, split, knobs):
     # The race detector sees plain loads and stores and bulk copies (each warpgroup's P, the K/V
     # ring refills, the output staging), not the operand reads of wgmma. jax 0.11.2 reports it
@@ -239,6 +241,12 @@ class TestPallasMosaicPrefill(PrefillContract):
       (8192, 128, 8, True, dict(first_step_unmasked=True)),
       (16384, 128, 1, True, dict(first_step_unmasked=True)),
       (8192, 128, 8, True, dict(first_step_unmasked=True, prefetch_q=True)),
+      # diagonal_half: the queue (8 x 1024), the grid (16K), non-causal (ragged ends), with the
+      # other two.
+      (8192, 128, 8, True, dict(diagonal_half=True)),
+      (16384, 128, 1, True, dict(diagonal_half=True)),
+      (16384, 16, 4, False, dict(diagonal_half=True)),
+      (8192, 128, 8, True, dict(diagonal_half=True, first_step_unmasked=True, prefetch_q=True)),
   ])
   def test_lowers_for_hopper(self, tokens, n, requests, causal, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
@@ -260,6 +268,7 @@ class TestPallasMosaicPrefill(PrefillContract):
       (8192, 8192, 128, 4, True, {}),
       (4096, 4096, 64, 2, True, dict(block_k=64, num_stages=4, intra_overlap=False)),
       (8192, 8192, 128, 8, True, {}), (8192, 8192, 128, 8, True, dict(prefetch_q=True)),
+      (8192, 8192, 128, 8, True, dict(diagonal_half=True)),
   ])
   def test_split_keys_lower_for_hopper(self, tokens, keys, n, requests, causal, knobs):
     q = jax.ShapeDtypeStruct((tokens, n, DK), jnp.bfloat16)
@@ -315,6 +324,9 @@ class TestPallasMosaicPrefill(PrefillContract):
       (dict(prefetch_q=1), "prefetch_q must be a bool"),
       (dict(first_step_unmasked=1), "first_step_unmasked must be a bool"),
       (dict(first_step_unmasked=True, intra_overlap=False), "first_step_unmasked is intra_overlap"),
+      (dict(diagonal_half=1), "diagonal_half must be a bool"),
+      (dict(diagonal_half=True, block_k=64), "needs intra_overlap=True and block_k=128"),
+      (dict(diagonal_half=True, intra_overlap=False), "needs intra_overlap=True and block_k=128"),
       # Dk 256, Dv 64: 2 stages of 128-key steps fit, not with prefetch_q's staging.
       (dict(q=jnp.zeros((8, 2, 256), jnp.bfloat16), k=jnp.zeros((8, 2, 256), jnp.bfloat16),
             v=jnp.zeros((8, 2, 64), jnp.bfloat16), prefetch_q=True),
@@ -480,3 +492,21 @@ class TestPallasMosaicPrefillFirstStepUnmasked(TestPallasMosaicPrefillPrefetchQ)
   def prefill(self, q, *args, **kwargs):
     return mosaic_prefill.mla_prefill(q, *args, **kwargs, first_step_unmasked=True,
                                       num_programs=3, interpret=True)
+
+
+class TestPallasMosaicPrefillDiagonalHalf(TestPallasMosaicPrefillPrefetchQ):
+  """The same two contract cases with `diagonal_half` (a warpgroup's last step on 64 keys where
+  its rows see no more of it): the packed requests halve the last step of the 128-row
+  request's block and of the 300-row request's blocks for warpgroup 0 (the diagonal), after
+  other steps and as an item's only step; the 7-row request's off-aligned keys and the 1-row
+  request's box (other requests' keys masked in the halved step); the poisoned requests put NaN
+  and inf in the halved box's other rows. Non-causal: the 16-head cases, whose ragged last
+  steps of at most 64 keys are halved for both warpgroups."""
+
+  def prefill(self, q, *args, **kwargs):
+    return mosaic_prefill.mla_prefill(q, *args, **kwargs, diagonal_half=True,
+                                      num_programs=3, interpret=True)
+
+  @pytest.mark.parametrize("case", ["causal_bf16_n2_packed", "noncausal_bf16_n16"])
+  def test_matches_oracle(self, case, rng):
+    super().test_matches_oracle(case, rng)

@@ -50,7 +50,9 @@ def test_prefill_matches_reference(case, backend):
 # batch's queue; prefetch_q (the queries copied an item ahead by the memory warpgroup, the output
 # staged apart) on the short batch's queue (many items a program, so every tile is refilled
 # while the previous item's output goes out) and the 16384-token batch's grid; step 0 masked
-# only where needed (first_step_unmasked) on the short batch's queue, alone and with prefetch_q.
+# only where needed (first_step_unmasked) and the last step halved where a warpgroup needs only
+# its first 64 keys (diagonal_half: the causal diagonal; the context chunk's ragged ends) on the
+# short batch's queue; the three together.
 @pytest.mark.parametrize("case, knobs", [
     ("n128_causal", dict(persistent=True)),
     ("n128_causal_short", dict(persistent=True, l2_section_bytes=None)),
@@ -60,10 +62,12 @@ def test_prefill_matches_reference(case, backend):
     ("n128_causal_short", dict(prefetch_q=True)),
     ("n128_causal", dict(prefetch_q=True)),
     ("n128_causal_short", dict(first_step_unmasked=True)),
-    ("n128_causal_short", dict(first_step_unmasked=True, prefetch_q=True)),
+    ("n128_causal_short", dict(diagonal_half=True)),
+    ("n16_context", dict(diagonal_half=True)),
+    ("n128_causal_short", dict(prefetch_q=True, first_step_unmasked=True, diagonal_half=True)),
 ], ids=["queue", "short-unsectioned", "short-grid", "ping-pong", "short-ping-pong",
-        "short-prefetch_q", "prefetch_q", "short-first_step_unmasked",
-        "short-first_step_unmasked-prefetch_q"])
+        "short-prefetch_q", "prefetch_q", "short-first_step_unmasked", "short-diagonal_half",
+        "context-diagonal_half", "short-all_three"])
 def test_mosaic_variants_match_reference(case, knobs):
   check_case(case, functools.partial(mosaic_prefill.mla_prefill, **knobs))
 
