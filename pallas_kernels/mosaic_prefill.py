@@ -63,7 +63,8 @@ first head. Shared memory and steps are the same as with k whole.
 
 Shared memory (Dk 192, Dv 128): query tiles 48 KB + the K/V ring (128-key steps: 2 x 80 KB;
 64-key steps: 4 x 40 KB) + lse staging 0.5 KB (1 KB aligned) + barriers = 214,136 bytes (64-key
-steps: 214,216) of the 227 KB (232,448 bytes) a block may have.
+steps: 214,216; `prefetch_q`'s output staging apart: 230,520) of the 227 KB (232,448 bytes) a
+block may have.
 
 `interpret=True` (or an `InterpretGPUParams`) runs the same kernel on the CPU through Mosaic GPU's
 interpreter (see `pallas_kernels.mosaic_decode` for what it does and does not simulate), with one
