@@ -348,13 +348,13 @@ class TestPallasTritonIndexer(IndexerContract):
         jax.ShapeDtypeStruct((t, s), jnp.float32), jax.ShapeDtypeStruct((t,), jnp.int32))
     return traced.lower(lowering_platforms=("cuda",)).as_text(), modules
 
-  @pytest.mark.parametrize("t,s,knobs", [(128, 131072, {}), (128, 32768, {"per_lane": True}),
-                                          (4096, 32768, {"per_lane": True})])
-  def test_flat_lanes_lowers_for_hopper(self, monkeypatch, t, s, knobs):
+  @pytest.mark.parametrize("t,s", [(128, 131072), (128, 32768), (4096, 32768)])
+  def test_flat_lanes_lowers_for_hopper(self, monkeypatch, t, s):
     # The flat_lanes top-k (v8) at the benchmark's shapes (`lowered_topk_modules`): four kernels
     # (three with theta fused, 4096 rows), each module verified, and the threshold kernel's load
     # offsets carry the hint that keeps the stream in one layout.
-    text, modules = self.lowered_topk_modules(monkeypatch, t, s, {"flat_lanes": True, **knobs})
+    text, modules = self.lowered_topk_modules(
+        monkeypatch, t, s, {"flat_lanes": True, "per_lane": True, "sectors": False})
     theta = ["topk_maxima_theta"] if t > 2 * pallas_topk.sm_count() else ["topk_maxima",
                                                                          "topk_theta"]
     names = theta + ["topk_threshold_flat_lanes", "topk_select"]
@@ -638,11 +638,12 @@ def test_mosaic_sparse_default_fp8_pipeline_reaches_the_kernel(t, want):
   pipeline = "in_place" if want == "in_place" else "half_rows"
   args = (q, cache.nope, cache.tile_scales, cache.rope, slots)
   default = str(jax.make_jaxpr(entry)(*args))
-  assert f"mosaic_sparse_ds_mla_{want}_cp_async_s1" in default
+  assert f"mosaic_sparse_ds_mla_{want}_prep_cp_async_s1" in default
   assert default == str(jax.make_jaxpr(functools.partial(entry, fp8_pipeline=pipeline))(*args))
   backend = functools.partial(backends.get_backend("pallas_mosaic").sparse_attention, scale=0.1,
                               kv_lora_rank=L)
-  assert f"mosaic_sparse_ds_mla_{want}_bulk_s1" in str(jax.make_jaxpr(backend)(q, cache, slots))
+  through_backend = str(jax.make_jaxpr(backend)(q, cache, slots))
+  assert f"mosaic_sparse_ds_mla_{want}_prep_bulk_s1" in through_backend
 
 
 @pytest.mark.parametrize("t,n,fp8,num_splits,want", [
@@ -667,11 +668,11 @@ def test_mosaic_sparse_heads_in_n_runs_one_split(monkeypatch):
   slots = jax.ShapeDtypeStruct((64, 2048), jnp.int32)
   kv = jax.ShapeDtypeStruct(((1 << 20) // 64, 64, L + R), jnp.bfloat16)
   traced = mosaic_sparse.sparse_attention.trace(q, kv, slots, scale=0.1, kv_lora_rank=L)
-  assert "mosaic_sparse_bf16_cp_async_s2" in str(traced.jaxpr)
+  assert "mosaic_sparse_bf16_prep_cp_async_s2" in str(traced.jaxpr)
   assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
   named = mosaic_sparse.sparse_attention.trace(q, kv, slots, scale=0.1, kv_lora_rank=L,
                                                heads_in="n")
-  assert "mosaic_sparse_bf16_heads_n16_cp_async_s1" in str(named.jaxpr)
+  assert "mosaic_sparse_bf16_heads_n16_prep_cp_async_s1" in str(named.jaxpr)
   with pytest.raises(ValueError, match="runs one split"):
     mosaic_sparse.sparse_attention.trace(q, kv, slots, scale=0.1, kv_lora_rank=L, heads_in="n",
                                          num_splits=2)
@@ -689,13 +690,13 @@ def test_mosaic_sparse_default_heads_in_reaches_the_kernel(n, want):
   entry = functools.partial(mosaic_sparse.sparse_attention, scale=0.1, kv_lora_rank=L)
   default = str(jax.make_jaxpr(entry)(q, kv, slots))
   tile = f"_heads_n{16 if n <= 16 else 32}" if want == "n" else ""
-  assert f"mosaic_sparse_bf16{tile}_cp_async_s1" in default
+  assert f"mosaic_sparse_bf16{tile}_prep_cp_async_s1" in default
   assert default == str(jax.make_jaxpr(functools.partial(entry, heads_in=want))(q, kv, slots))
   backend = functools.partial(backends.get_backend("pallas_mosaic").sparse_attention, scale=0.1,
                               kv_lora_rank=L)
   # (The interpreter, on this CPU, gathers in bulk.)
   cache = LatentCache(kv, jax.ShapeDtypeStruct((), jnp.float32))
-  assert f"mosaic_sparse_bf16{tile}_bulk_s1" in str(jax.make_jaxpr(backend)(q, cache, slots))
+  assert f"mosaic_sparse_bf16{tile}_prep_bulk_s1" in str(jax.make_jaxpr(backend)(q, cache, slots))
   cache = DSMLACache(jax.ShapeDtypeStruct((tokens // 64, 64, L), jnp.float8_e4m3fn),
                      jax.ShapeDtypeStruct((tokens // 64, 64, L // 128), jnp.float32),
                      jax.ShapeDtypeStruct((tokens // 64, 64, R), jnp.bfloat16))
