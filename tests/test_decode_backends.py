@@ -159,14 +159,15 @@ class TestPallasMosaicDecode(DecodeContract):
       np.testing.assert_array_equal(np.asarray(a[1:2]), np.asarray(b))
 
   @pytest.mark.parametrize("cache_dtype,knobs", [
-      (jnp.bfloat16, {}), (jnp.float8_e4m3fn, {"fp8_pipeline": "serial"}),
-      (jnp.float8_e4m3fn, {"fp8_pipeline": "half_pages"}),
-      (jnp.float8_e4m3fn, {"fp8_pipeline": "shared_widening"})])
+      (jnp.bfloat16, {}), (jnp.float8_e4m3fn, {"fp8_pipeline": "half_pages"}),
+      (jnp.float8_e4m3fn, {"fp8_pipeline": "shared_widening", "heads_in": "m"})])
   def test_no_races_in_the_interpreter(self, cache_dtype, knobs):
     # The interpreter's race detector sees plain loads and stores and bulk copies (the P and
     # rescale hand-off between the warpgroups, the output staged over the page memory, fp8's stage
     # ring and its widening into one or two slots), not the operand reads of wgmma. jax 0.11.2
-    # reports it only through a private module.
+    # reports it only through a private module. At 16 heads "serial" and "shared_widening" run
+    # heads in N (the TestPallasMosaicDecodeHeadsN classes' race cases); "shared_widening" in M is
+    # the fp8 default above 16 heads.
     check_no_races(62, 16, cache_dtype, num_kv_splits=2, **knobs)
 
   @pytest.mark.parametrize("batch,n,seq,splits,cache_dtype,knobs", [
@@ -324,6 +325,17 @@ class TestPallasMosaicDecodeSerialFp8(TestPallasMosaicDecodeHalfPages):
   """The other fp8 pipeline, "serial" (one 64-row bf16 slot; the SWEEP's alternative), on the same
   cases."""
   value = "serial"
+  # At 16 heads "serial" runs heads in N: the same programs (and the same cases: seeds 10 and 40)
+  # as TestPallasMosaicDecodeHeadsN's; heads in M at 128 here.
+  test_fp8_bad_table_entries = None
+
+  @pytest.mark.parametrize("seed,n,page,splits,k_scale", [(12, 128, 64, 2, FP8_SCALE)])
+  def test_fp8_cache(self, seed, n, page, splits, k_scale):
+    super().test_fp8_cache(seed, n, page, splits, k_scale)
+
+  @pytest.mark.parametrize("seed,n,splits", [(111, 128, None)])
+  def test_fp8_half_page_edges(self, seed, n, splits):
+    super().test_fp8_half_page_edges(seed, n, splits)
 
 
 class TestPallasMosaicDecodeSharedWidening(TestPallasMosaicDecodeHalfPages):
@@ -331,16 +343,30 @@ class TestPallasMosaicDecodeSharedWidening(TestPallasMosaicDecodeHalfPages):
   half-page after next, the memory warpgroup the rest) on the same cases: every half-page's
   columns come from two warpgroups, and the stage ring is refilled only once both are done."""
   value = "shared_widening"
+  # Heads in M (128 heads) is the fp8 default above 16 heads: the contract's fp8 cases are
+  # TestPallasMosaicDecode's; at 16 heads it runs heads in N, the same programs and cases (seeds
+  # 10 and 40) as TestPallasMosaicDecodeHeadsNSharedWidening's. The half-page edges at 128 stay.
+  test_fp8_cache = None
+  test_fp8_bad_table_entries = None
+
+  @pytest.mark.parametrize("seed,n,splits", [(111, 128, None)])
+  def test_fp8_half_page_edges(self, seed, n, splits):
+    super().test_fp8_half_page_edges(seed, n, splits)
 
 
 class TestPallasMosaicDecodeHeadsN(_MosaicDecodeKnob):
   """heads_in="n" (N <= 32 heads as wgmma's N: S^T = K Q^T, O^T = V^T P^T; fp8 caches through
-  fp8_pipeline "serial") through the backend's MOSAIC_DECODE_CONFIG: the contract's page-64 cases
-  of at most 32 heads (bf16 and fp8, the batch-invariant mode's fixed splits), and 8, 16, 20 and
-  32 heads (padded to 16 or 32) with one split (bf16 output stored transposed) and several
-  (float32 partials written [T, splits, L, Np]), lengths cutting pages, bad table entries."""
+  fp8_pipeline "serial") through the backend's MOSAIC_DECODE_CONFIG: the contract's page-64 fp8
+  cases of at most 32 heads, and 8, 16, 20 and 32 heads (padded to 16 or 32) with one split (bf16
+  output stored transposed) and several (float32 partials written [T, splits, L, Np]), lengths
+  cutting pages, bad table entries."""
   knob, value, others = "heads_in", "n", {"fp8_pipeline": "serial"}
   fp8_only = False  # a subclass that changes only the fp8 pipeline skips the bf16 cases
+  # bf16 takes heads in N by default up to 32 heads: the contract's bf16 cases (and the
+  # batch-invariant mode's fixed splits) are TestPallasMosaicDecode's, the same programs on the
+  # same inputs.
+  test_bf16 = None
+  test_batch_invariant = None
 
   def decode(self, q, kv_cache, *args, **kwargs):
     if q.shape[1] > HEADS_N_TILES[-1]:
@@ -359,7 +385,7 @@ class TestPallasMosaicDecodeHeadsN(_MosaicDecodeKnob):
     self.check(*case, num_kv_splits=splits,
                k_scale=FP8_SCALE if cache_dtype == jnp.float8_e4m3fn else None)
 
-  @pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+  @pytest.mark.parametrize("cache_dtype", [jnp.float8_e4m3fn])  # bf16: TestPallasMosaicDecode's
   def test_bad_table_entries_page_64(self, cache_dtype):
     self.check_bad_table_entries(page=64, req_lens=[200, 150], cache_dtype=cache_dtype)
 
@@ -441,6 +467,9 @@ class TestPallasMosaicDecodeHeadsNRegisterA(TestPallasMosaicDecodeHeadsN):
   others = {"fp8_pipeline": "register_a"}
   fp8_only = True
   test_default_heads_in = None  # the parent's rule; its own below
+  # The fp8 default at 16 heads: the contract's fp8 case there (seed 10) is TestPallasMosaicDecode's
+  # (the same program and inputs); the others take more than 32 heads or 16-token pages.
+  test_fp8_cache = None
 
   @pytest.mark.parametrize("n,cache_dtype", [(16, jnp.float8_e4m3fn)])
   def test_no_races_in_the_interpreter(self, n, cache_dtype):
