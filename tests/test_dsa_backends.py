@@ -99,12 +99,13 @@ class TestPallasTritonIndexer(IndexerContract):
 
   def topk_variants(self):
     # The contract's small rows take the block-wide threshold and separate maxima and theta
-    # kernels; the per-lane threshold (few long rows), its v8 form (`flat_lanes`), the fused
-    # theta (many rows) and v9's sector filter (`sectors`) too.
+    # kernels; the per-lane threshold in its v8 form (`flat_lanes`: few long rows), the fused
+    # theta (many rows) and v9's sector filter (`sectors`) too. v3's per-lane form (no default
+    # since v8): test_lane_slots_hold_the_candidates_or_overflow.
     return super().topk_variants() + [
         functools.partial(pallas_topk.topk_positions, interpret=True, **knobs)
-        for knobs in ({"per_lane": True}, {"per_lane": True, "flat_lanes": True},
-                      {"fused_theta": True}, SECTORS, SECTORS_FUSED)]
+        for knobs in ({"per_lane": True, "flat_lanes": True}, {"fused_theta": True}, SECTORS,
+                      SECTORS_FUSED)]
 
   @pytest.mark.parametrize("dtype,widen_fp8", [(jnp.bfloat16, False), (jnp.float8_e4m3fn, True)])
   def test_chunks_and_steps_match_reference(self, dtype, widen_fp8):
@@ -141,9 +142,8 @@ class TestPallasTritonIndexer(IndexerContract):
       pallas_indexer.indexer_logits(**change(args), interpret=True)
 
   @pytest.mark.parametrize("variant", [
-      {}, {"per_lane": True}, {"per_lane": True, "flat_lanes": True}, {"fused_theta": True},
-      SECTORS, SECTORS_FUSED],
-      ids=["default", "per_lane", "flat_lanes", "fused_theta", "sectors", "sectors_fused"])
+      {}, {"per_lane": True, "flat_lanes": True}, {"fused_theta": True}, SECTORS, SECTORS_FUSED],
+      ids=["default", "flat_lanes", "fused_theta", "sectors", "sectors_fused"])
   def test_topk_segments_ties_and_overflow_match_reference(self, variant):
     # Small chunks split rows into several segments that claim candidate places concurrently;
     # row 1's ties overflow the candidate list (the slow exact path); row 3 mixes signs and
@@ -151,10 +151,11 @@ class TestPallasTritonIndexer(IndexerContract):
     # k-th value (one fits): the lowest wins, found among the candidates; row 5 repeats each of 625
     # values at 4 of the 8 members of its strided group (G = 8), so 256-512 candidates (past half
     # the 512-entry list: the full-width select) tie in fours. Variants: the default for these
-    # rows (block-wide threshold, separate maxima and theta kernels), the per-lane threshold (long
-    # rows' default), its v8 form (`flat_lanes`), theta fused with the maxima (many rows'
-    # default) and v9's sector filter (`sectors`, theta apart or fused: groups of m8 = 632, so row
-    # 5's repeats fall in different groups and its ~100 candidates take the half-width select).
+    # rows (block-wide threshold, separate maxima and theta kernels), the per-lane threshold in
+    # its v8 form (`flat_lanes`: long rows' default; v3's form: the lane-slot test below), theta
+    # fused with the maxima (many rows' default) and v9's sector filter (`sectors`, theta apart
+    # or fused: groups of m8 = 632, so row 5's repeats fall in different groups and its ~100
+    # candidates take the half-width select).
     rng = np.random.default_rng(6)
     logits = rng.standard_normal((6, 5000)).astype(np.float32)
     logits[5] = np.where(np.arange(5000) // 625 < 4, np.tile(logits[5, :625], 8), -10)
