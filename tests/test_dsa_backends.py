@@ -99,13 +99,12 @@ class TestPallasTritonIndexer(IndexerContract):
 
   def topk_variants(self):
     # The contract's small rows take the block-wide threshold and separate maxima and theta
-    # kernels; the per-lane threshold in its v8 form (`flat_lanes`: few long rows), the fused
-    # theta (many rows) and v9's sector filter (`sectors`) too. v3's per-lane form (no default
-    # since v8): test_lane_slots_hold_the_candidates_or_overflow.
+    # kernels; v9's sector filter (few long rows' and, theta fused, many rows' default) too. The
+    # forms no default takes (v3's and v8's per-lane threshold, theta fused without sectors): the
+    # segments and lane-slot cases below.
     return super().topk_variants() + [
         functools.partial(pallas_topk.topk_positions, interpret=True, **knobs)
-        for knobs in ({"per_lane": True, "flat_lanes": True}, {"fused_theta": True}, SECTORS,
-                      SECTORS_FUSED)]
+        for knobs in (SECTORS, SECTORS_FUSED)]
 
   @pytest.mark.parametrize("dtype,widen_fp8", [(jnp.bfloat16, False), (jnp.float8_e4m3fn, True)])
   def test_chunks_and_steps_match_reference(self, dtype, widen_fp8):
@@ -152,9 +151,9 @@ class TestPallasTritonIndexer(IndexerContract):
     # values at 4 of the 8 members of its strided group (G = 8), so 256-512 candidates (past half
     # the 512-entry list: the full-width select) tie in fours. Variants: the default for these
     # rows (block-wide threshold, separate maxima and theta kernels), the per-lane threshold in
-    # its v8 form (`flat_lanes`: long rows' default; v3's form: the lane-slot test below), theta
-    # fused with the maxima (many rows' default) and v9's sector filter (`sectors`, theta apart
-    # or fused: groups of m8 = 632, so row 5's repeats fall in different groups and its ~100
+    # its v8 form (`flat_lanes`; v3's form: the lane-slot test below), theta fused with the
+    # maxima and v9's sector filter (`sectors`, long and many rows' default, theta apart or
+    # fused: groups of m8 = 632, so row 5's repeats fall in different groups and its ~100
     # candidates take the half-width select).
     rng = np.random.default_rng(6)
     logits = rng.standard_normal((6, 5000)).astype(np.float32)
@@ -1102,22 +1101,24 @@ class TestPallasMosaicSparseAttentionHeadsNInPlace(TestPallasMosaicSparseAttenti
 class TestPallasMosaicSparseAttentionPrepInKernel(TestPallasMosaicSparseAttention):
   """prep_in_kernel=True (RESULTS, sparse v13, v14): the kernel takes the raw slots (-1 padded to
   whole steps), masks -1 and past-the-cache slots itself (the gathers read nothing there, the
-  scores are -inf) and each warpgroup counts the steps up to the row's last valid slot. A
-  non-default variant: the poisoned cases (NaN in unselected rows and scales, -1 and
-  past-the-cache slots, row 1 with none valid) of bf16 at 128 heads ("m") and fp8_ds_mla at 16
-  over two tiles (fp8_ds_mla's default "half_rows" at these few tokens), several steps with rows
-  ending early (row 1 with no step) for bf16 at 27 heads ("n", race detector) and fp8_ds_mla at
-  16, rows of few valid slots not packed first (the count), splits, the race detector over
-  "half_rows" with the in-kernel scales, and the lowering with the smem count."""
+  scores are -inf) and each warpgroup counts the steps up to the row's last valid slot. The
+  default with the cp_async gather (prep_in_kernel=None), which the parent's direct kernel calls
+  take: its splits, step walks (bf16 at 27 heads "n" under the race detector, fp8_ds_mla at 16
+  and 128) and race cases run these programs. The parent's poisoned cases go through the backend,
+  whose interpreter form gathers in bulk (fp8_ds_mla: XLA's prep); here they call the kernel:
+  bf16 at 128 heads ("m") and fp8_ds_mla at 16 over two tiles ("half_rows" at these few tokens),
+  NaN in unselected rows and scales, -1 and past-the-cache slots, row 1 with none valid. Also rows
+  of few valid slots not packed first (the count) and the lowering with the smem count."""
   prep_in_kernel = True
-  # The same checks at other sizes (the parent's, with the default prep): the poisoned cases
-  # carry the contract's 20x per-tile magnitudes; "n" masks at 16 heads as at 27 (the steps case);
-  # the 64-head fp8_ds_mla step walk in the class below; "serial" gathers the scales as
-  # "half_rows" does, into one staging buffer.
+  # The same checks at other sizes (the parent's): the poisoned cases carry the contract's 20x
+  # per-tile magnitudes.
   test_fp8_ds_mla_cache_matches_dequantized_oracle = None
-  # Splits (1 split "n" and 3 "m" at 16 heads): the rows of few valid slots below, against the
-  # oracle.
+  # The parent's direct calls, which name prep_in_kernel=None: the same programs on the same
+  # inputs.
   test_splits_match_one_split = None
+  test_fp8_ds_mla_steps_of_one_split_match_oracle = None
+  test_bf16_steps_of_one_split_match_oracle = None
+  test_no_races_in_the_interpreter = None
   # Cases that call the default only: the parent's.
   test_bad_backend_input_raises = None
   test_bad_input_raises = None
@@ -1128,18 +1129,6 @@ class TestPallasMosaicSparseAttentionPrepInKernel(TestPallasMosaicSparseAttentio
   @pytest.mark.parametrize("kind,n,lora", [("bf16", 128, L), ("fp8_ds_mla", 16, 256)])
   def test_bf16_q_poisoned_cache_matches_oracle(self, kind, n, lora):
     super().test_bf16_q_poisoned_cache_matches_oracle(kind, n, lora)
-
-  @pytest.mark.parametrize("n,lora", [(16, 256)])
-  def test_fp8_ds_mla_steps_of_one_split_match_oracle(self, n, lora):
-    super().test_fp8_ds_mla_steps_of_one_split_match_oracle(n, lora)
-
-  @pytest.mark.parametrize("n", [27])
-  def test_bf16_steps_of_one_split_match_oracle(self, n):
-    super().test_bf16_steps_of_one_split_match_oracle(n)
-
-  @pytest.mark.parametrize("fp8_pipeline", ["half_rows"])
-  def test_no_races_in_the_interpreter(self, fp8_pipeline):
-    super().test_no_races_in_the_interpreter(fp8_pipeline)
 
   # The in-kernel step count (v14: each warpgroup counts the steps up to its row's last valid
   # slot): 300 slots (5 steps), valid slots not packed first. Row 0: one valid slot, at 250, after
@@ -1234,20 +1223,3 @@ class TestPallasMosaicSparseAttentionPrepInKernel(TestPallasMosaicSparseAttentio
     with pytest.raises(ValueError, match="prep_in_kernel must be None or a bool"):
       mosaic_sparse.sparse_attention(q, jnp.zeros((4, 16, L + R), jnp.bfloat16), slots, scale=0.1,
                                      kv_lora_rank=L, prep_in_kernel=1, interpret=True)
-
-
-class TestPallasMosaicSparseAttentionPrepInKernelInPlace(TestPallasMosaicSparseAttentionSerial):
-  """prep_in_kernel=True with fp8_pipeline="in_place" (the fp8_ds_mla default where many one-split
-  programs run): the multi-step case (64 heads, poisoned, rows ending early and one with none
-  valid); bf16 skips (the class above)."""
-  fp8_pipeline = "in_place"
-  prep_in_kernel = True
-
-  def fn(self):
-    run = super().fn()
-
-    def fp8_only(q, cache, slots, **kwargs):
-      if not isinstance(cache, DSMLACache):
-        pytest.skip("fp8_pipeline changes only the fp8_ds_mla path (bf16: the class above)")
-      return run(q, cache, slots, **kwargs)
-    return fp8_only
