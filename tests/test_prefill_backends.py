@@ -413,7 +413,30 @@ class TestPallasMosaicPrefillL2Sections(PrefillContract):
     assert mosaic_prefill._section_heads(heads, head_kv_bytes, budget) == want
 
 
-class TestPallasMosaicPrefillPingPong(PrefillContract):
+class _NarrowedMosaicPrefillKnobs(PrefillContract):
+  """The contract through `mla_prefill` with `knobs`, in the interpreter, on the queue (3
+  programs, each taking several items), narrowed for the suite's time to the two cases that
+  reach every path of the step loop: the packed requests (causal_bf16_n2_packed) and the
+  poisoned requests in the split form. The split keys' bits and the argument checks run no code
+  a schedule changes."""
+  test_split_keys_match_oracle_and_joined_keys = None
+  test_bad_split_keys_raise = None
+  knobs: dict = {}
+
+  def prefill(self, q, *args, **kwargs):
+    return mosaic_prefill.mla_prefill(q, *args, **kwargs, **self.knobs, num_programs=3,
+                                      interpret=True)
+
+  @pytest.mark.parametrize("case", ["causal_bf16_n2_packed"])
+  def test_matches_oracle(self, case, rng):
+    super().test_matches_oracle(case, rng)
+
+  @pytest.mark.parametrize("len_q, len_k, split", [([150, 100, 5], [150, 100, 5], True)])
+  def test_a_poisoned_request_leaves_the_others_exact(self, rng, len_q, len_k, split):
+    super().test_a_poisoned_request_leaves_the_others_exact(rng, len_q, len_k, split)
+
+
+class TestPallasMosaicPrefillPingPong(_NarrowedMosaicPrefillKnobs):
   """The contract on the ping-pong schedule (`ping_pong=True, intra_overlap=False`: each step's
   P V before the next step's scores, the two compute warpgroups taking turns on the tensor cores
   through a barrier), in the interpreter, on the queue (3 programs, each taking several items),
@@ -423,23 +446,10 @@ class TestPallasMosaicPrefillPingPong(PrefillContract):
   the neighbours' rows, a 5-row request at the arrays' end whose box moves back). The steps in
   order without turns: the race test above. The rest of the contract (split keys' bits, argument
   checks) runs no code the schedule changes."""
-  test_split_keys_match_oracle_and_joined_keys = None
-  test_bad_split_keys_raise = None
-
-  def prefill(self, q, *args, **kwargs):
-    return mosaic_prefill.mla_prefill(q, *args, **kwargs, ping_pong=True, intra_overlap=False,
-                                      num_programs=3, interpret=True)
-
-  @pytest.mark.parametrize("case", ["causal_bf16_n2_packed"])
-  def test_matches_oracle(self, case, rng):
-    super().test_matches_oracle(case, rng)
-
-  @pytest.mark.parametrize("len_q, len_k, split", [([150, 100, 5], [150, 100, 5], True)])
-  def test_a_poisoned_request_leaves_the_others_exact(self, rng, len_q, len_k, split):
-    super().test_a_poisoned_request_leaves_the_others_exact(rng, len_q, len_k, split)
+  knobs = dict(ping_pong=True, intra_overlap=False)
 
 
-class TestPallasMosaicPrefillPrefetchQ(PrefillContract):
+class TestPallasMosaicPrefillPrefetchQ(_NarrowedMosaicPrefillKnobs):
   """The contract with `prefetch_q` (each item's query tiles copied by the memory warpgroup once
   the previous item's last S read them; the output through a staging tile of its own, 64 columns
   at a time), in the interpreter, on the queue (3 programs, each taking several items, so tiles
@@ -448,45 +458,27 @@ class TestPallasMosaicPrefillPrefetchQ(PrefillContract):
   off 8-aligned rows, edge tiles patched) and the poisoned requests in the split form (NaN, inf in
   the neighbours' rows, a 5-row request at the arrays' end whose box moves back). The race
   detector: `test_no_races_in_the_interpreter[prefetch_q*]`."""
-  test_split_keys_match_oracle_and_joined_keys = None
-  test_bad_split_keys_raise = None
-
-  knobs = {}
-
-  def prefill(self, q, *args, **kwargs):
-    return mosaic_prefill.mla_prefill(q, *args, **kwargs, **self.knobs, prefetch_q=True,
-                                      num_programs=3, interpret=True)
-
-  @pytest.mark.parametrize("case", ["causal_bf16_n2_packed"])
-  def test_matches_oracle(self, case, rng):
-    super().test_matches_oracle(case, rng)
-
-  @pytest.mark.parametrize("len_q, len_k, split", [([150, 100, 5], [150, 100, 5], True)])
-  def test_a_poisoned_request_leaves_the_others_exact(self, rng, len_q, len_k, split):
-    super().test_a_poisoned_request_leaves_the_others_exact(rng, len_q, len_k, split)
+  knobs = dict(prefetch_q=True)
 
 
-class TestPallasMosaicPrefillPrefetchQ64(TestPallasMosaicPrefillPrefetchQ):
+class TestPallasMosaicPrefillPrefetchQ64(_NarrowedMosaicPrefillKnobs):
   """The same with 64-key steps and a ring of 4: the memory warpgroup's copy of the next item's
   step 0 no longer waits on a slot of this item's last steps, so only the release after the last
   S keeps the next queries from landing over a tile a later step still reads."""
-  knobs = dict(block_k=64, num_stages=4)
+  knobs = dict(prefetch_q=True, block_k=64, num_stages=4)
   test_a_poisoned_request_leaves_the_others_exact = None
 
 
-class TestPallasMosaicPrefillFirstStepUnmasked(TestPallasMosaicPrefillPrefetchQ):
+class TestPallasMosaicPrefillFirstStepUnmasked(_NarrowedMosaicPrefillKnobs):
   """The same two contract cases with `first_step_unmasked` (step 0 masked only where it needs
   it): the packed requests hold every kind of step 0, unmasked (the 300-row request's second and
   third blocks), masked for keys before the request (the 7-row request, off 8-aligned keys) and
   for the diagonal (one-step blocks: no step all their rows see); the poisoned requests' boxes
   hold a neighbour's NaN and inf where a step 0 is masked."""
-
-  def prefill(self, q, *args, **kwargs):
-    return mosaic_prefill.mla_prefill(q, *args, **kwargs, first_step_unmasked=True,
-                                      num_programs=3, interpret=True)
+  knobs = dict(first_step_unmasked=True)
 
 
-class TestPallasMosaicPrefillDiagonalHalf(TestPallasMosaicPrefillPrefetchQ):
+class TestPallasMosaicPrefillDiagonalHalf(_NarrowedMosaicPrefillKnobs):
   """The same two contract cases with `diagonal_half` (a warpgroup's last step on 64 keys where
   its rows see no more of it): the packed requests halve the last step of the 128-row
   request's block and of the 300-row request's blocks for warpgroup 0 (the diagonal), after
@@ -494,10 +486,7 @@ class TestPallasMosaicPrefillDiagonalHalf(TestPallasMosaicPrefillPrefetchQ):
   request's box (other requests' keys masked in the halved step); the poisoned requests put NaN
   and inf in the halved box's other rows. Non-causal: the 16-head cases, whose ragged last
   steps of at most 64 keys are halved for both warpgroups."""
-
-  def prefill(self, q, *args, **kwargs):
-    return mosaic_prefill.mla_prefill(q, *args, **kwargs, diagonal_half=True,
-                                      num_programs=3, interpret=True)
+  knobs = dict(diagonal_half=True)
 
   @pytest.mark.parametrize("case", ["causal_bf16_n2_packed", "noncausal_bf16_n16"])
   def test_matches_oracle(self, case, rng):
