@@ -226,7 +226,10 @@ def run_topk(args, t, s):
                dict(plain) if default.sectors else dict(plain, sectors=True)),
            f"v3, fused_theta={not default.fused_theta}": dict(
                knobs_of(default), fused_theta=not default.fused_theta)}
-  variants = {name: knobs for name, knobs in forms.items() if knobs != knobs_of(default)}
+  variants = {}
+  for name, knobs in forms.items():  # each program once, the default's not again
+    if knobs != knobs_of(default) and knobs not in variants.values():
+      variants[name] = knobs
   if args.topk_rows:
     variants = {name: knobs for name, knobs in variants.items()
                 if name.split(" ")[0].rstrip(",") in args.topk_rows}
