@@ -24,9 +24,9 @@ the grid stays and is the default from there (`persistent`). Three warpgroups a 
   (one's softmax overlaps the other's products);
 - memory (warpgroup 2): the request's K and V blocks, block_k keys a step, one bulk copy each into a
   ring of slots, refilled as soon as both compute warpgroups are done with a slot's K (or V);
-  with `prefetch_q` (not the default) also each item's query tiles, each copied once its compute
-  warpgroup's last S of the item before has read the tile (the output then staged apart, 64
-  columns at a time, its stores never waited for in the item loop).
+  with `prefetch_q` (on by default from 64 heads) also each item's query tiles, each copied
+  once its compute warpgroup's last S of the item before has read the tile (the output then
+  staged apart, 64 columns at a time, its stores never waited for in the item loop).
 Both compute warpgroups walk the same steps (those the block's last row needs), so they share every
 slot; the diagonal, ragged and misaligned steps are masked, the others are not.
 Items run in sections of `l2_section_bytes` worth of heads' K/V, heads fastest within a section;
@@ -107,6 +107,9 @@ _HEADS_FIRST_MIN = 64
 # 8192 (8 x 1024 included) from _HEADS_FIRST_MIN heads.
 _PERSISTENT_BELOW_TOKENS = 4096
 _PERSISTENT_MAX_TOKENS_MANY_HEADS = 8192
+# Head counts from which the per-item knobs (prefetch_q, first_step_unmasked, diagonal_half) are
+# on by default (MosaicPrefillConfig: timed faster at 128 heads, 0.80x at 16 heads, 1 x 4096).
+_KNOBS_MIN_HEADS = 64
 _SMEM_BYTES = 227 * 1024  # what one Hopper block may have
 _CONSUMER_REGS = 232  # 2 x 232 + 40 (memory warpgroup) registers x 128 threads fit the 64K file
 _MEMORY_REGS = 40
@@ -148,17 +151,20 @@ class MosaicPrefillConfig:
   # last S = Q K^T of an item has read its tile (FlashAttention-3's producer-loaded Q), so an item
   # starts on queries already landed; the output then goes out through a staging tile of its own,
   # 64 columns at a time (16 KB more shared memory: 230,520 bytes), and no item waits for its
-  # stores to land.
-  prefetch_q: bool = False
+  # stores to land. None: on with intra_overlap's 128-key steps from _KNOBS_MIN_HEADS heads where
+  # the staging fits, else off; so for the two below (H200, the three together, session 14: N=128
+  # 8 x 1024 1.07x, 4 x 4096 1.02x, 1 x 4096 0.99-1.02x, 1 x 16384 1.01x; N=16 1 x 4096 0.80x,
+  # 1 x 16384 1.00x).
+  prefetch_q: bool | None = None
   # intra_overlap's step 0 (apart: no P V before it, its softmax alone on the item's path) masked
   # only where it needs it (a request off 8-aligned keys, a block without a step all its rows
   # see), not always: most causal blocks' first step is whole (8 x 1024: 54 of every 62 items).
-  first_step_unmasked: bool = False
+  first_step_unmasked: bool | None = None
   # intra_overlap's last step of an item on the first 64 keys of its box for a compute warpgroup
   # whose rows see none of the other 64 (the causal diagonal's first 64 rows, a ragged end of at
   # most 64 keys): S = Q K^T with N = 64, its softmax on 64 columns, P V with K = 64 (128-key
   # steps only).
-  diagonal_half: bool = False
+  diagonal_half: bool | None = None
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -175,15 +181,12 @@ class MosaicPrefillConfig:
       check_at_least("l2_section_bytes", self.l2_section_bytes, 1)
     if not isinstance(self.intra_overlap, bool):
       raise ValueError(f"intra_overlap must be a bool, got {self.intra_overlap!r}")
-    if not isinstance(self.prefetch_q, bool):
-      raise ValueError(f"prefetch_q must be a bool, got {self.prefetch_q!r}")
-    if not isinstance(self.first_step_unmasked, bool):
-      raise ValueError(f"first_step_unmasked must be a bool, got {self.first_step_unmasked!r}")
+    for name in ("prefetch_q", "first_step_unmasked", "diagonal_half"):
+      if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be a bool or None, got {getattr(self, name)!r}")
     if self.first_step_unmasked and not self.intra_overlap:
       raise ValueError("first_step_unmasked is intra_overlap's step 0: the other schedules mask "
                        "only the steps that need it already")
-    if not isinstance(self.diagonal_half, bool):
-      raise ValueError(f"diagonal_half must be a bool, got {self.diagonal_half!r}")
     if self.diagonal_half and not (self.intra_overlap and self.block_k == 128):
       raise ValueError("diagonal_half halves intra_overlap's 128-key last step: it needs "
                        "intra_overlap=True and block_k=128")
@@ -911,9 +914,9 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                 num_programs: int | None = DEFAULT.num_programs,
                 l2_section_bytes: int | None = DEFAULT.l2_section_bytes,
                 intra_overlap: bool = DEFAULT.intra_overlap,
-                prefetch_q: bool = DEFAULT.prefetch_q,
-                first_step_unmasked: bool = DEFAULT.first_step_unmasked,
-                diagonal_half: bool = DEFAULT.diagonal_half,
+                prefetch_q: bool | None = DEFAULT.prefetch_q,
+                first_step_unmasked: bool | None = DEFAULT.first_step_unmasked,
+                diagonal_half: bool | None = DEFAULT.diagonal_half,
                 interpret: bool | plgpu.InterpretGPUParams = False
                 ) -> tuple[jax.Array, jax.Array]:
   """Variable-length attention with a running LSE; see the module docstring for the layout.
@@ -931,7 +934,8 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   item's queries as soon as the item before has read its tiles (see MosaicPrefillConfig).
   first_step_unmasked (with intra_overlap): an item's step 0 masked only where it needs it.
   diagonal_half (with intra_overlap, 128-key steps): a warpgroup's last step on 64 keys where its
-  rows see no more of it.
+  rows see no more of it. Each of the three, None (default): on with intra_overlap's 128-key steps
+  from 64 heads (prefetch_q where its staging fits), else off.
   persistent: as many programs (num_programs; default the device's SM count, 4 in the interpreter,
   so that each takes several items) walk a queue of (query block, head) items, the heaviest blocks
   first; else one program per (query slot, head, request); default (None): the queue up to 8192
@@ -941,6 +945,15 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   GPU's CPU interpreter. Returns o [Tq, N, Dv] bf16 and lse [Tq, N] float32 (natural log); rows
   past cu_q[-1], and rows that see no key, give (0, -inf).
   """
+  # The per-item knobs, None: on where they were timed faster (intra_overlap, 128-key steps, from
+  # _KNOBS_MIN_HEADS heads).
+  timed = intra_overlap and block_k == 128 and q.shape[1] >= _KNOBS_MIN_HEADS
+  if prefetch_q is None:
+    prefetch_q = timed and bool(_stages_for(q.shape[-1], v.shape[-1], block_k, True))
+  if first_step_unmasked is None:
+    first_step_unmasked = timed
+  if diagonal_half is None:
+    diagonal_half = timed
   config = MosaicPrefillConfig(block_k, num_stages, ping_pong, persistent, num_programs,
                                l2_section_bytes, intra_overlap, prefetch_q, first_step_unmasked,
                                diagonal_half)

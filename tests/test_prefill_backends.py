@@ -13,6 +13,11 @@ from pallas_kernels.mla_prefill import mla_prefill
 from prefill_contract import DK, DV, ROPE, SCALE, PrefillContract, assert_close, cumulative
 from oracles import varlen_attention_np
 
+# The Mosaic kernel's per-item knobs (on by default from 64 heads, session 14; the contract's
+# cases have fewer), all on and all off.
+_KNOBS_ON = dict(prefetch_q=True, first_step_unmasked=True, diagonal_half=True)
+_KNOBS_OFF = dict(prefetch_q=False, first_step_unmasked=False, diagonal_half=False)
+
 
 class TestReferencePrefill(PrefillContract):
   backend = "reference"
@@ -159,23 +164,23 @@ class TestPallasMosaicPrefill(PrefillContract):
   # walks all three items, tiles in place and patched (intra_overlap, the default: each step's
   # P V issued in the next step, its V slot released there, the ring running on across items);
   # the steps in order, and with turns (ping-pong), one program; the split form in one program
-  # (a query tile's two copies on one barrier, reused by every item); prefetch_q in one program
-  # (the memory warpgroup copying each item's queries over the tile the last one's S read, the
-  # output through its own staging while the next item reads the new queries), joined and split,
-  # and with the steps in order.
+  # (a query tile's two copies on one barrier, reused by every item). The per-item knobs (the
+  # default from 64 heads; prefetch_q: the memory warpgroup copying each item's queries over the
+  # tile the last one's S read, the output through its own staging while the next item reads the
+  # new queries; first_step_unmasked; diagonal_half) all on in one program, joined and split;
+  # prefetch_q alone, and with the steps in order; diagonal_half alone.
   @pytest.mark.parametrize("split, knobs", [
       (False, {}), (True, {}), (False, dict(num_programs=1)),
       (False, dict(num_programs=1, intra_overlap=False)),
       (False, dict(num_programs=1, ping_pong=True, intra_overlap=False)),
       (True, dict(num_programs=1)),
-      (False, dict(num_programs=1, prefetch_q=True)), (True, dict(num_programs=1, prefetch_q=True)),
+      (False, dict(_KNOBS_ON, num_programs=1)), (True, dict(_KNOBS_ON, num_programs=1)),
+      (False, dict(_KNOBS_OFF, num_programs=1, prefetch_q=True)),
       (False, dict(num_programs=1, prefetch_q=True, intra_overlap=False)),
-      (False, dict(num_programs=1, prefetch_q=True, first_step_unmasked=True)),
-      (False, dict(num_programs=1, diagonal_half=True)),
-      (True, dict(num_programs=1, diagonal_half=True, first_step_unmasked=True, prefetch_q=True)),
+      (False, dict(_KNOBS_OFF, num_programs=1, diagonal_half=True)),
   ], ids=["joined", "split", "one_program", "in_order", "ping_pong", "split_one_program",
-          "prefetch_q", "prefetch_q_split", "prefetch_q_in_order",
-          "prefetch_q_first_step_unmasked", "diagonal_half", "all_three_split"])
+          "knobs_on", "knobs_on_split", "prefetch_q_alone", "prefetch_q_in_order",
+          "diagonal_half_alone"])
   def test_no_races_in_the_interpreter(self, split, knobs):
     # The race detector sees plain loads and stores and bulk copies (each warpgroup's P, the K/V
     # ring refills, the output staging), not the operand reads of wgmma. jax 0.11.2 reports it
@@ -215,22 +220,16 @@ class TestPallasMosaicPrefill(PrefillContract):
       # 4096-token request on the queue.
       (16384, 128, 1, True, dict(ping_pong=True, intra_overlap=False)),
       (4096, 128, 1, True, dict(ping_pong=True, intra_overlap=False)),
-      # prefetch_q: the queue with tiles in place and patched (8 x 1024), one request's queue
-      # (4096, direct), the grid (16K), ping-pong's steps, 64-key steps (4 stages still fit).
-      (8192, 128, 8, True, dict(prefetch_q=True)), (4096, 128, 1, True, dict(prefetch_q=True)),
-      (16384, 128, 1, True, dict(prefetch_q=True)),
+      # The per-item knobs (prefetch_q, first_step_unmasked, diagonal_half) run in the 128-head
+      # cases above (the default from 64 heads); each alone on the queue (8 x 1024) and the grid
+      # (16K); all three at 16 heads (non-causal: ragged ends halved); prefetch_q with ping-pong's
+      # steps and with 64-key steps (4 stages still fit).
+      *[(tokens, 128, requests, True, dict(_KNOBS_OFF, **{knob: True}))
+        for knob in ("prefetch_q", "first_step_unmasked", "diagonal_half")
+        for tokens, requests in ((8192, 8), (16384, 1))],
       (8192, 128, 8, True, dict(prefetch_q=True, ping_pong=True, intra_overlap=False)),
       (8192, 128, 8, True, dict(prefetch_q=True, block_k=64)),
-      # first_step_unmasked: the queue (8 x 1024), the grid (16K), with prefetch_q.
-      (8192, 128, 8, True, dict(first_step_unmasked=True)),
-      (16384, 128, 1, True, dict(first_step_unmasked=True)),
-      (8192, 128, 8, True, dict(first_step_unmasked=True, prefetch_q=True)),
-      # diagonal_half: the queue (8 x 1024), the grid (16K), non-causal (ragged ends), with the
-      # other two.
-      (8192, 128, 8, True, dict(diagonal_half=True)),
-      (16384, 128, 1, True, dict(diagonal_half=True)),
-      (16384, 16, 4, False, dict(diagonal_half=True)),
-      (8192, 128, 8, True, dict(diagonal_half=True, first_step_unmasked=True, prefetch_q=True)),
+      (8192, 128, 8, True, _KNOBS_OFF), (16384, 16, 4, False, _KNOBS_ON),
   ])
   def test_lowers_for_hopper(self, tokens, n, requests, causal, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
@@ -251,8 +250,7 @@ class TestPallasMosaicPrefill(PrefillContract):
       (8192, 16384, 128, 4, False, dict(persistent=False)), (2048, 8192, 128, 1, False, {}),
       (8192, 8192, 128, 4, True, {}),
       (4096, 4096, 64, 2, True, dict(block_k=64, num_stages=4, intra_overlap=False)),
-      (8192, 8192, 128, 8, True, {}), (8192, 8192, 128, 8, True, dict(prefetch_q=True)),
-      (8192, 8192, 128, 8, True, dict(diagonal_half=True)),
+      (8192, 8192, 128, 8, True, {}), (8192, 8192, 128, 8, True, _KNOBS_OFF),
   ])
   def test_split_keys_lower_for_hopper(self, tokens, keys, n, requests, causal, knobs):
     q = jax.ShapeDtypeStruct((tokens, n, DK), jnp.bfloat16)
@@ -449,23 +447,26 @@ class TestPallasMosaicPrefillPingPong(_NarrowedMosaicPrefillKnobs):
   knobs = dict(ping_pong=True, intra_overlap=False)
 
 
-class TestPallasMosaicPrefillPrefetchQ(_NarrowedMosaicPrefillKnobs):
-  """The contract with `prefetch_q` (each item's query tiles copied by the memory warpgroup once
-  the previous item's last S read them; the output through a staging tile of its own, 64 columns
-  at a time), in the interpreter, on the queue (3 programs, each taking several items, so tiles
-  are refilled across items), narrowed as the ping-pong class is: the packed requests (1, 7, 128,
-  0 and 300 tokens: items of one step, whose only S releases the tile, and of several; a request
-  off 8-aligned rows, edge tiles patched) and the poisoned requests in the split form (NaN, inf in
-  the neighbours' rows, a 5-row request at the arrays' end whose box moves back). The race
-  detector: `test_no_races_in_the_interpreter[prefetch_q*]`."""
-  knobs = dict(prefetch_q=True)
+class TestPallasMosaicPrefillKnobsOn(_NarrowedMosaicPrefillKnobs):
+  """The contract with the three per-item knobs on (the default from 64 heads; the contract's
+  cases have fewer), narrowed as the ping-pong class is: `prefetch_q` (each item's query tiles
+  copied by the memory warpgroup once the previous item's last S read them; the output through
+  a staging tile of its own) on 3 programs taking several items each, so tiles are refilled
+  across items; `first_step_unmasked` and `diagonal_half` on the packed requests' steps (see the
+  two classes below); the race detector: `test_no_races_in_the_interpreter[knobs_on*]`."""
+  knobs = _KNOBS_ON
+
+  @pytest.mark.parametrize("case", ["causal_bf16_n2_packed", "noncausal_bf16_n16"])
+  def test_matches_oracle(self, case, rng):
+    super().test_matches_oracle(case, rng)
 
 
 class TestPallasMosaicPrefillPrefetchQ64(_NarrowedMosaicPrefillKnobs):
-  """The same with 64-key steps and a ring of 4: the memory warpgroup's copy of the next item's
+  """The contract with `prefetch_q` on 64-key steps and a ring of 4 (not a default; the other two
+  knobs need 128-key steps): the memory warpgroup's copy of the next item's
   step 0 no longer waits on a slot of this item's last steps, so only the release after the last
   S keeps the next queries from landing over a tile a later step still reads."""
-  knobs = dict(prefetch_q=True, block_k=64, num_stages=4)
+  knobs = dict(prefetch_q=True, block_k=64, num_stages=4)  # 64-key steps: the others off
   test_a_poisoned_request_leaves_the_others_exact = None
 
 
@@ -474,8 +475,8 @@ class TestPallasMosaicPrefillFirstStepUnmasked(_NarrowedMosaicPrefillKnobs):
   it): the packed requests hold every kind of step 0, unmasked (the 300-row request's second and
   third blocks), masked for keys before the request (the 7-row request, off 8-aligned keys) and
   for the diagonal (one-step blocks: no step all their rows see); the poisoned requests' boxes
-  hold a neighbour's NaN and inf where a step 0 is masked."""
-  knobs = dict(first_step_unmasked=True)
+  hold a neighbour's NaN and inf where a step 0 is masked. The other two knobs off."""
+  knobs = dict(_KNOBS_OFF, first_step_unmasked=True)
 
 
 class TestPallasMosaicPrefillDiagonalHalf(_NarrowedMosaicPrefillKnobs):
@@ -485,8 +486,8 @@ class TestPallasMosaicPrefillDiagonalHalf(_NarrowedMosaicPrefillKnobs):
   other steps and as an item's only step; the 7-row request's off-aligned keys and the 1-row
   request's box (other requests' keys masked in the halved step); the poisoned requests put NaN
   and inf in the halved box's other rows. Non-causal: the 16-head cases, whose ragged last
-  steps of at most 64 keys are halved for both warpgroups."""
-  knobs = dict(diagonal_half=True)
+  steps of at most 64 keys are halved for both warpgroups. The other two knobs off."""
+  knobs = dict(_KNOBS_OFF, diagonal_half=True)
 
   @pytest.mark.parametrize("case", ["causal_bf16_n2_packed", "noncausal_bf16_n16"])
   def test_matches_oracle(self, case, rng):
