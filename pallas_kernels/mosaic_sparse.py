@@ -1029,7 +1029,8 @@ class MosaicSparseConfig:
   T=64); "m" at T=64 (2 splits): N=16 0.0756, N=32 0.0773 ms against Triton's 0.091 / 0.110. Not
   timed: "n" with the bulk gather (which the rule does not see: it is no default).
   prep_in_kernel (RESULTS, sparse v13, v13 timed and v14; None, the default: True, but with
-  fp8_ds_mla and the bulk gather, which it does not take): the kernel takes the
+  fp8_ds_mla past FP8_PREP_MAX_ROWS rows and with the bulk gather, which it does not take): the
+  kernel takes the
   slots as they are (-1 padded to whole steps) instead of XLA's idx (invalid slots mapped past the
   cache) and per-row step counts, and fp8_ds_mla's cache tile scales instead of XLA's gathered,
   transposed blocks, so those XLA kernels (T=128: 4.3-4.6 us of slot prep, 9.7-9.8 us of scale
@@ -1049,7 +1050,11 @@ class MosaicSparseConfig:
   0.197 / 0.185, N=16 0.0931 / 0.0862; fp8_ds_mla N=128 0.264 / 0.249, N=16 0.138 / 0.124; rows
   of 256 valid slots bf16 N=128 0.0855 / 0.1917, fp8_ds_mla N=128 0.0768 / 0.2641. v14 (the
   count in the kernel; session 13, one process), N=128: full rows bf16 0.202 / 0.190, fp8_ds_mla
-  0.267 / 0.251; 256 valid slots bf16 0.0698 / 0.0567, fp8_ds_mla 0.0723 / 0.0697."""
+  0.267 / 0.251; 256 valid slots bf16 0.0698 / 0.0567, fp8_ds_mla 0.0723 / 0.0697. Session 14,
+  full rows, v14 / XLA's prep: T=128 N=128 bf16 0.184 / 0.201, fp8_ds_mla 0.256 / 0.258, N=16
+  equal; over 32K, fp8_ds_mla T=1024 N=16 0.962 / 0.897, N=128 1.88 / 1.79, T=4096 N=16 3.68 /
+  3.46, N=128 7.18 / 6.93 (the in-kernel scale gather costs more than the XLA work it saves
+  there), bf16 T=1024 and 4096 N=128 1.36 / 1.40 and 5.34 / 5.50, N=16 equal."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
   fp8_pipeline: str | None = None
@@ -1077,6 +1082,10 @@ class MosaicSparseConfig:
 
 
 CONFIG = MosaicSparseConfig()
+# prep_in_kernel=None with fp8_ds_mla: in the kernel up to this many rows (decode rows; timed at
+# T=128: equal or faster), XLA's prep past it (T=1024 and 4096 over 32K: 1.04-1.07x; between,
+# not timed). bf16 takes it at every T (1.03-1.09x at N=128). See `MosaicSparseConfig`.
+FP8_PREP_MAX_ROWS = 256
 # The sweep space: the variants `benchmarks/bench_sparse.py` times beside the chosen one.
 SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rule="fill"),
          MosaicSparseConfig(fp8_pipeline="serial"), MosaicSparseConfig(fp8_pipeline="half_rows"),
@@ -1155,7 +1164,8 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   "in_place", or None: `default_fp8_pipeline`'s pick for these shapes, num_splits, split_rule and
   gather) and fp8_stage_halves: `MosaicSparseConfig`'s; heads_in too ("n" with fp8_pipeline "serial"
   or "in_place" named; None: `default_heads_in`, "m") and prep_in_kernel too (None: True with the
-  cp_async gather, False with the bulk one). Returns o [T, N, L] bf16 and lse [T, N] float32.
+  cp_async gather up to FP8_PREP_MAX_ROWS rows, else False). Returns o [T, N, L] bf16 and lse
+  [T, N] float32.
   """
   nb, page, lora = nope.shape
   _check(q, slots, lora, num_splits)
@@ -1169,7 +1179,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in,
                      prep_in_kernel)  # checks them
   if prep_in_kernel is None:
-    prep_in_kernel = gather == "cp_async"
+    prep_in_kernel = gather == "cp_async" and q.shape[0] <= FP8_PREP_MAX_ROWS
   if prep_in_kernel and gather != "cp_async":
     raise ValueError(f"prep_in_kernel with fp8_ds_mla takes the cp_async gather (bulk copies of "
                      f"4-byte tile scales are under a bulk copy's 16-byte box), got {gather!r}")

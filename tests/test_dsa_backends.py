@@ -638,12 +638,13 @@ def test_mosaic_sparse_default_fp8_pipeline_reaches_the_kernel(t, want):
   pipeline = "in_place" if want == "in_place" else "half_rows"
   args = (q, cache.nope, cache.tile_scales, cache.rope, slots)
   default = str(jax.make_jaxpr(entry)(*args))
-  assert f"mosaic_sparse_ds_mla_{want}_prep_cp_async_s1" in default
+  prep = "_prep" if t <= mosaic_sparse.FP8_PREP_MAX_ROWS else ""  # (XLA's prep past it)
+  assert f"mosaic_sparse_ds_mla_{want}{prep}_cp_async_s1" in default
   assert default == str(jax.make_jaxpr(functools.partial(entry, fp8_pipeline=pipeline))(*args))
   backend = functools.partial(backends.get_backend("pallas_mosaic").sparse_attention, scale=0.1,
                               kv_lora_rank=L)
   through_backend = str(jax.make_jaxpr(backend)(q, cache, slots))
-  assert f"mosaic_sparse_ds_mla_{want}_prep_bulk_s1" in through_backend
+  assert f"mosaic_sparse_ds_mla_{want}{prep}_bulk_s1" in through_backend
 
 
 @pytest.mark.parametrize("t,n,fp8,num_splits,want", [
@@ -658,6 +659,24 @@ def test_mosaic_sparse_default_fp8_pipeline_reaches_the_kernel(t, want):
 def test_mosaic_sparse_default_heads_in(t, n, fp8, num_splits, want):
   assert mosaic_sparse.default_heads_in(t, n, 2048, fp8=fp8, num_splits=num_splits,
                                         split_rule=mosaic_sparse.CONFIG.split_rule) == want
+
+
+@pytest.mark.parametrize("t,prep", [
+    (128, True), (mosaic_sparse.FP8_PREP_MAX_ROWS, True),
+    (mosaic_sparse.FP8_PREP_MAX_ROWS + 1, False), (4096, False)])
+def test_mosaic_sparse_fp8_ds_mla_default_prep_by_rows(t, prep):
+  # prep_in_kernel=None with fp8_ds_mla: in the kernel for decode rows, XLA's slot prep and scale
+  # gather past FP8_PREP_MAX_ROWS (session 14: 1.04-1.07x at T=1024 and 4096 over 32K).
+  nb = (1 << 14) // 64
+  args = (jax.ShapeDtypeStruct((t, 128, L + R), jnp.bfloat16),
+          jax.ShapeDtypeStruct((nb, 64, L), jnp.float8_e4m3fn),
+          jax.ShapeDtypeStruct((nb, 64, L // 128), jnp.float32),
+          jax.ShapeDtypeStruct((nb, 64, R), jnp.bfloat16),
+          jax.ShapeDtypeStruct((t, 2048), jnp.int32))
+  jaxpr = lambda **knobs: str(jax.make_jaxpr(functools.partial(
+      mosaic_sparse.sparse_attention_fp8_ds_mla, scale=0.1, **knobs))(*args))
+  assert jaxpr() == jaxpr(prep_in_kernel=prep)
+  assert ("_prep_cp_async" in jaxpr()) == prep
 
 
 def test_mosaic_sparse_heads_in_n_runs_one_split(monkeypatch):
