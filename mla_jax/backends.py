@@ -289,7 +289,8 @@ PALLAS_MOSAIC = dataclasses.replace(
 # 1.94, session 3); at N=16 0.532 ms against Triton's 0.459 (B=128, S=8192; session 12: 0.507 /
 # 0.465, B=32 0.155 / 0.149). Session 13 (the "register_a" default at N <= 16), one process, S=8192,
 # Triton / Mosaic ms: N=16 B=128 0.454 / 0.357, B=32 0.133 / 0.108; N=32 B=128 0.537 / 0.486,
-# B=32 0.161 / 0.142: fp8 takes Mosaic from 16 heads too.
+# B=32 0.161 / 0.142: fp8 takes Mosaic from 16 heads too. Session 14 ("register_a" in N up to 32
+# heads): N=32 B=128 0.533 / 0.332, B=32 0.167 / 0.106.
 # Sparse attention (RESULTS.md, "DSA sparse attention (pallas_mosaic)", v3: cp.async gather for
 # both caches, T in {128, 4096} x N in {16, 32, 64, 128}): the Mosaic kernel measured faster at
 # every N >= 32, bf16 1.10-1.91x and fp8_ds_mla 1.22-1.81x, and slower at N=16 in all four

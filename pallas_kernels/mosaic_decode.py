@@ -23,7 +23,7 @@ the query and page memory once every step is done. An fp8 (e4m3) cache lands in 
 (fp8_pipeline "serial", widening and products take turns), or into two 32-row slots that the
 consumers use 32 tokens a step ("half_pages", widening overlaps the products; 64-byte swizzles,
 220.3 KB; "shared_widening": the same, with warpgroup 1 widening its own value columns); see
-`MosaicDecodeConfig`. With heads_in="n" (N <= 32; the default at N <= 32 for bf16, 16 for fp8) a
+`MosaicDecodeConfig`. With heads_in="n" (N <= 32; the default there) a
 program's 16 or 32 heads are wgmma's N instead: the consumers compute S^T = K Q^T and O^T = V^T
 P^T (`MosaicDecodeConfig`); there fp8_pipeline "register_a" (the fp8 default there) drops the
 bf16 slot: the e4m3 pages land in a ring of 4 slots (18 + 4 x 36 + 2 KB + the reduction scratch =
@@ -102,12 +102,12 @@ class MosaicDecodeConfig:
     subnormals). H200 (session 13), S=8192, N=16, ms, "shared_widening" / "register_a" (both
     heads_in="n", one process): B=128 0.462 / 0.365, B=32 0.138 / 0.112; at N=32 0.490 ("m",
     "shared_widening") / 0.493; without spills (the waits and warpgroup 1's columns above), B=128
-    N=16 0.273 (bf16: 0.296), bit-identical; N=32 not re-timed.
+    N=16 0.273 (bf16: 0.296), bit-identical; session 14, B=128 N=32 0.332 against "m" 0.481.
   fp8_pipeline=None (the default) takes "register_a" where heads_in resolves to "n", else
   "shared_widening" (`default_fp8_pipeline`).
   heads_in, where a program's heads sit in the wgmma shapes (benchmarks/RESULTS.md, "Latent decode
   (pallas_mosaic)", session 12). None (the default) picks from static shapes
-  (`default_heads_in`): "n" at N <= 32 (16 with an fp8 cache, where its pipeline takes "n"), else
+  (`default_heads_in`): "n" at N <= 32 (with an fp8 cache, where its pipeline takes "n"), else
   "m": 64 heads as wgmma's M (N < 64 in the 64-row tile: at N=16 three quarters of every product
   and of the softmax are padding). "n": N <= 32 heads as wgmma's N, padded to 16 or 32
   (`common.heads_tile`; a ValueError above 32), mosaic_sparse's heads_in="n": S^T = K Q^T [64
@@ -147,20 +147,21 @@ class MosaicDecodeConfig:
       raise ValueError(f"heads_in must be None or one of {HEADS_IN}, got {self.heads_in!r}")
 
 
-# heads_in=None runs "n" up to this many heads, by cache: bf16 1.01-1.10x "m" at 16 and 32 heads
-# (sessions 12, 13); fp8 at 32 heads equal ("register_a" 0.493 ms, "m" 0.490, session 13).
-HEADS_N_DEFAULT_MAX = {False: 32, True: 16}  # by fp8
+# heads_in=None runs "n" up to this many heads: bf16 1.01-1.10x "m" at 16 and 32 heads (sessions
+# 12, 13); fp8 at 32 heads (B=128, S=8192, session 14) "register_a" 0.332 ms, "serial" in N 0.665,
+# against "m" with "shared_widening" 0.481 and "serial" 0.842.
+HEADS_N_DEFAULT_MAX = 32
 
 
 def default_heads_in(num_heads: int, fp8: bool, fp8_pipeline: str | None) -> str:
   """The heads_in that heads_in=None runs (static shapes only): "n" at N <= HEADS_N_DEFAULT_MAX
-  (32 for bf16, 16 for fp8; with an fp8 cache where fp8_pipeline takes it,
-  `HEADS_N_FP8_PIPELINES`, or is None), else "m"; an fp8 cache with fp8_pipeline="register_a",
-  which has no "m" form, "n". Timings in `MosaicDecodeConfig`."""
+  (with an fp8 cache where fp8_pipeline takes it, `HEADS_N_FP8_PIPELINES`, or is None), else
+  "m"; an fp8 cache with fp8_pipeline="register_a", which has no "m" form, "n". Timings in
+  `MosaicDecodeConfig`."""
   if fp8 and fp8_pipeline == "register_a":
     return "n"
   takes_n = not fp8 or fp8_pipeline is None or fp8_pipeline in HEADS_N_FP8_PIPELINES
-  return "n" if num_heads <= HEADS_N_DEFAULT_MAX[fp8] and takes_n else "m"
+  return "n" if num_heads <= HEADS_N_DEFAULT_MAX and takes_n else "m"
 
 
 def default_fp8_pipeline(heads_in: str) -> str:
@@ -669,7 +670,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   row's result is bit-identical in any batch and with any table width (batch-invariant mode).
   fp8_pipeline: how an fp8 cache's pages are widened (one of FP8_PIPELINES, see
   `MosaicDecodeConfig`; None: `default_fp8_pipeline`; a bf16 cache ignores it). heads_in:
-  `MosaicDecodeConfig`'s (None: `default_heads_in`, "n" at N <= 32, fp8 16; "n": N <= 32 heads as
+  `MosaicDecodeConfig`'s (None: `default_heads_in`, "n" at N <= 32; "n": N <= 32 heads as
   wgmma's N, with an fp8 cache with fp8_pipeline "serial", "shared_widening" or "register_a",
   the last with "n" only).
   interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns

@@ -126,6 +126,7 @@ def test_heads_n_matches_reference(seed, batch, max_len, n, cache_dtype, splits,
 
 @pytest.mark.parametrize("seed,batch,max_len,n,splits,fixed", [
     (7, 128, 8192, 16, None, {}),  # the timed shape (one split): bf16 output stored transposed
+    (8, 128, 8192, 32, None, {}),  # the default from session 14 at 32 heads, its timed shape
     (9, 32, 8192, 32, 4, {}),  # float32 partials
     (4, 32, 4096, 20, None, {"split_tokens": BATCH_INVARIANT_SPLIT_TOKENS}),  # padded to 32
     (3, 128, 32768, 16, 4, {}),  # 2**31+ e4m3 values
