@@ -29,7 +29,8 @@ P^T (`MosaicDecodeConfig`); there fp8_pipeline "register_a" (the fp8 default the
 bf16 slot: the e4m3 pages land in a ring of 4 slots (18 + 4 x 36 + 2 KB + the reduction scratch =
 166 KB at 16 heads, 188 at 32) and the consumers convert their tiles in registers as wgmma's A
 operand, warpgroup 0 the keys and warpgroup 1 all 512 value columns (O^T takes 64 registers a
-thread at 16 heads).
+thread at 16 heads), or with value_warpgroups=2 warpgroups 1 and 2 256 each (a fourth warpgroup,
+the memory one last).
 
 `interpret=True` (or an `InterpretGPUParams`) runs the same kernel on the CPU through Mosaic GPU's
 interpreter, which simulates the warpgroups, barriers, bulk copies and wgmma, but not registers,
@@ -259,10 +260,10 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # f32 (this step's rescale factors, then l). The consumers step `rows` tokens at a time.
   # Barriers: q_bar (query tile landed); ready [slots] (slot holds its step's bf16 rows);
   # consumed [slots] (every consumer warpgroup done with the slot); p_ready (P and row_smem
-  # written); p_free (the warpgroups from 1 on done reading them). fp8 only, staging = (stage [FP8_STAGES, 64,
-  # D] e4m3, 64-byte swizzled; staged [FP8_STAGES] barriers: a stage slot's bytes landed), and
-  # with shared_widening (warpgroup 1 widens its value columns; ready then takes 2 arrivals) a
-  # third: stage_free [FP8_STAGES] barriers (warpgroup 1 done reading a stage slot).
+  # written); p_free (the warpgroups from 1 on done reading them). fp8 only, staging = (stage
+  # [FP8_STAGES, 64, D] e4m3, 64-byte swizzled; staged [FP8_STAGES] barriers: a stage slot's bytes
+  # landed), and with shared_widening (warpgroup 1 widens its value columns; ready then takes 2
+  # arrivals) a third: stage_free [FP8_STAGES] barriers (warpgroup 1 done reading a stage slot).
   # heads_n (heads_in="n"): the tile's 16 or 32 heads (q_smem [tile_h, D], p_smem [tile_h, 64],
   # row_smem and lse_smem [tile_h]) are wgmma's N: S^T = K Q^T [64 tokens, heads], its softmax over
   # axis 0, P^T stored transposed into p_smem, O^T = V^T P^T in [64 columns, heads] value tiles
