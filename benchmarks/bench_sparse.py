@@ -24,10 +24,9 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
   topk     top-2048 positions of 128 x 32K, 128 x 128K and 4096 x 32K float32 logits, every
            position visible. Bytes = one read of the logits + the positions written. Further rows
            time the other threshold forms with the default's theta: v2 (block-wide compaction
-           per chunk), v3's per-lane threshold, v8's flat form of it (`flat_lanes`: one register
-           layout, no barrier a chunk), v9's (`sectors`: the threshold reads only the 8-position
-           sectors whose maximum reaches theta; the default from 32768 positions), and the
-           default with its theta flipped (fused with the group maxima or not); --topk-rows
+           per chunk), v3's per-lane threshold, v9's (`sectors`: the threshold reads only the
+           8-position sectors whose maximum reaches theta; the default from 32768 positions),
+           and the default with its theta flipped (fused with the group maxima or not); --topk-rows
            keeps only some of them.
   step     one layer's DSA decode step: indexer logits + top-k + slots + sparse attention (N=128,
            fp8_ds_mla latent cache), 128 decode rows at 32K context each; pallas_triton's and the
@@ -212,16 +211,14 @@ def run_topk(args, t, s):
   fn = lambda be: jax.jit(lambda x, lens: be.topk(x, lens, TOPK))
   rows = [timed_row(args, row, fn, sets, case_bytes, None)]
   # Each form beside the default (every knob named; a form equal to the default's is left out):
-  # v2 (block-wide compaction per chunk), v3's per-lane threshold, v8's flat form of it, v9's
-  # sector threshold (the other way from the default), each with the default's theta, and the
-  # default with its theta flipped (fused with the maxima or not).
+  # v2 (block-wide compaction per chunk), v3's per-lane threshold, v9's sector threshold (the other
+  # way from the default), each with the default's theta, and the default with its theta flipped
+  # (fused with the maxima or not).
   default = pallas_topk.default_config(t, s)
-  knobs_of = lambda c: dict(per_lane=c.per_lane, fused_theta=c.fused_theta,
-                            flat_lanes=c.flat_lanes, sectors=c.sectors)
-  plain = dict(per_lane=False, fused_theta=default.fused_theta, flat_lanes=False, sectors=False)
+  knobs_of = lambda c: dict(per_lane=c.per_lane, fused_theta=c.fused_theta, sectors=c.sectors)
+  plain = dict(per_lane=False, fused_theta=default.fused_theta, sectors=False)
   forms = {"v2 (block compaction)": dict(plain, fused_theta=False),
            "v3, per_lane": dict(plain, per_lane=True),
-           "v8, flat_lanes": dict(plain, per_lane=True, flat_lanes=True),
            f"v9, sectors={not default.sectors}": (
                dict(plain) if default.sectors else dict(plain, sectors=True)),
            f"v3, fused_theta={not default.fused_theta}": dict(

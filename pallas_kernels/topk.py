@@ -18,9 +18,9 @@ kernels, each reading the logits at most once (steps 1 and 2 fuse into one where
 3. threshold: a row is split into segments (several per row when rows are few); each streams its
    segment once and compacts every position with key >= theta into its own `cap` = 4k places of
    the row's candidate list: by a block-wide cumsum per chunk, in position order, or (`per_lane`,
-   for few long rows) into each lane's own slots, with no cross-lane work per chunk, moved into
-   the list by one cumsum of the lanes' counts at the end. Typically ~1.16k candidates a row
-   (H200, random rows); at most k*G plus ties.
+   v3; no shape's default since v9) into each lane's own slots, with no cross-lane work per
+   chunk, moved into the list by one cumsum of the lanes' counts at the end. Typically ~1.16k
+   candidates a row (H200, random rows); at most k*G plus ties.
 4. select, a program per row: v by bisection over the candidates (in registers; bits shared by
    theta and the largest candidate are known), then the lowest positions among ties at v (a second
    bisection, only when more tie than fit), and the selection compacted into the output, -1
@@ -86,10 +86,6 @@ class TopkConfig:
   # Group maxima and theta in one kernel, a program per row (`_maxima_theta_kernel`, v3), instead
   # of the maxima kernel (a program per tile) and the theta kernel.
   fused_theta: bool = False
-  # Per-lane threshold kernel, v8 (`_flat_lane_stream`): the stream in one register layout (no
-  # shared-memory conversion or barrier a chunk), each chunk loaded a step before its keys are
-  # formed, the slots moved by a loop to the fullest lane's count (registers for one slot, not all).
-  flat_lanes: bool = False
   # v9: the maxima kernel also writes each 8-position sector's maximum (`_sector_maxima_kernel`,
   # or `_sector_maxima_theta_kernel` with fused_theta), and the threshold kernel reads only the
   # sectors whose maximum reaches theta (`_sector_threshold_kernel`): ~14% of them on random rows
@@ -99,11 +95,9 @@ class TopkConfig:
   def __post_init__(self):
     check_triton_config(self, ("chunk",))
     check_pow2("select_warps", self.select_warps)
-    for name in ("per_lane", "fused_theta", "flat_lanes", "sectors"):
+    for name in ("per_lane", "fused_theta", "sectors"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-    if self.flat_lanes and not self.per_lane:
-      raise ValueError("flat_lanes is a form of the per-lane threshold kernel: it needs per_lane")
     if self.sectors and self.per_lane:
       raise ValueError("sectors is a threshold kernel of its own: it takes no per_lane")
 
@@ -121,13 +115,11 @@ class TopkConfig:
 # compaction writes them contiguously). Theta fused with the maxima where rows are many (4096 x
 # 32768: 0.838 against 0.925; alone 0.179 against 0.268, the maxima no longer written and read
 # back); at 128 rows, no faster at 32768 (0.059 against 0.0584) and slower at 131072 (0.139 against
-# 0.120: 128 programs each streaming 512 KB). v8 (session 13, whole top-k in one run): the
-# per-lane kernel's flat_lanes form 0.102 ms at 128 x 131072 against v3's 0.124 (the kernel alone
-# 40.1 us against 61.9), and at 128 x 32768 0.0658 against the block-wide default's 0.0702 (13.7
-# us against 18.2); at 4096 x 32768 1.05 against 0.849. v9 (sectors; session 13, one process, the
-# v8 default beside it): 128 x 131072 0.0785 ms against 0.104, 4096 x 32768 (theta fused) 0.766
-# against 0.832, 128 x 32768 0.0656 against 0.0648 (equal): few rows from 32768 positions and many
-# rows take it.
+# 0.120: 128 programs each streaming 512 KB). v8 (session 13): the per-lane kernel in one register
+# layout (`flat_lanes`), 0.102 ms at 128 x 131072 and 0.0658 at 128 x 32768; removed in session 14
+# (no shape's default after v9). v9 (sectors; session 13, one process, the v8 default beside it):
+# 128 x 131072 0.0785 ms against 0.104, 4096 x 32768 (theta fused) 0.766 against 0.832, 128 x
+# 32768 0.0656 against 0.0648 (equal): few rows from 32768 positions and many rows take it.
 DEFAULT = TopkConfig(1024, 4, 1, 8)
 DEFAULT_LONG_ROWS = TopkConfig(1024, 4, 1, 8, sectors=True)
 DEFAULT_MANY_ROWS = TopkConfig(1024, 4, 1, 4, fused_theta=True, sectors=True)
@@ -136,10 +128,8 @@ _LONG_ROW = 32768  # positions from which few rows take DEFAULT_LONG_ROWS
 SWEEP = tuple(TopkConfig(*v) for v in [
     (1024, 4, 1, 8, True), (2048, 4, 1, 8, True), (2048, 8, 1, 8, True), (4096, 8, 1, 8, True),
     (512, 4, 1, 8, True), (1024, 4, 2, 8, True), (1024, 4, 1, 8), (2048, 8, 1, 8)]) + tuple(
-        TopkConfig(chunk, warps, 1, 8, per_lane=True, flat_lanes=True)
-        for chunk, warps in [(1024, 4), (2048, 4), (2048, 8)]) + tuple(
-            TopkConfig(chunk, warps, 1, 8, sectors=True)
-            for chunk, warps in [(1024, 4), (512, 4), (2048, 8)])
+        TopkConfig(chunk, warps, 1, 8, sectors=True)
+        for chunk, warps in [(1024, 4), (512, 4), (2048, 8)])
 
 
 def _keys(x, inside):
@@ -272,51 +262,14 @@ def _threshold_kernel(theta_ref, logits_ref, len_ref, cand_key_ref, cand_pos_ref
   count_ref[t, p] = count
 
 
-def _flat_lane_stream(theta, logits_ref, t, start, end, slot_key_ref, slot_pos_ref, chunk):
-  """`_lane_threshold_kernel`'s stream in one register layout (v8, `flat_lanes`): the lanes'
-  counts of candidates [chunk] (past the slots where they overflowed).
-
-  Two things the v3 stream (in the kernel) pays for every chunk (pip Triton 3.6's sm_90 code of it
-  at 128 x 131072: 4 layout conversions a chunk through shared memory, 10 block barriers;
-  benchmarks/RESULTS.md, "DSA selection", top-k v8). Triton gives the logits' load a 4-wide
-  layout from its offsets' contiguity (the load stays scalar: its mask `pos < end` has a dynamic
-  end) and the slot stores, whose offsets depend on the data, one element a thread. Here the
-  offsets are hinted to be multiples of 1 only, which is true and leaves the load nothing to align
-  to, so both take the stores' layout. And v3 carries keys, formed in the step that issues their
-  load (its first use); here the carry is the raw chunk, its keys formed in the next step."""
-  past = slot_key_ref.shape[0]
-  slots = past // chunk
-  lane = jnp.arange(chunk, dtype=jnp.int32)
-
-  def raw(i):
-    pos = pl.multiple_of(start + i * chunk + lane, 1)
-    return plgpu.load(logits_ref.at[t, pos], mask=pos < end, other=-jnp.inf)
-
-  def body(i, carry):
-    x, filled = carry
-    nxt = raw(i + 1)
-    pos = start + i * chunk + lane
-    key = _keys(x, pos < end)
-    take = (key >= theta) & (key > _INT_MIN)
-    dst = jnp.where(take & (filled < slots), filled * chunk + lane, past)
-    plgpu.store(slot_key_ref.at[dst], key, mask=dst < past)
-    plgpu.store(slot_pos_ref.at[dst], pos, mask=dst < past)
-    return nxt, filled + take.astype(jnp.int32)
-
-  return lax.fori_loop(0, pl.cdiv(jnp.maximum(end - start, 0), chunk), body,
-                       (raw(0), jnp.zeros((chunk,), jnp.int32)))[1]
-
-
 def _lane_threshold_kernel(theta_ref, logits_ref, len_ref, slot_key_ref, slot_pos_ref,
-                           cand_key_ref, cand_pos_ref, count_ref, *, chunk, segment, flat,
-                           interpret):
+                           cand_key_ref, cand_pos_ref, count_ref, *, chunk, segment, interpret):
   # As `_threshold_kernel`, but the stream keeps no block-wide state: lane j of the chunk (positions
   # j, j + chunk, ...) stores its candidates in its own slots, slot s at slot_*_ref[s * chunk + j]
   # ([slots * chunk] int32, this row's and segment's), so a chunk costs no cumsum. After the stream,
   # one cumsum of the lanes' counts places every lane's slots in the cap places of the candidate
   # list (lane order, not position order: the select needs no order). A lane that fills its slots
-  # marks the segment as overflowed (count past cap: the select's exact row path). flat: v8's
-  # stream and move (`_flat_lane_stream`).
+  # marks the segment as overflowed (count past cap: the select's exact row path).
   t, p = pl.program_id(0), pl.program_id(1)
   cap = cand_key_ref.shape[0]
   slots = slot_key_ref.shape[0] // chunk
@@ -335,12 +288,9 @@ def _lane_threshold_kernel(theta_ref, logits_ref, len_ref, slot_key_ref, slot_po
     plgpu.store(slot_pos_ref.at[dst], pos, mask=dst < past)
     return nxt, filled + take.astype(jnp.int32)
 
-  if flat:
-    filled = _flat_lane_stream(theta, logits_ref, t, start, end, slot_key_ref, slot_pos_ref, chunk)
-  else:
-    _, filled = lax.fori_loop(0, pl.cdiv(jnp.maximum(end - start, 0), chunk), body,
-                              (_row_keys(logits_ref, t, end, start, chunk),
-                               jnp.zeros((chunk,), jnp.int32)))
+  _, filled = lax.fori_loop(0, pl.cdiv(jnp.maximum(end - start, 0), chunk), body,
+                            (_row_keys(logits_ref, t, end, start, chunk),
+                             jnp.zeros((chunk,), jnp.int32)))
   # A lane's slots may be read back by other threads than wrote them: a block barrier makes the
   # writes visible (the interpreter runs a program sequentially, and has no barrier).
   if not interpret:
@@ -357,19 +307,10 @@ def _lane_threshold_kernel(theta_ref, logits_ref, len_ref, slot_key_ref, slot_po
     plgpu.store(cand_key_ref.at[dst], key, mask=dst < cap)
     plgpu.store(cand_pos_ref.at[dst], pos, mask=dst < cap)
 
-  if flat:
-    # A loop to the fullest lane's count (~4 of 8 on random rows at 128 x 131072): registers for
-    # one slot's loads, where the unrolled form below holds all of them for the whole kernel.
-    def move_slot(slot, carry):
-      move(slot)
-      return carry
-
-    lax.fori_loop(0, kept.max(), move_slot, 0)
-  else:
-    # Unrolled over the slots, so their loads are all in flight at once (a loop waited for each;
-    # the slots past a lane's count are masked off and cost no memory traffic).
-    for slot in range(slots):
-      move(slot)
+  # Unrolled over the slots, so their loads are all in flight at once (a loop waited for each;
+  # the slots past a lane's count are masked off and cost no memory traffic).
+  for slot in range(slots):
+    move(slot)
   count_ref[t, p] = jnp.where(filled.max() > slots, jnp.maximum(filled.sum(), cap + 1),
                               filled.sum())
 
@@ -446,10 +387,10 @@ def _sector_threshold_kernel(theta_ref, sec_ref, logits_ref, len_ref, ids_ref, c
   shift = row_sectors.bit_length() - 1
 
   # 1. Its sectors that reach theta, chunk a step: their first positions, in order, to ids_ref.
-  # The offsets are hinted to be multiples of 1 only (as in `_flat_lane_stream`): where span is a
-  # multiple of 4 Triton would give the load a 4-wide layout and convert it to the stores' (pip
-  # Triton 3.6, sm_90a: 7 conversions and 29 block barriers in the kernel at 128 x 32768, none
-  # and 11 with the hint).
+  # The offsets are hinted to be multiples of 1 only, which is true and leaves the load nothing to
+  # align to: where span is a multiple of 4 Triton would give the load a 4-wide layout and convert
+  # it to the stores' (pip Triton 3.6, sm_90a: 7 conversions and 29 block barriers in the kernel
+  # at 128 x 32768, none and 11 with the hint).
   def sector_max(i):
     f = pl.multiple_of(first + i * chunk + lane, 1)
     return plgpu.load(sec_ref.at[f], mask=f < last, other=_INT_MIN), f
@@ -679,12 +620,11 @@ def lane_slots(cap: int, segments: int, chunk: int) -> int:
 
 def threshold_candidates(theta: jax.Array, logits: jax.Array, seq_lens: jax.Array, cap: int,
                          chunk: int, params: plgpu.CompilerParams, *, slots: int = 0,
-                         flat: bool = False,
                          interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Step 3: (keys, positions) int32 [T, P * cap] of each row's candidates, each of its P segments'
   at its own `cap` places, and their counts [T, P] (past cap when they overflowed). slots: 0 for
   the block-wide compaction per chunk (`_threshold_kernel`), else the slots a lane keeps
-  (`_lane_threshold_kernel`); flat: its v8 form (`TopkConfig.flat_lanes`)."""
+  (`_lane_threshold_kernel`)."""
   t, s = logits.shape
   segments, segment = threshold_segments(t, s, chunk)
   places = lambda width: pl.BlockSpec((None, width), lambda i, p: (i, p))
@@ -692,7 +632,7 @@ def threshold_candidates(theta: jax.Array, logits: jax.Array, seq_lens: jax.Arra
   lists = [jax.ShapeDtypeStruct((t, segments * cap), jnp.int32)] * 2
   counts_shape = [jax.ShapeDtypeStruct((t, segments), jnp.int32)]
   if slots:
-    kernel = functools.partial(_lane_threshold_kernel, chunk=chunk, segment=segment, flat=flat,
+    kernel = functools.partial(_lane_threshold_kernel, chunk=chunk, segment=segment,
                                interpret=interpret)
     out_specs = [places(slots * chunk)] * 2 + [places(cap)] * 2 + counts
     out_shape = [jax.ShapeDtypeStruct((t, segments * slots * chunk), jnp.int32)] * 2 + lists
@@ -707,8 +647,7 @@ def threshold_candidates(theta: jax.Array, logits: jax.Array, seq_lens: jax.Arra
       out_shape=out_shape + counts_shape,
       compiler_params=params,
       interpret=interpret,
-      name=("topk_threshold_flat_lanes" if flat else "topk_threshold_lanes") if slots else
-      "topk_threshold",
+      name="topk_threshold_lanes" if slots else "topk_threshold",
   )(theta, logits, seq_lens)
   return tuple(out[-3:])
 
@@ -787,22 +726,22 @@ def select_positions(theta: jax.Array, cand_keys: jax.Array, cand_pos: jax.Array
 
 @functools.partial(jax.jit, static_argnames=("topk", "chunk", "num_warps", "num_stages",
                                              "select_warps", "per_lane", "fused_theta",
-                                             "flat_lanes", "sectors", "interpret"))
+                                             "sectors", "interpret"))
 def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None,
                    select_warps: int | None = None, per_lane: bool | None = None,
-                   fused_theta: bool | None = None, flat_lanes: bool | None = None,
-                   sectors: bool | None = None, interpret: bool = False) -> jax.Array:
+                   fused_theta: bool | None = None, sectors: bool | None = None,
+                   interpret: bool = False) -> jax.Array:
   """Top-`topk` positions of each row within its window (semantics of
   `mla_jax.reference.topk_positions`): logits [T, S] float32, seq_lens [T] int32 (row t sees
   s < seq_lens[t]) -> int32 [T, topk], -1 padded, in no particular order; of positions tied at the
   k-th largest value, the lowest. chunk, num_warps, num_stages, select_warps, per_lane,
-  fused_theta, flat_lanes, sectors: `TopkConfig`'s (None: `default_config`'s).
+  fused_theta, sectors: `TopkConfig`'s (None: `default_config`'s).
   """
   check_topk_args(logits, seq_lens, topk)
   config = with_overrides(default_config(*logits.shape), chunk=chunk, num_warps=num_warps,
                           num_stages=num_stages, select_warps=select_warps, per_lane=per_lane,
-                          fused_theta=fused_theta, flat_lanes=flat_lanes, sectors=sectors)
+                          fused_theta=fused_theta, sectors=sectors)
   t, s = logits.shape
   if t == 0 or s == 0:
     return jnp.full((t, topk), -1, jnp.int32)
@@ -833,7 +772,6 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: 
     slots = lane_slots(cap, threshold_segments(t, s, chunk)[0], chunk) if config.per_lane else 0
     cand_keys, cand_pos, counts = threshold_candidates(theta, logits, seq_lens, cap, chunk,
                                                        params(config.num_warps), slots=slots,
-                                                       flat=config.flat_lanes,
                                                        interpret=interpret)
   return select_positions(theta, cand_keys, cand_pos, counts, logits, seq_lens, topk, chunk,
                           params(config.select_warps), interpret=interpret)

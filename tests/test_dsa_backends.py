@@ -90,7 +90,7 @@ class TestPallasTritonSparseAttention(SparseAttentionContract):
 
 # v9's knobs at any shape (the sector filter takes no per-lane threshold): with the separate
 # maxima and theta kernels, and with theta fused (many rows).
-SECTORS = {"sectors": True, "per_lane": False, "fused_theta": False, "flat_lanes": False}
+SECTORS = {"sectors": True, "per_lane": False, "fused_theta": False}
 SECTORS_FUSED = {**SECTORS, "fused_theta": True}
 
 
@@ -100,8 +100,8 @@ class TestPallasTritonIndexer(IndexerContract):
   def topk_variants(self):
     # The contract's small rows take the block-wide threshold and separate maxima and theta
     # kernels; v9's sector filter (few long rows' and, theta fused, many rows' default) too. The
-    # forms no default takes (v3's and v8's per-lane threshold, theta fused without sectors): the
-    # segments and lane-slot cases below.
+    # forms no default takes (v3's per-lane threshold, theta fused without sectors): the segments
+    # and lane-slot cases below.
     return super().topk_variants() + [
         functools.partial(pallas_topk.topk_positions, interpret=True, **knobs)
         for knobs in (SECTORS, SECTORS_FUSED)]
@@ -141,8 +141,8 @@ class TestPallasTritonIndexer(IndexerContract):
       pallas_indexer.indexer_logits(**change(args), interpret=True)
 
   @pytest.mark.parametrize("variant", [
-      {}, {"per_lane": True, "flat_lanes": True}, {"fused_theta": True}, SECTORS, SECTORS_FUSED],
-      ids=["default", "flat_lanes", "fused_theta", "sectors", "sectors_fused"])
+      {}, {"per_lane": True}, {"fused_theta": True}, SECTORS, SECTORS_FUSED],
+      ids=["default", "per_lane", "fused_theta", "sectors", "sectors_fused"])
   def test_topk_segments_ties_and_overflow_match_reference(self, variant):
     # Small chunks split rows into several segments that claim candidate places concurrently;
     # row 1's ties overflow the candidate list (the slow exact path); row 3 mixes signs and
@@ -150,11 +150,10 @@ class TestPallasTritonIndexer(IndexerContract):
     # k-th value (one fits): the lowest wins, found among the candidates; row 5 repeats each of 625
     # values at 4 of the 8 members of its strided group (G = 8), so 256-512 candidates (past half
     # the 512-entry list: the full-width select) tie in fours. Variants: the default for these
-    # rows (block-wide threshold, separate maxima and theta kernels), the per-lane threshold in
-    # its v8 form (`flat_lanes`; v3's form: the lane-slot test below), theta fused with the
-    # maxima and v9's sector filter (`sectors`, long and many rows' default, theta apart or
-    # fused: groups of m8 = 632, so row 5's repeats fall in different groups and its ~100
-    # candidates take the half-width select).
+    # rows (block-wide threshold, separate maxima and theta kernels), v3's per-lane threshold
+    # (its slots: the lane-slot test below), theta fused with the maxima and v9's sector filter
+    # (`sectors`, long and many rows' default, theta apart or fused: groups of m8 = 632, so row
+    # 5's repeats fall in different groups and its ~100 candidates take the half-width select).
     rng = np.random.default_rng(6)
     logits = rng.standard_normal((6, 5000)).astype(np.float32)
     logits[5] = np.where(np.arange(5000) // 625 < 4, np.tile(logits[5, :625], 8), -10)
@@ -185,13 +184,11 @@ class TestPallasTritonIndexer(IndexerContract):
     theta = pallas_topk.row_theta(maxima, 100, params, interpret=True)
     slots = 8 if variant.get("per_lane") else 0
     counts = pallas_topk.threshold_candidates(theta, jnp.asarray(logits), lens, 512, 256, params,
-                                              slots=slots, flat=variant.get("flat_lanes", False),
-                                              interpret=True)[2].sum(axis=1)
+                                              slots=slots, interpret=True)[2].sum(axis=1)
     assert counts[1] > 512 and 256 < counts[5] <= 512, counts
 
-  @pytest.mark.parametrize("flat", [False, True], ids=["v3", "flat_lanes"])
-  def test_lane_slots_hold_the_candidates_or_overflow(self, flat):
-    # The per-lane threshold kernel (v3's and v8's `flat_lanes` form) with 2 slots a lane (16
+  def test_lane_slots_hold_the_candidates_or_overflow(self):
+    # The per-lane threshold kernel (v3, `per_lane`) with 2 slots a lane (16
     # lanes, 32 segments of 64 positions: 4 a lane): a segment's list holds exactly its positions
     # with key >= theta, unless a lane had more than 2 (row 0, segment 0: positions 5, 21, 37 of
     # lane 5), which must mark it past cap; the select then still finds the exact top-k (the row
@@ -206,7 +203,7 @@ class TestPallasTritonIndexer(IndexerContract):
     theta = pallas_topk.row_theta(pallas_topk.group_maxima(x, lens, 4, 512, interpret=True), 100,
                                   params, interpret=True)
     keys, pos, counts = (np.asarray(a) for a in pallas_topk.threshold_candidates(
-        theta, x, lens, 512, 16, params, slots=2, flat=flat, interpret=True))
+        theta, x, lens, 512, 16, params, slots=2, interpret=True))
     assert pallas_topk.threshold_segments(2, 2048, 16) == (32, 64) and counts.shape == (2, 32)
     bits = logits.view(np.int32)
     want_keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)
@@ -348,19 +345,14 @@ class TestPallasTritonIndexer(IndexerContract):
         jax.ShapeDtypeStruct((t, s), jnp.float32), jax.ShapeDtypeStruct((t,), jnp.int32))
     return traced.lower(lowering_platforms=("cuda",)).as_text(), modules
 
-  @pytest.mark.parametrize("t,s", [(128, 131072), (128, 32768), (4096, 32768)])
-  def test_flat_lanes_lowers_for_hopper(self, monkeypatch, t, s):
-    # The flat_lanes top-k (v8) at the benchmark's shapes (`lowered_topk_modules`): four kernels
-    # (three with theta fused, 4096 rows), each module verified, and the threshold kernel's load
-    # offsets carry the hint that keeps the stream in one layout.
-    text, modules = self.lowered_topk_modules(
-        monkeypatch, t, s, {"flat_lanes": True, "per_lane": True, "sectors": False})
-    theta = ["topk_maxima_theta"] if t > 2 * pallas_topk.sm_count() else ["topk_maxima",
-                                                                         "topk_theta"]
-    names = theta + ["topk_threshold_flat_lanes", "topk_select"]
+  def test_per_lane_lowers_for_hopper(self, monkeypatch):
+    # v3's per-lane threshold (no shape's default: kept selectable) at 128 x 131072
+    # (`lowered_topk_modules`): four kernels, each module verified.
+    text, modules = self.lowered_topk_modules(monkeypatch, 128, 131072,
+                                              {"per_lane": True, "sectors": False})
+    names = ["topk_maxima", "topk_theta", "topk_threshold_lanes", "topk_select"]
     assert text.count("__gpu$xla.gpu.triton") == len(names) and sorted(modules) == sorted(names)
     assert all(ok for ok, _ in modules.values()), modules
-    assert "tt.divisibility = dense<1>" in modules["topk_threshold_flat_lanes"][1]
 
   @pytest.mark.parametrize("rows,positions,want", [
       (128, 131072, "DEFAULT_LONG_ROWS"), (128, 32768, "DEFAULT_LONG_ROWS"),
@@ -406,8 +398,6 @@ class TestPallasTritonIndexer(IndexerContract):
       (lambda a: {**a, "topk": True}, "topk"),
       (lambda a: {**a, "chunk": 100}, "chunk"),
       (lambda a: {**a, "per_lane": 1}, "per_lane"),
-      (lambda a: {**a, "flat_lanes": 1}, "flat_lanes"),
-      (lambda a: {**a, "flat_lanes": True, "per_lane": False}, "needs per_lane"),
       (lambda a: {**a, "sectors": 1}, "sectors"),
       (lambda a: {**a, "sectors": True, "per_lane": True}, "no per_lane"),
   ])

@@ -313,16 +313,16 @@ def test_mosaic_indexer_compute_wgs_match_reference(compute_wgs):
 
 
 @pytest.mark.parametrize("variant", [
-    {}, {"per_lane": True}, {"per_lane": True, "flat_lanes": True}, {"fused_theta": True},
-    {"sectors": True, "per_lane": False, "fused_theta": False, "flat_lanes": False,
-     "s": 131072}],
-    ids=["default", "per_lane", "flat_lanes", "fused_theta", "sectors"])
+    {}, {"per_lane": True, "sectors": False}, {"fused_theta": True, "sectors": False},
+    {"fused_theta": True}, {"sectors": True, "per_lane": False, "fused_theta": False,
+                            "s": 131072}],
+    ids=["default", "per_lane", "fused_theta", "sectors_fused", "sectors"])
 @pytest.mark.parametrize("kind", ["normal", "ties", "few_ties"])
 def test_topk_sets_match_lax_top_k(kind, variant):
-  # variant: {} through the backend (this shape's default: block-wide threshold, separate maxima
-  # and theta kernels); else one kernel swapped for the one that long rows (per-lane threshold, or
-  # its v8 form `flat_lanes`) or many rows (theta fused with the maxima) take; or v9's sector
-  # maxima and threshold (`sectors`), at 131072 positions (what it is for).
+  # variant: {} through the backend (this shape's default, v9's sector maxima and threshold with
+  # separate theta); else merged into that default: v3's per-lane threshold, v3's theta fused with
+  # the maxima (both without sectors, which take no per-lane threshold), the sector form with theta
+  # fused (many rows' default), or the sector form at 131072 positions (what it is for).
   variant = dict(variant)
   t, s = 128, variant.pop("s", 32768)
   x = jax.random.normal(jax.random.key(2), (t, s), jnp.float32)
