@@ -26,8 +26,9 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            time the other threshold forms with the default's theta: v2 (block-wide compaction
            per chunk), v3's per-lane threshold, v9's (`sectors`: the threshold reads only the
            8-position sectors whose maximum reaches theta; the default from 32768 positions),
-           and the default with its theta flipped (fused with the group maxima or not); --topk-rows
-           keeps only some of them.
+           the default with its theta flipped (fused with the group maxima or not), and v10's
+           (the default with 2 or 4 bits a pass of theta's and the select's searches);
+           --topk-rows keeps only some of them.
   step     one layer's DSA decode step: indexer logits + top-k + slots + sparse attention (N=128,
            fp8_ds_mla latent cache), 128 decode rows at 32K context each; pallas_triton's and the
            `pallas` default's.
@@ -212,17 +213,21 @@ def run_topk(args, t, s):
   rows = [timed_row(args, row, fn, sets, case_bytes, None)]
   # Each form beside the default (every knob named; a form equal to the default's is left out):
   # v2 (block-wide compaction per chunk), v3's per-lane threshold, v9's sector threshold (the other
-  # way from the default), each with the default's theta, and the default with its theta flipped
-  # (fused with the maxima or not).
+  # way from the default), each with the default's theta, the default with its theta flipped
+  # (fused with the maxima or not), and the default with v10's searches (b bits a pass).
   default = pallas_topk.default_config(t, s)
-  knobs_of = lambda c: dict(per_lane=c.per_lane, fused_theta=c.fused_theta, sectors=c.sectors)
-  plain = dict(per_lane=False, fused_theta=default.fused_theta, sectors=False)
+  knobs_of = lambda c: dict(per_lane=c.per_lane, fused_theta=c.fused_theta, sectors=c.sectors,
+                            theta_search_bits=c.theta_search_bits,
+                            select_search_bits=c.select_search_bits)
+  plain = dict(knobs_of(default), per_lane=False, sectors=False)
   forms = {"v2 (block compaction)": dict(plain, fused_theta=False),
            "v3, per_lane": dict(plain, per_lane=True),
            f"v9, sectors={not default.sectors}": (
                dict(plain) if default.sectors else dict(plain, sectors=True)),
            f"v3, fused_theta={not default.fused_theta}": dict(
-               knobs_of(default), fused_theta=not default.fused_theta)}
+               knobs_of(default), fused_theta=not default.fused_theta),
+           **{f"v10, search_bits={b}": dict(knobs_of(default), theta_search_bits=b,
+                                           select_search_bits=b) for b in (2, 4)}}
   variants = {}
   for name, knobs in forms.items():  # each program once, the default's not again
     if knobs != knobs_of(default) and knobs not in variants.values():
@@ -375,7 +380,7 @@ def main(argv=None):
                            "as in the cache column (e.g. fp8_pipeline=half_rows)")
   parser.add_argument("--topk-rows", nargs="+", metavar="VERSION",
                       help="top-k cases: beside the default, only these variants' rows, named by "
-                           "the version opening their cache column (e.g. v8)")
+                           "the version opening their cache column (e.g. v9 v10)")
   parser.add_argument("--iters", type=int, default=20, help="back-to-back calls per timing")
   parser.add_argument("--repeats", type=int, default=5, help="timings; the median is reported")
   parser.add_argument("--out", default="benchmarks/out", help="directory for the result tables")
