@@ -27,7 +27,8 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            per chunk), v3's per-lane threshold, v9's (`sectors`: the threshold reads only the
            8-position sectors whose maximum reaches theta; the default from 32768 positions),
            the default with its theta flipped (fused with the group maxima or not), and v10's
-           (the default with 2 or 4 bits a pass of theta's and the select's searches);
+           (the default with 2 or 4 bits a pass of theta's and the select's searches) and
+           v10b's (`lean_select`, also at 8 select warps);
            --topk-rows keeps only some of them.
   step     one layer's DSA decode step: indexer logits + top-k + slots + sparse attention (N=128,
            fp8_ds_mla latent cache), 128 decode rows at 32K context each; pallas_triton's and the
@@ -214,11 +215,13 @@ def run_topk(args, t, s):
   # Each form beside the default (every knob named; a form equal to the default's is left out):
   # v2 (block-wide compaction per chunk), v3's per-lane threshold, v9's sector threshold (the other
   # way from the default), each with the default's theta, the default with its theta flipped
-  # (fused with the maxima or not), and the default with v10's searches (b bits a pass).
+  # (fused with the maxima or not), and the default with v10's searches (b bits a pass) or v10b's
+  # lean select (8 warps too: fewer registers a thread let two 8-warp programs reside an SM).
   default = pallas_topk.default_config(t, s)
   knobs_of = lambda c: dict(per_lane=c.per_lane, fused_theta=c.fused_theta, sectors=c.sectors,
                             theta_search_bits=c.theta_search_bits,
-                            select_search_bits=c.select_search_bits)
+                            select_search_bits=c.select_search_bits, lean_select=c.lean_select,
+                            select_warps=c.select_warps)
   plain = dict(knobs_of(default), per_lane=False, sectors=False)
   forms = {"v2 (block compaction)": dict(plain, fused_theta=False),
            "v3, per_lane": dict(plain, per_lane=True),
@@ -227,7 +230,10 @@ def run_topk(args, t, s):
            f"v3, fused_theta={not default.fused_theta}": dict(
                knobs_of(default), fused_theta=not default.fused_theta),
            **{f"v10, search_bits={b}": dict(knobs_of(default), theta_search_bits=b,
-                                           select_search_bits=b) for b in (2, 4)}}
+                                           select_search_bits=b) for b in (2, 4)},
+           "v10b, lean_select": dict(knobs_of(default), lean_select=True),
+           "v10b, lean_select, select_warps=8": dict(knobs_of(default), lean_select=True,
+                                                     select_warps=8)}
   variants = {}
   for name, knobs in forms.items():  # each program once, the default's not again
     if knobs != knobs_of(default) and knobs not in variants.values():

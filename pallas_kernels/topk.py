@@ -102,11 +102,16 @@ class TopkConfig:
   # 2^b / b times the compares; the same theta and selection (`_kth_largest`).
   theta_search_bits: int = 1
   select_search_bits: int = 1
+  # v10b: the select's path for more than cap / 2 candidates (rare: random rows fill ~0.3 cap)
+  # streams them in two halves from the candidate lists every pass instead of holding all cap
+  # lanes in registers, which set the whole kernel's (pip Triton 3.6, sm_90a: 255 and 148 bytes
+  # of spills at 4 warps, 225 at 8).
+  lean_select: bool = False
 
   def __post_init__(self):
     check_triton_config(self, ("chunk",))
     check_pow2("select_warps", self.select_warps)
-    for name in ("per_lane", "fused_theta", "sectors"):
+    for name in ("per_lane", "fused_theta", "sectors", "lean_select"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("theta_search_bits", "select_search_bits"):
@@ -199,21 +204,23 @@ def _kth_largest(keys_of, num_chunks, k, lo=_INT_MIN, hi=_INT_MAX, top_bits=32, 
 
   if search_bits == 1:
     return lax.fori_loop(known, top_bits, one_bit, start) ^ _INT_MIN
-  digits = jnp.arange(1 << search_bits, dtype=jnp.int32)
+  # The digits as a [2^b, 1] column (an iota of that shape: a [2^b] vector reshaped would be
+  # converted between Triton layouts through shared memory every pass); keys_of gives [lanes].
+  digits = lax.broadcasted_iota(jnp.int32, (1 << search_bits, 1), 0)
 
-  def counts_at_least(thresholds):  # [2^b] thresholds -> [2^b] counts, one reduction a chunk
-    def add(i, n):
-      keys = keys_of(i)
-      reached = keys[None] >= thresholds.reshape((-1,) + (1,) * keys.ndim)
-      return n + reached.astype(jnp.int32).sum(axis=tuple(range(1, keys.ndim + 1)))
-    return lax.fori_loop(0, num_chunks, add, jnp.zeros(digits.shape, jnp.int32))
+  def counts_at_least(thresholds):  # [2^b, 1] thresholds -> [2^b] counts, one reduction a chunk
+    return lax.fori_loop(
+        0, num_chunks,
+        lambda i, n: n + (keys_of(i)[None] >= thresholds).astype(jnp.int32).sum(axis=1),
+        jnp.zeros((1 << search_bits,), jnp.int32))
 
   def one_digit(j, image):
     shift = 32 - search_bits - (known + j * search_bits)
-    trials = image | jnp.left_shift(digits, shift)
-    # d = 0 is not counted: its threshold, the image, is reached by at least k keys, unless the
-    # lanes are fewer than k, where nothing may be set (INT_MIN, as the bisection gives).
-    digit = ((counts_at_least(trials ^ _INT_MIN) >= k) & (digits > 0)).astype(jnp.int32).sum()
+    reached = counts_at_least((image | jnp.left_shift(digits, shift)) ^ _INT_MIN) >= k
+    # d = 0's threshold, the image, is reached by at least k keys (so the digit is one less than
+    # the thresholds reached), unless the lanes are fewer than k: then none, and nothing is set
+    # (INT_MIN, as the bisection gives).
+    digit = jnp.maximum(reached.astype(jnp.int32).sum() - 1, 0)
     return image | jnp.left_shift(digit, shift)
 
   return lax.fori_loop(0, (top_bits - known) // search_bits, one_digit, start) ^ _INT_MIN
@@ -247,6 +254,8 @@ def _theta(maxima, k, bits, search_bits):
   valid = maxima > _INT_MIN
   enough = valid.astype(jnp.int32).sum() >= k
   lo = jnp.where(enough, jnp.where(valid, maxima, _INT_MAX).min(), _INT_MIN)
+  if search_bits > 1:  # `_kth_largest`'s multi-bit search counts [lanes] keys
+    maxima = maxima.reshape(-1)
   return _kth_largest(lambda i: maxima, 1, k, lo, maxima.max(), bits, search_bits)
 
 
@@ -472,7 +481,7 @@ def _sector_threshold_kernel(theta_ref, sec_ref, logits_ref, len_ref, ids_ref, c
 
 
 def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref, len_ref, out_ref,
-                   *, k, chunk, fill, search_bits):
+                   *, k, chunk, fill, search_bits, lean):
   # theta_ref [T] int32; cand_key_ref, cand_pos_ref [P * cap] int32 (this row's segments' places);
   # count_ref [T, P] int32; logits_ref [T, S] f32; len_ref [T] int32; out_ref [k] int32 (this
   # row's positions)
@@ -514,9 +523,8 @@ def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref,
 
     return lax.fori_loop(0, num_chunks, body, jnp.int32(0))
 
-  def from_candidates(lanes):
+  def candidates(lane):
     # Lane j holds the j-th candidate in segment order: segment p's are after the earlier ones'.
-    lane = jnp.arange(lanes, dtype=jnp.int32)
     place, before = lane, 0
     for p in range(segments - 1):
       before += counts[p]
@@ -524,16 +532,28 @@ def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref,
     valid = lane < count  # past count: never written
     keys = plgpu.load(cand_key_ref.at[place], mask=valid, other=_INT_MIN)
     positions = plgpu.load(cand_pos_ref.at[place], mask=valid, other=0)
+    return keys, positions
+
+  def from_candidates(lanes):
+    keys, positions = candidates(jnp.arange(lanes, dtype=jnp.int32))
     return select(lambda i: (keys, positions), 1, keys.max())
+
+  def streamed(lanes, num_chunks):
+    # The candidates in chunks of `lanes`, loaded again by every pass (L2) instead of held.
+    source = lambda i: candidates(i * lanes + jnp.arange(lanes, dtype=jnp.int32))
+    hi = lax.fori_loop(0, num_chunks, lambda i, m: jnp.maximum(m, source(i)[0].max()), _INT_MIN)
+    return select(source, num_chunks, hi)
 
   def from_row():
     return select(lambda i: _row_keys(logits_ref, t, length, i * chunk, chunk),
                   pl.cdiv(length, chunk), _INT_MAX)
 
   # Half as many lanes when the candidates fit (typically ~0.3 cap): each bisection pass costs its
-  # lanes.
-  half = lambda: lax.cond(count > cap // 2, lambda: from_candidates(cap),
-                          lambda: from_candidates(cap // 2))
+  # lanes. lean (v10b): more than cap / 2 candidates stream in two halves, so the kernel's
+  # registers are the half-width path's, not the cap lanes' held through every pass.
+  full = (functools.partial(streamed, cap // 2, 2) if lean else
+          functools.partial(from_candidates, cap))
+  half = lambda: lax.cond(count > cap // 2, full, lambda: from_candidates(cap // 2))
   written = lax.cond(count > cap, from_row, half if cap >= _HALVED_MIN else
                      functools.partial(from_candidates, cap))
 
@@ -750,13 +770,14 @@ def sector_candidates(theta: jax.Array, sector_max: jax.Array, logits: jax.Array
 def select_positions(theta: jax.Array, cand_keys: jax.Array, cand_pos: jax.Array,
                      counts: jax.Array, logits: jax.Array, seq_lens: jax.Array, topk: int,
                      chunk: int, params: plgpu.CompilerParams, *, search_bits: int = 1,
-                     interpret: bool = False) -> jax.Array:
-  """Step 4: int32 [T, topk] positions, -1 padded (search_bits: `_kth_largest`'s)."""
+                     lean: bool = False, interpret: bool = False) -> jax.Array:
+  """Step 4: int32 [T, topk] positions, -1 padded (search_bits: `_kth_largest`'s; lean:
+  `TopkConfig.lean_select`)."""
   t = logits.shape[0]
   width = cand_keys.shape[1]
   return pl.pallas_call(
       functools.partial(_select_kernel, k=topk, chunk=chunk, fill=min(1024, next_pow2(topk)),
-                        search_bits=search_bits),
+                        search_bits=search_bits, lean=lean),
       grid=(t,),
       in_specs=[_whole(theta), _row(width), _row(width), _whole(counts), _whole(logits),
                 _whole(seq_lens)],
@@ -771,26 +792,27 @@ def select_positions(theta: jax.Array, cand_keys: jax.Array, cand_pos: jax.Array
 @functools.partial(jax.jit, static_argnames=("topk", "chunk", "num_warps", "num_stages",
                                              "select_warps", "per_lane", "fused_theta",
                                              "sectors", "theta_search_bits",
-                                             "select_search_bits", "interpret"))
+                                             "select_search_bits", "lean_select",
+                                             "interpret"))
 def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None,
                    select_warps: int | None = None, per_lane: bool | None = None,
                    fused_theta: bool | None = None, sectors: bool | None = None,
                    theta_search_bits: int | None = None, select_search_bits: int | None = None,
-                   interpret: bool = False) -> jax.Array:
+                   lean_select: bool | None = None, interpret: bool = False) -> jax.Array:
   """Top-`topk` positions of each row within its window (semantics of
   `mla_jax.reference.topk_positions`): logits [T, S] float32, seq_lens [T] int32 (row t sees
   s < seq_lens[t]) -> int32 [T, topk], -1 padded, in no particular order; of positions tied at the
   k-th largest value, the lowest. chunk, num_warps, num_stages, select_warps, per_lane,
-  fused_theta, sectors, theta_search_bits, select_search_bits: `TopkConfig`'s (None:
-  `default_config`'s).
+  fused_theta, sectors, theta_search_bits, select_search_bits, lean_select: `TopkConfig`'s
+  (None: `default_config`'s).
   """
   check_topk_args(logits, seq_lens, topk)
   config = with_overrides(default_config(*logits.shape), chunk=chunk, num_warps=num_warps,
                           num_stages=num_stages, select_warps=select_warps, per_lane=per_lane,
                           fused_theta=fused_theta, sectors=sectors,
                           theta_search_bits=theta_search_bits,
-                          select_search_bits=select_search_bits)
+                          select_search_bits=select_search_bits, lean_select=lean_select)
   t, s = logits.shape
   if t == 0 or s == 0:
     return jnp.full((t, topk), -1, jnp.int32)
@@ -826,4 +848,4 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: 
                                                        interpret=interpret)
   return select_positions(theta, cand_keys, cand_pos, counts, logits, seq_lens, topk, chunk,
                           params(config.select_warps), search_bits=config.select_search_bits,
-                          interpret=interpret)
+                          lean=config.lean_select, interpret=interpret)

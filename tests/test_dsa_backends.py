@@ -93,9 +93,10 @@ class TestPallasTritonSparseAttention(SparseAttentionContract):
 SECTORS = {"sectors": True, "per_lane": False, "fused_theta": False}
 SECTORS_FUSED = {**SECTORS, "fused_theta": True}
 # v10's searches, 2 or 4 bits a pass: theta apart (the default's form for short rows) and fused with
-# the sector maxima, each width in theta and in the select.
+# the sector maxima, each width in theta and in the select; the latter with v10b's lean select.
 SEARCH = {"theta_search_bits": 2, "select_search_bits": 4}
-SEARCH_FUSED = {**SECTORS_FUSED, "theta_search_bits": 4, "select_search_bits": 2}
+SEARCH_FUSED = {**SECTORS_FUSED, "theta_search_bits": 4, "select_search_bits": 2,
+                "lean_select": True}
 
 
 class TestPallasTritonIndexer(IndexerContract):
@@ -146,8 +147,9 @@ class TestPallasTritonIndexer(IndexerContract):
 
   @pytest.mark.parametrize("variant", [
       {}, {"per_lane": True}, {"fused_theta": True}, SECTORS, SECTORS_FUSED,
-      {"theta_search_bits": 4, "select_search_bits": 2}],
-      ids=["default", "per_lane", "fused_theta", "sectors", "sectors_fused", "search_bits"])
+      {"theta_search_bits": 4, "select_search_bits": 2}, {"lean_select": True}],
+      ids=["default", "per_lane", "fused_theta", "sectors", "sectors_fused", "search_bits",
+           "lean_select"])
   def test_topk_segments_ties_and_overflow_match_reference(self, variant):
     # Small chunks split rows into several segments that claim candidate places concurrently;
     # row 1's ties overflow the candidate list (the slow exact path); row 3 mixes signs and
@@ -159,7 +161,8 @@ class TestPallasTritonIndexer(IndexerContract):
     # (its slots: the lane-slot test below), theta fused with the maxima and v9's sector filter
     # (`sectors`, long and many rows' default, theta apart or fused: groups of m8 = 632, so row
     # 5's repeats fall in different groups and its ~100 candidates take the half-width select);
-    # v10's searches (row 1's row path: counts over several chunks).
+    # v10's searches (row 1's row path: counts over several chunks); v10b's lean select (row 5's
+    # full-width path streamed in two halves).
     rng = np.random.default_rng(6)
     logits = rng.standard_normal((6, 5000)).astype(np.float32)
     logits[5] = np.where(np.arange(5000) // 625 < 4, np.tile(logits[5, :625], 8), -10)
@@ -396,11 +399,13 @@ class TestPallasTritonIndexer(IndexerContract):
 
   @pytest.mark.parametrize("t,s,knobs", [(128, 131072, {**SECTORS, "theta_search_bits": 2,
                                                          "select_search_bits": 2}),
-                                          (4096, 32768, SEARCH_FUSED), (6, 5000, SEARCH)],
-                           ids=["sectors", "sectors_fused", "short"])
+                                          (4096, 32768, SEARCH_FUSED), (6, 5000, SEARCH),
+                                          (4096, 32768, {**SECTORS_FUSED, "lean_select": True,
+                                                         "select_warps": 8})],
+                           ids=["sectors", "sectors_fused", "short", "lean_select"])
   def test_search_bits_lowers_for_hopper(self, monkeypatch, t, s, knobs):
     # v10's searches in the kernels that take them (theta apart or fused with the sector maxima,
-    # and the select), 2 and 4 bits a pass: each module verified.
+    # and the select), 2 and 4 bits a pass, and v10b's lean select: each module verified.
     text, modules = self.lowered_topk_modules(monkeypatch, t, s, knobs)
     first = (["topk_sector_maxima_theta"] if knobs.get("fused_theta") else
              ["topk_sector_maxima" if knobs.get("sectors") else "topk_maxima", "topk_theta"])
@@ -458,6 +463,7 @@ class TestPallasTritonIndexer(IndexerContract):
       (lambda a: {**a, "theta_search_bits": 3}, "theta_search_bits must be one of"),
       (lambda a: {**a, "select_search_bits": 8}, "select_search_bits must be one of"),
       (lambda a: {**a, "select_search_bits": True}, "select_search_bits must be one of"),
+      (lambda a: {**a, "lean_select": 1}, "lean_select must be a bool"),
   ])
   def test_topk_bad_input_raises(self, change, message):
     args = dict(logits=jnp.zeros((2, 64), jnp.float32), seq_lens=jnp.ones((2,), jnp.int32), topk=8)
