@@ -351,6 +351,26 @@ class TestPallasTritonIndexer(IndexerContract):
                        search_bits)
           assert int(got) == want, (trial, k, top_bits, lo)
 
+  @pytest.mark.parametrize("lean", [False, True], ids=["held", "lean_select"])
+  def test_select_full_width_candidates(self, lean):
+    # The select's full-width path (more than cap / 2 candidates; v10b streams it in two halves)
+    # on a list whose largest keys come last: 400 candidates of 512 places in ascending order, k =
+    # 20 (the k-th largest past 2.0: no leading bits in common with the first half's keys).
+    rng = np.random.default_rng(12)
+    logits = rng.standard_normal((1, 4096)).astype(np.float32)
+    bits = logits.view(np.int32)
+    keys = (bits ^ ((bits >> 31) & 0x7FFFFFFF))[0]
+    order = np.argsort(keys)[-400:]  # ascending
+    cand_keys = np.full((1, 512), -2 ** 31, np.int32)
+    cand_pos = np.zeros((1, 512), np.int32)
+    cand_keys[0, :400], cand_pos[0, :400] = keys[order], order
+    params = pallas_topk.plgpu.CompilerParams(num_warps=4, num_stages=1)
+    got = np.asarray(pallas_topk.select_positions(
+        jnp.asarray(keys[order[:1]]), jnp.asarray(cand_keys), jnp.asarray(cand_pos),
+        jnp.asarray([[400]], jnp.int32), jnp.asarray(logits), jnp.asarray([4096], jnp.int32), 20,
+        16, params, lean=lean, interpret=True))
+    assert set(got[0].tolist()) == lowest_index_topk(logits[0], 4096, 20)
+
   def test_group_maxima_match_xla(self):
     # Rows of several lengths (one empty, one not a multiple of anything), G = 4 strided groups;
     # the oracle: keys of the window padded to G rows of m, the maximum over the G rows.
