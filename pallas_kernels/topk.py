@@ -35,7 +35,9 @@ theta (every candidate lies in one) and reads the logits of those only: ~14% of 
 
 v10 (`TopkConfig.theta_search_bits`, `.select_search_bits`; no default): theta's and the select's
 searches decide 2 or 4 bits a pass, counting 2^b thresholds in one block-wide reduction
-(`_kth_largest`): the same results in fewer passes, each counting more.
+(`_kth_largest`): the same results in fewer passes, each counting more. v10b
+(`TopkConfig.lean_select`; no default): the select's rare full-width path streams its candidates,
+so the kernel's registers are the common path's.
 
 Not a radix select: a histogram of the keys' high bits needs scatter-adds into shared memory (or a
 warp's match). jax 0.11.2 offers none with an interpreter path: Pallas-Triton has no scratch
