@@ -548,3 +548,16 @@ def check_indexer_args(q, weights, k_values, k_scales, block_tables, seq_lens):
     raise ValueError(f"weights and k_scales must be float32, block_tables and seq_lens int32; got "
                      f"{weights.dtype.name}, {k_scales.dtype.name}, {block_tables.dtype.name}, "
                      f"{seq_lens.dtype.name}")
+
+
+def f16_queries(q):
+  """q [T, Np, D] bf16 as f16 for the register_a pipelines' products (mosaic_decode,
+  mosaic_sparse: wgmma takes one 16-bit type for A and B, and e4m3 widens to f16 only), each token
+  scaled by the power of two that keeps its largest magnitude below 2^15 (f16 ends at 65504, bf16
+  at 3.4e38), and the inverse powers [T] f32 that the kernel folds into each token's score scale.
+  Both exact (powers of two), 1 for a token already in range (its products unchanged), and per
+  token: a row's result never depends on the batch."""
+  _, exponent = jnp.frexp(jnp.max(jnp.abs(q.astype(jnp.float32)), axis=(1, 2)))  # |q| < 2^e
+  shift = jnp.maximum(exponent - 15, 0)
+  scaled = q.astype(jnp.float32) * jnp.ldexp(jnp.float32(1), -shift)[:, None, None]
+  return scaled.astype(jnp.float16), jnp.ldexp(jnp.float32(1), shift)
