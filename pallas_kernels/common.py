@@ -418,11 +418,12 @@ def _store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis=0):
   """acc (column tiles [64, w] f32 of one warpgroup's output) * out_scale / l, rows that saw
   nothing 0, staged in o_smem [64, cols] and copied to o_gmem (its rows: the first 64 or fewer).
   heads_axis=1: the tiles are O^T [w, heads], stored transposed into o_smem [heads, cols], so
-  o_gmem keeps the [heads, cols] layout; or, where o_smem is [cols, heads] (told apart by its
-  shape: heads <= 32 < cols), stored as they are, o_gmem [cols, heads] (mosaic_decode's float32
-  partials: Mosaic GPU, jax 0.11.2, lowers a transposed store of bf16 but not of float32)."""
+  o_gmem keeps the [heads, cols] layout; or, where o_smem is float32 (mosaic_decode's partials:
+  Mosaic GPU, jax 0.11.2, lowers a transposed store of bf16 but not of float32), into o_smem
+  [cols, heads] as they are, o_gmem [cols, heads]. (By dtype, not shape: at 64 heads and 128
+  value columns a warpgroup, mosaic_sparse's register_a, [heads, cols] is square.)"""
   inv = out_scale / jnp.where(l > 0, l, 1.0)
-  cols_first = heads_axis == 1 and o_smem.shape[-1] == acc[0].shape[1]
+  cols_first = heads_axis == 1 and o_smem.dtype == jnp.float32
   col = 0
   for part in acc:
     width = part.shape[1 - heads_axis]

@@ -64,10 +64,10 @@ from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
 
 from pallas_kernels.common import (DS_MLA_TILE, F8, HALF_ROWS, HALF_ROWS_LAYOUT, HEADS_M_TILE,
                                    HEADS_N_TILES, LOG2E, REDUCTION_BYTES_PER_8_HEADS,
-                                   check_sparse_args, default_num_kv_splits, hand_over_p,
-                                   heads_tile, leading_rows, merge_splits, one_wave_splits,
-                                   padded_heads, row_broadcast, run_scores, run_values, sm_count,
-                                   softmax_step, swizzled, SWIZZLE)
+                                   check_sparse_args, default_num_kv_splits, f16_queries,
+                                   hand_over_p, heads_tile, leading_rows, merge_splits,
+                                   one_wave_splits, padded_heads, row_broadcast, run_scores,
+                                   run_values, sm_count, softmax_step, swizzled, SWIZZLE)
 
 _TILE_H = HEADS_M_TILE  # heads per program: the M of every Hopper wgmma
 _STEP = 64  # slots per step: N of S = Q K^T, K of P V
@@ -250,8 +250,8 @@ def _row_steps(row_ref, *, num_slots, interpret):
   return count(row_ref)
 
 
-def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_slots, gather,
-            heads_n, prep_in_kernel, interpret):
+def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, register_a, num_slots,
+            gather, heads_n, prep_in_kernel, interpret):
   # GMEM: q_ref [T, Np, D] bf16 (Np: heads padded to 64, or fewer unpadded, `padded_heads`: the
   # tile's first Np rows, the others never stored); idx_ref [T, Kp] int32 (slot, or num_slots
   # where invalid); steps_ref [T] int32 (steps of 64 slots up to the last valid one).
@@ -278,11 +278,24 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
   # tiled and swizzled (a step's e4m3 NoPE rows land in tiles L/128 to L/64 - 1 of its slot) and
   # slot_scales [2, D/64, 32, 64] f32 (its tile scales in tile 0); the RoPE rows land in the
   # slot's RoPE tiles; staged [2].
+  # fp8_pipeline="register_a" (heads_n, prep_in_kernel): q_ref is f16 (`f16_queries`), qs_ref [T]
+  # f32 each token's scale-back; no bf16 slot: buffers' first member is (q_smem, (stage_nope
+  # [slots, L/128, 64, 128] e4m3, stage_rope [slots, R/64, 64, 64] bf16, stage_scales [slots,
+  # L/128, 64] f32)), the e4m3 rows a step's gather lands in, which the consumers read as wgmma's
+  # register A; p_smem is f16; a_smem [2, 64, 64] f16 (the interpreter only: `a_operand`); no
+  # staged barrier (ready takes the rows, as bf16's).
   if not prep_in_kernel:
     steps_ref, *rest = rest
-  elif fp8 and gather == "cp_async":
+  elif fp8 and gather == "cp_async" and not register_a:
     rest = (*rest, None)  # no staged barrier: the rows' cp.async groups carry the tile scales
-  if in_place:
+  a_smem = qs_ref = None
+  if register_a:
+    nope_ref, rope_ref, scales_ref, qs_ref, o_ref, lse_ref, buffers, *rest = rest
+    if interpret:
+      a_smem, *rest = rest
+    p_smem, row_smem, idx_smem, q_bar, ready, consumed, p_ready, p_free, idx_bar = rest
+    kv_ref = staged = None
+  elif in_place:
     (nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buffers, p_smem, row_smem, idx_smem, q_bar,
      ready, consumed, p_ready, p_free, idx_bar, staged) = rest
     kv_ref = None
@@ -296,6 +309,8 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
     (kv_ref, o_ref, lse_ref, buffers, p_smem, row_smem, idx_smem, q_bar, ready, consumed, p_ready,
      p_free, idx_bar) = rest
   (q_smem, kv), (o_smem, lse_smem), *raw = buffers
+  if register_a:
+    (stage_nope, stage_rope, stage_scales), kv = kv, None
   # heads_in="n": the program's tile_h (16 or 32) heads are wgmma's N: S^T = K Q^T [64 slots,
   # heads], its softmax over axis 0, P^T stored transposed into p_smem [heads, 64] (so that it
   # reads as the K-major B operand P^T), and O^T = V^T P^T [64 columns, heads] a value tile.
@@ -308,11 +323,12 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
   kv_raw = raw[0][1] if raw and not in_place else None
   h, split, t = lax.axis_index("heads"), lax.axis_index("splits"), lax.axis_index("tokens")
   wg = lax.axis_index("wg")
-  slots, chunks, step_rows = kv.shape[:3]
+  slots, chunks, step_rows = ((stage_nope.shape[0], q_smem.shape[1] // _COLS, _STEP) if register_a
+                               else kv.shape[:3])
   pieces = _STEP // step_rows  # consumer steps a step of 64 slots
   value_chunks = lora // _COLS // _VALUE_WGS  # tiles of value columns per consumer warpgroup
   half = lora // _VALUE_WGS
-  qk_scale = scale * LOG2E
+  qk_scale = scale * LOG2E * (1 if qs_ref is None else qs_ref[t])
 
   def split_steps(num_steps):
     """(first step, steps) of this program's split of a row of num_steps steps."""
@@ -356,21 +372,87 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
       return kv.at[slot, tile].transpose((1, 0)), p_smem.transpose((1, 0))
     return p_smem if p is None else p, kv.at[slot, tile]
 
+  def a_operand(tile, w):
+    """register_a: wgmma's A from warpgroup w's [64, 64] f16 tile (WGMMA layout): the registers on
+    the GPU; Mosaic GPU's interpreter (jax 0.11.2) takes a shared-memory A only, so there the tile
+    goes through a_smem[w] (which checks the loads, views, conversions and scales, not the
+    register operand's layout: the CUDA lowering and the -m gpu tests do)."""
+    if a_smem is None:
+      return tile
+    a_smem[w] = tile
+    plgpu.commit_smem()  # plain stores read next by wgmma (the async proxy)
+    return a_smem.at[w]
+
+  def nope_halves(slot, j, transposed):
+    """register_a: the slot's e4m3 NoPE tile j [64 rows, 128] times each row's tile scale, as
+    half(part) -> its [64, 64] f16 half `part` (WGMMA layout) of K [64 rows, 128] (keys) or of
+    V^T [128, 64 rows] (values: the transposed view loaded in WGMMA_TRANSPOSED, each half converted
+    then relaid as 16-bit, since 8-bit has no transposed relayout; tests/test_register_a_probe.py).
+    The tile is loaded whole (a load of half its 128-byte swizzle width does not lower) and stays
+    e4m3 in registers (16 a thread); each half is converted when taken (16 more). e4m3 -> f16 is
+    exact (e4m3 -> bf16 does not lower, so the products are f16) and so is the product with the
+    power-of-two scale while it lies in [2^-15, 2^7] (e4m3's 448 times it under f16's 65504, its
+    2^-9 steps times it on f16's 2^-24 grid): tiles of amax 0.014 to 57,000; smaller ones round
+    in f16's subnormals (errors under 2^-25 a value), larger ones overflow (not guarded)."""
+    src = stage_nope.at[slot, j]
+    if transposed:
+      x8 = plgpu.load(src.transpose((1, 0)), layout=plgpu.Layout.WGMMA_TRANSPOSED)
+    else:
+      x8 = plgpu.load(src, layout=plgpu.Layout.WGMMA)
+    axis = 1 if transposed else 0  # the rows' axis
+    row_scales = plgpu.load(stage_scales.at[slot, j], layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+    row_scales = row_scales.astype(jnp.float16)
+
+    def half(part):
+      cut = slice(part * _COLS, (part + 1) * _COLS)
+      if transposed:
+        x = plgpu.layout_cast(x8[cut].astype(jnp.float16), plgpu.Layout.WGMMA)
+      else:
+        x = x8[:, cut].astype(jnp.float16)
+      return x * lax.broadcast_in_dim(row_scales, x.shape, [axis])
+
+    return half
+
+  def value_operands(slot, w, tiles, c):
+    """register_a: (A, B) of warpgroup w's value tile c: V^T, half (w * value_chunks + c) % 2 of
+    NoPE tile (w * value_chunks + c) // 2 (loaded once for its two value tiles; tiles: those
+    loaded so far), and P^T."""
+    j, part = divmod(w * value_chunks + c, 2)
+    if j not in tiles:
+      tiles[j] = nope_halves(slot, j, transposed=True)
+    return a_operand(tiles[j](part), w), p_smem.transpose((1, 0))
+
   def accumulate_values(acc, alpha, slot, w, p=None):
     """acc * alpha + P V over warpgroup w's value tiles; P from registers when given, else p_smem.
     On the GPU the products accumulate in place; the interpreter adds fresh accumulators."""
     scaled = tuple(part * head_broadcast(alpha, part.shape) for part in acc)
+    # operands(tiles, c): value tile c's (A, B); tiles: register_a's NoPE tiles loaded so far in
+    # this scope (an array does not cross into another run_state or run_scoped).
+    operands = (functools.partial(value_operands, slot, w) if register_a
+                else lambda _, c: pv_operands(slot, w * value_chunks + c, p))
+    if not interpret and register_a:
+      # One accumulation for all the tiles: a tile is converted while the previous one's product
+      # runs (a run_state a tile would wait for each product before the next conversion), then
+      # waited for (a register A stays pinned until its product completes).
+      def products(acc_refs):
+        tiles = {}
+        for c, acc_ref in enumerate(acc_refs):
+          plgpu.wgmma(acc_ref, *operands(tiles, c))
+          if c > 0:
+            plgpu.wgmma_wait(1)
+
+      return tuple(pl.run_state(products)(tuple(plgpu.ACC.init(part) for part in scaled)))
     if not interpret:
       def product(acc_ref, c):  # acc_ref [64, 64] f32 (heads in N: [64, tile_h]), the running sum
         # The tile is sliced here: a sliced ref closed over would carry its indices as constants.
-        plgpu.wgmma(acc_ref, *pv_operands(slot, w * value_chunks + c, p))
+        plgpu.wgmma(acc_ref, *operands({}, c))
 
       return tuple(pl.run_state(functools.partial(product, c=c))(plgpu.ACC.init(part))
                    for c, part in enumerate(scaled))
     out = []
     for c, part in enumerate(scaled):
       def product(acc_ref, c=c):  # acc_ref [64, 64] f32 (heads in N: [64, tile_h])
-        plgpu.wgmma(acc_ref, *pv_operands(slot, w * value_chunks + c, None))
+        plgpu.wgmma(acc_ref, *operands({}, c))
         return acc_ref[...]
 
       out.append(part + pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32)))
@@ -382,7 +464,8 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
   out = lambda w: dict(o_smem=o_smem.at[w],  # warpgroup w's output columns
                        o_gmem=o_ref.at[t, split, rows_out, pl.ds(w * half, half)])
 
-  consumer_regs, memory_regs = _REGS[fp8]
+  # register_a's memory warpgroup only gathers, as bf16's.
+  consumer_regs, memory_regs = _REGS[fp8 and not register_a]
 
   @pl.when(wg == 0)
   def _scores():
@@ -409,6 +492,22 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
       plgpu.barrier_wait(ready.at[slot])
 
       def scores(acc_ref):  # acc_ref [64 heads, rows] f32 (heads in N: S^T [rows, heads])
+        if register_a:  # the e4m3 rows as register A: K's [64 rows, 64] halves, then the RoPE
+          def a_tiles():
+            for j in range(stage_nope.shape[1]):
+              half = nope_halves(slot, j, transposed=False)
+              for part in range(2):
+                yield 2 * j + part, half(part)
+            for r in range(stage_rope.shape[1]):  # bf16 -> f16: exact from 2^-14 to 65504
+              k = plgpu.load(stage_rope.at[slot, r], layout=plgpu.Layout.WGMMA)
+              yield lora // _COLS + r, k.astype(jnp.float32).astype(jnp.float16)
+
+          for g, (c, k) in enumerate(a_tiles()):
+            plgpu.wgmma(acc_ref, a_operand(k, 0),
+                        q_smem.at[:, pl.ds(c * _COLS, _COLS)].transpose((1, 0)))
+            if g > 0:  # tile g - 1's registers free once its product is done
+              plgpu.wgmma_wait(1)
+          return acc_ref[...]
         for c in range(chunks):
           q_cols = q_smem.at[:, pl.ds(c * _COLS, _COLS)]
           if heads_n:
@@ -539,14 +638,22 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
       _cp_async_wait(0)
       plgpu.commit_smem()
 
-    if not fp8:
+    def row_parts(slot):
+      """(parts, scales) of gather_step into row slot `slot`: bf16's whole rows, or register_a's
+      e4m3 NoPE, bf16 RoPE and tile scales (as they are: the consumers convert them)."""
+      if register_a:
+        return (((nope_ref, stage_nope.at[slot], None), (rope_ref, stage_rope.at[slot], None)),
+                (scales_ref, stage_scales.at[slot]))
+      return ((kv_ref, kv.at[slot], None if kv_raw is None else kv_raw.at[slot]),), None
+
+    if not fp8 or register_a:
       @pl.loop(0, n)
       def _(i):
         slot = lax.rem(i, slots)
         pl.when(i >= slots)(lambda: plgpu.barrier_wait(consumed.at[slot]))
         pl.when(i + 2 < n)(functools.partial(fetch_indices, i + 2))
-        gather_step(i, ((kv_ref, kv.at[slot], None if kv_raw is None else kv_raw.at[slot]),),
-                    ready.at[slot])
+        parts, scales = row_parts(slot)
+        gather_step(i, parts, ready.at[slot], scales=scales)
         if gather == "cp_async":
           # The previous step's rows have landed once at most this step's group is in flight.
           @pl.when(i > 0)
@@ -831,9 +938,12 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   """Pads heads to tiles of heads_tile(N) and slots to 64-slot steps, runs the kernel, merges
   splits. prep_in_kernel: the kernel takes the padded slots as they are (`MosaicSparseConfig`)."""
   t, n, d = q.shape
-  tile_h = heads_tile(n, heads_in)
+  register_a = fp8 and fp8_pipeline == "register_a"
+  tile_h = (_REGISTER_A_HEADS if register_a and n > HEADS_N_TILES[-1]
+            else heads_tile(n, heads_in))
+  q_dtype = q.dtype
   if t == 0 or n == 0:  # no program to run (and no split count: it divides by T x head tiles)
-    return jnp.zeros((t, n, lora), q.dtype), jnp.zeros((t, n), jnp.float32)
+    return jnp.zeros((t, n, lora), q_dtype), jnp.zeros((t, n), jnp.float32)
   head_tiles = pl.cdiv(n, tile_h)
   # Heads in N take whole tiles: their query tile is laid out by head, not copied by rows.
   np_ = head_tiles * tile_h if heads_in == "n" else padded_heads(n, tile_h)
@@ -851,24 +961,34 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
     steps = lax.div(extent + (_STEP - 1), _STEP)
     index_args = (idx, steps)
   splits = _splits(t, head_tiles, k, num_splits, split_rule)
-  out_dtype = q.dtype if splits == 1 else jnp.float32
+  out_dtype = q_dtype if splits == 1 else jnp.float32
+  if register_a:  # wgmma's B beside an f16 A: the query tile and P^T are f16
+    q, q_scales = f16_queries(q)
+    cache_args = (*cache_args, q_scales)
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
   if interpret:
     gather = "bulk"  # the interpreter runs no inline Mosaic GPU code
   half_rows = fp8 and fp8_pipeline == "half_rows"
   in_place = fp8 and fp8_pipeline == "in_place"
+  tiles = lora // DS_MLA_TILE, (d - lora) // _COLS  # fp8_ds_mla: NoPE scale tiles, RoPE tiles
   # Row slots x rows (the consumers' step): bf16 2 x 64 (the next step's rows land while this one
   # computes); fp8_ds_mla 1 x 64, or 2 x 32 with "half_rows" (the same bytes), or bf16's 2 x 64
   # with "in_place" (staged inside the slots). P V's K is the step, and wgmma's K must be a
   # multiple of its operands' swizzle width (one swizzle a wgmma): 32-row steps take 64-byte
   # swizzles for the query, the slots and P.
-  row_slots, step_rows = ((2, HALF_ROWS) if half_rows else (1, _STEP) if fp8 and not in_place
-                          else (2, _STEP))
+  # register_a: _REGISTER_A_STAGES slots of e4m3 rows as gathered (no bf16 slot).
+  row_slots, step_rows = ((2, HALF_ROWS) if half_rows else (_REGISTER_A_STAGES, _STEP)
+                          if register_a else (1, _STEP) if fp8 and not in_place else (2, _STEP))
   sw = 2 * HALF_ROWS if half_rows else SWIZZLE
   chunks = d // _COLS
-  groups = [(swizzled((tile_h, d), q.dtype, sw),
-             swizzled((row_slots, chunks, step_rows, _COLS), q.dtype, sw)),
+  if register_a:
+    slot_bufs = (swizzled((row_slots, tiles[0], _STEP, DS_MLA_TILE), F8),
+                 swizzled((row_slots, tiles[1], _STEP, _COLS), jnp.bfloat16),
+                 plgpu.SMEM((row_slots, tiles[0], _STEP), jnp.float32))
+  else:
+    slot_bufs = swizzled((row_slots, chunks, step_rows, _COLS), q.dtype, sw)
+  groups = [(swizzled((tile_h, d), q.dtype, sw), slot_bufs),
             (swizzled((_VALUE_WGS, tile_h, lora // _VALUE_WGS), out_dtype),
              plgpu.SMEM((tile_h,), jnp.float32))]
   if not fp8 and not interpret and gather == "bulk":
@@ -882,7 +1002,8 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                (plgpu.SMEM((tile_h, d), q.dtype),
                 plgpu.SMEM((row_slots, chunks, _COLS // 2, _STEP), jnp.float32))]
   scratch = [plgpu.RefUnion(*groups)]
-  tiles = lora // DS_MLA_TILE, (d - lora) // _COLS  # fp8_ds_mla: NoPE scale tiles, RoPE tiles
+  if register_a and interpret:  # each consumer's converted A tile (`a_operand`)
+    scratch.append(swizzled((_VALUE_WGS, _STEP, _COLS), jnp.float16))
   if fp8 and not prep_in_kernel:  # prep_in_kernel: the kernel gathers them from tile_scales
     nope, rope, tile_scales = cache_args
     # The selected rows' tile scales, [T, Kp/rows, L/128, rows] (rows: 64, or 32 with
@@ -892,7 +1013,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
     cache_args = (nope, rope, scales)
   # "half_rows": a ring of 32-row buffers, each refilled once widened (2: the bytes of 1 x 64).
   halves = (fp8_stage_halves,) if half_rows else ()
-  if fp8 and not in_place:
+  if fp8 and not in_place and not register_a:
     staged_shapes = (((*halves, tiles[0], step_rows, DS_MLA_TILE), F8),
                      ((*halves, tiles[1], step_rows, _COLS), jnp.bfloat16))
     staging = [tuple(swizzled(*shape) for shape in staged_shapes)]
@@ -903,12 +1024,15 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   scratch += [swizzled((tile_h, step_rows), q.dtype, sw), plgpu.SMEM((tile_h,), jnp.float32),
               plgpu.SMEM((_IDX_RING, _STEP), jnp.int32),
               plgpu.Barrier(),
-              # bulk bf16: every row chunk's copy arrives; else the memory warpgroup once.
-              plgpu.Barrier(num_arrivals=_STEP * chunks if gather == "bulk" and not fp8 else 1,
+              # bulk bf16: every row chunk's copy arrives (register_a: and every row's tile
+              # scale's); else the memory warpgroup once.
+              plgpu.Barrier(num_arrivals=(_STEP * chunks if gather == "bulk" and not fp8 else
+                                          _STEP * (sum(tiles) + tiles[0])
+                                          if gather == "bulk" and register_a else 1),
                             num_barriers=row_slots),
               plgpu.Barrier(num_arrivals=_VALUE_WGS, num_barriers=row_slots),
               plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(num_barriers=_IDX_RING)]
-  if fp8 and not (prep_in_kernel and gather == "cp_async"):
+  if fp8 and not register_a and not (prep_in_kernel and gather == "cp_async"):
     # A staging fill's scales copy, and with the bulk gather every row chunk's copy; prep_in_kernel
     # (bulk in the interpreter): every row chunk's and every row's tile scale's copy (cp_async:
     # none, the rows' cp.async group carries the scales).
@@ -925,7 +1049,8 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                      f"block's {_SMEM_LIMIT}")
 
   kernel = functools.partial(_kernel, scale=scale, lora=lora, num_splits=splits, fp8=fp8,
-                             in_place=in_place, num_slots=num_slots, gather=gather,
+                             in_place=in_place, register_a=register_a, num_slots=num_slots,
+                             gather=gather,
                              heads_n=heads_n, prep_in_kernel=prep_in_kernel,
                              interpret=bool(interpret))
   o_parts, lse_parts = plgpu.kernel(
@@ -951,7 +1076,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
       interpret=interpret or None,
       kernel_name=(f"mosaic_sparse_{'ds_mla' if fp8 else 'bf16'}"
                    f"{f'_half{fp8_stage_halves}' if half_rows else ''}"
-                   f"{'_in_place' if in_place else ''}"
+                   f"{'_in_place' if in_place else ''}{'_register_a' if register_a else ''}"
                    f"{f'_heads_n{tile_h}' if heads_n else ''}"
                    f"{'_prep' if prep_in_kernel else ''}"
                    f"_{gather}_s{splits}"),
@@ -959,7 +1084,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   if splits == 1:
     o, lse = o_parts[:, 0], lse_parts[:, 0]
   else:
-    o, lse = merge_splits(o_parts, lse_parts, q.dtype)
+    o, lse = merge_splits(o_parts, lse_parts, q_dtype)
   return o[:, :n], lse[:, :n]
 
 
@@ -967,9 +1092,13 @@ _STATIC = ("scale", "num_splits", "auto_barriers", "interpret", "gather", "split
            "heads_in", "prep_in_kernel")
 GATHERS = ("cp_async", "bulk")
 SPLIT_RULES = ("fill", "one_wave")
-FP8_PIPELINES = ("serial", "half_rows", "in_place")
+FP8_PIPELINES = ("serial", "half_rows", "in_place", "register_a")
 HEADS_IN = ("m", "n")
-HEADS_N_FP8_PIPELINES = ("serial", "in_place")  # fp8_ds_mla pipelines heads_in="n" takes
+HEADS_N_FP8_PIPELINES = ("serial", "in_place", "register_a")  # the ones heads_in="n" takes
+# fp8_pipeline="register_a": its heads are wgmma's N (the e4m3 rows are the A operand only in S^T =
+# K Q^T and O^T = V^T P^T); above HEADS_N_TILES' 32 heads a program takes 64, wgmma's M as N.
+_REGISTER_A_HEADS = 64
+_REGISTER_A_STAGES = 2  # e4m3 row slots (41 KB each at L=512): bf16's two, gathered as bf16's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1070,8 +1199,13 @@ class MosaicSparseConfig:
     if self.fp8_pipeline is not None and self.fp8_pipeline not in FP8_PIPELINES:
       raise ValueError(f"fp8_pipeline must be None or one of {FP8_PIPELINES}, got "
                        f"{self.fp8_pipeline!r}")
-    if self.fp8_pipeline == "in_place" and self.gather != "cp_async":
-      raise ValueError(f"fp8_pipeline \"in_place\" takes the cp_async gather, got {self.gather!r}")
+    if self.fp8_pipeline in ("in_place", "register_a") and self.gather != "cp_async":
+      raise ValueError(f"fp8_pipeline \"{self.fp8_pipeline}\" takes the cp_async gather, got "
+                       f"{self.gather!r}")
+    if self.fp8_pipeline == "register_a" and (self.heads_in == "m" or self.prep_in_kernel is False):
+      raise ValueError(f"fp8_pipeline \"register_a\" takes heads_in \"n\" (or None) and "
+                       f"prep_in_kernel True (or None), got {self.heads_in!r} and "
+                       f"{self.prep_in_kernel!r}")
     if self.fp8_stage_halves not in ((2, 3) if self.fp8_pipeline == "half_rows" else (2,)):
       raise ValueError(f"fp8_stage_halves must be 2 (or 3 with fp8_pipeline \"half_rows\"), got "
                        f"{self.fp8_stage_halves!r} with {self.fp8_pipeline!r}")
@@ -1183,6 +1317,8 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   if prep_in_kernel and gather != "cp_async":
     raise ValueError(f"prep_in_kernel with fp8_ds_mla takes the cp_async gather (bulk copies of "
                      f"4-byte tile scales are under a bulk copy's 16-byte box), got {gather!r}")
+  if heads_in is None and fp8_pipeline == "register_a":
+    heads_in = "n"
   if heads_in is None:
     heads_in = default_heads_in(q.shape[0], q.shape[1], slots.shape[1], fp8=True,
                                 num_splits=num_splits, split_rule=split_rule)

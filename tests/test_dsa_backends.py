@@ -1092,6 +1092,24 @@ class TestPallasMosaicSparseAttentionInPlace(TestPallasMosaicSparseAttentionSeri
       TestPallasMosaicSparseAttention.test_fp8_ds_mla_cache_matches_dequantized_oracle)
 
 
+class TestPallasMosaicSparseAttentionRegisterA(TestPallasMosaicSparseAttentionSerial):
+  """fp8_pipeline="register_a" (a non-default; RESULTS, sparse v15): no bf16 slot, the e4m3 rows
+  as gathered are wgmma's A operand (S^T = K Q^T, O^T = V^T P^T, heads in N: 64 a program above
+  32 heads), converted to f16 and scaled by their tile scales in registers; f16 queries and P^T.
+  The contract's fp8_ds_mla cases (L=128: one e4m3 tile, half of it a value tile; L=512: four)
+  and the multi-step case (NaN in unselected rows, -1 and past-the-cache slots, a row with none
+  valid, both row slots alternating) at 64 heads (one tile of 64) and 16. The interpreter takes a
+  shared-memory A, so each converted tile goes through a_smem: the loads, views, conversions and
+  scales are checked here, the register operand by the lowering and the GPU cases."""
+  fp8_pipeline = "register_a"
+  test_fp8_ds_mla_cache_matches_dequantized_oracle = (
+      TestPallasMosaicSparseAttention.test_fp8_ds_mla_cache_matches_dequantized_oracle)
+
+  @pytest.mark.parametrize("n,lora", [(64, L), (16, 256)])
+  def test_fp8_ds_mla_steps_of_one_split_match_oracle(self, n, lora):
+    TestPallasMosaicSparseAttention.test_fp8_ds_mla_steps_of_one_split_match_oracle(self, n, lora)
+
+
 class TestPallasMosaicSparseAttentionHeadsM(TestPallasMosaicSparseAttention):
   """heads_in="m" named where the default runs "n" (`default_heads_in`: bf16 caches up to 32
   heads): 64-head tiles, copying in and storing only the N query rows at 16 and 32 heads
