@@ -326,8 +326,8 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, regis
   slots, chunks, step_rows = ((stage_nope.shape[0], q_smem.shape[1] // _COLS, _STEP) if register_a
                                else kv.shape[:3])
   pieces = _STEP // step_rows  # consumer steps a step of 64 slots
-  value_chunks = lora // _COLS // _VALUE_WGS  # tiles of value columns per consumer warpgroup
-  half = lora // _VALUE_WGS
+  value_cols = value_columns(lora, register_a)
+  first_tile = lambda w: sum(value_cols[:w]) // _COLS  # warpgroup w's first value tile
   qk_scale = scale * LOG2E * (1 if qs_ref is None else qs_ref[t])
 
   def split_steps(num_steps):
@@ -361,9 +361,9 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, regis
   slots_layout = plgpu.Layout.WGMMA.reduce(heads_axis)  # one slot index a score row or column
   acc_shape = (_COLS, tile_h) if heads_n else (_TILE_H, _COLS)  # a value tile of O^T or O
 
-  def zero_acc():
+  def zero_acc(w):
     return tuple(plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
-                 for _ in range(value_chunks))
+                 for _ in range(value_cols[w] // _COLS))
 
   def pv_operands(slot, tile, p):
     """(A, B) of the P V product over value tile `tile`: P (registers if given, else p_smem) and
@@ -414,10 +414,10 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, regis
     return half
 
   def value_operands(slot, w, tiles, c):
-    """register_a: (A, B) of warpgroup w's value tile c: V^T, half (w * value_chunks + c) % 2 of
-    NoPE tile (w * value_chunks + c) // 2 (loaded once for its two value tiles; tiles: those
-    loaded so far), and P^T."""
-    j, part = divmod(w * value_chunks + c, 2)
+    """register_a: (A, B) of warpgroup w's value tile c: V^T, half (first_tile(w) + c) % 2 of NoPE
+    tile (first_tile(w) + c) // 2 (loaded once for its two value tiles; tiles: those loaded so
+    far), and P^T."""
+    j, part = divmod(first_tile(w) + c, 2)
     if j not in tiles:
       tiles[j] = nope_halves(slot, j, transposed=True)
     return a_operand(tiles[j](part), w), p_smem.transpose((1, 0))
@@ -429,7 +429,7 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, regis
     # operands(tiles, c): value tile c's (A, B); tiles: register_a's NoPE tiles loaded so far in
     # this scope (an array does not cross into another run_state or run_scoped).
     operands = (functools.partial(value_operands, slot, w) if register_a
-                else lambda _, c: pv_operands(slot, w * value_chunks + c, p))
+                else lambda _, c: pv_operands(slot, first_tile(w) + c, p))
     if not interpret and register_a:
       # One accumulation for all the tiles: a tile is converted while the previous one's product
       # runs (a run_state a tile would wait for each product before the next conversion), then
@@ -461,8 +461,14 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, regis
   # Fewer heads than the tile unpadded: the tile's other rows hold whatever shared memory held,
   # which every product and reduction (per row) keeps out of the stored rows.
   rows_out = pl.ds(h * tile_h, min(tile_h, q_ref.shape[1]))
-  out = lambda w: dict(o_smem=o_smem.at[w],  # warpgroup w's output columns
-                       o_gmem=o_ref.at[t, split, rows_out, pl.ds(w * half, half)])
+  def out(w):
+    """Warpgroup w's output columns (none: no keywords) and their staging (o_smem [2, heads, L/2],
+    or with register_a one buffer a warpgroup with columns)."""
+    if not value_cols[w]:
+      return {}
+    staging = o_smem[sum(map(bool, value_cols[:w]))] if register_a else o_smem.at[w]
+    return dict(o_smem=staging,
+                o_gmem=o_ref.at[t, split, rows_out, pl.ds(sum(value_cols[:w]), value_cols[w])])
 
   # register_a's memory warpgroup only gathers, as bf16's.
   consumer_regs, memory_regs = _REGS[fp8 and not register_a]
@@ -533,7 +539,7 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, regis
       plgpu.barrier_arrive(consumed.at[slot])
       return m_new, l, acc
 
-    run_scores(consumer_steps, step, zero_acc(), row_smem=row_smem, p_ready=p_ready, p_free=p_free,
+    run_scores(consumer_steps, step, zero_acc(0), row_smem=row_smem, p_ready=p_ready, p_free=p_free,
                **out(0), lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out],
                heads_axis=heads_axis)
 
@@ -544,7 +550,7 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, regis
       own_steps()
     run_values(consumer_steps, slots,
                lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, 1),
-               zero_acc(), ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready,
+               zero_acc(1), ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready,
                p_free=p_free, **out(1), heads_axis=heads_axis)
 
   def fetch_indices(i, start=None):
@@ -989,7 +995,9 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   else:
     slot_bufs = swizzled((row_slots, chunks, step_rows, _COLS), q.dtype, sw)
   groups = [(swizzled((tile_h, d), q.dtype, sw), slot_bufs),
-            (swizzled((_VALUE_WGS, tile_h, lora // _VALUE_WGS), out_dtype),
+            (tuple(swizzled((tile_h, cols), out_dtype)
+                   for cols in value_columns(lora, True) if cols) if register_a
+             else swizzled((_VALUE_WGS, tile_h, lora // _VALUE_WGS), out_dtype),
              plgpu.SMEM((tile_h,), jnp.float32))]
   if not fp8 and not interpret and gather == "bulk":
     groups.append((plgpu.SMEM((tile_h, d), q.dtype),
@@ -1099,6 +1107,17 @@ HEADS_N_FP8_PIPELINES = ("serial", "in_place", "register_a")  # the ones heads_i
 # K Q^T and O^T = V^T P^T); above HEADS_N_TILES' 32 heads a program takes 64, wgmma's M as N.
 _REGISTER_A_HEADS = 64
 _REGISTER_A_STAGES = 2  # e4m3 row slots (41 KB each at L=512): bf16's two, gathered as bf16's
+
+
+def value_columns(lora: int, register_a: bool) -> tuple[int, int]:
+  """Value columns of warpgroups 0 and 1: half each, or with register_a 3/8 of the 64-column
+  tiles (rounded down) to warpgroup 0, which also holds S^T and, heads in N, the softmax's m and
+  l a head (16 registers each a thread at 64 heads): 4 tiles each spilled ~120 reloads a step in
+  warpgroup 0 (ptxas; RESULTS, sparse v15)."""
+  if not register_a:
+    return (lora // _VALUE_WGS,) * _VALUE_WGS
+  first = lora // _COLS * 3 // 8
+  return first * _COLS, lora - first * _COLS
 
 
 @dataclasses.dataclass(frozen=True)
