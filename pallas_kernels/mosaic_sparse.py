@@ -105,14 +105,16 @@ def _cp_async_rows(parts, idx, *, num_slots, scales=None):
   the memory warpgroup (then one `cp.async` group committed).
 
   parts: (src, dst) pairs, one per part of a row (bf16: the whole row; fp8_ds_mla: the e4m3 NoPE
-  and the bf16 RoPE). src [S, C, w] (GMEM, C chunks of 128 bytes a row); dst [C, rows, w] in the
-  tiled, 128-byte-swizzled layout (rows x 128 B a chunk); idx [rows] int32 (the rows; an index
-  >= num_slots, or negative, is an invalid slot: the compare is unsigned, so raw slots' -1 too).
-  Each lane copies 16 bytes at a time: 8 lanes cover one row's 128-byte chunk, a warp 4 rows, so
-  each warp instruction reads 4 whole 128-byte lines; a warp takes rows / 4 rows, rows / 16 x C
-  instructions a part. The destination of row r, chunk c, unit u is c * rows * 128 + r * 128 +
-  (u ^ (r % 8)) * 16 (the 128-byte swizzle). An invalid row copies 0 source bytes: cp.async fills
-  the 16 bytes with zeros and reads nothing.
+  and the bf16 RoPE). src [S, C, w] (GMEM, C chunks of b = 128 bytes a row, or 64); dst [C, rows,
+  w] in the tiled, b-byte-swizzled layout (rows x b bytes a chunk); idx [rows] int32 (the rows; an
+  index >= num_slots, or negative, is an invalid slot: the compare is unsigned, so raw slots' -1
+  too). Each lane copies 16 bytes at a time: 8 lanes cover one row's 128 bytes (a 128-byte chunk,
+  or two 64-byte ones), a warp 4 rows, so each warp instruction reads 4 whole 128-byte lines; a
+  warp takes rows / 4 rows, rows / 16 x C b / 128 instructions a part. The destination of row r,
+  128-byte span c, unit u is c * rows * 128 + r * 128 + (u ^ (r % 8)) * 16 (the 128-byte
+  swizzle); with 64-byte chunks, chunk 2 c + u // 4 at (2 c + u // 4) * rows * 64 + r * 64 +
+  (u % 4 ^ (r // 2 % 4)) * 16 (the 64-byte swizzle: address bits 4-5 xor bits 7-8). An invalid
+  row copies 0 source bytes: cp.async fills the 16 bytes with zeros and reads nothing.
   scales (prep_in_kernel's fp8_ds_mla): (src [S, J] f32, the cache's tile scales; dst [J, rows]
   f32, what the widening reads): rows x J 4-byte copies in the same group, J consecutive lanes
   reading one row's 4 J contiguous bytes (rows * J / 128 a lane; 0, zero-filled, for an invalid
@@ -122,13 +124,14 @@ def _cp_async_rows(parts, idx, *, num_slots, scales=None):
   unit_per_row = _CHUNK_BYTES // _SEG
   rows_per_instr = 32 // unit_per_row
   arg_types = [plgpu.RefType()]
-  chunk_counts = [dst.shape[0] for _, dst in parts]
-  for src, dst in parts:
-    width = _CHUNK_BYTES // jnp.dtype(dst.dtype).itemsize
-    if src.shape[1:] != dst.shape[::2] or dst.shape[1:] != (rows, width):
-      raise ValueError(f"want src [S, C, {width}] and dst [C, {rows}, {width}], got {src.shape} "
-                       f"and {dst.shape}")
-    swizzle = (plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(_CHUNK_BYTES))
+  chunk_bytes = [dst.shape[2] * jnp.dtype(dst.dtype).itemsize for _, dst in parts]
+  for (src, dst), b in zip(parts, chunk_bytes):
+    width = b // jnp.dtype(dst.dtype).itemsize
+    if (b not in (64, _CHUNK_BYTES) or src.shape[1:] != dst.shape[::2]
+        or dst.shape[1:] != (rows, width) or dst.shape[0] * b % _CHUNK_BYTES):
+      raise ValueError(f"want src [S, C, w] and dst [C, {rows}, w] (w: 128 or 64 bytes, C w whole "
+                       f"128 bytes), got {src.shape} and {dst.shape}")
+    swizzle = (plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(b))
     arg_types += [plgpu.RefType(), plgpu.RefType(swizzle)]
   if scales is not None:
     per_row = scales[0].shape[1]
@@ -148,8 +151,8 @@ def _cp_async_rows(parts, idx, *, num_slots, scales=None):
     if scales is not None:
       *refs, scale_src, scale_dst = refs
     bases = [(llvm.addrspacecast(global_ptr, mgpu_utils.memref_ptr(src)),
-              mgpu_utils.memref_ptr(dst), chunks)
-             for src, dst, chunks in zip(refs[::2], refs[1::2], chunk_counts)]
+              mgpu_utils.memref_ptr(dst), dst_part.shape[0] * b // _CHUNK_BYTES, b)
+             for src, dst, (_, dst_part), b in zip(refs[::2], refs[1::2], parts, chunk_bytes)]
     for g in range(rows // 4 // rows_per_instr):
       r = arith.addi(arith.muli(warp, c32(rows // 4)),
                      arith.addi(c32(g * rows_per_instr), arith.divui(lane, c32(unit_per_row))))
@@ -159,16 +162,23 @@ def _cp_async_rows(parts, idx, *, num_slots, scales=None):
       size = arith.select(valid, c32(_SEG), c32(0))
       unit_off = arith.extui(i64, arith.muli(unit, c32(_SEG)))
       swz = arith.xori(unit, arith.remui(r, c32(_SWIZZLE_ROWS)))
-      dst_off = arith.addi(arith.muli(r, c32(_CHUNK_BYTES)), arith.muli(swz, c32(_SEG)))
-      for src_base, dst_base, chunks in bases:
+      dst_off = {_CHUNK_BYTES: arith.addi(arith.muli(r, c32(_CHUNK_BYTES)),
+                                          arith.muli(swz, c32(_SEG)))}
+      if 64 in chunk_bytes:  # chunk u // 4 of the span, its unit u % 4, the 64-byte swizzle
+        half_unit = arith.remui(unit, c32(4))
+        swz64 = arith.xori(half_unit, arith.remui(arith.divui(r, c32(2)), c32(4)))
+        dst_off[64] = arith.addi(
+            arith.addi(arith.muli(arith.divui(unit, c32(4)), c32(rows * 64)),
+                       arith.muli(r, c32(64))), arith.muli(swz64, c32(_SEG)))
+      for src_base, dst_base, spans, b in bases:
         src_off = arith.addi(
-            arith.muli(arith.extui(i64, row), arith.constant(i64, chunks * _CHUNK_BYTES)),
+            arith.muli(arith.extui(i64, row), arith.constant(i64, spans * _CHUNK_BYTES)),
             unit_off)
-        for c in range(chunks):
+        for c in range(spans):
           src_ptr = mgpu_utils.getelementptr(
               src_base, [arith.addi(src_off, arith.constant(i64, c * _CHUNK_BYTES))], i8)
           dst_ptr = mgpu_utils.getelementptr(
-              dst_base, [arith.addi(dst_off, c32(c * rows * _CHUNK_BYTES))], i8)
+              dst_base, [arith.addi(dst_off[b], c32(c * rows * _CHUNK_BYTES))], i8)
           nvvm.cp_async_shared_global(dst_ptr, src_ptr, _SEG, nvvm.LoadCacheModifierKind.CG,
                                       cp_size=size)
     if scales is not None:
@@ -383,76 +393,58 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, regis
     plgpu.commit_smem()  # plain stores read next by wgmma (the async proxy)
     return a_smem.at[w]
 
-  def nope_halves(slot, j, transposed):
-    """register_a: the slot's e4m3 NoPE tile j [64 rows, 128] times each row's tile scale, as
-    half(part) -> its [64, 64] f16 half `part` (WGMMA layout) of K [64 rows, 128] (keys) or of
-    V^T [128, 64 rows] (values: the transposed view loaded in WGMMA_TRANSPOSED, each half converted
-    then relaid as 16-bit, since 8-bit has no transposed relayout; tests/test_register_a_probe.py).
-    The tile is loaded whole (a load of half its 128-byte swizzle width does not lower) and stays
-    e4m3 in registers (16 a thread); each half is converted when taken (16 more). e4m3 -> f16 is
-    exact (e4m3 -> bf16 does not lower, so the products are f16) and so is the product with the
-    power-of-two scale while it lies in [2^-15, 2^7] (e4m3's 448 times it under f16's 65504, its
-    2^-9 steps times it on f16's 2^-24 grid): tiles of amax 0.014 to 57,000; smaller ones round
-    in f16's subnormals (errors under 2^-25 a value), larger ones overflow (not guarded)."""
-    src = stage_nope.at[slot, j]
+  def nope_tile(slot, c, transposed):
+    """register_a: the slot's e4m3 NoPE columns 64 c to 64 c + 63 [64 rows, 64] times each row's
+    tile scale (tile c // 2), as wgmma's f16 A in the WGMMA layout: K [64 rows, 64] (keys) or V^T
+    [64, 64 rows] (values: the transposed view loaded in WGMMA_TRANSPOSED, converted, then relaid
+    as 16-bit, since 8-bit has no transposed relayout; tests/test_register_a_probe.py). The rows
+    sit in 64-byte chunks (64-byte swizzle), so that a tile is loaded alone (16 registers a thread;
+    a 64-column load of a 128-byte-swizzled tile does not lower). e4m3 -> f16 is exact (e4m3 ->
+    bf16 does not lower, so the products are f16) and so is the product with the power-of-two
+    scale while it lies in [2^-15, 2^7] (e4m3's 448 times it under f16's 65504, its 2^-9 steps
+    times it on f16's 2^-24 grid): tiles of amax 0.014 to 57,000; smaller ones round in f16's
+    subnormals (errors under 2^-25 a value), larger ones overflow (not guarded)."""
+    src = stage_nope.at[slot, c]
     if transposed:
-      x8 = plgpu.load(src.transpose((1, 0)), layout=plgpu.Layout.WGMMA_TRANSPOSED)
+      x = plgpu.load(src.transpose((1, 0)), layout=plgpu.Layout.WGMMA_TRANSPOSED)
+      x = plgpu.layout_cast(x.astype(jnp.float16), plgpu.Layout.WGMMA)
     else:
-      x8 = plgpu.load(src, layout=plgpu.Layout.WGMMA)
+      x = plgpu.load(src, layout=plgpu.Layout.WGMMA).astype(jnp.float16)
     axis = 1 if transposed else 0  # the rows' axis
-    row_scales = plgpu.load(stage_scales.at[slot, j], layout=plgpu.Layout.WGMMA.reduce(1 - axis))
-    row_scales = row_scales.astype(jnp.float16)
-
-    def half(part):
-      cut = slice(part * _COLS, (part + 1) * _COLS)
-      if transposed:
-        x = plgpu.layout_cast(x8[cut].astype(jnp.float16), plgpu.Layout.WGMMA)
-      else:
-        x = x8[:, cut].astype(jnp.float16)
-      return x * lax.broadcast_in_dim(row_scales, x.shape, [axis])
-
-    return half
-
-  def value_operands(slot, w, tiles, c):
-    """register_a: (A, B) of warpgroup w's value tile c: V^T, half (first_tile(w) + c) % 2 of NoPE
-    tile (first_tile(w) + c) // 2 (loaded once for its two value tiles; tiles: those loaded so
-    far), and P^T."""
-    j, part = divmod(first_tile(w) + c, 2)
-    if j not in tiles:
-      tiles[j] = nope_halves(slot, j, transposed=True)
-    return a_operand(tiles[j](part), w), p_smem.transpose((1, 0))
+    row_scales = plgpu.load(stage_scales.at[slot, c // 2],
+                            layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+    return x * lax.broadcast_in_dim(row_scales.astype(jnp.float16), x.shape, [axis])
 
   def accumulate_values(acc, alpha, slot, w, p=None):
     """acc * alpha + P V over warpgroup w's value tiles; P from registers when given, else p_smem.
     On the GPU the products accumulate in place; the interpreter adds fresh accumulators."""
     scaled = tuple(part * head_broadcast(alpha, part.shape) for part in acc)
-    # operands(tiles, c): value tile c's (A, B); tiles: register_a's NoPE tiles loaded so far in
-    # this scope (an array does not cross into another run_state or run_scoped).
-    operands = (functools.partial(value_operands, slot, w) if register_a
-                else lambda _, c: pv_operands(slot, first_tile(w) + c, p))
+    if register_a:
+      operands = lambda c: (a_operand(nope_tile(slot, first_tile(w) + c, transposed=True), w),
+                            p_smem.transpose((1, 0)))
+    else:
+      operands = lambda c: pv_operands(slot, first_tile(w) + c, p)
     if not interpret and register_a:
-      # One accumulation for all the tiles: a tile is converted while the previous one's product
-      # runs (a run_state a tile would wait for each product before the next conversion), then
-      # waited for (a register A stays pinned until its product completes).
+      # One accumulation for all the tiles, each product waited for before the next tile's
+      # conversion (a register A stays pinned until its product completes; at 64 heads even one
+      # tile in flight spills warpgroup 1's accumulators: ptxas, RESULTS sparse v15).
       def products(acc_refs):
-        tiles = {}
         for c, acc_ref in enumerate(acc_refs):
-          plgpu.wgmma(acc_ref, *operands(tiles, c))
-          if c > 0:
-            plgpu.wgmma_wait(1)
+          plgpu.wgmma(acc_ref, *operands(c))
+          plgpu.wgmma_wait(0)
 
       return tuple(pl.run_state(products)(tuple(plgpu.ACC.init(part) for part in scaled)))
     if not interpret:
       def product(acc_ref, c):  # acc_ref [64, 64] f32 (heads in N: [64, tile_h]), the running sum
         # The tile is sliced here: a sliced ref closed over would carry its indices as constants.
-        plgpu.wgmma(acc_ref, *operands({}, c))
+        plgpu.wgmma(acc_ref, *operands(c))
 
       return tuple(pl.run_state(functools.partial(product, c=c))(plgpu.ACC.init(part))
                    for c, part in enumerate(scaled))
     out = []
     for c, part in enumerate(scaled):
       def product(acc_ref, c=c):  # acc_ref [64, 64] f32 (heads in N: [64, tile_h])
-        plgpu.wgmma(acc_ref, *operands({}, c))
+        plgpu.wgmma(acc_ref, *operands(c))
         return acc_ref[...]
 
       out.append(part + pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32)))
@@ -498,21 +490,17 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, regis
       plgpu.barrier_wait(ready.at[slot])
 
       def scores(acc_ref):  # acc_ref [64 heads, rows] f32 (heads in N: S^T [rows, heads])
-        if register_a:  # the e4m3 rows as register A: K's [64 rows, 64] halves, then the RoPE
-          def a_tiles():
-            for j in range(stage_nope.shape[1]):
-              half = nope_halves(slot, j, transposed=False)
-              for part in range(2):
-                yield 2 * j + part, half(part)
-            for r in range(stage_rope.shape[1]):  # bf16 -> f16: exact from 2^-14 to 65504
-              k = plgpu.load(stage_rope.at[slot, r], layout=plgpu.Layout.WGMMA)
-              yield lora // _COLS + r, k.astype(jnp.float32).astype(jnp.float16)
-
-          for g, (c, k) in enumerate(a_tiles()):
+        if register_a:  # the e4m3 rows as register A: K's [64 rows, 64] tiles, then the RoPE
+          for c in range(chunks):
+            if c < stage_nope.shape[1]:
+              k = nope_tile(slot, c, transposed=False)
+            else:  # bf16 -> f16: exact from 2^-14 to 65504
+              k = plgpu.load(stage_rope.at[slot, c - stage_nope.shape[1]],
+                             layout=plgpu.Layout.WGMMA).astype(jnp.float32).astype(jnp.float16)
             plgpu.wgmma(acc_ref, a_operand(k, 0),
                         q_smem.at[:, pl.ds(c * _COLS, _COLS)].transpose((1, 0)))
-            if g > 0:  # tile g - 1's registers free once its product is done
-              plgpu.wgmma_wait(1)
+            if c >= _KEY_TILES_IN_FLIGHT:  # frees tile c - 2's registers
+              plgpu.wgmma_wait(_KEY_TILES_IN_FLIGHT)
           return acc_ref[...]
         for c in range(chunks):
           q_cols = q_smem.at[:, pl.ds(c * _COLS, _COLS)]
@@ -970,7 +958,8 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   out_dtype = q_dtype if splits == 1 else jnp.float32
   if register_a:  # wgmma's B beside an f16 A: the query tile and P^T are f16
     q, q_scales = f16_queries(q)
-    cache_args = (*cache_args, q_scales)
+    nope, *rest = cache_args
+    cache_args = (nope.reshape(num_slots, -1, _COLS), *rest, q_scales)  # 64-byte chunks
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
   if interpret:
@@ -988,8 +977,8 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                           if register_a else (1, _STEP) if fp8 and not in_place else (2, _STEP))
   sw = 2 * HALF_ROWS if half_rows else SWIZZLE
   chunks = d // _COLS
-  if register_a:
-    slot_bufs = (swizzled((row_slots, tiles[0], _STEP, DS_MLA_TILE), F8),
+  if register_a:  # e4m3 NoPE in 64-byte chunks: a wgmma A tile loads alone (`nope_tile`)
+    slot_bufs = (swizzled((row_slots, lora // _COLS, _STEP, _COLS), F8, _COLS),
                  swizzled((row_slots, tiles[1], _STEP, _COLS), jnp.bfloat16),
                  plgpu.SMEM((row_slots, tiles[0], _STEP), jnp.float32))
   else:
@@ -1032,10 +1021,10 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   scratch += [swizzled((tile_h, step_rows), q.dtype, sw), plgpu.SMEM((tile_h,), jnp.float32),
               plgpu.SMEM((_IDX_RING, _STEP), jnp.int32),
               plgpu.Barrier(),
-              # bulk bf16: every row chunk's copy arrives (register_a: and every row's tile
-              # scale's); else the memory warpgroup once.
+              # bulk bf16: every row chunk's copy arrives (register_a: its 64-byte NoPE chunks,
+              # RoPE chunks and tile scales); else the memory warpgroup once.
               plgpu.Barrier(num_arrivals=(_STEP * chunks if gather == "bulk" and not fp8 else
-                                          _STEP * (sum(tiles) + tiles[0])
+                                          _STEP * (lora // _COLS + tiles[1] + tiles[0])
                                           if gather == "bulk" and register_a else 1),
                             num_barriers=row_slots),
               plgpu.Barrier(num_arrivals=_VALUE_WGS, num_barriers=row_slots),
@@ -1107,16 +1096,17 @@ HEADS_N_FP8_PIPELINES = ("serial", "in_place", "register_a")  # the ones heads_i
 # K Q^T and O^T = V^T P^T); above HEADS_N_TILES' 32 heads a program takes 64, wgmma's M as N.
 _REGISTER_A_HEADS = 64
 _REGISTER_A_STAGES = 2  # e4m3 row slots (41 KB each at L=512): bf16's two, gathered as bf16's
+_KEY_TILES_IN_FLIGHT = 2  # register_a: key tiles whose products run while the next converts
 
 
 def value_columns(lora: int, register_a: bool) -> tuple[int, int]:
-  """Value columns of warpgroups 0 and 1: half each, or with register_a 3/8 of the 64-column
-  tiles (rounded down) to warpgroup 0, which also holds S^T and, heads in N, the softmax's m and
-  l a head (16 registers each a thread at 64 heads): 4 tiles each spilled ~120 reloads a step in
-  warpgroup 0 (ptxas; RESULTS, sparse v15)."""
+  """Value columns of warpgroups 0 and 1: half each, or with register_a a quarter of the
+  64-column tiles (rounded down) to warpgroup 0, which also holds S^T, its key tiles and, heads in
+  N, the softmax's m and l a head (16 registers each a thread at 64 heads). ptxas, 64 heads, step
+  loops' spill loads: 4 tiles each ~100, 3 and 5 ~35, 2 and 6 ~10 (RESULTS, sparse v15)."""
   if not register_a:
     return (lora // _VALUE_WGS,) * _VALUE_WGS
-  first = lora // _COLS * 3 // 8
+  first = lora // _COLS // 4
   return first * _COLS, lora - first * _COLS
 
 
