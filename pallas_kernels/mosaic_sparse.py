@@ -1236,7 +1236,7 @@ SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rul
          MosaicSparseConfig(fp8_pipeline="in_place"), MosaicSparseConfig(heads_in="m"),
          MosaicSparseConfig(heads_in="n"),
          MosaicSparseConfig(fp8_pipeline="in_place", heads_in="n"),
-         MosaicSparseConfig(prep_in_kernel=False))
+         MosaicSparseConfig(prep_in_kernel=False), MosaicSparseConfig(fp8_pipeline="register_a"))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))

@@ -1037,7 +1037,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     for other in (dict(fp8_pipeline="serial"), dict(fp8_pipeline="half_rows"),
                   dict(fp8_pipeline="half_rows", fp8_stage_halves=3),
                   dict(fp8_pipeline="in_place"), dict(heads_in="m"), dict(heads_in="n"),
-                  dict(fp8_pipeline="in_place", heads_in="n"), dict(prep_in_kernel=False)):
+                  dict(fp8_pipeline="in_place", heads_in="n"), dict(prep_in_kernel=False),
+                  dict(fp8_pipeline="register_a")):
       assert mosaic_sparse.MosaicSparseConfig(**other) in mosaic_sparse.SWEEP
 
 
@@ -1108,6 +1109,24 @@ class TestPallasMosaicSparseAttentionRegisterA(TestPallasMosaicSparseAttentionSe
   @pytest.mark.parametrize("n,lora", [(64, L), (16, 256)])
   def test_fp8_ds_mla_steps_of_one_split_match_oracle(self, n, lora):
     TestPallasMosaicSparseAttention.test_fp8_ds_mla_steps_of_one_split_match_oracle(self, n, lora)
+
+  # The register A operands, the 64-byte chunks' cp.async gather and swizzle, 64 heads in N (two
+  # tiles at 128) and the uneven value columns' stores: 128, 32 and 16 heads (tiles 64, 32, 16).
+  @pytest.mark.parametrize("n", [128, 32, 16])
+  def test_register_a_lowers_for_hopper(self, n, monkeypatch):
+    check_lowers_for_hopper(monkeypatch, n, True, "cp_async", "register_a", 2, heads_in=None,
+                            prep_in_kernel=None)
+
+  @pytest.mark.parametrize("options,message", [
+      (dict(gather="bulk"), "takes the cp_async gather"),
+      (dict(heads_in="m"), "takes heads_in"), (dict(prep_in_kernel=False), "takes heads_in")])
+  def test_register_a_refuses_what_it_does_not_take(self, options, message):
+    q, slots = jnp.zeros((2, 16, L + R), jnp.bfloat16), jnp.zeros((2, 8), jnp.int32)
+    with pytest.raises(ValueError, match=message):
+      mosaic_sparse.sparse_attention_fp8_ds_mla(
+          q, jnp.zeros((4, 16, L), jnp.float8_e4m3fn), jnp.zeros((4, 16, L // 128), jnp.float32),
+          jnp.zeros((4, 16, R), jnp.bfloat16), slots, scale=0.1, fp8_pipeline="register_a",
+          interpret=True, **options)
 
 
 class TestPallasMosaicSparseAttentionHeadsM(TestPallasMosaicSparseAttention):
