@@ -1145,6 +1145,13 @@ class MosaicSparseConfig:
     bf16's 64-slot steps (half_rows' 32-slot steps set its pace at N=128, RESULTS v7, v8); a
     step's gather then waits for its slot to be free (half_rows': two half steps ahead). cp_async
     only (the bulk gather on the GPU would need untiled aliases of the in-place views).
+  - "register_a" (RESULTS, sparse v15; not timed): no widening and no bf16 slot. The e4m3 rows
+    land as gathered (NoPE in 64-byte chunks, 64-byte swizzle) in bf16's two row slots' place,
+    as bf16 rows do, and the consumers take them as wgmma's register A operand: heads in N (S^T =
+    K Q^T, O^T = V^T P^T; 64 heads a program above 32, else 16 or 32), each [64, 64] tile loaded,
+    converted to f16 and multiplied by its rows' tile scales in registers (`nope_tile`); f16
+    queries (`f16_queries`) and P^T; a quarter of the value columns in warpgroup 0
+    (`value_columns`). cp_async and prep_in_kernel only, one split (heads_in="n"'s).
   heads_in, where a program's heads sit in the wgmma shapes. None (the default) picks from static
   shapes (`default_heads_in`): "n" for bf16 caches at N <= 32 run in one split, else "m". "m": 64
   heads as M (N < 64 in the 64-row tile: at N=16 three quarters of the tensor work and of the
