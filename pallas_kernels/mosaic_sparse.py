@@ -1314,8 +1314,8 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   "in_place", or None: `default_fp8_pipeline`'s pick for these shapes, num_splits, split_rule and
   gather) and fp8_stage_halves: `MosaicSparseConfig`'s; heads_in too ("n" with fp8_pipeline "serial"
   or "in_place" named; None: `default_heads_in`, "m") and prep_in_kernel too (None: True with the
-  cp_async gather up to FP8_PREP_MAX_ROWS rows, else False). Returns o [T, N, L] bf16 and lse
-  [T, N] float32.
+  cp_async gather up to FP8_PREP_MAX_ROWS rows and with fp8_pipeline "register_a", else False).
+  Returns o [T, N, L] bf16 and lse [T, N] float32.
   """
   nb, page, lora = nope.shape
   _check(q, slots, lora, num_splits)
@@ -1329,7 +1329,8 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in,
                      prep_in_kernel)  # checks them
   if prep_in_kernel is None:
-    prep_in_kernel = gather == "cp_async" and q.shape[0] <= FP8_PREP_MAX_ROWS
+    prep_in_kernel = gather == "cp_async" and (q.shape[0] <= FP8_PREP_MAX_ROWS
+                                               or fp8_pipeline == "register_a")  # its only form
   if prep_in_kernel and gather != "cp_async":
     raise ValueError(f"prep_in_kernel with fp8_ds_mla takes the cp_async gather (bulk copies of "
                      f"4-byte tile scales are under a bulk copy's 16-byte box), got {gather!r}")

@@ -751,6 +751,8 @@ def test_mosaic_sparse_fp8_ds_mla_default_prep_by_rows(t, prep):
       mosaic_sparse.sparse_attention_fp8_ds_mla, scale=0.1, **knobs))(*args))
   assert jaxpr() == jaxpr(prep_in_kernel=prep)
   assert ("_prep_cp_async" in jaxpr()) == prep
+  # fp8_pipeline="register_a" has only the in-kernel form: it takes it at any T.
+  assert jaxpr(fp8_pipeline="register_a") == jaxpr(fp8_pipeline="register_a", prep_in_kernel=True)
 
 
 def test_mosaic_sparse_heads_in_n_runs_one_split(monkeypatch):
