@@ -418,12 +418,11 @@ def _store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis=0):
   """acc (column tiles [64, w] f32 of one warpgroup's output) * out_scale / l, rows that saw
   nothing 0, staged in o_smem [64, cols] and copied to o_gmem (its rows: the first 64 or fewer).
   heads_axis=1: the tiles are O^T [w, heads], stored transposed into o_smem [heads, cols], so
-  o_gmem keeps the [heads, cols] layout; or, where o_smem is float32 (mosaic_decode's partials:
-  Mosaic GPU, jax 0.11.2, lowers a transposed store of bf16 but not of float32), into o_smem
-  [cols, heads] as they are, o_gmem [cols, heads]. (By dtype, not shape: at 64 heads and 128
-  value columns a warpgroup, mosaic_sparse's register_a, [heads, cols] is square.)"""
+  o_gmem keeps the [heads, cols] layout; or, where o_smem is [cols, heads] (told apart by its
+  shape: heads <= 32 < cols), stored as they are, o_gmem [cols, heads] (mosaic_decode's float32
+  partials: Mosaic GPU, jax 0.11.2, lowers a transposed store of bf16 but not of float32)."""
   inv = out_scale / jnp.where(l > 0, l, 1.0)
-  cols_first = heads_axis == 1 and o_smem.dtype == jnp.float32
+  cols_first = heads_axis == 1 and o_smem.shape[-1] == acc[0].shape[1]
   col = 0
   for part in acc:
     width = part.shape[1 - heads_axis]
@@ -549,16 +548,3 @@ def check_indexer_args(q, weights, k_values, k_scales, block_tables, seq_lens):
     raise ValueError(f"weights and k_scales must be float32, block_tables and seq_lens int32; got "
                      f"{weights.dtype.name}, {k_scales.dtype.name}, {block_tables.dtype.name}, "
                      f"{seq_lens.dtype.name}")
-
-
-def f16_queries(q):
-  """q [T, Np, D] bf16 as f16 for the register_a pipelines' products (mosaic_decode,
-  mosaic_sparse: wgmma takes one 16-bit type for A and B, and e4m3 widens to f16 only), each token
-  scaled by the power of two that keeps its largest magnitude below 2^15 (f16 ends at 65504, bf16
-  at 3.4e38), and the inverse powers [T] f32 that the kernel folds into each token's score scale.
-  Both exact (powers of two), 1 for a token already in range (its products unchanged), and per
-  token: a row's result never depends on the batch."""
-  _, exponent = jnp.frexp(jnp.max(jnp.abs(q.astype(jnp.float32)), axis=(1, 2)))  # |q| < 2^e
-  shift = jnp.maximum(exponent - 15, 0)
-  scaled = q.astype(jnp.float32) * jnp.ldexp(jnp.float32(1), -shift)[:, None, None]
-  return scaled.astype(jnp.float16), jnp.ldexp(jnp.float32(1), shift)

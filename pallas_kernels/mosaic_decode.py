@@ -54,11 +54,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
                                    REDUCTION_BYTES_PER_8_HEADS, check_decode_args,
-                                   check_split_args, f16_queries, feed_ring, hand_over_p,
-                                   heads_tile, leading_rows, length_splits, merge_splits,
-                                   num_fixed_splits, one_wave_splits, padded_heads, partials_dtype,
-                                   row_broadcast, run_scores, run_values, sm_count, softmax_step,
-                                   split_range, swizzled, SWIZZLE)
+                                   check_split_args, feed_ring, hand_over_p, heads_tile,
+                                   leading_rows, length_splits, merge_splits, num_fixed_splits,
+                                   one_wave_splits, padded_heads, partials_dtype, row_broadcast,
+                                   run_scores, run_values, sm_count, softmax_step, split_range,
+                                   swizzled, SWIZZLE)
 
 
 FP8_PIPELINES = ("serial", "half_pages", "shared_widening", "register_a")
@@ -101,7 +101,7 @@ class MosaicDecodeConfig:
     e4m3 -> bf16 does not lower (Mosaic GPU, jax 0.11.2) and wgmma takes one 16-bit type for A
     and B, so the query tile and P^T are f16: q is converted before the call, each token scaled
     by a power of two that keeps it within f16's range and scaled back in its score scale
-    (`f16_queries`; exact, bf16 magnitudes below 2^-14 of the token's largest round in f16's
+    (`_f16_queries`; exact, bf16 magnitudes below 2^-14 of the token's largest round in f16's
     subnormals). H200 (session 13), S=8192, N=16, ms, "shared_widening" / "register_a" (both
     heads_in="n", one process): B=128 0.462 / 0.365, B=32 0.138 / 0.112; at N=32 0.490 ("m",
     "shared_widening") / 0.493; without spills (the waits and warpgroup 1's columns above), B=128
@@ -253,7 +253,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # first Np rows, the others never stored); kv_ref [num_blocks, page, D] bf16 or
   # e4m3; bt_ref [T, max_blocks] int32; len_ref [T] int32; ks_ref [1] f32 (the cache's scale, 1
   # for bf16); qs_ref [T] f32 (each token's query scale-back, 1 but with register_a's f16 q:
-  # `f16_queries`); o_ref [T, splits, Np, L]; lse_ref [T, splits, Np] f32. SMEM: buffers = union of
+  # `_f16_queries`); o_ref [T, splits, Np, L]; lse_ref [T, splits, Np] f32. SMEM: buffers = union of
   # (q_smem [64, D], kv_smem [slots, rows, D]) bf16 (2 x 64 rows; with an fp8 cache 1 x 64, or
   # 2 x 32 with fp8_pipeline="half_pages"), live while the steps run, and (o_smem [2, 64, L/2] o
   # dtype, lse_smem [64] f32), live after; p_smem [64, rows] bf16 (this step's P); row_smem [64]
@@ -669,6 +669,19 @@ def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_sp
   check_split_args(num_kv_splits, split_tokens, _STEP)
 
 
+def _f16_queries(q):
+  """q [T, Np, D] bf16 as f16 for register_a's products (wgmma takes one 16-bit type for A and B,
+  and e4m3 widens to f16 only), each token scaled by the power of two that keeps its largest
+  magnitude below 2^15 (f16 ends at 65504, bf16 at 3.4e38), and the inverse powers [T] f32 that
+  the kernel folds into each token's score scale. Both exact (powers of two), 1 for a token
+  already in range (its products unchanged), and per token: a row's result never depends on the
+  batch."""
+  _, exponent = jnp.frexp(jnp.max(jnp.abs(q.astype(jnp.float32)), axis=(1, 2)))  # |q| < 2^e
+  shift = jnp.maximum(exponent - 15, 0)
+  scaled = q.astype(jnp.float32) * jnp.ldexp(jnp.float32(1), -shift)[:, None, None]
+  return scaled.astype(jnp.float16), jnp.ldexp(jnp.float32(1), shift)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits",
                                              "split_tokens", "fp8_pipeline", "heads_in",
                                              "value_warpgroups", "interpret"))
@@ -735,7 +748,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   out_dtype = partials_dtype(q.dtype, splits, fixed_order)
   dtype = q.dtype
   if register_a:  # wgmma's B beside an f16 A (`MosaicDecodeConfig`)
-    q, q_scales = f16_queries(q)
+    q, q_scales = _f16_queries(q)
   else:
     q_scales = jnp.ones((t,), jnp.float32)
   if interpret is True:

@@ -64,10 +64,10 @@ from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
 
 from pallas_kernels.common import (DS_MLA_TILE, F8, HALF_ROWS, HALF_ROWS_LAYOUT, HEADS_M_TILE,
                                    HEADS_N_TILES, LOG2E, REDUCTION_BYTES_PER_8_HEADS,
-                                   check_sparse_args, default_num_kv_splits, f16_queries,
-                                   hand_over_p, heads_tile, leading_rows, merge_splits,
-                                   one_wave_splits, padded_heads, row_broadcast, run_scores,
-                                   run_values, sm_count, softmax_step, swizzled, SWIZZLE)
+                                   check_sparse_args, default_num_kv_splits, hand_over_p,
+                                   heads_tile, leading_rows, merge_splits, one_wave_splits,
+                                   padded_heads, row_broadcast, run_scores, run_values, sm_count,
+                                   softmax_step, swizzled, SWIZZLE)
 
 _TILE_H = HEADS_M_TILE  # heads per program: the M of every Hopper wgmma
 _STEP = 64  # slots per step: N of S = Q K^T, K of P V
@@ -105,16 +105,14 @@ def _cp_async_rows(parts, idx, *, num_slots, scales=None):
   the memory warpgroup (then one `cp.async` group committed).
 
   parts: (src, dst) pairs, one per part of a row (bf16: the whole row; fp8_ds_mla: the e4m3 NoPE
-  and the bf16 RoPE). src [S, C, w] (GMEM, C chunks of b = 128 bytes a row, or 64); dst [C, rows,
-  w] in the tiled, b-byte-swizzled layout (rows x b bytes a chunk); idx [rows] int32 (the rows; an
-  index >= num_slots, or negative, is an invalid slot: the compare is unsigned, so raw slots' -1
-  too). Each lane copies 16 bytes at a time: 8 lanes cover one row's 128 bytes (a 128-byte chunk,
-  or two 64-byte ones), a warp 4 rows, so each warp instruction reads 4 whole 128-byte lines; a
-  warp takes rows / 4 rows, rows / 16 x C b / 128 instructions a part. The destination of row r,
-  128-byte span c, unit u is c * rows * 128 + r * 128 + (u ^ (r % 8)) * 16 (the 128-byte
-  swizzle); with 64-byte chunks, chunk 2 c + u // 4 at (2 c + u // 4) * rows * 64 + r * 64 +
-  (u % 4 ^ (r // 2 % 4)) * 16 (the 64-byte swizzle: address bits 4-5 xor bits 7-8). An invalid
-  row copies 0 source bytes: cp.async fills the 16 bytes with zeros and reads nothing.
+  and the bf16 RoPE). src [S, C, w] (GMEM, C chunks of 128 bytes a row); dst [C, rows, w] in the
+  tiled, 128-byte-swizzled layout (rows x 128 B a chunk); idx [rows] int32 (the rows; an index
+  >= num_slots, or negative, is an invalid slot: the compare is unsigned, so raw slots' -1 too).
+  Each lane copies 16 bytes at a time: 8 lanes cover one row's 128-byte chunk, a warp 4 rows, so
+  each warp instruction reads 4 whole 128-byte lines; a warp takes rows / 4 rows, rows / 16 x C
+  instructions a part. The destination of row r, chunk c, unit u is c * rows * 128 + r * 128 +
+  (u ^ (r % 8)) * 16 (the 128-byte swizzle). An invalid row copies 0 source bytes: cp.async fills
+  the 16 bytes with zeros and reads nothing.
   scales (prep_in_kernel's fp8_ds_mla): (src [S, J] f32, the cache's tile scales; dst [J, rows]
   f32, what the widening reads): rows x J 4-byte copies in the same group, J consecutive lanes
   reading one row's 4 J contiguous bytes (rows * J / 128 a lane; 0, zero-filled, for an invalid
@@ -124,14 +122,13 @@ def _cp_async_rows(parts, idx, *, num_slots, scales=None):
   unit_per_row = _CHUNK_BYTES // _SEG
   rows_per_instr = 32 // unit_per_row
   arg_types = [plgpu.RefType()]
-  chunk_bytes = [dst.shape[2] * jnp.dtype(dst.dtype).itemsize for _, dst in parts]
-  for (src, dst), b in zip(parts, chunk_bytes):
-    width = b // jnp.dtype(dst.dtype).itemsize
-    if (b not in (64, _CHUNK_BYTES) or src.shape[1:] != dst.shape[::2]
-        or dst.shape[1:] != (rows, width) or dst.shape[0] * b % _CHUNK_BYTES):
-      raise ValueError(f"want src [S, C, w] and dst [C, {rows}, w] (w: 128 or 64 bytes, C w whole "
-                       f"128 bytes), got {src.shape} and {dst.shape}")
-    swizzle = (plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(b))
+  chunk_counts = [dst.shape[0] for _, dst in parts]
+  for src, dst in parts:
+    width = _CHUNK_BYTES // jnp.dtype(dst.dtype).itemsize
+    if src.shape[1:] != dst.shape[::2] or dst.shape[1:] != (rows, width):
+      raise ValueError(f"want src [S, C, {width}] and dst [C, {rows}, {width}], got {src.shape} "
+                       f"and {dst.shape}")
+    swizzle = (plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(_CHUNK_BYTES))
     arg_types += [plgpu.RefType(), plgpu.RefType(swizzle)]
   if scales is not None:
     per_row = scales[0].shape[1]
@@ -151,8 +148,8 @@ def _cp_async_rows(parts, idx, *, num_slots, scales=None):
     if scales is not None:
       *refs, scale_src, scale_dst = refs
     bases = [(llvm.addrspacecast(global_ptr, mgpu_utils.memref_ptr(src)),
-              mgpu_utils.memref_ptr(dst), dst_part.shape[0] * b // _CHUNK_BYTES, b)
-             for src, dst, (_, dst_part), b in zip(refs[::2], refs[1::2], parts, chunk_bytes)]
+              mgpu_utils.memref_ptr(dst), chunks)
+             for src, dst, chunks in zip(refs[::2], refs[1::2], chunk_counts)]
     for g in range(rows // 4 // rows_per_instr):
       r = arith.addi(arith.muli(warp, c32(rows // 4)),
                      arith.addi(c32(g * rows_per_instr), arith.divui(lane, c32(unit_per_row))))
@@ -162,23 +159,16 @@ def _cp_async_rows(parts, idx, *, num_slots, scales=None):
       size = arith.select(valid, c32(_SEG), c32(0))
       unit_off = arith.extui(i64, arith.muli(unit, c32(_SEG)))
       swz = arith.xori(unit, arith.remui(r, c32(_SWIZZLE_ROWS)))
-      dst_off = {_CHUNK_BYTES: arith.addi(arith.muli(r, c32(_CHUNK_BYTES)),
-                                          arith.muli(swz, c32(_SEG)))}
-      if 64 in chunk_bytes:  # chunk u // 4 of the span, its unit u % 4, the 64-byte swizzle
-        half_unit = arith.remui(unit, c32(4))
-        swz64 = arith.xori(half_unit, arith.remui(arith.divui(r, c32(2)), c32(4)))
-        dst_off[64] = arith.addi(
-            arith.addi(arith.muli(arith.divui(unit, c32(4)), c32(rows * 64)),
-                       arith.muli(r, c32(64))), arith.muli(swz64, c32(_SEG)))
-      for src_base, dst_base, spans, b in bases:
+      dst_off = arith.addi(arith.muli(r, c32(_CHUNK_BYTES)), arith.muli(swz, c32(_SEG)))
+      for src_base, dst_base, chunks in bases:
         src_off = arith.addi(
-            arith.muli(arith.extui(i64, row), arith.constant(i64, spans * _CHUNK_BYTES)),
+            arith.muli(arith.extui(i64, row), arith.constant(i64, chunks * _CHUNK_BYTES)),
             unit_off)
-        for c in range(spans):
+        for c in range(chunks):
           src_ptr = mgpu_utils.getelementptr(
               src_base, [arith.addi(src_off, arith.constant(i64, c * _CHUNK_BYTES))], i8)
           dst_ptr = mgpu_utils.getelementptr(
-              dst_base, [arith.addi(dst_off[b], c32(c * rows * _CHUNK_BYTES))], i8)
+              dst_base, [arith.addi(dst_off, c32(c * rows * _CHUNK_BYTES))], i8)
           nvvm.cp_async_shared_global(dst_ptr, src_ptr, _SEG, nvvm.LoadCacheModifierKind.CG,
                                       cp_size=size)
     if scales is not None:
@@ -260,8 +250,8 @@ def _row_steps(row_ref, *, num_slots, interpret):
   return count(row_ref)
 
 
-def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, register_a, num_slots,
-            gather, heads_n, prep_in_kernel, interpret):
+def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_slots, gather,
+            heads_n, prep_in_kernel, interpret):
   # GMEM: q_ref [T, Np, D] bf16 (Np: heads padded to 64, or fewer unpadded, `padded_heads`: the
   # tile's first Np rows, the others never stored); idx_ref [T, Kp] int32 (slot, or num_slots
   # where invalid); steps_ref [T] int32 (steps of 64 slots up to the last valid one).
@@ -288,24 +278,11 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, regis
   # tiled and swizzled (a step's e4m3 NoPE rows land in tiles L/128 to L/64 - 1 of its slot) and
   # slot_scales [2, D/64, 32, 64] f32 (its tile scales in tile 0); the RoPE rows land in the
   # slot's RoPE tiles; staged [2].
-  # fp8_pipeline="register_a" (heads_n, prep_in_kernel): q_ref is f16 (`f16_queries`), qs_ref [T]
-  # f32 each token's scale-back; no bf16 slot: buffers' first member is (q_smem, (stage_nope
-  # [slots, L/128, 64, 128] e4m3, stage_rope [slots, R/64, 64, 64] bf16, stage_scales [slots,
-  # L/128, 64] f32)), the e4m3 rows a step's gather lands in, which the consumers read as wgmma's
-  # register A; p_smem is f16; a_smem [2, 64, 64] f16 (the interpreter only: `a_operand`); no
-  # staged barrier (ready takes the rows, as bf16's).
   if not prep_in_kernel:
     steps_ref, *rest = rest
-  elif fp8 and gather == "cp_async" and not register_a:
+  elif fp8 and gather == "cp_async":
     rest = (*rest, None)  # no staged barrier: the rows' cp.async groups carry the tile scales
-  a_smem = qs_ref = None
-  if register_a:
-    nope_ref, rope_ref, scales_ref, qs_ref, o_ref, lse_ref, buffers, *rest = rest
-    if interpret:
-      a_smem, *rest = rest
-    p_smem, row_smem, idx_smem, q_bar, ready, consumed, p_ready, p_free, idx_bar = rest
-    kv_ref = staged = None
-  elif in_place:
+  if in_place:
     (nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buffers, p_smem, row_smem, idx_smem, q_bar,
      ready, consumed, p_ready, p_free, idx_bar, staged) = rest
     kv_ref = None
@@ -319,8 +296,6 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, regis
     (kv_ref, o_ref, lse_ref, buffers, p_smem, row_smem, idx_smem, q_bar, ready, consumed, p_ready,
      p_free, idx_bar) = rest
   (q_smem, kv), (o_smem, lse_smem), *raw = buffers
-  if register_a:
-    (stage_nope, stage_rope, stage_scales), kv = kv, None
   # heads_in="n": the program's tile_h (16 or 32) heads are wgmma's N: S^T = K Q^T [64 slots,
   # heads], its softmax over axis 0, P^T stored transposed into p_smem [heads, 64] (so that it
   # reads as the K-major B operand P^T), and O^T = V^T P^T [64 columns, heads] a value tile.
@@ -333,12 +308,11 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, regis
   kv_raw = raw[0][1] if raw and not in_place else None
   h, split, t = lax.axis_index("heads"), lax.axis_index("splits"), lax.axis_index("tokens")
   wg = lax.axis_index("wg")
-  slots, chunks, step_rows = ((stage_nope.shape[0], q_smem.shape[1] // _COLS, _STEP) if register_a
-                               else kv.shape[:3])
+  slots, chunks, step_rows = kv.shape[:3]
   pieces = _STEP // step_rows  # consumer steps a step of 64 slots
-  value_cols = value_columns(lora, register_a)
-  first_tile = lambda w: sum(value_cols[:w]) // _COLS  # warpgroup w's first value tile
-  qk_scale = scale * LOG2E * (1 if qs_ref is None else qs_ref[t])
+  value_chunks = lora // _COLS // _VALUE_WGS  # tiles of value columns per consumer warpgroup
+  half = lora // _VALUE_WGS
+  qk_scale = scale * LOG2E
 
   def split_steps(num_steps):
     """(first step, steps) of this program's split of a row of num_steps steps."""
@@ -371,9 +345,9 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, regis
   slots_layout = plgpu.Layout.WGMMA.reduce(heads_axis)  # one slot index a score row or column
   acc_shape = (_COLS, tile_h) if heads_n else (_TILE_H, _COLS)  # a value tile of O^T or O
 
-  def zero_acc(w):
+  def zero_acc():
     return tuple(plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
-                 for _ in range(value_cols[w] // _COLS))
+                 for _ in range(value_chunks))
 
   def pv_operands(slot, tile, p):
     """(A, B) of the P V product over value tile `tile`: P (registers if given, else p_smem) and
@@ -382,69 +356,21 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, regis
       return kv.at[slot, tile].transpose((1, 0)), p_smem.transpose((1, 0))
     return p_smem if p is None else p, kv.at[slot, tile]
 
-  def a_operand(tile, w):
-    """register_a: wgmma's A from warpgroup w's [64, 64] f16 tile (WGMMA layout): the registers on
-    the GPU; Mosaic GPU's interpreter (jax 0.11.2) takes a shared-memory A only, so there the tile
-    goes through a_smem[w] (which checks the loads, views, conversions and scales, not the
-    register operand's layout: the CUDA lowering and the -m gpu tests do)."""
-    if a_smem is None:
-      return tile
-    a_smem[w] = tile
-    plgpu.commit_smem()  # plain stores read next by wgmma (the async proxy)
-    return a_smem.at[w]
-
-  def nope_tile(slot, c, transposed):
-    """register_a: the slot's e4m3 NoPE columns 64 c to 64 c + 63 [64 rows, 64] times each row's
-    tile scale (tile c // 2), as wgmma's f16 A in the WGMMA layout: K [64 rows, 64] (keys) or V^T
-    [64, 64 rows] (values: the transposed view loaded in WGMMA_TRANSPOSED, converted, then relaid
-    as 16-bit, since 8-bit has no transposed relayout; tests/test_register_a_probe.py). The rows
-    sit in 64-byte chunks (64-byte swizzle), so that a tile is loaded alone (16 registers a thread;
-    a 64-column load of a 128-byte-swizzled tile does not lower). e4m3 -> f16 is exact (e4m3 ->
-    bf16 does not lower, so the products are f16) and so is the product with the power-of-two
-    scale while it lies in [2^-15, 2^7] (e4m3's 448 times it under f16's 65504, its 2^-9 steps
-    times it on f16's 2^-24 grid): tiles of amax 0.014 to 57,000; smaller ones round in f16's
-    subnormals (errors under 2^-25 a value), larger ones overflow (not guarded)."""
-    src = stage_nope.at[slot, c]
-    if transposed:
-      x = plgpu.load(src.transpose((1, 0)), layout=plgpu.Layout.WGMMA_TRANSPOSED)
-      x = plgpu.layout_cast(x.astype(jnp.float16), plgpu.Layout.WGMMA)
-    else:
-      x = plgpu.load(src, layout=plgpu.Layout.WGMMA).astype(jnp.float16)
-    axis = 1 if transposed else 0  # the rows' axis
-    row_scales = plgpu.load(stage_scales.at[slot, c // 2],
-                            layout=plgpu.Layout.WGMMA.reduce(1 - axis))
-    return x * lax.broadcast_in_dim(row_scales.astype(jnp.float16), x.shape, [axis])
-
   def accumulate_values(acc, alpha, slot, w, p=None):
     """acc * alpha + P V over warpgroup w's value tiles; P from registers when given, else p_smem.
     On the GPU the products accumulate in place; the interpreter adds fresh accumulators."""
     scaled = tuple(part * head_broadcast(alpha, part.shape) for part in acc)
-    if register_a:
-      operands = lambda c: (a_operand(nope_tile(slot, first_tile(w) + c, transposed=True), w),
-                            p_smem.transpose((1, 0)))
-    else:
-      operands = lambda c: pv_operands(slot, first_tile(w) + c, p)
-    if not interpret and register_a:
-      # One accumulation for all the tiles, each product waited for before the next tile's
-      # conversion (a register A stays pinned until its product completes; at 64 heads even one
-      # tile in flight spills warpgroup 1's accumulators: ptxas, RESULTS sparse v15).
-      def products(acc_refs):
-        for c, acc_ref in enumerate(acc_refs):
-          plgpu.wgmma(acc_ref, *operands(c))
-          plgpu.wgmma_wait(0)
-
-      return tuple(pl.run_state(products)(tuple(plgpu.ACC.init(part) for part in scaled)))
     if not interpret:
       def product(acc_ref, c):  # acc_ref [64, 64] f32 (heads in N: [64, tile_h]), the running sum
         # The tile is sliced here: a sliced ref closed over would carry its indices as constants.
-        plgpu.wgmma(acc_ref, *operands(c))
+        plgpu.wgmma(acc_ref, *pv_operands(slot, w * value_chunks + c, p))
 
       return tuple(pl.run_state(functools.partial(product, c=c))(plgpu.ACC.init(part))
                    for c, part in enumerate(scaled))
     out = []
     for c, part in enumerate(scaled):
       def product(acc_ref, c=c):  # acc_ref [64, 64] f32 (heads in N: [64, tile_h])
-        plgpu.wgmma(acc_ref, *operands(c))
+        plgpu.wgmma(acc_ref, *pv_operands(slot, w * value_chunks + c, None))
         return acc_ref[...]
 
       out.append(part + pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32)))
@@ -453,17 +379,10 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, regis
   # Fewer heads than the tile unpadded: the tile's other rows hold whatever shared memory held,
   # which every product and reduction (per row) keeps out of the stored rows.
   rows_out = pl.ds(h * tile_h, min(tile_h, q_ref.shape[1]))
-  def out(w):
-    """Warpgroup w's output columns (none: no keywords) and their staging (o_smem [2, heads, L/2],
-    or with register_a one buffer a warpgroup with columns)."""
-    if not value_cols[w]:
-      return {}
-    staging = o_smem[sum(map(bool, value_cols[:w]))] if register_a else o_smem.at[w]
-    return dict(o_smem=staging,
-                o_gmem=o_ref.at[t, split, rows_out, pl.ds(sum(value_cols[:w]), value_cols[w])])
+  out = lambda w: dict(o_smem=o_smem.at[w],  # warpgroup w's output columns
+                       o_gmem=o_ref.at[t, split, rows_out, pl.ds(w * half, half)])
 
-  # register_a's memory warpgroup only gathers, as bf16's.
-  consumer_regs, memory_regs = _REGS[fp8 and not register_a]
+  consumer_regs, memory_regs = _REGS[fp8]
 
   @pl.when(wg == 0)
   def _scores():
@@ -490,18 +409,6 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, regis
       plgpu.barrier_wait(ready.at[slot])
 
       def scores(acc_ref):  # acc_ref [64 heads, rows] f32 (heads in N: S^T [rows, heads])
-        if register_a:  # the e4m3 rows as register A: K's [64 rows, 64] tiles, then the RoPE
-          for c in range(chunks):
-            if c < stage_nope.shape[1]:
-              k = nope_tile(slot, c, transposed=False)
-            else:  # bf16 -> f16: exact from 2^-14 to 65504
-              k = plgpu.load(stage_rope.at[slot, c - stage_nope.shape[1]],
-                             layout=plgpu.Layout.WGMMA).astype(jnp.float32).astype(jnp.float16)
-            plgpu.wgmma(acc_ref, a_operand(k, 0),
-                        q_smem.at[:, pl.ds(c * _COLS, _COLS)].transpose((1, 0)))
-            if c >= _KEY_TILES_IN_FLIGHT:  # frees tile c - 2's registers
-              plgpu.wgmma_wait(_KEY_TILES_IN_FLIGHT)
-          return acc_ref[...]
         for c in range(chunks):
           q_cols = q_smem.at[:, pl.ds(c * _COLS, _COLS)]
           if heads_n:
@@ -527,7 +434,7 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, regis
       plgpu.barrier_arrive(consumed.at[slot])
       return m_new, l, acc
 
-    run_scores(consumer_steps, step, zero_acc(0), row_smem=row_smem, p_ready=p_ready, p_free=p_free,
+    run_scores(consumer_steps, step, zero_acc(), row_smem=row_smem, p_ready=p_ready, p_free=p_free,
                **out(0), lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out],
                heads_axis=heads_axis)
 
@@ -538,7 +445,7 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, regis
       own_steps()
     run_values(consumer_steps, slots,
                lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, 1),
-               zero_acc(1), ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready,
+               zero_acc(), ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready,
                p_free=p_free, **out(1), heads_axis=heads_axis)
 
   def fetch_indices(i, start=None):
@@ -632,22 +539,14 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, regis
       _cp_async_wait(0)
       plgpu.commit_smem()
 
-    def row_parts(slot):
-      """(parts, scales) of gather_step into row slot `slot`: bf16's whole rows, or register_a's
-      e4m3 NoPE, bf16 RoPE and tile scales (as they are: the consumers convert them)."""
-      if register_a:
-        return (((nope_ref, stage_nope.at[slot], None), (rope_ref, stage_rope.at[slot], None)),
-                (scales_ref, stage_scales.at[slot]))
-      return ((kv_ref, kv.at[slot], None if kv_raw is None else kv_raw.at[slot]),), None
-
-    if not fp8 or register_a:
+    if not fp8:
       @pl.loop(0, n)
       def _(i):
         slot = lax.rem(i, slots)
         pl.when(i >= slots)(lambda: plgpu.barrier_wait(consumed.at[slot]))
         pl.when(i + 2 < n)(functools.partial(fetch_indices, i + 2))
-        parts, scales = row_parts(slot)
-        gather_step(i, parts, ready.at[slot], scales=scales)
+        gather_step(i, ((kv_ref, kv.at[slot], None if kv_raw is None else kv_raw.at[slot]),),
+                    ready.at[slot])
         if gather == "cp_async":
           # The previous step's rows have landed once at most this step's group is in flight.
           @pl.when(i > 0)
@@ -932,12 +831,9 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   """Pads heads to tiles of heads_tile(N) and slots to 64-slot steps, runs the kernel, merges
   splits. prep_in_kernel: the kernel takes the padded slots as they are (`MosaicSparseConfig`)."""
   t, n, d = q.shape
-  register_a = fp8 and fp8_pipeline == "register_a"
-  tile_h = (_REGISTER_A_HEADS if register_a and n > HEADS_N_TILES[-1]
-            else heads_tile(n, heads_in))
-  q_dtype = q.dtype
+  tile_h = heads_tile(n, heads_in)
   if t == 0 or n == 0:  # no program to run (and no split count: it divides by T x head tiles)
-    return jnp.zeros((t, n, lora), q_dtype), jnp.zeros((t, n), jnp.float32)
+    return jnp.zeros((t, n, lora), q.dtype), jnp.zeros((t, n), jnp.float32)
   head_tiles = pl.cdiv(n, tile_h)
   # Heads in N take whole tiles: their query tile is laid out by head, not copied by rows.
   np_ = head_tiles * tile_h if heads_in == "n" else padded_heads(n, tile_h)
@@ -955,38 +851,25 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
     steps = lax.div(extent + (_STEP - 1), _STEP)
     index_args = (idx, steps)
   splits = _splits(t, head_tiles, k, num_splits, split_rule)
-  out_dtype = q_dtype if splits == 1 else jnp.float32
-  if register_a:  # wgmma's B beside an f16 A: the query tile and P^T are f16
-    q, q_scales = f16_queries(q)
-    nope, *rest = cache_args
-    cache_args = (nope.reshape(num_slots, -1, _COLS), *rest, q_scales)  # 64-byte chunks
+  out_dtype = q.dtype if splits == 1 else jnp.float32
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
   if interpret:
     gather = "bulk"  # the interpreter runs no inline Mosaic GPU code
   half_rows = fp8 and fp8_pipeline == "half_rows"
   in_place = fp8 and fp8_pipeline == "in_place"
-  tiles = lora // DS_MLA_TILE, (d - lora) // _COLS  # fp8_ds_mla: NoPE scale tiles, RoPE tiles
   # Row slots x rows (the consumers' step): bf16 2 x 64 (the next step's rows land while this one
   # computes); fp8_ds_mla 1 x 64, or 2 x 32 with "half_rows" (the same bytes), or bf16's 2 x 64
   # with "in_place" (staged inside the slots). P V's K is the step, and wgmma's K must be a
   # multiple of its operands' swizzle width (one swizzle a wgmma): 32-row steps take 64-byte
   # swizzles for the query, the slots and P.
-  # register_a: _REGISTER_A_STAGES slots of e4m3 rows as gathered (no bf16 slot).
-  row_slots, step_rows = ((2, HALF_ROWS) if half_rows else (_REGISTER_A_STAGES, _STEP)
-                          if register_a else (1, _STEP) if fp8 and not in_place else (2, _STEP))
+  row_slots, step_rows = ((2, HALF_ROWS) if half_rows else (1, _STEP) if fp8 and not in_place
+                          else (2, _STEP))
   sw = 2 * HALF_ROWS if half_rows else SWIZZLE
   chunks = d // _COLS
-  if register_a:  # e4m3 NoPE in 64-byte chunks: a wgmma A tile loads alone (`nope_tile`)
-    slot_bufs = (swizzled((row_slots, lora // _COLS, _STEP, _COLS), F8, _COLS),
-                 swizzled((row_slots, tiles[1], _STEP, _COLS), jnp.bfloat16),
-                 plgpu.SMEM((row_slots, tiles[0], _STEP), jnp.float32))
-  else:
-    slot_bufs = swizzled((row_slots, chunks, step_rows, _COLS), q.dtype, sw)
-  groups = [(swizzled((tile_h, d), q.dtype, sw), slot_bufs),
-            (tuple(swizzled((tile_h, cols), out_dtype)
-                   for cols in value_columns(lora, True) if cols) if register_a
-             else swizzled((_VALUE_WGS, tile_h, lora // _VALUE_WGS), out_dtype),
+  groups = [(swizzled((tile_h, d), q.dtype, sw),
+             swizzled((row_slots, chunks, step_rows, _COLS), q.dtype, sw)),
+            (swizzled((_VALUE_WGS, tile_h, lora // _VALUE_WGS), out_dtype),
              plgpu.SMEM((tile_h,), jnp.float32))]
   if not fp8 and not interpret and gather == "bulk":
     groups.append((plgpu.SMEM((tile_h, d), q.dtype),
@@ -999,8 +882,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                (plgpu.SMEM((tile_h, d), q.dtype),
                 plgpu.SMEM((row_slots, chunks, _COLS // 2, _STEP), jnp.float32))]
   scratch = [plgpu.RefUnion(*groups)]
-  if register_a and interpret:  # each consumer's converted A tile (`a_operand`)
-    scratch.append(swizzled((_VALUE_WGS, _STEP, _COLS), jnp.float16))
+  tiles = lora // DS_MLA_TILE, (d - lora) // _COLS  # fp8_ds_mla: NoPE scale tiles, RoPE tiles
   if fp8 and not prep_in_kernel:  # prep_in_kernel: the kernel gathers them from tile_scales
     nope, rope, tile_scales = cache_args
     # The selected rows' tile scales, [T, Kp/rows, L/128, rows] (rows: 64, or 32 with
@@ -1010,7 +892,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
     cache_args = (nope, rope, scales)
   # "half_rows": a ring of 32-row buffers, each refilled once widened (2: the bytes of 1 x 64).
   halves = (fp8_stage_halves,) if half_rows else ()
-  if fp8 and not in_place and not register_a:
+  if fp8 and not in_place:
     staged_shapes = (((*halves, tiles[0], step_rows, DS_MLA_TILE), F8),
                      ((*halves, tiles[1], step_rows, _COLS), jnp.bfloat16))
     staging = [tuple(swizzled(*shape) for shape in staged_shapes)]
@@ -1021,15 +903,12 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   scratch += [swizzled((tile_h, step_rows), q.dtype, sw), plgpu.SMEM((tile_h,), jnp.float32),
               plgpu.SMEM((_IDX_RING, _STEP), jnp.int32),
               plgpu.Barrier(),
-              # bulk bf16: every row chunk's copy arrives (register_a: its 64-byte NoPE chunks,
-              # RoPE chunks and tile scales); else the memory warpgroup once.
-              plgpu.Barrier(num_arrivals=(_STEP * chunks if gather == "bulk" and not fp8 else
-                                          _STEP * (lora // _COLS + tiles[1] + tiles[0])
-                                          if gather == "bulk" and register_a else 1),
+              # bulk bf16: every row chunk's copy arrives; else the memory warpgroup once.
+              plgpu.Barrier(num_arrivals=_STEP * chunks if gather == "bulk" and not fp8 else 1,
                             num_barriers=row_slots),
               plgpu.Barrier(num_arrivals=_VALUE_WGS, num_barriers=row_slots),
               plgpu.Barrier(), plgpu.Barrier(), plgpu.Barrier(num_barriers=_IDX_RING)]
-  if fp8 and not register_a and not (prep_in_kernel and gather == "cp_async"):
+  if fp8 and not (prep_in_kernel and gather == "cp_async"):
     # A staging fill's scales copy, and with the bulk gather every row chunk's copy; prep_in_kernel
     # (bulk in the interpreter): every row chunk's and every row's tile scale's copy (cp_async:
     # none, the rows' cp.async group carries the scales).
@@ -1046,8 +925,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                      f"block's {_SMEM_LIMIT}")
 
   kernel = functools.partial(_kernel, scale=scale, lora=lora, num_splits=splits, fp8=fp8,
-                             in_place=in_place, register_a=register_a, num_slots=num_slots,
-                             gather=gather,
+                             in_place=in_place, num_slots=num_slots, gather=gather,
                              heads_n=heads_n, prep_in_kernel=prep_in_kernel,
                              interpret=bool(interpret))
   o_parts, lse_parts = plgpu.kernel(
@@ -1073,7 +951,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
       interpret=interpret or None,
       kernel_name=(f"mosaic_sparse_{'ds_mla' if fp8 else 'bf16'}"
                    f"{f'_half{fp8_stage_halves}' if half_rows else ''}"
-                   f"{'_in_place' if in_place else ''}{'_register_a' if register_a else ''}"
+                   f"{'_in_place' if in_place else ''}"
                    f"{f'_heads_n{tile_h}' if heads_n else ''}"
                    f"{'_prep' if prep_in_kernel else ''}"
                    f"_{gather}_s{splits}"),
@@ -1081,7 +959,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   if splits == 1:
     o, lse = o_parts[:, 0], lse_parts[:, 0]
   else:
-    o, lse = merge_splits(o_parts, lse_parts, q_dtype)
+    o, lse = merge_splits(o_parts, lse_parts, q.dtype)
   return o[:, :n], lse[:, :n]
 
 
@@ -1089,25 +967,9 @@ _STATIC = ("scale", "num_splits", "auto_barriers", "interpret", "gather", "split
            "heads_in", "prep_in_kernel")
 GATHERS = ("cp_async", "bulk")
 SPLIT_RULES = ("fill", "one_wave")
-FP8_PIPELINES = ("serial", "half_rows", "in_place", "register_a")
+FP8_PIPELINES = ("serial", "half_rows", "in_place")
 HEADS_IN = ("m", "n")
-HEADS_N_FP8_PIPELINES = ("serial", "in_place", "register_a")  # the ones heads_in="n" takes
-# fp8_pipeline="register_a": its heads are wgmma's N (the e4m3 rows are the A operand only in S^T =
-# K Q^T and O^T = V^T P^T); above HEADS_N_TILES' 32 heads a program takes 64, wgmma's M as N.
-_REGISTER_A_HEADS = 64
-_REGISTER_A_STAGES = 2  # e4m3 row slots (41 KB each at L=512): bf16's two, gathered as bf16's
-_KEY_TILES_IN_FLIGHT = 2  # register_a: key tiles whose products run while the next converts
-
-
-def value_columns(lora: int, register_a: bool) -> tuple[int, int]:
-  """Value columns of warpgroups 0 and 1: half each, or with register_a a quarter of the
-  64-column tiles (rounded down) to warpgroup 0, which also holds S^T, its key tiles and, heads in
-  N, the softmax's m and l a head (16 registers each a thread at 64 heads). ptxas, 64 heads, step
-  loops' spill loads: 4 tiles each ~100, 3 and 5 ~35, 2 and 6 ~10 (RESULTS, sparse v15)."""
-  if not register_a:
-    return (lora // _VALUE_WGS,) * _VALUE_WGS
-  first = lora // _COLS // 4
-  return first * _COLS, lora - first * _COLS
+HEADS_N_FP8_PIPELINES = ("serial", "in_place")  # fp8_ds_mla pipelines heads_in="n" takes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1145,13 +1007,6 @@ class MosaicSparseConfig:
     bf16's 64-slot steps (half_rows' 32-slot steps set its pace at N=128, RESULTS v7, v8); a
     step's gather then waits for its slot to be free (half_rows': two half steps ahead). cp_async
     only (the bulk gather on the GPU would need untiled aliases of the in-place views).
-  - "register_a" (RESULTS, sparse v15; not timed): no widening and no bf16 slot. The e4m3 rows
-    land as gathered (NoPE in 64-byte chunks, 64-byte swizzle) in bf16's two row slots' place,
-    as bf16 rows do, and the consumers take them as wgmma's register A operand: heads in N (S^T =
-    K Q^T, O^T = V^T P^T; 64 heads a program above 32, else 16 or 32), each [64, 64] tile loaded,
-    converted to f16 and multiplied by its rows' tile scales in registers (`nope_tile`); f16
-    queries (`f16_queries`) and P^T; a quarter of the value columns in warpgroup 0
-    (`value_columns`). cp_async and prep_in_kernel only, one split (heads_in="n"'s).
   heads_in, where a program's heads sit in the wgmma shapes. None (the default) picks from static
   shapes (`default_heads_in`): "n" for bf16 caches at N <= 32 run in one split, else "m". "m": 64
   heads as M (N < 64 in the 64-row tile: at N=16 three quarters of the tensor work and of the
@@ -1215,13 +1070,8 @@ class MosaicSparseConfig:
     if self.fp8_pipeline is not None and self.fp8_pipeline not in FP8_PIPELINES:
       raise ValueError(f"fp8_pipeline must be None or one of {FP8_PIPELINES}, got "
                        f"{self.fp8_pipeline!r}")
-    if self.fp8_pipeline in ("in_place", "register_a") and self.gather != "cp_async":
-      raise ValueError(f"fp8_pipeline \"{self.fp8_pipeline}\" takes the cp_async gather, got "
-                       f"{self.gather!r}")
-    if self.fp8_pipeline == "register_a" and (self.heads_in == "m" or self.prep_in_kernel is False):
-      raise ValueError(f"fp8_pipeline \"register_a\" takes heads_in \"n\" (or None) and "
-                       f"prep_in_kernel True (or None), got {self.heads_in!r} and "
-                       f"{self.prep_in_kernel!r}")
+    if self.fp8_pipeline == "in_place" and self.gather != "cp_async":
+      raise ValueError(f"fp8_pipeline \"in_place\" takes the cp_async gather, got {self.gather!r}")
     if self.fp8_stage_halves not in ((2, 3) if self.fp8_pipeline == "half_rows" else (2,)):
       raise ValueError(f"fp8_stage_halves must be 2 (or 3 with fp8_pipeline \"half_rows\"), got "
                        f"{self.fp8_stage_halves!r} with {self.fp8_pipeline!r}")
@@ -1243,7 +1093,7 @@ SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rul
          MosaicSparseConfig(fp8_pipeline="in_place"), MosaicSparseConfig(heads_in="m"),
          MosaicSparseConfig(heads_in="n"),
          MosaicSparseConfig(fp8_pipeline="in_place", heads_in="n"),
-         MosaicSparseConfig(prep_in_kernel=False), MosaicSparseConfig(fp8_pipeline="register_a"))
+         MosaicSparseConfig(prep_in_kernel=False))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))
@@ -1314,8 +1164,8 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   "in_place", or None: `default_fp8_pipeline`'s pick for these shapes, num_splits, split_rule and
   gather) and fp8_stage_halves: `MosaicSparseConfig`'s; heads_in too ("n" with fp8_pipeline "serial"
   or "in_place" named; None: `default_heads_in`, "m") and prep_in_kernel too (None: True with the
-  cp_async gather up to FP8_PREP_MAX_ROWS rows and with fp8_pipeline "register_a", else False).
-  Returns o [T, N, L] bf16 and lse [T, N] float32.
+  cp_async gather up to FP8_PREP_MAX_ROWS rows, else False). Returns o [T, N, L] bf16 and lse
+  [T, N] float32.
   """
   nb, page, lora = nope.shape
   _check(q, slots, lora, num_splits)
@@ -1329,13 +1179,10 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in,
                      prep_in_kernel)  # checks them
   if prep_in_kernel is None:
-    prep_in_kernel = gather == "cp_async" and (q.shape[0] <= FP8_PREP_MAX_ROWS
-                                               or fp8_pipeline == "register_a")  # its only form
+    prep_in_kernel = gather == "cp_async" and q.shape[0] <= FP8_PREP_MAX_ROWS
   if prep_in_kernel and gather != "cp_async":
     raise ValueError(f"prep_in_kernel with fp8_ds_mla takes the cp_async gather (bulk copies of "
                      f"4-byte tile scales are under a bulk copy's 16-byte box), got {gather!r}")
-  if heads_in is None and fp8_pipeline == "register_a":
-    heads_in = "n"
   if heads_in is None:
     heads_in = default_heads_in(q.shape[0], q.shape[1], slots.shape[1], fp8=True,
                                 num_splits=num_splits, split_rule=split_rule)

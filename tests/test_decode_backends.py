@@ -12,7 +12,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from decode_contract import FP8_SCALE, L, SCALE, DecodeContract, assert_decode_close, make_case
 from mla_jax import backends
 from oracles import latent_decode_np
-from pallas_kernels import common, mosaic_decode
+from pallas_kernels import mosaic_decode
 from pallas_kernels.common import HEADS_N_TILES, default_num_kv_splits, register_pool
 from pallas_kernels.latent_decode import latent_decode
 
@@ -521,7 +521,7 @@ class TestPallasMosaicDecodeHeadsNRegisterA(TestPallasMosaicDecodeHeadsN):
     q[1] *= 2.0 ** 20
     q[1, 0, 0] = 5 * 2.0 ** 20  # its largest in [2^22, 2^23): 2^8 brings it below 2^15
     q[3, 5, 7] = 65536.0
-    q16, back = common.f16_queries(jnp.asarray(q))
+    q16, back = mosaic_decode._f16_queries(jnp.asarray(q))
     assert q16.dtype == jnp.float16
     np.testing.assert_array_equal(np.asarray(back), [1, 2.0 ** 8, 1, 4])
     np.testing.assert_array_equal(np.asarray(q16, np.float32) * np.asarray(back)[:, None, None],

@@ -751,8 +751,6 @@ def test_mosaic_sparse_fp8_ds_mla_default_prep_by_rows(t, prep):
       mosaic_sparse.sparse_attention_fp8_ds_mla, scale=0.1, **knobs))(*args))
   assert jaxpr() == jaxpr(prep_in_kernel=prep)
   assert ("_prep_cp_async" in jaxpr()) == prep
-  # fp8_pipeline="register_a" has only the in-kernel form: it takes it at any T.
-  assert jaxpr(fp8_pipeline="register_a") == jaxpr(fp8_pipeline="register_a", prep_in_kernel=True)
 
 
 def test_mosaic_sparse_heads_in_n_runs_one_split(monkeypatch):
@@ -1039,8 +1037,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     for other in (dict(fp8_pipeline="serial"), dict(fp8_pipeline="half_rows"),
                   dict(fp8_pipeline="half_rows", fp8_stage_halves=3),
                   dict(fp8_pipeline="in_place"), dict(heads_in="m"), dict(heads_in="n"),
-                  dict(fp8_pipeline="in_place", heads_in="n"), dict(prep_in_kernel=False),
-                  dict(fp8_pipeline="register_a")):
+                  dict(fp8_pipeline="in_place", heads_in="n"), dict(prep_in_kernel=False)):
       assert mosaic_sparse.MosaicSparseConfig(**other) in mosaic_sparse.SWEEP
 
 
@@ -1093,42 +1090,6 @@ class TestPallasMosaicSparseAttentionInPlace(TestPallasMosaicSparseAttentionSeri
   # contract's fp8_ds_mla cases run here too.
   test_fp8_ds_mla_cache_matches_dequantized_oracle = (
       TestPallasMosaicSparseAttention.test_fp8_ds_mla_cache_matches_dequantized_oracle)
-
-
-class TestPallasMosaicSparseAttentionRegisterA(TestPallasMosaicSparseAttentionSerial):
-  """fp8_pipeline="register_a" (a non-default; RESULTS, sparse v15): no bf16 slot, the e4m3 rows
-  as gathered are wgmma's A operand (S^T = K Q^T, O^T = V^T P^T, heads in N: 64 a program above
-  32 heads), converted to f16 and scaled by their tile scales in registers; f16 queries and P^T.
-  The contract's fp8_ds_mla cases (L=128: one e4m3 tile, half of it a value tile; L=512: four)
-  and the multi-step case (NaN in unselected rows, -1 and past-the-cache slots, a row with none
-  valid, both row slots alternating) at 64 heads (one tile of 64) and 16. The interpreter takes a
-  shared-memory A, so each converted tile goes through a_smem: the loads, views, conversions and
-  scales are checked here, the register operand by the lowering and the GPU cases."""
-  fp8_pipeline = "register_a"
-  test_fp8_ds_mla_cache_matches_dequantized_oracle = (
-      TestPallasMosaicSparseAttention.test_fp8_ds_mla_cache_matches_dequantized_oracle)
-
-  @pytest.mark.parametrize("n,lora", [(64, L), (16, 256)])
-  def test_fp8_ds_mla_steps_of_one_split_match_oracle(self, n, lora):
-    TestPallasMosaicSparseAttention.test_fp8_ds_mla_steps_of_one_split_match_oracle(self, n, lora)
-
-  # The register A operands, the 64-byte chunks' cp.async gather and swizzle, 64 heads in N (two
-  # tiles at 128) and the uneven value columns' stores: 128, 32 and 16 heads (tiles 64, 32, 16).
-  @pytest.mark.parametrize("n", [128, 32, 16])
-  def test_register_a_lowers_for_hopper(self, n, monkeypatch):
-    check_lowers_for_hopper(monkeypatch, n, True, "cp_async", "register_a", 2, heads_in=None,
-                            prep_in_kernel=None)
-
-  @pytest.mark.parametrize("options,message", [
-      (dict(gather="bulk"), "takes the cp_async gather"),
-      (dict(heads_in="m"), "takes heads_in"), (dict(prep_in_kernel=False), "takes heads_in")])
-  def test_register_a_refuses_what_it_does_not_take(self, options, message):
-    q, slots = jnp.zeros((2, 16, L + R), jnp.bfloat16), jnp.zeros((2, 8), jnp.int32)
-    with pytest.raises(ValueError, match=message):
-      mosaic_sparse.sparse_attention_fp8_ds_mla(
-          q, jnp.zeros((4, 16, L), jnp.float8_e4m3fn), jnp.zeros((4, 16, L // 128), jnp.float32),
-          jnp.zeros((4, 16, R), jnp.bfloat16), slots, scale=0.1, fp8_pipeline="register_a",
-          interpret=True, **options)
 
 
 class TestPallasMosaicSparseAttentionHeadsM(TestPallasMosaicSparseAttention):
