@@ -29,8 +29,7 @@ P^T (`MosaicDecodeConfig`); there fp8_pipeline "register_a" (the fp8 default the
 bf16 slot: the e4m3 pages land in a ring of 4 slots (18 + 4 x 36 + 2 KB + the reduction scratch =
 166 KB at 16 heads, 188 at 32) and the consumers convert their tiles in registers as wgmma's A
 operand, warpgroup 0 the keys and warpgroup 1 all 512 value columns (O^T takes 64 registers a
-thread at 16 heads), or with value_warpgroups=2 warpgroups 1 and 2 256 each (a fourth warpgroup,
-the memory one last).
+thread at 16 heads).
 
 `interpret=True` (or an `InterpretGPUParams`) runs the same kernel on the CPU through Mosaic GPU's
 interpreter, which simulates the warpgroups, barriers, bulk copies and wgmma, but not registers,
@@ -63,8 +62,6 @@ from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
 
 FP8_PIPELINES = ("serial", "half_pages", "shared_widening", "register_a")
 HEADS_IN = ("m", "n")
-# register_a's warpgroups holding the value columns (`MosaicDecodeConfig.value_warpgroups`).
-VALUE_WARPGROUPS = (1, 2)
 # The fp8 pipelines heads_in="n" takes: its consumers step 64 tokens (wgmma's M), so
 # "shared_widening" runs as 64-token steps there (one bf16 slot, warpgroup 1 widening its value
 # columns of page i + 1 after its P V of page i, the memory warpgroup the other tiles).
@@ -127,21 +124,12 @@ class MosaicDecodeConfig:
   or "register_a" (above; "n" only), "half_pages" a ValueError. H200 (session 12), S=8192, N=16,
   ms, "m" / "n" in one process: bf16 B=128 0.309 / 0.296, B=32 0.0994 / 0.0902; fp8
   ("shared_widening") B=128 0.481 / 0.462, B=32 0.142 / 0.142; session 13, bf16 N=32: B=128
-  0.301 / 0.297, B=32 0.100 / 0.0954.
-  value_warpgroups (an fp8 cache with fp8_pipeline "register_a" only: a ValueError with the other
-  fp8 pipelines; bf16 caches ignore it), the warpgroups that hold the value columns beside
-  warpgroup 0's scores: 1 (the default) warpgroup 1 all 512 (3 warpgroups a block: a scheduler
-  runs one scores, one values and one memory warp); 2 warpgroups 1 and 2, 256 columns each (4
-  warpgroups, `_SPLIT_VALUES_REGS` registers): each value chain is half as long, and a scheduler
-  has two value warps whose shared-memory loads, conversions and products overlap (the default's
-  profile: latency-bound, 3 warps a scheduler, 0.48 eligible; benchmarks/RESULTS.md, "register_a
-  with two value warpgroups"; not timed)."""
+  0.301 / 0.297, B=32 0.100 / 0.0954."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
   fp8_pipeline: str | None = None
   heads_in: str | None = None
-  value_warpgroups: int = 1
 
   def __post_init__(self):
     if self.block_h != 64:
@@ -157,9 +145,6 @@ class MosaicDecodeConfig:
                        f"{self.fp8_pipeline!r}")
     if self.heads_in is not None and self.heads_in not in HEADS_IN:
       raise ValueError(f"heads_in must be None or one of {HEADS_IN}, got {self.heads_in!r}")
-    if self.value_warpgroups not in VALUE_WARPGROUPS:
-      raise ValueError(f"value_warpgroups must be one of {VALUE_WARPGROUPS}, got "
-                       f"{self.value_warpgroups!r}")
 
 
 # heads_in=None runs "n" up to this many heads: bf16 1.01-1.10x "m" at 16 and 32 heads (sessions
@@ -190,11 +175,10 @@ CONFIG = MosaicDecodeConfig()
 SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"),
          MosaicDecodeConfig(fp8_pipeline="half_pages"),
          MosaicDecodeConfig(heads_in="n"), MosaicDecodeConfig(fp8_pipeline="serial", heads_in="n"),
-         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n"),
-         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", value_warpgroups=2))
+         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n"))
 # Fields that one cache dtype alone reads (with the other, the program is the same whatever they
 # are): a sweep times a config only with the cache dtype whose program it changes.
-DTYPE_KNOBS = {"fp8_pipeline": jnp.dtype(F8), "value_warpgroups": jnp.dtype(F8)}
+DTYPE_KNOBS = {"fp8_pipeline": jnp.dtype(F8)}
 _TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
 # fp8 caches: 2 slots of e4m3 bytes (36 KB each) that the memory warpgroup widens into the bf16
 # slots the products read ("serial": one of 64 rows; "half_pages": two of 32 rows), so the shared
@@ -214,10 +198,6 @@ MAX_GRID_TOKENS = 65535  # tokens launch on the grid's z axis, at most 65535 pro
 # common.register_pool(3) (504, not 512: the inferred cause of the fp8 path's hang on the H200
 # with (224, 64), RESULTS.md). With an fp8 cache the memory warpgroup widens tiles.
 _REGS = {False: (232, 40), True: (224, 56)}
-# register_a with value_warpgroups=2: (scores, each values, memory) registers a thread of 4
-# warpgroups, summing to common.register_pool(4) (512). The scores keep key tiles in flight and
-# the query tile's wgmma descriptors (152 spilled those); a value warpgroup holds 256 columns.
-_SPLIT_VALUES_REGS = (200, 144, 24)
 # fp8_pipeline="register_a": e4m3 slots in a ring of 4 (18-36 KB query tile + 4 x 36 KB + P^T fit:
 # 166 KB at 16 heads, 188 at 32); its memory warpgroup only issues bulk copies (the bf16 split of
 # _REGS).
@@ -233,16 +213,12 @@ _VALUE_TILES_IN_FLIGHT = {16: 4, 32: 2}
 _MAX_HEAD_DIM = 576  # 3 x 64 rows x D bf16 + P must fit in shared memory
 
 
-def _value_columns(lora: int, register_a: bool, value_warpgroups: int = 1) -> tuple[int, ...]:
-  """Value columns of each consumer warpgroup (0, 1 and with value_warpgroups=2 also 2): half
-  each of 0 and 1, or with register_a none in warpgroup 0 and all in warpgroup 1 (O^T [512, 16
-  heads] is 64 registers a thread, 128 at 32), so that warpgroup 0's step is the scores and
-  softmax only and warpgroup 1 converts every value tile: SASS instructions a thread a step, B=128
-  N=16, 650 and 658 (973 and 343 with the halves; warpgroup 0's chain paced the kernel); or
-  split evenly over value_warpgroups warpgroups from 1 on."""
-  if register_a:
-    return (0,) + (lora // value_warpgroups,) * value_warpgroups
-  return (lora // _VALUE_WGS,) * _VALUE_WGS
+def _value_columns(lora: int, register_a: bool) -> tuple[int, int]:
+  """Value columns of warpgroups 0 and 1: half each, or with register_a all in warpgroup 1 (O^T
+  [512, 16 heads] is 64 registers a thread, 128 at 32), so that warpgroup 0's step is the scores
+  and softmax only and warpgroup 1 converts every value tile: SASS instructions a thread a step,
+  B=128 N=16, 650 and 658 (973 and 343 with the halves; warpgroup 0's chain paced the kernel)."""
+  return (0, lora) if register_a else (lora // _VALUE_WGS,) * _VALUE_WGS
 
 
 def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_ref, buffers, p_smem,
@@ -259,11 +235,11 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # dtype, lse_smem [64] f32), live after; p_smem [64, rows] bf16 (this step's P); row_smem [64]
   # f32 (this step's rescale factors, then l). The consumers step `rows` tokens at a time.
   # Barriers: q_bar (query tile landed); ready [slots] (slot holds its step's bf16 rows);
-  # consumed [slots] (every consumer warpgroup done with the slot); p_ready (P and row_smem
-  # written); p_free (the warpgroups from 1 on done reading them). fp8 only, staging = (stage
-  # [FP8_STAGES, 64, D] e4m3, 64-byte swizzled; staged [FP8_STAGES] barriers: a stage slot's bytes
-  # landed), and with shared_widening (warpgroup 1 widens its value columns; ready then takes 2
-  # arrivals) a third: stage_free [FP8_STAGES] barriers (warpgroup 1 done reading a stage slot).
+  # consumed [slots] (both value warpgroups done with the slot); p_ready (P and row_smem
+  # written); p_free (warpgroup 1 done reading them). fp8 only, staging = (stage [FP8_STAGES, 64,
+  # D] e4m3, 64-byte swizzled; staged [FP8_STAGES] barriers: a stage slot's bytes landed), and
+  # with shared_widening (warpgroup 1 widens its value columns; ready then takes 2 arrivals) a
+  # third: stage_free [FP8_STAGES] barriers (warpgroup 1 done reading a stage slot).
   # heads_n (heads_in="n"): the tile's 16 or 32 heads (q_smem [tile_h, D], p_smem [tile_h, 64],
   # row_smem and lse_smem [tile_h]) are wgmma's N: S^T = K Q^T [64 tokens, heads], its softmax over
   # axis 0, P^T stored transposed into p_smem, O^T = V^T P^T in [64 columns, heads] value tiles
@@ -273,20 +249,13 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # (64-byte swizzled) filled by bulk copies as the bf16 slots are; q_smem and p_smem are f16; the
   # consumers convert their e4m3 tiles in registers into wgmma's A operand; warpgroup 1 holds all
   # the value columns (value_cols, o_smem [1, heads, L] or [1, L, heads]). No staging then, except
-  # in the interpreter form: a_smem [consumers, 64, 64] f16, warpgroup w's converted tile
-  # (`a_operand`). value_cols has one entry a consumer warpgroup (2, or 3 with register_a's
-  # value_warpgroups=2: warpgroups 1 and 2 hold 256 value columns each); the memory warpgroup
-  # comes after them.
+  # in the interpreter form: a_smem [2, 64, 64] f16, warpgroup w's converted tile (`a_operand`).
   (q_smem, kv_smem), (o_smem, lse_smem) = buffers
   a_smem, staging = (staging[0] if staging else None, ()) if register_a else (None, staging)
   fp8 = bool(staging)  # the widening pipelines (bf16 slots widened from an e4m3 stage)
   slots, step_rows = kv_smem.shape[:2]
   pieces = _STEP // step_rows  # consumer steps per 64-row bulk copy
-  consumers = len(value_cols)
-  if consumers == _VALUE_WGS:
-    (scores_regs, memory_regs), values_regs = _REGS[fp8], _REGS[fp8][0]
-  else:
-    scores_regs, values_regs, memory_regs = _SPLIT_VALUES_REGS
+  consumer_regs, memory_regs = _REGS[fp8]
   h, split, t = lax.axis_index("heads"), lax.axis_index("splits"), lax.axis_index("tokens")
   wg = lax.axis_index("wg")
   num_blocks, page, _ = kv_ref.shape
@@ -435,7 +404,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
 
   @pl.when(wg == 0)
   def _scores():
-    plgpu.set_max_registers(scores_regs, action="increase")
+    plgpu.set_max_registers(consumer_regs, action="increase")
 
     @pl.when(n > 0)
     def _():
@@ -489,8 +458,9 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   value_tiles = range(half // _FP8_COLS, lora // _FP8_COLS) if shared_widening else range(0)
   memory_tiles = [c for c in all_tiles if c not in value_tiles]
 
-  def values(w):
-    plgpu.set_max_registers(values_regs, action="increase")
+  @pl.when(wg == 1)
+  def _values():
+    plgpu.set_max_registers(consumer_regs, action="increase")
     widen_own = None
     if shared_widening:
       stage, staged, stage_free = staging
@@ -518,14 +488,11 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
         pl.when(part == slots - 1)(functools.partial(plgpu.barrier_arrive, stage_free.at[s]))
         plgpu.barrier_arrive(ready.at[part])
 
-    run_values(n * pieces, slots, lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, w),
-               zero_acc(w), ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready,
-               p_free=p_free, **out(w), widen=widen_own, heads_axis=heads_axis)
+    run_values(n * pieces, slots, lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, 1),
+               zero_acc(1), ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready,
+               p_free=p_free, **out(1), widen=widen_own, heads_axis=heads_axis)
 
-  for w in range(1, consumers):
-    pl.when(wg == w)(functools.partial(values, w))
-
-  @pl.when(wg == consumers)
+  @pl.when(wg == _VALUE_WGS)
   def _memory():
     plgpu.set_max_registers(memory_regs, action="decrease")
 
@@ -684,13 +651,12 @@ def _f16_queries(q):
 
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits",
                                              "split_tokens", "fp8_pipeline", "heads_in",
-                                             "value_warpgroups", "interpret"))
+                                             "interpret"))
 def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
                   *, scale: float, kv_lora_rank: int = 512,
                   k_scale: jax.Array | float | None = None, num_kv_splits: int | None = None,
                   split_tokens: int | None = None, fp8_pipeline: str | None = CONFIG.fp8_pipeline,
                   heads_in: str | None = CONFIG.heads_in,
-                  value_warpgroups: int = CONFIG.value_warpgroups,
                   interpret: bool | plgpu.InterpretGPUParams = False
                   ) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
@@ -706,14 +672,12 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   `MosaicDecodeConfig`; None: `default_fp8_pipeline`; a bf16 cache ignores it). heads_in:
   `MosaicDecodeConfig`'s (None: `default_heads_in`, "n" at N <= 32; "n": N <= 32 heads as
   wgmma's N, with an fp8 cache with fp8_pipeline "serial", "shared_widening" or "register_a",
-  the last with "n" only). value_warpgroups: register_a's warpgroups holding the value columns
-  (1 or 2, `MosaicDecodeConfig`; other fp8 pipelines take 1, a bf16 cache ignores it).
+  the last with "n" only).
   interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
   o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
   _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits, split_tokens)
-  MosaicDecodeConfig(fp8_pipeline=fp8_pipeline, heads_in=heads_in,
-                     value_warpgroups=value_warpgroups)  # checks them
+  MosaicDecodeConfig(fp8_pipeline=fp8_pipeline, heads_in=heads_in)  # checks them
   fp8 = kv_cache.dtype == F8
   if heads_in is None:
     heads_in = default_heads_in(q.shape[1], fp8, fp8_pipeline)
@@ -724,9 +688,6 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   if register_a and not heads_n:
     raise ValueError("fp8_pipeline=\"register_a\" takes heads_in=\"n\" (or None) only: the page "
                      f"is wgmma's A operand only with heads in N; got heads_in={heads_in!r}")
-  if fp8 and not register_a and value_warpgroups != 1:
-    raise ValueError(f"value_warpgroups={value_warpgroups} takes fp8_pipeline=\"register_a\" "
-                     f"(the other fp8 pipelines take 1), got fp8_pipeline={fp8_pipeline!r}")
   if heads_n and fp8 and fp8_pipeline not in HEADS_N_FP8_PIPELINES:
     raise ValueError(f"heads_in=\"n\" with an fp8 cache takes fp8_pipeline "
                      f"{' or '.join(HEADS_N_FP8_PIPELINES)} (64-token steps: wgmma's M), got "
@@ -757,8 +718,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   shared_widening = fp8 and fp8_pipeline == "shared_widening"
   # Heads in N step 64 tokens: "shared_widening" without half pages.
   half_pages = fp8 and fp8_pipeline in ("half_pages", "shared_widening") and not heads_n
-  value_cols = _value_columns(kv_lora_rank, register_a, value_warpgroups if register_a else 1)
-  consumers = len(value_cols)
+  value_cols = _value_columns(kv_lora_rank, register_a)
   # Mosaic GPU's interpreter runs no in-place accumulation (see accumulate_values).
   kernel = functools.partial(_decode_kernel, scale=scale, lora=kv_lora_rank, num_splits=splits,
                              split_steps=split_tokens and split_tokens // _STEP,
@@ -777,7 +737,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
     slots = _REGISTER_A_STAGES
     slot_type = swizzled((slots, _STEP, d), F8, _FP8_COLS)
     if interpret:  # each consumer's converted A tile (`a_operand`)
-      staging = (swizzled((consumers, _FP8_COLS, _FP8_COLS), q.dtype),)
+      staging = (swizzled((_VALUE_WGS, _FP8_COLS, _FP8_COLS), q.dtype),)
   elif fp8:
     staging = (plgpu.SMEM((_FP8_STAGES, _STEP, d), F8,
                           transforms=(plgpu.TilingTransform((8, _FP8_COLS)),
@@ -812,9 +772,9 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
           # ready: the memory warpgroup's bulk copy or widening, and warpgroup 1's widening too
           # with shared_widening.
           plgpu.Barrier(num_arrivals=1 + shared_widening, num_barriers=slots),
-          plgpu.Barrier(num_arrivals=consumers, num_barriers=slots),
+          plgpu.Barrier(num_arrivals=_VALUE_WGS, num_barriers=slots),
           plgpu.Barrier(),
-          plgpu.Barrier(num_arrivals=consumers - 1),  # p_free: the warpgroups reading p_smem
+          plgpu.Barrier(),
           *staging,
       ),
       # Mosaic GPU makes the grid's last axis CUDA's x, the fastest in launch order: the head tiles
@@ -822,7 +782,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
       # 1.12x tokens fastest, which read every page from HBM twice: DRAM at 88% of its peak).
       grid=(t, splits, head_tiles),
       grid_names=("tokens", "splits", "heads"),
-      num_threads=consumers + 1,
+      num_threads=_VALUE_WGS + 1,
       thread_name="wg",
       # Row reductions of the WGMMA layout stay within a warp (shuffles), so the cross-warp
       # reduction scratch (2 KB by default) is not needed, and with 64 heads it would not fit;
@@ -833,7 +793,6 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
       interpret=interpret or None,
       kernel_name=(f"mosaic_latent_decode_{'fp8' if fp8 else 'bf16'}{'_half' if half_pages else ''}"
                    f"{'_shared' if shared_widening else ''}{'_register_a' if register_a else ''}"
-                   f"{'_values2' if consumers > _VALUE_WGS else ''}"
                    f"{f'_heads_n{tile_h}' if heads_n else ''}"
                    f"_p{page}_s{splits}"),
   )(q, kv_cache, block_tables, seq_lens, k_scale, q_scales)

@@ -191,13 +191,7 @@ class TestPallasMosaicDecode(DecodeContract):
       (128, 16, 8192, None, jnp.bfloat16, {"heads_in": "n"}),
       # register_a's timed shape (one split); only this lowering (and the GPU) runs its register
       # A operands, which the interpreter takes through shared memory.
-      (128, 16, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a"}),
-      # register_a with two value warpgroups (4 warpgroups, `_SPLIT_VALUES_REGS`): every output
-      # form, both head tiles.
-      *[(batch, n, 8192, splits, jnp.float8_e4m3fn,
-         {"fp8_pipeline": "register_a", "heads_in": "n", "value_warpgroups": 2, **fixed})
-        for batch, n, splits, fixed in ((128, 16, None, {}), (32, 32, 4, {}),
-                                        (32, 32, None, {"split_tokens": 2048}))]])
+      (128, 16, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a"})])
   def test_lowers_for_hopper(self, batch, n, seq, splits, cache_dtype, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # shapes and layouts, bulk-copy boxes, and that shared memory fits a Hopper block's 227 KB.
@@ -230,10 +224,6 @@ class TestPallasMosaicDecode(DecodeContract):
     for consumer, memory in mosaic_decode._REGS.values():
       assert 2 * consumer + memory <= register_pool(3) == 3 * 168
       assert all(r % 8 == 0 and 24 <= r <= 256 for r in (consumer, memory))
-    # register_a with value_warpgroups=2: 4 warpgroups (scores, 2 x values, memory).
-    scores, values, memory = mosaic_decode._SPLIT_VALUES_REGS
-    assert scores + 2 * values + memory <= register_pool(4) == 4 * 128
-    assert all(r % 8 == 0 and 24 <= r <= 256 for r in (scores, values, memory))
 
   @pytest.mark.parametrize("change,message", [
       (lambda a: {**a, "q": a["q"][0]}, "want q"),
@@ -537,55 +527,6 @@ class TestPallasMosaicDecodeHeadsNRegisterA(TestPallasMosaicDecodeHeadsN):
         128, n=16, page=64, req_lens=[20, 5], cache_dtype=jnp.float8_e4m3fn))
     args = dict(q=q, kv_cache=cache, block_tables=tables, seq_lens=lens, k_scale=FP8_SCALE,
                 fp8_pipeline="register_a")
-    with pytest.raises(ValueError, match=message):
-      mosaic_decode.latent_decode(**change(args), scale=0.1, interpret=True)
-
-
-class TestPallasMosaicDecodeRegisterAValueWarpgroups(TestPallasMosaicDecodeHeadsNRegisterA):
-  """register_a with value_warpgroups=2 (warpgroups 1 and 2 hold 256 value columns each, the
-  memory warpgroup is the fourth; consumed takes 3 arrivals, p_free 2): the fp8 cases of the
-  heads_in="n" tests (16 and 32 heads, one split and several, lengths cutting pages, bad table
-  entries) and the race detector over the hand-off both value warpgroups read and their two output
-  stagings over the page memory."""
-  knob, value = "value_warpgroups", 2
-  others = {"fp8_pipeline": "register_a", "heads_in": "n"}
-  # The parent's: the same code at either value_warpgroups (the f16 queries, the pipeline rules).
-  test_register_a_defaults_to_heads_n = None
-  test_default_fp8_pipeline = None
-  test_queries_past_f16_range = None
-  test_f16_queries_are_exact_powers_of_two = None
-  test_register_a_bad_input_raises = None
-  test_bad_input_raises = None
-
-  @pytest.mark.parametrize("n,cache_dtype", [(16, jnp.float8_e4m3fn)])
-  def test_no_races_in_the_interpreter(self, n, cache_dtype):
-    for splits in (1, 2):
-      check_no_races(126, n, cache_dtype, num_kv_splits=splits, **self.others,
-                     value_warpgroups=self.value)
-
-  def test_bit_identical_to_one_value_warpgroup(self):
-    # Each value tile's products and rescales run in the same order in whichever warpgroup holds
-    # it: the outputs' bits are value_warpgroups=1's (one split: bf16 stored transposed; 3 splits:
-    # float32 partials).
-    q, cache, tables, lens = (jnp.asarray(a) for a in make_case(
-        131, n=16, page=64, req_lens=[150, 64, 7, 200, 0], cache_dtype=jnp.float8_e4m3fn))
-    for splits in (1, 3):
-      run = lambda **k: mosaic_decode.latent_decode(
-          q, cache, tables, lens, scale=SCALE, k_scale=FP8_SCALE, num_kv_splits=splits,
-          **self.others, interpret=True, **k)
-      for a, b in zip(run(), run(value_warpgroups=self.value)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-  @pytest.mark.parametrize("change,message", [
-      (lambda a: {**a, "value_warpgroups": 3}, "value_warpgroups must be one of"),
-      (lambda a: {**a, "fp8_pipeline": "shared_widening"},
-       "value_warpgroups=2 takes fp8_pipeline=\"register_a\""),
-  ])
-  def test_value_warpgroups_bad_input_raises(self, change, message):
-    q, cache, tables, lens = (jnp.asarray(a) for a in make_case(
-        128, n=16, page=64, req_lens=[20, 5], cache_dtype=jnp.float8_e4m3fn))
-    args = dict(q=q, kv_cache=cache, block_tables=tables, seq_lens=lens, k_scale=FP8_SCALE,
-                fp8_pipeline="register_a", heads_in="n", value_warpgroups=2)
     with pytest.raises(ValueError, match=message):
       mosaic_decode.latent_decode(**change(args), scale=0.1, interpret=True)
 

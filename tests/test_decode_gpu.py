@@ -139,28 +139,6 @@ def test_register_a_matches_reference(seed, batch, max_len, n, splits, fixed):
       fp8_pipeline="register_a", **fixed))
 
 
-@pytest.mark.parametrize("seed,batch,max_len,n,splits,fixed", [
-    (7, 128, 8192, 16, None, {}),  # the timed shape (one split): bf16 output stored transposed
-    (9, 32, 8192, 32, 4, {}),  # float32 partials, 32 heads
-    (4, 32, 4096, 20, None, {"split_tokens": BATCH_INVARIANT_SPLIT_TOKENS}),  # padded to 32
-])
-def test_two_value_warpgroups_are_bit_identical(seed, batch, max_len, n, splits, fixed):
-  # value_warpgroups=2 (warpgroups 1 and 2 hold 256 value columns each): each value tile's
-  # products and rescales in the same order as in value_warpgroups=1's warpgroup 1, so its bits;
-  # and the reference's tolerances.
-  decode = functools.partial(mosaic_decode.latent_decode, num_kv_splits=splits, heads_in="n",
-                             fp8_pipeline="register_a", **fixed)
-  check_serving_case(seed, batch, max_len, n, jnp.float8_e4m3fn,
-                     functools.partial(decode, value_warpgroups=2))
-  q, cache, tables, lens = serving_case(seed, batch=batch, max_len=max_len, n=n,
-                                        cache_dtype=jnp.float8_e4m3fn)
-  run = lambda **k: jax.device_get(decode(q, cache, tables, lens, scale=SCALE,
-                                          k_scale=jnp.float32(FP8_SCALE), **k))
-  poison_allocator()
-  for a, b in zip(run(), run(value_warpgroups=2)):
-    np.testing.assert_array_equal(a, b)
-
-
 def test_register_a_queries_past_f16_range():
   # The f16 queries of register_a (the fp8 default at 16 heads): rows past f16's 65504 run scaled
   # by a power of two, scaled back in the kernel's score scale.
