@@ -28,7 +28,7 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            8-position sectors whose maximum reaches theta; the default from 32768 positions),
            the default with its theta flipped (fused with the group maxima or not), and v10's
            (the default with 2 or 4 bits a pass of theta's and the select's searches) and
-           v10b's (`lean_select`, also at 8 select warps);
+           v10b's (`lean_select` flipped: the default for many rows; also at 8 select warps);
            --topk-rows keeps only some of them.
   step     one layer's DSA decode step: indexer logits + top-k + slots + sparse attention (N=128,
            fp8_ds_mla latent cache), 128 decode rows at 32K context each; pallas_triton's and the
@@ -231,7 +231,8 @@ def run_topk(args, t, s):
                knobs_of(default), fused_theta=not default.fused_theta),
            **{f"v10, search_bits={b}": dict(knobs_of(default), theta_search_bits=b,
                                            select_search_bits=b) for b in (2, 4)},
-           "v10b, lean_select": dict(knobs_of(default), lean_select=True),
+           f"v10b, lean_select={not default.lean_select}": dict(
+               knobs_of(default), lean_select=not default.lean_select),
            "v10b, lean_select, select_warps=8": dict(knobs_of(default), lean_select=True,
                                                      select_warps=8)}
   variants = {}

@@ -36,8 +36,8 @@ theta (every candidate lies in one) and reads the logits of those only: ~14% of 
 v10 (`TopkConfig.theta_search_bits`, `.select_search_bits`; no default): theta's and the select's
 searches decide 2 or 4 bits a pass, counting 2^b thresholds in one block-wide reduction
 (`_kth_largest`): the same results in fewer passes, each counting more. v10b
-(`TopkConfig.lean_select`; no default): the select's rare full-width path streams its candidates,
-so the kernel's registers are the common path's.
+(`TopkConfig.lean_select`, the default for many rows): the select's rare full-width path streams
+its candidates, so the kernel's registers are the common path's.
 
 Not a radix select: a histogram of the keys' high bits needs scatter-adds into shared memory (or a
 warp's match). jax 0.11.2 offers none with an interpreter path: Pallas-Triton has no scratch
@@ -142,10 +142,13 @@ class TopkConfig:
 # layout (`flat_lanes`), 0.102 ms at 128 x 131072 and 0.0658 at 128 x 32768; removed in session 14
 # (no shape's default after v9). v9 (sectors; session 13, one process, the v8 default beside it):
 # 128 x 131072 0.0785 ms against 0.104, 4096 x 32768 (theta fused) 0.766 against 0.832, 128 x
-# 32768 0.0656 against 0.0648 (equal): few rows from 32768 positions and many rows take it.
+# 32768 0.0656 against 0.0648 (equal): few rows from 32768 positions and many rows take it. v10b
+# (lean_select; session 14, one process): 4096 x 32768 0.770 -> 0.729 ms (its select at 4 warps
+# no longer spills), so many rows take it; at 128 rows it moves only the select (13-14 us) and
+# timed within noise both ways (131072 0.0758 / 0.0667, 32768 0.0705 / 0.0751): not taken there.
 DEFAULT = TopkConfig(1024, 4, 1, 8)
 DEFAULT_LONG_ROWS = TopkConfig(1024, 4, 1, 8, sectors=True)
-DEFAULT_MANY_ROWS = TopkConfig(1024, 4, 1, 4, fused_theta=True, sectors=True)
+DEFAULT_MANY_ROWS = TopkConfig(1024, 4, 1, 4, fused_theta=True, sectors=True, lean_select=True)
 _LONG_ROW = 32768  # positions from which few rows take DEFAULT_LONG_ROWS
 # The sweep space: the variants `benchmarks/bench_sparse.py --sweep` times (128 x 131072).
 SWEEP = tuple(TopkConfig(*v) for v in [

@@ -444,6 +444,9 @@ class TestPallasTritonIndexer(IndexerContract):
     assert pallas_topk.default_config(rows, positions) == getattr(pallas_topk, want)
     assert pallas_topk.DEFAULT_LONG_ROWS.sectors and pallas_topk.DEFAULT_MANY_ROWS.sectors
     assert pallas_topk.DEFAULT_MANY_ROWS.fused_theta and not pallas_topk.DEFAULT.sectors
+    # v10b's streamed full-width select for many rows (session 14: 1.06x at 4096 x 32768).
+    assert pallas_topk.DEFAULT_MANY_ROWS.lean_select
+    assert not pallas_topk.DEFAULT_LONG_ROWS.lean_select
 
   @pytest.mark.parametrize("fused", [False, True], ids=["sectors", "sectors_fused"])
   @pytest.mark.parametrize("t,s", [(128, 131072), (128, 32768), (4096, 32768), (6, 5000)])
