@@ -7,6 +7,9 @@ tile scales and RoPE rows of its 2 rows from global memory into registers (`fetc
 them through a loop iteration, and widening them into a 128-byte-swizzled bf16 slot (`widen`).
 Compiled as `ptxas_report.py` compiles the repo's kernels (its setup applies):
   PYTHONPATH=. .venv/bin/python benchmarks/sparse_direct_probe.py --regs 120 128 --sass
+With --time, on a GPU, it runs at T=128 N=128's launch (256 programs of 32 steps) and prints the
+microseconds a step takes the memory warpgroup alone: widening plus the next step's loads (the
+design's L + W, to hold under the consumers' 2.87 us a step for bf16's pace).
 """
 
 from __future__ import annotations
@@ -120,9 +123,10 @@ def widen(raw, slot):
   body(raw, slot)
 
 
-def _kernel(idx_ref, nope_ref, rope_ref, scales_ref, out_ref, kv, idx_smem, *, regs, steps):
-  del idx_ref, out_ref  # the ring's contents do not change the code
-  wg = lax.axis_index("wg")
+def _kernel(idx_ref, nope_ref, rope_ref, scales_ref, out_ref, kv, idx_smem, idx_bar, *, regs,
+            steps):
+  del out_ref  # the stores go to shared memory only
+  wg, program = lax.axis_index("wg"), lax.axis_index("p")
 
   @pl.when(wg == 0)
   def _():
@@ -135,26 +139,53 @@ def _kernel(idx_ref, nope_ref, rope_ref, scales_ref, out_ref, kv, idx_smem, *, r
   @pl.when(wg == 2)
   def _():
     plgpu.set_max_registers(regs, action="decrease")
+    # All the program's indices up front: the design's ring has them 3 steps ahead.
+    plgpu.copy_gmem_to_smem(idx_ref.at[program], idx_smem, idx_bar)
+    plgpu.barrier_wait(idx_bar)
+    rows = lambda i: idx_smem.at[i]
 
     def step(i, raw):
       widen(raw, kv.at[lax.rem(i, 2)])
       plgpu.commit_smem()
-      return fetch(idx_smem, nope_ref, rope_ref, scales_ref)  # in flight through the next wait
+      # The next step's loads, in flight until the next widening (the design: through the wait
+      # on its slot's consumers; here nothing waits, so a step takes the widening plus the loads).
+      return fetch(rows(jnp.minimum(i + 1, steps - 1)), nope_ref, rope_ref, scales_ref)
 
-    lax.fori_loop(0, steps, step, fetch(idx_smem, nope_ref, rope_ref, scales_ref))
+    lax.fori_loop(0, steps, step, fetch(rows(0), nope_ref, rope_ref, scales_ref))
 
 
-def traced(regs, steps=32):
-  call = plgpu.kernel(
+def _call(regs, programs, steps):
+  return plgpu.kernel(
       functools.partial(_kernel, regs=regs, steps=steps),
       out_type=jax.ShapeDtypeStruct((64, 64), jnp.bfloat16),
       scratch_types=[plgpu.SMEM((2, 9, 64, 64), jnp.bfloat16, transforms=SWIZZLED),
-                     plgpu.SMEM((64,), jnp.int32)],
-      num_threads=3, thread_name="wg")
-  args = (jax.ShapeDtypeStruct((64,), jnp.int32), jax.ShapeDtypeStruct((SLOTS, 512), jnp.uint8),
+                     plgpu.SMEM((steps, 64), jnp.int32), plgpu.Barrier()],
+      grid=(programs,), grid_names=("p",), num_threads=3, thread_name="wg")
+
+
+def _args(programs, steps):
+  return (jax.ShapeDtypeStruct((programs, steps, 64), jnp.int32),
+          jax.ShapeDtypeStruct((SLOTS, 512), jnp.uint8),
           jax.ShapeDtypeStruct((SLOTS, 128), jnp.uint8),
           jax.ShapeDtypeStruct((SLOTS, 16), jnp.uint8))
-  return jax.jit(call).trace(*args)
+
+
+def traced(regs, programs=1, steps=32):
+  return jax.jit(_call(regs, programs, steps)).trace(*_args(programs, steps))
+
+
+def time_steps(regs, programs, steps, span):
+  """Microseconds a step of the memory warpgroup alone (widening + its loads' latency: the
+  design's L + W), programs x steps of 64 rows drawn from the first `span` of the cache."""
+  from benchmarks.common import require_gpu, time_ms
+  from pallas_kernels.common import sm_count
+  require_gpu("benchmarks.sparse_direct_probe")
+  keys = jax.random.split(jax.random.key(0), 4)
+  idx = jax.random.randint(keys[0], (programs, steps, 64), 0, span, jnp.int32)
+  cache = [jax.random.bits(k, s.shape, jnp.uint8)
+           for k, s in zip(keys[1:], _args(programs, steps)[1:])]
+  ms = time_ms(jax.jit(_call(regs, programs, steps)), [(idx, *cache)], iters=20, repeats=3)
+  return ms * 1e3 / (-(-programs // sm_count()) * steps)
 
 
 def main():
@@ -164,9 +195,18 @@ def main():
   parser.add_argument("--sass", action="store_true")
   parser.add_argument("--dump")
   parser.add_argument("--site", default=str(ptxas_report.SITE))
+  parser.add_argument("--time", action="store_true",
+                      help="on a GPU: us a step at T=128 N=128's 256 programs x 32 steps, rows "
+                           "over the 1M-token cache and over its first 32K")
   args = parser.parse_args()
   for regs in args.regs:
-    ptxas_report.report(f"direct memory warpgroup at {regs}", traced(regs), args)
+    if args.time:
+      for span in (SLOTS, 1 << 15):
+        us = time_steps(regs, 256, 32, span)
+        print(f"direct memory warpgroup at {regs}, rows over {span}: {us:.2f} us a step",
+              flush=True)
+    else:
+      ptxas_report.report(f"direct memory warpgroup at {regs}", traced(regs), args)
 
 
 if __name__ == "__main__":
