@@ -1017,7 +1017,8 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   """
   # The per-item knobs, None: on where they were timed faster (intra_overlap, 128-key steps, from
   # _KNOBS_MIN_HEADS heads).
-  timed = intra_overlap and block_k == 128 and q.shape[1] >= _KNOBS_MIN_HEADS
+  # (q's rank checked below, with every argument.)
+  timed = intra_overlap and block_k == 128 and q.ndim == 3 and q.shape[1] >= _KNOBS_MIN_HEADS
   if prefetch_q is None:
     prefetch_q = timed and bool(_stages_for(q.shape[-1], v.shape[-1], block_k, True))
   if first_step_unmasked is None:

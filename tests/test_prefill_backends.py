@@ -310,6 +310,7 @@ class TestPallasMosaicPrefill(PrefillContract):
 
   @pytest.mark.parametrize("change, message", [
       (dict(q=jnp.zeros((8, 2, DK), jnp.float32)), "dtype"),
+      (dict(q=jnp.zeros((8,), jnp.bfloat16)), r"\[T, N, D\]"),  # before the knobs read its heads
       (dict(k=jnp.zeros((8, 2, 96), jnp.bfloat16)), "Dk"),
       (dict(q=jnp.zeros((8, 2, 160), jnp.bfloat16), k=jnp.zeros((8, 2, 160), jnp.bfloat16)),
        "multiples of 64"),
