@@ -1016,11 +1016,11 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   past cu_q[-1], and rows that see no key, give (0, -inf).
   """
   # The per-item knobs, None: on where they were timed faster (intra_overlap, 128-key steps, from
-  # _KNOBS_MIN_HEADS heads).
-  # (q's rank checked below, with every argument.)
+  # _KNOBS_MIN_HEADS heads; q's rank is checked below, with every argument).
   timed = intra_overlap and block_k == 128 and q.ndim == 3 and q.shape[1] >= _KNOBS_MIN_HEADS
   if prefetch_q is None:
-    prefetch_q = timed and bool(_stages_for(q.shape[-1], v.shape[-1], block_k, True))
+    prefetch_q = timed and bool(_stages_for(q.shape[-1], v.shape[-1], block_k, True,
+                                            stagger_warpgroups))
   if first_step_unmasked is None:
     first_step_unmasked = timed
   if diagonal_half is None:

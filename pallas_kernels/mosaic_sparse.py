@@ -1030,31 +1030,30 @@ class MosaicSparseConfig:
   timed: "n" with the bulk gather (which the rule does not see: it is no default).
   prep_in_kernel (RESULTS, sparse v13, v13 timed and v14; None, the default: True, but with
   fp8_ds_mla past FP8_PREP_MAX_ROWS rows and with the bulk gather, which it does not take): the
-  kernel takes the
-  slots as they are (-1 padded to whole steps) instead of XLA's idx (invalid slots mapped past the
-  cache) and per-row step counts, and fp8_ds_mla's cache tile scales instead of XLA's gathered,
-  transposed blocks, so those XLA kernels (T=128: 4.3-4.6 us of slot prep, 9.7-9.8 us of scale
-  gather) and their launch gaps leave the call. Invalid slots need nothing new on the memory side
-  (the cp.async gather's compare is unsigned, so -1 reads nothing like a slot past the cache; a
-  bulk copy's signed coordinates put a row at -1 outside the cache, zero-filled); the scores mask
-  them with one more compare. Each warpgroup counts the row's steps itself (`_row_steps`: every
-  warp reads the row's Kp slots from GMEM, 8 KB at Kp=2048, and takes the max over its lanes of
-  the last valid position, which -1 anywhere in the row leaves right), so a row walks only up to
-  its last valid slot, as the default's XLA count does (v14; v13 walked all Kp/64 steps: rows of
-  256 valid slots 2.2-3.4x slower). Every program copies its query tile and the consumers wait
-  for it unconditionally: under the default's `n > 0` ptxas spills in the scores loop (bf16
-  N=128: 10 reloads a step; none here). The scales come in each step's cp.async group (4-byte
+  kernel takes the slots as they are (-1 padded to whole steps) instead of XLA's idx (invalid slots
+  mapped past the cache) and per-row step counts, and fp8_ds_mla's cache tile scales instead of
+  XLA's gathered, transposed blocks, so those XLA kernels (T=128: 4.3-4.6 us of slot prep, 9.7-9.8
+  us of scale gather) and their launch gaps leave the call. Invalid slots need nothing new on the
+  memory side (the cp.async gather's compare is unsigned, so -1 reads nothing like a slot past the
+  cache; a bulk copy's signed coordinates put a row at -1 outside the cache, zero-filled); the
+  scores mask them with one more compare. Each warpgroup counts the row's steps itself
+  (`_row_steps`: every warp reads the row's Kp slots from GMEM, 8 KB at Kp=2048, and takes the max
+  over its lanes of the last valid position, which -1 anywhere in the row leaves right), so a row
+  walks only up to its last valid slot, as the default's XLA count does (v14; v13 walked all Kp/64
+  steps: rows of 256 valid slots 2.2-3.4x slower). Every program copies its query tile and the
+  consumers wait for it unconditionally: under the default's `n > 0` ptxas spills in the scores loop
+  (bf16 N=128: 10 reloads a step; none here). The scales come in each step's cp.async group (4-byte
   copies, 2 a lane a 64-row step), so fp8_ds_mla takes the cp_async gather only (bulk copies of 4
-  bytes are under a bulk copy's 16-byte box). H200 (session 12, v13: every step walked), T=128
-  over a 1M-token cache, ms, default / prep_in_kernel: full rows (2048 valid slots) bf16 N=128
-  0.197 / 0.185, N=16 0.0931 / 0.0862; fp8_ds_mla N=128 0.264 / 0.249, N=16 0.138 / 0.124; rows
-  of 256 valid slots bf16 N=128 0.0855 / 0.1917, fp8_ds_mla N=128 0.0768 / 0.2641. v14 (the
-  count in the kernel; session 13, one process), N=128: full rows bf16 0.202 / 0.190, fp8_ds_mla
-  0.267 / 0.251; 256 valid slots bf16 0.0698 / 0.0567, fp8_ds_mla 0.0723 / 0.0697. Session 14,
-  full rows, v14 / XLA's prep: T=128 N=128 bf16 0.184 / 0.201, fp8_ds_mla 0.256 / 0.258, N=16
-  equal; over 32K, fp8_ds_mla T=1024 N=16 0.962 / 0.897, N=128 1.88 / 1.79, T=4096 N=16 3.68 /
-  3.46, N=128 7.18 / 6.93 (the in-kernel scale gather costs more than the XLA work it saves
-  there), bf16 T=1024 and 4096 N=128 1.36 / 1.40 and 5.34 / 5.50, N=16 equal."""
+  bytes are under a bulk copy's 16-byte box). H200 (session 12, v13: every step walked), T=128 over
+  a 1M-token cache, ms, default / prep_in_kernel: full rows (2048 valid slots) bf16 N=128 0.197 /
+  0.185, N=16 0.0931 / 0.0862; fp8_ds_mla N=128 0.264 / 0.249, N=16 0.138 / 0.124; rows of 256 valid
+  slots bf16 N=128 0.0855 / 0.1917, fp8_ds_mla N=128 0.0768 / 0.2641. v14 (the count in the kernel;
+  session 13, one process), N=128: full rows bf16 0.202 / 0.190, fp8_ds_mla 0.267 / 0.251; 256 valid
+  slots bf16 0.0698 / 0.0567, fp8_ds_mla 0.0723 / 0.0697. Session 14, full rows, v14 / XLA's prep:
+  T=128 N=128 bf16 0.184 / 0.201, fp8_ds_mla 0.256 / 0.258, N=16 equal; over 32K, fp8_ds_mla T=1024
+  N=16 0.962 / 0.897, N=128 1.88 / 1.79, T=4096 N=16 3.68 / 3.46, N=128 7.18 / 6.93 (the in-kernel
+  scale gather costs more than the XLA work it saves there), bf16 T=1024 and 4096 N=128 1.36 / 1.40
+  and 5.34 / 5.50, N=16 equal."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
   fp8_pipeline: str | None = None
