@@ -14,14 +14,16 @@ PyTorch marker that separates the calls in the profile. Under ncu, started with 
 
 the second command prints, per timed call in the benchmark's order, each kernel's microseconds
 and their sum (kernels serialized by ncu: launch gaps are not in it; the benchmark's own figures
-printed by the run are meaningless, its timer returns 1 ms). benchmarks/RESULTS.md, session 11,
-has what it found.
+printed by the run are meaningless, its timer returns 1 ms). XLA's command buffers (CUDA graphs)
+are turned off for the run, so every kernel is launched, and profiled, on its own.
+benchmarks/RESULTS.md, sessions 11 and 15, has what it found.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import os
 import sys
 
 from benchmarks.common import make_parser
@@ -90,6 +92,11 @@ def main(argv=None):
     return
   if args.benchmark is None:
     parser.error("name a benchmark, or give --table")
+  # XLA runs some jitted calls as CUDA graphs (command buffers), whose kernels the profiler range
+  # does not capture (the DSA step's in session 14): launched one by one, each is seen. Read when
+  # the backend starts, i.e. after this.
+  os.environ["XLA_FLAGS"] = " ".join(
+      [os.environ.get("XLA_FLAGS", ""), "--xla_gpu_enable_command_buffer="]).strip()
   module = __import__(f"benchmarks.bench_{args.benchmark}", fromlist=["main"])
   module.time_ms = profiled_once
   module.main(rest)
