@@ -21,16 +21,12 @@ the grid stays and is the default from there (`persistent`). Three warpgroups a 
   dims over 128) each issues step j's S, then step j - 1's P V, and runs step j's softmax while
   that P V runs (H200: 1.04-1.07x the ping-pong schedule at 4096 and 16K tokens and 8 x 1024);
   with `ping_pong` instead the two warpgroups take turns on the tensor cores through a barrier
-  (one's softmax overlaps the other's products); with `stagger_warpgroups` (not the default)
-  warpgroup 1 issues each item's first S once warpgroup 0's has completed, so that the two do not
-  run their step-0 softmax side by side with the tensor cores idle;
+  (one's softmax overlaps the other's products);
 - memory (warpgroup 2): the request's K and V blocks, block_k keys a step, one bulk copy each into a
   ring of slots, refilled as soon as both compute warpgroups are done with a slot's K (or V);
   with `prefetch_q` (on by default from 64 heads) also each item's query tiles, each copied
   once its compute warpgroup's last S of the item before has read the tile (the output then
-  staged apart, 64 columns at a time, its stores never waited for in the item loop); with
-  `queries_first` (not the default) too the tiles before step 0's V, whose slot is freed a
-  softmax later.
+  staged apart, 64 columns at a time, its stores never waited for in the item loop).
 Both compute warpgroups walk the same steps (those the block's last row needs), so they share every
 slot; the diagonal, ragged and misaligned steps are masked, the others are not.
 Items run in sections of `l2_section_bytes` worth of heads' K/V, heads fastest within a section;
@@ -67,8 +63,8 @@ first head. Shared memory and steps are the same as with k whole.
 
 Shared memory (Dk 192, Dv 128): query tiles 48 KB + the K/V ring (128-key steps: 2 x 80 KB;
 64-key steps: 4 x 40 KB) + lse staging 0.5 KB (1 KB aligned) + barriers = 214,136 bytes (64-key
-steps: 214,216; `prefetch_q`'s output staging apart: 230,520; `stagger_warpgroups`: 16 more) of
-the 227 KB (232,448 bytes) a block may have.
+steps: 214,216; `prefetch_q`'s output staging apart: 230,520) of the 227 KB (232,448 bytes) a
+block may have.
 
 `interpret=True` (or an `InterpretGPUParams`) runs the same kernel on the CPU through Mosaic GPU's
 interpreter (see `pallas_kernels.mosaic_decode` for what it does and does not simulate), with one
@@ -169,18 +165,6 @@ class MosaicPrefillConfig:
   # most 64 keys): S = Q K^T with N = 64, its softmax on 64 columns, P V with K = 64 (128-key
   # steps only).
   diagonal_half: bool | None = None
-  # intra_overlap's two compute warpgroups offset by half a step at each item's start: warpgroup 1
-  # issues its first S = Q K^T once warpgroup 0's has completed, so warpgroup 0's step-0 softmax
-  # runs beside warpgroup 1's S on the tensor cores instead of both softmaxes beside nothing (the
-  # two otherwise cross every item boundary together: they share every ring slot). Two barriers
-  # (a handshake: warpgroup 0 leads by less than an item).
-  stagger_warpgroups: bool = False
-  # prefetch_q: the memory warpgroup copies an item's query tiles after its step-0 K and before
-  # its step-0 V, not after both: that V slot is freed by the P V of the previous item's second-
-  # to-last step, which the overlap waits for only after its last S and softmax, while the tiles
-  # are free once that last S has read them (a softmax earlier); step 0's V is read first by step
-  # 1's P V.
-  queries_first: bool = False
 
   def __post_init__(self):
     if self.block_k not in (64, 128):
@@ -206,15 +190,6 @@ class MosaicPrefillConfig:
     if self.diagonal_half and not (self.intra_overlap and self.block_k == 128):
       raise ValueError("diagonal_half halves intra_overlap's 128-key last step: it needs "
                        "intra_overlap=True and block_k=128")
-    if not isinstance(self.stagger_warpgroups, bool):
-      raise ValueError(f"stagger_warpgroups must be a bool, got {self.stagger_warpgroups!r}")
-    if self.stagger_warpgroups and not self.intra_overlap:
-      raise ValueError("stagger_warpgroups offsets intra_overlap's warpgroups: it needs "
-                       "intra_overlap=True (ping_pong takes turns every step already)")
-    if not isinstance(self.queries_first, bool):
-      raise ValueError(f"queries_first must be a bool, got {self.queries_first!r}")
-    if self.queries_first and not self.prefetch_q:
-      raise ValueError("queries_first orders prefetch_q's query copies: it needs prefetch_q=True")
     if self.intra_overlap and self.ping_pong:
       raise ValueError("ping_pong and intra_overlap are two schedules, pick one: "
                        "ping_pong=True needs intra_overlap=False")
@@ -235,25 +210,25 @@ SWEEP = (DEFAULT, MosaicPrefillConfig(persistent=True),
                                                 (64, 4, True, False)])
 
 
-def _smem_bytes(dk, dv, block_k, stages, prefetch_q=False, stagger=False):
+def _smem_bytes(dk, dv, block_k, stages, prefetch_q=False):
   """Shared memory of one program on the GPU, as Mosaic GPU (jax 0.11.2) allocates it (each buffer
   1024-byte aligned, 8 bytes a barrier; the CUDA lowering test checks it against Mosaic GPU's own
   count): the query tiles, one a compute warpgroup, in columns [0, Dv) (also the output staging)
   and [Dv, Dk); the K/V ring (split keys: the same bytes in three buffers); the lse staging (512
   bytes, so 1 KB); the barriers: one a query tile, five a ring slot, the turns. prefetch_q: the
-  output staging apart (64 columns a compute warpgroup) and a barrier a query tile more; stagger:
-  two barriers more. The interpreter's P tiles are left out: it has no shared-memory bound."""
+  output staging apart (64 columns a compute warpgroup) and a barrier a query tile more. The
+  interpreter's P tiles are left out: it has no shared-memory bound."""
   buffers = (_COMPUTE_WGS * _TILE * dv * 2, _COMPUTE_WGS * _TILE * (dk - dv) * 2,
              stages * block_k * dk * 2, stages * block_k * dv * 2, _COMPUTE_WGS * _TILE * 4,
              _COMPUTE_WGS * _TILE * _STAGE_COLS * 2 * prefetch_q)
   return (sum(-(-b // 1024) * 1024 for b in buffers)
-          + 8 * (_COMPUTE_WGS * (1 + prefetch_q) + 5 * stages + 1 + 2 * stagger))
+          + 8 * (_COMPUTE_WGS * (1 + prefetch_q) + 5 * stages + 1))
 
 
-def _stages_for(dk, dv, block_k, prefetch_q=False, stagger=False):
+def _stages_for(dk, dv, block_k, prefetch_q=False):
   """The deepest K/V ring (at most _MAX_STAGES, at least 2) that fits, or 0 if none does."""
   return next((s for s in range(_MAX_STAGES, 1, -1)
-               if _smem_bytes(dk, dv, block_k, s, prefetch_q, stagger) <= _SMEM_BYTES), 0)
+               if _smem_bytes(dk, dv, block_k, s, prefetch_q) <= _SMEM_BYTES), 0)
 
 
 def _aligned_rows(q_len, q_lead):
@@ -300,7 +275,7 @@ def _block_keys(qs, q_lead, q_len, k_len, causal):
 def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref, *rest, scale,
                     causal, num_q_programs, block_k, ping_pong, p_in_registers, persistent,
                     section_heads, direct, split_k, intra_overlap, prefetch_q,
-                    first_step_unmasked, diagonal_half, stagger, queries_first):
+                    first_step_unmasked, diagonal_half):
   # GMEM: cu_q_ref, cu_k_ref [R+1] int32; tile_ref [R] int32 (request r's first edge slot, 2r);
   # queue_ref [2, B+1] int32 (persistent: column 0 row 0 the number of blocks, then per block,
   # heaviest first, its request (row 0) and index in the request (row 1); otherwise unused);
@@ -323,8 +298,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
   # k_consumed, v_consumed [stages] (both compute warpgroups done); schedule (the compute
   # warpgroups' turns on the tensor cores). prefetch_q: o_stage [2, 64, 64] (each compute
   # warpgroup's output staging, 64 columns at a time) and q_free [2] (a warpgroup's last S of an
-  # item read its query tile: the memory warpgroup may copy the next item's there). stagger: lead
-  # (warpgroup 0's first S of an item completed) and lead_seen (warpgroup 1 saw it), one each.
+  # item read its query tile: the memory warpgroup may copy the next item's there).
   k_pe_ref, *rest = rest if split_k else (None, *rest)
   o_ref, lse_ref, *rest = rest
   edge_o_ref, edge_lse_ref, qv_smem, *rest = (None, None, *rest) if direct else rest
@@ -337,8 +311,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
   v_smem, *rest = rest
   p_smem = None if p_in_registers else rest.pop(0)
   lse_smem, q_bar, k_ready, v_ready, v_clean, k_consumed, v_consumed, schedule, *rest = rest
-  o_stage, q_free = (rest.pop(0), rest.pop(0)) if prefetch_q else (None, None)
-  lead, lead_seen = rest if stagger else (None, None)
+  o_stage, q_free = rest if prefetch_q else (None, None)
   wg = lax.axis_index("wg")
   tq, tk, dk = q_ref.shape[0], k_ref.shape[0], q_ref.shape[2]
   num_heads = q_ref.shape[1]
@@ -436,19 +409,6 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       """prefetch_q: this warpgroup's last read of its query tile in an item is done (its last S
       waited for), so the memory warpgroup may copy the next item's queries there."""
       plgpu.barrier_arrive(q_free.at[wg])
-
-    def follow_lead():
-      """stagger: warpgroup 1 issues its first S of an item (or ends an item without steps) only
-      once warpgroup 0's first S of it has completed."""
-      plgpu.barrier_wait(lead)
-      plgpu.barrier_arrive(lead_seen)
-
-    def lead_on(trip):
-      """stagger: warpgroup 0's first S of item `trip` completed (or an item without steps began).
-      It arrives only once warpgroup 1 saw its previous arrival, so it leads by less than an item
-      (a barrier's phase may not run two ahead of its waiter)."""
-      pl.when(trip > 0)(lambda: plgpu.barrier_wait(lead_seen))
-      plgpu.barrier_arrive(lead)
 
     def zero_foreign_values(w, j, slot):
       """A box's rows outside the request get P = 0, but 0 * NaN (or inf) in V is NaN: step j's
@@ -588,12 +548,11 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       plgpu.barrier_arrive(v_consumed.at[slot])
       return m_new, l, acc, count + 1
 
-    def overlapped_step(j, carry, w, q_shift, end, masked, first=False, keys=block_k, trip=None):
+    def overlapped_step(j, carry, w, q_shift, end, masked, first=False, keys=block_k):
       """intra_overlap (FlashAttention-3's intra-warpgroup overlap): step j's S = Q K^T is issued,
       then step j - 1's P V, and step j's softmax runs while P V is on the tensor cores. After
       step j, acc holds the P V of the steps before j, scaled to step j's row max, and p16 is
-      step j's P, whose P V the next step (or `last_values`) adds; `first`: step 0, no P V (with
-      stagger, item `trip`'s warpgroups offset there)."""
+      step j's P, whose P V the next step (or `last_values`) adds; `first`: step 0, no P V."""
       m, l, acc, count, p16 = carry
       slot = lax.rem(count, stages)
       prev = lax.rem(count + stages - 1, stages)  # step j - 1's slot
@@ -603,8 +562,6 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
         plgpu.barrier_wait(k_ready.at[slot])
 
       def products(s_ref, o_ref=None):  # s_ref [64, keys], o_ref [64, Dv] f32
-        if first and stagger:
-          pl.when(wg == 1)(follow_lead)
         issue_scores(s_ref, slot, keys)
         if not first:
           # Only a masked step zeroes V rows; an unmasked one has no foreign keys, so this is
@@ -619,8 +576,6 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
             plgpu.wgmma(o_ref, p_smem.at[wg], v_smem.at[prev])
         # Waits for the scores only: P V (the last group issued) stays in flight.
         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if first else 1)
-        if first and stagger:  # before its softmax, which then runs beside warpgroup 1's S
-          pl.when(wg == 0)(functools.partial(lead_on, trip))
         plgpu.barrier_arrive(k_consumed.at[slot])
         if prefetch_q:
           pl.when(j + 1 == end)(release_queries)
@@ -660,11 +615,11 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       seen = jnp.clip(rows_end + (w.k_len - w.q_len), 0, w.k_len) if causal else w.k_len
       return (end > 0) & (seen <= first_key - w.k_start + block_k // 2)
 
-    def half_last_step(_, carry, w, q_shift, end, first, trip):
+    def half_last_step(_, carry, w, q_shift, end, first):
       """diagonal_half: the item's last step on its box's first 64 keys, then that step's P V
       (K = 64); the carry's P (the step before's, added here) is passed on unused."""
       half = overlapped_step(end - 1, carry, w, q_shift, end, masked=True, first=first,
-                             keys=block_k // 2, trip=trip)
+                             keys=block_k // 2)
       return last_values(None, half, w, end)[:4] + carry[4:]
 
     def q_block(trip, count):
@@ -677,12 +632,6 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       lo, hi, end = key_steps(w)
       if prefetch_q:  # an item without steps never reads its queries
         pl.when(end == 0)(release_queries)
-      if stagger:  # an item without steps has no first S: the handshake at once
-
-        @pl.when(end == 0)
-        def _():
-          pl.when(wg == 1)(follow_lead)
-          pl.when(wg == 0)(functools.partial(lead_on, trip))
 
       @pl.when(end > 0)
       def _():
@@ -697,7 +646,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
         # first_step_unmasked: only where needed); then the steps as below, from 1; then the
         # last step's P V.
         first = jnp.minimum(end, 1)
-        run = functools.partial(overlapped_step, w=w, q_shift=q_shift, end=end, trip=trip)
+        run = functools.partial(overlapped_step, w=w, q_shift=q_shift, end=end)
         carry += (plgpu.layout_cast(jnp.zeros((_TILE, block_k), v_smem.dtype),
                                     plgpu.Layout.WGMMA),)
         full_end, full_first = end, first  # the steps run whole (all but a halved last one)
@@ -727,7 +676,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
           for alone in (False, True):  # the halved step after others, or the item's only one
             carry = lax.fori_loop(0, jnp.where(half & ((end == 1) == alone), 1, 0),
                                   functools.partial(half_last_step, w=w, q_shift=q_shift,
-                                                    end=end, first=alone, trip=trip), carry)
+                                                    end=end, first=alone), carry)
           m, l, acc, count, _ = carry
         else:
           m, l, acc, count, _ = lax.fori_loop(0, first,
@@ -805,8 +754,6 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
     lax.fori_loop(0, trips, q_block, jnp.int32(0))
     if prefetch_q:  # the last item's stores, never waited for in the loop
       plgpu.wait_smem_to_gmem(0)
-    if stagger:  # warpgroup 1 saw the last item's lead too (the barrier's every phase waited for)
-      pl.when((wg == 0) & (trips > 0))(lambda: plgpu.barrier_wait(lead_seen))
     pl.when(wg == 0)(take_turn)
 
   @pl.when(wg == _COMPUTE_WGS)
@@ -817,13 +764,12 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       w = item(trip)
       _, _, n_end = key_steps(w)
 
-      def step_rows(j):  # (count, slot, key rows) of step j
+      def kv_step(j):
         c = count + j
         slot = lax.rem(c, stages)
         first, _ = box(w.k_base + j * block_k, block_k, tk)
-        return c, slot, pl.ds(first, block_k)
+        rows = pl.ds(first, block_k)
 
-      def copy_keys(c, slot, rows):
         @pl.when(c >= stages)
         def _():
           plgpu.barrier_wait(k_consumed.at[slot])
@@ -832,30 +778,20 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
         if split_k:  # the shared rope columns: the same rows for every head, read from L2
           plgpu.copy_gmem_to_smem(k_pe_ref.at[rows], kr_smem.at[slot], k_ready.at[slot])
 
-      def copy_values(c, slot, rows):
         @pl.when(c >= stages)
         def _():
           plgpu.barrier_wait(v_consumed.at[slot])
 
         plgpu.copy_gmem_to_smem(v_ref.at[rows, w.h], v_smem.at[slot], v_ready.at[slot])
 
-      def kv_step(j):
-        at = step_rows(j)
-        copy_keys(*at)
-        copy_values(*at)
-
       if prefetch_q:
         # Step 0's K/V first (its slot was freed by an earlier step than the query tiles, which
         # the previous item's last S frees), then each compute warpgroup's query tile once that
-        # S has read it, then the other steps. queries_first: step 0's V after the query tiles
-        # (its slot is freed by the P V of the previous item's second-to-last step, which
-        # overlapped runs after the last S: a softmax later than the tiles' release).
-        pl.when(n_end > 0)(lambda: copy_keys(*step_rows(0)) if queries_first else kv_step(0))
+        # S has read it, then the other steps.
+        pl.when(n_end > 0)(lambda: kv_step(0))
         for g in range(_COMPUTE_WGS):
           pl.when(trip > 0)(functools.partial(plgpu.barrier_wait, q_free.at[g]))
           copy_queries(w, g, box(w.q_base + w.qs + g * _TILE, _TILE, tq)[0])
-        if queries_first:
-          pl.when(n_end > 0)(lambda: copy_values(*step_rows(0)))
         pl.loop(1, n_end)(kv_step)
       else:
         pl.loop(0, n_end)(kv_step)
@@ -896,7 +832,7 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, config, k_pe):
     raise ValueError(f"Dk ({dk}) and Dv ({dv}) must be multiples of 64 (the swizzle tile), Dv at "
                      f"most Dk (the output is staged in the query tile) and at most {_MAX_DV}, and "
                      f"2 stages of {block_k}-key K/V blocks must fit in shared memory")
-  most = _stages_for(dk, dv, block_k, config.prefetch_q, config.stagger_warpgroups)
+  most = _stages_for(dk, dv, block_k, config.prefetch_q)
   if config.prefetch_q and not most:
     raise ValueError(f"prefetch_q: 2 stages of {block_k}-key K/V blocks and the output staging "
                      f"do not fit in shared memory at Dk {dk}, Dv {dv}")
@@ -969,8 +905,7 @@ def _section_heads(num_heads, head_kv_bytes, budget):
                                              "num_stages", "ping_pong", "persistent",
                                              "num_programs", "l2_section_bytes", "intra_overlap",
                                              "prefetch_q", "first_step_unmasked",
-                                             "diagonal_half", "stagger_warpgroups",
-                                             "queries_first", "interpret"))
+                                             "diagonal_half", "interpret"))
 def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
                 cu_seqlens_k: jax.Array, *, scale: float, causal: bool, max_seqlen_q: int,
                 k_pe: jax.Array | None = None, block_k: int = DEFAULT.block_k,
@@ -982,8 +917,6 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                 prefetch_q: bool | None = DEFAULT.prefetch_q,
                 first_step_unmasked: bool | None = DEFAULT.first_step_unmasked,
                 diagonal_half: bool | None = DEFAULT.diagonal_half,
-                stagger_warpgroups: bool = DEFAULT.stagger_warpgroups,
-                queries_first: bool = DEFAULT.queries_first,
                 interpret: bool | plgpu.InterpretGPUParams = False
                 ) -> tuple[jax.Array, jax.Array]:
   """Variable-length attention with a running LSE; see the module docstring for the layout.
@@ -1003,9 +936,6 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   diagonal_half (with intra_overlap, 128-key steps): a warpgroup's last step on 64 keys where its
   rows see no more of it. Each of the three, None (default): on with intra_overlap's 128-key steps
   from 64 heads (prefetch_q where its staging fits), else off.
-  stagger_warpgroups (with intra_overlap): warpgroup 1 starts each item's first S once
-  warpgroup 0's has completed. queries_first (with prefetch_q): an item's query tiles copied
-  before its step-0 V.
   persistent: as many programs (num_programs; default the device's SM count, 4 in the interpreter,
   so that each takes several items) walk a queue of (query block, head) items, the heaviest blocks
   first; else one program per (query slot, head, request); default (None): the queue up to 8192
@@ -1019,15 +949,14 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   # _KNOBS_MIN_HEADS heads; q's rank is checked below, with every argument).
   timed = intra_overlap and block_k == 128 and q.ndim == 3 and q.shape[1] >= _KNOBS_MIN_HEADS
   if prefetch_q is None:
-    prefetch_q = timed and bool(_stages_for(q.shape[-1], v.shape[-1], block_k, True,
-                                            stagger_warpgroups))
+    prefetch_q = timed and bool(_stages_for(q.shape[-1], v.shape[-1], block_k, True))
   if first_step_unmasked is None:
     first_step_unmasked = timed
   if diagonal_half is None:
     diagonal_half = timed
   config = MosaicPrefillConfig(block_k, num_stages, ping_pong, persistent, num_programs,
                                l2_section_bytes, intra_overlap, prefetch_q, first_step_unmasked,
-                               diagonal_half, stagger_warpgroups, queries_first)
+                               diagonal_half)
   _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, config, k_pe)
   split_k = k_pe is not None
   tq, n, dk = q.shape
@@ -1055,7 +984,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   tile_offsets = 2 * jnp.arange(num_requests, dtype=jnp.int32)  # first and last edge slots
   # No request is longer than Tq, so more slots than that would only idle.
   num_q_programs = max(1, -(-min(max_seqlen_q, tq) // _BLOCK_Q))
-  stages = num_stages or _stages_for(dk, dv, block_k, prefetch_q, stagger_warpgroups)
+  stages = num_stages or _stages_for(dk, dv, block_k, prefetch_q)
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
   # Mosaic GPU's interpreter (jax 0.11.2) runs wgmma only with shared-memory operands into
@@ -1092,8 +1021,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                              p_in_registers=p_in_registers, persistent=persistent,
                              section_heads=section_heads, direct=direct, split_k=split_k,
                              intra_overlap=intra_overlap, prefetch_q=prefetch_q,
-                             first_step_unmasked=first_step_unmasked, diagonal_half=diagonal_half,
-                             stagger=stagger_warpgroups, queries_first=queries_first)
+                             first_step_unmasked=first_step_unmasked, diagonal_half=diagonal_half)
   edge_rows = [] if direct else [2 * num_requests * _TILE]  # first and last tile slots
   outs = plgpu.kernel(
       kernel,
@@ -1120,8 +1048,6 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
           # last time in an item (one barrier a warpgroup).
           *([swizzled((_COMPUTE_WGS, _TILE, _STAGE_COLS), q.dtype),
              plgpu.Barrier(num_barriers=_COMPUTE_WGS)] if prefetch_q else []),
-          # stagger_warpgroups: lead and lead_seen.
-          *([plgpu.Barrier(), plgpu.Barrier()] if stagger_warpgroups else []),
       ),
       grid=grid,
       grid_names=grid_names,
@@ -1136,9 +1062,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                    f"{'_kpe' if split_k else ''}{'' if direct else '_in_place'}"
                    f"{'_overlap' if intra_overlap else ''}{'_prefetch_q' if prefetch_q else ''}"
                    f"{'_first_unmasked' if first_step_unmasked else ''}"
-                   f"{'_half_diagonal' if diagonal_half else ''}"
-                   f"{'_stagger' if stagger_warpgroups else ''}"
-                   f"{'_queries_first' if queries_first else ''}"),
+                   f"{'_half_diagonal' if diagonal_half else ''}"),
   )(cu_q, cu_k, tile_offsets, queue, q, *k_inputs)
   o, lse = outs if direct else _patch_edges(*outs, cu_q)
   return o[:tq], lse.T[:tq]  # a slice (a copy) only where q was padded

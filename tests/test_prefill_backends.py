@@ -168,10 +168,7 @@ class TestPallasMosaicPrefill(PrefillContract):
   # default from 64 heads; prefetch_q: the memory warpgroup copying each item's queries over the
   # tile the last one's S read, the output through its own staging while the next item reads the
   # new queries; first_step_unmasked; diagonal_half) all on in one program, joined and split;
-  # prefetch_q alone, and with the steps in order; diagonal_half alone; stagger_warpgroups
-  # (warpgroup 1's first S of each item after warpgroup 0's, an item without steps included: the
-  # rows past the batch), alone and with the other three knobs, split; queries_first
-  # (prefetch_q's query tiles copied before step 0's V), alone and with all four, split.
+  # prefetch_q alone, and with the steps in order; diagonal_half alone.
   @pytest.mark.parametrize("split, knobs", [
       (False, {}), (True, {}), (False, dict(num_programs=1)),
       (False, dict(num_programs=1, intra_overlap=False)),
@@ -181,15 +178,9 @@ class TestPallasMosaicPrefill(PrefillContract):
       (False, dict(_KNOBS_OFF, num_programs=1, prefetch_q=True)),
       (False, dict(num_programs=1, prefetch_q=True, intra_overlap=False)),
       (False, dict(_KNOBS_OFF, num_programs=1, diagonal_half=True)),
-      (False, dict(num_programs=1, stagger_warpgroups=True)),
-      (True, dict(_KNOBS_ON, num_programs=1, stagger_warpgroups=True)),
-      (False, dict(num_programs=1, prefetch_q=True, queries_first=True)),
-      (True, dict(_KNOBS_ON, num_programs=1, stagger_warpgroups=True,
-                  queries_first=True)),
   ], ids=["joined", "split", "one_program", "in_order", "ping_pong", "split_one_program",
           "knobs_on", "knobs_on_split", "prefetch_q_alone", "prefetch_q_in_order",
-          "diagonal_half_alone", "stagger", "stagger_knobs_on_split", "queries_first",
-          "all_five_split"])
+          "diagonal_half_alone"])
   def test_no_races_in_the_interpreter(self, split, knobs):
     # The race detector sees plain loads and stores and bulk copies (each warpgroup's P, the K/V
     # ring refills, the output staging), not the operand reads of wgmma. jax 0.11.2 reports it
@@ -239,13 +230,6 @@ class TestPallasMosaicPrefill(PrefillContract):
       (8192, 128, 8, True, dict(prefetch_q=True, ping_pong=True, intra_overlap=False)),
       (8192, 128, 8, True, dict(prefetch_q=True, block_k=64)),
       (8192, 128, 8, True, _KNOBS_OFF), (16384, 16, 4, False, _KNOBS_ON),
-      # stagger_warpgroups: the grid (16K), the queue (8 x 1024) with the other three.
-      (16384, 128, 1, True, dict(stagger_warpgroups=True)),
-      (8192, 128, 8, True, dict(_KNOBS_ON, stagger_warpgroups=True)),
-      # queries_first: the queue (8 x 1024) with the other four, 64-key steps (4 stages).
-      (8192, 128, 8, True, dict(_KNOBS_ON, stagger_warpgroups=True,
-                                                    queries_first=True)),
-      (8192, 128, 8, True, dict(prefetch_q=True, queries_first=True, block_k=64)),
   ])
   def test_lowers_for_hopper(self, tokens, n, requests, causal, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
@@ -282,29 +266,25 @@ class TestPallasMosaicPrefill(PrefillContract):
   # What the kernel counts (`_smem_bytes`, which picks the ring's depth and refuses what does not
   # fit) against Mosaic GPU's own count (with its bound at 0 its error names the bytes): 128-key
   # steps (2 stages, 214,136 bytes; the keys joined and split) and 64-key steps (4 stages,
-  # 214,216); prefetch_q's output staging and barriers (230,520 and 230,600); stagger_warpgroups'
-  # two barriers (with prefetch_q: 230,536).
-  @pytest.mark.parametrize("block_k, split, prefetch_q, stagger", [
-      (128, False, False, False), (128, True, False, False), (64, False, False, False),
-      (128, False, True, False), (128, True, True, False), (64, False, True, False),
-      (128, False, True, True)])
-  def test_shared_memory_count_is_mosaic_gpus(self, block_k, split, prefetch_q, stagger,
-                                              monkeypatch):
+  # 214,216); prefetch_q's output staging and barriers (230,520 and 230,600).
+  @pytest.mark.parametrize("block_k, split, prefetch_q", [
+      (128, False, False), (128, True, False), (64, False, False), (128, False, True),
+      (128, True, True), (64, False, True)])
+  def test_shared_memory_count_is_mosaic_gpus(self, block_k, split, prefetch_q, monkeypatch):
     tokens, n, requests = 8192, 128, 8
     q = jax.ShapeDtypeStruct((tokens, n, DK), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((tokens, n, DV if split else DK), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((tokens, n, DV), jnp.bfloat16)
     k_pe = dict(k_pe=jax.ShapeDtypeStruct((tokens, ROPE), jnp.bfloat16)) if split else {}
     cu = jax.ShapeDtypeStruct((requests + 1,), jnp.int32)
-    stages = mosaic_prefill._stages_for(DK, DV, block_k, prefetch_q, stagger)
-    counted = mosaic_prefill._smem_bytes(DK, DV, block_k, stages, prefetch_q, stagger)
+    stages = mosaic_prefill._stages_for(DK, DV, block_k, prefetch_q)
+    counted = mosaic_prefill._smem_bytes(DK, DV, block_k, stages, prefetch_q)
     assert stages >= 2 and counted <= 227 * 1024
     jax.clear_caches()  # a lowering cached by another test would not be checked again
     monkeypatch.setattr(mosaic_gpu_core, "_SMEM_SIZE_BOUND", 0)
     traced = mosaic_prefill.mla_prefill.trace(q, k, v, cu, cu, scale=SCALE, causal=True,
                                               max_seqlen_q=tokens // requests, block_k=block_k,
-                                              prefetch_q=prefetch_q, stagger_warpgroups=stagger,
-                                              **k_pe)
+                                              prefetch_q=prefetch_q, **k_pe)
     with pytest.raises(ValueError, match=f"smem_bytes={counted} "):
       traced.lower(lowering_platforms=("cuda",))
 
@@ -330,10 +310,6 @@ class TestPallasMosaicPrefill(PrefillContract):
       (dict(diagonal_half=1), "diagonal_half must be a bool"),
       (dict(diagonal_half=True, block_k=64), "needs intra_overlap=True and block_k=128"),
       (dict(diagonal_half=True, intra_overlap=False), "needs intra_overlap=True and block_k=128"),
-      (dict(stagger_warpgroups=1), "stagger_warpgroups must be a bool"),
-      (dict(stagger_warpgroups=True, intra_overlap=False), "it needs intra_overlap=True"),
-      (dict(queries_first=1), "queries_first must be a bool"),
-      (dict(queries_first=True), "it needs prefetch_q=True"),
       # Dk 256, Dv 64: 2 stages of 128-key steps fit, not with prefetch_q's staging.
       (dict(q=jnp.zeros((8, 2, 256), jnp.bfloat16), k=jnp.zeros((8, 2, 256), jnp.bfloat16),
             v=jnp.zeros((8, 2, 64), jnp.bfloat16), prefetch_q=True),
@@ -517,20 +493,3 @@ class TestPallasMosaicPrefillDiagonalHalf(_NarrowedMosaicPrefillKnobs):
   @pytest.mark.parametrize("case", ["causal_bf16_n2_packed", "noncausal_bf16_n16"])
   def test_matches_oracle(self, case, rng):
     super().test_matches_oracle(case, rng)
-
-
-class TestPallasMosaicPrefillStagger(_NarrowedMosaicPrefillKnobs):
-  """The same two contract cases with `stagger_warpgroups` (warpgroup 1's first S of each item
-  once warpgroup 0's completed, a handshake on two barriers), `queries_first` (the query tiles
-  copied before step 0's V) and the three per-item knobs, as they would run: items of one step
-  (first and last at once, halved for warpgroup 0), of several, items without steps (the 0-token
-  request, the rows past the batch), on 3 programs."""
-  knobs = dict(stagger_warpgroups=True, queries_first=True, prefetch_q=True,
-               first_step_unmasked=True, diagonal_half=True)
-
-
-class TestPallasMosaicPrefillQueriesFirst64(_NarrowedMosaicPrefillKnobs):
-  """`queries_first` on 64-key steps with a ring of 4 (as `TestPallasMosaicPrefillPrefetchQ64`:
-  there only the tiles' release orders the next queries after the last S)."""
-  knobs = dict(prefetch_q=True, queries_first=True, block_k=64, num_stages=4)
-  test_a_poisoned_request_leaves_the_others_exact = None

@@ -49,10 +49,7 @@ def test_prefill_matches_reference(case, backend):
 # schedule (the default before intra_overlap) on the 16384-token batch's grid and the short
 # batch's queue; the per-item knobs (prefetch_q, first_step_unmasked, diagonal_half: the default
 # from 64 heads since session 14, on in the 128-head cases above) off on the short batch's queue
-# and the 16384-token batch's grid, on in the 16-head context chunk (ragged ends halved);
-# stagger_warpgroups (warpgroup 1's first S of an item after warpgroup 0's) on the 16384-token
-# batch's grid and the short queue; queries_first (prefetch_q's query tiles copied before step
-# 0's V), and with the stagger.
+# and the 16384-token batch's grid, on in the 16-head context chunk (ragged ends halved).
 _KNOBS_OFF = dict(prefetch_q=False, first_step_unmasked=False, diagonal_half=False)
 
 
@@ -65,13 +62,8 @@ _KNOBS_OFF = dict(prefetch_q=False, first_step_unmasked=False, diagonal_half=Fal
     ("n128_causal_short", _KNOBS_OFF),
     ("n128_causal", _KNOBS_OFF),
     ("n16_context", dict(prefetch_q=True, first_step_unmasked=True, diagonal_half=True)),
-    ("n128_causal", dict(stagger_warpgroups=True)),
-    ("n128_causal_short", dict(stagger_warpgroups=True)),
-    ("n128_causal_short", dict(queries_first=True)),
-    ("n128_causal_short", dict(stagger_warpgroups=True, queries_first=True)),
 ], ids=["queue", "short-unsectioned", "short-grid", "ping-pong", "short-ping-pong",
-        "short-knobs_off", "knobs_off", "context-knobs_on", "stagger", "short-stagger",
-        "short-queries_first", "short-all_five"])
+        "short-knobs_off", "knobs_off", "context-knobs_on"])
 def test_mosaic_variants_match_reference(case, knobs):
   check_case(case, functools.partial(mosaic_prefill.mla_prefill, **knobs))
 
