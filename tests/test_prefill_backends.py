@@ -328,6 +328,17 @@ class TestPallasMosaicPrefill(PrefillContract):
     with pytest.raises(ValueError, match=message):
       mosaic_prefill.mla_prefill(**args, scale=SCALE, causal=True, max_seqlen_q=8, interpret=True)
 
+  def test_knobs_default_leaves_prefetch_q_off_where_its_staging_does_not_fit(self):
+    # Dk 256, Dv 64 at 64 heads, where the per-item knobs' default is on: prefetch_q's staging
+    # does not fit there (test_bad_arguments_raise), so the default runs without it, not raises.
+    q = jax.ShapeDtypeStruct((256, 64, 256), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((256, 64, 64), jnp.bfloat16)
+    cu = jax.ShapeDtypeStruct((3,), jnp.int32)
+    traced = mosaic_prefill.mla_prefill.trace(q, q, v, cu, cu, scale=SCALE, causal=True,
+                                              max_seqlen_q=128)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "_first_unmasked" in text and "_prefetch_q" not in text
+
 
 class TestPallasMosaicPrefillItemVariants:
   """How a batch's items end, in the interpreter, on the queue (3 programs, each taking several
