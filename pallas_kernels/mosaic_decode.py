@@ -47,9 +47,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm, vector
 
 from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
                                    REDUCTION_BYTES_PER_8_HEADS, check_decode_args,
@@ -124,12 +129,21 @@ class MosaicDecodeConfig:
   or "register_a" (above; "n" only), "half_pages" a ValueError. H200 (session 12), S=8192, N=16,
   ms, "m" / "n" in one process: bf16 B=128 0.309 / 0.296, B=32 0.0994 / 0.0902; fp8
   ("shared_widening") B=128 0.481 / 0.462, B=32 0.142 / 0.142; session 13, bf16 N=32: B=128
-  0.301 / 0.297, B=32 0.100 / 0.0954."""
+  0.301 / 0.297, B=32 0.100 / 0.0954.
+  wide_keys (an fp8 cache with fp8_pipeline "register_a" only: a ValueError with the other fp8
+  pipelines; bf16 caches ignore it): warpgroup 0 loads each thread's key bytes of a [64, 64] e4m3
+  tile with two 16-byte loads (one a row) instead of 16 2-byte ones. The WGMMA A fragment holds
+  columns {8j + 2 (lane % 4) + e} (j < 8, e < 2) of two rows; the kernel gives fragment column
+  8j + 2q + e the tile's byte 16q + 2j + e instead (`wide_key_order`), q's columns permuted alike
+  before the call (S sums over the permuted index in both operands: the same scores, another
+  summation order). Only the GPU form loads wide (`_wide_key_tile`, lane-level code); the
+  interpreter loads the tile and permutes it (benchmarks/RESULTS.md, "wide_keys"; not timed)."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
   fp8_pipeline: str | None = None
   heads_in: str | None = None
+  wide_keys: bool = False
 
   def __post_init__(self):
     if self.block_h != 64:
@@ -175,10 +189,11 @@ CONFIG = MosaicDecodeConfig()
 SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"),
          MosaicDecodeConfig(fp8_pipeline="half_pages"),
          MosaicDecodeConfig(heads_in="n"), MosaicDecodeConfig(fp8_pipeline="serial", heads_in="n"),
-         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n"))
+         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n"),
+         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", wide_keys=True))
 # Fields that one cache dtype alone reads (with the other, the program is the same whatever they
 # are): a sweep times a config only with the cache dtype whose program it changes.
-DTYPE_KNOBS = {"fp8_pipeline": jnp.dtype(F8)}
+DTYPE_KNOBS = {"fp8_pipeline": jnp.dtype(F8), "wide_keys": jnp.dtype(F8)}
 _TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
 # fp8 caches: 2 slots of e4m3 bytes (36 KB each) that the memory warpgroup widens into the bf16
 # slots the products read ("serial": one of 64 rows; "half_pages": two of 32 rows), so the shared
@@ -221,10 +236,78 @@ def _value_columns(lora: int, register_a: bool) -> tuple[int, int]:
   return (0, lora) if register_a else (lora // _VALUE_WGS,) * _VALUE_WGS
 
 
+# wide_keys: a [64, 64] e4m3 key tile's row is 64 bytes, 4 units of 16 that the 4 lanes of a
+# quad (lane % 4) load, each unit 8 column pairs: fragment registers j = 0..7 of a row.
+_WIDE_UNITS = 4
+_WIDE_PAIRS = 8
+_SWIZZLE_TILE_ROWS = 8  # rows of a tiled (8, 64) shared-memory tile: 512 bytes
+
+
+def wide_key_order(x: jax.Array) -> jax.Array:
+  """x [..., D] (D a multiple of 64) with each 64-column tile's columns in the order wide_keys'
+  16-byte loads hand the WGMMA A fragment: column 8j + 2q + e of a tile (the fragment's register
+  j of lane q = lane % 4, half e) takes the tile's column 16q + 2j + e (byte 2j + e of lane q's
+  16-byte unit of the row)."""
+  *lead, d = x.shape
+  tiles = x.reshape(*lead, d // _FP8_COLS, _WIDE_UNITS, _WIDE_PAIRS, 2)
+  return jnp.swapaxes(tiles, -3, -2).reshape(*lead, d)
+
+
+def _wide_key_tile(slot, c: int):
+  """Key tile c [64 tokens, 64] of an e4m3 slot [64, D] (tiled (8, 64), 64-byte swizzled) as the
+  f16 WGMMA-layout A fragment of its columns in `wide_key_order`: each thread loads the 16 bytes
+  of its unit (lane % 4) of its two rows (16 warp + lane / 4 and 8 below) with one 16-byte load a
+  row and converts them pairwise (cvt e4m3x2 -> f16x2), register j of a row from bytes 2j, 2j + 1.
+  Lane-level code (`plgpu.inline_mgpu`): no Pallas layout maps 16 loaded bytes onto those
+  registers; the interpreter does not run it."""
+  tiles = slot.shape[-1] // _FP8_COLS
+  tile_bytes = _SWIZZLE_TILE_ROWS * _FP8_COLS
+  layout = plgpu.Layout.WGMMA
+  transforms = (plgpu.TilingTransform((_SWIZZLE_TILE_ROWS, _FP8_COLS)),
+                plgpu.SwizzleTransform(_FP8_COLS))
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms),),
+                     return_type=plgpu.ShapeDtypeStruct((_STEP, _FP8_COLS), jnp.float16,
+                                                        layout=layout))
+  def load(_, slot):
+    i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+    c32 = lambda v: arith.constant(i32, v)
+    tid = arith.remui(mgpu_utils.thread_idx(), c32(128))
+    lane, warp = arith.remui(tid, c32(32)), arith.divui(tid, c32(32))
+    # Rows 16 warp + lane / 4 and + 8: row lane / 4 of the 8-row tiles 2 warp and 2 warp + 1 (each
+    # row of tiles holds `tiles` tiles of 512 bytes); the 64-byte swizzle XORs a row's 16-byte
+    # unit with (row % 8) / 2 = lane / 8.
+    unit = arith.xori(arith.remui(lane, c32(_WIDE_UNITS)), arith.divui(lane, c32(8)))
+    offset = arith.addi(
+        arith.addi(arith.muli(warp, c32(2 * tiles * tile_bytes)),
+                   arith.muli(arith.divui(lane, c32(_WIDE_UNITS)), c32(_FP8_COLS))),
+        arith.addi(arith.muli(unit, c32(16)), c32(c * tile_bytes)))
+    base = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(slot), [offset], i8)
+    words_type = ir.VectorType.get((4,), i32)
+    pair_type = ir.VectorType.get((2,), ir.F16Type.get())
+    regs = np.empty((_WIDE_PAIRS, 2), dtype=object)  # [register j, row half]
+    for half in range(2):
+      words = llvm.load(words_type, mgpu_utils.getelementptr(
+          base, [c32(half * tiles * tile_bytes)], i8), alignment=16)
+      for w in range(4):
+        word = vector.extract(words, [], [w])
+        for e, part in enumerate(("lo", "hi")):
+          pair = llvm.inline_asm(
+              i32, [word], "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $1; "
+              f"cvt.rn.f16x2.e4m3x2 $0, {part}; }}", "=r,r")
+          regs[2 * w + e, half] = mgpu_utils.bitcast(pair, pair_type)
+    mgpu_layout = layout.to_mgpu()
+    return mgpu_fa.FragmentedArray(
+        _registers=regs.reshape(mgpu_layout.registers_shape((_STEP, _FP8_COLS))),
+        _layout=mgpu_layout, _is_signed=None)
+
+  return load(slot)
+
+
 def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_ref, buffers, p_smem,
                    row_smem, q_bar, ready, consumed, p_ready, p_free, *staging, scale, lora,
                    num_splits, split_steps, in_place, shared_widening, heads_n, register_a,
-                   value_cols):
+                   value_cols, wide_keys):
   # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64, or fewer than 64 unpadded: the tile's
   # first Np rows, the others never stored); kv_ref [num_blocks, page, D] bf16 or
   # e4m3; bt_ref [T, max_blocks] int32; len_ref [T] int32; ks_ref [1] f32 (the cache's scale, 1
@@ -250,6 +333,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # consumers convert their e4m3 tiles in registers into wgmma's A operand; warpgroup 1 holds all
   # the value columns (value_cols, o_smem [1, heads, L] or [1, L, heads]). No staging then, except
   # in the interpreter form: a_smem [2, 64, 64] f16, warpgroup w's converted tile (`a_operand`).
+  # wide_keys (register_a): q_smem's columns are in `wide_key_order`, and so are the key tiles'
+  # fragments (16-byte loads on the GPU, `_wide_key_tile`; permuted after the load here).
   (q_smem, kv_smem), (o_smem, lse_smem) = buffers
   a_smem, staging = (staging[0] if staging else None, ()) if register_a else (None, staging)
   fp8 = bool(staging)  # the widening pipelines (bf16 slots widened from an e4m3 stage)
@@ -424,9 +509,14 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
         if register_a:  # K's e4m3 [64 tokens, 64] tiles converted in registers (WGMMA layout)
           for c in range(kv_smem.shape[-1] // _FP8_COLS):
             cols = pl.ds(c * _FP8_COLS, _FP8_COLS)
-            k = plgpu.load(kv_smem.at[slot, :, cols], layout=plgpu.Layout.WGMMA)
-            plgpu.wgmma(acc_ref, a_operand(k.astype(jnp.float16), 0),
-                        q_smem.at[:, cols].transpose((1, 0)))
+            if wide_keys and a_smem is None:
+              k = _wide_key_tile(kv_smem.at[slot], c)
+            else:
+              k = plgpu.load(kv_smem.at[slot, :, cols],
+                             layout=plgpu.Layout.WGMMA).astype(jnp.float16)
+              if wide_keys:  # the interpreter form: the GPU's fragment, from the plain load
+                k = wide_key_order(k)
+            plgpu.wgmma(acc_ref, a_operand(k, 0), q_smem.at[:, cols].transpose((1, 0)))
             if c >= _KEY_TILES_IN_FLIGHT:  # frees tile c - _KEY_TILES_IN_FLIGHT's registers
               plgpu.wgmma_wait(_KEY_TILES_IN_FLIGHT)
         elif heads_n:
@@ -651,12 +741,12 @@ def _f16_queries(q):
 
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits",
                                              "split_tokens", "fp8_pipeline", "heads_in",
-                                             "interpret"))
+                                             "wide_keys", "interpret"))
 def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
                   *, scale: float, kv_lora_rank: int = 512,
                   k_scale: jax.Array | float | None = None, num_kv_splits: int | None = None,
                   split_tokens: int | None = None, fp8_pipeline: str | None = CONFIG.fp8_pipeline,
-                  heads_in: str | None = CONFIG.heads_in,
+                  heads_in: str | None = CONFIG.heads_in, wide_keys: bool = CONFIG.wide_keys,
                   interpret: bool | plgpu.InterpretGPUParams = False
                   ) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
@@ -672,7 +762,8 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   `MosaicDecodeConfig`; None: `default_fp8_pipeline`; a bf16 cache ignores it). heads_in:
   `MosaicDecodeConfig`'s (None: `default_heads_in`, "n" at N <= 32; "n": N <= 32 heads as
   wgmma's N, with an fp8 cache with fp8_pipeline "serial", "shared_widening" or "register_a",
-  the last with "n" only).
+  the last with "n" only). wide_keys: register_a's 16-byte key loads (`MosaicDecodeConfig`; a
+  ValueError with the other fp8 pipelines, a bf16 cache ignores it).
   interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
   o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
@@ -688,6 +779,10 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   if register_a and not heads_n:
     raise ValueError("fp8_pipeline=\"register_a\" takes heads_in=\"n\" (or None) only: the page "
                      f"is wgmma's A operand only with heads in N; got heads_in={heads_in!r}")
+  if fp8 and wide_keys and not register_a:
+    raise ValueError(f"wide_keys takes fp8_pipeline=\"register_a\" (the keys are wgmma's register "
+                     f"A operand only there), got fp8_pipeline={fp8_pipeline!r}")
+  wide_keys = register_a and wide_keys
   if heads_n and fp8 and fp8_pipeline not in HEADS_N_FP8_PIPELINES:
     raise ValueError(f"heads_in=\"n\" with an fp8 cache takes fp8_pipeline "
                      f"{' or '.join(HEADS_N_FP8_PIPELINES)} (64-token steps: wgmma's M), got "
@@ -710,6 +805,8 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   dtype = q.dtype
   if register_a:  # wgmma's B beside an f16 A (`MosaicDecodeConfig`)
     q, q_scales = _f16_queries(q)
+    if wide_keys:  # the key fragments' column order (`wide_key_order`)
+      q = wide_key_order(q)
   else:
     q_scales = jnp.ones((t,), jnp.float32)
   if interpret is True:
@@ -724,7 +821,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                              split_steps=split_tokens and split_tokens // _STEP,
                              in_place=not interpret, shared_widening=shared_widening,
                              heads_n=heads_n, register_a=register_a,
-                             value_cols=value_cols)
+                             value_cols=value_cols, wide_keys=wide_keys)
   # bf16 slots x rows (the consumers' step). wgmma's K must be a multiple of its operands' swizzle
   # width, and P V's K is the step: 32-row steps take 64-byte swizzles (32 bf16) for the query,
   # the slots and P alike (one wgmma takes one swizzle). Half pages: 72 + 2 x 36 (bf16 slots) +
@@ -793,6 +890,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
       interpret=interpret or None,
       kernel_name=(f"mosaic_latent_decode_{'fp8' if fp8 else 'bf16'}{'_half' if half_pages else ''}"
                    f"{'_shared' if shared_widening else ''}{'_register_a' if register_a else ''}"
+                   f"{'_wide_keys' if wide_keys else ''}"
                    f"{f'_heads_n{tile_h}' if heads_n else ''}"
                    f"_p{page}_s{splits}"),
   )(q, kv_cache, block_tables, seq_lens, k_scale, q_scales)
