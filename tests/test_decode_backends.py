@@ -191,7 +191,12 @@ class TestPallasMosaicDecode(DecodeContract):
       (128, 16, 8192, None, jnp.bfloat16, {"heads_in": "n"}),
       # register_a's timed shape (one split); only this lowering (and the GPU) runs its register
       # A operands, which the interpreter takes through shared memory.
-      (128, 16, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a"})])
+      (128, 16, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a"}),
+      # register_a's wide_keys (lane-level 16-byte key loads): every output form, both head tiles.
+      *[(batch, n, 8192, splits, jnp.float8_e4m3fn,
+         {"fp8_pipeline": "register_a", "heads_in": "n", "wide_keys": True, **fixed})
+        for batch, n, splits, fixed in ((128, 16, None, {}), (32, 32, 4, {}),
+                                        (32, 32, None, {"split_tokens": 2048}))]])
   def test_lowers_for_hopper(self, batch, n, seq, splits, cache_dtype, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # shapes and layouts, bulk-copy boxes, and that shared memory fits a Hopper block's 227 KB.
@@ -529,6 +534,54 @@ class TestPallasMosaicDecodeHeadsNRegisterA(TestPallasMosaicDecodeHeadsN):
                 fp8_pipeline="register_a")
     with pytest.raises(ValueError, match=message):
       mosaic_decode.latent_decode(**change(args), scale=0.1, interpret=True)
+
+
+class TestPallasMosaicDecodeRegisterAWideKeys(TestPallasMosaicDecodeHeadsNRegisterA):
+  """register_a with wide_keys (q's columns permuted per 64-column tile, `wide_key_order`; the
+  key fragments loaded 16 bytes a row on the GPU, permuted after a plain load in the interpreter):
+  the fp8 cases of the heads_in="n" tests (16 and 32 heads, one split and several, lengths
+  cutting pages, bad table entries: the tail rows masked in the e4m3 slot the wide loads read)
+  and the f16 queries past f16's range (scaled, then permuted). Either side's permutation alone
+  fails them; the lane code itself runs only on the GPU (tests/test_decode_gpu.py)."""
+  knob, value = "wide_keys", True
+  others = {"fp8_pipeline": "register_a", "heads_in": "n"}
+  # The parent's: the same code with or without wide_keys (the pipeline rules, the q scaling, the
+  # shared-memory accesses the race detector sees: wide_keys changes values, not accesses).
+  test_register_a_defaults_to_heads_n = None
+  test_default_fp8_pipeline = None
+  test_f16_queries_are_exact_powers_of_two = None
+  test_register_a_bad_input_raises = None
+  test_bad_input_raises = None
+  test_no_races_in_the_interpreter = None
+
+  def test_wide_key_order_is_the_fragments(self):
+    # Lane q (lane % 4) of the WGMMA A fragment holds a row's columns 8j + 2q + e (register j,
+    # half e); wide_keys gives them bytes 16q + 2j + e of the row's 64-column tile: lane q's
+    # 16-byte unit in register order. Per tile, over the 9 tiles of a 576-column row.
+    order = np.asarray(mosaic_decode.wide_key_order(jnp.arange(576)))
+    for tile in range(9):
+      for q in range(4):
+        fragment = [64 * tile + 8 * j + 2 * q + e for j in range(8) for e in range(2)]
+        np.testing.assert_array_equal(order[fragment], 64 * tile + 16 * q + np.arange(16))
+    assert sorted(order) == list(range(576))
+
+  def test_bf16_cache_ignores_it(self):
+    q = jax.ShapeDtypeStruct((32, 16, 576), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((32 * 128, 64, 576), jnp.bfloat16)
+    tables = jax.ShapeDtypeStruct((32, 128), jnp.int32)
+    lens = jax.ShapeDtypeStruct((32,), jnp.int32)
+    jaxpr = lambda **knobs: str(mosaic_decode.latent_decode.trace(
+        q, cache, tables, lens, scale=SCALE, heads_in="n", **knobs).jaxpr)
+    assert jaxpr(wide_keys=True) == jaxpr()
+
+  @pytest.mark.parametrize("pipeline", ["serial", "shared_widening"])
+  def test_wide_keys_bad_input_raises(self, pipeline):
+    q, cache, tables, lens = (jnp.asarray(a) for a in make_case(
+        128, n=16, page=64, req_lens=[20, 5], cache_dtype=jnp.float8_e4m3fn))
+    with pytest.raises(ValueError, match="wide_keys takes fp8_pipeline=\"register_a\""):
+      mosaic_decode.latent_decode(q, cache, tables, lens, k_scale=FP8_SCALE, scale=0.1,
+                                  heads_in="n", fp8_pipeline=pipeline, wide_keys=True,
+                                  interpret=True)
 
 
 def _stage1_splits(jaxpr):

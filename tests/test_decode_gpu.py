@@ -139,6 +139,28 @@ def test_register_a_matches_reference(seed, batch, max_len, n, splits, fixed):
       fp8_pipeline="register_a", **fixed))
 
 
+@pytest.mark.parametrize("seed,batch,max_len,n,splits,fixed", [
+    (7, 128, 8192, 16, None, {}),  # the timed shape (one split): bf16 output stored transposed
+    (8, 128, 8192, 32, None, {}),  # 32 heads, its timed shape
+    (9, 32, 8192, 32, 4, {}),  # float32 partials
+    (4, 32, 4096, 20, None, {"split_tokens": BATCH_INVARIANT_SPLIT_TOKENS}),  # padded to 32
+])
+def test_wide_keys_matches_reference(seed, batch, max_len, n, splits, fixed):
+  # register_a's wide_keys: the key fragments from 16-byte loads by lane-level code (its swizzled
+  # addresses and register order), which only the GPU runs, against q permuted alike.
+  check_serving_case(seed, batch, max_len, n, jnp.float8_e4m3fn, functools.partial(
+      mosaic_decode.latent_decode, num_kv_splits=splits, heads_in="n",
+      fp8_pipeline="register_a", wide_keys=True, **fixed))
+
+
+def test_wide_keys_queries_past_f16_range():
+  # The f16 queries scaled by powers of two, then permuted.
+  q_scale = jnp.where(jnp.arange(32) % 3 == 0, 2.0 ** 15, 1.0)
+  check_serving_case(11, 32, 4096, 16, jnp.float8_e4m3fn, functools.partial(
+      mosaic_decode.latent_decode, heads_in="n", fp8_pipeline="register_a", wide_keys=True),
+      q_scale=q_scale)
+
+
 def test_register_a_queries_past_f16_range():
   # The f16 queries of register_a (the fp8 default at 16 heads): rows past f16's 65504 run scaled
   # by a power of two, scaled back in the kernel's score scale.
