@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gpu_utils import poison_allocator
+from pallas_kernels import mosaic_decode
 from pallas_kernels.common import swizzled
 
 F8 = jnp.float8_e4m3fn
@@ -106,3 +107,48 @@ def test_register_a_interpreter_form_matches_numpy(side):
 def test_register_a_on_gpu_matches_numpy(side):
   poison_allocator()  # the output starts as NaN: an element the kernel never stores fails
   check_against_numpy(side, interpret=False)
+
+
+# mosaic_decode's wide_keys: `_wide_key_tile` (lane-level 16-byte loads of a ring slot's e4m3 key
+# tile into the f16 WGMMA fragment) against `wide_key_order`, tile by tile: its swizzled
+# addresses (9 column tiles, two 8-row tiles a warp, slot 1 of a ring of 2) and register order,
+# which only the GPU runs.
+D = 576  # a cache row: kv_lora_rank + rope
+
+
+def wide_key_kernel():
+  def kernel(x_ref, o_ref, ring, o_smem, bar):
+    plgpu.copy_gmem_to_smem(x_ref, ring.at[1], bar)
+    plgpu.barrier_wait(bar)
+    for c in range(D // TILE):
+      o_smem[:, pl.ds(c * TILE, TILE)] = mosaic_decode._wide_key_tile(ring.at[1], c)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_ref)
+    plgpu.wait_smem_to_gmem(0)
+
+  return jax.jit(plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((TILE, D), jnp.float16),
+      scratch_types=(swizzled((2, TILE, D), F8, TILE), swizzled((TILE, D), jnp.float16),
+                     plgpu.Barrier())))
+
+
+def wide_key_rows(seed):
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((TILE, D)) * 8
+  x[5, :6] = [448, -448, 2.0 ** -9, -3 * 2.0 ** -9, 0, 1.875 * 2.0 ** -7]
+  return jnp.asarray(x, jnp.float32).astype(F8)
+
+
+def test_wide_key_tile_lowers_for_hopper():
+  text = wide_key_kernel().trace(wide_key_rows(0)).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+def test_wide_key_tile_on_gpu_is_the_permuted_tile():
+  x = wide_key_rows(2)
+  poison_allocator()
+  out = np.asarray(wide_key_kernel()(x))
+  # e4m3 -> f16 is exact: any misplaced byte differs
+  want = mosaic_decode.wide_key_order(x.astype(jnp.float16))
+  np.testing.assert_array_equal(out, np.asarray(want))
