@@ -130,20 +130,22 @@ class MosaicDecodeConfig:
   ms, "m" / "n" in one process: bf16 B=128 0.309 / 0.296, B=32 0.0994 / 0.0902; fp8
   ("shared_widening") B=128 0.481 / 0.462, B=32 0.142 / 0.142; session 13, bf16 N=32: B=128
   0.301 / 0.297, B=32 0.100 / 0.0954.
-  wide_keys (an fp8 cache with fp8_pipeline "register_a" only: a ValueError with the other fp8
-  pipelines; bf16 caches ignore it): warpgroup 0 loads each thread's key bytes of a [64, 64] e4m3
-  tile with two 16-byte loads (one a row) instead of 16 2-byte ones. The WGMMA A fragment holds
+  wide_keys (an fp8 cache with fp8_pipeline "register_a" only: True is a ValueError with the other
+  fp8 pipelines; bf16 caches ignore it): warpgroup 0 loads each thread's key bytes of a [64, 64]
+  e4m3 tile with two 16-byte loads (one a row) instead of 16 2-byte ones. The WGMMA A fragment holds
   columns {8j + 2 (lane % 4) + e} (j < 8, e < 2) of two rows; the kernel gives fragment column
   8j + 2q + e the tile's byte 16q + 2j + e instead (`wide_key_order`), q's columns permuted alike
   before the call (S sums over the permuted index in both operands: the same scores, another
   summation order). Only the GPU form loads wide (`_wide_key_tile`, lane-level code); the
-  interpreter loads the tile and permutes it (benchmarks/RESULTS.md, "wide_keys"; not timed)."""
+  interpreter loads the tile and permutes it. None (the default): on wherever register_a runs
+  (H200, session 15, B=128 S=8192: N=16 0.277 -> 0.259 ms, N=32 0.334 -> 0.314; benchmarks/
+  RESULTS.md, "wide_keys"); False keeps the 2-byte fragment loads."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
   fp8_pipeline: str | None = None
   heads_in: str | None = None
-  wide_keys: bool = False
+  wide_keys: bool | None = None
 
   def __post_init__(self):
     if self.block_h != 64:
@@ -190,7 +192,7 @@ SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"),
          MosaicDecodeConfig(fp8_pipeline="half_pages"),
          MosaicDecodeConfig(heads_in="n"), MosaicDecodeConfig(fp8_pipeline="serial", heads_in="n"),
          MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n"),
-         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", wide_keys=True))
+         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", wide_keys=False))
 # Fields that one cache dtype alone reads (with the other, the program is the same whatever they
 # are): a sweep times a config only with the cache dtype whose program it changes.
 DTYPE_KNOBS = {"fp8_pipeline": jnp.dtype(F8), "wide_keys": jnp.dtype(F8)}
@@ -746,7 +748,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                   *, scale: float, kv_lora_rank: int = 512,
                   k_scale: jax.Array | float | None = None, num_kv_splits: int | None = None,
                   split_tokens: int | None = None, fp8_pipeline: str | None = CONFIG.fp8_pipeline,
-                  heads_in: str | None = CONFIG.heads_in, wide_keys: bool = CONFIG.wide_keys,
+                  heads_in: str | None = CONFIG.heads_in, wide_keys: bool | None = CONFIG.wide_keys,
                   interpret: bool | plgpu.InterpretGPUParams = False
                   ) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
@@ -762,8 +764,8 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   `MosaicDecodeConfig`; None: `default_fp8_pipeline`; a bf16 cache ignores it). heads_in:
   `MosaicDecodeConfig`'s (None: `default_heads_in`, "n" at N <= 32; "n": N <= 32 heads as
   wgmma's N, with an fp8 cache with fp8_pipeline "serial", "shared_widening" or "register_a",
-  the last with "n" only). wide_keys: register_a's 16-byte key loads (`MosaicDecodeConfig`; a
-  ValueError with the other fp8 pipelines, a bf16 cache ignores it).
+  the last with "n" only). wide_keys: register_a's 16-byte key loads (`MosaicDecodeConfig`; None:
+  with register_a; True is a ValueError with the other fp8 pipelines, a bf16 cache ignores it).
   interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
   o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
@@ -782,7 +784,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   if fp8 and wide_keys and not register_a:
     raise ValueError(f"wide_keys takes fp8_pipeline=\"register_a\" (the keys are wgmma's register "
                      f"A operand only there), got fp8_pipeline={fp8_pipeline!r}")
-  wide_keys = register_a and wide_keys
+  wide_keys = register_a and wide_keys is not False
   if heads_n and fp8 and fp8_pipeline not in HEADS_N_FP8_PIPELINES:
     raise ValueError(f"heads_in=\"n\" with an fp8 cache takes fp8_pipeline "
                      f"{' or '.join(HEADS_N_FP8_PIPELINES)} (64-token steps: wgmma's M), got "

@@ -189,12 +189,13 @@ class TestPallasMosaicDecode(DecodeContract):
                                 (jnp.float8_e4m3fn, "register_a"))
         for splits, fixed in ((1, {}), (4, {}), (None, {"split_tokens": 2048}))],
       (128, 16, 8192, None, jnp.bfloat16, {"heads_in": "n"}),
-      # register_a's timed shape (one split); only this lowering (and the GPU) runs its register
-      # A operands, which the interpreter takes through shared memory.
-      (128, 16, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a"}),
-      # register_a's wide_keys (lane-level 16-byte key loads): every output form, both head tiles.
-      *[(batch, n, 8192, splits, jnp.float8_e4m3fn,
-         {"fp8_pipeline": "register_a", "heads_in": "n", "wide_keys": True, **fixed})
+      # register_a's timed shape (one split) with its 2-byte key loads (wide_keys=False); only the
+      # lowerings (and the GPU) run its register A operands, which the interpreter takes through
+      # shared memory.
+      (128, 16, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a", "wide_keys": False}),
+      # register_a's default wide_keys (lane-level 16-byte key loads): every output form, both
+      # head tiles.
+      *[(batch, n, 8192, splits, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a", **fixed})
         for batch, n, splits, fixed in ((128, 16, None, {}), (32, 32, 4, {}),
                                         (32, 32, None, {"split_tokens": 2048}))]])
   def test_lowers_for_hopper(self, batch, n, seq, splits, cache_dtype, knobs):
@@ -536,14 +537,16 @@ class TestPallasMosaicDecodeHeadsNRegisterA(TestPallasMosaicDecodeHeadsN):
       mosaic_decode.latent_decode(**change(args), scale=0.1, interpret=True)
 
 
-class TestPallasMosaicDecodeRegisterAWideKeys(TestPallasMosaicDecodeHeadsNRegisterA):
-  """register_a with wide_keys (q's columns permuted per 64-column tile, `wide_key_order`; the
-  key fragments loaded 16 bytes a row on the GPU, permuted after a plain load in the interpreter):
-  the fp8 cases of the heads_in="n" tests (16 and 32 heads, one split and several, lengths
-  cutting pages, bad table entries: the tail rows masked in the e4m3 slot the wide loads read)
-  and the f16 queries past f16's range (scaled, then permuted). Either side's permutation alone
-  fails them; the lane code itself runs only on the GPU (tests/test_decode_gpu.py)."""
-  knob, value = "wide_keys", True
+class TestPallasMosaicDecodeRegisterANarrowKeys(TestPallasMosaicDecodeHeadsNRegisterA):
+  """register_a with wide_keys=False: the key fragments loaded 2 bytes at a time in the WGMMA
+  layout and q's columns in their own order, against the default's wide_keys (q's columns permuted
+  per 64-column tile, `wide_key_order`; the key fragments loaded 16 bytes a row on the GPU,
+  permuted after a plain load in the interpreter), which the parent runs: the fp8 cases of the
+  heads_in="n" tests (16 and 32 heads, one split and several, lengths cutting pages, bad table
+  entries: the tail rows masked in the e4m3 slot the loads read) and the f16 queries past f16's
+  range (scaled, then permuted). Either side's permutation alone fails the parent's; the lane code
+  itself runs only on the GPU (tests/test_decode_gpu.py)."""
+  knob, value = "wide_keys", False
   others = {"fp8_pipeline": "register_a", "heads_in": "n"}
   # The parent's: the same code with or without wide_keys (the pipeline rules, the q scaling, the
   # shared-memory accesses the race detector sees: wide_keys changes values, not accesses).
