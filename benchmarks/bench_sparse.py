@@ -215,13 +215,11 @@ def run_topk(args, t, s):
   # Each form beside the default (every knob named; a form equal to the default's is left out):
   # v2 (block-wide compaction per chunk), v3's per-lane threshold, v9's sector threshold (the other
   # way from the default), each with the default's theta, the default with its theta flipped
-  # (fused with the maxima or not), and the default with v10's searches (b bits a pass) or v10b's
-  # lean select (8 warps too: fewer registers a thread let two 8-warp programs reside an SM).
+  # (fused with the maxima or not), and the default with v10b's lean select flipped (8 warps too:
+  # fewer registers a thread let two 8-warp programs reside an SM).
   default = pallas_topk.default_config(t, s)
   knobs_of = lambda c: dict(per_lane=c.per_lane, fused_theta=c.fused_theta, sectors=c.sectors,
-                            theta_search_bits=c.theta_search_bits,
-                            select_search_bits=c.select_search_bits, lean_select=c.lean_select,
-                            select_warps=c.select_warps)
+                            lean_select=c.lean_select, select_warps=c.select_warps)
   plain = dict(knobs_of(default), per_lane=False, sectors=False)
   forms = {"v2 (block compaction)": dict(plain, fused_theta=False),
            "v3, per_lane": dict(plain, per_lane=True),
@@ -229,8 +227,6 @@ def run_topk(args, t, s):
                dict(plain) if default.sectors else dict(plain, sectors=True)),
            f"v3, fused_theta={not default.fused_theta}": dict(
                knobs_of(default), fused_theta=not default.fused_theta),
-           **{f"v10, search_bits={b}": dict(knobs_of(default), theta_search_bits=b,
-                                           select_search_bits=b) for b in (2, 4)},
            f"v10b, lean_select={not default.lean_select}": dict(
                knobs_of(default), lean_select=not default.lean_select),
            "v10b, lean_select, select_warps=8": dict(knobs_of(default), lean_select=True,
@@ -387,7 +383,7 @@ def main(argv=None):
                            "as in the cache column (e.g. fp8_pipeline=half_rows)")
   parser.add_argument("--topk-rows", nargs="+", metavar="VERSION",
                       help="top-k cases: beside the default, only these variants' rows, named by "
-                           "the version opening their cache column (e.g. v9 v10)")
+                           "the version opening their cache column (e.g. v9 v10b)")
   parser.add_argument("--iters", type=int, default=20, help="back-to-back calls per timing")
   parser.add_argument("--repeats", type=int, default=5, help="timings; the median is reported")
   parser.add_argument("--out", default="benchmarks/out", help="directory for the result tables")

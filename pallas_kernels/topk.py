@@ -33,11 +33,9 @@ rounded up to whole sectors), and step 3 reads a row's sector maxima, keeps the 
 theta (every candidate lies in one) and reads the logits of those only: ~14% of the sectors at
 131072 positions, ~44% at 32768 (random rows).
 
-v10 (`TopkConfig.theta_search_bits`, `.select_search_bits`; no default): theta's and the select's
-searches decide 2 or 4 bits a pass, counting 2^b thresholds in one block-wide reduction
-(`_kth_largest`): the same results in fewer passes, each counting more. v10b
-(`TopkConfig.lean_select`, the default for many rows): the select's rare full-width path streams
-its candidates, so the kernel's registers are the common path's.
+v10b (`TopkConfig.lean_select`, the default for many rows): the select's rare full-width path
+streams its candidates, so the kernel's registers are the common path's. (v10, searches deciding 2
+or 4 bits a pass, lost on the H200 and was removed: RESULTS.md.)
 
 Not a radix select: a histogram of the keys' high bits needs scatter-adds into shared memory (or a
 warp's match). jax 0.11.2 offers none with an interpreter path: Pallas-Triton has no scratch
@@ -77,7 +75,6 @@ _THETA_WARPS = 8  # spread the 8K-16K register-resident maxima at 32-64 a thread
 _MAXIMA_TILE = 8192  # positions a maxima program reads: G rows of tile / G groups
 _HALVED_MIN = 512  # candidate lists from this size get a half-width select path too
 _SECTOR = 8  # positions a sector maximum covers (v9): 32 bytes of logits, one DRAM sector
-_SEARCH_BITS = (1, 2, 4)  # bits a pass of `_kth_largest` may decide (v10)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,12 +95,6 @@ class TopkConfig:
   # sectors whose maximum reaches theta (`_sector_threshold_kernel`): ~14% of them on random rows
   # at 131072 positions.
   sectors: bool = False
-  # v10: bits one counting pass of theta's search (`theta_search_bits`) and of the select's
-  # (`select_search_bits`) decides: 2 or 4 count 2^b thresholds a pass (one block-wide reduction of
-  # 2^b counts) where 1 bisects, so a row's chain of block-wide reductions is b times shorter for
-  # 2^b / b times the compares; the same theta and selection (`_kth_largest`).
-  theta_search_bits: int = 1
-  select_search_bits: int = 1
   # v10b: the select's path for more than cap / 2 candidates (rare: random rows fill ~0.3 cap)
   # streams them in two halves from the candidate lists every pass instead of holding all cap
   # lanes in registers, which set the whole kernel's (pip Triton 3.6, sm_90a: 255 and 148 bytes
@@ -116,11 +107,6 @@ class TopkConfig:
     for name in ("per_lane", "fused_theta", "sectors", "lean_select"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-    for name in ("theta_search_bits", "select_search_bits"):
-      value = getattr(self, name)
-      if isinstance(value, bool) or value not in _SEARCH_BITS:
-        raise ValueError(f"{name} must be one of {_SEARCH_BITS} (dividing theta's {_THETA_BITS} "
-                         f"bits and a key's 32), got {value!r}")
     if self.sectors and self.per_lane:
       raise ValueError("sectors is a threshold kernel of its own: it takes no per_lane")
 
@@ -182,19 +168,14 @@ def _leading_equal_bits(a, b):
   return jnp.where(x == 0, 32, jnp.where(x < 0, 0, jnp.clip(31 - exponent, 0, 32)))
 
 
-def _kth_largest(keys_of, num_chunks, k, lo=_INT_MIN, hi=_INT_MAX, top_bits=32, search_bits=1):
+def _kth_largest(keys_of, num_chunks, k, lo=_INT_MIN, hi=_INT_MAX, top_bits=32):
   """The k-th largest key over chunks `keys_of(i)`, i < num_chunks, given lo <= it <= hi; INT_MIN
   if fewer than k keys are above INT_MIN (then lo must be INT_MIN). Builds it bit by bit from the
   top on the unsigned image key ^ INT_MIN, starting below the bits lo and hi share: a bit stays set
   when at least k keys reach the threshold with it set. With top_bits < 32, only those bits: a
-  lower bound whose other bits are 0. search_bits b > 1 (v10; b divides top_bits): b bits a pass,
-  the digit d of the next b bits the largest whose threshold at least k keys reach (the counts
-  fall as d grows), from a multiple of b (known bits it redoes come out as they are): the same
-  result in 1/b of the passes, each counting 2^b thresholds."""
+  lower bound whose other bits are 0."""
   lo_image, hi_image = jnp.int32(lo) ^ _INT_MIN, jnp.int32(hi) ^ _INT_MIN
   known = jnp.minimum(_leading_equal_bits(lo_image, hi_image), top_bits)
-  if search_bits > 1:
-    known = known // search_bits * search_bits
   # lo with the bits after the shared ones cleared (none when known == 0, all when 32).
   clear = lax.shift_right_logical(jnp.int32(-1), jnp.minimum(known, 31))
   start = jnp.where(known == 0, 0, jnp.where(known == 32, lo_image, lo_image & ~clear))
@@ -207,28 +188,7 @@ def _kth_largest(keys_of, num_chunks, k, lo=_INT_MIN, hi=_INT_MAX, top_bits=32, 
     trial = image | jnp.left_shift(jnp.int32(1), 31 - b)
     return jnp.where(count_at_least(trial ^ _INT_MIN) >= k, trial, image)
 
-  if search_bits == 1:
-    return lax.fori_loop(known, top_bits, one_bit, start) ^ _INT_MIN
-  # The digits as a [2^b, 1] column (an iota of that shape: a [2^b] vector reshaped would be
-  # converted between Triton layouts through shared memory every pass); keys_of gives [lanes].
-  digits = lax.broadcasted_iota(jnp.int32, (1 << search_bits, 1), 0)
-
-  def counts_at_least(thresholds):  # [2^b, 1] thresholds -> [2^b] counts, one reduction a chunk
-    return lax.fori_loop(
-        0, num_chunks,
-        lambda i, n: n + (keys_of(i)[None] >= thresholds).astype(jnp.int32).sum(axis=1),
-        jnp.zeros((1 << search_bits,), jnp.int32))
-
-  def one_digit(j, image):
-    shift = 32 - search_bits - (known + j * search_bits)
-    reached = counts_at_least((image | jnp.left_shift(digits, shift)) ^ _INT_MIN) >= k
-    # d = 0's threshold, the image, is reached by at least k keys (so the digit is one less than
-    # the thresholds reached), unless the lanes are fewer than k: then none, and nothing is set
-    # (INT_MIN, as the bisection gives).
-    digit = jnp.maximum(reached.astype(jnp.int32).sum() - 1, 0)
-    return image | jnp.left_shift(digit, shift)
-
-  return lax.fori_loop(0, (top_bits - known) // search_bits, one_digit, start) ^ _INT_MIN
+  return lax.fori_loop(known, top_bits, one_bit, start) ^ _INT_MIN
 
 
 def _compact(take, base, bound):
@@ -253,23 +213,21 @@ def _maxima_kernel(logits_ref, len_ref, max_ref, *, groups):
   max_ref[...] = _keys(x, inside).max(axis=0)
 
 
-def _theta(maxima, k, bits, search_bits):
+def _theta(maxima, k, bits):
   """Theta of a row from its group maxima (INT_MIN padded): the top `bits` bits of the k-th
   largest."""
   valid = maxima > _INT_MIN
   enough = valid.astype(jnp.int32).sum() >= k
   lo = jnp.where(enough, jnp.where(valid, maxima, _INT_MAX).min(), _INT_MIN)
-  if search_bits > 1:  # `_kth_largest`'s multi-bit search counts [lanes] keys
-    maxima = maxima.reshape(-1)
-  return _kth_largest(lambda i: maxima, 1, k, lo, maxima.max(), bits, search_bits)
+  return _kth_largest(lambda i: maxima, 1, k, lo, maxima.max(), bits)
 
 
-def _theta_kernel(max_ref, theta_ref, *, k, bits, search_bits):
+def _theta_kernel(max_ref, theta_ref, *, k, bits):
   # max_ref [mp] int32 (this row's group maxima, INT_MIN padded); theta_ref [T] int32
-  theta_ref[pl.program_id(0)] = _theta(max_ref[...], k, bits, search_bits)
+  theta_ref[pl.program_id(0)] = _theta(max_ref[...], k, bits)
 
 
-def _maxima_theta_kernel(logits_ref, len_ref, theta_ref, *, k, bits, search_bits, groups, width):
+def _maxima_theta_kernel(logits_ref, len_ref, theta_ref, *, k, bits, groups, width):
   # Steps 1 and 2 in one program per row, the maxima in registers (never written): for many rows,
   # which fill the SMs a program a row. logits_ref [T, S] f32; len_ref [T] int32; theta_ref [T]
   # int32. Group c is {c, c + m, c + 2m, ...}, as in `_maxima_kernel`; a step reads one member of
@@ -287,7 +245,7 @@ def _maxima_theta_kernel(logits_ref, len_ref, theta_ref, *, k, bits, search_bits
     return jnp.maximum(maxima, _keys(x, inside))
 
   maxima = lax.fori_loop(0, groups, member, jnp.full((width,), _INT_MIN, jnp.int32))
-  theta_ref[t] = _theta(maxima, k, bits, search_bits)
+  theta_ref[t] = _theta(maxima, k, bits)
 
 
 def _threshold_kernel(theta_ref, logits_ref, len_ref, cand_key_ref, cand_pos_ref, count_ref, *,
@@ -393,8 +351,8 @@ def _sector_maxima_kernel(logits_ref, len_ref, max_ref, sec_ref, *, groups, m8, 
   sec_ref[...] = keys.max(axis=2)
 
 
-def _sector_maxima_theta_kernel(logits_ref, len_ref, theta_ref, sec_ref, *, k, bits, search_bits,
-                                groups, m8, masked):
+def _sector_maxima_theta_kernel(logits_ref, len_ref, theta_ref, sec_ref, *, k, bits, groups, m8,
+                                masked):
   # `_maxima_theta_kernel` for v9 (`sectors` with `fused_theta`), groups as in
   # `_sector_maxima_kernel`: a step reads one member of every group, m8 contiguous positions, and
   # writes their sector maxima. logits_ref [T, S] f32; len_ref [T] int32; theta_ref [T] int32;
@@ -417,7 +375,7 @@ def _sector_maxima_theta_kernel(logits_ref, len_ref, theta_ref, sec_ref, *, k, b
     return jnp.maximum(maxima, keys)
 
   maxima = lax.fori_loop(0, groups, member, jnp.full((sectors, _SECTOR), _INT_MIN, jnp.int32))
-  theta_ref[t] = _theta(maxima, k, bits, search_bits)
+  theta_ref[t] = _theta(maxima, k, bits)
 
 
 def _sector_threshold_kernel(theta_ref, sec_ref, logits_ref, len_ref, ids_ref, cand_key_ref,
@@ -486,7 +444,7 @@ def _sector_threshold_kernel(theta_ref, sec_ref, logits_ref, len_ref, ids_ref, c
 
 
 def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref, len_ref, out_ref,
-                   *, k, chunk, fill, search_bits, lean):
+                   *, k, chunk, fill, lean):
   # theta_ref [T] int32; cand_key_ref, cand_pos_ref [P * cap] int32 (this row's segments' places);
   # count_ref [T, P] int32; logits_ref [T, S] f32; len_ref [T] int32; out_ref [k] int32 (this
   # row's positions)
@@ -504,7 +462,7 @@ def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref,
     returns how many positions it wrote."""
     total = lambda f: lax.fori_loop(0, num_chunks,
                                     lambda i, n: n + f(*source(i)).astype(jnp.int32).sum(), 0)
-    v = _kth_largest(lambda i: source(i)[0], num_chunks, k, theta, hi, search_bits=search_bits)
+    v = _kth_largest(lambda i: source(i)[0], num_chunks, k, theta, hi)
     # Ties at v fill the rest; with fewer than k valid keys (v = INT_MIN) there are none to take.
     need = jnp.where(v > _INT_MIN, k - total(lambda key, pos: key > v), 0)
     tie = lambda key, pos: (key == v) & (v > _INT_MIN)
@@ -516,8 +474,7 @@ def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref,
       return jnp.where(tie(key, pos), s - 1 - pos, _INT_MIN)
 
     last = lax.cond(total(tie) > need,
-                    lambda n: _kth_largest(tie_keys, num_chunks, n, 0, s - 1,
-                                           search_bits=search_bits),
+                    lambda n: _kth_largest(tie_keys, num_chunks, n, 0, s - 1),
                     lambda n: n * 0, need)
 
     def body(i, written):
@@ -612,11 +569,11 @@ def group_maxima(logits: jax.Array, seq_lens: jax.Array, groups: int, width: int
 
 
 def row_theta(maxima: jax.Array, topk: int, params: plgpu.CompilerParams, *,
-              bits: int = _THETA_BITS, search_bits: int = 1, interpret: bool = False) -> jax.Array:
-  """Step 2: int32 [T], each row's theta (its top `bits` bits; search_bits: `_kth_largest`'s)."""
+              bits: int = _THETA_BITS, interpret: bool = False) -> jax.Array:
+  """Step 2: int32 [T], each row's theta (its top `bits` bits)."""
   t = maxima.shape[0]
   return pl.pallas_call(
-      functools.partial(_theta_kernel, k=topk, bits=bits, search_bits=search_bits),
+      functools.partial(_theta_kernel, k=topk, bits=bits),
       grid=(t,),
       in_specs=[_row(maxima.shape[1])],
       out_specs=pl.BlockSpec((t,), lambda i: (0,)),
@@ -629,13 +586,12 @@ def row_theta(maxima: jax.Array, topk: int, params: plgpu.CompilerParams, *,
 
 def fused_row_theta(logits: jax.Array, seq_lens: jax.Array, topk: int, groups: int, width: int,
                     params: plgpu.CompilerParams, *, bits: int = _THETA_BITS,
-                    search_bits: int = 1, interpret: bool = False) -> jax.Array:
+                    interpret: bool = False) -> jax.Array:
   """Steps 1 and 2 fused, a program per row: int32 [T], each row's theta (as `row_theta` of
   `group_maxima`)."""
   t = logits.shape[0]
   return pl.pallas_call(
-      functools.partial(_maxima_theta_kernel, k=topk, bits=bits, search_bits=search_bits,
-                        groups=groups, width=width),
+      functools.partial(_maxima_theta_kernel, k=topk, bits=bits, groups=groups, width=width),
       grid=(t,),
       in_specs=[_whole(logits), _whole(seq_lens)],
       out_specs=pl.BlockSpec((t,), lambda i: (0,)),
@@ -721,15 +677,14 @@ def threshold_candidates(theta: jax.Array, logits: jax.Array, seq_lens: jax.Arra
 
 def fused_sector_theta(logits: jax.Array, seq_lens: jax.Array, topk: int, groups: int, m8: int,
                        params: plgpu.CompilerParams, *, bits: int = _THETA_BITS,
-                       search_bits: int = 1,
                        interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """`sector_maxima` and `row_theta` fused, a program per row: (int32 [T], each row's theta;
   int32 [T, groups * next_pow2(m8) / 8], the sector maxima as `sector_maxima`'s)."""
   t, s = logits.shape
   width = next_pow2(m8)
   theta, sectors = pl.pallas_call(
-      functools.partial(_sector_maxima_theta_kernel, k=topk, bits=bits, search_bits=search_bits,
-                        groups=groups, m8=m8, masked=groups * m8 != s or m8 != width),
+      functools.partial(_sector_maxima_theta_kernel, k=topk, bits=bits, groups=groups, m8=m8,
+                        masked=groups * m8 != s or m8 != width),
       grid=(t,),
       in_specs=[_whole(logits), _whole(seq_lens)],
       out_specs=[pl.BlockSpec((t,), lambda i: (0,)),
@@ -774,15 +729,14 @@ def sector_candidates(theta: jax.Array, sector_max: jax.Array, logits: jax.Array
 
 def select_positions(theta: jax.Array, cand_keys: jax.Array, cand_pos: jax.Array,
                      counts: jax.Array, logits: jax.Array, seq_lens: jax.Array, topk: int,
-                     chunk: int, params: plgpu.CompilerParams, *, search_bits: int = 1,
-                     lean: bool = False, interpret: bool = False) -> jax.Array:
-  """Step 4: int32 [T, topk] positions, -1 padded (search_bits: `_kth_largest`'s; lean:
-  `TopkConfig.lean_select`)."""
+                     chunk: int, params: plgpu.CompilerParams, *, lean: bool = False,
+                     interpret: bool = False) -> jax.Array:
+  """Step 4: int32 [T, topk] positions, -1 padded (lean: `TopkConfig.lean_select`)."""
   t = logits.shape[0]
   width = cand_keys.shape[1]
   return pl.pallas_call(
       functools.partial(_select_kernel, k=topk, chunk=chunk, fill=min(1024, next_pow2(topk)),
-                        search_bits=search_bits, lean=lean),
+                        lean=lean),
       grid=(t,),
       in_specs=[_whole(theta), _row(width), _row(width), _whole(counts), _whole(logits),
                 _whole(seq_lens)],
@@ -796,28 +750,22 @@ def select_positions(theta: jax.Array, cand_keys: jax.Array, cand_pos: jax.Array
 
 @functools.partial(jax.jit, static_argnames=("topk", "chunk", "num_warps", "num_stages",
                                              "select_warps", "per_lane", "fused_theta",
-                                             "sectors", "theta_search_bits",
-                                             "select_search_bits", "lean_select",
-                                             "interpret"))
+                                             "sectors", "lean_select", "interpret"))
 def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None,
                    select_warps: int | None = None, per_lane: bool | None = None,
                    fused_theta: bool | None = None, sectors: bool | None = None,
-                   theta_search_bits: int | None = None, select_search_bits: int | None = None,
                    lean_select: bool | None = None, interpret: bool = False) -> jax.Array:
   """Top-`topk` positions of each row within its window (semantics of
   `mla_jax.reference.topk_positions`): logits [T, S] float32, seq_lens [T] int32 (row t sees
   s < seq_lens[t]) -> int32 [T, topk], -1 padded, in no particular order; of positions tied at the
   k-th largest value, the lowest. chunk, num_warps, num_stages, select_warps, per_lane,
-  fused_theta, sectors, theta_search_bits, select_search_bits, lean_select: `TopkConfig`'s
-  (None: `default_config`'s).
+  fused_theta, sectors, lean_select: `TopkConfig`'s (None: `default_config`'s).
   """
   check_topk_args(logits, seq_lens, topk)
   config = with_overrides(default_config(*logits.shape), chunk=chunk, num_warps=num_warps,
                           num_stages=num_stages, select_warps=select_warps, per_lane=per_lane,
-                          fused_theta=fused_theta, sectors=sectors,
-                          theta_search_bits=theta_search_bits,
-                          select_search_bits=select_search_bits, lean_select=lean_select)
+                          fused_theta=fused_theta, sectors=sectors, lean_select=lean_select)
   t, s = logits.shape
   if t == 0 or s == 0:
     return jnp.full((t, topk), -1, jnp.int32)
@@ -829,19 +777,17 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: 
   m8 = pl.cdiv(pl.cdiv(s, g), _SECTOR) * _SECTOR  # v9's groups {j, j + m8, ...}: whole sectors
   if config.sectors and config.fused_theta:
     theta, sector_max = fused_sector_theta(logits, seq_lens, topk, g, m8, params(_THETA_WARPS),
-                                           search_bits=config.theta_search_bits,
                                            interpret=interpret)
   elif config.sectors:
     maxima, sector_max = sector_maxima(logits, seq_lens, g, m8, next_pow2(m8),
                                        interpret=interpret)
   elif config.fused_theta:
     theta = fused_row_theta(logits, seq_lens, topk, g, width, params(_THETA_WARPS),
-                            search_bits=config.theta_search_bits, interpret=interpret)
+                            interpret=interpret)
   else:
     maxima = group_maxima(logits, seq_lens, g, width, interpret=interpret)
   if not config.fused_theta:
-    theta = row_theta(maxima, topk, params(_THETA_WARPS), search_bits=config.theta_search_bits,
-                      interpret=interpret)
+    theta = row_theta(maxima, topk, params(_THETA_WARPS), interpret=interpret)
   if config.sectors:
     cand_keys, cand_pos, counts = sector_candidates(theta, sector_max, logits, seq_lens, m8, cap,
                                                     chunk, params(config.num_warps),
@@ -852,5 +798,5 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: 
                                                        params(config.num_warps), slots=slots,
                                                        interpret=interpret)
   return select_positions(theta, cand_keys, cand_pos, counts, logits, seq_lens, topk, chunk,
-                          params(config.select_warps), search_bits=config.select_search_bits,
-                          lean=config.lean_select, interpret=interpret)
+                          params(config.select_warps), lean=config.lean_select,
+                          interpret=interpret)

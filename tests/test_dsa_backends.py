@@ -92,11 +92,8 @@ class TestPallasTritonSparseAttention(SparseAttentionContract):
 # maxima and theta kernels, and with theta fused (many rows).
 SECTORS = {"sectors": True, "per_lane": False, "fused_theta": False}
 SECTORS_FUSED = {**SECTORS, "fused_theta": True}
-# v10's searches, 2 or 4 bits a pass: theta apart (the default's form for short rows) and fused with
-# the sector maxima, each width in theta and in the select; the latter with v10b's lean select.
-SEARCH = {"theta_search_bits": 2, "select_search_bits": 4}
-SEARCH_FUSED = {**SECTORS_FUSED, "theta_search_bits": 4, "select_search_bits": 2,
-                "lean_select": True}
+# Many rows' default form: theta fused with the sector maxima, v10b's lean select.
+SECTORS_FUSED_LEAN = {**SECTORS_FUSED, "lean_select": True}
 
 
 class TestPallasTritonIndexer(IndexerContract):
@@ -106,10 +103,10 @@ class TestPallasTritonIndexer(IndexerContract):
     # The contract's small rows take the block-wide threshold and separate maxima and theta
     # kernels; v9's sector filter (few long rows' and, theta fused, many rows' default) too. The
     # forms no default takes (v3's per-lane threshold, theta fused without sectors): the segments
-    # and lane-slot cases below. v10's searches (`SEARCH`, `SEARCH_FUSED`).
+    # and lane-slot cases below. Many rows' form with v10b's lean select (`SECTORS_FUSED_LEAN`).
     return super().topk_variants() + [
         functools.partial(pallas_topk.topk_positions, interpret=True, **knobs)
-        for knobs in (SECTORS, SECTORS_FUSED, SEARCH, SEARCH_FUSED)]
+        for knobs in (SECTORS, SECTORS_FUSED, SECTORS_FUSED_LEAN)]
 
   @pytest.mark.parametrize("dtype,widen_fp8", [(jnp.bfloat16, False), (jnp.float8_e4m3fn, True)])
   def test_chunks_and_steps_match_reference(self, dtype, widen_fp8):
@@ -147,9 +144,8 @@ class TestPallasTritonIndexer(IndexerContract):
 
   @pytest.mark.parametrize("variant", [
       {}, {"per_lane": True}, {"fused_theta": True}, SECTORS, SECTORS_FUSED,
-      {"theta_search_bits": 4, "select_search_bits": 2}, {"lean_select": True}],
-      ids=["default", "per_lane", "fused_theta", "sectors", "sectors_fused", "search_bits",
-           "lean_select"])
+      {"lean_select": True}],
+      ids=["default", "per_lane", "fused_theta", "sectors", "sectors_fused", "lean_select"])
   def test_topk_segments_ties_and_overflow_match_reference(self, variant):
     # Small chunks split rows into several segments that claim candidate places concurrently;
     # row 1's ties overflow the candidate list (the slow exact path); row 3 mixes signs and
@@ -161,8 +157,7 @@ class TestPallasTritonIndexer(IndexerContract):
     # (its slots: the lane-slot test below), theta fused with the maxima and v9's sector filter
     # (`sectors`, long and many rows' default, theta apart or fused: groups of m8 = 632, so row
     # 5's repeats fall in different groups and its ~100 candidates take the half-width select);
-    # v10's searches (row 1's row path: counts over several chunks); v10b's lean select (row 5's
-    # full-width path streamed in two halves).
+    # v10b's lean select (row 5's full-width path streamed in two halves).
     rng = np.random.default_rng(6)
     logits = rng.standard_normal((6, 5000)).astype(np.float32)
     logits[5] = np.where(np.arange(5000) // 625 < 4, np.tile(logits[5, :625], 8), -10)
@@ -317,40 +312,6 @@ class TestPallasTritonIndexer(IndexerContract):
       assert len(g_i) == len(want) and (got[i][len(g_i):] == -1).all(), i
       assert set(g_i.tolist()) == want, i
 
-  @pytest.mark.parametrize("search_bits", [2, 4])
-  def test_kth_largest_search_bits_agree(self, search_bits):
-    # v10: `_kth_largest` with 2 or 4 bits a pass against numpy's k-th largest key (its top 16 or
-    # 32 bits), in plain JAX: 1-3 chunks of 64 keys; normal, tied, and wide-exponent values, and
-    # rows mostly INT_MIN; k up to past the lanes (fewer than k keys, or lanes: INT_MIN); lo from
-    # INT_MIN, the smallest key, or the answer itself.
-    rng = np.random.default_rng(11)
-    search = jax.jit(pallas_topk._kth_largest, static_argnums=(0, 1, 2, 5, 6))
-    for trial in range(24):
-      chunks = int(rng.integers(1, 4))
-      x = rng.standard_normal((chunks, 64)).astype(np.float32)
-      if trial % 4 == 1:
-        x = np.round(x * 2) / 2
-      elif trial % 4 == 2:
-        x *= np.exp2(rng.integers(-60, 60, x.shape)).astype(np.float32)
-      bits = x.view(np.int32)
-      keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-      if trial % 4 == 3:
-        keys[rng.random(keys.shape) < 0.9] = -2 ** 31
-      k = int(rng.integers(1, chunks * 64 + 40))
-      ordered = np.sort(keys.reshape(-1))[::-1]
-      keys_of = functools.partial(lambda keys, i: keys[i], jnp.asarray(keys))
-      for top_bits in (16, 32):
-        want = -2 ** 31
-        if (ordered > -2 ** 31).sum() >= k:  # the k-th's top bits, on the unsigned image
-          image = (int(ordered[k - 1]) + 2 ** 31) >> (32 - top_bits) << (32 - top_bits)
-          want = image - 2 ** 31
-        for lo in {-2 ** 31, want, int(ordered[(ordered > -2 ** 31).sum() - 1])}:
-          if lo > want:
-            continue
-          got = search(keys_of, chunks, k, jnp.int32(lo), jnp.int32(ordered[0]), top_bits,
-                       search_bits)
-          assert int(got) == want, (trial, k, top_bits, lo)
-
   @pytest.mark.parametrize("lean", [False, True], ids=["held", "lean_select"])
   def test_select_full_width_candidates(self, lean):
     # The select's full-width path (more than cap / 2 candidates; v10b streams it in two halves)
@@ -417,15 +378,13 @@ class TestPallasTritonIndexer(IndexerContract):
     assert text.count("__gpu$xla.gpu.triton") == len(names) and sorted(modules) == sorted(names)
     assert all(ok for ok, _ in modules.values()), modules
 
-  @pytest.mark.parametrize("t,s,knobs", [(128, 131072, {**SECTORS, "theta_search_bits": 2,
-                                                         "select_search_bits": 2}),
-                                          (4096, 32768, SEARCH_FUSED), (6, 5000, SEARCH),
-                                          (4096, 32768, {**SECTORS_FUSED, "lean_select": True,
-                                                         "select_warps": 8})],
-                           ids=["sectors", "sectors_fused", "short", "lean_select"])
-  def test_search_bits_lowers_for_hopper(self, monkeypatch, t, s, knobs):
-    # v10's searches in the kernels that take them (theta apart or fused with the sector maxima,
-    # and the select), 2 and 4 bits a pass, and v10b's lean select: each module verified.
+  @pytest.mark.parametrize("t,s,knobs", [(4096, 32768, SECTORS_FUSED_LEAN),
+                                          (4096, 32768, {**SECTORS_FUSED_LEAN, "select_warps": 8}),
+                                          (6, 5000, {"lean_select": True})],
+                           ids=["sectors_fused", "select_warps8", "short"])
+  def test_lean_select_lowers_for_hopper(self, monkeypatch, t, s, knobs):
+    # v10b's lean select at 4 and 8 warps with many rows' other knobs, and with short rows' (theta
+    # apart): each module verified.
     text, modules = self.lowered_topk_modules(monkeypatch, t, s, knobs)
     first = (["topk_sector_maxima_theta"] if knobs.get("fused_theta") else
              ["topk_sector_maxima" if knobs.get("sectors") else "topk_maxima", "topk_theta"])
@@ -483,9 +442,6 @@ class TestPallasTritonIndexer(IndexerContract):
       (lambda a: {**a, "per_lane": 1}, "per_lane"),
       (lambda a: {**a, "sectors": 1}, "sectors"),
       (lambda a: {**a, "sectors": True, "per_lane": True}, "no per_lane"),
-      (lambda a: {**a, "theta_search_bits": 3}, "theta_search_bits must be one of"),
-      (lambda a: {**a, "select_search_bits": 8}, "select_search_bits must be one of"),
-      (lambda a: {**a, "select_search_bits": True}, "select_search_bits must be one of"),
       (lambda a: {**a, "lean_select": 1}, "lean_select must be a bool"),
   ])
   def test_topk_bad_input_raises(self, change, message):

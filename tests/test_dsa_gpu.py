@@ -316,19 +316,16 @@ def test_mosaic_indexer_compute_wgs_match_reference(compute_wgs):
     {}, {"per_lane": True, "sectors": False}, {"fused_theta": True, "sectors": False},
     {"fused_theta": True}, {"sectors": True, "per_lane": False, "fused_theta": False,
                             "s": 131072},
-    {"theta_search_bits": 2, "select_search_bits": 2, "s": 131072},
-    {"fused_theta": True, "theta_search_bits": 4, "select_search_bits": 4},
     {"lean_select": True}, {"lean_select": True, "select_warps": 4}],
-    ids=["default", "per_lane", "fused_theta", "sectors_fused", "sectors", "search_bits2",
-         "search_bits4", "lean_select", "lean_select_w4"])
+    ids=["default", "per_lane", "fused_theta", "sectors_fused", "sectors", "lean_select",
+         "lean_select_w4"])
 @pytest.mark.parametrize("kind", ["normal", "ties", "few_ties"])
 def test_topk_sets_match_lax_top_k(kind, variant):
   # variant: {} through the backend (this shape's default, v9's sector maxima and threshold with
   # separate theta); else merged into that default: v3's per-lane threshold, v3's theta fused with
   # the maxima (both without sectors, which take no per-lane threshold), the sector form with theta
-  # fused (many rows' default), or the sector form at 131072 positions (what it is for); v10's
-  # searches, 2 bits a pass at 131072 and 4 with theta fused; v10b's lean select at 8 and 4 warps
-  # ("ties" rows overflow half the list: its streamed path).
+  # fused (many rows' default), or the sector form at 131072 positions (what it is for); v10b's
+  # lean select at 8 and 4 warps ("ties" rows overflow half the list: its streamed path).
   variant = dict(variant)
   t, s = 128, variant.pop("s", 32768)
   x = jax.random.normal(jax.random.key(2), (t, s), jnp.float32)
