@@ -37,6 +37,11 @@ v10b (`TopkConfig.lean_select`, the default for many rows): the select's rare fu
 streams its candidates, so the kernel's registers are the common path's. (v10, searches deciding 2
 or 4 bits a pass, lost on the H200 and was removed: RESULTS.md.)
 
+v11 (`TopkConfig.row_resident`; no default yet): rows of at most 32768 positions in one kernel, a
+program a row holding the row's keys in registers (64 a thread at 16 warps): the bisection for v
+runs on them directly, stopping at the first threshold exactly k keys reach, then the ties' and
+the compaction as in step 4. One read of the logits, one launch.
+
 Not a radix select: a histogram of the keys' high bits needs scatter-adds into shared memory (or a
 warp's match). jax 0.11.2 offers none with an interpreter path: Pallas-Triton has no scratch
 memory, no sort and no histogram, and its `atomic_add` with vector indices (global memory, acq_rel)
@@ -75,6 +80,10 @@ _THETA_WARPS = 8  # spread the 8K-16K register-resident maxima at 32-64 a thread
 _MAXIMA_TILE = 8192  # positions a maxima program reads: G rows of tile / G groups
 _HALVED_MIN = 512  # candidate lists from this size get a half-width select path too
 _SECTOR = 8  # positions a sector maximum covers (v9): 32 bytes of logits, one DRAM sector
+# v11: keys a thread holds; rows up to 16 warps of them (a 512-thread block may take 128 registers
+# a thread, half of them keys).
+_RESIDENT_KEYS = 64
+_RESIDENT_MAX = 16 * 32 * _RESIDENT_KEYS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +109,15 @@ class TopkConfig:
   # lanes in registers, which set the whole kernel's (pip Triton 3.6, sm_90a: 255 and 148 bytes
   # of spills at 4 warps, 225 at 8).
   lean_select: bool = False
+  # v11: the whole top-k of a row in one program holding the row's keys in registers
+  # (`_resident_kernel`), rows of at most `_RESIDENT_MAX` positions; the other fields are the
+  # four-kernel path's and it takes none of them.
+  row_resident: bool = False
 
   def __post_init__(self):
     check_triton_config(self, ("chunk",))
     check_pow2("select_warps", self.select_warps)
-    for name in ("per_lane", "fused_theta", "sectors", "lean_select"):
+    for name in ("per_lane", "fused_theta", "sectors", "lean_select", "row_resident"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.sectors and self.per_lane:
@@ -168,17 +181,24 @@ def _leading_equal_bits(a, b):
   return jnp.where(x == 0, 32, jnp.where(x < 0, 0, jnp.clip(31 - exponent, 0, 32)))
 
 
+def _search_start(lo, hi, top_bits=32):
+  """Where a search for a key between lo and hi starts on the unsigned image key ^ INT_MIN: how
+  many leading bits are known (those lo and hi share, at most top_bits), and lo's image with the
+  bits after those cleared."""
+  lo_image, hi_image = jnp.int32(lo) ^ _INT_MIN, jnp.int32(hi) ^ _INT_MIN
+  known = jnp.minimum(_leading_equal_bits(lo_image, hi_image), top_bits)
+  # lo with the bits after the shared ones cleared (none when known == 0, all when 32).
+  clear = lax.shift_right_logical(jnp.int32(-1), jnp.minimum(known, 31))
+  return known, jnp.where(known == 0, 0, jnp.where(known == 32, lo_image, lo_image & ~clear))
+
+
 def _kth_largest(keys_of, num_chunks, k, lo=_INT_MIN, hi=_INT_MAX, top_bits=32):
   """The k-th largest key over chunks `keys_of(i)`, i < num_chunks, given lo <= it <= hi; INT_MIN
   if fewer than k keys are above INT_MIN (then lo must be INT_MIN). Builds it bit by bit from the
   top on the unsigned image key ^ INT_MIN, starting below the bits lo and hi share: a bit stays set
   when at least k keys reach the threshold with it set. With top_bits < 32, only those bits: a
   lower bound whose other bits are 0."""
-  lo_image, hi_image = jnp.int32(lo) ^ _INT_MIN, jnp.int32(hi) ^ _INT_MIN
-  known = jnp.minimum(_leading_equal_bits(lo_image, hi_image), top_bits)
-  # lo with the bits after the shared ones cleared (none when known == 0, all when 32).
-  clear = lax.shift_right_logical(jnp.int32(-1), jnp.minimum(known, 31))
-  start = jnp.where(known == 0, 0, jnp.where(known == 32, lo_image, lo_image & ~clear))
+  known, start = _search_start(lo, hi, top_bits)
 
   def count_at_least(threshold):
     return lax.fori_loop(0, num_chunks,
@@ -197,6 +217,17 @@ def _compact(take, base, bound):
   taken = take.astype(jnp.int32)
   dst = base + jnp.cumsum(taken) - 1
   return jnp.where(take & (dst < bound), dst, bound), taken.sum()
+
+
+def _pad(out_ref, written, k, fill):
+  """-1 into out_ref[written:k], `fill` places a step."""
+  def step(i, carry):
+    idx = i * fill + jnp.arange(fill, dtype=jnp.int32)
+    dst = jnp.where((idx >= written) & (idx < k), idx, k)
+    plgpu.store(out_ref.at[dst], jnp.full((fill,), -1, jnp.int32), mask=dst < k)
+    return carry
+
+  lax.fori_loop(0, pl.cdiv(k, fill), step, 0)
 
 
 def _maxima_kernel(logits_ref, len_ref, max_ref, *, groups):
@@ -518,14 +549,60 @@ def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref,
   half = lambda: lax.cond(count > cap // 2, full, lambda: from_candidates(cap // 2))
   written = lax.cond(count > cap, from_row, half if cap >= _HALVED_MIN else
                      functools.partial(from_candidates, cap))
+  _pad(out_ref, written, k, fill)
 
-  def pad(i, carry):
-    idx = i * fill + jnp.arange(fill, dtype=jnp.int32)
-    dst = jnp.where((idx >= written) & (idx < k), idx, k)
-    plgpu.store(out_ref.at[dst], jnp.full((fill,), -1, jnp.int32), mask=dst < k)
-    return carry
 
-  lax.fori_loop(0, pl.cdiv(k, fill), pad, 0)
+def _resident_kernel(logits_ref, len_ref, out_ref, *, k, width, fill):
+  # v11 (`row_resident`): a row's whole top-k in one program, its keys loaded once and held in
+  # registers. logits_ref [T, S] f32; len_ref [T] int32; out_ref [k] int32 (this row's positions)
+  t = pl.program_id(0)
+  s = logits_ref.shape[1]
+  # Hinted to be multiples of 1 only (true), so the load takes the layout of the scattered stores
+  # at the end (one key a thread a step, not four): else Triton converts the stores' 32768
+  # pointers and masks to it through shared memory (as in `_sector_threshold_kernel`).
+  pos = pl.multiple_of(jnp.arange(width, dtype=jnp.int32), 1)
+  if width == s:
+    x = plgpu.load(logits_ref.at[t, pos])
+  else:
+    x = plgpu.load(logits_ref.at[t, pos], mask=pos < s, other=-jnp.inf)
+  key = _keys(x, pos < jnp.clip(len_ref[t], 0, s))
+  count = lambda take: take.astype(jnp.int32).sum()
+  # With at most k valid keys all are taken (v = INT_MIN, no pass); else the search starts below
+  # the bits the smallest and largest valid keys share.
+  valid = key > _INT_MIN
+  enough = count(valid) > k
+  known, start = _search_start(jnp.where(enough, jnp.where(valid, key, _INT_MAX).min(), _INT_MIN),
+                               key.max())
+  known = jnp.where(enough, known, 32)
+
+  # `_kth_largest`'s bisection, stopping at the first threshold exactly k keys reach (n: how many
+  # reach the image; -1 until a pass counts it). Random rows stop after ~21 of the 32 passes
+  # (RESULTS.md, top-k v11).
+  def unsettled(state):
+    b, _, n = state
+    return (b < 32) & (n != k)
+
+  def one_bit(state):
+    b, image, n = state
+    trial = image | jnp.left_shift(jnp.int32(1), 31 - b)
+    reach = count(key >= (trial ^ _INT_MIN))
+    return b + 1, jnp.where(reach >= k, trial, image), jnp.where(reach >= k, reach, n)
+
+  v = lax.while_loop(unsettled, one_bit, (known, start, jnp.int32(-1)))[1] ^ _INT_MIN
+  # v is the k-th largest key, a threshold exactly k keys reach, or INT_MIN (at most k valid keys:
+  # all taken). Every key above v is in, and of those tied at v the lowest positions, enough to
+  # make k: those whose rank among the ties in position order is at most `need`. One cumsum gives
+  # both ranks, the keys above v counted in the low 16 bits and the ties in the high 16 (a row
+  # holds at most 32768 of each, so neither carries into the other; the sum read as unsigned).
+  greater = key > v
+  tie = (key == v) & (v > _INT_MIN)
+  above = count(greater)
+  ranks = jnp.cumsum(greater.astype(jnp.int32) | jnp.left_shift(tie.astype(jnp.int32), 16))
+  tie_rank = lax.shift_right_logical(ranks, 16)
+  dst = jnp.where(greater, (ranks & 0xFFFF) - 1,
+                  jnp.where(tie & (tie_rank <= k - above), above + tie_rank - 1, k))
+  plgpu.store(out_ref.at[dst], pos, mask=dst < k)
+  _pad(out_ref, jnp.where(v > _INT_MIN, k, above), k, fill)
 
 
 def default_config(rows: int, positions: int) -> TopkConfig:
@@ -748,27 +825,58 @@ def select_positions(theta: jax.Array, cand_keys: jax.Array, cand_pos: jax.Array
   )(theta, cand_keys, cand_pos, counts, logits, seq_lens)
 
 
+def resident_warps(width: int) -> int:
+  """v11's warps for rows padded to `width` positions: 64 keys a thread from 8192, 4 below."""
+  return min(16, max(4, width // (32 * _RESIDENT_KEYS)))
+
+
+def resident_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *,
+                       interpret: bool = False) -> jax.Array:
+  """v11 (`TopkConfig.row_resident`): int32 [T, topk] positions, -1 padded, a program a row
+  holding its keys in registers; rows of at most `_RESIDENT_MAX` positions."""
+  t, s = logits.shape
+  width = max(16, next_pow2(s))
+  return pl.pallas_call(
+      functools.partial(_resident_kernel, k=topk, width=width, fill=min(1024, next_pow2(topk))),
+      grid=(t,),
+      in_specs=[_whole(logits), _whole(seq_lens)],
+      out_specs=_row(topk),
+      out_shape=jax.ShapeDtypeStruct((t, topk), jnp.int32),
+      compiler_params=plgpu.CompilerParams(num_warps=resident_warps(width), num_stages=1),
+      interpret=interpret,
+      name="topk_resident",
+  )(logits, seq_lens)
+
+
 @functools.partial(jax.jit, static_argnames=("topk", "chunk", "num_warps", "num_stages",
                                              "select_warps", "per_lane", "fused_theta",
-                                             "sectors", "lean_select", "interpret"))
+                                             "sectors", "lean_select", "row_resident",
+                                             "interpret"))
 def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None,
                    select_warps: int | None = None, per_lane: bool | None = None,
                    fused_theta: bool | None = None, sectors: bool | None = None,
-                   lean_select: bool | None = None, interpret: bool = False) -> jax.Array:
+                   lean_select: bool | None = None, row_resident: bool | None = None,
+                   interpret: bool = False) -> jax.Array:
   """Top-`topk` positions of each row within its window (semantics of
   `mla_jax.reference.topk_positions`): logits [T, S] float32, seq_lens [T] int32 (row t sees
   s < seq_lens[t]) -> int32 [T, topk], -1 padded, in no particular order; of positions tied at the
   k-th largest value, the lowest. chunk, num_warps, num_stages, select_warps, per_lane,
-  fused_theta, sectors, lean_select: `TopkConfig`'s (None: `default_config`'s).
+  fused_theta, sectors, lean_select, row_resident: `TopkConfig`'s (None: `default_config`'s).
   """
   check_topk_args(logits, seq_lens, topk)
   config = with_overrides(default_config(*logits.shape), chunk=chunk, num_warps=num_warps,
                           num_stages=num_stages, select_warps=select_warps, per_lane=per_lane,
-                          fused_theta=fused_theta, sectors=sectors, lean_select=lean_select)
+                          fused_theta=fused_theta, sectors=sectors, lean_select=lean_select,
+                          row_resident=row_resident)
   t, s = logits.shape
+  if config.row_resident and s > _RESIDENT_MAX:
+    raise ValueError(f"row_resident takes rows of at most {_RESIDENT_MAX} positions (their keys "
+                     f"in one program's registers), got {s}")
   if t == 0 or s == 0:
     return jnp.full((t, topk), -1, jnp.int32)
+  if config.row_resident:
+    return resident_positions(logits, seq_lens, topk, interpret=interpret)
   chunk = min(config.chunk, max(16, next_pow2(s)))
   params = lambda warps: plgpu.CompilerParams(num_warps=warps, num_stages=config.num_stages)
   g = group_size(s, topk)
