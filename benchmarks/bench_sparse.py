@@ -26,9 +26,9 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            time the other threshold forms with the default's theta: v2 (block-wide compaction
            per chunk), v3's per-lane threshold, v9's (`sectors`: the threshold reads only the
            8-position sectors whose maximum reaches theta; the default from 32768 positions),
-           the default with its theta flipped (fused with the group maxima or not), and v10's
-           (the default with 2 or 4 bits a pass of theta's and the select's searches) and
-           v10b's (`lean_select` flipped: the default for many rows; also at 8 select warps);
+           the default with its theta flipped (fused with the group maxima or not), v10b's
+           (`lean_select` flipped: the default for many rows; also at 8 select warps) and v11's
+           (`row_resident`: one kernel a row, its keys in registers; rows up to 32K);
            --topk-rows keeps only some of them.
   step     one layer's DSA decode step: indexer logits + top-k + slots + sparse attention (N=128,
            fp8_ds_mla latent cache), 128 decode rows at 32K context each; pallas_triton's and the
@@ -215,11 +215,13 @@ def run_topk(args, t, s):
   # Each form beside the default (every knob named; a form equal to the default's is left out):
   # v2 (block-wide compaction per chunk), v3's per-lane threshold, v9's sector threshold (the other
   # way from the default), each with the default's theta, the default with its theta flipped
-  # (fused with the maxima or not), and the default with v10b's lean select flipped (8 warps too:
-  # fewer registers a thread let two 8-warp programs reside an SM).
+  # (fused with the maxima or not), the default with v10b's lean select flipped (8 warps too:
+  # fewer registers a thread let two 8-warp programs reside an SM), and v11's one kernel a row
+  # (rows up to its limit).
   default = pallas_topk.default_config(t, s)
   knobs_of = lambda c: dict(per_lane=c.per_lane, fused_theta=c.fused_theta, sectors=c.sectors,
-                            lean_select=c.lean_select, select_warps=c.select_warps)
+                            lean_select=c.lean_select, select_warps=c.select_warps,
+                            row_resident=c.row_resident)
   plain = dict(knobs_of(default), per_lane=False, sectors=False)
   forms = {"v2 (block compaction)": dict(plain, fused_theta=False),
            "v3, per_lane": dict(plain, per_lane=True),
@@ -231,6 +233,9 @@ def run_topk(args, t, s):
                knobs_of(default), lean_select=not default.lean_select),
            "v10b, lean_select, select_warps=8": dict(knobs_of(default), lean_select=True,
                                                      select_warps=8)}
+  if s <= pallas_topk.RESIDENT_MAX:
+    forms[f"v11, row_resident={not default.row_resident}"] = dict(
+        knobs_of(default), row_resident=not default.row_resident)
   variants = {}
   for name, knobs in forms.items():  # each program once, the default's not again
     if knobs != knobs_of(default) and knobs not in variants.values():

@@ -83,7 +83,7 @@ _SECTOR = 8  # positions a sector maximum covers (v9): 32 bytes of logits, one D
 # v11: keys a thread holds; rows up to 16 warps of them (a 512-thread block may take 128 registers
 # a thread, half of them keys).
 _RESIDENT_KEYS = 64
-_RESIDENT_MAX = 16 * 32 * _RESIDENT_KEYS
+RESIDENT_MAX = 16 * 32 * _RESIDENT_KEYS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +110,7 @@ class TopkConfig:
   # of spills at 4 warps, 225 at 8).
   lean_select: bool = False
   # v11: the whole top-k of a row in one program holding the row's keys in registers
-  # (`_resident_kernel`), rows of at most `_RESIDENT_MAX` positions; the other fields are the
+  # (`_resident_kernel`), rows of at most `RESIDENT_MAX` positions; the other fields are the
   # four-kernel path's and it takes none of them.
   row_resident: bool = False
 
@@ -833,7 +833,7 @@ def resident_warps(width: int) -> int:
 def resident_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *,
                        interpret: bool = False) -> jax.Array:
   """v11 (`TopkConfig.row_resident`): int32 [T, topk] positions, -1 padded, a program a row
-  holding its keys in registers; rows of at most `_RESIDENT_MAX` positions."""
+  holding its keys in registers; rows of at most `RESIDENT_MAX` positions."""
   t, s = logits.shape
   width = max(16, next_pow2(s))
   return pl.pallas_call(
@@ -870,8 +870,8 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: 
                           fused_theta=fused_theta, sectors=sectors, lean_select=lean_select,
                           row_resident=row_resident)
   t, s = logits.shape
-  if config.row_resident and s > _RESIDENT_MAX:
-    raise ValueError(f"row_resident takes rows of at most {_RESIDENT_MAX} positions (their keys "
+  if config.row_resident and s > RESIDENT_MAX:
+    raise ValueError(f"row_resident takes rows of at most {RESIDENT_MAX} positions (their keys "
                      f"in one program's registers), got {s}")
   if t == 0 or s == 0:
     return jnp.full((t, topk), -1, jnp.int32)

@@ -94,6 +94,8 @@ SECTORS = {"sectors": True, "per_lane": False, "fused_theta": False}
 SECTORS_FUSED = {**SECTORS, "fused_theta": True}
 # Many rows' default form: theta fused with the sector maxima, v10b's lean select.
 SECTORS_FUSED_LEAN = {**SECTORS_FUSED, "lean_select": True}
+# v11: a program a row, the row's keys in registers (rows up to 32768 positions).
+RESIDENT = {"row_resident": True}
 
 
 class TestPallasTritonIndexer(IndexerContract):
@@ -103,10 +105,11 @@ class TestPallasTritonIndexer(IndexerContract):
     # The contract's small rows take the block-wide threshold and separate maxima and theta
     # kernels; v9's sector filter (few long rows' and, theta fused, many rows' default) too. The
     # forms no default takes (v3's per-lane threshold, theta fused without sectors): the segments
-    # and lane-slot cases below. Many rows' form with v10b's lean select (`SECTORS_FUSED_LEAN`).
+    # and lane-slot cases below. Many rows' form with v10b's lean select (`SECTORS_FUSED_LEAN`);
+    # v11's one kernel (`RESIDENT`).
     return super().topk_variants() + [
         functools.partial(pallas_topk.topk_positions, interpret=True, **knobs)
-        for knobs in (SECTORS, SECTORS_FUSED, SECTORS_FUSED_LEAN)]
+        for knobs in (SECTORS, SECTORS_FUSED, SECTORS_FUSED_LEAN, RESIDENT)]
 
   @pytest.mark.parametrize("dtype,widen_fp8", [(jnp.bfloat16, False), (jnp.float8_e4m3fn, True)])
   def test_chunks_and_steps_match_reference(self, dtype, widen_fp8):
@@ -144,8 +147,9 @@ class TestPallasTritonIndexer(IndexerContract):
 
   @pytest.mark.parametrize("variant", [
       {}, {"per_lane": True}, {"fused_theta": True}, SECTORS, SECTORS_FUSED,
-      {"lean_select": True}],
-      ids=["default", "per_lane", "fused_theta", "sectors", "sectors_fused", "lean_select"])
+      {"lean_select": True}, RESIDENT],
+      ids=["default", "per_lane", "fused_theta", "sectors", "sectors_fused", "lean_select",
+           "row_resident"])
   def test_topk_segments_ties_and_overflow_match_reference(self, variant):
     # Small chunks split rows into several segments that claim candidate places concurrently;
     # row 1's ties overflow the candidate list (the slow exact path); row 3 mixes signs and
@@ -157,7 +161,8 @@ class TestPallasTritonIndexer(IndexerContract):
     # (its slots: the lane-slot test below), theta fused with the maxima and v9's sector filter
     # (`sectors`, long and many rows' default, theta apart or fused: groups of m8 = 632, so row
     # 5's repeats fall in different groups and its ~100 candidates take the half-width select);
-    # v10b's lean select (row 5's full-width path streamed in two halves).
+    # v10b's lean select (row 5's full-width path streamed in two halves); v11's one kernel (the
+    # lists do not exist there: rows 1, 3, 4 and 5 are its ties, bits and repeats).
     rng = np.random.default_rng(6)
     logits = rng.standard_normal((6, 5000)).astype(np.float32)
     logits[5] = np.where(np.arange(5000) // 625 < 4, np.tile(logits[5, :625], 8), -10)
@@ -312,6 +317,34 @@ class TestPallasTritonIndexer(IndexerContract):
       assert len(g_i) == len(want) and (got[i][len(g_i):] == -1).all(), i
       assert set(g_i.tolist()) == want, i
 
+  def test_row_resident_rows(self):
+    # v11 (`row_resident`) at its widest rows (32768 positions, 16 warps in the GPU module), k =
+    # 2048: a random row (the search stops at a threshold exactly k keys reach); one value
+    # everywhere (32768 ties: their ranks fill the cumsum's high 16 bits, the sum past INT_MAX);
+    # a few values (the search runs to the last bit, ties at v ranked); exactly k visible (no
+    # pass); a window ending off any power of two with NaN past it and -inf inside; the k-th
+    # value tied at 5 positions, one of which fits (the lowest); a row of one value above the
+    # rest at the end of the window. And k = 32768 on rows of 32768: every visible key.
+    rng = np.random.default_rng(13)
+    s, k = 32768, 2048
+    logits = rng.standard_normal((7, s)).astype(np.float32)
+    logits[1] = 1.0
+    logits[2] = np.round(logits[2] * 4) / 4
+    logits[4, 20001:] = np.nan
+    logits[4, rng.random(s) < 0.3] = -np.inf
+    kth = np.argsort(-logits[5])[k - 1]
+    logits[5, [30000, 20000, 10000, 9000]] = logits[5, kth]
+    logits[6, :-1] = -1.0
+    logits[6, -1] = 1.0
+    lens = np.array([s, s, s, k, 20001, s, s], np.int32)
+    x, lens_j = jnp.asarray(logits), jnp.asarray(lens)
+    for topk in (k, s):
+      got = np.asarray(pallas_topk.topk_positions(x, lens_j, topk, interpret=True, **RESIDENT))
+      for i in range(7):
+        g, want = got[i][got[i] >= 0], lowest_index_topk(logits[i], int(lens[i]), topk)
+        assert len(g) == len(want) and (got[i][len(g):] == -1).all(), (topk, i)
+        assert set(g.tolist()) == want, (topk, i)
+
   @pytest.mark.parametrize("lean", [False, True], ids=["held", "lean_select"])
   def test_select_full_width_candidates(self, lean):
     # The select's full-width path (more than cap / 2 candidates; v10b streams it in two halves)
@@ -369,6 +402,16 @@ class TestPallasTritonIndexer(IndexerContract):
         jax.ShapeDtypeStruct((t, s), jnp.float32), jax.ShapeDtypeStruct((t,), jnp.int32))
     return traced.lower(lowering_platforms=("cuda",)).as_text(), modules
 
+  @pytest.mark.parametrize("t,s", [(128, 32768), (4096, 32768), (128, 16384), (6, 5000)])
+  def test_row_resident_lowers_for_hopper(self, monkeypatch, t, s):
+    # v11 (`row_resident`) at the benchmark's shapes up to its limit and at short rows: one
+    # kernel, its module verified; the logits load carries the hint that keeps it in the layout of
+    # the positions' stores (no 32768-pointer conversion through shared memory).
+    text, modules = self.lowered_topk_modules(monkeypatch, t, s, RESIDENT)
+    assert text.count("__gpu$xla.gpu.triton") == 1 and sorted(modules) == ["topk_resident"]
+    assert modules["topk_resident"][0], modules
+    assert "tt.divisibility = dense<1>" in modules["topk_resident"][1]
+
   def test_per_lane_lowers_for_hopper(self, monkeypatch):
     # v3's per-lane threshold (no shape's default: kept selectable) at 128 x 131072
     # (`lowered_topk_modules`): four kernels, each module verified.
@@ -406,6 +449,9 @@ class TestPallasTritonIndexer(IndexerContract):
     # v10b's streamed full-width select for many rows (session 14: 1.06x at 4096 x 32768).
     assert pallas_topk.DEFAULT_MANY_ROWS.lean_select
     assert not pallas_topk.DEFAULT_LONG_ROWS.lean_select
+    # v11 not timed yet: no default takes it.
+    assert not any(c.row_resident for c in (pallas_topk.DEFAULT, pallas_topk.DEFAULT_LONG_ROWS,
+                                            pallas_topk.DEFAULT_MANY_ROWS))
 
   @pytest.mark.parametrize("fused", [False, True], ids=["sectors", "sectors_fused"])
   @pytest.mark.parametrize("t,s", [(128, 131072), (128, 32768), (4096, 32768), (6, 5000)])
@@ -443,6 +489,9 @@ class TestPallasTritonIndexer(IndexerContract):
       (lambda a: {**a, "sectors": 1}, "sectors"),
       (lambda a: {**a, "sectors": True, "per_lane": True}, "no per_lane"),
       (lambda a: {**a, "lean_select": 1}, "lean_select must be a bool"),
+      (lambda a: {**a, "row_resident": 1}, "row_resident must be a bool"),
+      (lambda a: {**a, "logits": jnp.zeros((2, 32769), jnp.float32), "row_resident": True},
+       "row_resident takes rows of at most 32768"),
   ])
   def test_topk_bad_input_raises(self, change, message):
     args = dict(logits=jnp.zeros((2, 64), jnp.float32), seq_lens=jnp.ones((2,), jnp.int32), topk=8)

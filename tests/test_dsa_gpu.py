@@ -316,16 +316,18 @@ def test_mosaic_indexer_compute_wgs_match_reference(compute_wgs):
     {}, {"per_lane": True, "sectors": False}, {"fused_theta": True, "sectors": False},
     {"fused_theta": True}, {"sectors": True, "per_lane": False, "fused_theta": False,
                             "s": 131072},
-    {"lean_select": True}, {"lean_select": True, "select_warps": 4}],
+    {"lean_select": True}, {"lean_select": True, "select_warps": 4},
+    {"row_resident": True}, {"row_resident": True, "s": 16384}],
     ids=["default", "per_lane", "fused_theta", "sectors_fused", "sectors", "lean_select",
-         "lean_select_w4"])
+         "lean_select_w4", "row_resident", "row_resident_16k"])
 @pytest.mark.parametrize("kind", ["normal", "ties", "few_ties"])
 def test_topk_sets_match_lax_top_k(kind, variant):
   # variant: {} through the backend (this shape's default, v9's sector maxima and threshold with
   # separate theta); else merged into that default: v3's per-lane threshold, v3's theta fused with
   # the maxima (both without sectors, which take no per-lane threshold), the sector form with theta
   # fused (many rows' default), or the sector form at 131072 positions (what it is for); v10b's
-  # lean select at 8 and 4 warps ("ties" rows overflow half the list: its streamed path).
+  # lean select at 8 and 4 warps ("ties" rows overflow half the list: its streamed path); v11's
+  # one kernel a row at 32768 (16 warps) and 16384 positions (8 warps).
   variant = dict(variant)
   t, s = 128, variant.pop("s", 32768)
   x = jax.random.normal(jax.random.key(2), (t, s), jnp.float32)
