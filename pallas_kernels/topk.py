@@ -552,57 +552,76 @@ def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref,
   _pad(out_ref, written, k, fill)
 
 
-def _resident_kernel(logits_ref, len_ref, out_ref, *, k, width, fill):
+def _resident_kernel(logits_ref, len_ref, out_ref, *, k, rows, lanes, fill):
   # v11 (`row_resident`): a row's whole top-k in one program, its keys loaded once and held in
-  # registers. logits_ref [T, S] f32; len_ref [T] int32; out_ref [k] int32 (this row's positions)
+  # registers. logits_ref [T, S] f32; len_ref [T] int32; out_ref [k] int32 (this row's positions).
+  # The row as [rows, lanes], lanes the block's threads: position r * lanes + l at [r, l], so the
+  # loads are coalesced and thread l holds column l; sums go down the columns first (in each
+  # thread, `column_sums`), then across the lanes.
   t = pl.program_id(0)
   s = logits_ref.shape[1]
+  iota = lambda axis: lax.broadcasted_iota(jnp.int32, (rows, lanes), axis)
   # Hinted to be multiples of 1 only (true), so the load takes the layout of the scattered stores
-  # at the end (one key a thread a step, not four): else Triton converts the stores' 32768
-  # pointers and masks to it through shared memory (as in `_sector_threshold_kernel`).
-  pos = pl.multiple_of(jnp.arange(width, dtype=jnp.int32), 1)
-  if width == s:
+  # at the end (one key a thread a step, not four): else Triton converts the stores' pointers and
+  # masks to it through shared memory (as in `_sector_threshold_kernel`).
+  pos = pl.multiple_of(iota(0) * lanes + iota(1), (1, 1))
+  if rows * lanes == s:
     x = plgpu.load(logits_ref.at[t, pos])
   else:
     x = plgpu.load(logits_ref.at[t, pos], mask=pos < s, other=-jnp.inf)
   key = _keys(x, pos < jnp.clip(len_ref[t], 0, s))
-  count = lambda take: take.astype(jnp.int32).sum()
+  column_sums = lambda take: take.astype(jnp.int32).sum(axis=0)
+  count = lambda take: column_sums(take).sum()
+
+  def search(keys, n_keys, known, start):
+    # `_kth_largest`'s bisection from the image `start` with `known` bits, stopping at the first
+    # threshold exactly n_keys keys reach (n: how many reach the image; -1 until a pass counts
+    # it): that threshold, else the n_keys-th largest key.
+    def unsettled(state):
+      b, _, n = state
+      return (b < 32) & (n != n_keys)
+
+    def one_bit(state):
+      b, image, n = state
+      trial = image | jnp.left_shift(jnp.int32(1), 31 - b)
+      reach = count(keys >= (trial ^ _INT_MIN))
+      return b + 1, jnp.where(reach >= n_keys, trial, image), jnp.where(reach >= n_keys, reach, n)
+
+    _, image, n = lax.while_loop(unsettled, one_bit, (known, start, jnp.int32(-1)))
+    return image ^ _INT_MIN, n
+
   # With at most k valid keys all are taken (v = INT_MIN, no pass); else the search starts below
-  # the bits the smallest and largest valid keys share.
+  # the bits the smallest and largest valid keys share. Random rows stop after ~21 of the 32
+  # passes (RESULTS.md, top-k v11).
   valid = key > _INT_MIN
   enough = count(valid) > k
-  known, start = _search_start(jnp.where(enough, jnp.where(valid, key, _INT_MAX).min(), _INT_MIN),
-                               key.max())
-  known = jnp.where(enough, known, 32)
+  lo = jnp.where(enough, jnp.where(valid, key, _INT_MAX).min(axis=0).min(), _INT_MIN)
+  known, start = _search_start(lo, key.max(axis=0).max())
+  v, n = search(key, k, jnp.where(enough, known, 32), start)
+  # v is a threshold exactly k keys reach (n == k: those are the selection), the k-th largest key,
+  # or INT_MIN (at most k valid keys: all taken). Else of the keys tied at v, the lowest positions,
+  # enough to make k: those whose s-1-pos reaches the threshold exactly `need` of the ties' s-1-pos
+  # reach (distinct: the search finds it); every tie (0) when they all fit. (A constant result
+  # does not lower to Triton: the branches compute from their operand.)
+  def lowest_ties(need):
+    tie_keys = jnp.where(key == v, s - 1 - pos, _INT_MIN)
+    return search(tie_keys, need, *_search_start(0, s - 1))[0]
 
-  # `_kth_largest`'s bisection, stopping at the first threshold exactly k keys reach (n: how many
-  # reach the image; -1 until a pass counts it). Random rows stop after ~21 of the 32 passes
-  # (RESULTS.md, top-k v11).
-  def unsettled(state):
-    b, _, n = state
-    return (b < 32) & (n != k)
+  def ties(_):
+    need = k - count(key > v)
+    return lax.cond(count(key == v) > need, lowest_ties, lambda m: m * 0, need)
 
-  def one_bit(state):
-    b, image, n = state
-    trial = image | jnp.left_shift(jnp.int32(1), 31 - b)
-    reach = count(key >= (trial ^ _INT_MIN))
-    return b + 1, jnp.where(reach >= k, trial, image), jnp.where(reach >= k, reach, n)
-
-  v = lax.while_loop(unsettled, one_bit, (known, start, jnp.int32(-1)))[1] ^ _INT_MIN
-  # v is the k-th largest key, a threshold exactly k keys reach, or INT_MIN (at most k valid keys:
-  # all taken). Every key above v is in, and of those tied at v the lowest positions, enough to
-  # make k: those whose rank among the ties in position order is at most `need`. One cumsum gives
-  # both ranks, the keys above v counted in the low 16 bits and the ties in the high 16 (a row
-  # holds at most 32768 of each, so neither carries into the other; the sum read as unsigned).
-  greater = key > v
-  tie = (key == v) & (v > _INT_MIN)
-  above = count(greater)
-  ranks = jnp.cumsum(greater.astype(jnp.int32) | jnp.left_shift(tie.astype(jnp.int32), 16))
-  tie_rank = lax.shift_right_logical(ranks, 16)
-  dst = jnp.where(greater, (ranks & 0xFFFF) - 1,
-                  jnp.where(tie & (tie_rank <= k - above), above + tie_rank - 1, k))
-  plgpu.store(out_ref.at[dst], pos, mask=dst < k)
-  _pad(out_ref, jnp.where(v > _INT_MIN, k, above), k, fill)
+  # The ties taken are those at positions up to `cut` (none when v is INT_MIN: those are the
+  # invalid keys).
+  cut = jnp.where(v > _INT_MIN, s - 1 - lax.cond(n == k, lambda m: m * 0, ties, n), -1)
+  take = ((key > v) | ((key == v) & (pos <= cut))).astype(jnp.int32)
+  # Compacted in column order (any order will do): a column's running count in its thread, after
+  # the earlier columns' totals (one cumsum across the lanes).
+  totals = take.sum(axis=0)
+  dst = (jnp.cumsum(totals) - totals)[None, :] + jnp.cumsum(take, axis=0) - 1
+  flat = lambda a: a.reshape(rows * lanes)
+  plgpu.store(out_ref.at[flat(jnp.where(take > 0, dst, k))], flat(pos), mask=flat(take > 0))
+  _pad(out_ref, totals.sum(), k, fill)
 
 
 def default_config(rows: int, positions: int) -> TopkConfig:
@@ -835,14 +854,16 @@ def resident_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *,
   """v11 (`TopkConfig.row_resident`): int32 [T, topk] positions, -1 padded, a program a row
   holding its keys in registers; rows of at most `RESIDENT_MAX` positions."""
   t, s = logits.shape
-  width = max(16, next_pow2(s))
+  warps = resident_warps(next_pow2(s))
+  lanes = 32 * warps
   return pl.pallas_call(
-      functools.partial(_resident_kernel, k=topk, width=width, fill=min(1024, next_pow2(topk))),
+      functools.partial(_resident_kernel, k=topk, rows=max(1, next_pow2(s) // lanes), lanes=lanes,
+                        fill=min(1024, next_pow2(topk))),
       grid=(t,),
       in_specs=[_whole(logits), _whole(seq_lens)],
       out_specs=_row(topk),
       out_shape=jax.ShapeDtypeStruct((t, topk), jnp.int32),
-      compiler_params=plgpu.CompilerParams(num_warps=resident_warps(width), num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
       interpret=interpret,
       name="topk_resident",
   )(logits, seq_lens)
