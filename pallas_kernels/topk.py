@@ -39,8 +39,10 @@ or 4 bits a pass, lost on the H200 and was removed: RESULTS.md.)
 
 v11 (`TopkConfig.row_resident`; no default yet): rows of at most 32768 positions in one kernel, a
 program a row holding the row's keys in registers (64 a thread at 16 warps): the bisection for v
-runs on them directly, stopping at the first threshold exactly k keys reach, then the ties' and
-the compaction as in step 4. One read of the logits, one launch.
+runs on them directly, stopping at the first threshold exactly k keys reach (random rows: ~21 of
+32 passes); only rows tied at v search again, on s-1-pos, for the lowest ties. The selection is
+compacted in column order (a thread's keys are a column: a running count in the thread, one
+cumsum across the threads). One read of the logits, one launch.
 
 Not a radix select: a histogram of the keys' high bits needs scatter-adds into shared memory (or a
 warp's match). jax 0.11.2 offers none with an interpreter path: Pallas-Triton has no scratch
