@@ -28,7 +28,8 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            8-position sectors whose maximum reaches theta; the default from 32768 positions),
            the default with its theta flipped (fused with the group maxima or not), v10b's
            (`lean_select` flipped: the default for many rows; also at 8 select warps) and v11's
-           (`row_resident`: one kernel a row, its keys in registers; rows up to 32K);
+           (`row_resident`: one kernel a row, its keys in registers; rows up to 32K; v11b with
+           its search interpolating);
            --topk-rows keeps only some of them.
   step     one layer's DSA decode step: indexer logits + top-k + slots + sparse attention (N=128,
            fp8_ds_mla latent cache), 128 decode rows at 32K context each; pallas_triton's and the
@@ -217,11 +218,11 @@ def run_topk(args, t, s):
   # way from the default), each with the default's theta, the default with its theta flipped
   # (fused with the maxima or not), the default with v10b's lean select flipped (8 warps too:
   # fewer registers a thread let two 8-warp programs reside an SM), and v11's one kernel a row
-  # (rows up to its limit).
+  # (rows up to its limit; v11b: its search interpolating).
   default = pallas_topk.default_config(t, s)
   knobs_of = lambda c: dict(per_lane=c.per_lane, fused_theta=c.fused_theta, sectors=c.sectors,
                             lean_select=c.lean_select, select_warps=c.select_warps,
-                            row_resident=c.row_resident)
+                            row_resident=c.row_resident, interpolate=c.interpolate)
   plain = dict(knobs_of(default), per_lane=False, sectors=False)
   forms = {"v2 (block compaction)": dict(plain, fused_theta=False),
            "v3, per_lane": dict(plain, per_lane=True),
@@ -236,6 +237,8 @@ def run_topk(args, t, s):
   if s <= pallas_topk.RESIDENT_MAX:
     forms[f"v11, row_resident={not default.row_resident}"] = dict(
         knobs_of(default), row_resident=not default.row_resident)
+    forms["v11b, row_resident, interpolate"] = dict(knobs_of(default), row_resident=True,
+                                                    interpolate=True)
   variants = {}
   for name, knobs in forms.items():  # each program once, the default's not again
     if knobs != knobs_of(default) and knobs not in variants.values():

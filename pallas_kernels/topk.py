@@ -42,7 +42,9 @@ program a row holding the row's keys in registers (64 a thread at 16 warps): the
 runs on them directly, stopping at the first threshold exactly k keys reach (random rows: ~21 of
 32 passes); only rows tied at v search again, on s-1-pos, for the lowest ties. The selection is
 compacted in column order (a thread's keys are a column: a running count in the thread, one
-cumsum across the threads). One read of the logits, one launch.
+cumsum across the threads). One read of the logits, one launch. v11b (`TopkConfig.interpolate`):
+the search interpolates its next threshold between its bounds' counts (~12 passes on random
+rows), bisecting where interpolation stalls.
 
 Not a radix select: a histogram of the keys' high bits needs scatter-adds into shared memory (or a
 warp's match). jax 0.11.2 offers none with an interpreter path: Pallas-Triton has no scratch
@@ -115,11 +117,16 @@ class TopkConfig:
   # (`_resident_kernel`), rows of at most `RESIDENT_MAX` positions; the other fields are the
   # four-kernel path's and it takes none of them.
   row_resident: bool = False
+  # v11b: row_resident's search interpolates its next threshold between the bounds' counts
+  # (`_interpolated_search`) instead of bisecting the key bits: ~12 passes instead of ~21 on
+  # random rows (RESULTS.md, top-k v11b); ignored without row_resident.
+  interpolate: bool = False
 
   def __post_init__(self):
     check_triton_config(self, ("chunk",))
     check_pow2("select_warps", self.select_warps)
-    for name in ("per_lane", "fused_theta", "sectors", "lean_select", "row_resident"):
+    for name in ("per_lane", "fused_theta", "sectors", "lean_select", "row_resident",
+                 "interpolate"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.sectors and self.per_lane:
@@ -554,7 +561,42 @@ def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref,
   _pad(out_ref, written, k, fill)
 
 
-def _resident_kernel(logits_ref, len_ref, out_ref, *, k, rows, lanes, fill):
+def _interpolated_search(count, k, lo, hi, n_lo):
+  """v11b's search for the threshold of `_resident_kernel`: the k-th largest key, or a threshold
+  exactly k keys reach (then n == k), given lo (n_lo keys reach it, n_lo > k) and the largest key hi
+  (lo == hi == INT_MIN: no pass, INT_MIN): (threshold, n). count(threshold) counts the keys that
+  reach a threshold. On the unsigned images key ^ INT_MIN, each pass tries the point between the
+  bounds where the count would be k if it fell linearly from one bound's to the other's, and moves
+  the bound on that side; after two moves of the same bound it bisects until the other moves (the
+  interpolation's guard: a pass then at least halves the interval)."""
+  unsigned_less = lambda a, b: (a ^ _INT_MIN) < (b ^ _INT_MIN)
+
+  def unsettled(state):
+    lo, hi, _, _, _, n = state
+    return unsigned_less(1, hi - lo) & (n != k)
+
+  def one_pass(state):
+    lo, hi, n_lo, n_hi, run, _ = state
+    half = lax.shift_right_logical(hi - lo, 1)  # below 2^31: exact enough as float32
+    # An even offset below hi - lo (float32 rounding can give 0 or hi - lo: clamped inside).
+    guess = 2 * (half.astype(jnp.float32) * ((n_lo - k).astype(jnp.float32) /
+                                             (n_lo - n_hi).astype(jnp.float32))).astype(jnp.int32)
+    guess = jnp.where(unsigned_less(guess, 1), 1,
+                      jnp.where(unsigned_less(hi - lo - 1, guess), hi - lo - 1, guess))
+    trial = lo + jnp.where(jnp.abs(run) >= 2, half, guess)
+    reach = count(trial ^ _INT_MIN)
+    up = reach >= k
+    return (jnp.where(up, trial, lo), jnp.where(up, hi, trial), jnp.where(up, reach, n_lo),
+            jnp.where(up, n_hi, reach), jnp.where(up, jnp.maximum(run, 0) + 1,
+                                                  jnp.minimum(run, 0) - 1), reach)
+
+  lo, _, _, _, _, n = lax.while_loop(
+      unsettled, one_pass,
+      (lo ^ _INT_MIN, (hi ^ _INT_MIN) + 1, n_lo, jnp.int32(0), jnp.int32(0), jnp.int32(-1)))
+  return lo ^ _INT_MIN, n
+
+
+def _resident_kernel(logits_ref, len_ref, out_ref, *, k, rows, lanes, fill, interpolate):
   # v11 (`row_resident`): a row's whole top-k in one program, its keys loaded once and held in
   # registers. logits_ref [T, S] f32; len_ref [T] int32; out_ref [k] int32 (this row's positions).
   # The row as [rows, lanes], lanes the block's threads: position r * lanes + l at [r, l], so the
@@ -596,10 +638,18 @@ def _resident_kernel(logits_ref, len_ref, out_ref, *, k, rows, lanes, fill):
   # the bits the smallest and largest valid keys share. Random rows stop after ~21 of the 32
   # passes (RESULTS.md, top-k v11).
   valid = key > _INT_MIN
-  enough = count(valid) > k
+  n_valid = count(valid)
+  enough = n_valid > k
   lo = jnp.where(enough, jnp.where(valid, key, _INT_MAX).min(axis=0).min(), _INT_MIN)
-  known, start = _search_start(lo, key.max(axis=0).max())
-  v, n = search(key, k, jnp.where(enough, known, 32), start)
+  hi = key.max(axis=0).max()
+  if interpolate:
+    # The bounds: the smallest and largest valid keys; with at most k valid keys, INT_MIN (no
+    # pass).
+    v, n = _interpolated_search(lambda threshold: count(key >= threshold), k, lo,
+                                jnp.where(enough, hi, _INT_MIN), n_valid)
+  else:
+    known, start = _search_start(lo, hi)
+    v, n = search(key, k, jnp.where(enough, known, 32), start)
   # v is a threshold exactly k keys reach (n == k: those are the selection), the k-th largest key,
   # or INT_MIN (at most k valid keys: all taken). Else of the keys tied at v, the lowest positions,
   # enough to make k: those whose s-1-pos reaches the threshold exactly `need` of the ties' s-1-pos
@@ -852,15 +902,16 @@ def resident_warps(width: int) -> int:
 
 
 def resident_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *,
-                       interpret: bool = False) -> jax.Array:
+                       interpolate: bool = False, interpret: bool = False) -> jax.Array:
   """v11 (`TopkConfig.row_resident`): int32 [T, topk] positions, -1 padded, a program a row
-  holding its keys in registers; rows of at most `RESIDENT_MAX` positions."""
+  holding its keys in registers; rows of at most `RESIDENT_MAX` positions (interpolate:
+  `TopkConfig.interpolate`, v11b)."""
   t, s = logits.shape
   warps = resident_warps(next_pow2(s))
   lanes = 32 * warps
   return pl.pallas_call(
       functools.partial(_resident_kernel, k=topk, rows=max(1, next_pow2(s) // lanes), lanes=lanes,
-                        fill=min(1024, next_pow2(topk))),
+                        fill=min(1024, next_pow2(topk)), interpolate=interpolate),
       grid=(t,),
       in_specs=[_whole(logits), _whole(seq_lens)],
       out_specs=_row(topk),
@@ -874,24 +925,25 @@ def resident_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *,
 @functools.partial(jax.jit, static_argnames=("topk", "chunk", "num_warps", "num_stages",
                                              "select_warps", "per_lane", "fused_theta",
                                              "sectors", "lean_select", "row_resident",
-                                             "interpret"))
+                                             "interpolate", "interpret"))
 def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None,
                    select_warps: int | None = None, per_lane: bool | None = None,
                    fused_theta: bool | None = None, sectors: bool | None = None,
                    lean_select: bool | None = None, row_resident: bool | None = None,
-                   interpret: bool = False) -> jax.Array:
+                   interpolate: bool | None = None, interpret: bool = False) -> jax.Array:
   """Top-`topk` positions of each row within its window (semantics of
   `mla_jax.reference.topk_positions`): logits [T, S] float32, seq_lens [T] int32 (row t sees
   s < seq_lens[t]) -> int32 [T, topk], -1 padded, in no particular order; of positions tied at the
   k-th largest value, the lowest. chunk, num_warps, num_stages, select_warps, per_lane,
-  fused_theta, sectors, lean_select, row_resident: `TopkConfig`'s (None: `default_config`'s).
+  fused_theta, sectors, lean_select, row_resident, interpolate: `TopkConfig`'s (None:
+  `default_config`'s).
   """
   check_topk_args(logits, seq_lens, topk)
   config = with_overrides(default_config(*logits.shape), chunk=chunk, num_warps=num_warps,
                           num_stages=num_stages, select_warps=select_warps, per_lane=per_lane,
                           fused_theta=fused_theta, sectors=sectors, lean_select=lean_select,
-                          row_resident=row_resident)
+                          row_resident=row_resident, interpolate=interpolate)
   t, s = logits.shape
   if config.row_resident and s > RESIDENT_MAX:
     raise ValueError(f"row_resident takes rows of at most {RESIDENT_MAX} positions (their keys "
@@ -899,7 +951,8 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: 
   if t == 0 or s == 0:
     return jnp.full((t, topk), -1, jnp.int32)
   if config.row_resident:
-    return resident_positions(logits, seq_lens, topk, interpret=interpret)
+    return resident_positions(logits, seq_lens, topk, interpolate=config.interpolate,
+                              interpret=interpret)
   chunk = min(config.chunk, max(16, next_pow2(s)))
   params = lambda warps: plgpu.CompilerParams(num_warps=warps, num_stages=config.num_stages)
   g = group_size(s, topk)

@@ -94,8 +94,10 @@ SECTORS = {"sectors": True, "per_lane": False, "fused_theta": False}
 SECTORS_FUSED = {**SECTORS, "fused_theta": True}
 # Many rows' default form: theta fused with the sector maxima, v10b's lean select.
 SECTORS_FUSED_LEAN = {**SECTORS_FUSED, "lean_select": True}
-# v11: a program a row, the row's keys in registers (rows up to 32768 positions).
+# v11: a program a row, the row's keys in registers (rows up to 32768 positions); v11b: its search
+# interpolating.
 RESIDENT = {"row_resident": True}
+RESIDENT_INTERPOLATED = {**RESIDENT, "interpolate": True}
 
 
 class TestPallasTritonIndexer(IndexerContract):
@@ -106,10 +108,10 @@ class TestPallasTritonIndexer(IndexerContract):
     # kernels; v9's sector filter (few long rows' and, theta fused, many rows' default) too. The
     # forms no default takes (v3's per-lane threshold, theta fused without sectors): the segments
     # and lane-slot cases below. Many rows' form with v10b's lean select (`SECTORS_FUSED_LEAN`);
-    # v11's one kernel (`RESIDENT`).
+    # v11's one kernel (`RESIDENT`, and v11b's search: `RESIDENT_INTERPOLATED`).
     return super().topk_variants() + [
         functools.partial(pallas_topk.topk_positions, interpret=True, **knobs)
-        for knobs in (SECTORS, SECTORS_FUSED, SECTORS_FUSED_LEAN, RESIDENT)]
+        for knobs in (SECTORS, SECTORS_FUSED, SECTORS_FUSED_LEAN, RESIDENT, RESIDENT_INTERPOLATED)]
 
   @pytest.mark.parametrize("dtype,widen_fp8", [(jnp.bfloat16, False), (jnp.float8_e4m3fn, True)])
   def test_chunks_and_steps_match_reference(self, dtype, widen_fp8):
@@ -147,9 +149,9 @@ class TestPallasTritonIndexer(IndexerContract):
 
   @pytest.mark.parametrize("variant", [
       {}, {"per_lane": True}, {"fused_theta": True}, SECTORS, SECTORS_FUSED,
-      {"lean_select": True}, RESIDENT],
+      {"lean_select": True}, RESIDENT, RESIDENT_INTERPOLATED],
       ids=["default", "per_lane", "fused_theta", "sectors", "sectors_fused", "lean_select",
-           "row_resident"])
+           "row_resident", "interpolate"])
   def test_topk_segments_ties_and_overflow_match_reference(self, variant):
     # Small chunks split rows into several segments that claim candidate places concurrently;
     # row 1's ties overflow the candidate list (the slow exact path); row 3 mixes signs and
@@ -317,7 +319,9 @@ class TestPallasTritonIndexer(IndexerContract):
       assert len(g_i) == len(want) and (got[i][len(g_i):] == -1).all(), i
       assert set(g_i.tolist()) == want, i
 
-  def test_row_resident_rows(self):
+  @pytest.mark.parametrize("knobs", [RESIDENT, RESIDENT_INTERPOLATED],
+                           ids=["bisect", "interpolate"])
+  def test_row_resident_rows(self, knobs):
     # v11 (`row_resident`) at its widest rows (32768 positions, 16 warps in the GPU module), k =
     # 2048: a random row (the search stops at a threshold exactly k keys reach); one value
     # everywhere (32768 ties: their ranks fill the cumsum's high 16 bits, the sum past INT_MAX);
@@ -339,11 +343,45 @@ class TestPallasTritonIndexer(IndexerContract):
     lens = np.array([s, s, s, k, 20001, s, s], np.int32)
     x, lens_j = jnp.asarray(logits), jnp.asarray(lens)
     for topk in (k, s):
-      got = np.asarray(pallas_topk.topk_positions(x, lens_j, topk, interpret=True, **RESIDENT))
+      got = np.asarray(pallas_topk.topk_positions(x, lens_j, topk, interpret=True, **knobs))
       for i in range(7):
         g, want = got[i][got[i] >= 0], lowest_index_topk(logits[i], int(lens[i]), topk)
         assert len(g) == len(want) and (got[i][len(g):] == -1).all(), (topk, i)
         assert set(g.tolist()) == want, (topk, i)
+
+  def test_interpolated_search_finds_the_kth_largest(self):
+    # v11b's search in plain JAX against numpy: random, tied (the largest value too), wide-exponent
+    # and mostly-INT_MIN keys, k from 1 to all valid keys less one: the k-th largest key, or a
+    # threshold exactly k keys reach (n == k).
+    rng = np.random.default_rng(14)
+
+    def search(keys, k):
+      valid = keys > -2 ** 31
+      count = lambda threshold: (keys >= threshold).astype(jnp.int32).sum()
+      return pallas_topk._interpolated_search(count, k, jnp.where(valid, keys, 2 ** 31 - 1).min(),
+                                              keys.max(), valid.astype(jnp.int32).sum())
+
+    search = jax.jit(search, static_argnums=1)
+    for trial in range(32):
+      x = rng.standard_normal(512).astype(np.float32)
+      if trial % 4 == 1:  # ties, the largest value 4 times
+        x = np.round(x * 2) / 2
+        x[:4] = 9.0
+      elif trial % 4 == 2:
+        x *= np.exp2(rng.integers(-60, 60, x.shape)).astype(np.float32)
+      bits = x.view(np.int32)
+      keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+      if trial % 4 == 3:
+        keys[rng.random(keys.shape) < 0.8] = -2 ** 31
+      n_valid = int((keys > -2 ** 31).sum())
+      ordered = np.sort(keys)[::-1]
+      for k in {1, 2, n_valid // 3, n_valid - 1} - {0}:
+        v, n = (int(a) for a in search(jnp.asarray(keys), k))
+        reach = int((keys >= v).sum())
+        if n == k:
+          assert reach == k and ordered[k] < v <= ordered[k - 1], (trial, k)
+        else:
+          assert v == ordered[k - 1], (trial, k, v, ordered[k - 1])
 
   @pytest.mark.parametrize("lean", [False, True], ids=["held", "lean_select"])
   def test_select_full_width_candidates(self, lean):
@@ -402,12 +440,14 @@ class TestPallasTritonIndexer(IndexerContract):
         jax.ShapeDtypeStruct((t, s), jnp.float32), jax.ShapeDtypeStruct((t,), jnp.int32))
     return traced.lower(lowering_platforms=("cuda",)).as_text(), modules
 
+  @pytest.mark.parametrize("interpolate", [False, True], ids=["bisect", "interpolate"])
   @pytest.mark.parametrize("t,s", [(128, 32768), (4096, 32768), (128, 16384), (6, 5000)])
-  def test_row_resident_lowers_for_hopper(self, monkeypatch, t, s):
+  def test_row_resident_lowers_for_hopper(self, monkeypatch, t, s, interpolate):
     # v11 (`row_resident`) at the benchmark's shapes up to its limit and at short rows: one
     # kernel, its module verified; the logits load carries the hint that keeps it in the layout of
     # the positions' stores (no 32768-pointer conversion through shared memory).
-    text, modules = self.lowered_topk_modules(monkeypatch, t, s, RESIDENT)
+    text, modules = self.lowered_topk_modules(monkeypatch, t, s,
+                                              {**RESIDENT, "interpolate": interpolate})
     assert text.count("__gpu$xla.gpu.triton") == 1 and sorted(modules) == ["topk_resident"]
     assert modules["topk_resident"][0], modules
     assert "tt.divisibility = dense<1>" in modules["topk_resident"][1]
@@ -490,6 +530,7 @@ class TestPallasTritonIndexer(IndexerContract):
       (lambda a: {**a, "sectors": True, "per_lane": True}, "no per_lane"),
       (lambda a: {**a, "lean_select": 1}, "lean_select must be a bool"),
       (lambda a: {**a, "row_resident": 1}, "row_resident must be a bool"),
+      (lambda a: {**a, "interpolate": 1}, "interpolate must be a bool"),
       (lambda a: {**a, "logits": jnp.zeros((2, 32769), jnp.float32), "row_resident": True},
        "row_resident takes rows of at most 32768"),
   ])

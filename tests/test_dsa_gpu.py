@@ -317,9 +317,10 @@ def test_mosaic_indexer_compute_wgs_match_reference(compute_wgs):
     {"fused_theta": True}, {"sectors": True, "per_lane": False, "fused_theta": False,
                             "s": 131072},
     {"lean_select": True}, {"lean_select": True, "select_warps": 4},
-    {"row_resident": True}, {"row_resident": True, "s": 16384}],
+    {"row_resident": True}, {"row_resident": True, "s": 16384},
+    {"row_resident": True, "interpolate": True}],
     ids=["default", "per_lane", "fused_theta", "sectors_fused", "sectors", "lean_select",
-         "lean_select_w4", "row_resident", "row_resident_16k"])
+         "lean_select_w4", "row_resident", "row_resident_16k", "row_resident_interpolate"])
 @pytest.mark.parametrize("kind", ["normal", "ties", "few_ties"])
 def test_topk_sets_match_lax_top_k(kind, variant):
   # variant: {} through the backend (this shape's default, v9's sector maxima and threshold with
@@ -327,7 +328,8 @@ def test_topk_sets_match_lax_top_k(kind, variant):
   # the maxima (both without sectors, which take no per-lane threshold), the sector form with theta
   # fused (many rows' default), or the sector form at 131072 positions (what it is for); v10b's
   # lean select at 8 and 4 warps ("ties" rows overflow half the list: its streamed path); v11's
-  # one kernel a row at 32768 (16 warps) and 16384 positions (8 warps).
+  # one kernel a row at 32768 (16 warps) and 16384 positions (8 warps), and with v11b's
+  # interpolating search.
   variant = dict(variant)
   t, s = 128, variant.pop("s", 32768)
   x = jax.random.normal(jax.random.key(2), (t, s), jnp.float32)
