@@ -23,14 +23,14 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            kernel (fp8 wgmma) and the `pallas` default, against the same XLA.
   topk     top-2048 positions of 128 x 32K, 128 x 128K and 4096 x 32K float32 logits, every
            position visible. Bytes = one read of the logits + the positions written. Further rows
-           time the other threshold forms with the default's theta: v2 (block-wide compaction
-           per chunk), v3's per-lane threshold, v9's (`sectors`: the threshold reads only the
-           8-position sectors whose maximum reaches theta; the default from 32768 positions),
-           the default with its theta flipped (fused with the group maxima or not), v10b's
-           (`lean_select` flipped: the default for many rows; also at 8 select warps) and v11's
-           (`row_resident`: one kernel a row, its keys in registers; rows up to 32K; v11b with
-           its search interpolating);
-           --topk-rows keeps only some of them.
+           time the four-kernel path (where the default is v11b's one kernel: "four-kernel") and
+           its other threshold forms with its theta: v2 (block-wide compaction per chunk), v3's
+           per-lane threshold, v9's (`sectors`: the threshold reads only the 8-position sectors
+           whose maximum reaches theta; from 32768 positions), its theta flipped (fused with the
+           group maxima or not), v10b's (`lean_select` flipped: for many rows; also at 8 select
+           warps), and at rows up to 32K v11 (`row_resident`: one kernel a row, its keys in
+           registers, bisecting) and v11b (its search interpolating: the default there);
+           --topk-rows keeps only some of them (named by their first word).
   step     one layer's DSA decode step: indexer logits + top-k + slots + sparse attention (N=128,
            fp8_ds_mla latent cache), 128 decode rows at 32K context each; pallas_triton's and the
            `pallas` default's.
@@ -214,31 +214,30 @@ def run_topk(args, t, s):
   fn = lambda be: jax.jit(lambda x, lens: be.topk(x, lens, TOPK))
   rows = [timed_row(args, row, fn, sets, case_bytes, None)]
   # Each form beside the default (every knob named; a form equal to the default's is left out):
-  # v2 (block-wide compaction per chunk), v3's per-lane threshold, v9's sector threshold (the other
-  # way from the default), each with the default's theta, the default with its theta flipped
-  # (fused with the maxima or not), the default with v10b's lean select flipped (8 warps too:
-  # fewer registers a thread let two 8-warp programs reside an SM), and v11's one kernel a row
-  # (rows up to its limit; v11b: its search interpolating).
+  # the default's four-kernel path (row_resident off), its v2 (block-wide compaction per chunk),
+  # v3's per-lane threshold, v9's sector threshold (the other way from the shape's), each with its
+  # theta, its theta flipped (fused with the maxima or not), v10b's lean select flipped (8 warps
+  # too: fewer registers a thread let two 8-warp programs reside an SM), and v11's one kernel a
+  # row (rows up to its limit; v11b: its search interpolating).
   default = pallas_topk.default_config(t, s)
   knobs_of = lambda c: dict(per_lane=c.per_lane, fused_theta=c.fused_theta, sectors=c.sectors,
                             lean_select=c.lean_select, select_warps=c.select_warps,
                             row_resident=c.row_resident, interpolate=c.interpolate)
-  plain = dict(knobs_of(default), per_lane=False, sectors=False)
-  forms = {"v2 (block compaction)": dict(plain, fused_theta=False),
+  four = dict(knobs_of(default), row_resident=False, interpolate=False)  # the four-kernel path
+  plain = dict(four, per_lane=False, sectors=False)
+  forms = {"four-kernel (row_resident=False)": four,
+           "v2 (block compaction)": dict(plain, fused_theta=False),
            "v3, per_lane": dict(plain, per_lane=True),
            f"v9, sectors={not default.sectors}": (
                dict(plain) if default.sectors else dict(plain, sectors=True)),
            f"v3, fused_theta={not default.fused_theta}": dict(
-               knobs_of(default), fused_theta=not default.fused_theta),
+               four, fused_theta=not default.fused_theta),
            f"v10b, lean_select={not default.lean_select}": dict(
-               knobs_of(default), lean_select=not default.lean_select),
-           "v10b, lean_select, select_warps=8": dict(knobs_of(default), lean_select=True,
-                                                     select_warps=8)}
+               four, lean_select=not default.lean_select),
+           "v10b, lean_select, select_warps=8": dict(four, lean_select=True, select_warps=8)}
   if s <= pallas_topk.RESIDENT_MAX:
-    forms[f"v11, row_resident={not default.row_resident}"] = dict(
-        knobs_of(default), row_resident=not default.row_resident)
-    forms["v11b, row_resident, interpolate"] = dict(knobs_of(default), row_resident=True,
-                                                    interpolate=True)
+    forms["v11, row_resident (bisection)"] = dict(four, row_resident=True)
+    forms["v11b, row_resident, interpolate"] = dict(four, row_resident=True, interpolate=True)
   variants = {}
   for name, knobs in forms.items():  # each program once, the default's not again
     if knobs != knobs_of(default) and knobs not in variants.values():

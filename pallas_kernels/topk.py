@@ -37,14 +37,15 @@ v10b (`TopkConfig.lean_select`, the default for many rows): the select's rare fu
 streams its candidates, so the kernel's registers are the common path's. (v10, searches deciding 2
 or 4 bits a pass, lost on the H200 and was removed: RESULTS.md.)
 
-v11 (`TopkConfig.row_resident`; no default yet): rows of at most 32768 positions in one kernel, a
+v11 (`TopkConfig.row_resident`): rows of at most 32768 positions in one kernel, a
 program a row holding the row's keys in registers (64 a thread at 16 warps): the bisection for v
 runs on them directly, stopping at the first threshold exactly k keys reach (random rows: ~21 of
 32 passes); only rows tied at v search again, on s-1-pos, for the lowest ties. The selection is
 compacted in column order (a thread's keys are a column: a running count in the thread, one
 cumsum across the threads). One read of the logits, one launch. v11b (`TopkConfig.interpolate`):
 the search interpolates its next threshold between its bounds' counts (~12 passes on random
-rows), bisecting where interpolation stalls.
+rows), bisecting where interpolation stalls: the default for rows of 16384 to 32768 positions
+(`default_config`; H200, session 15: 1.06-1.6x the four kernels at 16 to 4096 rows).
 
 Not a radix select: a histogram of the keys' high bits needs scatter-adds into shared memory (or a
 warp's match). jax 0.11.2 offers none with an interpreter path: Pallas-Triton has no scratch
@@ -157,6 +158,12 @@ class TopkConfig:
 DEFAULT = TopkConfig(1024, 4, 1, 8)
 DEFAULT_LONG_ROWS = TopkConfig(1024, 4, 1, 8, sectors=True)
 DEFAULT_MANY_ROWS = TopkConfig(1024, 4, 1, 4, fused_theta=True, sectors=True, lean_select=True)
+# v11b (session 15, H200, one process, ms, four kernels / v11 / v11b at k=2048): 32768 positions
+# 16 rows 0.068 / 0.043 / 0.050, 64 0.0595 / 0.041 / 0.038, 128 0.075 / 0.054 / 0.049, 264 0.069 /
+# 0.072 / 0.063, 512 0.108 / 0.124 / 0.102, 4096 0.739 / 0.858 / 0.696; 16384 positions 1.1-1.6x
+# at 16-512 rows. Rows of 16384 to RESIDENT_MAX positions take it (shorter rows not timed), with
+# the four-kernel path's fields of their shape kept, so row_resident=False alone gives that path.
+_RESIDENT_MIN = 16384
 _LONG_ROW = 32768  # positions from which few rows take DEFAULT_LONG_ROWS
 # The sweep space: the variants `benchmarks/bench_sparse.py --sweep` times (128 x 131072).
 SWEEP = tuple(TopkConfig(*v) for v in [
@@ -677,7 +684,16 @@ def _resident_kernel(logits_ref, len_ref, out_ref, *, k, rows, lanes, fill, inte
 
 
 def default_config(rows: int, positions: int) -> TopkConfig:
-  """The chosen config for `rows` rows of `positions` logits."""
+  """The chosen config for `rows` rows of `positions` logits: v11b's one kernel a row where rows
+  are 16384 to RESIDENT_MAX positions, else the four-kernel path's (`four_kernel_config`)."""
+  four = four_kernel_config(rows, positions)
+  if _RESIDENT_MIN <= positions <= RESIDENT_MAX:
+    return dataclasses.replace(four, row_resident=True, interpolate=True)
+  return four
+
+
+def four_kernel_config(rows: int, positions: int) -> TopkConfig:
+  """The four-kernel path's chosen config for `rows` rows of `positions` logits."""
   if rows > 2 * sm_count():
     return DEFAULT_MANY_ROWS
   return DEFAULT_LONG_ROWS if positions >= _LONG_ROW else DEFAULT

@@ -1,6 +1,7 @@
 """Every backend's DSA functions against the float64 oracles; Pallas runs in interpret mode on
 CPUs."""
 
+import dataclasses
 import functools
 
 import jax
@@ -422,8 +423,10 @@ class TestPallasTritonIndexer(IndexerContract):
     9.0 on this CPU (the lowering asks the device for it; there is none here): the StableHLO
     text, and each kernel's (module verified, module text) by kernel name. The GPU's Triton parser
     refuses a module that does not verify: session 12's v7 failed so on the GPU, a select of two
-    constants typed i1."""
+    constants typed i1. The four-kernel path unless `knobs` name row_resident (v11b's one kernel
+    is the default from 16384 positions)."""
     from jax._src.pallas.triton import gpu_info, lowering, pallas_call_registration
+    knobs = {"row_resident": False, **knobs}
     hopper = gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90)
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: hopper)
     modules = {}
@@ -478,20 +481,27 @@ class TestPallasTritonIndexer(IndexerContract):
 
   @pytest.mark.parametrize("rows,positions,want", [
       (128, 131072, "DEFAULT_LONG_ROWS"), (128, 32768, "DEFAULT_LONG_ROWS"),
-      (128, 16384, "DEFAULT"), (4096, 32768, "DEFAULT_MANY_ROWS")])
+      (128, 16384, "DEFAULT"), (4096, 32768, "DEFAULT_MANY_ROWS"), (128, 8192, "DEFAULT"),
+      (4096, 65536, "DEFAULT_MANY_ROWS")])
   def test_default_config(self, rows, positions, want, monkeypatch):
-    # Few rows from 32768 positions and many rows (theta fused) take v9's sector threshold (H200,
-    # session 13: faster at 131072 and at 4096 rows, equal at 32768); the H200's 132 SMs.
+    # The four-kernel path: few rows from 32768 positions and many rows (theta fused) take v9's
+    # sector threshold (H200, session 13: faster at 131072 and at 4096 rows, equal at 32768); the
+    # H200's 132 SMs.
     monkeypatch.setattr(pallas_topk, "sm_count", lambda: 132)
-    assert pallas_topk.default_config(rows, positions) == getattr(pallas_topk, want)
+    four = getattr(pallas_topk, want)
+    assert pallas_topk.four_kernel_config(rows, positions) == four
+    # v11b's one kernel a row (row_resident, interpolating; session 15: 1.06-1.6x at 16 to 4096
+    # rows of 32768 and 16 to 512 of 16384) from 16384 to RESIDENT_MAX positions, the four-kernel
+    # fields of the shape kept (row_resident=False alone gives that path back); else that path.
+    resident = pallas_topk.RESIDENT_MAX >= positions >= 16384
+    want_config = (dataclasses.replace(four, row_resident=True, interpolate=True) if resident
+                   else four)
+    assert pallas_topk.default_config(rows, positions) == want_config
     assert pallas_topk.DEFAULT_LONG_ROWS.sectors and pallas_topk.DEFAULT_MANY_ROWS.sectors
     assert pallas_topk.DEFAULT_MANY_ROWS.fused_theta and not pallas_topk.DEFAULT.sectors
     # v10b's streamed full-width select for many rows (session 14: 1.06x at 4096 x 32768).
     assert pallas_topk.DEFAULT_MANY_ROWS.lean_select
     assert not pallas_topk.DEFAULT_LONG_ROWS.lean_select
-    # v11 not timed yet: no default takes it.
-    assert not any(c.row_resident for c in (pallas_topk.DEFAULT, pallas_topk.DEFAULT_LONG_ROWS,
-                                            pallas_topk.DEFAULT_MANY_ROWS))
 
   @pytest.mark.parametrize("fused", [False, True], ids=["sectors", "sectors_fused"])
   @pytest.mark.parametrize("t,s", [(128, 131072), (128, 32768), (4096, 32768), (6, 5000)])
