@@ -161,6 +161,8 @@ class MosaicDecodeConfig:
                        f"{self.fp8_pipeline!r}")
     if self.heads_in is not None and self.heads_in not in HEADS_IN:
       raise ValueError(f"heads_in must be None or one of {HEADS_IN}, got {self.heads_in!r}")
+    if self.wide_keys is not None and not isinstance(self.wide_keys, bool):
+      raise ValueError(f"wide_keys must be None, True or False, got {self.wide_keys!r}")
 
 
 # heads_in=None runs "n" up to this many heads: bf16 1.01-1.10x "m" at 16 and 32 heads (sessions
@@ -770,7 +772,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
   _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits, split_tokens)
-  MosaicDecodeConfig(fp8_pipeline=fp8_pipeline, heads_in=heads_in)  # checks them
+  MosaicDecodeConfig(fp8_pipeline=fp8_pipeline, heads_in=heads_in, wide_keys=wide_keys)  # checks
   fp8 = kv_cache.dtype == F8
   if heads_in is None:
     heads_in = default_heads_in(q.shape[1], fp8, fp8_pipeline)

@@ -577,6 +577,10 @@ class TestPallasMosaicDecodeRegisterANarrowKeys(TestPallasMosaicDecodeHeadsNRegi
         q, cache, tables, lens, scale=SCALE, heads_in="n", **knobs).jaxpr)
     assert jaxpr(wide_keys=True) == jaxpr()
 
+  def test_wide_keys_must_be_a_bool_or_none(self):
+    with pytest.raises(ValueError, match="wide_keys must be None, True or False"):
+      mosaic_decode.MosaicDecodeConfig(wide_keys=1)
+
   @pytest.mark.parametrize("pipeline", ["serial", "shared_widening"])
   def test_wide_keys_bad_input_raises(self, pipeline):
     q, cache, tables, lens = (jnp.asarray(a) for a in make_case(
