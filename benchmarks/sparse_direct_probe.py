@@ -1,5 +1,7 @@
-"""Registers and spills of the memory warpgroup that mosaic_sparse's fp8_pipeline="direct" would
-run (benchmarks/RESULTS.md, "DSA sparse attention (pallas_mosaic)", v16; not built), on a CPU.
+"""Registers and spills of the memory warpgroup of the fp8_pipeline="direct" design for
+mosaic_sparse (benchmarks/RESULTS.md, "DSA sparse attention (pallas_mosaic)", v16: built in
+session 15, 0.95x the default at T=128 on the H200, not kept; this probe stays to time its memory
+side alone), on a CPU.
 
 A stand-in kernel, not the attention kernel: 3 warpgroups at setmaxnreg 216 / 160 / --regs (the
 split the design takes; the first two do nothing), the third loading each step's e4m3 NoPE rows,

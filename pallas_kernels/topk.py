@@ -608,7 +608,7 @@ def _resident_kernel(logits_ref, len_ref, out_ref, *, k, rows, lanes, fill, inte
   # registers. logits_ref [T, S] f32; len_ref [T] int32; out_ref [k] int32 (this row's positions).
   # The row as [rows, lanes], lanes the block's threads: position r * lanes + l at [r, l], so the
   # loads are coalesced and thread l holds column l; sums go down the columns first (in each
-  # thread, `column_sums`), then across the lanes.
+  # thread), then across the lanes (`count`).
   t = pl.program_id(0)
   s = logits_ref.shape[1]
   iota = lambda axis: lax.broadcasted_iota(jnp.int32, (rows, lanes), axis)
@@ -621,8 +621,7 @@ def _resident_kernel(logits_ref, len_ref, out_ref, *, k, rows, lanes, fill, inte
   else:
     x = plgpu.load(logits_ref.at[t, pos], mask=pos < s, other=-jnp.inf)
   key = _keys(x, pos < jnp.clip(len_ref[t], 0, s))
-  column_sums = lambda take: take.astype(jnp.int32).sum(axis=0)
-  count = lambda take: column_sums(take).sum()
+  count = lambda take: take.astype(jnp.int32).sum(axis=0).sum()
 
   def search(keys, n_keys, known, start):
     # `_kth_largest`'s bisection from the image `start` with `known` bits, stopping at the first

@@ -183,3 +183,12 @@ def test_ptxas_report_takes_the_mosaic_module_from_the_cuda_lowering():
   traced = ptxas_report.traced_prefill(256, 2, 16, True, {})
   modules = ptxas_report.mosaic_modules(traced)
   assert len(modules) == 1 and modules[0].startswith(b"ML\xefR")  # MLIR bytecode
+
+
+def test_sparse_direct_probe_lowers_one_mosaic_module():
+  # The probe's stand-in kernel (v16's memory warpgroup: lane-level loads, widening, swizzled
+  # stores) lowers for CUDA on the CPU, as ptxas_report compiles it; a Mosaic GPU or MLIR API
+  # change breaks it here first.
+  from benchmarks import ptxas_report, sparse_direct_probe
+  modules = ptxas_report.mosaic_modules(sparse_direct_probe.traced(120))
+  assert len(modules) == 1 and modules[0].startswith(b"ML\xefR")
