@@ -60,7 +60,7 @@ from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
+from jaxlib.mlir.dialects import arith, llvm, memref, nvvm, vector
 
 from pallas_kernels.common import (DS_MLA_TILE, F8, HALF_ROWS, HALF_ROWS_LAYOUT, HEADS_M_TILE,
                                    HEADS_N_TILES, LOG2E, REDUCTION_BYTES_PER_8_HEADS,
@@ -196,6 +196,147 @@ def _cp_async_rows(parts, idx, *, num_slots, scales=None):
   issue(idx, *(ref for part in parts for ref in part), *(scales or ()))
 
 
+# wide_widening: e4m3 -> bf16 by bit placement. A byte sign-extended to 16 bits (prmt's sign-
+# replicating selectors: bytes 0, 1 or 2, 3 of a word into the halves of one), shifted left 4 and
+# masked to the sign, exponent and mantissa fields, is the bf16 of its e4m3 value times 2^-120
+# (normals and subnormals alike; zero stays zero); one bf16x2 multiply by scale * 2^120 finishes.
+WIDE_SELECTORS = (0x9180, 0xB3A2)
+WIDE_MASK = 0x87F087F0
+WIDE_BIAS = 120
+# The bit placement's multiply is today's f32 product rounded to bf16 when the scale is a bf16
+# (its low 16 bits 0) of magnitude <= 2^7 (so scale * 2^120 is a finite bf16); other scales take
+# today's conversion (cvt e4m3x2 -> f16x2, f32 multiplies, cvt -> bf16x2).
+WIDE_MAX_SCALE_BITS = 0x43000000  # 2^7
+_WIDE_LOAD_GROUP = 4  # 16-byte units a lane loads before converting them
+
+
+def wide_widening_model(words: jax.Array, scales: jax.Array) -> jax.Array:
+  """What the wide widening's lane code computes, on uint32 words (4 e4m3 bytes, the first in
+  the low byte) and float32 scales of the same shape: bf16 [..., 4] (byte k times its scale).
+  Scales `wide_fast_scale` accepts go through the bit placement; the others through f32 as
+  the Pallas-level widening does."""
+  halves = []
+  for selector in WIDE_SELECTORS:  # prmt: bytes 2p, 2p + 1 sign-extended into a word's halves
+    pair = jnp.zeros_like(words)
+    for half in range(2):
+      byte = (words >> (8 * ((selector >> (8 * half)) & 0x7))) & 0xFF
+      pair |= (byte | jnp.where(byte & 0x80, 0xFF00, 0).astype(jnp.uint32)) << (16 * half)
+    halves.append((pair << 4) & WIDE_MASK)
+  pairs = jnp.stack(halves, -1)  # [..., 2] uint32: bf16x2 of bytes (0, 1), (2, 3)
+  placed = lax.bitcast_convert_type(pairs, jnp.bfloat16).reshape(*words.shape, 4)
+  factor = (scales * jnp.float32(2.0 ** WIDE_BIAS)).astype(jnp.bfloat16)[..., None]
+  # A bf16 multiply (mul.rn.bf16x2): the f32 product of two bf16 is exact, rounded once.
+  fast = (placed.astype(jnp.float32) * factor.astype(jnp.float32)).astype(jnp.bfloat16)
+  e4m3 = lax.bitcast_convert_type(words, F8).astype(jnp.float32)
+  slow = (e4m3 * scales[..., None]).astype(jnp.bfloat16)
+  return jnp.where(wide_fast_scale(scales)[..., None], fast, slow)
+
+
+def wide_fast_scale(scales: jax.Array) -> jax.Array:
+  """Whether the wide widening takes the bit placement for these float32 scales (a bf16 of
+  magnitude <= 2^7), as the lane code decides it per row and tile."""
+  bits = lax.bitcast_convert_type(scales, jnp.uint32)
+  return ((bits & 0x7FFFFFFF) <= WIDE_MAX_SCALE_BITS) & ((bits & 0xFFFF) == 0)
+
+
+def _wide_widen(nope, scales, dst):
+  """Lane-level widening of a staged half step's (32 rows) or step's (64) e4m3 NoPE tiles into
+  the bf16 tiles of a row slot (wide_widening): nope [J, rows, 128] e4m3 (tiled (8, 128),
+  128-byte swizzled), scales [J, rows] f32, dst [C, rows, 64] bf16 (tiled by 8 rows and the
+  swizzle's width: 64 bytes for 32 rows, 128 for 64), its tiles 2j and 2j + 1 written from nope's
+  tile j (times the row's scale j). Each lane takes one row r = 8 g + lane % 8 and one tile j =
+  lane / 8 % 4 (g = warp, and with 64 rows warp + 4 too) and walks its 8 16-byte units: one
+  16-byte load (16 e4m3 values), 8 x (prmt, shl, and, mul.bf16x2), two 16-byte stores. The 8
+  lanes of a quarter warp (what one 16-byte shared access serves at a time) take the 8 rows of a
+  swizzle period and the same unit: their loads and stores hit 8 distinct 16-byte bank groups
+  under either swizzle. A lane whose scale `wide_fast_scale` refuses converts as the Pallas-
+  level widening does (`wide_widening_model`)."""
+  tiles, rows, _ = nope.shape
+  sw = dst.shape[1] // HALF_ROWS * 64  # bytes: 64 for 32 rows (half_rows), 128 for 64
+  if (rows not in (HALF_ROWS, _STEP) or nope.shape[2] != DS_MLA_TILE
+      or scales.shape != (tiles, rows) or dst.shape[1:] != (rows, _COLS)
+      or dst.shape[0] < 2 * tiles):
+    raise ValueError(f"want nope [J, 32 or 64, 128], scales [J, rows], dst [C >= 2J, rows, 64]; "
+                     f"got {nope.shape}, {scales.shape}, {dst.shape}")
+  nope_t = (plgpu.TilingTransform((8, DS_MLA_TILE)), plgpu.SwizzleTransform(_CHUNK_BYTES))
+  dst_t = (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw))
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(nope_t), plgpu.RefType(), plgpu.RefType(dst_t)))
+  def run(_, nope, scales, dst):
+    i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+    c32 = lambda v: arith.constant(i32, v)
+    words_type = ir.VectorType.get((4,), i32)
+    tid = arith.remui(mgpu_utils.thread_idx(), c32(_WG_THREADS))
+    lane, warp = arith.remui(tid, c32(32)), arith.divui(tid, c32(32))
+    l = arith.remui(lane, c32(_SWIZZLE_ROWS))  # the row in its swizzle period
+    j = arith.divui(lane, c32(_SWIZZLE_ROWS))  # the e4m3 tile
+    asm = lambda text, constraints, *args: llvm.inline_asm(i32, list(args), text, constraints)
+    # This lane's rows r = 8 (warp + 4 m) + l, m < rows / 32: rows 32 apart lie 4096 bytes apart
+    # in nope and in each dst tile, so every address is one of 8 + 8 lane terms plus a constant.
+    src_lane = arith.addi(arith.muli(j, c32(rows * _CHUNK_BYTES)),
+                          arith.muli(arith.addi(arith.muli(warp, c32(_SWIZZLE_ROWS)), l),
+                                     c32(_CHUNK_BYTES)))
+    # tile j, row r, unit u at j * rows * 128 + r * 128 + (u ^ l) * 16
+    src_unit = [arith.addi(src_lane, arith.muli(arith.xori(c32(u), l), c32(16)))
+                for u in range(_CHUNK_BYTES // _SEG)]
+    # bf16 tile c's row r at c * rows * 128 + r * 128, 16-byte units ^ l; 64-byte swizzle: tiles
+    # of 32 columns, (8-row group, column tile) 512 bytes each, rows of 64 bytes, units ^ l / 2
+    dst_lane = arith.addi(arith.muli(j, c32(2 * rows * _CHUNK_BYTES)),
+                          arith.addi(arith.muli(warp, c32(_SWIZZLE_ROWS * _CHUNK_BYTES)),
+                                     arith.muli(l, c32(sw))))
+    period = l if sw == _CHUNK_BYTES else arith.divui(l, c32(2))
+    dst_unit = [arith.addi(dst_lane, arith.muli(arith.xori(c32(w), period), c32(16)))
+                for w in range(sw // 16)]
+    scale_row = arith.addi(arith.muli(warp, c32(_SWIZZLE_ROWS)), l)
+    index = lambda x: arith.index_cast(ir.IndexType.get(), x)
+    for m in range(rows // HALF_ROWS):
+      group_off = m * 4 * _SWIZZLE_ROWS * _CHUNK_BYTES
+      scale = memref.load(scales, [index(j), index(arith.addi(scale_row, c32(m * HALF_ROWS)))])
+      bits = arith.bitcast(i32, scale)
+      fast = arith.andi(
+          arith.cmpi(arith.CmpIPredicate.ule, arith.andi(bits, c32(0x7FFFFFFF)),
+                     c32(WIDE_MAX_SCALE_BITS)),
+          arith.cmpi(arith.CmpIPredicate.eq, arith.andi(bits, c32(0xFFFF)), c32(0)))
+
+      def load(u):
+        return llvm.load(words_type, mgpu_utils.getelementptr(
+            mgpu_utils.memref_ptr(nope), [arith.addi(src_unit[u], c32(group_off))], i8),
+            alignment=16)
+
+      def store(u, words, convert):
+        out = [convert(vector.extract(words, [], [w]), p) for w in range(4) for p in range(2)]
+        for h in range(2):  # bf16 columns 16 (u % 4) + 8 h of tile 2 j + u / 4
+          col = 16 * (u % 4) + 8 * h  # its 16-byte unit: 64-byte tiles hold 32 columns
+          tile_off = (u // 4) * rows * _CHUNK_BYTES + (col // (sw // 2)) * (8 * sw)
+          off = arith.addi(dst_unit[(col % (sw // 2)) // 8], c32(group_off + tile_off))
+          llvm.store(vector.from_elements(words_type, out[4 * h:4 * h + 4]),
+                     mgpu_utils.getelementptr(mgpu_utils.memref_ptr(dst), [off], i8),
+                     alignment=16)
+
+      def units(convert):
+        # The loads of a group first: the compilers cannot move a load above a store to the
+        # same shared memory, which would expose each load's latency.
+        for g in range(0, _CHUNK_BYTES // _SEG, _WIDE_LOAD_GROUP):
+          group = range(g, g + _WIDE_LOAD_GROUP)
+          for u, words in zip(group, [load(u) for u in group]):
+            store(u, words, convert)
+
+      with mgpu_utils.when(fast):
+        factor = asm("{ .reg .f32 m; mul.rn.f32 m, $1, 0f7B800000; mov.b32 $0, m; "
+                     "prmt.b32 $0, $0, 0, 0x3232; }", "=r,r", scale)  # bf16x2 scale * 2^120
+        units(lambda word, p: asm(
+            f"{{ .reg .b32 x; prmt.b32 x, $1, 0, {WIDE_SELECTORS[p]:#x}; shl.b32 x, x, 4; "
+            f"and.b32 x, x, {WIDE_MASK:#x}; mul.rn.bf16x2 $0, x, $2; }}", "=r,r,r", word, factor))
+      with mgpu_utils.when(arith.xori(fast, arith.constant(ir.IntegerType.get_signless(1), 1))):
+        units(lambda word, p: asm(
+            "{ .reg .b16 lo, hi, a, b; .reg .b32 x; .reg .f32 f0, f1; mov.b32 {lo, hi}, $1; "
+            f"cvt.rn.f16x2.e4m3x2 x, {('lo', 'hi')[p]}; mov.b32 {{a, b}}, x; "
+            "cvt.f32.f16 f0, a; cvt.f32.f16 f1, b; mul.rn.f32 f0, f0, $2; "
+            "mul.rn.f32 f1, f1, $2; cvt.rn.bf16x2.f32 $0, f1, f0; }", "=r,r,f", word, scale))
+
+  run(nope, scales, dst)
+
+
 def _cp_async_wait(pending):
   """Waits until at most `pending` of this thread's cp.async groups are in flight."""
 
@@ -251,7 +392,7 @@ def _row_steps(row_ref, *, num_slots, interpret):
 
 
 def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_slots, gather,
-            heads_n, prep_in_kernel, interpret):
+            heads_n, prep_in_kernel, wide_widening, interpret):
   # GMEM: q_ref [T, Np, D] bf16 (Np: heads padded to 64, or fewer unpadded, `padded_heads`: the
   # tile's first Np rows, the others never stored); idx_ref [T, Kp] int32 (slot, or num_slots
   # where invalid); steps_ref [T] int32 (steps of 64 slots up to the last valid one).
@@ -633,21 +774,25 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
       """Row slot part = the staged rows (of staging buffer buf with "half_rows"): the e4m3 NoPE
       tiles times their tile scales, then the bf16 RoPE. e4m3 times its tile's power-of-two scale
       is exact in bf16 (e4m3 widens to f16 in hardware, f16 to f32 exactly). 64 rows go through
-      registers in the WGMMA layout, 32 in HALF_ROWS_LAYOUT (WGMMA's takes 64)."""
+      registers in the WGMMA layout, 32 in HALF_ROWS_LAYOUT (WGMMA's takes 64); wide_widening
+      (on the GPU): the NoPE tiles through lane-level code instead (`_wide_widen`)."""
       staged_at = lambda ref, j: ref.at[j] if pieces == 1 else ref.at[buf, j]
       layout = plgpu.Layout.WGMMA if pieces == 1 else HALF_ROWS_LAYOUT
-
-      @pl.loop(0, stage_nope.shape[-3])
-      def _(j):
-        if pieces == 1:
-          x = plgpu.layout_cast(stage_nope[j].astype(jnp.float16).astype(jnp.float32), layout)
-        else:
-          x = plgpu.load(stage_nope.at[buf, j], layout=layout)
-          x = x.astype(jnp.float16).astype(jnp.float32)
-        tile_scale = plgpu.load(staged_at(stage_scales, j), layout=layout.reduce(1))
-        y = (x * row_broadcast(tile_scale, x.shape)).astype(kv.dtype)  # [rows, 128]
-        kv[part, 2 * j] = y[:, :_COLS]
-        kv[part, 2 * j + 1] = y[:, _COLS:]
+      if wide_widening:  # lane-level; the interpreter runs the Pallas-level form (else)
+        staged_buf = lambda ref: ref if pieces == 1 else ref.at[buf]
+        _wide_widen(staged_buf(stage_nope), staged_buf(stage_scales), kv.at[part])
+      else:
+        @pl.loop(0, stage_nope.shape[-3])
+        def _(j):
+          if pieces == 1:
+            x = plgpu.layout_cast(stage_nope[j].astype(jnp.float16).astype(jnp.float32), layout)
+          else:
+            x = plgpu.load(stage_nope.at[buf, j], layout=layout)
+            x = x.astype(jnp.float16).astype(jnp.float32)
+          tile_scale = plgpu.load(staged_at(stage_scales, j), layout=layout.reduce(1))
+          y = (x * row_broadcast(tile_scale, x.shape)).astype(kv.dtype)  # [rows, 128]
+          kv[part, 2 * j] = y[:, :_COLS]
+          kv[part, 2 * j + 1] = y[:, _COLS:]
 
       for j in range(stage_rope.shape[-3]):
         kv[part, lora // _COLS + j] = plgpu.load(staged_at(stage_rope, j), layout=layout)
@@ -827,7 +972,7 @@ def smem_bytes(scratch, reduction_bytes=0):
 
 def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_splits, auto_barriers,
                  gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in, prep_in_kernel,
-                 interpret):
+                 interpret, wide_widening=False):
   """Pads heads to tiles of heads_tile(N) and slots to 64-slot steps, runs the kernel, merges
   splits. prep_in_kernel: the kernel takes the padded slots as they are (`MosaicSparseConfig`)."""
   t, n, d = q.shape
@@ -927,6 +1072,8 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
   kernel = functools.partial(_kernel, scale=scale, lora=lora, num_splits=splits, fp8=fp8,
                              in_place=in_place, num_slots=num_slots, gather=gather,
                              heads_n=heads_n, prep_in_kernel=prep_in_kernel,
+                             # The interpreter runs no lane-level code: the Pallas-level widening.
+                             wide_widening=wide_widening and not interpret,
                              interpret=bool(interpret))
   o_parts, lse_parts = plgpu.kernel(
       kernel,
@@ -954,6 +1101,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                    f"{'_in_place' if in_place else ''}"
                    f"{f'_heads_n{tile_h}' if heads_n else ''}"
                    f"{'_prep' if prep_in_kernel else ''}"
+                   f"{'_wide' if wide_widening else ''}"
                    f"_{gather}_s{splits}"),
   )(q, *index_args, *cache_args)
   if splits == 1:
@@ -970,6 +1118,7 @@ SPLIT_RULES = ("fill", "one_wave")
 FP8_PIPELINES = ("serial", "half_rows", "in_place")
 HEADS_IN = ("m", "n")
 HEADS_N_FP8_PIPELINES = ("serial", "in_place")  # fp8_ds_mla pipelines heads_in="n" takes
+WIDE_FP8_PIPELINES = ("serial", "half_rows")  # the pipelines wide_widening takes (their `widen`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1053,13 +1202,26 @@ class MosaicSparseConfig:
   T=128 N=128 bf16 0.184 / 0.201, fp8_ds_mla 0.256 / 0.258, N=16 equal; over 32K, fp8_ds_mla T=1024
   N=16 0.962 / 0.897, N=128 1.88 / 1.79, T=4096 N=16 3.68 / 3.46, N=128 7.18 / 6.93 (the in-kernel
   scale gather costs more than the XLA work it saves there), bf16 T=1024 and 4096 N=128 1.36 / 1.40
-  and 5.34 / 5.50, N=16 equal."""
+  and 5.34 / 5.50, N=16 equal.
+  wide_widening (False, the default; fp8_ds_mla with fp8_pipeline "serial" or "half_rows" named,
+  a ValueError with the others): the memory warpgroup widens the staged e4m3 NoPE tiles in lane-
+  level code (`_wide_widen`) instead of through Pallas arrays (HALF_ROWS_LAYOUT's 2-element
+  vectors: per 2 values a 2-byte load, cvt e4m3x2 -> f16x2, 2 f16 -> f32, 2 multiplies, cvt ->
+  bf16x2, a 4-byte store): each lane loads 16 e4m3 values of a row at once and places each byte's
+  bits into a bf16 (`WIDE_SELECTORS`: prmt, shl, and), times bf16(scale * 2^120) in one bf16x2
+  multiply: 4 instructions per 2 values, one 16-byte load per 16 and two 16-byte stores. Bit for
+  bit today's values (`wide_widening_model`, tested over all 256 bytes): scales that are not bf16
+  or above 2^7 (the project's quantizer writes powers of two; vLLM's non-power-of-two scales are
+  not bf16) take today's conversion in the same lane code, per row and tile; e4m3 NaN bytes (0x7F,
+  0xFF, which no quantizer writes) widen to 480 x scale instead of NaN on the fast path. The
+  interpreter runs the Pallas-level widening. Not timed yet (RESULTS)."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
   fp8_pipeline: str | None = None
   fp8_stage_halves: int = 2  # staging in 32-row buffers: "serial" stages 64 rows (2 halves)
   heads_in: str | None = None
   prep_in_kernel: bool | None = None
+  wide_widening: bool = False
 
   def __post_init__(self):
     if self.gather not in GATHERS:
@@ -1078,6 +1240,12 @@ class MosaicSparseConfig:
       raise ValueError(f"heads_in must be None or one of {HEADS_IN}, got {self.heads_in!r}")
     if self.prep_in_kernel is not None and not isinstance(self.prep_in_kernel, bool):
       raise ValueError(f"prep_in_kernel must be None or a bool, got {self.prep_in_kernel!r}")
+    if not isinstance(self.wide_widening, bool):
+      raise ValueError(f"wide_widening must be True or False, got {self.wide_widening!r}")
+    if self.wide_widening and self.fp8_pipeline not in WIDE_FP8_PIPELINES:
+      raise ValueError(f"wide_widening takes fp8_pipeline "
+                       f"{' or '.join(map(repr, WIDE_FP8_PIPELINES))} (named: the default picks "
+                       f"\"in_place\" at many tokens), got {self.fp8_pipeline!r}")
 
 
 CONFIG = MosaicSparseConfig()
@@ -1092,7 +1260,9 @@ SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rul
          MosaicSparseConfig(fp8_pipeline="in_place"), MosaicSparseConfig(heads_in="m"),
          MosaicSparseConfig(heads_in="n"),
          MosaicSparseConfig(fp8_pipeline="in_place", heads_in="n"),
-         MosaicSparseConfig(prep_in_kernel=False))
+         MosaicSparseConfig(prep_in_kernel=False),
+         MosaicSparseConfig(fp8_pipeline="half_rows", wide_widening=True),
+         MosaicSparseConfig(fp8_pipeline="serial", wide_widening=True))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))
@@ -1143,7 +1313,8 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
                       prep_in_kernel=prep_in_kernel, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("fp8_pipeline", "fp8_stage_halves"))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("fp8_pipeline", "fp8_stage_halves",
+                                                       "wide_widening"))
 def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.Array,
                                 rope: jax.Array, slots: jax.Array, *, scale: float,
                                 num_splits: int | None = None, auto_barriers: bool = False,
@@ -1153,6 +1324,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                                 fp8_stage_halves: int = CONFIG.fp8_stage_halves,
                                 heads_in: str | None = CONFIG.heads_in,
                                 prep_in_kernel: bool | None = CONFIG.prep_in_kernel,
+                                wide_widening: bool = CONFIG.wide_widening,
                                 interpret: bool | plgpu.InterpretGPUParams = False
                                 ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over an fp8_ds_mla cache, widened to bf16 once per gathered row.
@@ -1163,8 +1335,8 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   "in_place", or None: `default_fp8_pipeline`'s pick for these shapes, num_splits, split_rule and
   gather) and fp8_stage_halves: `MosaicSparseConfig`'s; heads_in too ("n" with fp8_pipeline "serial"
   or "in_place" named; None: `default_heads_in`, "m") and prep_in_kernel too (None: True with the
-  cp_async gather up to FP8_PREP_MAX_ROWS rows, else False). Returns o [T, N, L] bf16 and lse
-  [T, N] float32.
+  cp_async gather up to FP8_PREP_MAX_ROWS rows, else False) and wide_widening too (fp8_pipeline
+  "serial" or "half_rows" named). Returns o [T, N, L] bf16 and lse [T, N] float32.
   """
   nb, page, lora = nope.shape
   _check(q, slots, lora, num_splits)
@@ -1176,7 +1348,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                      f"{nope.dtype.name}{nope.shape}, {tile_scales.dtype.name}{tile_scales.shape}, "
                      f"{rope.dtype.name}{rope.shape}, q {q.shape}")
   MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in,
-                     prep_in_kernel)  # checks them
+                     prep_in_kernel, wide_widening)  # checks them
   if prep_in_kernel is None:
     prep_in_kernel = gather == "cp_async" and q.shape[0] <= FP8_PREP_MAX_ROWS
   if prep_in_kernel and gather != "cp_async":
@@ -1202,4 +1374,5 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                       scale=scale, lora=lora, num_slots=num_slots, fp8=True, num_splits=num_splits,
                       auto_barriers=auto_barriers, gather=gather, split_rule=split_rule,
                       fp8_pipeline=fp8_pipeline, fp8_stage_halves=fp8_stage_halves,
-                      heads_in=heads_in, prep_in_kernel=prep_in_kernel, interpret=interpret)
+                      heads_in=heads_in, prep_in_kernel=prep_in_kernel, interpret=interpret,
+                      wide_widening=wide_widening)
