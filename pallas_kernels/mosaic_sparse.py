@@ -54,6 +54,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
@@ -210,32 +211,34 @@ WIDE_MAX_SCALE_BITS = 0x43000000  # 2^7
 _WIDE_LOAD_GROUP = 4  # 16-byte units a lane loads before converting them
 
 
-def wide_widening_model(words: jax.Array, scales: jax.Array) -> jax.Array:
-  """What the wide widening's lane code computes, on uint32 words (4 e4m3 bytes, the first in
-  the low byte) and float32 scales of the same shape: bf16 [..., 4] (byte k times its scale).
-  Scales `wide_fast_scale` accepts go through the bit placement; the others through f32 as
-  the Pallas-level widening does."""
+def wide_widening_model(words: np.ndarray, scales: np.ndarray) -> np.ndarray:
+  """What the wide widening's lane code computes, in numpy (XLA on CPUs flushes the bit
+  placement's subnormals), on uint32 words (4 e4m3 bytes, the first in the low byte) and float32
+  scales of the same shape: bf16 [..., 4], byte k times its scale. Scales `wide_fast_scale`
+  accepts go through the bit placement; the others through f32, as the Pallas-level widening."""
+  words, scales = np.asarray(words, np.uint32), np.asarray(scales, np.float32)
   halves = []
   for selector in WIDE_SELECTORS:  # prmt: bytes 2p, 2p + 1 sign-extended into a word's halves
-    pair = jnp.zeros_like(words)
+    pair = np.zeros_like(words)
     for half in range(2):
-      byte = (words >> (8 * ((selector >> (8 * half)) & 0x7))) & 0xFF
-      pair |= (byte | jnp.where(byte & 0x80, 0xFF00, 0).astype(jnp.uint32)) << (16 * half)
-    halves.append((pair << 4) & WIDE_MASK)
-  pairs = jnp.stack(halves, -1)  # [..., 2] uint32: bf16x2 of bytes (0, 1), (2, 3)
-  placed = lax.bitcast_convert_type(pairs, jnp.bfloat16).reshape(*words.shape, 4)
-  factor = (scales * jnp.float32(2.0 ** WIDE_BIAS)).astype(jnp.bfloat16)[..., None]
-  # A bf16 multiply (mul.rn.bf16x2): the f32 product of two bf16 is exact, rounded once.
-  fast = (placed.astype(jnp.float32) * factor.astype(jnp.float32)).astype(jnp.bfloat16)
-  e4m3 = lax.bitcast_convert_type(words, F8).astype(jnp.float32)
+      byte = (words >> np.uint32(8 * ((selector >> (8 * half)) & 0x7))) & np.uint32(0xFF)
+      extended = byte | np.where(byte & 0x80, 0xFF00, 0).astype(np.uint32)
+      pair |= extended << np.uint32(16 * half)
+    halves.append((pair << np.uint32(4)) & np.uint32(WIDE_MASK))
+  # [..., 2] uint32: bf16x2 of bytes (0, 1) and (2, 3)
+  placed = np.stack(halves, -1).view(jnp.bfloat16).reshape(*words.shape, 4)
+  factor = (scales * np.float32(2.0 ** WIDE_BIAS)).astype(jnp.bfloat16)[..., None]
+  # A bf16 multiply (mul.rn.bf16x2): the float64 product of two bf16 is exact, rounded once.
+  fast = (placed.astype(np.float64) * factor.astype(np.float64)).astype(jnp.bfloat16)
+  e4m3 = words[..., None].view(np.uint8).view(F8).astype(np.float32).reshape(*words.shape, 4)
   slow = (e4m3 * scales[..., None]).astype(jnp.bfloat16)
-  return jnp.where(wide_fast_scale(scales)[..., None], fast, slow)
+  return np.where(wide_fast_scale(scales)[..., None], fast, slow)
 
 
-def wide_fast_scale(scales: jax.Array) -> jax.Array:
+def wide_fast_scale(scales: np.ndarray) -> np.ndarray:
   """Whether the wide widening takes the bit placement for these float32 scales (a bf16 of
   magnitude <= 2^7), as the lane code decides it per row and tile."""
-  bits = lax.bitcast_convert_type(scales, jnp.uint32)
+  bits = np.asarray(scales, np.float32).view(np.uint32)
   return ((bits & 0x7FFFFFFF) <= WIDE_MAX_SCALE_BITS) & ((bits & 0xFFFF) == 0)
 
 

@@ -724,6 +724,27 @@ def test_mosaic_sparse_register_split_fits_the_launch():
     assert consumer % 8 == 0 and memory % 8 == 0
 
 
+def test_mosaic_sparse_wide_widening_bits_are_todays():
+  # wide_widening's lane code (`wide_widening_model`) against today's widening (e4m3 -> f32,
+  # times the tile scale, rounded to bf16), bit for bit, for all 256 bytes: power-of-two scales
+  # up to 2^7 and other bf16 scales take the bit placement (e4m3 subnormals included), larger or
+  # non-bf16 scales (vLLM's amax / 448) today's conversion; only the e4m3 NaN bytes differ.
+  e4m3 = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn).reshape(64, 4)
+  words = e4m3.view(np.uint32)[:, 0]  # bytes 4w to 4w + 3, the first in the low byte
+  nan = np.isnan(e4m3.astype(np.float32))
+  fast = [2.0 ** e for e in range(-40, 8)] + [-1.0, 0.0, 1.5, 0.75, 96.0, -2.0 ** -3]
+  slow = [2.0 ** 8, 2.0 ** 20, 2.0 ** 100, 0.3, 57344.0 / 448 / 3, 1e-3, 200.0]
+  for scale, want_fast in [(s, True) for s in fast] + [(s, False) for s in slow]:
+    scales = np.full(words.shape, scale, np.float32)
+    assert bool(mosaic_sparse.wide_fast_scale(scales[0])) == want_fast, scale
+    got = mosaic_sparse.wide_widening_model(words, scales).astype(np.float32)
+    want = (e4m3.astype(np.float32) * np.float32(scale)).astype(jnp.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32),
+                                  err_msg=f"scale {scale}")
+    if want_fast:  # the NaN bytes: 480 x scale (exponent and mantissa all ones)
+      np.testing.assert_array_equal(np.abs(got[nan]), np.float32(jnp.bfloat16(480 * abs(scale))))
+
+
 @pytest.mark.parametrize("t,tiles,want_fill,want_one_wave", [
     (128, 1, 4, 1), (128, 2, 2, 1), (64, 1, 4, 2), (4096, 2, 1, 1), (1, 1, 4, 132)])
 def test_mosaic_sparse_split_rules(t, tiles, want_fill, want_one_wave):
@@ -858,13 +879,14 @@ def test_mosaic_sparse_default_heads_in_reaches_the_kernel(n, want):
 
 
 def check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves, heads_in="m",
-                            prep_in_kernel=False, k=2048):
+                            prep_in_kernel=False, k=2048, wide_widening=False):
   """The Mosaic sparse kernel at T=128, k (2048) slots over 1M tokens, lowered for CUDA (it runs on
   this CPU), which checks what the interpreter does not: wgmma operand layouts and swizzles,
   bulk-copy boxes, the untiled aliases, the cp.async code, the register layouts of the widening
   (and with heads_in="n" of the transposed stores and the cross-warp reductions), and that shared
   memory fits 227 KB; with the limit at 0, Mosaic GPU's error names the bytes it counts, which
-  must be smem_bytes' (what _sparse_call checks before any launch)."""
+  must be smem_bytes' (what _sparse_call checks before any launch). wide_widening: its lane-level
+  code too (which the interpreter does not run)."""
   t, tokens = 128, 1 << 20
   counted = []  # what _sparse_call counts while tracing
   monkeypatch.setattr(mosaic_sparse, "smem_bytes",
@@ -878,7 +900,7 @@ def check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves, h
         jax.ShapeDtypeStruct((tokens // 64, 64, 4), jnp.float32),
         jax.ShapeDtypeStruct((tokens // 64, 64, 64), jnp.bfloat16), slots, scale=0.1,
         gather=gather, fp8_pipeline=fp8_pipeline, fp8_stage_halves=halves, heads_in=heads_in,
-        prep_in_kernel=prep_in_kernel)
+        prep_in_kernel=prep_in_kernel, wide_widening=wide_widening)
   else:
     traced = mosaic_sparse.sparse_attention.trace(
         q, jax.ShapeDtypeStruct((tokens // 64, 64, 576), jnp.bfloat16), slots, scale=0.1,
@@ -889,6 +911,15 @@ def check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves, h
   monkeypatch.setattr(mosaic_gpu_core, "_SMEM_SIZE_BOUND", 0)
   with pytest.raises(ValueError, match=f"smem_bytes={counted[-1]} "):
     traced.lower(lowering_platforms=("cuda",))
+
+
+# wide_widening's lane code over 32-row slots (64-byte swizzle) and a 64-row one (128-byte), with
+# the in-kernel scales (the default's) and XLA's, bulk-gathered rows too.
+@pytest.mark.parametrize("fp8_pipeline,gather,prep", [
+    ("half_rows", "cp_async", True), ("serial", "cp_async", True), ("half_rows", "bulk", False)])
+def test_mosaic_sparse_wide_widening_lowers_for_hopper(fp8_pipeline, gather, prep, monkeypatch):
+  check_lowers_for_hopper(monkeypatch, 128, True, gather, fp8_pipeline, 2, prep_in_kernel=prep,
+                          wide_widening=True)
 
 
 class TestPallasMosaicSparseAttention(SparseAttentionContract):
@@ -905,6 +936,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
   heads_in = mosaic_sparse.CONFIG.heads_in
   # None: the kernel reads the raw slots (fp8_ds_mla with the bulk gather: XLA's idx and steps).
   prep_in_kernel = mosaic_sparse.CONFIG.prep_in_kernel
+  wide_widening = mosaic_sparse.CONFIG.wide_widening
 
   def fn(self):
     run = super().fn()
@@ -935,7 +967,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
         pytest.skip("fp8_pipeline changes only the fp8_ds_mla path")
       return mosaic_sparse.sparse_attention_fp8_ds_mla(
           q, cache.nope, cache.tile_scales, cache.rope, slots, scale=scale,
-          fp8_pipeline=self.fp8_pipeline, fp8_stage_halves=self.fp8_stage_halves, interpret=True)
+          fp8_pipeline=self.fp8_pipeline, fp8_stage_halves=self.fp8_stage_halves,
+          wide_widening=self.wide_widening, interpret=True)
     return checked
 
   @pytest.mark.parametrize("kind,n,lora", [("bf16", 16, L), ("bf16", 128, L),
@@ -958,7 +991,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     o, lse = mosaic_sparse.sparse_attention_fp8_ds_mla(
         q, cache.nope, cache.tile_scales, cache.rope, jnp.asarray(slots), scale=0.05, num_splits=1,
         fp8_pipeline=self.fp8_pipeline, fp8_stage_halves=self.fp8_stage_halves,
-        heads_in=self.heads_in, prep_in_kernel=self.prep_in_kernel, interpret=True)
+        heads_in=self.heads_in, prep_in_kernel=self.prep_in_kernel,
+        wide_widening=self.wide_widening, interpret=True)
     assert_matches_oracle(o, lse, q, rows, slots, rows.shape[0], lora)
 
   @pytest.mark.parametrize("fp8_pipeline", ["serial", "half_rows"])
@@ -1082,6 +1116,14 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
           slots, scale=0.1, fp8_pipeline="in_place", gather="bulk", interpret=True)
     # The default (None) takes 2 whatever it picks: 3 would be refused at the shapes that pick
     # "in_place" only.
+    # wide_widening: a bool, with a pipeline named that widens through `widen`.
+    for pipeline, wide, message in ((None, True, "wide_widening takes fp8_pipeline"),
+                                    ("in_place", True, "wide_widening takes fp8_pipeline"),
+                                    ("half_rows", 1, "wide_widening must be True or False")):
+      with pytest.raises(ValueError, match=message):
+        mosaic_sparse.sparse_attention_fp8_ds_mla(
+            q, nope, jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16),
+            slots, scale=0.1, fp8_pipeline=pipeline, wide_widening=wide, interpret=True)
     for pipeline, halves in (("serial", 3), ("half_rows", 4), (None, 3)):
       with pytest.raises(ValueError, match="fp8_stage_halves must be 2"):
         mosaic_sparse.sparse_attention_fp8_ds_mla(
@@ -1091,12 +1133,14 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
   def test_config_default_and_sweep(self):
     # The timed rules (`default_fp8_pipeline`, `default_heads_in`); both heads_in named beside.
     assert (mosaic_sparse.CONFIG.fp8_pipeline, mosaic_sparse.CONFIG.fp8_stage_halves,
-            mosaic_sparse.CONFIG.heads_in, mosaic_sparse.CONFIG.prep_in_kernel) == (None, 2, None,
-                                                                                   None)
+            mosaic_sparse.CONFIG.heads_in, mosaic_sparse.CONFIG.prep_in_kernel,
+            mosaic_sparse.CONFIG.wide_widening) == (None, 2, None, None, False)
     for other in (dict(fp8_pipeline="serial"), dict(fp8_pipeline="half_rows"),
                   dict(fp8_pipeline="half_rows", fp8_stage_halves=3),
                   dict(fp8_pipeline="in_place"), dict(heads_in="m"), dict(heads_in="n"),
-                  dict(fp8_pipeline="in_place", heads_in="n"), dict(prep_in_kernel=False)):
+                  dict(fp8_pipeline="in_place", heads_in="n"), dict(prep_in_kernel=False),
+                  dict(fp8_pipeline="half_rows", wide_widening=True),
+                  dict(fp8_pipeline="serial", wide_widening=True)):
       assert mosaic_sparse.MosaicSparseConfig(**other) in mosaic_sparse.SWEEP
 
 
@@ -1133,6 +1177,15 @@ class TestPallasMosaicSparseAttentionHalfRows3(TestPallasMosaicSparseAttentionSe
   ahead): the multi-step case (the staging ring wraps) as for "serial"."""
   fp8_pipeline = "half_rows"
   fp8_stage_halves = 3
+
+
+class TestPallasMosaicSparseAttentionWideWidening(TestPallasMosaicSparseAttentionSerial):
+  """wide_widening with "half_rows" (lane-level widening by bit placement, `_wide_widen`): the
+  multi-step case as for "serial". The interpreter runs no lane-level code, so this runs the
+  Pallas-level widening through the knob's plumbing; the lowering cases build the lane code, the
+  GPU cases check its values (bit for bit against the default's)."""
+  fp8_pipeline = "half_rows"
+  wide_widening = True
 
 
 class TestPallasMosaicSparseAttentionInPlace(TestPallasMosaicSparseAttentionSerial):
