@@ -110,6 +110,33 @@ def test_mosaic_sparse_in_place_equals_serial_bit_for_bit(n):
     np.testing.assert_array_equal(g, w)
 
 
+# wide_widening (lane-level widening by bit placement, `mosaic_sparse._wide_widen`) widens the
+# values the Pallas-level widening does, bit for bit, and the consumers run the same products:
+# equal outputs, which checks what the interpreter cannot (it runs the Pallas-level form): the
+# 16-byte loads and stores over both swizzles, the bit placement, the bf16x2 multiply (e4m3
+# subnormals included). "mixed": the quantizer's per-tile scales (2^-11 to 2^-9 here) times 1,
+# 2^18 (above 2^7: today's conversion in the lane code), 1/3 (not a bf16: the same) and 1.5 (a
+# bf16: the bit placement), so both of the lane code's paths run, in the same warp.
+@pytest.mark.parametrize("n", [128, 16])
+@pytest.mark.parametrize("fp8_pipeline", ["half_rows", "serial"])
+@pytest.mark.parametrize("scales", ["quantizer", "mixed"])
+def test_mosaic_sparse_wide_widening_equals_default_bit_for_bit(n, fp8_pipeline, scales):
+  q, cache, slots = sparse_case(n + 3, n, "fp8_ds_mla")
+  tile_scales = cache.tile_scales
+  if scales == "mixed":
+    factors = jnp.asarray([1.0, 2.0 ** 18, 1 / 3, 1.5], jnp.float32)
+    rows = jnp.arange(tile_scales.shape[1])[:, None]
+    tile_scales = tile_scales * factors[(rows + jnp.arange(4)) % 4]
+  run = functools.partial(mosaic_sparse.sparse_attention_fp8_ds_mla, q, cache.nope, tile_scales,
+                          cache.rope, slots, scale=SCALE, fp8_pipeline=fp8_pipeline)
+  poison_allocator()
+  want = [np.asarray(a, np.float32) for a in run()]
+  poison_allocator()
+  got = [np.asarray(a, np.float32) for a in run(wide_widening=True)]
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+
+
 # heads_in="n" (RESULTS, sparse v12): N <= 32 heads in wgmma's N (S^T = K Q^T, P^T stored
 # transposed, O^T = V^T P^T stored transposed) against the reference at the timed shape: 2048 slots
 # a token over a 1M-token cache (NaN in every unselected row). bf16: 16 and 32 heads (the tiles),
