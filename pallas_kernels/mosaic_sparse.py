@@ -243,6 +243,61 @@ def wide_fast_scale(scales: np.ndarray) -> np.ndarray:
   return ((bits & 0x7FFFFFFF) <= WIDE_MAX_SCALE_BITS) & ((bits & 0xFFFF) == 0)
 
 
+def _lane_asm(text, constraints, *args):
+  """An inline-PTX instruction sequence of one 32-bit result."""
+  return llvm.inline_asm(ir.IntegerType.get_signless(32), list(args), text, constraints)
+
+
+def _wide_paths(scale, units):
+  """Emits units(convert) twice, each under the lanes whose f32 scale takes that path: the bit
+  placement where `wide_fast_scale` accepts it, else today's conversion. convert(word, p): the
+  bf16x2 of bytes 2p, 2p + 1 of an i32 word (4 e4m3 values) times the scale."""
+  i32 = ir.IntegerType.get_signless(32)
+  c32 = lambda v: arith.constant(i32, v)
+  bits = arith.bitcast(i32, scale)
+  fast = arith.andi(
+      arith.cmpi(arith.CmpIPredicate.ule, arith.andi(bits, c32(0x7FFFFFFF)),
+                 c32(WIDE_MAX_SCALE_BITS)),
+      arith.cmpi(arith.CmpIPredicate.eq, arith.andi(bits, c32(0xFFFF)), c32(0)))
+  with mgpu_utils.when(fast):
+    factor = _lane_asm("{ .reg .f32 m; mul.rn.f32 m, $1, 0f7B800000; mov.b32 $0, m; "
+                       "prmt.b32 $0, $0, 0, 0x3232; }", "=r,r", scale)  # bf16x2 scale * 2^120
+    units(lambda word, p: _lane_asm(
+        f"{{ .reg .b32 x; prmt.b32 x, $1, 0, {WIDE_SELECTORS[p]:#x}; shl.b32 x, x, 4; "
+        f"and.b32 x, x, {WIDE_MASK:#x}; mul.rn.bf16x2 $0, x, $2; }}", "=r,r,r", word, factor))
+  with mgpu_utils.when(arith.xori(fast, arith.constant(ir.IntegerType.get_signless(1), 1))):
+    units(lambda word, p: _lane_asm(
+        "{ .reg .b16 lo, hi, a, b; .reg .b32 x; .reg .f32 f0, f1; mov.b32 {lo, hi}, $1; "
+        f"cvt.rn.f16x2.e4m3x2 x, {('lo', 'hi')[p]}; mov.b32 {{a, b}}, x; "
+        "cvt.f32.f16 f0, a; cvt.f32.f16 f1, b; mul.rn.f32 f0, f0, $2; "
+        "mul.rn.f32 f1, f1, $2; cvt.rn.bf16x2.f32 $0, f1, f0; }", "=r,r,f", word, scale))
+
+
+def _wide_offset(base, offset):
+  """Byte offset base (i32, a lane's) + offset (static)."""
+  return arith.addi(base, arith.constant(ir.IntegerType.get_signless(32), offset))
+
+
+def _wide_load(ref, base, offset):
+  """The 16 bytes (4 i32 words) at byte offset base + offset of a shared-memory ref."""
+  i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+  ptr = mgpu_utils.memref_ptr(ref)
+  return llvm.load(ir.VectorType.get((4,), i32),
+                   mgpu_utils.getelementptr(ptr, [_wide_offset(base, offset)], i8), alignment=16)
+
+
+def _wide_store(dst, words, convert, offsets):
+  """Widens a 16-byte unit's words (16 e4m3 values) with convert and stores their bf16 as two
+  16-byte units, values 8 h to 8 h + 7 at byte offset base + offset of dst, offsets[h] = (base,
+  offset)."""
+  i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+  out = [convert(vector.extract(words, [], [w]), p) for w in range(4) for p in range(2)]
+  for h, (base, offset) in enumerate(offsets):
+    off = _wide_offset(base, offset)
+    llvm.store(vector.from_elements(ir.VectorType.get((4,), i32), out[4 * h:4 * h + 4]),
+               mgpu_utils.getelementptr(mgpu_utils.memref_ptr(dst), [off], i8), alignment=16)
+
+
 def _wide_widen(nope, scales, dst):
   """Lane-level widening of a staged half step's (32 rows) or step's (64) e4m3 NoPE tiles into
   the bf16 tiles of a row slot (wide_widening): nope [J, rows, 128] e4m3 (tiled (8, 128),
@@ -267,14 +322,12 @@ def _wide_widen(nope, scales, dst):
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(nope_t), plgpu.RefType(), plgpu.RefType(dst_t)))
   def run(_, nope, scales, dst):
-    i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+    i32 = ir.IntegerType.get_signless(32)
     c32 = lambda v: arith.constant(i32, v)
-    words_type = ir.VectorType.get((4,), i32)
     tid = arith.remui(mgpu_utils.thread_idx(), c32(_WG_THREADS))
     lane, warp = arith.remui(tid, c32(32)), arith.divui(tid, c32(32))
     l = arith.remui(lane, c32(_SWIZZLE_ROWS))  # the row in its swizzle period
     j = arith.divui(lane, c32(_SWIZZLE_ROWS))  # the e4m3 tile
-    asm = lambda text, constraints, *args: llvm.inline_asm(i32, list(args), text, constraints)
     # This lane's rows r = 8 (warp + 4 m) + l, m < rows / 32: rows 32 apart lie 4096 bytes apart
     # in nope and in each dst tile, so every address is one of 8 + 8 lane terms plus a constant.
     src_lane = arith.addi(arith.muli(j, c32(rows * _CHUNK_BYTES)),
@@ -296,47 +349,87 @@ def _wide_widen(nope, scales, dst):
     for m in range(rows // HALF_ROWS):
       group_off = m * 4 * _SWIZZLE_ROWS * _CHUNK_BYTES
       scale = memref.load(scales, [index(j), index(arith.addi(scale_row, c32(m * HALF_ROWS)))])
-      bits = arith.bitcast(i32, scale)
-      fast = arith.andi(
-          arith.cmpi(arith.CmpIPredicate.ule, arith.andi(bits, c32(0x7FFFFFFF)),
-                     c32(WIDE_MAX_SCALE_BITS)),
-          arith.cmpi(arith.CmpIPredicate.eq, arith.andi(bits, c32(0xFFFF)), c32(0)))
 
-      def load(u):
-        return llvm.load(words_type, mgpu_utils.getelementptr(
-            mgpu_utils.memref_ptr(nope), [arith.addi(src_unit[u], c32(group_off))], i8),
-            alignment=16)
-
-      def store(u, words, convert):
-        out = [convert(vector.extract(words, [], [w]), p) for w in range(4) for p in range(2)]
-        for h in range(2):  # bf16 columns 16 (u % 4) + 8 h of tile 2 j + u / 4
-          col = 16 * (u % 4) + 8 * h  # its 16-byte unit: 64-byte tiles hold 32 columns
-          tile_off = (u // 4) * rows * _CHUNK_BYTES + (col // (sw // 2)) * (8 * sw)
-          off = arith.addi(dst_unit[(col % (sw // 2)) // 8], c32(group_off + tile_off))
-          llvm.store(vector.from_elements(words_type, out[4 * h:4 * h + 4]),
-                     mgpu_utils.getelementptr(mgpu_utils.memref_ptr(dst), [off], i8),
-                     alignment=16)
+      def dst_offset(u, h):  # bf16 columns 16 (u % 4) + 8 h of tile 2 j + u / 4
+        col = 16 * (u % 4) + 8 * h  # its 16-byte unit: 64-byte tiles hold 32 columns
+        tile_off = (u // 4) * rows * _CHUNK_BYTES + (col // (sw // 2)) * (8 * sw)
+        return dst_unit[(col % (sw // 2)) // 8], group_off + tile_off
 
       def units(convert):
         # The loads of a group first: the compilers cannot move a load above a store to the
         # same shared memory, which would expose each load's latency.
         for g in range(0, _CHUNK_BYTES // _SEG, _WIDE_LOAD_GROUP):
           group = range(g, g + _WIDE_LOAD_GROUP)
-          for u, words in zip(group, [load(u) for u in group]):
-            store(u, words, convert)
+          loaded = [_wide_load(nope, src_unit[u], group_off) for u in group]
+          for u, words in zip(group, loaded):
+            _wide_store(dst, words, convert, [dst_offset(u, h) for h in range(2)])
 
-      with mgpu_utils.when(fast):
-        factor = asm("{ .reg .f32 m; mul.rn.f32 m, $1, 0f7B800000; mov.b32 $0, m; "
-                     "prmt.b32 $0, $0, 0, 0x3232; }", "=r,r", scale)  # bf16x2 scale * 2^120
-        units(lambda word, p: asm(
-            f"{{ .reg .b32 x; prmt.b32 x, $1, 0, {WIDE_SELECTORS[p]:#x}; shl.b32 x, x, 4; "
-            f"and.b32 x, x, {WIDE_MASK:#x}; mul.rn.bf16x2 $0, x, $2; }}", "=r,r,r", word, factor))
-      with mgpu_utils.when(arith.xori(fast, arith.constant(ir.IntegerType.get_signless(1), 1))):
-        units(lambda word, p: asm(
-            "{ .reg .b16 lo, hi, a, b; .reg .b32 x; .reg .f32 f0, f1; mov.b32 {lo, hi}, $1; "
-            f"cvt.rn.f16x2.e4m3x2 x, {('lo', 'hi')[p]}; mov.b32 {{a, b}}, x; "
-            "cvt.f32.f16 f0, a; cvt.f32.f16 f1, b; mul.rn.f32 f0, f0, $2; "
-            "mul.rn.f32 f1, f1, $2; cvt.rn.bf16x2.f32 $0, f1, f0; }", "=r,r,f", word, scale))
+      _wide_paths(scale, units)
+
+  run(nope, scales, dst)
+
+
+def _wide_widen_in_place(nope, scales, dst):
+  """wide_widening with fp8_pipeline="in_place": a step's e4m3 NoPE tiles staged in its own row
+  slot dst [C, 64, 64] bf16 (tiled (8, 64), 128-byte swizzled) as nope [J, 64, 128] e4m3 (tiled
+  (8, 128), the same swizzle: its tile j is dst's tile J + j), their scales [J, 64] f32 in dst's
+  tile 0, widened into dst's tiles 2j and 2j + 1 as `_wide_widen` does (the same lane code per
+  16-byte unit). Tile j's stores overwrite what other lanes read: the scales (j = 0) and staged
+  tiles 2j - J and 2j + 1 - J (the last tile its own). So every lane loads its row's J scales
+  first, all 128 lanes widen each tile in turn (a lane: row r = 8 (tid / 16) + tid % 8, the 4
+  16-byte units of half h = tid / 8 % 2, into bf16 tile 2j + h), a tile's loads are issued before
+  the previous tile's stores, and a warpgroup barrier precedes the stores of a tile that overwrite
+  bytes loaded since the last one (J = 4: before tile 0's, after tile 1's loads were issued, and
+  before tile 3's). A quarter warp takes 8 rows of a swizzle period and one unit at a time: 8
+  distinct 16-byte bank groups."""
+  tiles = nope.shape[0]
+  if (nope.shape[1:] != (_STEP, DS_MLA_TILE) or scales.shape != (tiles, _STEP)
+      or dst.shape[1:] != (_STEP, _COLS) or dst.shape[0] < 2 * tiles):
+    raise ValueError(f"want nope [J, 64, 128], scales [J, 64], dst [C >= 2J, 64, 64]; "
+                     f"got {nope.shape}, {scales.shape}, {dst.shape}")
+  swizzle = (plgpu.SwizzleTransform(_CHUNK_BYTES),)
+  nope_t = (plgpu.TilingTransform((8, DS_MLA_TILE)), *swizzle)
+  dst_t = (plgpu.TilingTransform((8, _COLS)), *swizzle)
+  tile_bytes = _STEP * _CHUNK_BYTES
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(nope_t), plgpu.RefType(), plgpu.RefType(dst_t)))
+  def run(_, nope, scales, dst):
+    i32 = ir.IntegerType.get_signless(32)
+    c32 = lambda v: arith.constant(i32, v)
+    tid = arith.remui(mgpu_utils.thread_idx(), c32(_WG_THREADS))
+    l = arith.remui(tid, c32(_SWIZZLE_ROWS))  # the row in its swizzle period
+    h = arith.remui(arith.divui(tid, c32(_SWIZZLE_ROWS)), c32(2))
+    row = arith.addi(arith.muli(arith.divui(tid, c32(2 * _SWIZZLE_ROWS)), c32(_SWIZZLE_ROWS)), l)
+    row_off = arith.muli(row, c32(_CHUNK_BYTES))
+    # Row r's 16-byte unit u at r * 128 + (u ^ l) * 16 of a tile: this lane's e4m3 units 4 h + k,
+    # and bf16 units w of tile 2j + h (k's 16 values: w = 2k, 2k + 1).
+    unit = lambda u: arith.muli(arith.xori(u, l), c32(16))
+    src = [arith.addi(row_off, unit(arith.addi(arith.muli(h, c32(4)), c32(k)))) for k in range(4)]
+    dst_row = arith.addi(row_off, arith.muli(h, c32(tile_bytes)))
+    dst_unit = [arith.addi(dst_row, unit(c32(w))) for w in range(8)]
+    index = lambda x: arith.index_cast(ir.IndexType.get(), x)
+    scale = [memref.load(scales, [index(c32(j)), index(row)]) for j in range(tiles)]
+
+    def load(j):
+      return [_wide_load(nope, src[k], j * tile_bytes) for k in range(4)]
+
+    def store(j, words):
+      def units(convert):
+        for k in range(4):
+          _wide_store(dst, words[k], convert,
+                      [(dst_unit[2 * k + p], 2 * j * tile_bytes) for p in range(2)])
+      _wide_paths(scale[j], units)
+
+    words, unguarded = {0: load(0)}, {"scales", 0}  # loaded since the last barrier
+    for j in range(tiles):
+      if j + 1 < tiles:
+        words[j + 1] = load(j + 1)
+        unguarded.add(j + 1)
+      overwritten = {i for i in (2 * j - tiles, 2 * j + 1 - tiles) if i >= 0}
+      if unguarded & (overwritten | ({"scales"} if j == 0 else set())):
+        mgpu_utils.warpgroup_barrier()
+        unguarded = set()
+      store(j, words.pop(j))
 
   run(nope, scales, dst)
 
@@ -728,7 +821,12 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
         """The slot's e4m3 NoPE tile j (staged in bf16 tile L/128 + j) times its tile scales
         becomes bf16 tiles 2j and 2j + 1. Those stores overwrite staged tiles up to j, and tile
         0's the scales: every lane loads all scales, and tile j's e4m3 rows, before the
-        warpgroup barrier ahead of tile j's stores."""
+        warpgroup barrier ahead of tile j's stores. wide_widening (on the GPU): lane-level
+        code instead (`_wide_widen_in_place`)."""
+        if wide_widening:
+          _wide_widen_in_place(slot_nope.at[slot, pl.ds(tiles, tiles)],
+                               slot_scales.at[slot, 0, pl.ds(0, tiles)], kv.at[slot])
+          return
         scale_layout = plgpu.Layout.WGMMA.reduce(1)
         tile_scales = [plgpu.load(slot_scales.at[slot, 0, j], layout=scale_layout)
                        for j in range(tiles)]
@@ -1122,7 +1220,6 @@ SPLIT_RULES = ("fill", "one_wave")
 FP8_PIPELINES = ("serial", "half_rows", "in_place")
 HEADS_IN = ("m", "n")
 HEADS_N_FP8_PIPELINES = ("serial", "in_place")  # fp8_ds_mla pipelines heads_in="n" takes
-WIDE_FP8_PIPELINES = ("serial", "half_rows")  # the pipelines wide_widening takes (their `widen`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1248,10 +1345,6 @@ class MosaicSparseConfig:
       raise ValueError(f"prep_in_kernel must be None or a bool, got {self.prep_in_kernel!r}")
     if not isinstance(self.wide_widening, bool):
       raise ValueError(f"wide_widening must be True or False, got {self.wide_widening!r}")
-    if self.wide_widening and self.fp8_pipeline not in WIDE_FP8_PIPELINES:
-      raise ValueError(f"wide_widening takes fp8_pipeline "
-                       f"{' or '.join(map(repr, WIDE_FP8_PIPELINES))} (named: the default picks "
-                       f"\"in_place\" at many tokens), got {self.fp8_pipeline!r}")
 
 
 CONFIG = MosaicSparseConfig()
