@@ -20,8 +20,8 @@ warpgroups:
   fp8_ds_mla: the rows land in a staging buffer (e4m3 NoPE, bf16 RoPE, the step's tile scales,
   gathered by XLA beforehand, or with prep_in_kernel by this warpgroup, 16 bytes a row); this
   warpgroup widens them into the bf16 tile the consumers read (e4m3 times a power-of-two scale is
-  exact in bf16; with wide_widening in lane-level code, `_wide_widen`), then fetches the next
-  step.
+  exact in bf16; with wide_widening in lane-level code, `_wide_widen` and
+  `_wide_widen_in_place`), then fetches the next step.
 - scores (warpgroup 0): S = Q K^T (wgmma, M = 64 heads, N = 64 rows, K = 576 in 9 chunks), the
   masked float32 online softmax, P and the rescale factors to warpgroup 1, O[:, :L/2] += P V.
 - values (warpgroup 1): O[:, L/2:] += P V.
@@ -62,7 +62,7 @@ from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, memref, nvvm, vector
+from jaxlib.mlir.dialects import arith, llvm, memref, nvvm, scf, vector
 
 from pallas_kernels.common import (DS_MLA_TILE, F8, HALF_ROWS, HALF_ROWS_LAYOUT, HEADS_M_TILE,
                                    HEADS_N_TILES, LOG2E, REDUCTION_BYTES_PER_8_HEADS,
@@ -248,10 +248,11 @@ def _lane_asm(text, constraints, *args):
   return llvm.inline_asm(ir.IntegerType.get_signless(32), list(args), text, constraints)
 
 
-def _wide_paths(scale, units):
-  """Emits units(convert) twice, each under the lanes whose f32 scale takes that path: the bit
-  placement where `wide_fast_scale` accepts it, else today's conversion. convert(word, p): the
-  bf16x2 of bytes 2p, 2p + 1 of an i32 word (4 e4m3 values) times the scale."""
+def _wide_paths(scale, units, result_types=()):
+  """Emits units(convert) twice, the then and else of one branch on whether the lane's f32 scale
+  takes the bit placement (`wide_fast_scale`) or today's conversion. convert(word, p): the bf16x2
+  of bytes 2p, 2p + 1 of an i32 word (4 e4m3 values) times the scale. units returns the values of
+  result_types that the branch yields (its results, returned)."""
   i32 = ir.IntegerType.get_signless(32)
   c32 = lambda v: arith.constant(i32, v)
   bits = arith.bitcast(i32, scale)
@@ -259,18 +260,26 @@ def _wide_paths(scale, units):
       arith.cmpi(arith.CmpIPredicate.ule, arith.andi(bits, c32(0x7FFFFFFF)),
                  c32(WIDE_MAX_SCALE_BITS)),
       arith.cmpi(arith.CmpIPredicate.eq, arith.andi(bits, c32(0xFFFF)), c32(0)))
-  with mgpu_utils.when(fast):
+
+  def fast_units():
     factor = _lane_asm("{ .reg .f32 m; mul.rn.f32 m, $1, 0f7B800000; mov.b32 $0, m; "
                        "prmt.b32 $0, $0, 0, 0x3232; }", "=r,r", scale)  # bf16x2 scale * 2^120
-    units(lambda word, p: _lane_asm(
+    return units(lambda word, p: _lane_asm(
         f"{{ .reg .b32 x; prmt.b32 x, $1, 0, {WIDE_SELECTORS[p]:#x}; shl.b32 x, x, 4; "
         f"and.b32 x, x, {WIDE_MASK:#x}; mul.rn.bf16x2 $0, x, $2; }}", "=r,r,r", word, factor))
-  with mgpu_utils.when(arith.xori(fast, arith.constant(ir.IntegerType.get_signless(1), 1))):
-    units(lambda word, p: _lane_asm(
+
+  def slow_units():
+    return units(lambda word, p: _lane_asm(
         "{ .reg .b16 lo, hi, a, b; .reg .b32 x; .reg .f32 f0, f1; mov.b32 {lo, hi}, $1; "
         f"cvt.rn.f16x2.e4m3x2 x, {('lo', 'hi')[p]}; mov.b32 {{a, b}}, x; "
         "cvt.f32.f16 f0, a; cvt.f32.f16 f1, b; mul.rn.f32 f0, f0, $2; "
         "mul.rn.f32 f1, f1, $2; cvt.rn.bf16x2.f32 $0, f1, f0; }", "=r,r,f", word, scale))
+
+  branch = scf.IfOp(fast, list(result_types), has_else=True)
+  for block, path in ((branch.then_block, fast_units), (branch.else_block, slow_units)):
+    with ir.InsertionPoint(block):
+      scf.yield_(list(path() or ()))
+  return list(branch.results)
 
 
 def _wide_offset(base, offset):
@@ -370,18 +379,19 @@ def _wide_widen(nope, scales, dst):
 
 
 def _wide_widen_in_place(nope, scales, dst):
-  """wide_widening with fp8_pipeline="in_place": a step's e4m3 NoPE tiles staged in its own row
+  """wide_widening with fp8_pipeline="in_place": a step's e4m3 NoPE tiles, staged in its own row
   slot dst [C, 64, 64] bf16 (tiled (8, 64), 128-byte swizzled) as nope [J, 64, 128] e4m3 (tiled
-  (8, 128), the same swizzle: its tile j is dst's tile J + j), their scales [J, 64] f32 in dst's
-  tile 0, widened into dst's tiles 2j and 2j + 1 as `_wide_widen` does (the same lane code per
-  16-byte unit). Tile j's stores overwrite what other lanes read: the scales (j = 0) and staged
-  tiles 2j - J and 2j + 1 - J (the last tile its own). So every lane loads its row's J scales
-  first, all 128 lanes widen each tile in turn (a lane: row r = 8 (tid / 16) + tid % 8, the 4
-  16-byte units of half h = tid / 8 % 2, into bf16 tile 2j + h), a tile's loads are issued before
-  the previous tile's stores, and a warpgroup barrier precedes the stores of a tile that overwrite
-  bytes loaded since the last one (J = 4: before tile 0's, after tile 1's loads were issued, and
-  before tile 3's). A quarter warp takes 8 rows of a swizzle period and one unit at a time: 8
-  distinct 16-byte bank groups."""
+  (8, 128), the same swizzle: its tile j is dst's tile J + j), with their scales [J, 64] f32 in
+  dst's tile 0 (its first 8 rows), widened into dst's tiles 2j and 2j + 1 by `_wide_widen`'s lane
+  code. All 128 lanes widen one tile after another: a lane takes row r = 8 (tid / 16) + tid % 8
+  and the 4 16-byte units of its half h = tid / 8 % 2 (into bf16 tile 2j + h), and loads the
+  next tile's unit after storing this tile's (a tile of loads in flight, 16 registers). Tile j's
+  stores overwrite what other lanes read: the scales (j = 0; every warp's) and staged tiles
+  2j - J and 2j + 1 - J (the last tile its own), whose rows only the lanes of the same warp read
+  (a row's two halves lie in one warp). So every lane loads its row's scales and its units of
+  tile 0 before a warpgroup barrier, and a warp barrier precedes the stores of a tile that
+  overwrite a tile loaded since the last barrier (J = 4: before tiles 2 and 3). A quarter warp
+  takes 8 rows of a swizzle period and one unit at a time: 8 distinct 16-byte bank groups."""
   tiles = nope.shape[0]
   if (nope.shape[1:] != (_STEP, DS_MLA_TILE) or scales.shape != (tiles, _STEP)
       or dst.shape[1:] != (_STEP, _COLS) or dst.shape[0] < 2 * tiles):
@@ -402,34 +412,36 @@ def _wide_widen_in_place(nope, scales, dst):
     row = arith.addi(arith.muli(arith.divui(tid, c32(2 * _SWIZZLE_ROWS)), c32(_SWIZZLE_ROWS)), l)
     row_off = arith.muli(row, c32(_CHUNK_BYTES))
     # Row r's 16-byte unit u at r * 128 + (u ^ l) * 16 of a tile: this lane's e4m3 units 4 h + k,
-    # and bf16 units w of tile 2j + h (k's 16 values: w = 2k, 2k + 1).
-    unit = lambda u: arith.muli(arith.xori(u, l), c32(16))
-    src = [arith.addi(row_off, unit(arith.addi(arith.muli(h, c32(4)), c32(k)))) for k in range(4)]
-    dst_row = arith.addi(row_off, arith.muli(h, c32(tile_bytes)))
-    dst_unit = [arith.addi(dst_row, unit(c32(w))) for w in range(8)]
+    # and bf16 units w of tile 2j + h (k's 16 values: w = 2k, 2k + 1); 16 (u ^ l) < 128, so
+    # each is one lane term XOR 16 k or 16 w.
+    l16 = arith.muli(l, c32(16))
+    src_base = arith.addi(row_off, arith.xori(arith.muli(h, c32(64)), l16))
+    dst_base = arith.addi(arith.addi(row_off, arith.muli(h, c32(tile_bytes))), l16)
+    src = [arith.xori(src_base, c32(16 * k)) for k in range(4)]
+    dst_unit = [arith.xori(dst_base, c32(16 * w)) for w in range(8)]
     index = lambda x: arith.index_cast(ir.IndexType.get(), x)
     scale = [memref.load(scales, [index(c32(j)), index(row)]) for j in range(tiles)]
+    load = lambda j, k: _wide_load(nope, src[k], j * tile_bytes)
+    words = [load(0, k) for k in range(4)]
+    mgpu_utils.warpgroup_barrier()  # every warp's scales loaded: tile 0's stores overwrite them
+    unguarded = set()  # tiles loaded since the last barrier
+    for j in range(tiles):
+      if unguarded & {2 * j - tiles, 2 * j + 1 - tiles}:
+        mgpu_utils.warp_barrier()
+        unguarded = set()
+      ahead = j + 1 < tiles
 
-    def load(j):
-      return [_wide_load(nope, src[k], j * tile_bytes) for k in range(4)]
-
-    def store(j, words):
-      def units(convert):
+      def units(convert, j=j, words=words, ahead=ahead):
+        loaded = []
         for k in range(4):
           _wide_store(dst, words[k], convert,
                       [(dst_unit[2 * k + p], 2 * j * tile_bytes) for p in range(2)])
-      _wide_paths(scale[j], units)
+          if ahead:  # tile j's stores overwrite no later tile's rows
+            loaded.append(load(j + 1, k))
+        return loaded
 
-    words, unguarded = {0: load(0)}, {"scales", 0}  # loaded since the last barrier
-    for j in range(tiles):
-      if j + 1 < tiles:
-        words[j + 1] = load(j + 1)
-        unguarded.add(j + 1)
-      overwritten = {i for i in (2 * j - tiles, 2 * j + 1 - tiles) if i >= 0}
-      if unguarded & (overwritten | ({"scales"} if j == 0 else set())):
-        mgpu_utils.warpgroup_barrier()
-        unguarded = set()
-      store(j, words.pop(j))
+      words = _wide_paths(scale[j], units, [ir.VectorType.get((4,), i32)] * (4 * ahead))
+      unguarded.add(j + 1)
 
   run(nope, scales, dst)
 
@@ -1304,9 +1316,10 @@ class MosaicSparseConfig:
   N=16 0.962 / 0.897, N=128 1.88 / 1.79, T=4096 N=16 3.68 / 3.46, N=128 7.18 / 6.93 (the in-kernel
   scale gather costs more than the XLA work it saves there), bf16 T=1024 and 4096 N=128 1.36 / 1.40
   and 5.34 / 5.50, N=16 equal.
-  wide_widening (False, the default; fp8_ds_mla with fp8_pipeline "serial" or "half_rows" named,
-  a ValueError with the others): the memory warpgroup widens the staged e4m3 NoPE tiles in lane-
-  level code (`_wide_widen`) instead of through Pallas arrays (HALF_ROWS_LAYOUT's 2-element
+  wide_widening (False, the default; fp8_ds_mla, every fp8_pipeline): the memory warpgroup widens
+  the staged e4m3 NoPE tiles in lane-level code (`_wide_widen`; "in_place": `_wide_widen_in_place`,
+  whose stores overwrite the staged tiles and scales that other lanes read, behind one warpgroup
+  and two warp barriers a step) instead of through Pallas arrays (HALF_ROWS_LAYOUT's 2-element
   vectors: per 2 values a 2-byte load, cvt e4m3x2 -> f16x2, 2 f16 -> f32, 2 multiplies, cvt ->
   bf16x2, a 4-byte store): each lane loads 16 e4m3 values of a row at once and places each byte's
   bits into a bf16 (`WIDE_SELECTORS`: prmt, shl, and), times bf16(scale * 2^120) in one bf16x2
@@ -1317,7 +1330,11 @@ class MosaicSparseConfig:
   0xFF, which no quantizer writes) widen to 480 x scale instead of NaN on the fast path. The
   interpreter runs the Pallas-level widening. ptxas (T=128, N=128, half_rows): the widening of a
   half step 289 instructions a lane (8 LDS.128, 16 STS.128) against 496 (68 LDS, 16 STSM), no
-  spills (the default: 3 outside step loops; N=16 1 in them). Not timed yet."""
+  spills (the default: 3 outside step loops; N=16 1 in them). "in_place" (T=4096 over 32K,
+  N=128): a step's widening 635 instructions a lane on the bit placement's path (16 LDS.128, 32
+  STS.128, 2 barriers) against 1019 (128 LDS.U16, 32 STSM, 5 barriers, 18 spill accesses); the
+  memory warpgroup's spill accesses 19 against 51 (N=16: 10 against 49); the consumers' the
+  same. Not timed yet."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
   fp8_pipeline: str | None = None
@@ -1361,7 +1378,8 @@ SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rul
          MosaicSparseConfig(fp8_pipeline="in_place", heads_in="n"),
          MosaicSparseConfig(prep_in_kernel=False),
          MosaicSparseConfig(fp8_pipeline="half_rows", wide_widening=True),
-         MosaicSparseConfig(fp8_pipeline="serial", wide_widening=True))
+         MosaicSparseConfig(fp8_pipeline="serial", wide_widening=True),
+         MosaicSparseConfig(fp8_pipeline="in_place", wide_widening=True))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))
@@ -1434,8 +1452,8 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   "in_place", or None: `default_fp8_pipeline`'s pick for these shapes, num_splits, split_rule and
   gather) and fp8_stage_halves: `MosaicSparseConfig`'s; heads_in too ("n" with fp8_pipeline "serial"
   or "in_place" named; None: `default_heads_in`, "m") and prep_in_kernel too (None: True with the
-  cp_async gather up to FP8_PREP_MAX_ROWS rows, else False) and wide_widening too (fp8_pipeline
-  "serial" or "half_rows" named). Returns o [T, N, L] bf16 and lse [T, N] float32.
+  cp_async gather up to FP8_PREP_MAX_ROWS rows, else False) and wide_widening too. Returns o
+  [T, N, L] bf16 and lse [T, N] float32.
   """
   nb, page, lora = nope.shape
   _check(q, slots, lora, num_splits)

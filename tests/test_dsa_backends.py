@@ -914,9 +914,11 @@ def check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves, h
 
 
 # wide_widening's lane code over 32-row slots (64-byte swizzle) and a 64-row one (128-byte), with
-# the in-kernel scales (the default's) and XLA's, bulk-gathered rows too.
+# the in-kernel scales (the default's) and XLA's, bulk-gathered rows too; "in_place"'s (widening
+# over the staged rows and scales) with either scales.
 @pytest.mark.parametrize("fp8_pipeline,gather,prep", [
-    ("half_rows", "cp_async", True), ("serial", "cp_async", True), ("half_rows", "bulk", False)])
+    ("half_rows", "cp_async", True), ("serial", "cp_async", True), ("half_rows", "bulk", False),
+    ("in_place", "cp_async", False), ("in_place", "cp_async", True)])
 def test_mosaic_sparse_wide_widening_lowers_for_hopper(fp8_pipeline, gather, prep, monkeypatch):
   check_lowers_for_hopper(monkeypatch, 128, True, gather, fp8_pipeline, 2, prep_in_kernel=prep,
                           wide_widening=True)
@@ -1116,14 +1118,11 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
           slots, scale=0.1, fp8_pipeline="in_place", gather="bulk", interpret=True)
     # The default (None) takes 2 whatever it picks: 3 would be refused at the shapes that pick
     # "in_place" only.
-    # wide_widening: a bool, with a pipeline named that widens through `widen`.
-    for pipeline, wide, message in ((None, True, "wide_widening takes fp8_pipeline"),
-                                    ("in_place", True, "wide_widening takes fp8_pipeline"),
-                                    ("half_rows", 1, "wide_widening must be True or False")):
-      with pytest.raises(ValueError, match=message):
-        mosaic_sparse.sparse_attention_fp8_ds_mla(
-            q, nope, jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16),
-            slots, scale=0.1, fp8_pipeline=pipeline, wide_widening=wide, interpret=True)
+    # wide_widening: a bool (every pipeline takes it).
+    with pytest.raises(ValueError, match="wide_widening must be True or False"):
+      mosaic_sparse.sparse_attention_fp8_ds_mla(
+          q, nope, jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16),
+          slots, scale=0.1, fp8_pipeline="half_rows", wide_widening=1, interpret=True)
     for pipeline, halves in (("serial", 3), ("half_rows", 4), (None, 3)):
       with pytest.raises(ValueError, match="fp8_stage_halves must be 2"):
         mosaic_sparse.sparse_attention_fp8_ds_mla(
@@ -1140,7 +1139,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
                   dict(fp8_pipeline="in_place"), dict(heads_in="m"), dict(heads_in="n"),
                   dict(fp8_pipeline="in_place", heads_in="n"), dict(prep_in_kernel=False),
                   dict(fp8_pipeline="half_rows", wide_widening=True),
-                  dict(fp8_pipeline="serial", wide_widening=True)):
+                  dict(fp8_pipeline="serial", wide_widening=True),
+                  dict(fp8_pipeline="in_place", wide_widening=True)):
       assert mosaic_sparse.MosaicSparseConfig(**other) in mosaic_sparse.SWEEP
 
 
