@@ -323,46 +323,65 @@ def _wide_key_tile(slot, c: int):
 
 
 # wide_values: V^T's tile c [64 value columns (M), 64 tokens (K)] as wgmma's register A holds on
-# thread (warp w, lane l) rows m = 16w + l/4 + 8h (h < 2); the kernel gives row m of tile c the
-# value column 128w + 16 (l/4) + 2c + h (`wide_value_order`), so that over the 8 tiles of the 512
-# value columns a thread's 16 rows are the 16 bytes of unit 8w + l/4 of a token's row: one
-# 16-byte load a token for every tile, where WGMMA_TRANSPOSED's loads take a token pair's bytes
-# per tile and a relayout through shuffles (`value_tile`).
+# thread (warp w, lane l) rows m = 16w + l/4 + 8h (h < 2); the kernel gives row m of tile c a value
+# column of unit u = 8w + l/4 (the 16 columns 16u ..), byte 2c + h of it (`wide_value_order`), so
+# that over the 8 tiles of the 512 value columns a thread's 16 rows are the 16 bytes of one unit
+# of a token's row: wide loads a token for every tile, where WGMMA_TRANSPOSED's loads take a token
+# pair's bytes per tile and a relayout through shuffles (`value_tile`).
 WIDE_VALUE_COLS = 512
 _WIDE_VALUE_TILES = WIDE_VALUE_COLS // _FP8_COLS
-# Tiles converted from one pass of loads (16-byte loads at 8, 8-byte at 4, 4-byte at 2): a
-# pass's raw bytes (8 registers a token pair) stay live until its tiles are converted, beside the
-# O^T accumulators (64 registers a thread at 16 heads, 128 at 32).
-_WIDE_VALUE_GROUP = {16: 4, 32: 4}
+# Tiles converted from one pass of loads (16-byte loads at 8, 8-byte at 4), and value tiles in
+# flight (`_VALUE_TILES_IN_FLIGHT`), by heads in the tile: a pass's raw bytes (2 registers a tile
+# and token pair, 64 at 8) stay live until its tiles are converted, beside the O^T accumulators
+# (64 registers a thread at 16 heads, 128 at 32). Spill-free step loops with ptxas 13.5; 4 tiles
+# in flight spilled in them at 16 heads, 8-tile passes at 32.
+_WIDE_VALUE_GROUP = {16: 8, 32: 4}
+_WIDE_VALUE_TILES_IN_FLIGHT = {16: 3, 32: 2}
 # prmt selectors interleaving two rows' words a, b bytewise (bytes 0-3 of a, 4-7 of b): [a0, b0,
 # a1, b1] and [a2, b2, a3, b3], or with b the even row [b0, a0, b1, a1] and [b2, a2, b3, a3].
 _EVEN_FIRST_SELECTORS, _ODD_FIRST_SELECTORS = (0x5140, 0x7362), (0x1504, 0x3726)
 
 
-def wide_value_order(x: jax.Array, inverse: bool = False) -> jax.Array:
-  """x [..., 512] (value columns) in the order of wide_values' O^T tiles: column 64c + 16w + 8h +
-  r of the kernel's output (tile c's row 16w + r + 8h) is value column 128w + 16r + 2c + h.
-  inverse: the kernel's output order back to the value columns'."""
+def wide_value_order(x: jax.Array, group: int, inverse: bool = False) -> jax.Array:
+  """x [..., 512] (value columns) in the order of wide_values' O^T tiles loaded `group` (8 or 4)
+  tiles a pass: output column 64c + 16w + 8h + r (tile c's row 16w + r + 8h) is byte 2c + h of
+  unit u = 8w + r, value column 16u + 2c + h; with 8-byte passes (group 4), units with an odd u / 2
+  hold tiles 0-3 in bytes 8-15 and 4-7 in 0-7 (byte 2c + h XOR 8), so that the 16 lanes of a
+  half-warp phase read 16 distinct 8-byte bank pairs. inverse: the kernel's output order back to
+  the value columns'. Reshapes, a transpose and a flip only: the interpreter form runs it in the
+  kernel, which takes no array constants."""
   *lead, d = x.shape
   if d != WIDE_VALUE_COLS:
     raise ValueError(f"wide_value_order takes {WIDE_VALUE_COLS} columns, got {d}")
+  if group not in (_WIDE_VALUE_TILES, _WIDE_VALUE_TILES // 2):
+    raise ValueError(f"wide_values loads 8 or 4 tiles a pass, got {group}")
+
+  def rotate(y):  # y [..., s, b, k, c, h]: k XOR s (its own inverse)
+    if group == _WIDE_VALUE_TILES:
+      return y
+    even, odd = (lax.index_in_dim(y, i, -5, keepdims=False) for i in range(2))
+    return jnp.stack([even, jnp.flip(odd, -3)], axis=-5)
+
+  # Value column 128w + 64a + 32s + 16b + 8k + 2c + h (unit u = 8w + 4a + 2s + b, byte 8k + 2c +
+  # h) is output column 64 (4k' + c) + 16w + 8h + 4a + 2s + b, k' = k XOR s with group 4, else k.
   if inverse:
-    x = x.reshape(*lead, _WIDE_VALUE_TILES, 4, 2, 8)
-    return jnp.einsum("...cwhr->...wrch", x).reshape(*lead, d)
-  x = x.reshape(*lead, 4, 8, _WIDE_VALUE_TILES, 2)
-  return jnp.einsum("...wrch->...cwhr", x).reshape(*lead, d)
+    x = x.reshape(*lead, 2, 4, 4, 2, 2, 2, 2)
+    return rotate(jnp.einsum("...kcwhasb->...wasbkch", x)).reshape(*lead, d)
+  x = rotate(x.reshape(*lead, 4, 2, 2, 2, 2, 4, 2))
+  return jnp.einsum("...wasbkch->...kcwhasb", x).reshape(*lead, d)
 
 
 def _wide_value_tiles(slot, first: int, count: int):
   """V^T tiles first .. first + count - 1 [64 value columns, 64 tokens] of an e4m3 slot [64, D]
   (tiled (8, 64), 64-byte swizzled) as f16 WGMMA-layout A fragments with their columns in
-  `wide_value_order`. Per token pair (t, t + 1) of its fragment, a thread loads bytes 2 first ..
-  2 (first + count) of its unit of both rows (one load a row), interleaves the rows' words
-  bytewise (prmt) and converts each (t, t + 1) byte pair (cvt e4m3x2 -> f16x2): register j of
-  row half h of tile c. Lanes with an odd lane / 4 load their odd row first, so that each 8-lane
-  phase of a 16-byte load reads 8 distinct 16-byte bank groups (every lane of a phase reads row
-  2 (lane % 4) + its parity, unit (8w + lane / 4) % 4 swizzled with lane % 4). Lane-level code
-  (`plgpu.inline_mgpu`); the interpreter does not run it."""
+  `wide_value_order` (count: 8 or 4, its `group`). Per token pair (t, t + 1) of its fragment, a
+  thread loads its unit's bytes of the pass's tiles (2 a tile) of both rows (one load a row),
+  interleaves the rows' words bytewise (prmt) and converts each (t, t + 1) byte pair (cvt e4m3x2
+  -> f16x2): register j of row half h of tile c. Lanes with an odd lane / 4 load their odd row
+  first, so that the lanes of a phase (8 of a 16-byte load) read distinct bank groups (every lane
+  reads row 2 (lane % 4) + its parity, unit (8w + lane / 4) % 4 swizzled with lane % 4; 8-byte
+  loads: and their half of the unit, rotated by lane / 8). Lane-level code (`plgpu.inline_mgpu`);
+  the interpreter does not run it."""
   tiles = slot.shape[-1] // _FP8_COLS
   tile_bytes = _SWIZZLE_TILE_ROWS * _FP8_COLS
   layout = plgpu.Layout.WGMMA
@@ -380,13 +399,17 @@ def _wide_value_tiles(slot, first: int, count: int):
     quad, group = arith.remui(lane, c32(_WIDE_UNITS)), arith.divui(lane, c32(_WIDE_UNITS))
     unit = arith.addi(arith.muli(warp, c32(8)), group)  # of the row's 32 value units
     odd_first = arith.remui(group, c32(2))
-    # Token 16k + 8g + 2 quad + e is row 2 quad + e of 8-row tile 2k + g: the 64-byte swizzle XORs
-    # its 16-byte unit with (row % 8) / 2 = quad. Byte 2c of a unit is tile c's (2 bytes a tile).
+    # Byte 2c of a unit is tile c's (2 bytes a tile), 8-byte passes rotated (`wide_value_order`).
+    first_byte = c32(2 * first)
+    if count < _WIDE_VALUE_TILES:
+      first_byte = arith.xori(first_byte, arith.andi(lane, c32(8)))  # 8 at an odd lane / 8
+    # Token 8j + 2 quad + e is row 2 quad + e of 8-row tile j: the 64-byte swizzle XORs its 16-byte
+    # unit with (row % 8) / 2 = quad.
     offset = arith.addi(
         arith.addi(arith.muli(arith.divui(unit, c32(_WIDE_UNITS)), c32(tile_bytes)),
                    arith.muli(quad, c32(2 * _FP8_COLS))),
         arith.addi(arith.muli(arith.xori(arith.remui(unit, c32(_WIDE_UNITS)), quad), c32(16)),
-                   c32(2 * first)))
+                   first_byte))
     odd_offset = arith.muli(odd_first, c32(_FP8_COLS))
     base = mgpu_utils.memref_ptr(slot)
     rows_first = (arith.addi(offset, odd_offset),  # the lane's first and second rows
@@ -476,7 +499,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
     width = half if in_place and half <= _MAX_WGMMA_N else _CHUNK
   acc_shape = (width, tile_h) if heads_n else (_TILE_H, width)
   if register_a:
-    value_tiles_in_flight = _VALUE_TILES_IN_FLIGHT[tile_h]
+    value_tiles_in_flight = (_WIDE_VALUE_TILES_IN_FLIGHT if wide_values
+                             else _VALUE_TILES_IN_FLIGHT)[tile_h]
   # log2(e) folded in: the softmax runs on exp2. The per-tensor fp8 scale is linear: it scales the
   # logits here and the output at the end instead of every cache value.
   k_scale = ks_ref[0]
@@ -539,7 +563,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
       values = kv_smem.at[slot, :, pl.ds(sum(value_cols[:w]) + c * width, width)]  # [64, width]
       if wide_values:  # the interpreter form: the GPU's fragment, from the plain load
         values = plgpu.load(kv_smem.at[slot, :, pl.ds(0, lora)], layout=plgpu.Layout.WGMMA)
-        tile = wide_value_order(values.astype(jnp.float16))[:, c * width:(c + 1) * width]
+        tile = wide_value_order(values.astype(jnp.float16),
+                                _WIDE_VALUE_GROUP[tile_h])[:, c * width:(c + 1) * width]
         return a_operand(tile.T, w), p_smem.transpose((1, 0))
       if register_a:
         return value_tile(values, w), p_smem.transpose((1, 0))
@@ -1038,7 +1063,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   if cols_first:  # the XLA merge reads them transposed
     o_parts = jnp.swapaxes(o_parts, 2, 3)
   if wide_values:  # the value columns' order (one transpose of o; the merge's input with splits)
-    o_parts = wide_value_order(o_parts, inverse=True)
+    o_parts = wide_value_order(o_parts, _WIDE_VALUE_GROUP[tile_h], inverse=True)
   if splits == 1 and not fixed_order:
     o, lse = o_parts[:, 0], lse_parts[:, 0]
   else:

@@ -616,19 +616,27 @@ class TestPallasMosaicDecodeRegisterAWideValues(TestPallasMosaicDecodeHeadsNRegi
   test_bad_input_raises = None
   test_no_races_in_the_interpreter = None
 
-  def test_wide_value_order_is_the_fragments(self):
+  @pytest.mark.parametrize("group", [8, 4])
+  def test_wide_value_order_is_the_fragments(self, group):
     # Thread (warp w, lane l) holds rows 16w + l/4 + 8h of every V^T tile c (the WGMMA A
-    # fragment's rows; tile c is output columns 64c ..); wide_value_order gives them value
-    # columns 16u + 2c + h, u = 8w + l/4: over the 8 tiles, the 16 bytes of unit u of a token row.
-    order = np.asarray(mosaic_decode.wide_value_order(jnp.arange(512)))
+    # fragment's rows; tile c is output columns 64c ..); wide_value_order gives them the 16 value
+    # columns of unit u = 8w + l/4 (a token row's 16 bytes), tile c's in the bytes that a pass of
+    # `group` tiles loads: 2c + h, or with 8-byte passes rotated by 8 bytes where u / 2 is odd.
+    order = np.asarray(mosaic_decode.wide_value_order(jnp.arange(512), group))
     for w in range(4):
       for r in range(8):
+        unit = 8 * w + r
         held = [order[64 * c + 16 * w + r + 8 * h] for c in range(8) for h in range(2)]
-        np.testing.assert_array_equal(held, 16 * (8 * w + r) + np.arange(16))
+        rotate = 8 * ((unit // 2) % 2) if group == 4 else 0
+        np.testing.assert_array_equal(held, 16 * unit + (np.arange(16) ^ rotate))
+        for first in range(0, 8, group):  # a pass's tiles: one aligned run of 2 group bytes
+          bytes_ = np.asarray(held[2 * first:2 * (first + group)]) - 16 * unit
+          assert bytes_[0] % (2 * group) == 0
+          np.testing.assert_array_equal(bytes_, bytes_[0] + np.arange(2 * group))
     assert sorted(order) == list(range(512))
     x = jnp.arange(3 * 512).reshape(3, 512)
-    np.testing.assert_array_equal(
-        mosaic_decode.wide_value_order(mosaic_decode.wide_value_order(x), inverse=True), x)
+    np.testing.assert_array_equal(mosaic_decode.wide_value_order(
+        mosaic_decode.wide_value_order(x, group), group, inverse=True), x)
 
   def test_bf16_cache_ignores_it(self):
     q = jax.ShapeDtypeStruct((32, 16, 576), jnp.bfloat16)

@@ -192,5 +192,5 @@ def test_wide_value_tiles_on_gpu_are_the_permuted_tiles(group):
   poison_allocator()
   out = np.asarray(wide_value_kernel(group)(x))
   # V^T's tiles stacked [512 value columns in wide_value_order, 64 tokens]; e4m3 -> f16 is exact
-  want = mosaic_decode.wide_value_order(x[:, :L].astype(jnp.float16)).T
+  want = mosaic_decode.wide_value_order(x[:, :L].astype(jnp.float16), group).T
   np.testing.assert_array_equal(out, np.asarray(want))
