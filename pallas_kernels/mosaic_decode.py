@@ -474,7 +474,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # wide_keys (register_a): q_smem's columns are in `wide_key_order`, and so are the key tiles'
   # fragments (16-byte loads on the GPU, `_wide_key_tile`; permuted after the load here).
   # wide_values (register_a): the O^T tiles' rows are the value columns in `wide_value_order` (V^T's
-  # fragments from 16-byte loads on the GPU, `_wide_value_tiles`; permuted after the load here);
+  # fragments from wide loads on the GPU, `_wide_value_tiles`; permuted after the load here);
   # the caller puts the output's columns back.
   (q_smem, kv_smem), (o_smem, lse_smem) = buffers
   a_smem, staging = (staging[0] if staging else None, ()) if register_a else (None, staging)
