@@ -139,13 +139,23 @@ class MosaicDecodeConfig:
   summation order). Only the GPU form loads wide (`_wide_key_tile`, lane-level code); the
   interpreter loads the tile and permutes it. None (the default): on wherever register_a runs
   (H200, session 15, B=128 S=8192: N=16 0.277 -> 0.259 ms, N=32 0.334 -> 0.314; benchmarks/
-  RESULTS.md, "wide_keys"); False keeps the 2-byte fragment loads."""
+  RESULTS.md, "wide_keys"); False keeps the 2-byte fragment loads.
+  wide_values (an fp8 cache with fp8_pipeline "register_a" and kv_lora_rank 512 only: True is a
+  ValueError elsewhere; bf16 caches ignore it): warpgroup 1 loads V^T's fragments of all 8 value
+  tiles with 16-byte loads, one a token row (`_WIDE_VALUE_GROUP`: 8-byte loads in two passes at 32
+  heads), interleaving token pairs bytewise (prmt) before the e4m3x2 -> f16x2 conversion, instead
+  of loading each tile in WGMMA_TRANSPOSED and relaying it through shuffles. The O^T tiles' rows
+  are then the value columns in `wide_value_order` (wgmma's M: each row's sums are unchanged, so
+  the output is bit-identical), put back by one XLA transpose of o after the call (fused into the
+  split merge with several splits). Only the GPU form loads wide (`_wide_value_tiles`); the
+  interpreter loads the tiles and permutes them. False (the default): not timed yet."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
   fp8_pipeline: str | None = None
   heads_in: str | None = None
   wide_keys: bool | None = None
+  wide_values: bool = False
 
   def __post_init__(self):
     if self.block_h != 64:
@@ -163,6 +173,8 @@ class MosaicDecodeConfig:
       raise ValueError(f"heads_in must be None or one of {HEADS_IN}, got {self.heads_in!r}")
     if self.wide_keys is not None and not isinstance(self.wide_keys, bool):
       raise ValueError(f"wide_keys must be None, True or False, got {self.wide_keys!r}")
+    if not isinstance(self.wide_values, bool):
+      raise ValueError(f"wide_values must be True or False, got {self.wide_values!r}")
 
 
 # heads_in=None runs "n" up to this many heads: bf16 1.01-1.10x "m" at 16 and 32 heads (sessions
@@ -194,10 +206,12 @@ SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"),
          MosaicDecodeConfig(fp8_pipeline="half_pages"),
          MosaicDecodeConfig(heads_in="n"), MosaicDecodeConfig(fp8_pipeline="serial", heads_in="n"),
          MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n"),
-         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", wide_keys=False))
+         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", wide_keys=False),
+         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", wide_values=True))
 # Fields that one cache dtype alone reads (with the other, the program is the same whatever they
 # are): a sweep times a config only with the cache dtype whose program it changes.
-DTYPE_KNOBS = {"fp8_pipeline": jnp.dtype(F8), "wide_keys": jnp.dtype(F8)}
+DTYPE_KNOBS = {"fp8_pipeline": jnp.dtype(F8), "wide_keys": jnp.dtype(F8),
+               "wide_values": jnp.dtype(F8)}
 _TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
 # fp8 caches: 2 slots of e4m3 bytes (36 KB each) that the memory warpgroup widens into the bf16
 # slots the products read ("serial": one of 64 rows; "half_pages": two of 32 rows), so the shared
@@ -308,10 +322,130 @@ def _wide_key_tile(slot, c: int):
   return load(slot)
 
 
+# wide_values: V^T's tile c [64 value columns (M), 64 tokens (K)] as wgmma's register A holds on
+# thread (warp w, lane l) rows m = 16w + l/4 + 8h (h < 2); the kernel gives row m of tile c a value
+# column of unit u = 8w + l/4 (the 16 columns 16u ..), byte 2c + h of it (`wide_value_order`), so
+# that over the 8 tiles of the 512 value columns a thread's 16 rows are the 16 bytes of one unit
+# of a token's row: wide loads a token for every tile, where WGMMA_TRANSPOSED's loads take a token
+# pair's bytes per tile and a relayout through shuffles (`value_tile`).
+WIDE_VALUE_COLS = 512
+_WIDE_VALUE_TILES = WIDE_VALUE_COLS // _FP8_COLS
+# Tiles converted from one pass of loads (16-byte loads at 8, 8-byte at 4), and value tiles in
+# flight (`_VALUE_TILES_IN_FLIGHT`), by heads in the tile: a pass's raw bytes (2 registers a tile
+# and token pair, 64 at 8) stay live until its tiles are converted, beside the O^T accumulators
+# (64 registers a thread at 16 heads, 128 at 32). Spill-free step loops with ptxas 13.5; 4 tiles
+# in flight spilled in them at 16 heads, 8-tile passes at 32.
+_WIDE_VALUE_GROUP = {16: 8, 32: 4}
+_WIDE_VALUE_TILES_IN_FLIGHT = {16: 3, 32: 2}
+# prmt selectors interleaving two rows' words a, b bytewise (bytes 0-3 of a, 4-7 of b): [a0, b0,
+# a1, b1] and [a2, b2, a3, b3], or with b the even row [b0, a0, b1, a1] and [b2, a2, b3, a3].
+_EVEN_FIRST_SELECTORS, _ODD_FIRST_SELECTORS = (0x5140, 0x7362), (0x1504, 0x3726)
+
+
+def wide_value_order(x: jax.Array, group: int, inverse: bool = False) -> jax.Array:
+  """x [..., 512] (value columns) in the order of wide_values' O^T tiles loaded `group` (8 or 4)
+  tiles a pass: output column 64c + 16w + 8h + r (tile c's row 16w + r + 8h) is byte 2c + h of
+  unit u = 8w + r, value column 16u + 2c + h; with 8-byte passes (group 4), units with an odd u / 2
+  hold tiles 0-3 in bytes 8-15 and 4-7 in 0-7 (byte 2c + h XOR 8), so that the 16 lanes of a
+  half-warp phase read 16 distinct 8-byte bank pairs. inverse: the kernel's output order back to
+  the value columns'. Reshapes, a transpose and a flip only: the interpreter form runs it in the
+  kernel, which takes no array constants."""
+  *lead, d = x.shape
+  if d != WIDE_VALUE_COLS:
+    raise ValueError(f"wide_value_order takes {WIDE_VALUE_COLS} columns, got {d}")
+  if group not in (_WIDE_VALUE_TILES, _WIDE_VALUE_TILES // 2):
+    raise ValueError(f"wide_values loads 8 or 4 tiles a pass, got {group}")
+
+  def rotate(y):  # y [..., s, b, k, c, h]: k XOR s (its own inverse)
+    if group == _WIDE_VALUE_TILES:
+      return y
+    even, odd = (lax.index_in_dim(y, i, -5, keepdims=False) for i in range(2))
+    return jnp.stack([even, jnp.flip(odd, -3)], axis=-5)
+
+  # Value column 128w + 64a + 32s + 16b + 8k + 2c + h (unit u = 8w + 4a + 2s + b, byte 8k + 2c +
+  # h) is output column 64 (4k' + c) + 16w + 8h + 4a + 2s + b, k' = k XOR s with group 4, else k.
+  if inverse:
+    x = x.reshape(*lead, 2, 4, 4, 2, 2, 2, 2)
+    return rotate(jnp.einsum("...kcwhasb->...wasbkch", x)).reshape(*lead, d)
+  x = rotate(x.reshape(*lead, 4, 2, 2, 2, 2, 4, 2))
+  return jnp.einsum("...wasbkch->...kcwhasb", x).reshape(*lead, d)
+
+
+def _wide_value_tiles(slot, first: int, count: int):
+  """V^T tiles first .. first + count - 1 [64 value columns, 64 tokens] of an e4m3 slot [64, D]
+  (tiled (8, 64), 64-byte swizzled) as f16 WGMMA-layout A fragments with their columns in
+  `wide_value_order` (count: 8 or 4, its `group`). Per token pair (t, t + 1) of its fragment, a
+  thread loads its unit's bytes of the pass's tiles (2 a tile) of both rows (one load a row),
+  interleaves the rows' words bytewise (prmt) and converts each (t, t + 1) byte pair (cvt e4m3x2
+  -> f16x2): register j of row half h of tile c. Lanes with an odd lane / 4 load their odd row
+  first, so that the lanes of a phase (8 of a 16-byte load) read distinct bank groups (every lane
+  reads row 2 (lane % 4) + its parity, unit (8w + lane / 4) % 4 swizzled with lane % 4; 8-byte
+  loads: and their half of the unit, rotated by lane / 8). Lane-level code (`plgpu.inline_mgpu`);
+  the interpreter does not run it."""
+  tiles = slot.shape[-1] // _FP8_COLS
+  tile_bytes = _SWIZZLE_TILE_ROWS * _FP8_COLS
+  layout = plgpu.Layout.WGMMA
+  transforms = (plgpu.TilingTransform((_SWIZZLE_TILE_ROWS, _FP8_COLS)),
+                plgpu.SwizzleTransform(_FP8_COLS))
+  fragment = plgpu.ShapeDtypeStruct((_FP8_COLS, _STEP), jnp.float16, layout=layout)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms),),
+                     return_type=(fragment,) * count)
+  def load(_, slot):
+    i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+    c32 = lambda v: arith.constant(i32, v)
+    tid = arith.remui(mgpu_utils.thread_idx(), c32(128))
+    lane, warp = arith.remui(tid, c32(32)), arith.divui(tid, c32(32))
+    quad, group = arith.remui(lane, c32(_WIDE_UNITS)), arith.divui(lane, c32(_WIDE_UNITS))
+    unit = arith.addi(arith.muli(warp, c32(8)), group)  # of the row's 32 value units
+    odd_first = arith.remui(group, c32(2))
+    # Byte 2c of a unit is tile c's (2 bytes a tile), 8-byte passes rotated (`wide_value_order`).
+    first_byte = c32(2 * first)
+    if count < _WIDE_VALUE_TILES:
+      first_byte = arith.xori(first_byte, arith.andi(lane, c32(8)))  # 8 at an odd lane / 8
+    # Token 8j + 2 quad + e is row 2 quad + e of 8-row tile j: the 64-byte swizzle XORs its 16-byte
+    # unit with (row % 8) / 2 = quad.
+    offset = arith.addi(
+        arith.addi(arith.muli(arith.divui(unit, c32(_WIDE_UNITS)), c32(tile_bytes)),
+                   arith.muli(quad, c32(2 * _FP8_COLS))),
+        arith.addi(arith.muli(arith.xori(arith.remui(unit, c32(_WIDE_UNITS)), quad), c32(16)),
+                   first_byte))
+    odd_offset = arith.muli(odd_first, c32(_FP8_COLS))
+    base = mgpu_utils.memref_ptr(slot)
+    rows_first = (arith.addi(offset, odd_offset),  # the lane's first and second rows
+                  arith.subi(arith.addi(offset, c32(_FP8_COLS)), odd_offset))
+    is_odd = arith.cmpi(arith.CmpIPredicate.ne, odd_first, c32(0))
+    selectors = [arith.select(is_odd, c32(odd), c32(even))
+                 for even, odd in zip(_EVEN_FIRST_SELECTORS, _ODD_FIRST_SELECTORS)]
+    words_type = ir.VectorType.get((count // 2,), i32)
+    pair_type = ir.VectorType.get((2,), ir.F16Type.get())
+    regs = np.empty((count, 8, 2), dtype=object)  # [tile, register j, row half h]
+    for j in range(8):  # tokens 8j + 2 quad + (0, 1): K chunk j // 2, 8-row tile j
+      rows = [llvm.load(words_type, mgpu_utils.getelementptr(
+          base, [arith.addi(r, c32(j * tiles * tile_bytes))], i8), alignment=2 * count)
+              for r in rows_first]
+      for w in range(count // 2):
+        a, b = (vector.extract(x, [], [w]) for x in rows)
+        for s, selector in enumerate(selectors):  # tile 2w + s: bytes 4w + 2s (h = 0), + 1
+          pair = llvm.inline_asm(i32, [a, b, selector], "prmt.b32 $0, $1, $2, $3;",
+                                 "=r,r,r,r")
+          for h, part in enumerate(("lo", "hi")):
+            f16x2 = llvm.inline_asm(
+                i32, [pair], "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $1; "
+                f"cvt.rn.f16x2.e4m3x2 $0, {part}; }}", "=r,r")
+            regs[2 * w + s, j, h] = mgpu_utils.bitcast(f16x2, pair_type)
+    mgpu_layout = layout.to_mgpu()
+    return tuple(mgpu_fa.FragmentedArray(
+        _registers=tile.reshape(mgpu_layout.registers_shape((_FP8_COLS, _STEP))),
+        _layout=mgpu_layout, _is_signed=None) for tile in regs)
+
+  return load(slot)
+
+
 def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_ref, buffers, p_smem,
                    row_smem, q_bar, ready, consumed, p_ready, p_free, *staging, scale, lora,
                    num_splits, split_steps, in_place, shared_widening, heads_n, register_a,
-                   value_cols, wide_keys):
+                   value_cols, wide_keys, wide_values):
   # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64, or fewer than 64 unpadded: the tile's
   # first Np rows, the others never stored); kv_ref [num_blocks, page, D] bf16 or
   # e4m3; bt_ref [T, max_blocks] int32; len_ref [T] int32; ks_ref [1] f32 (the cache's scale, 1
@@ -339,6 +473,9 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # in the interpreter form: a_smem [2, 64, 64] f16, warpgroup w's converted tile (`a_operand`).
   # wide_keys (register_a): q_smem's columns are in `wide_key_order`, and so are the key tiles'
   # fragments (16-byte loads on the GPU, `_wide_key_tile`; permuted after the load here).
+  # wide_values (register_a): the O^T tiles' rows are the value columns in `wide_value_order` (V^T's
+  # fragments from wide loads on the GPU, `_wide_value_tiles`; permuted after the load here);
+  # the caller puts the output's columns back.
   (q_smem, kv_smem), (o_smem, lse_smem) = buffers
   a_smem, staging = (staging[0] if staging else None, ()) if register_a else (None, staging)
   fp8 = bool(staging)  # the widening pipelines (bf16 slots widened from an e4m3 stage)
@@ -362,7 +499,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
     width = half if in_place and half <= _MAX_WGMMA_N else _CHUNK
   acc_shape = (width, tile_h) if heads_n else (_TILE_H, width)
   if register_a:
-    value_tiles_in_flight = _VALUE_TILES_IN_FLIGHT[tile_h]
+    value_tiles_in_flight = (_WIDE_VALUE_TILES_IN_FLIGHT if wide_values
+                             else _VALUE_TILES_IN_FLIGHT)[tile_h]
   # log2(e) folded in: the softmax runs on exp2. The per-tensor fp8 scale is linear: it scales the
   # logits here and the output at the end instead of every cache value.
   k_scale = ks_ref[0]
@@ -423,6 +561,11 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
     def tile_operands(c):
       """wgmma's A and B for the warpgroup's value tile c."""
       values = kv_smem.at[slot, :, pl.ds(sum(value_cols[:w]) + c * width, width)]  # [64, width]
+      if wide_values:  # the interpreter form: the GPU's fragment, from the plain load
+        values = plgpu.load(kv_smem.at[slot, :, pl.ds(0, lora)], layout=plgpu.Layout.WGMMA)
+        tile = wide_value_order(values.astype(jnp.float16),
+                                _WIDE_VALUE_GROUP[tile_h])[:, c * width:(c + 1) * width]
+        return a_operand(tile.T, w), p_smem.transpose((1, 0))
       if register_a:
         return value_tile(values, w), p_smem.transpose((1, 0))
       if heads_n:
@@ -433,8 +576,14 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
       # One accumulation for all the tiles, value_tiles_in_flight at once: each tile is loaded and
       # converted while the previous ones' products run (a wait after each serialized them).
       def products(acc_refs):
-        for c, acc_ref in enumerate(acc_refs):
-          plgpu.wgmma(acc_ref, *tile_operands(c))
+        if wide_values:  # a group's fragments from one pass of loads, issued as they come
+          group = _WIDE_VALUE_GROUP[tile_h]
+          operands = ((a, p_smem.transpose((1, 0))) for c in range(0, len(acc_refs), group)
+                      for a in _wide_value_tiles(kv_smem.at[slot], c, group))
+        else:
+          operands = map(tile_operands, range(len(acc_refs)))
+        for c, (acc_ref, ab) in enumerate(zip(acc_refs, operands)):
+          plgpu.wgmma(acc_ref, *ab)
           if c >= value_tiles_in_flight:
             plgpu.wgmma_wait(value_tiles_in_flight)
 
@@ -745,12 +894,13 @@ def _f16_queries(q):
 
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits",
                                              "split_tokens", "fp8_pipeline", "heads_in",
-                                             "wide_keys", "interpret"))
+                                             "wide_keys", "wide_values", "interpret"))
 def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
                   *, scale: float, kv_lora_rank: int = 512,
                   k_scale: jax.Array | float | None = None, num_kv_splits: int | None = None,
                   split_tokens: int | None = None, fp8_pipeline: str | None = CONFIG.fp8_pipeline,
                   heads_in: str | None = CONFIG.heads_in, wide_keys: bool | None = CONFIG.wide_keys,
+                  wide_values: bool = CONFIG.wide_values,
                   interpret: bool | plgpu.InterpretGPUParams = False
                   ) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
@@ -768,11 +918,14 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   wgmma's N, with an fp8 cache with fp8_pipeline "serial", "shared_widening" or "register_a",
   the last with "n" only). wide_keys: register_a's 16-byte key loads (`MosaicDecodeConfig`; None:
   with register_a; True is a ValueError with the other fp8 pipelines, a bf16 cache ignores it).
+  wide_values: register_a's 16-byte value loads (`MosaicDecodeConfig`; True is a ValueError with
+  the other fp8 pipelines or kv_lora_rank != 512, a bf16 cache ignores it).
   interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
   o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
   _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits, split_tokens)
-  MosaicDecodeConfig(fp8_pipeline=fp8_pipeline, heads_in=heads_in, wide_keys=wide_keys)  # checks
+  MosaicDecodeConfig(fp8_pipeline=fp8_pipeline, heads_in=heads_in, wide_keys=wide_keys,
+                     wide_values=wide_values)  # checks
   fp8 = kv_cache.dtype == F8
   if heads_in is None:
     heads_in = default_heads_in(q.shape[1], fp8, fp8_pipeline)
@@ -787,6 +940,13 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
     raise ValueError(f"wide_keys takes fp8_pipeline=\"register_a\" (the keys are wgmma's register "
                      f"A operand only there), got fp8_pipeline={fp8_pipeline!r}")
   wide_keys = register_a and wide_keys is not False
+  if fp8 and wide_values and not register_a:
+    raise ValueError(f"wide_values takes fp8_pipeline=\"register_a\" (V^T is wgmma's register A "
+                     f"operand only there), got fp8_pipeline={fp8_pipeline!r}")
+  wide_values = register_a and wide_values
+  if wide_values and kv_lora_rank != WIDE_VALUE_COLS:
+    raise ValueError(f"wide_values takes kv_lora_rank {WIDE_VALUE_COLS} (a thread's rows of the "
+                     f"8 value tiles are one 16-byte unit of a row), got {kv_lora_rank}")
   if heads_n and fp8 and fp8_pipeline not in HEADS_N_FP8_PIPELINES:
     raise ValueError(f"heads_in=\"n\" with an fp8 cache takes fp8_pipeline "
                      f"{' or '.join(HEADS_N_FP8_PIPELINES)} (64-token steps: wgmma's M), got "
@@ -825,7 +985,8 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                              split_steps=split_tokens and split_tokens // _STEP,
                              in_place=not interpret, shared_widening=shared_widening,
                              heads_n=heads_n, register_a=register_a,
-                             value_cols=value_cols, wide_keys=wide_keys)
+                             value_cols=value_cols, wide_keys=wide_keys,
+                             wide_values=wide_values)
   # bf16 slots x rows (the consumers' step). wgmma's K must be a multiple of its operands' swizzle
   # width, and P V's K is the step: 32-row steps take 64-byte swizzles (32 bf16) for the query,
   # the slots and P alike (one wgmma takes one swizzle). Half pages: 72 + 2 x 36 (bf16 slots) +
@@ -894,13 +1055,15 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
       interpret=interpret or None,
       kernel_name=(f"mosaic_latent_decode_{'fp8' if fp8 else 'bf16'}{'_half' if half_pages else ''}"
                    f"{'_shared' if shared_widening else ''}{'_register_a' if register_a else ''}"
-                   f"{'_wide_keys' if wide_keys else ''}"
+                   f"{'_wide_keys' if wide_keys else ''}{'_wide_values' if wide_values else ''}"
                    f"{f'_heads_n{tile_h}' if heads_n else ''}"
                    f"_p{page}_s{splits}"),
   )(q, kv_cache, block_tables, seq_lens, k_scale, q_scales)
 
   if cols_first:  # the XLA merge reads them transposed
     o_parts = jnp.swapaxes(o_parts, 2, 3)
+  if wide_values:  # the value columns' order (one transpose of o; the merge's input with splits)
+    o_parts = wide_value_order(o_parts, _WIDE_VALUE_GROUP[tile_h], inverse=True)
   if splits == 1 and not fixed_order:
     o, lse = o_parts[:, 0], lse_parts[:, 0]
   else:

@@ -116,7 +116,8 @@ def test_mosaic_configs_times_what_changes_the_program(dtype):
     assert named[1:] == [{"fp8_pipeline": "serial"}, {"fp8_pipeline": "half_pages"},
                          {"heads_in": "n"}, {"fp8_pipeline": "serial", "heads_in": "n"},
                          {"fp8_pipeline": "register_a", "heads_in": "n"},
-                         {"fp8_pipeline": "register_a", "heads_in": "n", "wide_keys": False}]
+                         {"fp8_pipeline": "register_a", "heads_in": "n", "wide_keys": False},
+                         {"fp8_pipeline": "register_a", "heads_in": "n", "wide_values": True}]
   else:
     assert named[1:] == [{"heads_in": "n"}]
 

@@ -197,7 +197,12 @@ class TestPallasMosaicDecode(DecodeContract):
       # head tiles.
       *[(batch, n, 8192, splits, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a", **fixed})
         for batch, n, splits, fixed in ((128, 16, None, {}), (32, 32, 4, {}),
-                                        (32, 32, None, {"split_tokens": 2048}))]])
+                                        (32, 32, None, {"split_tokens": 2048}))],
+      # register_a's wide_values (lane-level value loads, 16 bytes at 16 heads, 8 at 32): the
+      # timed shapes (one split) and float32 partials.
+      *[(batch, n, 8192, splits, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a",
+                                                      "wide_values": True})
+        for batch, n, splits in ((128, 16, None), (128, 32, None), (32, 16, 4))]])
   def test_lowers_for_hopper(self, batch, n, seq, splits, cache_dtype, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # shapes and layouts, bulk-copy boxes, and that shared memory fits a Hopper block's 227 KB.
@@ -589,6 +594,93 @@ class TestPallasMosaicDecodeRegisterANarrowKeys(TestPallasMosaicDecodeHeadsNRegi
       mosaic_decode.latent_decode(q, cache, tables, lens, k_scale=FP8_SCALE, scale=0.1,
                                   heads_in="n", fp8_pipeline=pipeline, wide_keys=True,
                                   interpret=True)
+
+
+class TestPallasMosaicDecodeRegisterAWideValues(TestPallasMosaicDecodeHeadsNRegisterA):
+  """register_a with wide_values: the O^T tiles' rows are the value columns in `wide_value_order`
+  (V^T's fragments loaded 16 bytes a token row on the GPU, permuted after a plain load in the
+  interpreter) and o's columns put back after the call: the fp8 cases of the heads_in="n" tests
+  (16 and 32 heads, one split and several: the put-back before the merge, lengths cutting pages,
+  bad table entries: the tail rows masked in the e4m3 slot the loads read) and the f16 queries
+  past f16's range. A missing put-back fails them; the lane code itself runs only on the GPU
+  (tests/test_decode_gpu.py, tests/test_register_a_probe.py)."""
+  knob, value = "wide_values", True
+  others = {"fp8_pipeline": "register_a", "heads_in": "n"}
+  # The parent's: the same code with or without wide_values (the pipeline rules, the q scaling,
+  # the shared-memory accesses the race detector sees: the interpreter form loads the slot's value
+  # columns whole instead of tile by tile, the same bytes).
+  test_register_a_defaults_to_heads_n = None
+  test_default_fp8_pipeline = None
+  test_f16_queries_are_exact_powers_of_two = None
+  test_register_a_bad_input_raises = None
+  test_bad_input_raises = None
+  test_no_races_in_the_interpreter = None
+
+  @pytest.mark.parametrize("group", [8, 4])
+  def test_wide_value_order_is_the_fragments(self, group):
+    # Thread (warp w, lane l) holds rows 16w + l/4 + 8h of every V^T tile c (the WGMMA A
+    # fragment's rows; tile c is output columns 64c ..); wide_value_order gives them the 16 value
+    # columns of unit u = 8w + l/4 (a token row's 16 bytes), tile c's in the bytes that a pass of
+    # `group` tiles loads: 2c + h, or with 8-byte passes rotated by 8 bytes where u / 2 is odd.
+    order = np.asarray(mosaic_decode.wide_value_order(jnp.arange(512), group))
+    for w in range(4):
+      for r in range(8):
+        unit = 8 * w + r
+        held = [order[64 * c + 16 * w + r + 8 * h] for c in range(8) for h in range(2)]
+        rotate = 8 * ((unit // 2) % 2) if group == 4 else 0
+        np.testing.assert_array_equal(held, 16 * unit + (np.arange(16) ^ rotate))
+        for first in range(0, 8, group):  # a pass's tiles: one aligned run of 2 group bytes
+          bytes_ = np.asarray(held[2 * first:2 * (first + group)]) - 16 * unit
+          assert bytes_[0] % (2 * group) == 0
+          np.testing.assert_array_equal(bytes_, bytes_[0] + np.arange(2 * group))
+    assert sorted(order) == list(range(512))
+    x = jnp.arange(3 * 512).reshape(3, 512)
+    np.testing.assert_array_equal(mosaic_decode.wide_value_order(
+        mosaic_decode.wide_value_order(x, group), group, inverse=True), x)
+
+  def test_bf16_cache_ignores_it(self):
+    q = jax.ShapeDtypeStruct((32, 16, 576), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((32 * 128, 64, 576), jnp.bfloat16)
+    tables = jax.ShapeDtypeStruct((32, 128), jnp.int32)
+    lens = jax.ShapeDtypeStruct((32,), jnp.int32)
+    jaxpr = lambda **knobs: str(mosaic_decode.latent_decode.trace(
+        q, cache, tables, lens, scale=SCALE, heads_in="n", **knobs).jaxpr)
+    assert jaxpr(wide_values=True) == jaxpr()
+
+  def test_it_changes_the_fp8_program(self):
+    # Off by default: the default config's program is the one without it.
+    q = jax.ShapeDtypeStruct((32, 16, 576), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((32 * 128, 64, 576), jnp.float8_e4m3fn)
+    tables = jax.ShapeDtypeStruct((32, 128), jnp.int32)
+    lens = jax.ShapeDtypeStruct((32,), jnp.int32)
+    jaxpr = lambda **knobs: str(mosaic_decode.latent_decode.trace(
+        q, cache, tables, lens, scale=SCALE, k_scale=jnp.float32(FP8_SCALE), **knobs).jaxpr)
+    assert mosaic_decode.CONFIG.wide_values is False
+    assert jaxpr(wide_values=False) == jaxpr() != jaxpr(wide_values=True)
+
+  @pytest.mark.parametrize("value", [None, 1, "yes"])
+  def test_wide_values_must_be_a_bool(self, value):
+    with pytest.raises(ValueError, match="wide_values must be True or False"):
+      mosaic_decode.MosaicDecodeConfig(wide_values=value)
+
+  @pytest.mark.parametrize("pipeline", ["serial", "shared_widening"])
+  def test_wide_values_bad_pipeline_raises(self, pipeline):
+    q, cache, tables, lens = (jnp.asarray(a) for a in make_case(
+        128, n=16, page=64, req_lens=[20, 5], cache_dtype=jnp.float8_e4m3fn))
+    with pytest.raises(ValueError, match="wide_values takes fp8_pipeline=\"register_a\""):
+      mosaic_decode.latent_decode(q, cache, tables, lens, k_scale=FP8_SCALE, scale=0.1,
+                                  heads_in="n", fp8_pipeline=pipeline, wide_values=True,
+                                  interpret=True)
+
+  def test_wide_values_other_lora_raises(self):
+    # A 256-column latent: 8 bytes a thread's rows, not a 16-byte unit.
+    q = jax.ShapeDtypeStruct((2, 16, 320), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((4, 64, 320), jnp.float8_e4m3fn)
+    tables = jax.ShapeDtypeStruct((2, 2), jnp.int32)
+    lens = jax.ShapeDtypeStruct((2,), jnp.int32)
+    with pytest.raises(ValueError, match="wide_values takes kv_lora_rank 512"):
+      mosaic_decode.latent_decode.trace(q, cache, tables, lens, scale=0.1, kv_lora_rank=256,
+                                        k_scale=jnp.float32(FP8_SCALE), wide_values=True)
 
 
 def _stage1_splits(jaxpr):

@@ -153,6 +153,37 @@ def test_wide_keys_matches_reference(seed, batch, max_len, n, splits, fixed):
       fp8_pipeline="register_a", wide_keys=True, **fixed))
 
 
+@pytest.mark.parametrize("seed,batch,max_len,n,splits", [
+    (7, 128, 8192, 16, None),  # the timed shapes (one split): bf16 output stored transposed
+    (8, 128, 8192, 32, None),  # 8-byte loads in two passes at 32 heads
+    (9, 32, 8192, 16, 4),  # float32 partials, put back before the merge
+])
+def test_wide_values_matches_reference(seed, batch, max_len, n, splits):
+  # register_a's wide_values: V^T's fragments from wide loads by lane-level code (its swizzled
+  # addresses, prmt selectors and register order), which only the GPU runs, and o's columns put
+  # back after the call.
+  check_serving_case(seed, batch, max_len, n, jnp.float8_e4m3fn, functools.partial(
+      mosaic_decode.latent_decode, num_kv_splits=splits, heads_in="n",
+      fp8_pipeline="register_a", wide_values=True))
+
+
+@pytest.mark.parametrize("seed,batch,max_len,n,split_tokens", [
+    (12, 128, 8192, 16, None), (13, 128, 8192, 32, None), (14, 32, 8192, 32, 2048)])
+def test_wide_values_is_bit_identical(seed, batch, max_len, n, split_tokens):
+  # Each O^T row (a value column) sums the same products in the same order with or without
+  # wide_values: only the rows' order differs, and the call puts it back. With splits, only the
+  # fixed-order merge (split_tokens) is elementwise: the default merge is an XLA reduction whose
+  # add order follows the layout the put-back transpose gives it (H200, session 17: 5 of 524288
+  # outputs 1 bf16 ulp apart at 4 splits).
+  q, cache, tables, lens = serving_case(seed, batch=batch, max_len=max_len, n=n,
+                                        cache_dtype=jnp.float8_e4m3fn)
+  run = lambda wide: jax.device_get(mosaic_decode.latent_decode(
+      q, cache, tables, lens, scale=SCALE, k_scale=jnp.float32(FP8_SCALE),
+      split_tokens=split_tokens, fp8_pipeline="register_a", wide_values=wide))
+  for a, b in zip(run(True), run(False)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_wide_keys_queries_past_f16_range():
   # The f16 queries scaled by powers of two, then permuted.
   q_scale = jnp.where(jnp.arange(32) % 3 == 0, 2.0 ** 15, 1.0)

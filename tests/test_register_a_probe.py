@@ -152,3 +152,45 @@ def test_wide_key_tile_on_gpu_is_the_permuted_tile():
   # e4m3 -> f16 is exact: any misplaced byte differs
   want = mosaic_decode.wide_key_order(x.astype(jnp.float16))
   np.testing.assert_array_equal(out, np.asarray(want))
+
+
+# mosaic_decode's wide_values: `_wide_value_tiles` (lane-level loads of a token row's value unit,
+# the token pairs interleaved bytewise, into the f16 WGMMA fragments of V^T's 8 tiles) against
+# `wide_value_order`, for both pass sizes (16-byte loads, 8 tiles a pass; 8-byte, 4), which only
+# the GPU runs.
+L = mosaic_decode.WIDE_VALUE_COLS
+
+
+def wide_value_kernel(group):
+  def kernel(x_ref, o_ref, ring, o_smem, bar):
+    plgpu.copy_gmem_to_smem(x_ref, ring.at[1], bar)
+    plgpu.barrier_wait(bar)
+    for first in range(0, L // TILE, group):
+      for c, tile in enumerate(mosaic_decode._wide_value_tiles(ring.at[1], first, group), first):
+        o_smem[pl.ds(c * TILE, TILE), :] = tile
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_ref)
+    plgpu.wait_smem_to_gmem(0)
+
+  return jax.jit(plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((L, TILE), jnp.float16),
+      scratch_types=(swizzled((2, TILE, D), F8, TILE), swizzled((L, TILE), jnp.float16),
+                     plgpu.Barrier())))
+
+
+@pytest.mark.parametrize("group", sorted(set(mosaic_decode._WIDE_VALUE_GROUP.values())))
+def test_wide_value_tiles_lower_for_hopper(group):
+  text = wide_value_kernel(group).trace(wide_key_rows(0)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", sorted(set(mosaic_decode._WIDE_VALUE_GROUP.values())))
+def test_wide_value_tiles_on_gpu_are_the_permuted_tiles(group):
+  x = wide_key_rows(3)
+  poison_allocator()
+  out = np.asarray(wide_value_kernel(group)(x))
+  # V^T's tiles stacked [512 value columns in wide_value_order, 64 tokens]; e4m3 -> f16 is exact
+  want = mosaic_decode.wide_value_order(x[:, :L].astype(jnp.float16), group).T
+  np.testing.assert_array_equal(out, np.asarray(want))
