@@ -148,14 +148,17 @@ class MosaicDecodeConfig:
   are then the value columns in `wide_value_order` (wgmma's M: each row's sums are unchanged, so
   the output is bit-identical), put back by one XLA transpose of o after the call (fused into the
   split merge with several splits). Only the GPU form loads wide (`_wide_value_tiles`); the
-  interpreter loads the tiles and permutes them. False (the default): not timed yet."""
+  interpreter loads the tiles and permutes them. None (the default): on wherever register_a runs
+  with kv_lora_rank 512 (H200, session 17, B=128 S=8192, one process: N=16 0.257 -> 0.245 ms,
+  N=32 0.318 -> 0.296; benchmarks/RESULTS.md, "wide_values"); False keeps the shuffled relayout
+  (the bit-identity test's oracle)."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
   fp8_pipeline: str | None = None
   heads_in: str | None = None
   wide_keys: bool | None = None
-  wide_values: bool = False
+  wide_values: bool | None = None
 
   def __post_init__(self):
     if self.block_h != 64:
@@ -173,8 +176,8 @@ class MosaicDecodeConfig:
       raise ValueError(f"heads_in must be None or one of {HEADS_IN}, got {self.heads_in!r}")
     if self.wide_keys is not None and not isinstance(self.wide_keys, bool):
       raise ValueError(f"wide_keys must be None, True or False, got {self.wide_keys!r}")
-    if not isinstance(self.wide_values, bool):
-      raise ValueError(f"wide_values must be True or False, got {self.wide_values!r}")
+    if self.wide_values is not None and not isinstance(self.wide_values, bool):
+      raise ValueError(f"wide_values must be None, True or False, got {self.wide_values!r}")
 
 
 # heads_in=None runs "n" up to this many heads: bf16 1.01-1.10x "m" at 16 and 32 heads (sessions
@@ -207,7 +210,7 @@ SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"),
          MosaicDecodeConfig(heads_in="n"), MosaicDecodeConfig(fp8_pipeline="serial", heads_in="n"),
          MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n"),
          MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", wide_keys=False),
-         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", wide_values=True))
+         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", wide_values=False))
 # Fields that one cache dtype alone reads (with the other, the program is the same whatever they
 # are): a sweep times a config only with the cache dtype whose program it changes.
 DTYPE_KNOBS = {"fp8_pipeline": jnp.dtype(F8), "wide_keys": jnp.dtype(F8),
@@ -900,7 +903,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                   k_scale: jax.Array | float | None = None, num_kv_splits: int | None = None,
                   split_tokens: int | None = None, fp8_pipeline: str | None = CONFIG.fp8_pipeline,
                   heads_in: str | None = CONFIG.heads_in, wide_keys: bool | None = CONFIG.wide_keys,
-                  wide_values: bool = CONFIG.wide_values,
+                  wide_values: bool | None = CONFIG.wide_values,
                   interpret: bool | plgpu.InterpretGPUParams = False
                   ) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
@@ -918,8 +921,9 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   wgmma's N, with an fp8 cache with fp8_pipeline "serial", "shared_widening" or "register_a",
   the last with "n" only). wide_keys: register_a's 16-byte key loads (`MosaicDecodeConfig`; None:
   with register_a; True is a ValueError with the other fp8 pipelines, a bf16 cache ignores it).
-  wide_values: register_a's 16-byte value loads (`MosaicDecodeConfig`; True is a ValueError with
-  the other fp8 pipelines or kv_lora_rank != 512, a bf16 cache ignores it).
+  wide_values: register_a's 16-byte value loads (`MosaicDecodeConfig`; None: with register_a at
+  kv_lora_rank 512; True is a ValueError with the other fp8 pipelines or kv_lora_rank != 512, a
+  bf16 cache ignores it).
   interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
   o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
@@ -943,10 +947,11 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   if fp8 and wide_values and not register_a:
     raise ValueError(f"wide_values takes fp8_pipeline=\"register_a\" (V^T is wgmma's register A "
                      f"operand only there), got fp8_pipeline={fp8_pipeline!r}")
-  wide_values = register_a and wide_values
-  if wide_values and kv_lora_rank != WIDE_VALUE_COLS:
+  if register_a and wide_values and kv_lora_rank != WIDE_VALUE_COLS:
     raise ValueError(f"wide_values takes kv_lora_rank {WIDE_VALUE_COLS} (a thread's rows of the "
                      f"8 value tiles are one 16-byte unit of a row), got {kv_lora_rank}")
+  wide_values = register_a and (kv_lora_rank == WIDE_VALUE_COLS if wide_values is None
+                                else wide_values)
   if heads_n and fp8 and fp8_pipeline not in HEADS_N_FP8_PIPELINES:
     raise ValueError(f"heads_in=\"n\" with an fp8 cache takes fp8_pipeline "
                      f"{' or '.join(HEADS_N_FP8_PIPELINES)} (64-token steps: wgmma's M), got "

@@ -117,7 +117,7 @@ def test_mosaic_configs_times_what_changes_the_program(dtype):
                          {"heads_in": "n"}, {"fp8_pipeline": "serial", "heads_in": "n"},
                          {"fp8_pipeline": "register_a", "heads_in": "n"},
                          {"fp8_pipeline": "register_a", "heads_in": "n", "wide_keys": False},
-                         {"fp8_pipeline": "register_a", "heads_in": "n", "wide_values": True}]
+                         {"fp8_pipeline": "register_a", "heads_in": "n", "wide_values": False}]
   else:
     assert named[1:] == [{"heads_in": "n"}]
 

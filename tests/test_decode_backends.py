@@ -198,11 +198,13 @@ class TestPallasMosaicDecode(DecodeContract):
       *[(batch, n, 8192, splits, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a", **fixed})
         for batch, n, splits, fixed in ((128, 16, None, {}), (32, 32, 4, {}),
                                         (32, 32, None, {"split_tokens": 2048}))],
-      # register_a's wide_values (lane-level value loads, 16 bytes at 16 heads, 8 at 32): the
-      # timed shapes (one split) and float32 partials.
-      *[(batch, n, 8192, splits, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a",
-                                                      "wide_values": True})
-        for batch, n, splits in ((128, 16, None), (128, 32, None), (32, 16, 4))]])
+      # register_a's wide_values=False (the shuffled relayout of V^T's fragments).
+      (128, 16, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a",
+                                                "wide_values": False}),
+      # The default's wide_values (lane-level value loads, 16 bytes at 16 heads, 8 at 32): the
+      # timed shapes (one split) and float32 partials at 16 heads.
+      *[(batch, n, 8192, splits, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a"})
+        for batch, n, splits in ((128, 32, None), (32, 16, 4))]])
   def test_lowers_for_hopper(self, batch, n, seq, splits, cache_dtype, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # shapes and layouts, bulk-copy boxes, and that shared memory fits a Hopper block's 227 KB.
@@ -596,15 +598,17 @@ class TestPallasMosaicDecodeRegisterANarrowKeys(TestPallasMosaicDecodeHeadsNRegi
                                   interpret=True)
 
 
-class TestPallasMosaicDecodeRegisterAWideValues(TestPallasMosaicDecodeHeadsNRegisterA):
-  """register_a with wide_values: the O^T tiles' rows are the value columns in `wide_value_order`
-  (V^T's fragments loaded 16 bytes a token row on the GPU, permuted after a plain load in the
-  interpreter) and o's columns put back after the call: the fp8 cases of the heads_in="n" tests
-  (16 and 32 heads, one split and several: the put-back before the merge, lengths cutting pages,
-  bad table entries: the tail rows masked in the e4m3 slot the loads read) and the f16 queries
-  past f16's range. A missing put-back fails them; the lane code itself runs only on the GPU
-  (tests/test_decode_gpu.py, tests/test_register_a_probe.py)."""
-  knob, value = "wide_values", True
+class TestPallasMosaicDecodeRegisterANarrowValues(TestPallasMosaicDecodeHeadsNRegisterA):
+  """register_a with wide_values=False: V^T's fragments in the WGMMA layout, relaid by shuffles,
+  and o's columns in their own order, against the default's wide_values (the O^T tiles' rows are
+  the value columns in `wide_value_order`: V^T's fragments loaded 16 bytes a token row on the GPU,
+  permuted after a plain load in the interpreter; o's columns put back after the call), which the
+  parent runs: the fp8 cases of the heads_in="n" tests (16 and 32 heads, one split and several:
+  the put-back before the merge, lengths cutting pages, bad table entries: the tail rows masked in
+  the e4m3 slot the loads read) and the f16 queries past f16's range. A missing put-back fails the
+  parent's; the lane code itself runs only on the GPU (tests/test_decode_gpu.py,
+  tests/test_register_a_probe.py)."""
+  knob, value = "wide_values", False
   others = {"fp8_pipeline": "register_a", "heads_in": "n"}
   # The parent's: the same code with or without wide_values (the pipeline rules, the q scaling,
   # the shared-memory accesses the race detector sees: the interpreter form loads the slot's value
@@ -648,19 +652,20 @@ class TestPallasMosaicDecodeRegisterAWideValues(TestPallasMosaicDecodeHeadsNRegi
     assert jaxpr(wide_values=True) == jaxpr()
 
   def test_it_changes_the_fp8_program(self):
-    # Off by default: the default config's program is the one without it.
+    # On by default with register_a at kv_lora_rank 512: the default config's program is the one
+    # with it.
     q = jax.ShapeDtypeStruct((32, 16, 576), jnp.bfloat16)
     cache = jax.ShapeDtypeStruct((32 * 128, 64, 576), jnp.float8_e4m3fn)
     tables = jax.ShapeDtypeStruct((32, 128), jnp.int32)
     lens = jax.ShapeDtypeStruct((32,), jnp.int32)
     jaxpr = lambda **knobs: str(mosaic_decode.latent_decode.trace(
         q, cache, tables, lens, scale=SCALE, k_scale=jnp.float32(FP8_SCALE), **knobs).jaxpr)
-    assert mosaic_decode.CONFIG.wide_values is False
-    assert jaxpr(wide_values=False) == jaxpr() != jaxpr(wide_values=True)
+    assert mosaic_decode.CONFIG.wide_values is None
+    assert jaxpr(wide_values=True) == jaxpr() != jaxpr(wide_values=False)
 
-  @pytest.mark.parametrize("value", [None, 1, "yes"])
-  def test_wide_values_must_be_a_bool(self, value):
-    with pytest.raises(ValueError, match="wide_values must be True or False"):
+  @pytest.mark.parametrize("value", [1, "yes"])
+  def test_wide_values_must_be_a_bool_or_none(self, value):
+    with pytest.raises(ValueError, match="wide_values must be None, True or False"):
       mosaic_decode.MosaicDecodeConfig(wide_values=value)
 
   @pytest.mark.parametrize("pipeline", ["serial", "shared_widening"])

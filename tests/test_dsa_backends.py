@@ -879,14 +879,15 @@ def test_mosaic_sparse_default_heads_in_reaches_the_kernel(n, want):
 
 
 def check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves, heads_in="m",
-                            prep_in_kernel=False, k=2048, wide_widening=False):
+                            prep_in_kernel=False, k=2048,
+                            wide_widening=mosaic_sparse.CONFIG.wide_widening):
   """The Mosaic sparse kernel at T=128, k (2048) slots over 1M tokens, lowered for CUDA (it runs on
   this CPU), which checks what the interpreter does not: wgmma operand layouts and swizzles,
   bulk-copy boxes, the untiled aliases, the cp.async code, the register layouts of the widening
   (and with heads_in="n" of the transposed stores and the cross-warp reductions), and that shared
   memory fits 227 KB; with the limit at 0, Mosaic GPU's error names the bytes it counts, which
-  must be smem_bytes' (what _sparse_call checks before any launch). wide_widening: its lane-level
-  code too (which the interpreter does not run)."""
+  must be smem_bytes' (what _sparse_call checks before any launch). wide_widening (the default):
+  its lane-level code too (which the interpreter does not run)."""
   t, tokens = 128, 1 << 20
   counted = []  # what _sparse_call counts while tracing
   monkeypatch.setattr(mosaic_sparse, "smem_bytes",
@@ -913,15 +914,13 @@ def check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves, h
     traced.lower(lowering_platforms=("cuda",))
 
 
-# wide_widening's lane code over 32-row slots (64-byte swizzle) and a 64-row one (128-byte), with
-# the in-kernel scales (the default's) and XLA's, bulk-gathered rows too; "in_place"'s (widening
-# over the staged rows and scales) with either scales.
+# The Pallas-level widening (wide_widening=False, the GPU bit-for-bit test's oracle) over 32-row
+# slots and a 64-row one, with the in-kernel scales and XLA's; "in_place"'s over the staged rows.
 @pytest.mark.parametrize("fp8_pipeline,gather,prep", [
-    ("half_rows", "cp_async", True), ("serial", "cp_async", True), ("half_rows", "bulk", False),
-    ("in_place", "cp_async", False), ("in_place", "cp_async", True)])
-def test_mosaic_sparse_wide_widening_lowers_for_hopper(fp8_pipeline, gather, prep, monkeypatch):
+    ("half_rows", "cp_async", True), ("serial", "bulk", False), ("in_place", "cp_async", False)])
+def test_mosaic_sparse_pallas_widening_lowers_for_hopper(fp8_pipeline, gather, prep, monkeypatch):
   check_lowers_for_hopper(monkeypatch, 128, True, gather, fp8_pipeline, 2, prep_in_kernel=prep,
-                          wide_widening=True)
+                          wide_widening=False)
 
 
 class TestPallasMosaicSparseAttention(SparseAttentionContract):
@@ -1133,14 +1132,13 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     # The timed rules (`default_fp8_pipeline`, `default_heads_in`); both heads_in named beside.
     assert (mosaic_sparse.CONFIG.fp8_pipeline, mosaic_sparse.CONFIG.fp8_stage_halves,
             mosaic_sparse.CONFIG.heads_in, mosaic_sparse.CONFIG.prep_in_kernel,
-            mosaic_sparse.CONFIG.wide_widening) == (None, 2, None, None, False)
+            mosaic_sparse.CONFIG.wide_widening) == (None, 2, None, None, True)
     for other in (dict(fp8_pipeline="serial"), dict(fp8_pipeline="half_rows"),
                   dict(fp8_pipeline="half_rows", fp8_stage_halves=3),
                   dict(fp8_pipeline="in_place"), dict(heads_in="m"), dict(heads_in="n"),
                   dict(fp8_pipeline="in_place", heads_in="n"), dict(prep_in_kernel=False),
-                  dict(fp8_pipeline="half_rows", wide_widening=True),
-                  dict(fp8_pipeline="serial", wide_widening=True),
-                  dict(fp8_pipeline="in_place", wide_widening=True)):
+                  dict(fp8_pipeline="half_rows", wide_widening=False),
+                  dict(fp8_pipeline="in_place", wide_widening=False)):
       assert mosaic_sparse.MosaicSparseConfig(**other) in mosaic_sparse.SWEEP
 
 
@@ -1177,15 +1175,6 @@ class TestPallasMosaicSparseAttentionHalfRows3(TestPallasMosaicSparseAttentionSe
   ahead): the multi-step case (the staging ring wraps) as for "serial"."""
   fp8_pipeline = "half_rows"
   fp8_stage_halves = 3
-
-
-class TestPallasMosaicSparseAttentionWideWidening(TestPallasMosaicSparseAttentionSerial):
-  """wide_widening with "half_rows" (lane-level widening by bit placement, `_wide_widen`): the
-  multi-step case as for "serial". The interpreter runs no lane-level code, so this runs the
-  Pallas-level widening through the knob's plumbing; the lowering cases build the lane code, the
-  GPU cases check its values (bit for bit against the default's)."""
-  fp8_pipeline = "half_rows"
-  wide_widening = True
 
 
 class TestPallasMosaicSparseAttentionInPlace(TestPallasMosaicSparseAttentionSerial):

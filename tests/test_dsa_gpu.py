@@ -110,19 +110,19 @@ def test_mosaic_sparse_in_place_equals_serial_bit_for_bit(n):
     np.testing.assert_array_equal(g, w)
 
 
-# wide_widening (lane-level widening by bit placement, `mosaic_sparse._wide_widen`, and with
-# "in_place" `_wide_widen_in_place`) widens the values the Pallas-level widening does, bit for
-# bit, and the consumers run the same products: equal outputs, which checks what the interpreter
-# cannot (it runs the Pallas-level form): the 16-byte loads and stores over both swizzles, the bit
-# placement, the bf16x2 multiply (e4m3 subnormals included), and "in_place"'s stores over the
-# staged rows and scales other lanes read (its barriers). "mixed": the quantizer's per-tile scales
-# (2^-11 to 2^-9 here) times 1, 2^18 (above 2^7: today's conversion in the lane code), 1/3 (not a
-# bf16: the same) and 1.5 (a bf16: the bit placement), so both of the lane code's paths run, in
-# the same warp.
+# wide_widening (the default: lane-level widening by bit placement, `mosaic_sparse._wide_widen`,
+# and with "in_place" `_wide_widen_in_place`) widens the values the Pallas-level widening does,
+# bit for bit, and the consumers run the same products: equal outputs, which checks what the
+# interpreter cannot (it runs the Pallas-level form): the 16-byte loads and stores over both
+# swizzles, the bit placement, the bf16x2 multiply (e4m3 subnormals included), and "in_place"'s
+# stores over the staged rows and scales other lanes read (its barriers). "mixed": the
+# quantizer's per-tile scales (2^-11 to 2^-9 here) times 1, 2^18 (above 2^7: today's conversion
+# in the lane code), 1/3 (not a bf16: the same) and 1.5 (a bf16: the bit placement), so both of
+# the lane code's paths run, in the same warp.
 @pytest.mark.parametrize("n", [128, 16])
 @pytest.mark.parametrize("fp8_pipeline", ["half_rows", "serial", "in_place"])
 @pytest.mark.parametrize("scales", ["quantizer", "mixed"])
-def test_mosaic_sparse_wide_widening_equals_default_bit_for_bit(n, fp8_pipeline, scales):
+def test_mosaic_sparse_wide_widening_equals_pallas_widening_bit_for_bit(n, fp8_pipeline, scales):
   q, cache, slots = sparse_case(n + 3, n, "fp8_ds_mla")
   tile_scales = cache.tile_scales
   if scales == "mixed":
@@ -132,7 +132,7 @@ def test_mosaic_sparse_wide_widening_equals_default_bit_for_bit(n, fp8_pipeline,
   run = functools.partial(mosaic_sparse.sparse_attention_fp8_ds_mla, q, cache.nope, tile_scales,
                           cache.rope, slots, scale=SCALE, fp8_pipeline=fp8_pipeline)
   poison_allocator()
-  want = [np.asarray(a, np.float32) for a in run()]
+  want = [np.asarray(a, np.float32) for a in run(wide_widening=False)]
   poison_allocator()
   got = [np.asarray(a, np.float32) for a in run(wide_widening=True)]
   for g, w in zip(got, want):
