@@ -93,13 +93,14 @@ class MosaicDecodeConfig:
     (0-255 and the rope columns), 5 of the 9 column tiles instead of all 9 (the default; H200,
     B=128, S=8192: 1.16x "half_pages" at N=128 and N=16, bit-identical outputs; RESULTS.md,
     session 7).
-  - "register_a" (heads_in="n" only, a ValueError with "m"; not timed, benchmarks/RESULTS.md,
+  - "register_a" (heads_in="n" only, a ValueError with "m"; benchmarks/RESULTS.md,
     "fp8_pipeline="register_a""): no bf16 slot. The e4m3 pages land in a ring of 4 e4m3 slots
     (bulk copies, as the bf16 cache's pages), and the consumers load their [64, 64] e4m3 tiles
     from it, convert them to f16 in registers and hand them to wgmma as its register A operand:
     warpgroup 0 the keys of S^T = K Q^T (WGMMA layout), warpgroup 1 all the V^T tiles of
     O^T = V^T P^T (the transposed view in WGMMA_TRANSPOSED, converted, then relaid to WGMMA;
-    `_value_columns`), a few tiles in flight (`_KEY_TILES_IN_FLIGHT`).
+    `_value_columns`; by default 16-byte loads instead, wide_keys and wide_values below), a few
+    tiles in flight (`_KEY_TILES_IN_FLIGHT`).
     e4m3 -> bf16 does not lower (Mosaic GPU, jax 0.11.2) and wgmma takes one 16-bit type for A
     and B, so the query tile and P^T are f16: q is converted before the call, each token scaled
     by a power of two that keeps it within f16's range and scaled back in its score scale
