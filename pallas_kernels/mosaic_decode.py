@@ -152,7 +152,17 @@ class MosaicDecodeConfig:
   interpreter loads the tiles and permutes them. None (the default): on wherever register_a runs
   with kv_lora_rank 512 (H200, session 17, B=128 S=8192, one process: N=16 0.257 -> 0.245 ms,
   N=32 0.318 -> 0.296; benchmarks/RESULTS.md, "wide_values"); False keeps the shuffled relayout
-  (the bit-identity test's oracle)."""
+  (the bit-identity test's oracle).
+  e4m3_scores (an fp8 cache with fp8_pipeline "register_a" only: True is a ValueError with the
+  other fp8 pipelines; bf16 caches ignore it): S^T = K Q^T by fp8 wgmma straight from shared
+  memory, A the e4m3 slot itself ([64 tokens, 576], K-major with the 64-byte swizzle), so
+  warpgroup 0 loads and converts no keys (its step was ~473 SASS instructions a thread at N=16,
+  warpgroup 1's ~354: warpgroup 0 paced the kernel). q is split exactly into two e4m3 parts
+  (`_e4m3_queries`, q = hi + 2^-4 lo) read as B from one [2 x heads, 576] e4m3 tile, into two
+  accumulators combined as acc_hi + 2^-4 acc_lo before the score scale. The keys' bytes are the
+  products' (no wide_keys: True is a ValueError with it, None off). False (the default) keeps the
+  f16 keys in registers. Hopper's fp8 wgmma keeps fewer accumulator bits than f16's (about 14, DeepSeek-V3's
+  report): tests/test_decode_gpu.py checks the outputs against the reference."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -160,6 +170,7 @@ class MosaicDecodeConfig:
   heads_in: str | None = None
   wide_keys: bool | None = None
   wide_values: bool | None = None
+  e4m3_scores: bool = False
 
   def __post_init__(self):
     if self.block_h != 64:
@@ -179,6 +190,8 @@ class MosaicDecodeConfig:
       raise ValueError(f"wide_keys must be None, True or False, got {self.wide_keys!r}")
     if self.wide_values is not None and not isinstance(self.wide_values, bool):
       raise ValueError(f"wide_values must be None, True or False, got {self.wide_values!r}")
+    if not isinstance(self.e4m3_scores, bool):
+      raise ValueError(f"e4m3_scores must be True or False, got {self.e4m3_scores!r}")
 
 
 # heads_in=None runs "n" up to this many heads: bf16 1.01-1.10x "m" at 16 and 32 heads (sessions
@@ -211,11 +224,12 @@ SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"),
          MosaicDecodeConfig(heads_in="n"), MosaicDecodeConfig(fp8_pipeline="serial", heads_in="n"),
          MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n"),
          MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", wide_keys=False),
-         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", wide_values=False))
+         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", wide_values=False),
+         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", e4m3_scores=True))
 # Fields that one cache dtype alone reads (with the other, the program is the same whatever they
 # are): a sweep times a config only with the cache dtype whose program it changes.
 DTYPE_KNOBS = {"fp8_pipeline": jnp.dtype(F8), "wide_keys": jnp.dtype(F8),
-               "wide_values": jnp.dtype(F8)}
+               "wide_values": jnp.dtype(F8), "e4m3_scores": jnp.dtype(F8)}
 _TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
 # fp8 caches: 2 slots of e4m3 bytes (36 KB each) that the memory warpgroup widens into the bf16
 # slots the products read ("serial": one of 64 rows; "half_pages": two of 32 rows), so the shared
@@ -449,7 +463,7 @@ def _wide_value_tiles(slot, first: int, count: int):
 def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_ref, buffers, p_smem,
                    row_smem, q_bar, ready, consumed, p_ready, p_free, *staging, scale, lora,
                    num_splits, split_steps, in_place, shared_widening, heads_n, register_a,
-                   value_cols, wide_keys, wide_values):
+                   value_cols, wide_keys, wide_values, e4m3_scores):
   # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64, or fewer than 64 unpadded: the tile's
   # first Np rows, the others never stored); kv_ref [num_blocks, page, D] bf16 or
   # e4m3; bt_ref [T, max_blocks] int32; len_ref [T] int32; ks_ref [1] f32 (the cache's scale, 1
@@ -480,6 +494,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # wide_values (register_a): the O^T tiles' rows are the value columns in `wide_value_order` (V^T's
   # fragments from wide loads on the GPU, `_wide_value_tiles`; permuted after the load here);
   # the caller puts the output's columns back.
+  # e4m3_scores (register_a): q_smem [2 x tile_h, D] e4m3 (64-byte swizzled), q's exact parts hi
+  # and lo (`_e4m3_queries`); S^T = K hi^T + 2^-4 K lo^T by fp8 wgmma from the slot itself.
   (q_smem, kv_smem), (o_smem, lse_smem) = buffers
   a_smem, staging = (staging[0] if staging else None, ()) if register_a else (None, staging)
   fp8 = bool(staging)  # the widening pipelines (bf16 slots widened from an e4m3 stage)
@@ -492,7 +508,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   max_blocks = bt_ref.shape[1]
   steps_per_page = page // _STEP
   half = lora // _VALUE_WGS
-  tile_h = q_smem.shape[0]
+  tile_h = p_smem.shape[0]  # (q_smem holds two e4m3 parts with e4m3_scores)
   heads_axis = 1 if heads_n else 0
   # Value columns per P V product: all of a warpgroup's when it accumulates in place (wgmma's N is
   # at most 256), else _CHUNK-wide fresh accumulators; with heads in N the columns are O^T's rows,
@@ -662,6 +678,13 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
       if not fp8:
         pl.when(rows < _STEP)(functools.partial(zero_rows, slot, rows))
 
+      def e4m3_scores_(*acc_refs):  # S^T's two parts [64 tokens, heads] f32, from hi and lo
+        for part, acc_ref in enumerate(acc_refs):
+          plgpu.wgmma(acc_ref, kv_smem.at[slot],
+                      q_smem.at[pl.ds(part * tile_h, tile_h)].transpose((1, 0)))
+        hi, lo = acc_refs
+        return hi[...] + lo[...] * E4M3_LO_SCALE
+
       def scores(acc_ref):  # acc_ref [64 heads, step_rows] f32 (heads in N: S^T [64, heads])
         if register_a:  # K's e4m3 [64 tokens, 64] tiles converted in registers (WGMMA layout)
           for c in range(kv_smem.shape[-1] // _FP8_COLS):
@@ -683,7 +706,10 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
         return acc_ref[...]
 
       s_shape = (step_rows, tile_h) if heads_n else (_TILE_H, step_rows)
-      s = pl.run_scoped(scores, plgpu.ACC(s_shape, jnp.float32))
+      if e4m3_scores:
+        s = pl.run_scoped(e4m3_scores_, *[plgpu.ACC(s_shape, jnp.float32)] * 2)
+      else:
+        s = pl.run_scoped(scores, plgpu.ACC(s_shape, jnp.float32))
       # Made in the step, not carried: a 64 x 64 int32 iota is 32 registers a thread.
       keys = plgpu.broadcasted_iota(jnp.int32, s_shape, 1 - heads_axis, layout=plgpu.Layout.WGMMA)
       m_new, alpha, p, l = softmax_step(jnp.where(keys < rows, s * qk_scale, -jnp.inf), m, l,
@@ -745,7 +771,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
 
     @pl.when(n > 0)
     def _():
-      q_rows = q_ref.at[t, rows_out]
+      q_rows = q_ref.at[t] if e4m3_scores else q_ref.at[t, rows_out]  # e4m3: heads in N, whole
       plgpu.copy_gmem_to_smem(q_rows, leading_rows(q_smem, q_rows), q_bar)
 
     if fp8:
@@ -896,15 +922,41 @@ def _f16_queries(q):
   return scaled.astype(jnp.float16), jnp.ldexp(jnp.float32(1), shift)
 
 
+# e4m3_scores: q = hi + E4M3_LO_SCALE * lo, lo = e4m3((q - hi) / E4M3_LO_SCALE).
+E4M3_LO_SCALE = 2.0 ** -4
+
+
+def _e4m3_queries(q):
+  """q [T, Np, D] bf16 as e4m3_scores' B operand: [T, 2 Np, D] e4m3, each token's hi parts then
+  lo parts, and the inverse powers of two [T] f32 the kernel folds into each token's score scale.
+  Each token is scaled by the power of two that puts its largest magnitude in [2^7, 2^8) (e4m3
+  ends at 448), hi = e4m3(q), lo = e4m3((q - hi) / E4M3_LO_SCALE). Exact, q = hi + 2^-4 lo, for
+  every element at least 2^-6 after the scaling (2^(E - 13) for a token whose largest magnitude
+  is in [2^E, 2^(E+1))): hi rounds its 8 significant bits to 4 (e4m3 normals from 2^-6), and the
+  residual, a multiple of the element's bf16 ulp at most half of hi's, is 4 bits on e4m3's grid
+  (subnormals to 2^-9); smaller ones lose bits (the check over every bf16 value:
+  tests/test_decode_backends.py). Per token: a row's result never depends on the batch."""
+  t, np_, d = q.shape
+  _, exponent = jnp.frexp(jnp.max(jnp.abs(q.astype(jnp.float32)), axis=(1, 2)))  # |q| < 2^e
+  # Kept within float32's normal powers (an all-zero token: e = 0, scaled up by 2^8, still 0).
+  shift = jnp.clip(exponent - 8, -120, 120)
+  scaled = q.astype(jnp.float32) * jnp.ldexp(jnp.float32(1), -shift)[:, None, None]
+  hi = scaled.astype(F8)
+  lo = ((scaled - hi.astype(jnp.float32)) / E4M3_LO_SCALE).astype(F8)
+  return jnp.concatenate([hi, lo], axis=1), jnp.ldexp(jnp.float32(1), shift)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits",
                                              "split_tokens", "fp8_pipeline", "heads_in",
-                                             "wide_keys", "wide_values", "interpret"))
+                                             "wide_keys", "wide_values", "e4m3_scores",
+                                             "interpret"))
 def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
                   *, scale: float, kv_lora_rank: int = 512,
                   k_scale: jax.Array | float | None = None, num_kv_splits: int | None = None,
                   split_tokens: int | None = None, fp8_pipeline: str | None = CONFIG.fp8_pipeline,
                   heads_in: str | None = CONFIG.heads_in, wide_keys: bool | None = CONFIG.wide_keys,
                   wide_values: bool | None = CONFIG.wide_values,
+                  e4m3_scores: bool = CONFIG.e4m3_scores,
                   interpret: bool | plgpu.InterpretGPUParams = False
                   ) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
@@ -924,13 +976,15 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   with register_a; True is a ValueError with the other fp8 pipelines, a bf16 cache ignores it).
   wide_values: register_a's 16-byte value loads (`MosaicDecodeConfig`; None: with register_a at
   kv_lora_rank 512; True is a ValueError with the other fp8 pipelines or kv_lora_rank != 512, a
+  bf16 cache ignores it). e4m3_scores: register_a's scores by fp8 wgmma from shared memory
+  (`MosaicDecodeConfig`; True is a ValueError with the other fp8 pipelines or wide_keys=True, a
   bf16 cache ignores it).
   interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
   o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
   _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits, split_tokens)
   MosaicDecodeConfig(fp8_pipeline=fp8_pipeline, heads_in=heads_in, wide_keys=wide_keys,
-                     wide_values=wide_values)  # checks
+                     wide_values=wide_values, e4m3_scores=e4m3_scores)  # checks
   fp8 = kv_cache.dtype == F8
   if heads_in is None:
     heads_in = default_heads_in(q.shape[1], fp8, fp8_pipeline)
@@ -944,7 +998,14 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   if fp8 and wide_keys and not register_a:
     raise ValueError(f"wide_keys takes fp8_pipeline=\"register_a\" (the keys are wgmma's register "
                      f"A operand only there), got fp8_pipeline={fp8_pipeline!r}")
-  wide_keys = register_a and wide_keys is not False
+  if fp8 and e4m3_scores and not register_a:
+    raise ValueError(f"e4m3_scores takes fp8_pipeline=\"register_a\" (its e4m3 ring is the "
+                     f"scores' A operand), got fp8_pipeline={fp8_pipeline!r}")
+  e4m3_scores = register_a and e4m3_scores
+  if e4m3_scores and wide_keys:
+    raise ValueError("wide_keys loads the keys into registers; e4m3_scores reads them from shared "
+                     "memory (take wide_keys=None or False)")
+  wide_keys = register_a and not e4m3_scores and wide_keys is not False
   if fp8 and wide_values and not register_a:
     raise ValueError(f"wide_values takes fp8_pipeline=\"register_a\" (V^T is wgmma's register A "
                      f"operand only there), got fp8_pipeline={fp8_pipeline!r}")
@@ -973,12 +1034,16 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   fixed_order = split_tokens is not None
   out_dtype = partials_dtype(q.dtype, splits, fixed_order)
   dtype = q.dtype
-  if register_a:  # wgmma's B beside an f16 A (`MosaicDecodeConfig`)
+  if e4m3_scores:  # fp8 wgmma's B beside the e4m3 slot (`_e4m3_queries`)
+    q, q_scales = _e4m3_queries(q)
+  elif register_a:  # wgmma's B beside an f16 A (`MosaicDecodeConfig`)
     q, q_scales = _f16_queries(q)
     if wide_keys:  # the key fragments' column order (`wide_key_order`)
       q = wide_key_order(q)
   else:
     q_scales = jnp.ones((t,), jnp.float32)
+  # P's (and the interpreter's converted tiles'): register_a's f16 beside f16 or e4m3 queries.
+  p_dtype = jnp.float16 if register_a else q.dtype
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
 
@@ -992,7 +1057,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                              in_place=not interpret, shared_widening=shared_widening,
                              heads_n=heads_n, register_a=register_a,
                              value_cols=value_cols, wide_keys=wide_keys,
-                             wide_values=wide_values)
+                             wide_values=wide_values, e4m3_scores=e4m3_scores)
   # bf16 slots x rows (the consumers' step). wgmma's K must be a multiple of its operands' swizzle
   # width, and P V's K is the step: 32-row steps take 64-byte swizzles (32 bf16) for the query,
   # the slots and P alike (one wgmma takes one swizzle). Half pages: 72 + 2 x 36 (bf16 slots) +
@@ -1005,7 +1070,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
     slots = _REGISTER_A_STAGES
     slot_type = swizzled((slots, _STEP, d), F8, _FP8_COLS)
     if interpret:  # each consumer's converted A tile (`a_operand`)
-      staging = (swizzled((_VALUE_WGS, _FP8_COLS, _FP8_COLS), q.dtype),)
+      staging = (swizzled((_VALUE_WGS, _FP8_COLS, _FP8_COLS), p_dtype),)
   elif fp8:
     staging = (plgpu.SMEM((_FP8_STAGES, _STEP, d), F8,
                           transforms=(plgpu.TilingTransform((8, _FP8_COLS)),
@@ -1032,9 +1097,10 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                 jax.ShapeDtypeStruct((t, splits, np_), jnp.float32)),
       scratch_types=(
           plgpu.RefUnion(
-              (swizzled((tile_h, d), q.dtype, sw), slot_type),
+              (swizzled(q.shape[1:], F8, _FP8_COLS) if e4m3_scores
+               else swizzled((tile_h, d), q.dtype, sw), slot_type),
               (o_staging, plgpu.SMEM((tile_h,), jnp.float32))),
-          swizzled((tile_h, step_rows), q.dtype, sw),
+          swizzled((tile_h, step_rows), p_dtype, sw),
           plgpu.SMEM((tile_h,), jnp.float32),
           plgpu.Barrier(),
           # ready: the memory warpgroup's bulk copy or widening, and warpgroup 1's widening too
@@ -1062,6 +1128,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
       kernel_name=(f"mosaic_latent_decode_{'fp8' if fp8 else 'bf16'}{'_half' if half_pages else ''}"
                    f"{'_shared' if shared_widening else ''}{'_register_a' if register_a else ''}"
                    f"{'_wide_keys' if wide_keys else ''}{'_wide_values' if wide_values else ''}"
+                   f"{'_e4m3_scores' if e4m3_scores else ''}"
                    f"{f'_heads_n{tile_h}' if heads_n else ''}"
                    f"_p{page}_s{splits}"),
   )(q, kv_cache, block_tables, seq_lens, k_scale, q_scales)
