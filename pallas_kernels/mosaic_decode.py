@@ -468,7 +468,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # first Np rows, the others never stored); kv_ref [num_blocks, page, D] bf16 or
   # e4m3; bt_ref [T, max_blocks] int32; len_ref [T] int32; ks_ref [1] f32 (the cache's scale, 1
   # for bf16); qs_ref [T] f32 (each token's query scale-back, 1 but with register_a's f16 q:
-  # `_f16_queries`); o_ref [T, splits, Np, L]; lse_ref [T, splits, Np] f32. SMEM: buffers = union of
+  # `_f16_queries`; [T, Np], per head, with e4m3_scores); o_ref [T, splits, Np, L]; lse_ref [T, splits, Np] f32. SMEM: buffers = union of
   # (q_smem [64, D], kv_smem [slots, rows, D]) bf16 (2 x 64 rows; with an fp8 cache 1 x 64, or
   # 2 x 32 with fp8_pipeline="half_pages"), live while the steps run, and (o_smem [2, 64, L/2] o
   # dtype, lse_smem [64] f32), live after; p_smem [64, rows] bf16 (this step's P); row_smem [64]
@@ -494,9 +494,13 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # wide_values (register_a): the O^T tiles' rows are the value columns in `wide_value_order` (V^T's
   # fragments from wide loads on the GPU, `_wide_value_tiles`; permuted after the load here);
   # the caller puts the output's columns back.
-  # e4m3_scores (register_a): q_smem [2 x tile_h, D] e4m3 (64-byte swizzled), q's exact parts hi
-  # and lo (`_e4m3_queries`); S^T = K hi^T + 2^-4 K lo^T by fp8 wgmma from the slot itself.
+  # e4m3_scores (register_a): q_ref [T, 2 Np, D] e4m3 and q_smem [2 x tile_h, D] (64-byte
+  # swizzled), q's exact parts hi and lo (`_e4m3_queries`); S^T = K hi^T + 2^-4 K lo^T by fp8 wgmma
+  # from the slot itself. qs_ref is then [T, Np] (a scale-back per head), staged first:
+  # qs_smem [tile_h] f32, copied beside the query tile (q_bar takes both copies).
   (q_smem, kv_smem), (o_smem, lse_smem) = buffers
+  if e4m3_scores:
+    qs_smem, *staging = staging
   a_smem, staging = (staging[0] if staging else None, ()) if register_a else (None, staging)
   fp8 = bool(staging)  # the widening pipelines (bf16 slots widened from an e4m3 stage)
   slots, step_rows = kv_smem.shape[:2]
@@ -524,7 +528,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # log2(e) folded in: the softmax runs on exp2. The per-tensor fp8 scale is linear: it scales the
   # logits here and the output at the end instead of every cache value.
   k_scale = ks_ref[0]
-  qk_scale = scale * LOG2E * k_scale * qs_ref[t]
+  qk_scale = scale * LOG2E * k_scale * (1.0 if e4m3_scores else qs_ref[t])
 
   length = jnp.minimum(jnp.maximum(len_ref[t], 0), max_blocks * page)
   first, end = split_range(pl.cdiv(length, _STEP), split, num_splits, split_steps)
@@ -668,6 +672,9 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
     def _():
       plgpu.barrier_wait(q_bar)
 
+    if e4m3_scores:  # the heads' score scales (read, unused, when there is no step)
+      head_scales = plgpu.load(qs_smem, layout=plgpu.Layout.WGMMA.reduce(0)) * qk_scale
+
     def step(i, carry):
       m, l, acc = carry
       slot = lax.rem(i, slots)
@@ -712,7 +719,10 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
         s = pl.run_scoped(scores, plgpu.ACC(s_shape, jnp.float32))
       # Made in the step, not carried: a 64 x 64 int32 iota is 32 registers a thread.
       keys = plgpu.broadcasted_iota(jnp.int32, s_shape, 1 - heads_axis, layout=plgpu.Layout.WGMMA)
-      m_new, alpha, p, l = softmax_step(jnp.where(keys < rows, s * qk_scale, -jnp.inf), m, l,
+      s_scale = (lax.broadcast_in_dim(head_scales, s_shape, [heads_axis]) if e4m3_scores
+                 else qk_scale)
+      # A select, not a multiply: no tail row's score (NaN bytes there give NaN) reaches P.
+      m_new, alpha, p, l = softmax_step(jnp.where(keys < rows, s * s_scale, -jnp.inf), m, l,
                                         heads_axis)
       p16 = hand_over_p(i, p, alpha, p_smem.transpose((1, 0)) if heads_n else p_smem, row_smem,
                         p_ready, p_free)
@@ -773,6 +783,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
     def _():
       q_rows = q_ref.at[t] if e4m3_scores else q_ref.at[t, rows_out]  # e4m3: heads in N, whole
       plgpu.copy_gmem_to_smem(q_rows, leading_rows(q_smem, q_rows), q_bar)
+      if e4m3_scores:
+        plgpu.copy_gmem_to_smem(qs_ref.at[t], qs_smem, q_bar)
 
     if fp8:
       _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, memory_tiles, *staging)
@@ -928,19 +940,20 @@ E4M3_LO_SCALE = 2.0 ** -4
 
 def _e4m3_queries(q):
   """q [T, Np, D] bf16 as e4m3_scores' B operand: [T, 2 Np, D] e4m3, each token's hi parts then
-  lo parts, and the inverse powers of two [T] f32 the kernel folds into each token's score scale.
-  Each token is scaled by the power of two that puts its largest magnitude in [2^7, 2^8) (e4m3
-  ends at 448), hi = e4m3(q), lo = e4m3((q - hi) / E4M3_LO_SCALE). Exact, q = hi + 2^-4 lo, for
-  every element at least 2^-6 after the scaling (2^(E - 13) for a token whose largest magnitude
-  is in [2^E, 2^(E+1))): hi rounds its 8 significant bits to 4 (e4m3 normals from 2^-6), and the
-  residual, a multiple of the element's bf16 ulp at most half of hi's, is 4 bits on e4m3's grid
-  (subnormals to 2^-9); smaller ones lose bits (the check over every bf16 value:
-  tests/test_decode_backends.py). Per token: a row's result never depends on the batch."""
-  t, np_, d = q.shape
-  _, exponent = jnp.frexp(jnp.max(jnp.abs(q.astype(jnp.float32)), axis=(1, 2)))  # |q| < 2^e
-  # Kept within float32's normal powers (an all-zero token: e = 0, scaled up by 2^8, still 0).
+  lo parts, and the inverse powers of two [T, Np] f32 the kernel folds into each head's scores.
+  Each head of each token is scaled by the power of two that puts its largest magnitude in
+  [2^7, 2^8) (e4m3 ends at 448), hi = e4m3(q), lo = e4m3((q - hi) / E4M3_LO_SCALE). Exact,
+  q = hi + 2^-4 lo, for every element at least 2^-6 after the scaling (2^(E - 13) for a head
+  whose largest magnitude is in [2^E, 2^(E+1))): hi rounds its 8 significant bits to 4 (e4m3
+  normals from 2^-6), and the residual, a multiple of the element's bf16 ulp at most half of hi's,
+  is 4 bits on e4m3's grid (subnormals to 2^-9); smaller ones lose bits, at most 2^-14 after the
+  scaling (the check over every bf16 value: tests/test_decode_backends.py). Per head, not per
+  token as `_f16_queries`: e4m3's range is narrow, and one head's outlier must not push the
+  token's other heads below it. A row's result never depends on the batch."""
+  _, exponent = jnp.frexp(jnp.max(jnp.abs(q.astype(jnp.float32)), axis=2))  # |q| < 2^e
+  # Kept within float32's normal powers (an all-zero head: e = 0, scaled up by 2^8, still 0).
   shift = jnp.clip(exponent - 8, -120, 120)
-  scaled = q.astype(jnp.float32) * jnp.ldexp(jnp.float32(1), -shift)[:, None, None]
+  scaled = q.astype(jnp.float32) * jnp.ldexp(jnp.float32(1), -shift)[..., None]
   hi = scaled.astype(F8)
   lo = ((scaled - hi.astype(jnp.float32)) / E4M3_LO_SCALE).astype(F8)
   return jnp.concatenate([hi, lo], axis=1), jnp.ldexp(jnp.float32(1), shift)
@@ -1071,6 +1084,8 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
     slot_type = swizzled((slots, _STEP, d), F8, _FP8_COLS)
     if interpret:  # each consumer's converted A tile (`a_operand`)
       staging = (swizzled((_VALUE_WGS, _FP8_COLS, _FP8_COLS), p_dtype),)
+    if e4m3_scores:  # the heads' scale-backs (qs_smem)
+      staging = (plgpu.SMEM((tile_h,), jnp.float32),) + staging
   elif fp8:
     staging = (plgpu.SMEM((_FP8_STAGES, _STEP, d), F8,
                           transforms=(plgpu.TilingTransform((8, _FP8_COLS)),
@@ -1102,7 +1117,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
               (o_staging, plgpu.SMEM((tile_h,), jnp.float32))),
           swizzled((tile_h, step_rows), p_dtype, sw),
           plgpu.SMEM((tile_h,), jnp.float32),
-          plgpu.Barrier(),
+          plgpu.Barrier(num_arrivals=1 + e4m3_scores),  # q_bar (e4m3_scores: q and its scales)
           # ready: the memory warpgroup's bulk copy or widening, and warpgroup 1's widening too
           # with shared_widening.
           plgpu.Barrier(num_arrivals=1 + shared_widening, num_barriers=slots),

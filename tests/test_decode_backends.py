@@ -204,7 +204,14 @@ class TestPallasMosaicDecode(DecodeContract):
       # The default's wide_values (lane-level value loads, 16 bytes at 16 heads, 8 at 32): the
       # timed shapes (one split) and float32 partials at 16 heads.
       *[(batch, n, 8192, splits, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a"})
-        for batch, n, splits in ((128, 32, None), (32, 16, 4))]])
+        for batch, n, splits in ((128, 32, None), (32, 16, 4))],
+      # register_a's e4m3_scores (fp8 wgmma from the e4m3 slot, q's two e4m3 parts transposed as
+      # B): the timed shapes (one split), float32 partials and fixed splits, both head tiles.
+      *[(batch, n, 8192, splits, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a",
+                                                     "e4m3_scores": True, **fixed})
+        for n in (16, 32)
+        for batch, splits, fixed in ((128, None, {}), (32, 4, {}),
+                                     (32, None, {"split_tokens": 2048}))]])
   def test_lowers_for_hopper(self, batch, n, seq, splits, cache_dtype, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # shapes and layouts, bulk-copy boxes, and that shared memory fits a Hopper block's 227 KB.
@@ -686,6 +693,101 @@ class TestPallasMosaicDecodeRegisterANarrowValues(TestPallasMosaicDecodeHeadsNRe
     with pytest.raises(ValueError, match="wide_values takes kv_lora_rank 512"):
       mosaic_decode.latent_decode.trace(q, cache, tables, lens, scale=0.1, kv_lora_rank=256,
                                         k_scale=jnp.float32(FP8_SCALE), wide_values=True)
+
+
+class TestPallasMosaicDecodeRegisterAE4m3Scores(TestPallasMosaicDecodeHeadsNRegisterA):
+  """register_a with e4m3_scores: S^T by fp8 wgmma from the e4m3 slot (A) and q's two exact e4m3
+  parts (B, transposed), combined as hi + 2^-4 lo, against the reference at the contract's
+  tolerances: the fp8 cases of the heads_in="n" tests (16 and 32 heads, one split and several,
+  lengths cutting pages, bad table entries: the tail rows zeroed in the slot the wgmma reads and
+  their scores masked by a select), q past f16's range and far below e4m3's (scaled by powers of
+  two both ways). The interpreter's fp8 wgmma sums in float32; Hopper's reduced-precision fp8
+  accumulation runs only on the GPU (tests/test_decode_gpu.py)."""
+  knob, value = "e4m3_scores", True
+  others = {"fp8_pipeline": "register_a", "heads_in": "n"}
+  # The parent's: the pipeline rules, the f16 queries (not used here) and the register_a errors.
+  test_register_a_defaults_to_heads_n = None
+  test_default_fp8_pipeline = None
+  test_f16_queries_are_exact_powers_of_two = None
+  test_register_a_bad_input_raises = None
+  test_bad_input_raises = None
+
+  @pytest.mark.parametrize("n,cache_dtype", [(16, jnp.float8_e4m3fn), (32, jnp.float8_e4m3fn)])
+  def test_no_races_in_the_interpreter(self, n, cache_dtype):
+    # The q parts' bulk copy and the slot read by two wgmmas while warpgroup 1 reads its values.
+    for splits in (1, 2):
+      check_no_races(126, n, cache_dtype, num_kv_splits=splits, heads_in="n",
+                     fp8_pipeline="register_a", e4m3_scores=True)
+
+  def test_queries_far_below_e4m3_range(self):
+    # A token of tiny magnitudes runs scaled up by a power of two (its largest to [128, 256));
+    # unscaled, its hi parts would flush to e4m3 zeros.
+    q, cache, tables, lens = make_case(131, n=16, page=64, req_lens=[150, 64, 7],
+                                       cache_dtype=jnp.float8_e4m3fn)
+    q = q.copy()
+    q[0] *= 2.0 ** -30
+    q[1] *= 2.0 ** 12
+    self.check(q, cache, tables, lens, k_scale=FP8_SCALE, num_kv_splits=1)
+
+  def test_e4m3_split_is_exact(self):
+    # Every finite bf16 magnitude below 256 in tokens whose largest is 255 (no scaling): hi + 2^-4
+    # lo is the value exactly from 2^-6 (e4m3's normals) up, and not always below it.
+    x = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(jnp.bfloat16)
+    x = x[np.isfinite(x) & (np.abs(x.astype(np.float32)) < 256)]
+    per_token = 576 - 1
+    x = np.pad(x, (0, -len(x) % per_token)).reshape(-1, 1, per_token)
+    q = np.concatenate([x, np.full((len(x), 1, 1), 255, jnp.bfloat16)], axis=2)
+    parts, back = (np.asarray(a) for a in mosaic_decode._e4m3_queries(jnp.asarray(q)))
+    assert parts.dtype == jnp.float8_e4m3fn and parts.shape == (len(x), 2, 576)
+    np.testing.assert_array_equal(back, np.ones((len(x), 1)))
+    want = q.astype(np.float32)[:, 0]
+    got = parts[:, 0].astype(np.float32) + mosaic_decode.E4M3_LO_SCALE * parts[:, 1].astype(
+        np.float32)
+    normal = np.abs(want) >= 2.0 ** -6
+    np.testing.assert_array_equal(got[normal], want[normal])
+    assert (got[~normal] != want[~normal]).any()
+    # Scaled heads (each its own power of two): the same parts, and the powers back.
+    heads = np.concatenate([q[:1], q[1:2] * 2.0 ** 20, q[2:3] * 2.0 ** -20], axis=1)
+    scaled, back = (np.asarray(a) for a in mosaic_decode._e4m3_queries(jnp.asarray(heads)))
+    np.testing.assert_array_equal(back, [[1, 2.0 ** 20, 2.0 ** -20]])
+    np.testing.assert_array_equal(scaled.view(np.uint8).reshape(2, 3, 576),
+                                  parts[:3].view(np.uint8).transpose(1, 0, 2))
+
+  def test_bf16_cache_ignores_it(self):
+    q = jax.ShapeDtypeStruct((32, 16, 576), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((32 * 128, 64, 576), jnp.bfloat16)
+    tables = jax.ShapeDtypeStruct((32, 128), jnp.int32)
+    lens = jax.ShapeDtypeStruct((32,), jnp.int32)
+    jaxpr = lambda **knobs: str(mosaic_decode.latent_decode.trace(
+        q, cache, tables, lens, scale=SCALE, heads_in="n", **knobs).jaxpr)
+    assert jaxpr(e4m3_scores=True) == jaxpr()
+
+  def test_it_changes_the_fp8_program(self):
+    q = jax.ShapeDtypeStruct((32, 16, 576), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((32 * 128, 64, 576), jnp.float8_e4m3fn)
+    tables = jax.ShapeDtypeStruct((32, 128), jnp.int32)
+    lens = jax.ShapeDtypeStruct((32,), jnp.int32)
+    jaxpr = lambda **knobs: str(mosaic_decode.latent_decode.trace(
+        q, cache, tables, lens, scale=SCALE, k_scale=jnp.float32(FP8_SCALE), **knobs).jaxpr)
+    assert mosaic_decode.CONFIG.e4m3_scores is False
+    assert jaxpr(e4m3_scores=False) == jaxpr() != jaxpr(e4m3_scores=True)
+
+  @pytest.mark.parametrize("value", [1, None, "yes"])
+  def test_e4m3_scores_must_be_a_bool(self, value):
+    with pytest.raises(ValueError, match="e4m3_scores must be True or False"):
+      mosaic_decode.MosaicDecodeConfig(e4m3_scores=value)
+
+  @pytest.mark.parametrize("knobs,message", [
+      ({"fp8_pipeline": "serial"}, "e4m3_scores takes fp8_pipeline=\"register_a\""),
+      ({"fp8_pipeline": "shared_widening"}, "e4m3_scores takes fp8_pipeline=\"register_a\""),
+      ({"fp8_pipeline": "register_a", "wide_keys": True}, "wide_keys loads the keys"),
+  ])
+  def test_e4m3_scores_bad_input_raises(self, knobs, message):
+    q, cache, tables, lens = (jnp.asarray(a) for a in make_case(
+        128, n=16, page=64, req_lens=[20, 5], cache_dtype=jnp.float8_e4m3fn))
+    with pytest.raises(ValueError, match=message):
+      mosaic_decode.latent_decode(q, cache, tables, lens, k_scale=FP8_SCALE, scale=0.1,
+                                  heads_in="n", e4m3_scores=True, interpret=True, **knobs)
 
 
 def _stage1_splits(jaxpr):
