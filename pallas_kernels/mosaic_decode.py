@@ -161,8 +161,8 @@ class MosaicDecodeConfig:
   (`_e4m3_queries`, q = hi + 2^-4 lo) read as B from one [2 x heads, 576] e4m3 tile, into two
   accumulators combined as acc_hi + 2^-4 acc_lo before the score scale. The keys' bytes are the
   products' (no wide_keys: True is a ValueError with it, None off). False (the default) keeps the
-  f16 keys in registers. Hopper's fp8 wgmma keeps fewer accumulator bits than f16's (about 14, DeepSeek-V3's
-  report): tests/test_decode_gpu.py checks the outputs against the reference."""
+  f16 keys in registers. Hopper's fp8 wgmma keeps fewer accumulator bits than f16's (about 14,
+  DeepSeek-V3's report): tests/test_decode_gpu.py checks the outputs against the reference."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -468,7 +468,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # first Np rows, the others never stored); kv_ref [num_blocks, page, D] bf16 or
   # e4m3; bt_ref [T, max_blocks] int32; len_ref [T] int32; ks_ref [1] f32 (the cache's scale, 1
   # for bf16); qs_ref [T] f32 (each token's query scale-back, 1 but with register_a's f16 q:
-  # `_f16_queries`; [T, Np], per head, with e4m3_scores); o_ref [T, splits, Np, L]; lse_ref [T, splits, Np] f32. SMEM: buffers = union of
+  # `_f16_queries`; [T, Np], per head, with e4m3_scores); o_ref [T, splits, Np, L]; lse_ref
+  # [T, splits, Np] f32. SMEM: buffers = union of
   # (q_smem [64, D], kv_smem [slots, rows, D]) bf16 (2 x 64 rows; with an fp8 cache 1 x 64, or
   # 2 x 32 with fp8_pipeline="half_pages"), live while the steps run, and (o_smem [2, 64, L/2] o
   # dtype, lse_smem [64] f32), live after; p_smem [64, rows] bf16 (this step's P); row_smem [64]

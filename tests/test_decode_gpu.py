@@ -236,3 +236,29 @@ def test_batch_invariant_is_bit_exact(kernel, n, cache_dtype):
   ref_o, ref_lse = (np.asarray(a, np.float64) for a in
                     ref(q, cache, tables, lens, scale=SCALE, kv_lora_rank=L, k_scale=k_scale))
   assert_decode_close(np.asarray(full[0].astype(jnp.float32)), np.asarray(full[1]), ref_o, ref_lse)
+
+
+@pytest.mark.parametrize("seed,batch,max_len,n,splits,fixed", [
+    (7, 128, 8192, 16, None, {}),  # the timed shapes (one split): bf16 output stored transposed
+    (8, 128, 8192, 32, None, {}),
+    (9, 128, 8192, 16, 4, {}),  # float32 partials
+    (10, 128, 8192, 32, 4, {}),
+    (4, 128, 8192, 16, None, {"split_tokens": BATCH_INVARIANT_SPLIT_TOKENS}),
+    (5, 128, 8192, 32, None, {"split_tokens": BATCH_INVARIANT_SPLIT_TOKENS}),
+    (3, 128, 32768, 16, 4, {}),  # 2**31+ e4m3 values
+])
+def test_e4m3_scores_matches_reference(seed, batch, max_len, n, splits, fixed):
+  # register_a's e4m3_scores: S^T by fp8 wgmma from the e4m3 slot and q's two e4m3 parts, whose
+  # reduced-precision accumulation (Hopper) only the GPU runs; NaN bytes in unused pages.
+  check_serving_case(seed, batch, max_len, n, jnp.float8_e4m3fn, functools.partial(
+      mosaic_decode.latent_decode, num_kv_splits=splits, heads_in="n",
+      fp8_pipeline="register_a", e4m3_scores=True, **fixed))
+
+
+def test_e4m3_scores_queries_far_from_e4m3_range():
+  # The e4m3 parts' per-head powers of two, both ways (q past f16's range and far below e4m3's).
+  q_scale = jnp.where(jnp.arange(32) % 3 == 0, 2.0 ** 15,
+                      jnp.where(jnp.arange(32) % 3 == 1, 2.0 ** -20, 1.0))
+  check_serving_case(11, 32, 4096, 16, jnp.float8_e4m3fn, functools.partial(
+      mosaic_decode.latent_decode, heads_in="n", fp8_pipeline="register_a", e4m3_scores=True),
+      q_scale=q_scale)
