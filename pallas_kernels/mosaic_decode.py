@@ -156,13 +156,17 @@ class MosaicDecodeConfig:
   e4m3_scores (an fp8 cache with fp8_pipeline "register_a" only: True is a ValueError with the
   other fp8 pipelines; bf16 caches ignore it): S^T = K Q^T by fp8 wgmma straight from shared
   memory, A the e4m3 slot itself ([64 tokens, 576], K-major with the 64-byte swizzle), so
-  warpgroup 0 loads and converts no keys (its step was ~473 SASS instructions a thread at N=16,
-  warpgroup 1's ~354: warpgroup 0 paced the kernel). q is split exactly into two e4m3 parts
-  (`_e4m3_queries`, q = hi + 2^-4 lo) read as B from one [2 x heads, 576] e4m3 tile, into two
-  accumulators combined as acc_hi + 2^-4 acc_lo before the score scale. The keys' bytes are the
-  products' (no wide_keys: True is a ValueError with it, None off). False (the default) keeps the
-  f16 keys in registers. Hopper's fp8 wgmma keeps fewer accumulator bits than f16's (about 14,
-  DeepSeek-V3's report): tests/test_decode_gpu.py checks the outputs against the reference."""
+  warpgroup 0 loads and converts no keys. q is split exactly into two e4m3 parts per head
+  (`_e4m3_queries`, q = hi + 2^-4 lo), one [2 x heads, 576] e4m3 tile (hi rows, then lo rows) that
+  is B of one wgmma of N = 2 x heads: [64 tokens, 2 x heads], its halves combined as
+  K hi^T + 2^-4 K lo^T before the score scale. One wgmma, not one a part: ptxas (13.5) kept the
+  two products' 36 loop-invariant B descriptors in ordinary registers and moved them back each
+  step (warpgroup 0's step, B=128 S=8192, SASS instructions a thread: N=16 481 without the knob,
+  470 with two wgmmas, 316 with one; N=32 640, 649 (and 2 spill loads a step), 483; warpgroup
+  1's: 354 and 437). The keys' bytes are the products' (no wide_keys: True is a ValueError with
+  it, None off). False (the default) keeps the f16 keys in registers. Hopper's fp8 wgmma keeps
+  fewer accumulator bits than f16's (about 14, DeepSeek-V3's report): tests/test_decode_gpu.py
+  checks the outputs against the reference."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -496,9 +500,9 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # fragments from wide loads on the GPU, `_wide_value_tiles`; permuted after the load here);
   # the caller puts the output's columns back.
   # e4m3_scores (register_a): q_ref [T, 2 Np, D] e4m3 and q_smem [2 x tile_h, D] (64-byte
-  # swizzled), q's exact parts hi and lo (`_e4m3_queries`); S^T = K hi^T + 2^-4 K lo^T by fp8 wgmma
-  # from the slot itself. qs_ref is then [T, Np] (a scale-back per head), staged first:
-  # qs_smem [tile_h] f32, copied beside the query tile (q_bar takes both copies).
+  # swizzled), q's exact parts hi and lo (`_e4m3_queries`); S^T = K hi^T + 2^-4 K lo^T from one
+  # fp8 wgmma (N = 2 x tile_h) from the slot itself. qs_ref is then [T, Np] (a scale-back per
+  # head), staged first: qs_smem [tile_h] f32, copied beside the query tile (q_bar takes both).
   (q_smem, kv_smem), (o_smem, lse_smem) = buffers
   if e4m3_scores:
     qs_smem, *staging = staging
@@ -686,12 +690,10 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
       if not fp8:
         pl.when(rows < _STEP)(functools.partial(zero_rows, slot, rows))
 
-      def e4m3_scores_(*acc_refs):  # S^T's two parts [64 tokens, heads] f32, from hi and lo
-        for part, acc_ref in enumerate(acc_refs):
-          plgpu.wgmma(acc_ref, kv_smem.at[slot],
-                      q_smem.at[pl.ds(part * tile_h, tile_h)].transpose((1, 0)))
-        hi, lo = acc_refs
-        return hi[...] + lo[...] * E4M3_LO_SCALE
+      def e4m3_scores_(acc_ref):  # [64 tokens, 2 x heads] f32: K hi^T, then K lo^T
+        plgpu.wgmma(acc_ref, kv_smem.at[slot], q_smem.transpose((1, 0)))
+        both = acc_ref[...]
+        return both[:, :tile_h] + both[:, tile_h:] * E4M3_LO_SCALE
 
       def scores(acc_ref):  # acc_ref [64 heads, step_rows] f32 (heads in N: S^T [64, heads])
         if register_a:  # K's e4m3 [64 tokens, 64] tiles converted in registers (WGMMA layout)
@@ -715,7 +717,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
 
       s_shape = (step_rows, tile_h) if heads_n else (_TILE_H, step_rows)
       if e4m3_scores:
-        s = pl.run_scoped(e4m3_scores_, *[plgpu.ACC(s_shape, jnp.float32)] * 2)
+        s = pl.run_scoped(e4m3_scores_, plgpu.ACC((_STEP, 2 * tile_h), jnp.float32))
       else:
         s = pl.run_scoped(scores, plgpu.ACC(s_shape, jnp.float32))
       # Made in the step, not carried: a 64 x 64 int32 iota is 32 registers a thread.
