@@ -252,8 +252,8 @@ def _mosaic_indexer_logits(q, weights, k_cache, block_tables, seq_lens):
 
 # The Mosaic decode kernel's launch config wherever a backend runs it (pallas_mosaic, and pallas on
 # Hopper), read at each call: its fp8_pipeline (one of its FP8_PIPELINES), heads_in, wide_keys,
-# wide_values and e4m3_scores (see `pallas_kernels.mosaic_decode.MosaicDecodeConfig`) are the
-# knobs a backend passes on.
+# wide_values, e4m3_scores and e4m3_promote_cols (see
+# `pallas_kernels.mosaic_decode.MosaicDecodeConfig`) are the knobs a backend passes on.
 MOSAIC_DECODE_CONFIG = pallas_mosaic_decode.CONFIG
 
 
@@ -263,7 +263,9 @@ def _mosaic_decode(q, kv_cache, block_tables, seq_lens, **kwargs):
                                             heads_in=MOSAIC_DECODE_CONFIG.heads_in,
                                             wide_keys=MOSAIC_DECODE_CONFIG.wide_keys,
                                             wide_values=MOSAIC_DECODE_CONFIG.wide_values,
-                                            e4m3_scores=MOSAIC_DECODE_CONFIG.e4m3_scores, **kwargs)
+                                            e4m3_scores=MOSAIC_DECODE_CONFIG.e4m3_scores,
+                                            e4m3_promote_cols=MOSAIC_DECODE_CONFIG.e4m3_promote_cols,
+                                            **kwargs)
 
 
 # The Mosaic GPU (Hopper wgmma) decode, prefill, sparse attention and indexer kernels; the others

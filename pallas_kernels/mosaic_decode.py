@@ -165,8 +165,13 @@ class MosaicDecodeConfig:
   470 with two wgmmas, 316 with one; N=32 640, 649 (and 2 spill loads a step), 483; warpgroup
   1's: 354 and 437). The keys' bytes are the products' (no wide_keys: True is a ValueError with
   it, None off). False (the default) keeps the f16 keys in registers. Hopper's fp8 wgmma keeps
-  fewer accumulator bits than f16's (about 14, DeepSeek-V3's report): tests/test_decode_gpu.py
-  checks the outputs against the reference."""
+  fewer accumulator bits than f16's (about 14, DeepSeek-V3's report, section 3.3.2): in one
+  accumulation over the 576 columns the outputs missed the reference's tolerance (H200, session
+  17: cosine difference over 1e-5 in 7 of 8 GPU tests) though it ran 1.30x the default at N=16.
+  e4m3_promote_cols (one of E4M3_PROMOTE_COLS; e4m3_scores only) promotes as DeepGEMM does: the
+  product is split over the columns into chunks this wide (the last one shorter: 4 x 128 + 64),
+  each into a fresh accumulator, summed in f32 registers; two accumulators alternate, so chunk c +
+  1's wgmma runs while chunk c's is read. 576: one accumulation (the form timed above)."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -175,6 +180,7 @@ class MosaicDecodeConfig:
   wide_keys: bool | None = None
   wide_values: bool | None = None
   e4m3_scores: bool = False
+  e4m3_promote_cols: int = 128
 
   def __post_init__(self):
     if self.block_h != 64:
@@ -196,6 +202,14 @@ class MosaicDecodeConfig:
       raise ValueError(f"wide_values must be None, True or False, got {self.wide_values!r}")
     if not isinstance(self.e4m3_scores, bool):
       raise ValueError(f"e4m3_scores must be True or False, got {self.e4m3_scores!r}")
+    if self.e4m3_promote_cols not in E4M3_PROMOTE_COLS:
+      raise ValueError(f"e4m3_promote_cols must be one of {E4M3_PROMOTE_COLS}, got "
+                       f"{self.e4m3_promote_cols!r}")
+
+
+# e4m3_scores' promotion chunks: multiples of the 64-byte-swizzled slot's 64-column tiles (128:
+# DeepGEMM's interval, 4 fp8 wgmma k-instructions of 32; 576: none).
+E4M3_PROMOTE_COLS = (64, 128, 192, 576)
 
 
 # heads_in=None runs "n" up to this many heads: bf16 1.01-1.10x "m" at 16 and 32 heads (sessions
@@ -229,11 +243,13 @@ SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"),
          MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n"),
          MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", wide_keys=False),
          MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", wide_values=False),
-         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", e4m3_scores=True))
+         *[MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", e4m3_scores=True,
+                              e4m3_promote_cols=cols) for cols in (128, 192, 576)])
 # Fields that one cache dtype alone reads (with the other, the program is the same whatever they
 # are): a sweep times a config only with the cache dtype whose program it changes.
 DTYPE_KNOBS = {"fp8_pipeline": jnp.dtype(F8), "wide_keys": jnp.dtype(F8),
-               "wide_values": jnp.dtype(F8), "e4m3_scores": jnp.dtype(F8)}
+               "wide_values": jnp.dtype(F8), "e4m3_scores": jnp.dtype(F8),
+               "e4m3_promote_cols": jnp.dtype(F8)}
 _TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
 # fp8 caches: 2 slots of e4m3 bytes (36 KB each) that the memory warpgroup widens into the bf16
 # slots the products read ("serial": one of 64 rows; "half_pages": two of 32 rows), so the shared
@@ -467,7 +483,7 @@ def _wide_value_tiles(slot, first: int, count: int):
 def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_ref, buffers, p_smem,
                    row_smem, q_bar, ready, consumed, p_ready, p_free, *staging, scale, lora,
                    num_splits, split_steps, in_place, shared_widening, heads_n, register_a,
-                   value_cols, wide_keys, wide_values, e4m3_scores):
+                   value_cols, wide_keys, wide_values, e4m3_scores, e4m3_promote_cols):
   # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64, or fewer than 64 unpadded: the tile's
   # first Np rows, the others never stored); kv_ref [num_blocks, page, D] bf16 or
   # e4m3; bt_ref [T, max_blocks] int32; len_ref [T] int32; ks_ref [1] f32 (the cache's scale, 1
@@ -690,10 +706,24 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
       if not fp8:
         pl.when(rows < _STEP)(functools.partial(zero_rows, slot, rows))
 
-      def e4m3_scores_(acc_ref):  # [64 tokens, 2 x heads] f32: K hi^T, then K lo^T
-        plgpu.wgmma(acc_ref, kv_smem.at[slot], q_smem.transpose((1, 0)))
-        both = acc_ref[...]
-        return both[:, :tile_h] + both[:, tile_h:] * E4M3_LO_SCALE
+      def e4m3_scores_(first=0, previous=None, total=None):
+        """[64 tokens, 2 x heads] f32 (K hi^T, then K lo^T) of the columns from `first` on, plus
+        `total` and `previous`'s product. Promotion: each chunk of e4m3_promote_cols columns
+        into a fresh accumulator (Hopper's fp8 wgmma keeps ~14 bits as it accumulates), summed in
+        f32 registers. A scope a chunk, nested: chunk c + 1's wgmma is issued before chunk c's
+        (`previous`, the enclosing scope's) is waited for and read."""
+        def chunk(acc_ref):
+          cols = pl.ds(first, min(e4m3_promote_cols, kv_smem.shape[-1] - first))
+          plgpu.wgmma(acc_ref, kv_smem.at[slot, :, cols], q_smem.at[:, cols].transpose((1, 0)))
+          done = total
+          if previous is not None:  # done once at most this chunk's product is in flight
+            part = plgpu.wgmma_accumulator_load(previous, wait_n=1)
+            done = part if done is None else done + part
+          if first + e4m3_promote_cols < kv_smem.shape[-1]:
+            return e4m3_scores_(first + e4m3_promote_cols, acc_ref, done)
+          return acc_ref[...] if done is None else done + acc_ref[...]
+
+        return pl.run_scoped(chunk, plgpu.ACC((_STEP, 2 * tile_h), jnp.float32))
 
       def scores(acc_ref):  # acc_ref [64 heads, step_rows] f32 (heads in N: S^T [64, heads])
         if register_a:  # K's e4m3 [64 tokens, 64] tiles converted in registers (WGMMA layout)
@@ -717,7 +747,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
 
       s_shape = (step_rows, tile_h) if heads_n else (_TILE_H, step_rows)
       if e4m3_scores:
-        s = pl.run_scoped(e4m3_scores_, plgpu.ACC((_STEP, 2 * tile_h), jnp.float32))
+        both = e4m3_scores_()
+        s = both[:, :tile_h] + both[:, tile_h:] * E4M3_LO_SCALE
       else:
         s = pl.run_scoped(scores, plgpu.ACC(s_shape, jnp.float32))
       # Made in the step, not carried: a 64 x 64 int32 iota is 32 registers a thread.
@@ -965,6 +996,7 @@ def _e4m3_queries(q):
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits",
                                              "split_tokens", "fp8_pipeline", "heads_in",
                                              "wide_keys", "wide_values", "e4m3_scores",
+                                             "e4m3_promote_cols",
                                              "interpret"))
 def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
                   *, scale: float, kv_lora_rank: int = 512,
@@ -973,6 +1005,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                   heads_in: str | None = CONFIG.heads_in, wide_keys: bool | None = CONFIG.wide_keys,
                   wide_values: bool | None = CONFIG.wide_values,
                   e4m3_scores: bool = CONFIG.e4m3_scores,
+                  e4m3_promote_cols: int = CONFIG.e4m3_promote_cols,
                   interpret: bool | plgpu.InterpretGPUParams = False
                   ) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
@@ -994,13 +1027,14 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   kv_lora_rank 512; True is a ValueError with the other fp8 pipelines or kv_lora_rank != 512, a
   bf16 cache ignores it). e4m3_scores: register_a's scores by fp8 wgmma from shared memory
   (`MosaicDecodeConfig`; True is a ValueError with the other fp8 pipelines or wide_keys=True, a
-  bf16 cache ignores it).
+  bf16 cache ignores it); e4m3_promote_cols: its promotion chunks (`MosaicDecodeConfig`).
   interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
   o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
   _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits, split_tokens)
   MosaicDecodeConfig(fp8_pipeline=fp8_pipeline, heads_in=heads_in, wide_keys=wide_keys,
-                     wide_values=wide_values, e4m3_scores=e4m3_scores)  # checks
+                     wide_values=wide_values, e4m3_scores=e4m3_scores,
+                     e4m3_promote_cols=e4m3_promote_cols)  # checks
   fp8 = kv_cache.dtype == F8
   if heads_in is None:
     heads_in = default_heads_in(q.shape[1], fp8, fp8_pipeline)
@@ -1073,7 +1107,8 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                              in_place=not interpret, shared_widening=shared_widening,
                              heads_n=heads_n, register_a=register_a,
                              value_cols=value_cols, wide_keys=wide_keys,
-                             wide_values=wide_values, e4m3_scores=e4m3_scores)
+                             wide_values=wide_values, e4m3_scores=e4m3_scores,
+                             e4m3_promote_cols=e4m3_promote_cols)
   # bf16 slots x rows (the consumers' step). wgmma's K must be a multiple of its operands' swizzle
   # width, and P V's K is the step: 32-row steps take 64-byte swizzles (32 bf16) for the query,
   # the slots and P alike (one wgmma takes one swizzle). Half pages: 72 + 2 x 36 (bf16 slots) +
@@ -1146,7 +1181,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
       kernel_name=(f"mosaic_latent_decode_{'fp8' if fp8 else 'bf16'}{'_half' if half_pages else ''}"
                    f"{'_shared' if shared_widening else ''}{'_register_a' if register_a else ''}"
                    f"{'_wide_keys' if wide_keys else ''}{'_wide_values' if wide_values else ''}"
-                   f"{'_e4m3_scores' if e4m3_scores else ''}"
+                   f"{f'_e4m3_scores{e4m3_promote_cols}' if e4m3_scores else ''}"
                    f"{f'_heads_n{tile_h}' if heads_n else ''}"
                    f"_p{page}_s{splits}"),
   )(q, kv_cache, block_tables, seq_lens, k_scale, q_scales)

@@ -35,13 +35,16 @@ def assert_decode_close(o, lse, ref_o, ref_lse, *, tight=False):
       "NaN in the outputs (unwritten or leaked)")
   np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
   seen = np.isfinite(ref_lse)
-  assert cos_diff(o, ref_o) < 1e-5
-  assert cos_diff(lse[seen], ref_lse[seen]) < 1e-5
+  cos_o, cos_lse = cos_diff(o, ref_o), cos_diff(lse[seen], ref_lse[seen])
+  assert cos_o < 1e-5 and cos_lse < 1e-5, f"cosine difference o {cos_o:.3g}, lse {cos_lse:.3g}"
   atol, rtol = (1e-5, 1e-5) if tight else (8e-4, 2 / 128)
-  for got, want in ((o, ref_o), (lse[seen], ref_lse[seen])):
+  for name, got, want in (("o", o, ref_o), ("lse", lse[seen], ref_lse[seen])):
     err = np.abs(got - want)
     bad = (err > atol) & (err > rtol * np.abs(want))
-    assert not bad.any(), f"{bad.sum()} elements off; worst abs error {err.max():.3g}"
+    rel = err / np.maximum(np.abs(want), 1e-30)
+    assert not bad.any(), (f"{name}: {bad.sum()} elements off; worst abs error {err.max():.3g}, "
+                           f"worst rel error {rel.max():.3g} (cosine difference o {cos_o:.3g}, "
+                           f"lse {cos_lse:.3g})")
 
 
 def make_case(seed, *, n, page, req_lens, q_lens=None, q_dtype=jnp.bfloat16,

@@ -211,7 +211,11 @@ class TestPallasMosaicDecode(DecodeContract):
                                                      "e4m3_scores": True, **fixed})
         for n in (16, 32)
         for batch, splits, fixed in ((128, None, {}), (32, 4, {}),
-                                     (32, None, {"split_tokens": 2048}))]])
+                                     (32, None, {"split_tokens": 2048}))],
+      # Its other promotion chunks (one accumulation: 576) at the timed shapes.
+      *[(128, n, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a",
+                                                 "e4m3_scores": True, "e4m3_promote_cols": cols})
+        for n in (16, 32) for cols in (64, 192, 576)]])
   def test_lowers_for_hopper(self, batch, n, seq, splits, cache_dtype, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # shapes and layouts, bulk-copy boxes, and that shared memory fits a Hopper block's 227 KB.
@@ -771,6 +775,37 @@ class TestPallasMosaicDecodeRegisterAE4m3Scores(TestPallasMosaicDecodeHeadsNRegi
         q, cache, tables, lens, scale=SCALE, k_scale=jnp.float32(FP8_SCALE), **knobs).jaxpr)
     assert mosaic_decode.CONFIG.e4m3_scores is False
     assert jaxpr(e4m3_scores=False) == jaxpr() != jaxpr(e4m3_scores=True)
+
+  @pytest.mark.parametrize("cols,n,splits", [(64, 16, 1), (192, 32, 2), (576, 16, 1)])
+  def test_promote_cols(self, cols, n, splits):
+    # The other promotion chunks (the class's cases run the default, 128: 4 x 128 + 64) and one
+    # accumulation, 576; the interpreter sums exactly, so each must meet the contract here.
+    q, cache, tables, lens = make_case(132, n=n, page=64, req_lens=[1, 161, 0, 95, 300],
+                                       cache_dtype=jnp.float8_e4m3fn)
+    o, lse = mosaic_decode.latent_decode(
+        *(jnp.asarray(a) for a in (q, cache, tables, lens)), scale=SCALE, kv_lora_rank=L,
+        k_scale=FP8_SCALE, num_kv_splits=splits, heads_in="n", fp8_pipeline="register_a",
+        e4m3_scores=True, e4m3_promote_cols=cols, interpret=True)
+    ref_o, ref_lse = latent_decode_np(q.astype(np.float32), cache, tables, lens, SCALE, L,
+                                      FP8_SCALE)
+    assert_decode_close(np.asarray(o.astype(jnp.float32)), lse, ref_o, ref_lse)
+
+  def test_promote_cols_change_the_program(self):
+    q = jax.ShapeDtypeStruct((32, 16, 576), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((32 * 128, 64, 576), jnp.float8_e4m3fn)
+    tables = jax.ShapeDtypeStruct((32, 128), jnp.int32)
+    lens = jax.ShapeDtypeStruct((32,), jnp.int32)
+    jaxpr = lambda **knobs: str(mosaic_decode.latent_decode.trace(
+        q, cache, tables, lens, scale=SCALE, k_scale=jnp.float32(FP8_SCALE), e4m3_scores=True,
+        **knobs).jaxpr)
+    assert mosaic_decode.CONFIG.e4m3_promote_cols == 128
+    programs = [jaxpr(e4m3_promote_cols=cols) for cols in mosaic_decode.E4M3_PROMOTE_COLS]
+    assert jaxpr() == programs[1] and len(set(programs)) == len(programs)
+
+  @pytest.mark.parametrize("value", [0, 32, 100, 640, None])
+  def test_promote_cols_must_be_a_listed_width(self, value):
+    with pytest.raises(ValueError, match="e4m3_promote_cols must be one of"):
+      mosaic_decode.MosaicDecodeConfig(e4m3_promote_cols=value)
 
   @pytest.mark.parametrize("value", [1, None, "yes"])
   def test_e4m3_scores_must_be_a_bool(self, value):
