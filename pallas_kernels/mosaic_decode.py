@@ -170,8 +170,14 @@ class MosaicDecodeConfig:
   17: cosine difference over 1e-5 in 7 of 8 GPU tests) though it ran 1.30x the default at N=16.
   e4m3_promote_cols (one of E4M3_PROMOTE_COLS; e4m3_scores only) promotes as DeepGEMM does: the
   product is split over the columns into chunks this wide (the last one shorter: 4 x 128 + 64),
-  each into a fresh accumulator, summed in f32 registers; two accumulators alternate, so chunk c +
-  1's wgmma runs while chunk c's is read. 576: one accumulation (the form timed above)."""
+  each into a fresh accumulator, summed in f32 registers; chunk c + 1's wgmma is issued before
+  chunk c's is waited for (wgmma_accumulator_load(wait_n=1)) and read. All the chunks'
+  accumulators come from one scope: a scope a chunk (nested) made ptxas wait for chunk 0 before
+  issuing chunk 1 (a WARPGROUP.DEPBAR 0 not in the PTX) and spilled more at 32 heads. 576: one
+  accumulation (the form timed above). ptxas (13.5), warpgroup 0's step without zero_rows, SASS
+  instructions a thread, 576 / 192 / 128 / 64: N=16 316 / 384 / 461 / 622; N=32 483 / 615 /
+  756 / 1119 (64: 8 spill instructions in the step); the chunks' sums (FADD) and each fresh
+  accumulator's zeros (ptxas folds only the first's) are the growth."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -706,24 +712,20 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
       if not fp8:
         pl.when(rows < _STEP)(functools.partial(zero_rows, slot, rows))
 
-      def e4m3_scores_(first=0, previous=None, total=None):
-        """[64 tokens, 2 x heads] f32 (K hi^T, then K lo^T) of the columns from `first` on, plus
-        `total` and `previous`'s product. Promotion: each chunk of e4m3_promote_cols columns
-        into a fresh accumulator (Hopper's fp8 wgmma keeps ~14 bits as it accumulates), summed in
-        f32 registers. A scope a chunk, nested: chunk c + 1's wgmma is issued before chunk c's
-        (`previous`, the enclosing scope's) is waited for and read."""
-        def chunk(acc_ref):
+      def e4m3_scores_(*acc_refs):
+        """[64 tokens, 2 x heads] f32: K hi^T, then K lo^T. Promotion: each chunk of
+        e4m3_promote_cols columns into its own fresh accumulator (Hopper's fp8 wgmma keeps ~14
+        bits as it accumulates), summed in f32 registers; chunk c + 1's wgmma is issued before
+        chunk c's is waited for and read."""
+        total = None
+        for c, acc_ref in enumerate(acc_refs):
+          first = c * e4m3_promote_cols
           cols = pl.ds(first, min(e4m3_promote_cols, kv_smem.shape[-1] - first))
           plgpu.wgmma(acc_ref, kv_smem.at[slot, :, cols], q_smem.at[:, cols].transpose((1, 0)))
-          done = total
-          if previous is not None:  # done once at most this chunk's product is in flight
-            part = plgpu.wgmma_accumulator_load(previous, wait_n=1)
-            done = part if done is None else done + part
-          if first + e4m3_promote_cols < kv_smem.shape[-1]:
-            return e4m3_scores_(first + e4m3_promote_cols, acc_ref, done)
-          return acc_ref[...] if done is None else done + acc_ref[...]
-
-        return pl.run_scoped(chunk, plgpu.ACC((_STEP, 2 * tile_h), jnp.float32))
+          if c:  # chunk c - 1: done once at most this chunk's product is in flight
+            part = plgpu.wgmma_accumulator_load(acc_refs[c - 1], wait_n=1)
+            total = part if total is None else total + part
+        return acc_refs[-1][...] if total is None else total + acc_refs[-1][...]
 
       def scores(acc_ref):  # acc_ref [64 heads, step_rows] f32 (heads in N: S^T [64, heads])
         if register_a:  # K's e4m3 [64 tokens, 64] tiles converted in registers (WGMMA layout)
@@ -747,7 +749,9 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
 
       s_shape = (step_rows, tile_h) if heads_n else (_TILE_H, step_rows)
       if e4m3_scores:
-        both = e4m3_scores_()
+        both = pl.run_scoped(e4m3_scores_, *[
+            plgpu.ACC((_STEP, 2 * tile_h), jnp.float32)
+            for _ in range(pl.cdiv(kv_smem.shape[-1], e4m3_promote_cols))])
         s = both[:, :tile_h] + both[:, tile_h:] * E4M3_LO_SCALE
       else:
         s = pl.run_scoped(scores, plgpu.ACC(s_shape, jnp.float32))
