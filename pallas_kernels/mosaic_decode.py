@@ -523,7 +523,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # the caller puts the output's columns back.
   # e4m3_scores (register_a): q_ref [T, 2 Np, D] e4m3 and q_smem [2 x tile_h, D] (64-byte
   # swizzled), q's exact parts hi and lo (`_e4m3_queries`); S^T = K hi^T + 2^-4 K lo^T from one
-  # fp8 wgmma (N = 2 x tile_h) from the slot itself. qs_ref is then [T, Np] (a scale-back per
+  # fp8 wgmma (N = 2 x tile_h) a chunk of e4m3_promote_cols columns from the slot itself, the
+  # chunks' accumulators summed in f32 (promotion). qs_ref is then [T, Np] (a scale-back per
   # head), staged first: qs_smem [tile_h] f32, copied beside the query tile (q_bar takes both).
   (q_smem, kv_smem), (o_smem, lse_smem) = buffers
   if e4m3_scores:

@@ -802,6 +802,22 @@ class TestPallasMosaicDecodeRegisterAE4m3Scores(TestPallasMosaicDecodeHeadsNRegi
     programs = [jaxpr(e4m3_promote_cols=cols) for cols in mosaic_decode.E4M3_PROMOTE_COLS]
     assert jaxpr() == programs[1] and len(set(programs)) == len(programs)
 
+  def test_backend_passes_the_promote_cols(self, monkeypatch):
+    seen = []
+
+    def latent_decode(*args, **kwargs):
+      seen.append(kwargs["e4m3_promote_cols"])
+      return None, None
+
+    monkeypatch.setattr(mosaic_decode, "latent_decode", latent_decode)
+    monkeypatch.setattr(backends, "MOSAIC_DECODE_CONFIG", mosaic_decode.MosaicDecodeConfig(
+        e4m3_scores=True, e4m3_promote_cols=192, **self.others))
+    q, cache, tables, lens = make_case(112, n=16, page=64, req_lens=[5],
+                                       cache_dtype=jnp.float8_e4m3fn)
+    self.decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(tables), jnp.asarray(lens),
+                k_scale=FP8_SCALE)
+    assert seen == [192]
+
   @pytest.mark.parametrize("value", [0, 32, 100, 640, None])
   def test_promote_cols_must_be_a_listed_width(self, value):
     with pytest.raises(ValueError, match="e4m3_promote_cols must be one of"):
