@@ -36,7 +36,10 @@ def assert_decode_close(o, lse, ref_o, ref_lse, *, tight=False):
   np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
   seen = np.isfinite(ref_lse)
   cos_o, cos_lse = cos_diff(o, ref_o), cos_diff(lse[seen], ref_lse[seen])
-  assert cos_o < 1e-5 and cos_lse < 1e-5, f"cosine difference o {cos_o:.3g}, lse {cos_lse:.3g}"
+  worst = (f"worst abs error o {np.abs(o - ref_o).max():.3g}, lse "
+           f"{np.abs(lse[seen] - ref_lse[seen]).max(initial=0):.3g}")
+  assert cos_o < 1e-5 and cos_lse < 1e-5, (
+      f"cosine difference o {cos_o:.3g}, lse {cos_lse:.3g} (limit 1e-5); {worst}")
   atol, rtol = (1e-5, 1e-5) if tight else (8e-4, 2 / 128)
   for name, got, want in (("o", o, ref_o), ("lse", lse[seen], ref_lse[seen])):
     err = np.abs(got - want)
