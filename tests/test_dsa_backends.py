@@ -793,12 +793,12 @@ def test_mosaic_sparse_default_fp8_pipeline_reaches_the_kernel(t, want):
   args = (q, cache.nope, cache.tile_scales, cache.rope, slots)
   default = str(jax.make_jaxpr(entry)(*args))
   prep = "_prep" if t <= mosaic_sparse.FP8_PREP_MAX_ROWS else ""  # (XLA's prep past it)
-  assert f"mosaic_sparse_ds_mla_{want}{prep}_cp_async_s1" in default
+  assert f"mosaic_sparse_ds_mla_{want}{prep}_wide_cp_async_s1" in default
   assert default == str(jax.make_jaxpr(functools.partial(entry, fp8_pipeline=pipeline))(*args))
   backend = functools.partial(backends.get_backend("pallas_mosaic").sparse_attention, scale=0.1,
                               kv_lora_rank=L)
   through_backend = str(jax.make_jaxpr(backend)(q, cache, slots))
-  assert f"mosaic_sparse_ds_mla_{want}{prep}_bulk_s1" in through_backend
+  assert f"mosaic_sparse_ds_mla_{want}{prep}_wide_bulk_s1" in through_backend
 
 
 @pytest.mark.parametrize("t,n,fp8,num_splits,want", [
@@ -830,7 +830,7 @@ def test_mosaic_sparse_fp8_ds_mla_default_prep_by_rows(t, prep):
   jaxpr = lambda **knobs: str(jax.make_jaxpr(functools.partial(
       mosaic_sparse.sparse_attention_fp8_ds_mla, scale=0.1, **knobs))(*args))
   assert jaxpr() == jaxpr(prep_in_kernel=prep)
-  assert ("_prep_cp_async" in jaxpr()) == prep
+  assert ("_prep_wide_cp_async" in jaxpr()) == prep
 
 
 def test_mosaic_sparse_heads_in_n_runs_one_split(monkeypatch):
