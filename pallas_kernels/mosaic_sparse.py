@@ -1246,15 +1246,14 @@ class MosaicSparseConfig:
   beside the query tile and the staging). None (the default) picks "in_place" or "half_rows" from
   static shapes (`default_fp8_pipeline`): "in_place" with 1 split a token and the cp_async
   gather, else "half_rows". H200 (1980 MHz, RESULTS v11), ms a call, "half_rows" / "in_place",
-  before wide_widening: T=4096 over a
-  32K-token context (4096-8192 programs, 1 split): N=32 4.09 / 3.90, N=64 3.80 / 3.64, N=128
-  7.45 / 6.99 (in_place 1.04-1.07x); T=128 over a 1M-token cache (128-256 programs, also 1 split
-  under "one_wave"): N=16 0.160 / 0.163, N=32 0.189 / 0.205, N=64 0.183 / 0.190, N=128 0.259 /
-  0.267 (half_rows 1.02-1.08x). So the rule keys on the programs a split-free launch runs, not on
-  the split count (1 in both). With wide_widening (session 17, one run, T=128 over 1M tokens, 1
+  before wide_widening: T=4096 over a 32K-token context (4096-8192 programs, 1 split): N=32 4.09
+  / 3.90, N=64 3.80 / 3.64, N=128 7.45 / 6.99 (in_place 1.04-1.07x); T=128 over a 1M-token cache
+  (128-256 programs, also 1 split under "one_wave"): N=16 0.160 / 0.163, N=32 0.189 / 0.205,
+  N=64 0.183 / 0.190, N=128 0.259 / 0.267 (half_rows 1.02-1.08x), so the rule then also asked
+  for >= 2 x SMs programs. With wide_widening (session 17, one run, T=128 over 1M tokens, 1
   split, default prep): N=16 0.118 / 0.116, N=32 0.118 / 0.115, N=64 0.120 / 0.117, N=128 0.236
   / 0.223 (in_place 1.02-1.06x; T=4096 N=128 6.75 / 5.52): "in_place" at every one-split shape
-  timed. Not timed: splits with "in_place".
+  timed, whatever the program count. Not timed: splits with "in_place".
   - "serial": one 64-row slot; the memory warpgroup widens step i + 1 into it only once both
     consumers are done with step i, then gathers step i + 2 (H200, T=128, N=128: 0.357 ms against
     bf16's 0.199, v4);
