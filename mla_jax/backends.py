@@ -309,7 +309,8 @@ PALLAS_MOSAIC = dataclasses.replace(
 # 2.3x at N=128, so fp8_ds_mla takes Mosaic from 16 heads (N=16 at T=4096 not timed with it; it
 # was 0.98x with "serial", which "half_rows" beat by 1.29-1.34x at every shape timed).
 # v11 (session 10): the fp8_ds_mla default is "in_place" at T=4096 (1.04-1.07x "half_rows"),
-# "half_rows" at T=128: Mosaic only got faster there.
+# "half_rows" at T=128: Mosaic only got faster there. Session 17 (wide_widening): "in_place" at
+# every one-split shape; fp8_ds_mla at T=4096 N=16 2.69 ms against Triton's 4.95.
 # Session 11 (Mosaic's fewer-than-64 heads unpadded: no XLA pad and slice around the kernel), T=128
 # bf16 in one run: N=16 Triton 0.116 ms, Mosaic 0.107 (1.08x); N=32 0.185 / 0.113. So bf16 takes
 # Mosaic from 16 heads up to 128 tokens (T=4096 at N=16 not re-timed: 0.65x in v3, Triton's).

@@ -34,7 +34,7 @@ block's 227 KB), or with fp8_pipeline="half_rows" the same bytes as two 32-row s
 consumers step through 32 slots at a time while the other is widened, fed by a ring of 32-row
 staging buffers, or with "in_place" bf16's two 64-row slots, each holding its own step's e4m3 rows
 and scales until they are widened there (`MosaicSparseConfig`; by default "in_place" over many
-waves of one-split programs, else "half_rows": `default_fp8_pipeline`). Splits of a token's slot
+one-split programs, else "half_rows": `default_fp8_pipeline`). Splits of a token's slot
 list are merged by their log-sum-exps (`merge_splits`).
 
 Shared memory holds a row slot as 9 tiles of 64 rows x 64 columns, each in the tiled, 128-byte-
@@ -1026,12 +1026,11 @@ def _splits(num_tokens, head_tiles, padded_slots, num_splits, split_rule):
 
 def default_fp8_pipeline(num_tokens, num_heads, top_k, *, num_splits, split_rule, gather):
   """The fp8_ds_mla pipeline that fp8_pipeline=None runs (static shapes only): "in_place" where
-  tokens x head tiles >= 2 x SMs (264 programs on the H200: there neither split rule splits, and
-  each SM runs its programs in sequence), the kernel runs 1 split a token (an explicit num_splits
-  of 2 or more, which was not timed with "in_place", keeps "half_rows") and the gather is cp_async
-  (the only one "in_place" takes); else "half_rows". Timings in `MosaicSparseConfig`."""
+  the kernel runs 1 split a token (several splits, small batches or an explicit num_splits, were
+  not timed with "in_place": "half_rows") and the gather is cp_async (the only one "in_place"
+  takes); else "half_rows". Timings in `MosaicSparseConfig`."""
   head_tiles = pl.cdiv(num_heads, _TILE_H)
-  if gather != "cp_async" or num_tokens * head_tiles < 2 * sm_count():
+  if gather != "cp_async":
     return "half_rows"
   padded_slots = max(pl.cdiv(top_k, _STEP), 1) * _STEP
   one_split = _splits(num_tokens, head_tiles, padded_slots, num_splits, split_rule) == 1
@@ -1245,16 +1244,16 @@ class MosaicSparseConfig:
   split) and fp8_pipeline are the choices.
   fp8_pipeline, how fp8_ds_mla rows are widened into bf16 row slots (one 64-row slot is what fits
   beside the query tile and the staging). None (the default) picks "in_place" or "half_rows" from
-  static shapes (`default_fp8_pipeline`): "in_place" where tokens x head tiles >= 2 x SMs (264 on
-  the H200, where neither split rule splits) with 1 split a token and the cp_async gather, else
-  "half_rows". H200 (1980 MHz, RESULTS v11), ms a call, "half_rows" / "in_place": T=4096 over a
-  32K-token context (4096-8192 programs, 1 split): N=32 4.09 / 3.90, N=64 3.80 / 3.64, N=128
-  7.45 / 6.99 (in_place 1.04-1.07x); T=128 over a 1M-token cache (128-256 programs, also 1 split
-  under "one_wave"): N=16 0.160 / 0.163, N=32 0.189 / 0.205, N=64 0.183 / 0.190, N=128 0.259 /
-  0.267 (half_rows 1.02-1.08x). So the rule keys on the programs a split-free launch runs, not on
-  the split count (1 in both). Not timed: 264 to 4096 programs, splits with "in_place"; and the
-  two timed shapes also differ in how many gathered rows L2 holds (a 32K context against 1M
-  tokens), which static shapes cannot see.
+  static shapes (`default_fp8_pipeline`): "in_place" with 1 split a token and the cp_async
+  gather, else "half_rows". H200 (1980 MHz, RESULTS v11), ms a call, "half_rows" / "in_place",
+  before wide_widening: T=4096 over a 32K-token context (4096-8192 programs, 1 split): N=32 4.09
+  / 3.90, N=64 3.80 / 3.64, N=128 7.45 / 6.99 (in_place 1.04-1.07x); T=128 over a 1M-token cache
+  (128-256 programs, also 1 split under "one_wave"): N=16 0.160 / 0.163, N=32 0.189 / 0.205,
+  N=64 0.183 / 0.190, N=128 0.259 / 0.267 (half_rows 1.02-1.08x), so the rule then also asked
+  for >= 2 x SMs programs. With wide_widening (session 17, one run, T=128 over 1M tokens, 1
+  split, default prep): N=16 0.118 / 0.116, N=32 0.118 / 0.115, N=64 0.120 / 0.117, N=128 0.236
+  / 0.223 (in_place 1.02-1.06x; T=4096 N=128 6.75 / 5.52): "in_place" at every one-split shape
+  timed, whatever the program count. Not timed: splits with "in_place".
   - "serial": one 64-row slot; the memory warpgroup widens step i + 1 into it only once both
     consumers are done with step i, then gathers step i + 2 (H200, T=128, N=128: 0.357 ms against
     bf16's 0.199, v4);

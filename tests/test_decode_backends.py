@@ -555,7 +555,56 @@ class TestPallasMosaicDecodeHeadsNRegisterA(TestPallasMosaicDecodeHeadsN):
       mosaic_decode.latent_decode(**change(args), scale=0.1, interpret=True)
 
 
-class TestPallasMosaicDecodeRegisterANarrowKeys(TestPallasMosaicDecodeHeadsNRegisterA):
+class _RegisterAOffKnob(TestPallasMosaicDecodeHeadsNRegisterA):
+  """register_a with one of its default-on loads (`knob`) off: the parent's fp8 cases run it. The
+  parent's cases that read no fp8 cache or check the same code with or without the knob (the
+  pipeline rules, the q scaling, the shared-memory accesses the race detector sees: the knobs
+  change values and orders, not accesses) are not repeated."""
+  others = {"fp8_pipeline": "register_a", "heads_in": "n"}
+  test_register_a_defaults_to_heads_n = None
+  test_default_fp8_pipeline = None
+  test_f16_queries_are_exact_powers_of_two = None
+  test_register_a_bad_input_raises = None
+  test_bad_input_raises = None
+  test_no_races_in_the_interpreter = None
+
+  def jaxpr(self, cache_dtype, **knobs):
+    """The GPU program at B=32 N=16, 128 pages of 64 a row, as text."""
+    args = (jax.ShapeDtypeStruct((32, 16, 576), jnp.bfloat16),
+            jax.ShapeDtypeStruct((32 * 128, 64, 576), cache_dtype),
+            jax.ShapeDtypeStruct((32, 128), jnp.int32), jax.ShapeDtypeStruct((32,), jnp.int32))
+    k_scale = jnp.float32(FP8_SCALE) if cache_dtype == jnp.float8_e4m3fn else None
+    return str(mosaic_decode.latent_decode.trace(*args, scale=SCALE, heads_in="n", k_scale=k_scale,
+                                                 **knobs).jaxpr)
+
+  def test_bf16_cache_ignores_it(self):
+    on, off, default = (self.jaxpr(jnp.bfloat16, **knobs) for knobs in (
+        {self.knob: True}, {self.knob: False}, {}))
+    assert on == off == default
+
+  def test_on_by_default(self):
+    # None (on with register_a): the default config's program is the one with it.
+    assert getattr(mosaic_decode.CONFIG, self.knob) is None
+    on, off, default = (self.jaxpr(jnp.float8_e4m3fn, **knobs) for knobs in (
+        {self.knob: True}, {self.knob: False}, {}))
+    assert on == default != off
+
+  @pytest.mark.parametrize("value", [1, "yes"])
+  def test_knob_must_be_a_bool_or_none(self, value):
+    with pytest.raises(ValueError, match=f"{self.knob} must be None, True or False"):
+      mosaic_decode.MosaicDecodeConfig(**{self.knob: value})
+
+  @pytest.mark.parametrize("pipeline", ["serial", "shared_widening"])
+  def test_knob_takes_register_a_only(self, pipeline):
+    q, cache, tables, lens = (jnp.asarray(a) for a in make_case(
+        128, n=16, page=64, req_lens=[20, 5], cache_dtype=jnp.float8_e4m3fn))
+    with pytest.raises(ValueError, match=f"{self.knob} takes fp8_pipeline=\"register_a\""):
+      mosaic_decode.latent_decode(q, cache, tables, lens, k_scale=FP8_SCALE, scale=0.1,
+                                  heads_in="n", fp8_pipeline=pipeline, **{self.knob: True},
+                                  interpret=True)
+
+
+class TestPallasMosaicDecodeRegisterANarrowKeys(_RegisterAOffKnob):
   """register_a with wide_keys=False: the key fragments loaded 2 bytes at a time in the WGMMA
   layout and q's columns in their own order, against the default's wide_keys (q's columns permuted
   per 64-column tile, `wide_key_order`; the key fragments loaded 16 bytes a row on the GPU,
@@ -565,15 +614,6 @@ class TestPallasMosaicDecodeRegisterANarrowKeys(TestPallasMosaicDecodeHeadsNRegi
   range (scaled, then permuted). Either side's permutation alone fails the parent's; the lane code
   itself runs only on the GPU (tests/test_decode_gpu.py)."""
   knob, value = "wide_keys", False
-  others = {"fp8_pipeline": "register_a", "heads_in": "n"}
-  # The parent's: the same code with or without wide_keys (the pipeline rules, the q scaling, the
-  # shared-memory accesses the race detector sees: wide_keys changes values, not accesses).
-  test_register_a_defaults_to_heads_n = None
-  test_default_fp8_pipeline = None
-  test_f16_queries_are_exact_powers_of_two = None
-  test_register_a_bad_input_raises = None
-  test_bad_input_raises = None
-  test_no_races_in_the_interpreter = None
 
   def test_wide_key_order_is_the_fragments(self):
     # Lane q (lane % 4) of the WGMMA A fragment holds a row's columns 8j + 2q + e (register j,
@@ -586,30 +626,9 @@ class TestPallasMosaicDecodeRegisterANarrowKeys(TestPallasMosaicDecodeHeadsNRegi
         np.testing.assert_array_equal(order[fragment], 64 * tile + 16 * q + np.arange(16))
     assert sorted(order) == list(range(576))
 
-  def test_bf16_cache_ignores_it(self):
-    q = jax.ShapeDtypeStruct((32, 16, 576), jnp.bfloat16)
-    cache = jax.ShapeDtypeStruct((32 * 128, 64, 576), jnp.bfloat16)
-    tables = jax.ShapeDtypeStruct((32, 128), jnp.int32)
-    lens = jax.ShapeDtypeStruct((32,), jnp.int32)
-    jaxpr = lambda **knobs: str(mosaic_decode.latent_decode.trace(
-        q, cache, tables, lens, scale=SCALE, heads_in="n", **knobs).jaxpr)
-    assert jaxpr(wide_keys=True) == jaxpr()
-
-  def test_wide_keys_must_be_a_bool_or_none(self):
-    with pytest.raises(ValueError, match="wide_keys must be None, True or False"):
-      mosaic_decode.MosaicDecodeConfig(wide_keys=1)
-
-  @pytest.mark.parametrize("pipeline", ["serial", "shared_widening"])
-  def test_wide_keys_bad_input_raises(self, pipeline):
-    q, cache, tables, lens = (jnp.asarray(a) for a in make_case(
-        128, n=16, page=64, req_lens=[20, 5], cache_dtype=jnp.float8_e4m3fn))
-    with pytest.raises(ValueError, match="wide_keys takes fp8_pipeline=\"register_a\""):
-      mosaic_decode.latent_decode(q, cache, tables, lens, k_scale=FP8_SCALE, scale=0.1,
-                                  heads_in="n", fp8_pipeline=pipeline, wide_keys=True,
-                                  interpret=True)
 
 
-class TestPallasMosaicDecodeRegisterANarrowValues(TestPallasMosaicDecodeHeadsNRegisterA):
+class TestPallasMosaicDecodeRegisterANarrowValues(_RegisterAOffKnob):
   """register_a with wide_values=False: V^T's fragments in the WGMMA layout, relaid by shuffles,
   and o's columns in their own order, against the default's wide_values (the O^T tiles' rows are
   the value columns in `wide_value_order`: V^T's fragments loaded 16 bytes a token row on the GPU,
@@ -620,16 +639,6 @@ class TestPallasMosaicDecodeRegisterANarrowValues(TestPallasMosaicDecodeHeadsNRe
   parent's; the lane code itself runs only on the GPU (tests/test_decode_gpu.py,
   tests/test_register_a_probe.py)."""
   knob, value = "wide_values", False
-  others = {"fp8_pipeline": "register_a", "heads_in": "n"}
-  # The parent's: the same code with or without wide_values (the pipeline rules, the q scaling,
-  # the shared-memory accesses the race detector sees: the interpreter form loads the slot's value
-  # columns whole instead of tile by tile, the same bytes).
-  test_register_a_defaults_to_heads_n = None
-  test_default_fp8_pipeline = None
-  test_f16_queries_are_exact_powers_of_two = None
-  test_register_a_bad_input_raises = None
-  test_bad_input_raises = None
-  test_no_races_in_the_interpreter = None
 
   @pytest.mark.parametrize("group", [8, 4])
   def test_wide_value_order_is_the_fragments(self, group):
@@ -652,41 +661,6 @@ class TestPallasMosaicDecodeRegisterANarrowValues(TestPallasMosaicDecodeHeadsNRe
     x = jnp.arange(3 * 512).reshape(3, 512)
     np.testing.assert_array_equal(mosaic_decode.wide_value_order(
         mosaic_decode.wide_value_order(x, group), group, inverse=True), x)
-
-  def test_bf16_cache_ignores_it(self):
-    q = jax.ShapeDtypeStruct((32, 16, 576), jnp.bfloat16)
-    cache = jax.ShapeDtypeStruct((32 * 128, 64, 576), jnp.bfloat16)
-    tables = jax.ShapeDtypeStruct((32, 128), jnp.int32)
-    lens = jax.ShapeDtypeStruct((32,), jnp.int32)
-    jaxpr = lambda **knobs: str(mosaic_decode.latent_decode.trace(
-        q, cache, tables, lens, scale=SCALE, heads_in="n", **knobs).jaxpr)
-    assert jaxpr(wide_values=True) == jaxpr()
-
-  def test_it_changes_the_fp8_program(self):
-    # On by default with register_a at kv_lora_rank 512: the default config's program is the one
-    # with it.
-    q = jax.ShapeDtypeStruct((32, 16, 576), jnp.bfloat16)
-    cache = jax.ShapeDtypeStruct((32 * 128, 64, 576), jnp.float8_e4m3fn)
-    tables = jax.ShapeDtypeStruct((32, 128), jnp.int32)
-    lens = jax.ShapeDtypeStruct((32,), jnp.int32)
-    jaxpr = lambda **knobs: str(mosaic_decode.latent_decode.trace(
-        q, cache, tables, lens, scale=SCALE, k_scale=jnp.float32(FP8_SCALE), **knobs).jaxpr)
-    assert mosaic_decode.CONFIG.wide_values is None
-    assert jaxpr(wide_values=True) == jaxpr() != jaxpr(wide_values=False)
-
-  @pytest.mark.parametrize("value", [1, "yes"])
-  def test_wide_values_must_be_a_bool_or_none(self, value):
-    with pytest.raises(ValueError, match="wide_values must be None, True or False"):
-      mosaic_decode.MosaicDecodeConfig(wide_values=value)
-
-  @pytest.mark.parametrize("pipeline", ["serial", "shared_widening"])
-  def test_wide_values_bad_pipeline_raises(self, pipeline):
-    q, cache, tables, lens = (jnp.asarray(a) for a in make_case(
-        128, n=16, page=64, req_lens=[20, 5], cache_dtype=jnp.float8_e4m3fn))
-    with pytest.raises(ValueError, match="wide_values takes fp8_pipeline=\"register_a\""):
-      mosaic_decode.latent_decode(q, cache, tables, lens, k_scale=FP8_SCALE, scale=0.1,
-                                  heads_in="n", fp8_pipeline=pipeline, wide_values=True,
-                                  interpret=True)
 
   def test_wide_values_other_lora_raises(self):
     # A 256-column latent: 8 bytes a thread's rows, not a 16-byte unit.

@@ -759,18 +759,18 @@ def test_mosaic_sparse_split_rules(t, tiles, want_fill, want_one_wave):
     # 128 tokens (128-256 programs, 1 split under "one_wave") "half_rows".
     (4096, 128, None, "one_wave", "cp_async", "in_place"),
     (4096, 32, None, "one_wave", "cp_async", "in_place"),
-    (128, 128, None, "one_wave", "cp_async", "half_rows"),
-    (128, 16, None, "one_wave", "cp_async", "half_rows"),
-    # The boundary, tokens x head tiles = 2 x 132 SMs, where neither split rule splits.
-    (132, 128, None, "one_wave", "cp_async", "in_place"),
-    (131, 128, None, "one_wave", "cp_async", "half_rows"),
-    (264, 64, None, "fill", "cp_async", "in_place"),
+    (128, 128, None, "one_wave", "cp_async", "in_place"),
+    (128, 16, None, "one_wave", "cp_async", "in_place"),
+    # Few tokens: the split rules split the slot lists ("one_wave" at 1 token, "fill" below 132
+    # x 2 programs), which keeps "half_rows".
+    (1, 16, None, "one_wave", "cp_async", "half_rows"),
     (263, 64, None, "fill", "cp_async", "half_rows"),
-    # An explicit split count is the one the rule sees: several keep "half_rows", one split at
-    # 128 tokens (what "one_wave" runs there anyway) too; the bulk gather has no "in_place".
+    (264, 64, None, "fill", "cp_async", "in_place"),
+    # An explicit split count is the one the rule sees: several keep "half_rows", one gives
+    # "in_place"; the bulk gather has no "in_place".
     (4096, 128, 2, "one_wave", "cp_async", "half_rows"),
     (4096, 128, 1, "one_wave", "cp_async", "in_place"),
-    (128, 128, 1, "one_wave", "cp_async", "half_rows"),
+    (128, 128, 1, "one_wave", "cp_async", "in_place"),
     (4096, 128, None, "one_wave", "bulk", "half_rows"),
 ])
 def test_mosaic_sparse_default_fp8_pipeline(t, n, num_splits, split_rule, gather, want):
@@ -778,8 +778,9 @@ def test_mosaic_sparse_default_fp8_pipeline(t, n, num_splits, split_rule, gather
                                             split_rule=split_rule, gather=gather) == want
 
 
-@pytest.mark.parametrize("t,want", [(4096, "in_place"), (128, "half2")])
-def test_mosaic_sparse_default_fp8_pipeline_reaches_the_kernel(t, want):
+@pytest.mark.parametrize("t,want,splits", [(4096, "in_place", 1), (128, "in_place", 1),
+                                           (32, "half2", 2)])
+def test_mosaic_sparse_default_fp8_pipeline_reaches_the_kernel(t, want, splits):
   # fp8_pipeline=None resolves in the jit entry, so the default call traces the same program as
   # the explicit pipeline, and pallas_mosaic's backend (which names no pipeline) runs it too. The
   # kernel's name in the jaxpr says which it is (the interpreter, on this CPU, gathers in bulk).
@@ -793,12 +794,12 @@ def test_mosaic_sparse_default_fp8_pipeline_reaches_the_kernel(t, want):
   args = (q, cache.nope, cache.tile_scales, cache.rope, slots)
   default = str(jax.make_jaxpr(entry)(*args))
   prep = "_prep" if t <= mosaic_sparse.FP8_PREP_MAX_ROWS else ""  # (XLA's prep past it)
-  assert f"mosaic_sparse_ds_mla_{want}{prep}_cp_async_s1" in default
+  assert f"mosaic_sparse_ds_mla_{want}{prep}_wide_cp_async_s{splits}" in default
   assert default == str(jax.make_jaxpr(functools.partial(entry, fp8_pipeline=pipeline))(*args))
   backend = functools.partial(backends.get_backend("pallas_mosaic").sparse_attention, scale=0.1,
                               kv_lora_rank=L)
   through_backend = str(jax.make_jaxpr(backend)(q, cache, slots))
-  assert f"mosaic_sparse_ds_mla_{want}{prep}_bulk_s1" in through_backend
+  assert f"mosaic_sparse_ds_mla_{want}{prep}_wide_bulk_s{splits}" in through_backend
 
 
 @pytest.mark.parametrize("t,n,fp8,num_splits,want", [
@@ -830,7 +831,7 @@ def test_mosaic_sparse_fp8_ds_mla_default_prep_by_rows(t, prep):
   jaxpr = lambda **knobs: str(jax.make_jaxpr(functools.partial(
       mosaic_sparse.sparse_attention_fp8_ds_mla, scale=0.1, **knobs))(*args))
   assert jaxpr() == jaxpr(prep_in_kernel=prep)
-  assert ("_prep_cp_async" in jaxpr()) == prep
+  assert ("_prep_wide_cp_async" in jaxpr()) == prep
 
 
 def test_mosaic_sparse_heads_in_n_runs_one_split(monkeypatch):

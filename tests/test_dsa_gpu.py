@@ -186,7 +186,7 @@ def test_mosaic_sparse_default_fp8_pipeline_at_4096_tokens_equals_serial_bit_for
   pick = functools.partial(mosaic_sparse.default_fp8_pipeline, num_splits=None,
                            split_rule=mosaic_sparse.CONFIG.split_rule,
                            gather=mosaic_sparse.CONFIG.gather)
-  assert (pick(4096, 128, TOPK), pick(128, 128, TOPK)) == ("in_place", "half_rows")
+  assert (pick(4096, 128, TOPK), pick(1, 16, TOPK)) == ("in_place", "half_rows")
   q, cache, slots = sparse_case(4096, 128, "fp8_ds_mla", t=4096)
   run = functools.partial(mosaic_sparse.sparse_attention_fp8_ds_mla, q, cache.nope,
                           cache.tile_scales, cache.rope, slots, scale=SCALE)

@@ -116,20 +116,28 @@ def test_register_a_on_gpu_matches_numpy(side):
 D = 576  # a cache row: kv_lora_rank + rope
 
 
-def wide_key_kernel():
+def slot_probe(fill, out_shape):
+  """A kernel that bulk-copies one e4m3 slot [TILE, D] into a 64-byte-swizzled ring slot, lets
+  fill(slot, o_smem) write the f16 output tile from it, and stores that."""
   def kernel(x_ref, o_ref, ring, o_smem, bar):
     plgpu.copy_gmem_to_smem(x_ref, ring.at[1], bar)
     plgpu.barrier_wait(bar)
-    for c in range(D // TILE):
-      o_smem[:, pl.ds(c * TILE, TILE)] = mosaic_decode._wide_key_tile(ring.at[1], c)
+    fill(ring.at[1], o_smem)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_ref)
     plgpu.wait_smem_to_gmem(0)
 
   return jax.jit(plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((TILE, D), jnp.float16),
-      scratch_types=(swizzled((2, TILE, D), F8, TILE), swizzled((TILE, D), jnp.float16),
+      kernel, out_type=jax.ShapeDtypeStruct(out_shape, jnp.float16),
+      scratch_types=(swizzled((2, TILE, D), F8, TILE), swizzled(out_shape, jnp.float16),
                      plgpu.Barrier())))
+
+
+def wide_key_kernel():
+  def fill(slot, o_smem):
+    for c in range(D // TILE):
+      o_smem[:, pl.ds(c * TILE, TILE)] = mosaic_decode._wide_key_tile(slot, c)
+  return slot_probe(fill, (TILE, D))
 
 
 def wide_key_rows(seed):
@@ -162,20 +170,11 @@ L = mosaic_decode.WIDE_VALUE_COLS
 
 
 def wide_value_kernel(group):
-  def kernel(x_ref, o_ref, ring, o_smem, bar):
-    plgpu.copy_gmem_to_smem(x_ref, ring.at[1], bar)
-    plgpu.barrier_wait(bar)
+  def fill(slot, o_smem):
     for first in range(0, L // TILE, group):
-      for c, tile in enumerate(mosaic_decode._wide_value_tiles(ring.at[1], first, group), first):
+      for c, tile in enumerate(mosaic_decode._wide_value_tiles(slot, first, group), first):
         o_smem[pl.ds(c * TILE, TILE), :] = tile
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_ref)
-    plgpu.wait_smem_to_gmem(0)
-
-  return jax.jit(plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((L, TILE), jnp.float16),
-      scratch_types=(swizzled((2, TILE, D), F8, TILE), swizzled((L, TILE), jnp.float16),
-                     plgpu.Barrier())))
+  return slot_probe(fill, (L, TILE))
 
 
 @pytest.mark.parametrize("group", sorted(set(mosaic_decode._WIDE_VALUE_GROUP.values())))
