@@ -993,7 +993,9 @@ def _e4m3_queries(q):
   # Kept within float32's normal powers (an all-zero head: e = 0, scaled up by 2^8, still 0).
   shift = jnp.clip(exponent - 8, -120, 120)
   scaled = q.astype(jnp.float32) * jnp.ldexp(jnp.float32(1), -shift)[..., None]
-  hi = scaled.astype(F8)
+  # The barrier keeps XLA from folding hi's f32 -> e4m3 -> f32 round trip into the identity (GPU
+  # compilation allows such "excess precision"): lo was then 0 on the H200, never on the CPU.
+  hi = lax.optimization_barrier(scaled.astype(F8))
   lo = ((scaled - hi.astype(jnp.float32)) / E4M3_LO_SCALE).astype(F8)
   return jnp.concatenate([hi, lo], axis=1), jnp.ldexp(jnp.float32(1), shift)
 

@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import jax
 import jax.numpy as jnp
 
 from mla_jax import backends
@@ -212,3 +213,32 @@ class DecodeContract:
       out = attention_np(q[i:i + 1].astype(np.float32), rows, rows[:, :L], SCALE)
       ref_o[i], ref_lse[i] = out[0][0], out[1][0]
     assert_decode_close(np.asarray(o.astype(jnp.float32)), lse, ref_o, ref_lse)
+
+
+def assert_e4m3_split_is_exact():
+  """`mosaic_decode._e4m3_queries` compiled for the default device: every finite bf16 magnitude
+  below 256 in tokens whose largest is 255 (no scaling), hi + 2^-4 lo is the value exactly from
+  2^-6 (e4m3's normals) up, and not always below it; then scaled heads (each its own power of
+  two) give the same parts and the powers back. Compiled, not eager: XLA's GPU compiler may fold
+  a convert round trip that the split relies on."""
+  from pallas_kernels import mosaic_decode
+  split = jax.jit(mosaic_decode._e4m3_queries)
+  x = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(jnp.bfloat16)
+  x = x[np.isfinite(x) & (np.abs(x.astype(np.float32)) < 256)]
+  per_token = 576 - 1
+  x = np.pad(x, (0, -len(x) % per_token)).reshape(-1, 1, per_token)
+  q = np.concatenate([x, np.full((len(x), 1, 1), 255, jnp.bfloat16)], axis=2)
+  parts, back = (np.asarray(a) for a in split(jnp.asarray(q)))
+  assert parts.dtype == jnp.float8_e4m3fn and parts.shape == (len(x), 2, 576)
+  np.testing.assert_array_equal(back, np.ones((len(x), 1)))
+  want = q.astype(np.float32)[:, 0]
+  got = parts[:, 0].astype(np.float32) + mosaic_decode.E4M3_LO_SCALE * parts[:, 1].astype(
+      np.float32)
+  normal = np.abs(want) >= 2.0 ** -6
+  np.testing.assert_array_equal(got[normal], want[normal])
+  assert (got[~normal] != want[~normal]).any()
+  heads = np.concatenate([q[:1], q[1:2] * 2.0 ** 20, q[2:3] * 2.0 ** -20], axis=1)
+  scaled, back = (np.asarray(a) for a in split(jnp.asarray(heads)))
+  np.testing.assert_array_equal(back, [[1, 2.0 ** 20, 2.0 ** -20]])
+  np.testing.assert_array_equal(scaled.view(np.uint8).reshape(2, 3, 576),
+                                parts[:3].view(np.uint8).transpose(1, 0, 2))

@@ -9,7 +9,8 @@ import jax.extend
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from decode_contract import FP8_SCALE, L, SCALE, DecodeContract, assert_decode_close, make_case
+from decode_contract import (FP8_SCALE, L, SCALE, DecodeContract, assert_decode_close,
+                             assert_e4m3_split_is_exact, make_case)
 from mla_jax import backends
 from oracles import latent_decode_np
 from pallas_kernels import mosaic_decode
@@ -708,28 +709,7 @@ class TestPallasMosaicDecodeRegisterAE4m3Scores(TestPallasMosaicDecodeHeadsNRegi
     self.check(q, cache, tables, lens, k_scale=FP8_SCALE, num_kv_splits=1)
 
   def test_e4m3_split_is_exact(self):
-    # Every finite bf16 magnitude below 256 in tokens whose largest is 255 (no scaling): hi + 2^-4
-    # lo is the value exactly from 2^-6 (e4m3's normals) up, and not always below it.
-    x = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(jnp.bfloat16)
-    x = x[np.isfinite(x) & (np.abs(x.astype(np.float32)) < 256)]
-    per_token = 576 - 1
-    x = np.pad(x, (0, -len(x) % per_token)).reshape(-1, 1, per_token)
-    q = np.concatenate([x, np.full((len(x), 1, 1), 255, jnp.bfloat16)], axis=2)
-    parts, back = (np.asarray(a) for a in mosaic_decode._e4m3_queries(jnp.asarray(q)))
-    assert parts.dtype == jnp.float8_e4m3fn and parts.shape == (len(x), 2, 576)
-    np.testing.assert_array_equal(back, np.ones((len(x), 1)))
-    want = q.astype(np.float32)[:, 0]
-    got = parts[:, 0].astype(np.float32) + mosaic_decode.E4M3_LO_SCALE * parts[:, 1].astype(
-        np.float32)
-    normal = np.abs(want) >= 2.0 ** -6
-    np.testing.assert_array_equal(got[normal], want[normal])
-    assert (got[~normal] != want[~normal]).any()
-    # Scaled heads (each its own power of two): the same parts, and the powers back.
-    heads = np.concatenate([q[:1], q[1:2] * 2.0 ** 20, q[2:3] * 2.0 ** -20], axis=1)
-    scaled, back = (np.asarray(a) for a in mosaic_decode._e4m3_queries(jnp.asarray(heads)))
-    np.testing.assert_array_equal(back, [[1, 2.0 ** 20, 2.0 ** -20]])
-    np.testing.assert_array_equal(scaled.view(np.uint8).reshape(2, 3, 576),
-                                  parts[:3].view(np.uint8).transpose(1, 0, 2))
+    assert_e4m3_split_is_exact()
 
   def test_bf16_cache_ignores_it(self):
     q = jax.ShapeDtypeStruct((32, 16, 576), jnp.bfloat16)
