@@ -97,7 +97,8 @@ class MosaicDecodeConfig:
     "fp8_pipeline="register_a""): no bf16 slot. The e4m3 pages land in a ring of 4 e4m3 slots
     (bulk copies, as the bf16 cache's pages), and the consumers load their [64, 64] e4m3 tiles
     from it, convert them to f16 in registers and hand them to wgmma as its register A operand:
-    warpgroup 0 the keys of S^T = K Q^T (WGMMA layout), warpgroup 1 all the V^T tiles of
+    warpgroup 0 the keys of S^T = K Q^T (WGMMA layout; by default, e4m3_scores below, no keys:
+    S^T by fp8 wgmma from the slot itself), warpgroup 1 all the V^T tiles of
     O^T = V^T P^T (the transposed view in WGMMA_TRANSPOSED, converted, then relaid to WGMMA;
     `_value_columns`; by default 16-byte loads instead, wide_keys and wide_values below), a few
     tiles in flight (`_KEY_TILES_IN_FLIGHT`).
@@ -139,8 +140,8 @@ class MosaicDecodeConfig:
   before the call (S sums over the permuted index in both operands: the same scores, another
   summation order). Only the GPU form loads wide (`_wide_key_tile`, lane-level code); the
   interpreter loads the tile and permutes it. None (the default): on wherever register_a runs
-  (H200, session 15, B=128 S=8192: N=16 0.277 -> 0.259 ms, N=32 0.334 -> 0.314; benchmarks/
-  RESULTS.md, "wide_keys"); False keeps the 2-byte fragment loads.
+  its f16 keys, e4m3_scores=False (H200, session 15, B=128 S=8192: N=16 0.277 -> 0.259 ms, N=32
+  0.334 -> 0.314; benchmarks/RESULTS.md, "wide_keys"); False keeps the 2-byte fragment loads.
   wide_values (an fp8 cache with fp8_pipeline "register_a" and kv_lora_rank 512 only: True is a
   ValueError elsewhere; bf16 caches ignore it): warpgroup 1 loads V^T's fragments of all 8 value
   tiles with 16-byte loads, one a token row (`_WIDE_VALUE_GROUP`: 8-byte loads in two passes at 32
@@ -164,20 +165,24 @@ class MosaicDecodeConfig:
   step (warpgroup 0's step, B=128 S=8192, SASS instructions a thread: N=16 481 without the knob,
   470 with two wgmmas, 316 with one; N=32 640, 649 (and 2 spill loads a step), 483; warpgroup
   1's: 354 and 437). The keys' bytes are the products' (no wide_keys: True is a ValueError with
-  it, None off). False (the default) keeps the f16 keys in registers. Hopper's fp8 wgmma keeps
-  fewer accumulator bits than f16's (about 14, DeepSeek-V3's report, section 3.3.2): in one
-  accumulation over the 576 columns the outputs missed the reference's tolerance (H200, session
-  17: cosine difference over 1e-5 in 7 of 8 GPU tests) though it ran 1.30x the default at N=16.
+  it). None (the default): on wherever register_a runs, unless wide_keys=True asks for the f16
+  keys; False keeps the f16 keys in registers (H200, session 18, B=128 S=8192, one process:
+  N=16 0.243 -> 0.191 ms, N=32 0.292 -> 0.261; benchmarks/RESULTS.md, "e4m3_scores"). The GPU
+  tests meet SPEC's tolerances with one accumulation over the 576 columns (session 18; session
+  17's misses were the split's lo parts folded to 0 by XLA, `_e4m3_queries`).
   e4m3_promote_cols (one of E4M3_PROMOTE_COLS; e4m3_scores only) promotes as DeepGEMM does: the
   product is split over the columns into chunks this wide (the last one shorter: 4 x 128 + 64),
   each into a fresh accumulator, summed in f32 registers; chunk c + 1's wgmma is issued before
   chunk c's is waited for (wgmma_accumulator_load(wait_n=1)) and read. All the chunks'
   accumulators come from one scope: a scope a chunk (nested) made ptxas wait for chunk 0 before
-  issuing chunk 1 (a WARPGROUP.DEPBAR 0 not in the PTX) and spilled more at 32 heads. 576: one
-  accumulation (the form timed above). ptxas (13.5), warpgroup 0's step without zero_rows, SASS
-  instructions a thread, 576 / 192 / 128 / 64: N=16 316 / 384 / 461 / 622; N=32 483 / 615 /
-  756 / 1119 (64: 8 spill instructions in the step); the chunks' sums (FADD) and each fresh
-  accumulator's zeros (ptxas folds only the first's) are the growth."""
+  issuing chunk 1 (a WARPGROUP.DEPBAR 0 not in the PTX) and spilled more at 32 heads. 576 (the
+  default): one accumulation, the fastest (session 18, ms at N=16 / 32: 128 0.203 / 0.298, 192
+  0.189 / 0.273, 576 0.191 / 0.261), all of them within SPEC's tolerances on the GPU; the
+  narrower chunks stay for inputs whose sums need more of float32's bits. ptxas (13.5),
+  warpgroup 0's step without zero_rows, SASS instructions a thread, 576 / 192 / 128 / 64: N=16
+  316 / 384 / 461 / 622; N=32 483 / 615 / 756 / 1119 (64: 8 spill instructions in the step); the
+  chunks' sums (FADD) and each fresh accumulator's zeros (ptxas folds only the first's) are the
+  growth."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -185,8 +190,8 @@ class MosaicDecodeConfig:
   heads_in: str | None = None
   wide_keys: bool | None = None
   wide_values: bool | None = None
-  e4m3_scores: bool = False
-  e4m3_promote_cols: int = 128
+  e4m3_scores: bool | None = None
+  e4m3_promote_cols: int = 576
 
   def __post_init__(self):
     if self.block_h != 64:
@@ -206,8 +211,8 @@ class MosaicDecodeConfig:
       raise ValueError(f"wide_keys must be None, True or False, got {self.wide_keys!r}")
     if self.wide_values is not None and not isinstance(self.wide_values, bool):
       raise ValueError(f"wide_values must be None, True or False, got {self.wide_values!r}")
-    if not isinstance(self.e4m3_scores, bool):
-      raise ValueError(f"e4m3_scores must be True or False, got {self.e4m3_scores!r}")
+    if self.e4m3_scores is not None and not isinstance(self.e4m3_scores, bool):
+      raise ValueError(f"e4m3_scores must be None, True or False, got {self.e4m3_scores!r}")
     if self.e4m3_promote_cols not in E4M3_PROMOTE_COLS:
       raise ValueError(f"e4m3_promote_cols must be one of {E4M3_PROMOTE_COLS}, got "
                        f"{self.e4m3_promote_cols!r}")
@@ -247,10 +252,11 @@ SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"),
          MosaicDecodeConfig(fp8_pipeline="half_pages"),
          MosaicDecodeConfig(heads_in="n"), MosaicDecodeConfig(fp8_pipeline="serial", heads_in="n"),
          MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n"),
-         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", wide_keys=False),
          MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", wide_values=False),
-         *[MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", e4m3_scores=True,
-                              e4m3_promote_cols=cols) for cols in (128, 192, 576)])
+         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", e4m3_promote_cols=192),
+         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", e4m3_scores=False),
+         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", e4m3_scores=False,
+                            wide_keys=False))
 # Fields that one cache dtype alone reads (with the other, the program is the same whatever they
 # are): a sweep times a config only with the cache dtype whose program it changes.
 DTYPE_KNOBS = {"fp8_pipeline": jnp.dtype(F8), "wide_keys": jnp.dtype(F8),
@@ -1011,7 +1017,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                   split_tokens: int | None = None, fp8_pipeline: str | None = CONFIG.fp8_pipeline,
                   heads_in: str | None = CONFIG.heads_in, wide_keys: bool | None = CONFIG.wide_keys,
                   wide_values: bool | None = CONFIG.wide_values,
-                  e4m3_scores: bool = CONFIG.e4m3_scores,
+                  e4m3_scores: bool | None = CONFIG.e4m3_scores,
                   e4m3_promote_cols: int = CONFIG.e4m3_promote_cols,
                   interpret: bool | plgpu.InterpretGPUParams = False
                   ) -> tuple[jax.Array, jax.Array]:
@@ -1029,12 +1035,14 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   `MosaicDecodeConfig`'s (None: `default_heads_in`, "n" at N <= 32; "n": N <= 32 heads as
   wgmma's N, with an fp8 cache with fp8_pipeline "serial", "shared_widening" or "register_a",
   the last with "n" only). wide_keys: register_a's 16-byte key loads (`MosaicDecodeConfig`; None:
-  with register_a; True is a ValueError with the other fp8 pipelines, a bf16 cache ignores it).
+  with register_a's f16 keys, e4m3_scores=False; True is a ValueError with the other fp8
+  pipelines, a bf16 cache ignores it).
   wide_values: register_a's 16-byte value loads (`MosaicDecodeConfig`; None: with register_a at
   kv_lora_rank 512; True is a ValueError with the other fp8 pipelines or kv_lora_rank != 512, a
   bf16 cache ignores it). e4m3_scores: register_a's scores by fp8 wgmma from shared memory
-  (`MosaicDecodeConfig`; True is a ValueError with the other fp8 pipelines or wide_keys=True, a
-  bf16 cache ignores it); e4m3_promote_cols: its promotion chunks (`MosaicDecodeConfig`).
+  (`MosaicDecodeConfig`; None: with register_a unless wide_keys=True; True is a ValueError with
+  the other fp8 pipelines or wide_keys=True, a bf16 cache ignores it); e4m3_promote_cols: its
+  promotion chunks (`MosaicDecodeConfig`).
   interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
   o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
@@ -1058,10 +1066,11 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   if fp8 and e4m3_scores and not register_a:
     raise ValueError(f"e4m3_scores takes fp8_pipeline=\"register_a\" (its e4m3 ring is the "
                      f"scores' A operand), got fp8_pipeline={fp8_pipeline!r}")
-  e4m3_scores = register_a and e4m3_scores
-  if e4m3_scores and wide_keys:
+  if register_a and e4m3_scores and wide_keys:
     raise ValueError("wide_keys loads the keys into registers; e4m3_scores reads them from shared "
-                     "memory (take wide_keys=None or False)")
+                     "memory (take e4m3_scores=False with wide_keys=True)")
+  # None: e4m3 scores, unless wide_keys=True asks for the f16 keys.
+  e4m3_scores = register_a and (e4m3_scores or (e4m3_scores is None and not wide_keys))
   wide_keys = register_a and not e4m3_scores and wide_keys is not False
   if fp8 and wide_values and not register_a:
     raise ValueError(f"wide_values takes fp8_pipeline=\"register_a\" (V^T is wgmma's register A "

@@ -190,33 +190,35 @@ class TestPallasMosaicDecode(DecodeContract):
                                 (jnp.float8_e4m3fn, "register_a"))
         for splits, fixed in ((1, {}), (4, {}), (None, {"split_tokens": 2048}))],
       (128, 16, 8192, None, jnp.bfloat16, {"heads_in": "n"}),
-      # register_a's timed shape (one split) with its 2-byte key loads (wide_keys=False); only the
-      # lowerings (and the GPU) run its register A operands, which the interpreter takes through
-      # shared memory.
-      (128, 16, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a", "wide_keys": False}),
-      # register_a's default wide_keys (lane-level 16-byte key loads): every output form, both
-      # head tiles.
-      *[(batch, n, 8192, splits, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a", **fixed})
+      # register_a's f16 keys (e4m3_scores=False), its timed shape (one split) with 2-byte key
+      # loads (wide_keys=False); only the lowerings (and the GPU) run its register A operands,
+      # which the interpreter takes through shared memory.
+      (128, 16, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a", "e4m3_scores": False,
+                                                "wide_keys": False}),
+      # Its wide_keys (lane-level 16-byte key loads): every output form, both head tiles.
+      *[(batch, n, 8192, splits, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a",
+                                                     "e4m3_scores": False, **fixed})
         for batch, n, splits, fixed in ((128, 16, None, {}), (32, 32, 4, {}),
                                         (32, 32, None, {"split_tokens": 2048}))],
       # register_a's wide_values=False (the shuffled relayout of V^T's fragments).
       (128, 16, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a",
                                                 "wide_values": False}),
-      # The default's wide_values (lane-level value loads, 16 bytes at 16 heads, 8 at 32): the
-      # timed shapes (one split) and float32 partials at 16 heads.
-      *[(batch, n, 8192, splits, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a"})
-        for batch, n, splits in ((128, 32, None), (32, 16, 4))],
-      # register_a's e4m3_scores (fp8 wgmma from the e4m3 slot, q's two e4m3 parts transposed as
-      # B): the timed shapes (one split), float32 partials and fixed splits, both head tiles.
+      # The default's wide_values (lane-level value loads, 16 bytes at 16 heads, 8 at 32) beside
+      # the f16 keys: the timed shapes (one split) and float32 partials at 16 heads.
       *[(batch, n, 8192, splits, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a",
-                                                     "e4m3_scores": True, **fixed})
+                                                     "e4m3_scores": False})
+        for batch, n, splits in ((128, 32, None), (32, 16, 4))],
+      # register_a's default e4m3_scores (fp8 wgmma from the e4m3 slot, q's two e4m3 parts
+      # transposed as B): the timed shapes (one split), float32 partials and fixed splits, both
+      # head tiles.
+      *[(batch, n, 8192, splits, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a", **fixed})
         for n in (16, 32)
         for batch, splits, fixed in ((128, None, {}), (32, 4, {}),
                                      (32, None, {"split_tokens": 2048}))],
-      # Its other promotion chunks (one accumulation: 576) at the timed shapes.
+      # Its promotion chunks (the default 576: one accumulation) at the timed shapes.
       *[(128, n, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a",
-                                                 "e4m3_scores": True, "e4m3_promote_cols": cols})
-        for n in (16, 32) for cols in (64, 192, 576)]])
+                                                 "e4m3_promote_cols": cols})
+        for n in (16, 32) for cols in (64, 128, 192)]])
   def test_lowers_for_hopper(self, batch, n, seq, splits, cache_dtype, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # shapes and layouts, bulk-copy boxes, and that shared memory fits a Hopper block's 227 KB.
@@ -483,12 +485,15 @@ class TestPallasMosaicDecodeHeadsNSharedWidening(TestPallasMosaicDecodeHeadsN):
 
 
 class TestPallasMosaicDecodeHeadsNRegisterA(TestPallasMosaicDecodeHeadsN):
-  """heads_in="n" with fp8_pipeline="register_a" (no bf16 slot: e4m3 pages in a ring of 4 slots,
-  each consumer converting its tiles to f16 as wgmma's A operand; q and P^T f16; tail rows zeroed
-  in the e4m3 slot by a bitwise AND): the fp8 cases of the same tests. The interpreter form hands
-  the converted tiles to wgmma through shared memory (it takes no register A), so these check the
-  loads, transposed views, conversions and masking; the CUDA lowering (`test_lowers_for_hopper`)
-  and the -m gpu test check the register form."""
+  """heads_in="n" with fp8_pipeline="register_a" (no bf16 slot: e4m3 pages in a ring of 4 slots;
+  by default, e4m3_scores, S^T by fp8 wgmma from the slot itself and q's two exact e4m3 parts as
+  B, combined as hi + 2^-4 lo; warpgroup 1 converting its V^T tiles to f16 as wgmma's A operand,
+  P^T f16; tail rows zeroed in the e4m3 slot by a bitwise AND and their scores masked by a
+  select): the fp8 cases of the same tests, q past f16's range and far below e4m3's. The
+  interpreter form hands the converted tiles to wgmma through shared memory (it takes no register
+  A) and sums fp8 products in float32, so these check the loads, transposed views, conversions,
+  the split and masking; the CUDA lowering (`test_lowers_for_hopper`) and the -m gpu tests check
+  the register form and Hopper's fp8 accumulation."""
   others = {"fp8_pipeline": "register_a"}
   fp8_only = True
   test_default_heads_in = None  # the parent's rule; its own below
@@ -531,6 +536,79 @@ class TestPallasMosaicDecodeHeadsNRegisterA(TestPallasMosaicDecodeHeadsN):
     q[0, 3, 10], q[2, 0, 500] = 1e5, -3e5
     self.check(q, cache, tables, lens, k_scale=FP8_SCALE, num_kv_splits=1)
 
+  def test_queries_far_below_e4m3_range(self):
+    # A token of tiny magnitudes runs scaled up by a power of two (its largest to [128, 256));
+    # unscaled, its hi parts would flush to e4m3 zeros.
+    q, cache, tables, lens = make_case(131, n=16, page=64, req_lens=[150, 64, 7],
+                                       cache_dtype=jnp.float8_e4m3fn)
+    q = q.copy()
+    q[0] *= 2.0 ** -30
+    q[1] *= 2.0 ** 12
+    self.check(q, cache, tables, lens, k_scale=FP8_SCALE, num_kv_splits=1)
+
+  def test_e4m3_split_is_exact(self):
+    assert_e4m3_split_is_exact()
+
+  @pytest.mark.parametrize("cols,n,splits", [(64, 16, 1), (192, 32, 2), (128, 16, 1)])
+  def test_promote_cols(self, cols, n, splits):
+    # The promotion chunks (the class's cases run the default, 576: one accumulation; 128 is
+    # 4 x 128 + 64); the interpreter sums exactly, so each must meet the contract here.
+    q, cache, tables, lens = make_case(132, n=n, page=64, req_lens=[1, 161, 0, 95, 300],
+                                       cache_dtype=jnp.float8_e4m3fn)
+    o, lse = mosaic_decode.latent_decode(
+        *(jnp.asarray(a) for a in (q, cache, tables, lens)), scale=SCALE, kv_lora_rank=L,
+        k_scale=FP8_SCALE, num_kv_splits=splits, heads_in="n", fp8_pipeline="register_a",
+        e4m3_scores=True, e4m3_promote_cols=cols, interpret=True)
+    ref_o, ref_lse = latent_decode_np(q.astype(np.float32), cache, tables, lens, SCALE, L,
+                                      FP8_SCALE)
+    assert_decode_close(np.asarray(o.astype(jnp.float32)), lse, ref_o, ref_lse)
+
+  def test_promote_cols_change_the_program(self):
+    q = jax.ShapeDtypeStruct((32, 16, 576), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((32 * 128, 64, 576), jnp.float8_e4m3fn)
+    tables = jax.ShapeDtypeStruct((32, 128), jnp.int32)
+    lens = jax.ShapeDtypeStruct((32,), jnp.int32)
+    jaxpr = lambda **knobs: str(mosaic_decode.latent_decode.trace(
+        q, cache, tables, lens, scale=SCALE, k_scale=jnp.float32(FP8_SCALE), e4m3_scores=True,
+        **knobs).jaxpr)
+    assert mosaic_decode.CONFIG.e4m3_promote_cols == 576
+    programs = [jaxpr(e4m3_promote_cols=cols) for cols in mosaic_decode.E4M3_PROMOTE_COLS]
+    assert jaxpr() == programs[-1] and len(set(programs)) == len(programs)
+
+  def test_backend_passes_the_promote_cols(self, monkeypatch):
+    seen = []
+
+    def latent_decode(*args, **kwargs):
+      seen.append(kwargs["e4m3_promote_cols"])
+      return None, None
+
+    monkeypatch.setattr(mosaic_decode, "latent_decode", latent_decode)
+    monkeypatch.setattr(backends, "MOSAIC_DECODE_CONFIG", mosaic_decode.MosaicDecodeConfig(
+        e4m3_scores=True, e4m3_promote_cols=192, **self.others))
+    q, cache, tables, lens = make_case(112, n=16, page=64, req_lens=[5],
+                                       cache_dtype=jnp.float8_e4m3fn)
+    self.decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(tables), jnp.asarray(lens),
+                k_scale=FP8_SCALE)
+    assert seen == [192]
+
+  @pytest.mark.parametrize("value", [0, 32, 100, 640, None])
+  def test_promote_cols_must_be_a_listed_width(self, value):
+    with pytest.raises(ValueError, match="e4m3_promote_cols must be one of"):
+      mosaic_decode.MosaicDecodeConfig(e4m3_promote_cols=value)
+
+  @pytest.mark.parametrize("knobs,message", [
+      ({"fp8_pipeline": "serial"}, "e4m3_scores takes fp8_pipeline=\"register_a\""),
+      ({"fp8_pipeline": "shared_widening"}, "e4m3_scores takes fp8_pipeline=\"register_a\""),
+      ({"fp8_pipeline": "register_a", "wide_keys": True}, "wide_keys loads the keys"),
+      ({"fp8_pipeline": None, "wide_keys": True}, "wide_keys loads the keys"),
+  ])
+  def test_e4m3_scores_bad_input_raises(self, knobs, message):
+    q, cache, tables, lens = (jnp.asarray(a) for a in make_case(
+        128, n=16, page=64, req_lens=[20, 5], cache_dtype=jnp.float8_e4m3fn))
+    with pytest.raises(ValueError, match=message):
+      mosaic_decode.latent_decode(q, cache, tables, lens, k_scale=FP8_SCALE, scale=0.1,
+                                  heads_in="n", e4m3_scores=True, interpret=True, **knobs)
+
   def test_f16_queries_are_exact_powers_of_two(self):
     q = np.random.default_rng(130).standard_normal((4, 16, 576)).astype(jnp.bfloat16)
     q[1] *= 2.0 ** 20
@@ -568,6 +646,15 @@ class _RegisterAOffKnob(TestPallasMosaicDecodeHeadsNRegisterA):
   test_register_a_bad_input_raises = None
   test_bad_input_raises = None
   test_no_races_in_the_interpreter = None
+  # The default's e4m3 split, promotion and errors (the knobs leave them as they are).
+  test_queries_far_below_e4m3_range = None
+  test_e4m3_split_is_exact = None
+  test_promote_cols = None
+  test_promote_cols_change_the_program = None
+  test_backend_passes_the_promote_cols = None
+  test_promote_cols_must_be_a_listed_width = None
+  test_e4m3_scores_bad_input_raises = None
+  beside: dict = {}  # other knobs the knob needs to mean anything (in `others` too)
 
   def jaxpr(self, cache_dtype, **knobs):
     """The GPU program at B=32 N=16, 128 pages of 64 a row, as text."""
@@ -576,7 +663,7 @@ class _RegisterAOffKnob(TestPallasMosaicDecodeHeadsNRegisterA):
             jax.ShapeDtypeStruct((32, 128), jnp.int32), jax.ShapeDtypeStruct((32,), jnp.int32))
     k_scale = jnp.float32(FP8_SCALE) if cache_dtype == jnp.float8_e4m3fn else None
     return str(mosaic_decode.latent_decode.trace(*args, scale=SCALE, heads_in="n", k_scale=k_scale,
-                                                 **knobs).jaxpr)
+                                                 **self.beside, **knobs).jaxpr)
 
   def test_bf16_cache_ignores_it(self):
     on, off, default = (self.jaxpr(jnp.bfloat16, **knobs) for knobs in (
@@ -602,19 +689,22 @@ class _RegisterAOffKnob(TestPallasMosaicDecodeHeadsNRegisterA):
     with pytest.raises(ValueError, match=f"{self.knob} takes fp8_pipeline=\"register_a\""):
       mosaic_decode.latent_decode(q, cache, tables, lens, k_scale=FP8_SCALE, scale=0.1,
                                   heads_in="n", fp8_pipeline=pipeline, **{self.knob: True},
-                                  interpret=True)
+                                  **self.beside, interpret=True)
 
 
 class TestPallasMosaicDecodeRegisterANarrowKeys(_RegisterAOffKnob):
   """register_a with wide_keys=False: the key fragments loaded 2 bytes at a time in the WGMMA
-  layout and q's columns in their own order, against the default's wide_keys (q's columns permuted
-  per 64-column tile, `wide_key_order`; the key fragments loaded 16 bytes a row on the GPU,
-  permuted after a plain load in the interpreter), which the parent runs: the fp8 cases of the
-  heads_in="n" tests (16 and 32 heads, one split and several, lengths cutting pages, bad table
-  entries: the tail rows masked in the e4m3 slot the loads read) and the f16 queries past f16's
-  range (scaled, then permuted). Either side's permutation alone fails the parent's; the lane code
-  itself runs only on the GPU (tests/test_decode_gpu.py)."""
+  layout and q's columns in their own order (with the f16 keys, e4m3_scores=False), against their
+  default wide_keys (q's columns permuted per 64-column tile, `wide_key_order`; the key fragments
+  loaded 16 bytes a row on the GPU, permuted after a plain load in the interpreter), which
+  TestPallasMosaicDecodeRegisterAF16Scores runs: the fp8 cases of the heads_in="n" tests (16 and
+  32 heads, one split and several, lengths cutting pages, bad table entries: the tail rows masked
+  in the e4m3 slot the loads read) and the f16 queries past f16's range (scaled, then permuted).
+  Either side's permutation alone fails that class's; the lane code itself runs only on the GPU
+  (tests/test_decode_gpu.py)."""
   knob, value = "wide_keys", False
+  beside = {"e4m3_scores": False}
+  others = {**_RegisterAOffKnob.others, **beside}
 
   def test_wide_key_order_is_the_fragments(self):
     # Lane q (lane % 4) of the WGMMA A fragment holds a row's columns 8j + 2q + e (register j,
@@ -674,125 +764,20 @@ class TestPallasMosaicDecodeRegisterANarrowValues(_RegisterAOffKnob):
                                         k_scale=jnp.float32(FP8_SCALE), wide_values=True)
 
 
-class TestPallasMosaicDecodeRegisterAE4m3Scores(TestPallasMosaicDecodeHeadsNRegisterA):
-  """register_a with e4m3_scores: S^T by fp8 wgmma from the e4m3 slot (A) and q's two exact e4m3
-  parts (B, transposed), combined as hi + 2^-4 lo, against the reference at the contract's
-  tolerances: the fp8 cases of the heads_in="n" tests (16 and 32 heads, one split and several,
-  lengths cutting pages, bad table entries: the tail rows zeroed in the slot the wgmma reads and
-  their scores masked by a select), q past f16's range and far below e4m3's (scaled by powers of
-  two both ways). The interpreter's fp8 wgmma sums in float32; Hopper's reduced-precision fp8
-  accumulation runs only on the GPU (tests/test_decode_gpu.py)."""
-  knob, value = "e4m3_scores", True
-  others = {"fp8_pipeline": "register_a", "heads_in": "n"}
-  # The parent's: the pipeline rules, the f16 queries (not used here) and the register_a errors.
-  test_register_a_defaults_to_heads_n = None
-  test_default_fp8_pipeline = None
-  test_f16_queries_are_exact_powers_of_two = None
-  test_register_a_bad_input_raises = None
-  test_bad_input_raises = None
+class TestPallasMosaicDecodeRegisterAF16Scores(_RegisterAOffKnob):
+  """register_a with e4m3_scores=False: warpgroup 0 converts the keys' e4m3 tiles to f16 as
+  wgmma's register A operand (16-byte loads, wide_keys) beside f16 queries (`_f16_queries`, each
+  token scaled by a power of two), against the default's fp8 wgmma from the slot, which the
+  parent runs: the fp8 cases of the heads_in="n" tests (16 and 32 heads, one split and several,
+  lengths cutting pages, bad table entries: the tail rows masked in the e4m3 slot the loads
+  read), the f16 queries past f16's range, and the race detector (the key loads are plain loads
+  it sees)."""
+  knob, value = "e4m3_scores", False
 
-  @pytest.mark.parametrize("n,cache_dtype", [(16, jnp.float8_e4m3fn), (32, jnp.float8_e4m3fn)])
+  @pytest.mark.parametrize("n,cache_dtype", [(16, jnp.float8_e4m3fn)])
   def test_no_races_in_the_interpreter(self, n, cache_dtype):
-    # The q parts' bulk copy and the slot read by two wgmmas while warpgroup 1 reads its values.
-    for splits in (1, 2):
-      check_no_races(126, n, cache_dtype, num_kv_splits=splits, heads_in="n",
-                     fp8_pipeline="register_a", e4m3_scores=True)
-
-  def test_queries_far_below_e4m3_range(self):
-    # A token of tiny magnitudes runs scaled up by a power of two (its largest to [128, 256));
-    # unscaled, its hi parts would flush to e4m3 zeros.
-    q, cache, tables, lens = make_case(131, n=16, page=64, req_lens=[150, 64, 7],
-                                       cache_dtype=jnp.float8_e4m3fn)
-    q = q.copy()
-    q[0] *= 2.0 ** -30
-    q[1] *= 2.0 ** 12
-    self.check(q, cache, tables, lens, k_scale=FP8_SCALE, num_kv_splits=1)
-
-  def test_e4m3_split_is_exact(self):
-    assert_e4m3_split_is_exact()
-
-  def test_bf16_cache_ignores_it(self):
-    q = jax.ShapeDtypeStruct((32, 16, 576), jnp.bfloat16)
-    cache = jax.ShapeDtypeStruct((32 * 128, 64, 576), jnp.bfloat16)
-    tables = jax.ShapeDtypeStruct((32, 128), jnp.int32)
-    lens = jax.ShapeDtypeStruct((32,), jnp.int32)
-    jaxpr = lambda **knobs: str(mosaic_decode.latent_decode.trace(
-        q, cache, tables, lens, scale=SCALE, heads_in="n", **knobs).jaxpr)
-    assert jaxpr(e4m3_scores=True) == jaxpr()
-
-  def test_it_changes_the_fp8_program(self):
-    q = jax.ShapeDtypeStruct((32, 16, 576), jnp.bfloat16)
-    cache = jax.ShapeDtypeStruct((32 * 128, 64, 576), jnp.float8_e4m3fn)
-    tables = jax.ShapeDtypeStruct((32, 128), jnp.int32)
-    lens = jax.ShapeDtypeStruct((32,), jnp.int32)
-    jaxpr = lambda **knobs: str(mosaic_decode.latent_decode.trace(
-        q, cache, tables, lens, scale=SCALE, k_scale=jnp.float32(FP8_SCALE), **knobs).jaxpr)
-    assert mosaic_decode.CONFIG.e4m3_scores is False
-    assert jaxpr(e4m3_scores=False) == jaxpr() != jaxpr(e4m3_scores=True)
-
-  @pytest.mark.parametrize("cols,n,splits", [(64, 16, 1), (192, 32, 2), (576, 16, 1)])
-  def test_promote_cols(self, cols, n, splits):
-    # The other promotion chunks (the class's cases run the default, 128: 4 x 128 + 64) and one
-    # accumulation, 576; the interpreter sums exactly, so each must meet the contract here.
-    q, cache, tables, lens = make_case(132, n=n, page=64, req_lens=[1, 161, 0, 95, 300],
-                                       cache_dtype=jnp.float8_e4m3fn)
-    o, lse = mosaic_decode.latent_decode(
-        *(jnp.asarray(a) for a in (q, cache, tables, lens)), scale=SCALE, kv_lora_rank=L,
-        k_scale=FP8_SCALE, num_kv_splits=splits, heads_in="n", fp8_pipeline="register_a",
-        e4m3_scores=True, e4m3_promote_cols=cols, interpret=True)
-    ref_o, ref_lse = latent_decode_np(q.astype(np.float32), cache, tables, lens, SCALE, L,
-                                      FP8_SCALE)
-    assert_decode_close(np.asarray(o.astype(jnp.float32)), lse, ref_o, ref_lse)
-
-  def test_promote_cols_change_the_program(self):
-    q = jax.ShapeDtypeStruct((32, 16, 576), jnp.bfloat16)
-    cache = jax.ShapeDtypeStruct((32 * 128, 64, 576), jnp.float8_e4m3fn)
-    tables = jax.ShapeDtypeStruct((32, 128), jnp.int32)
-    lens = jax.ShapeDtypeStruct((32,), jnp.int32)
-    jaxpr = lambda **knobs: str(mosaic_decode.latent_decode.trace(
-        q, cache, tables, lens, scale=SCALE, k_scale=jnp.float32(FP8_SCALE), e4m3_scores=True,
-        **knobs).jaxpr)
-    assert mosaic_decode.CONFIG.e4m3_promote_cols == 128
-    programs = [jaxpr(e4m3_promote_cols=cols) for cols in mosaic_decode.E4M3_PROMOTE_COLS]
-    assert jaxpr() == programs[1] and len(set(programs)) == len(programs)
-
-  def test_backend_passes_the_promote_cols(self, monkeypatch):
-    seen = []
-
-    def latent_decode(*args, **kwargs):
-      seen.append(kwargs["e4m3_promote_cols"])
-      return None, None
-
-    monkeypatch.setattr(mosaic_decode, "latent_decode", latent_decode)
-    monkeypatch.setattr(backends, "MOSAIC_DECODE_CONFIG", mosaic_decode.MosaicDecodeConfig(
-        e4m3_scores=True, e4m3_promote_cols=192, **self.others))
-    q, cache, tables, lens = make_case(112, n=16, page=64, req_lens=[5],
-                                       cache_dtype=jnp.float8_e4m3fn)
-    self.decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(tables), jnp.asarray(lens),
-                k_scale=FP8_SCALE)
-    assert seen == [192]
-
-  @pytest.mark.parametrize("value", [0, 32, 100, 640, None])
-  def test_promote_cols_must_be_a_listed_width(self, value):
-    with pytest.raises(ValueError, match="e4m3_promote_cols must be one of"):
-      mosaic_decode.MosaicDecodeConfig(e4m3_promote_cols=value)
-
-  @pytest.mark.parametrize("value", [1, None, "yes"])
-  def test_e4m3_scores_must_be_a_bool(self, value):
-    with pytest.raises(ValueError, match="e4m3_scores must be True or False"):
-      mosaic_decode.MosaicDecodeConfig(e4m3_scores=value)
-
-  @pytest.mark.parametrize("knobs,message", [
-      ({"fp8_pipeline": "serial"}, "e4m3_scores takes fp8_pipeline=\"register_a\""),
-      ({"fp8_pipeline": "shared_widening"}, "e4m3_scores takes fp8_pipeline=\"register_a\""),
-      ({"fp8_pipeline": "register_a", "wide_keys": True}, "wide_keys loads the keys"),
-  ])
-  def test_e4m3_scores_bad_input_raises(self, knobs, message):
-    q, cache, tables, lens = (jnp.asarray(a) for a in make_case(
-        128, n=16, page=64, req_lens=[20, 5], cache_dtype=jnp.float8_e4m3fn))
-    with pytest.raises(ValueError, match=message):
-      mosaic_decode.latent_decode(q, cache, tables, lens, k_scale=FP8_SCALE, scale=0.1,
-                                  heads_in="n", e4m3_scores=True, interpret=True, **knobs)
+    check_no_races(126, n, cache_dtype, num_kv_splits=2, heads_in="n", fp8_pipeline="register_a",
+                   e4m3_scores=False)
 
 
 def _stage1_splits(jaxpr):
