@@ -39,8 +39,12 @@ def is_fp8(dtype: DTypeLike) -> bool:
 
 
 def quantize_fp8(x: jax.Array, scale: jax.Array | float) -> jax.Array:
-  """e4m3 of `x / scale`, saturated to +-448 (e4m3fn has no infinity: overflow would be NaN)."""
-  return jnp.clip(x.astype(jnp.float32) / scale, -F8_MAX, F8_MAX).astype(F8)
+  """e4m3 of `x / scale`, saturated to +-448 (e4m3fn has no infinity: overflow would be NaN).
+  Behind an optimization barrier: XLA's GPU compiler otherwise folds a later e4m3 -> float32
+  convert into this one and drops the rounding (H200, jax 0.11.2: every bf16 value came back
+  unrounded), so a dequantized value in the same jit would not be the stored one."""
+  return lax.optimization_barrier(
+      jnp.clip(x.astype(jnp.float32) / scale, -F8_MAX, F8_MAX).astype(F8))
 
 
 def saturate(x: jax.Array, dtype: DTypeLike) -> jax.Array:

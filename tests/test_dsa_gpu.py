@@ -17,7 +17,7 @@ import pytest
 from gpu_utils import poison_allocator
 from mla_jax import backends, reference
 from mla_jax.cache import DSMLACache, IndexerKCache, LatentCache
-from mla_jax.quant import quantize_indexer_q
+from mla_jax.quant import dequantize, quantize_fp8, quantize_indexer_q
 from pallas_kernels import mosaic_indexer, mosaic_sparse
 from pallas_kernels import topk as pallas_topk
 from sparse_contract import cosine_diff, lowest_index_topk
@@ -383,3 +383,13 @@ def test_topk_sets_match_lax_top_k(kind, variant):
     assert set(g.tolist()) == lowest_index_topk(xs[i], int(lens[i]), TOPK), i
     if kind == "normal":
       assert set(g.tolist()) == set(w.tolist()), i
+
+
+def test_quantize_fp8_rounds_inside_a_jit():
+  # Quantized and dequantized in one compiled function, as a reference path does: the values are
+  # the e4m3 ones (XLA's GPU compiler folded the convert pair into the identity without the
+  # barrier), against numpy's rounding.
+  x = np.random.default_rng(0).standard_normal(4096).astype(np.float32) * 100
+  got = jax.jit(lambda v: dequantize(quantize_fp8(v, 0.5), 0.5))(x)
+  want = np.clip(x / 0.5, -448, 448).astype(jnp.float8_e4m3fn).astype(np.float32) * 0.5
+  np.testing.assert_array_equal(np.asarray(got), want)
