@@ -184,7 +184,21 @@ class MosaicDecodeConfig:
   warpgroup 0's step without zero_rows, SASS instructions a thread, 576 / 192 / 128 / 64: N=16
   316 / 384 / 461 / 622; N=32 483 / 615 / 756 / 1119 (64: 8 spill instructions in the step); the
   chunks' sums (FADD) and each fresh accumulator's zeros (ptxas folds only the first's) are the
-  growth."""
+  growth.
+  wide_widening (the widening pipelines "serial", "half_pages" and "shared_widening", either
+  heads_in; a bf16 cache and "register_a", which widen nothing, ignore it): the memory
+  warpgroup's widening of the e4m3 stage into the bf16 slots (and warpgroup 1's of its value
+  columns with "shared_widening") runs in lane-level code (`_wide_widen_rows`), mosaic_sparse's
+  wide_widening: a lane loads 16 e4m3 bytes of a row at once, places each byte's bits into a bf16
+  (`mosaic_lanes.placed_bf16x2`: prmt, shl, and, one mul.bf16x2 by 2^120, the scale being 1
+  here) and stores 16 bytes at a time into the swizzled slot, instead of HALF_ROWS_LAYOUT's 2-byte
+  loads and f16 -> f32 -> bf16 conversions. Bit for bit the same slots (e4m3 values are exact in
+  bf16; rows past a step's length +0); the interpreter runs the Pallas-level widening. ptxas
+  (13.5, B=128 N=128 S=8192, SASS instructions a lane, Pallas-level / wide): "shared_widening",
+  the memory warpgroup's page step 882 / 444 (80 LDS.U16 + 20 STSM / 10 LDS.128 + 20 STS.128),
+  warpgroup 1's consumer step 557 / 367; "half_pages" the memory warpgroup's page step 1548 /
+  716; "serial" 1522 / 706. False (the default) until the H200 times it (benchmarks/RESULTS.md,
+  "wide_widening")."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -862,8 +876,9 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
     feed_ring(n, slots, consumed, fetch)
 
 
-# wide_widening: 16-byte units of e4m3 tiles a lane loads before widening them (16 registers).
-_WIDE_LOAD_GROUP = 4
+# wide_widening: 16-byte units of e4m3 tiles a lane loads before widening them (8 registers;
+# ptxas, N=128 shared_widening: 2 spills fewer in the step loops than 4 at once, the same with 1).
+_WIDE_LOAD_GROUP = 2
 _WG_THREADS = 128
 
 
