@@ -265,6 +265,7 @@ def _mosaic_decode(q, kv_cache, block_tables, seq_lens, **kwargs):
                                             wide_values=MOSAIC_DECODE_CONFIG.wide_values,
                                             e4m3_scores=MOSAIC_DECODE_CONFIG.e4m3_scores,
                                             e4m3_promote_cols=MOSAIC_DECODE_CONFIG.e4m3_promote_cols,
+                                            wide_widening=MOSAIC_DECODE_CONFIG.wide_widening,
                                             **kwargs)
 
 

@@ -63,6 +63,8 @@ from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
                                    one_wave_splits, padded_heads, partials_dtype, row_broadcast,
                                    run_scores, run_values, sm_count, softmax_step, split_range,
                                    swizzled, SWIZZLE)
+from pallas_kernels.mosaic_lanes import (WIDE_MASK, WIDE_UNIT_FACTOR, placed_bf16x2, wide_load,
+                                         wide_store)
 
 
 FP8_PIPELINES = ("serial", "half_pages", "shared_widening", "register_a")
@@ -182,7 +184,21 @@ class MosaicDecodeConfig:
   warpgroup 0's step without zero_rows, SASS instructions a thread, 576 / 192 / 128 / 64: N=16
   316 / 384 / 461 / 622; N=32 483 / 615 / 756 / 1119 (64: 8 spill instructions in the step); the
   chunks' sums (FADD) and each fresh accumulator's zeros (ptxas folds only the first's) are the
-  growth."""
+  growth.
+  wide_widening (the widening pipelines "serial", "half_pages" and "shared_widening", either
+  heads_in; a bf16 cache and "register_a", which widen nothing, ignore it): the memory
+  warpgroup's widening of the e4m3 stage into the bf16 slots (and warpgroup 1's of its value
+  columns with "shared_widening") runs in lane-level code (`_wide_widen_rows`), mosaic_sparse's
+  wide_widening: a lane loads 16 e4m3 bytes of a row at once, places each byte's bits into a bf16
+  (`mosaic_lanes.placed_bf16x2`: prmt, shl, and, one mul.bf16x2 by 2^120, the scale being 1
+  here) and stores 16 bytes at a time into the swizzled slot, instead of HALF_ROWS_LAYOUT's 2-byte
+  loads and f16 -> f32 -> bf16 conversions. Bit for bit the same slots (e4m3 values are exact in
+  bf16; rows past a step's length +0); the interpreter runs the Pallas-level widening. ptxas
+  (13.5, B=128 N=128 S=8192, SASS instructions a lane, Pallas-level / wide): "shared_widening",
+  the memory warpgroup's page step 882 / 444 (80 LDS.U16 + 20 STSM / 10 LDS.128 + 20 STS.128),
+  warpgroup 1's consumer step 557 / 367; "half_pages" the memory warpgroup's page step 1548 /
+  716; "serial" 1522 / 706. False (the default) until the H200 times it (benchmarks/RESULTS.md,
+  "wide_widening")."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -192,6 +208,7 @@ class MosaicDecodeConfig:
   wide_values: bool | None = None
   e4m3_scores: bool | None = None
   e4m3_promote_cols: int = 576
+  wide_widening: bool = False
 
   def __post_init__(self):
     if self.block_h != 64:
@@ -213,6 +230,8 @@ class MosaicDecodeConfig:
       raise ValueError(f"wide_values must be None, True or False, got {self.wide_values!r}")
     if self.e4m3_scores is not None and not isinstance(self.e4m3_scores, bool):
       raise ValueError(f"e4m3_scores must be None, True or False, got {self.e4m3_scores!r}")
+    if not isinstance(self.wide_widening, bool):
+      raise ValueError(f"wide_widening must be True or False, got {self.wide_widening!r}")
     if self.e4m3_promote_cols not in E4M3_PROMOTE_COLS:
       raise ValueError(f"e4m3_promote_cols must be one of {E4M3_PROMOTE_COLS}, got "
                        f"{self.e4m3_promote_cols!r}")
@@ -256,12 +275,14 @@ SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"),
          MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", e4m3_promote_cols=192),
          MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", e4m3_scores=False),
          MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", e4m3_scores=False,
-                            wide_keys=False))
+                            wide_keys=False),
+         MosaicDecodeConfig(wide_widening=True),
+         MosaicDecodeConfig(fp8_pipeline="half_pages", wide_widening=True))
 # Fields that one cache dtype alone reads (with the other, the program is the same whatever they
 # are): a sweep times a config only with the cache dtype whose program it changes.
 DTYPE_KNOBS = {"fp8_pipeline": jnp.dtype(F8), "wide_keys": jnp.dtype(F8),
                "wide_values": jnp.dtype(F8), "e4m3_scores": jnp.dtype(F8),
-               "e4m3_promote_cols": jnp.dtype(F8)}
+               "e4m3_promote_cols": jnp.dtype(F8), "wide_widening": jnp.dtype(F8)}
 _TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
 # fp8 caches: 2 slots of e4m3 bytes (36 KB each) that the memory warpgroup widens into the bf16
 # slots the products read ("serial": one of 64 rows; "half_pages": two of 32 rows), so the shared
@@ -495,7 +516,8 @@ def _wide_value_tiles(slot, first: int, count: int):
 def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_ref, buffers, p_smem,
                    row_smem, q_bar, ready, consumed, p_ready, p_free, *staging, scale, lora,
                    num_splits, split_steps, in_place, shared_widening, heads_n, register_a,
-                   value_cols, wide_keys, wide_values, e4m3_scores, e4m3_promote_cols):
+                   value_cols, wide_keys, wide_values, e4m3_scores, e4m3_promote_cols,
+                   wide_widening):
   # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64, or fewer than 64 unpadded: the tile's
   # first Np rows, the others never stored); kv_ref [num_blocks, page, D] bf16 or
   # e4m3; bt_ref [T, max_blocks] int32; len_ref [T] int32; ks_ref [1] f32 (the cache's scale, 1
@@ -532,6 +554,9 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # fp8 wgmma (N = 2 x tile_h) a chunk of e4m3_promote_cols columns from the slot itself, the
   # chunks' accumulators summed in f32 (promotion). qs_ref is then [T, Np] (a scale-back per
   # head), staged first: qs_smem [tile_h] f32, copied beside the query tile (q_bar takes both).
+  # wide_widening (the widening pipelines, on the GPU): the e4m3 tiles are widened into the bf16
+  # slots in lane-level code (`_wide_widen_rows`) by the memory warpgroup and, with
+  # shared_widening, warpgroup 1.
   (q_smem, kv_smem), (o_smem, lse_smem) = buffers
   if e4m3_scores:
     qs_smem, *staging = staging
@@ -800,9 +825,12 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
         if step_rows == _STEP:
           s = lax.rem(k, _FP8_STAGES)
           plgpu.barrier_wait(staged.at[s])
-          keep = plgpu.broadcasted_iota(jnp.int32, (_STEP,), 0,
-                                        layout=plgpu.Layout.WGMMA.reduce(1)) < step_source(k)[2]
-          _widen_page(stage, kv_smem, s, keep, value_tiles)
+          if wide_widening:
+            _wide_widen_rows(stage.at[s], kv_smem.at[0], 0, step_source(k)[2], value_tiles)
+          else:
+            keep = plgpu.broadcasted_iota(jnp.int32, (_STEP,), 0,
+                                          layout=plgpu.Layout.WGMMA.reduce(1)) < step_source(k)[2]
+            _widen_page(stage, kv_smem, s, keep, value_tiles)
           plgpu.commit_smem()  # also a warpgroup barrier: every thread's reads are done
           plgpu.barrier_arrive(stage_free.at[s])
           plgpu.barrier_arrive(ready.at[0])
@@ -811,7 +839,11 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
         s = lax.rem(i, _FP8_STAGES)
         # A stage slot's first half: its bytes must have landed.
         pl.when(part == 0)(functools.partial(plgpu.barrier_wait, staged.at[s]))
-        _widen_half(stage, kv_smem, s, part, step_source(i)[2], value_tiles)
+        if wide_widening:
+          _wide_widen_rows(stage.at[s], kv_smem.at[part], part * _HALF,
+                           step_source(i)[2] - part * _HALF, value_tiles)
+        else:
+          _widen_half(stage, kv_smem, s, part, step_source(i)[2], value_tiles)
         plgpu.commit_smem()  # also a warpgroup barrier: every thread's reads are done
         pl.when(part == slots - 1)(functools.partial(plgpu.barrier_arrive, stage_free.at[s]))
         plgpu.barrier_arrive(ready.at[part])
@@ -832,7 +864,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
         plgpu.copy_gmem_to_smem(qs_ref.at[t], qs_smem, q_bar)
 
     if fp8:
-      _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, memory_tiles, *staging)
+      _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, memory_tiles,
+                     wide_widening, *staging)
       return
 
     def fetch(i, slot):
@@ -841,6 +874,77 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
                               ready.at[slot])
 
     feed_ring(n, slots, consumed, fetch)
+
+
+# wide_widening: 16-byte units of e4m3 tiles a lane loads before widening them (8 registers;
+# ptxas, N=128 shared_widening: 2 spills fewer in the step loops than 4 at once, the same with 1).
+_WIDE_LOAD_GROUP = 2
+_WG_THREADS = 128
+
+
+def _wide_widen_rows(stage_slot, dst, first, valid, tiles):
+  """wide_widening's lane-level form of `_widen_half` / `_widen_page`: the given 64-column tiles
+  of stage rows first ... first + R - 1 (stage_slot [64, D] e4m3, tiled (8, 64), 64-byte
+  swizzled; first a multiple of 32) into dst [R, D] bf16 (R = 32: tiled (8, 32), 64-byte
+  swizzled; R = 64: tiled (8, 64), 128-byte swizzled), exactly; dst rows from valid on (scalars,
+  traced) become +0 (they may hold NaN bytes). Lane (warp w, lane l) takes rows 8w + l % 8 (+ 32)
+  and the e4m3 tile's 16-byte unit u = l / 8: per tile one 16-byte load, 8 x (prmt, shl, and,
+  mul.bf16x2) by bit placement (`mosaic_lanes.placed_bf16x2`, the scale 1: bf16(2^120); the AND's
+  mask is 0 on rows past valid, so their bytes never count) and two 16-byte stores. The 8 lanes of
+  a quarter warp (one 16-byte shared access at a time) take the 8 rows of a swizzle period and one
+  unit: 8 distinct 16-byte bank groups in the stage and in dst under either swizzle."""
+  rows, d = dst.shape
+  sw = 2 * rows  # bytes of a bf16 tile row: 64 for 32 rows, 128 for 64
+  if stage_slot.shape != (_STEP, d) or rows not in (_HALF, _STEP):
+    raise ValueError(f"want stage [64, D], dst [32 or 64, D]; got {stage_slot.shape}, {dst.shape}")
+  stage_t = (plgpu.TilingTransform((8, _FP8_COLS)), plgpu.SwizzleTransform(_FP8_COLS))
+  dst_t = (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw))
+  scalar = plgpu.Layout.WG_SPLAT(())
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(stage_t), plgpu.RefType(dst_t), scalar, scalar))
+  def run(_, stage_slot, dst, first, valid):
+    i32 = ir.IntegerType.get_signless(32)
+    c32 = lambda v: arith.constant(i32, v)
+    first, valid = first.registers.item(), valid.registers.item()
+    tid = arith.remui(mgpu_utils.thread_idx(), c32(_WG_THREADS))
+    lane, warp = arith.remui(tid, c32(32)), arith.divui(tid, c32(32))
+    l = arith.remui(lane, c32(_SWIZZLE_TILE_ROWS))  # the row in its 8-row tile
+    u = arith.divui(lane, c32(_SWIZZLE_TILE_ROWS))  # the e4m3 tile's 16-byte unit
+    # e4m3 row r's unit u of tile c at (r / 8) 8D + 512 c + 64 (r % 8) + 16 (u ^ (r % 8) / 2)
+    src = arith.addi(
+        arith.muli(arith.addi(first, arith.muli(warp, c32(_SWIZZLE_TILE_ROWS))), c32(d)),
+        arith.addi(arith.muli(l, c32(_FP8_COLS)),
+                   arith.muli(arith.xori(u, arith.divui(l, c32(2))), c32(16))))
+    # Its 16 bf16 values, in two 16-byte units h of tile c's 128 bytes (64-byte swizzle: tiles
+    # 2c + u / 2 of 32 columns), row at (r / 8) 16D + 1024 c + sw (r % 8), unit w ^ the swizzle's
+    # row bits (r % 8 with 128 bytes, (r % 8) / 2 with 64): w = 2u + h, or 2 (u % 2) + h.
+    dst_lane = arith.addi(arith.muli(warp, c32(_SWIZZLE_TILE_ROWS * 2 * d)),
+                          arith.muli(l, c32(sw)))
+    if sw == 2 * _FP8_COLS:
+      w, period = arith.muli(u, c32(2)), l
+    else:
+      dst_lane = arith.addi(dst_lane, arith.muli(arith.divui(u, c32(2)),
+                                                 c32(_SWIZZLE_TILE_ROWS * sw)))
+      w, period = arith.muli(arith.remui(u, c32(2)), c32(2)), arith.divui(l, c32(2))
+    dst_unit = [arith.addi(dst_lane, arith.muli(arith.xori(arith.addi(w, c32(h)), period),
+                                                c32(16))) for h in range(2)]
+    factor = c32(WIDE_UNIT_FACTOR)
+    tile_bytes = _SWIZZLE_TILE_ROWS * 2 * _FP8_COLS  # a column tile's 8 rows, e4m3 or bf16
+    for m in range(rows // _HALF):  # rows 32 apart: 4 row tiles further in both
+      row = arith.addi(arith.addi(arith.muli(warp, c32(_SWIZZLE_TILE_ROWS)), l), c32(m * _HALF))
+      mask = arith.select(arith.cmpi(arith.CmpIPredicate.slt, row, valid), c32(WIDE_MASK), c32(0))
+      convert = lambda word, p, mask=mask: placed_bf16x2(word, p, factor, mask)
+      src_off, dst_off = m * _HALF * d, m * _HALF * 2 * d
+      # The loads of a group first: the compilers cannot move a load above a store to the same
+      # shared memory, which would expose each load's latency.
+      for g in range(0, len(tiles), _WIDE_LOAD_GROUP):
+        group = tiles[g:g + _WIDE_LOAD_GROUP]
+        loaded = [wide_load(stage_slot, src, src_off + c * tile_bytes // 2) for c in group]
+        for c, words in zip(group, loaded):
+          wide_store(dst, words, convert,
+                     [(dst_unit[h], dst_off + c * tile_bytes) for h in range(2)])
+
+  run(stage_slot, dst, jnp.asarray(first, jnp.int32), jnp.asarray(valid, jnp.int32))
 
 
 def _widen_half(stage, kv_smem, s, part, rows, tiles):
@@ -870,7 +974,7 @@ def _widen_page(stage, kv_smem, s, keep, tiles):
     kv_smem[0, :, pl.ds(c * _FP8_COLS, _FP8_COLS)] = x.astype(kv_smem.dtype)
 
 
-def _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, tiles, stage, staged,
+def _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, tiles, wide, stage, staged,
                    stage_free=None):
   """The memory warpgroup's loop for an fp8 cache: e4m3 page tiles are fetched 2 steps ahead into
   the stage ring, and each is widened (exactly: every e4m3 value is a bf16 one) into the bf16
@@ -879,7 +983,7 @@ def _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, tiles, stag
   ("half_pages": the consumers already compute on slot 0 while slot 1 is widened). Only the
   column tiles `tiles` (all, unless warpgroup 1 widens the others: then a stage slot is refilled
   once it also arrives on stage_free). Rows that do not count become 0 as they are widened (they
-  may hold NaN bytes)."""
+  may hold NaN bytes). wide: in lane-level code (`_wide_widen_rows`)."""
   slots, step_rows = kv_smem.shape[:2]
 
   def fetch(i, s):
@@ -891,7 +995,7 @@ def _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, tiles, stag
   # Whole pages' row ids, made once ("serial" only: an unused annotated iota leaves Mosaic GPU's
   # layout inference (jax 0.11.2) searching until it gives up).
   row_ids = (plgpu.broadcasted_iota(jnp.int32, (_STEP,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
-             if step_rows == _STEP else None)
+             if step_rows == _STEP and not wide else None)
 
   def refill(i, s):
     if stage_free is not None:
@@ -906,7 +1010,10 @@ def _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, tiles, stag
     # Slot `part` took consumer step i * slots + part - slots before: wait until it is free.
     for part in range(slots):
       pl.when(i > 0)(functools.partial(plgpu.barrier_wait, consumed.at[part]))
-      if step_rows == _STEP:
+      if wide:
+        _wide_widen_rows(stage.at[s], kv_smem.at[part], part * step_rows,
+                         rows - part * step_rows, tiles)
+      elif step_rows == _STEP:
         _widen_page(stage, kv_smem, s, row_ids < rows, tiles)
       else:
         _widen_half(stage, kv_smem, s, part, rows, tiles)
@@ -1009,7 +1116,7 @@ def _e4m3_queries(q):
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits",
                                              "split_tokens", "fp8_pipeline", "heads_in",
                                              "wide_keys", "wide_values", "e4m3_scores",
-                                             "e4m3_promote_cols",
+                                             "e4m3_promote_cols", "wide_widening",
                                              "interpret"))
 def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
                   *, scale: float, kv_lora_rank: int = 512,
@@ -1019,6 +1126,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                   wide_values: bool | None = CONFIG.wide_values,
                   e4m3_scores: bool | None = CONFIG.e4m3_scores,
                   e4m3_promote_cols: int = CONFIG.e4m3_promote_cols,
+                  wide_widening: bool = CONFIG.wide_widening,
                   interpret: bool | plgpu.InterpretGPUParams = False
                   ) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
@@ -1042,14 +1150,15 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   bf16 cache ignores it). e4m3_scores: register_a's scores by fp8 wgmma from shared memory
   (`MosaicDecodeConfig`; None: with register_a unless wide_keys=True; True is a ValueError with
   the other fp8 pipelines or wide_keys=True, a bf16 cache ignores it); e4m3_promote_cols: its
-  promotion chunks (`MosaicDecodeConfig`).
+  promotion chunks (`MosaicDecodeConfig`). wide_widening: the widening pipelines' lane-level
+  widening (`MosaicDecodeConfig`; a bf16 cache and "register_a", which widen nothing, ignore it).
   interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
   o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
   _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits, split_tokens)
   MosaicDecodeConfig(fp8_pipeline=fp8_pipeline, heads_in=heads_in, wide_keys=wide_keys,
                      wide_values=wide_values, e4m3_scores=e4m3_scores,
-                     e4m3_promote_cols=e4m3_promote_cols)  # checks
+                     e4m3_promote_cols=e4m3_promote_cols, wide_widening=wide_widening)  # checks
   fp8 = kv_cache.dtype == F8
   if heads_in is None:
     heads_in = default_heads_in(q.shape[1], fp8, fp8_pipeline)
@@ -1124,7 +1233,10 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                              heads_n=heads_n, register_a=register_a,
                              value_cols=value_cols, wide_keys=wide_keys,
                              wide_values=wide_values, e4m3_scores=e4m3_scores,
-                             e4m3_promote_cols=e4m3_promote_cols)
+                             e4m3_promote_cols=e4m3_promote_cols,
+                             # The interpreter runs no lane-level code: the Pallas-level widening.
+                             wide_widening=wide_widening and fp8 and not register_a
+                             and not interpret)
   # bf16 slots x rows (the consumers' step). wgmma's K must be a multiple of its operands' swizzle
   # width, and P V's K is the step: 32-row steps take 64-byte swizzles (32 bf16) for the query,
   # the slots and P alike (one wgmma takes one swizzle). Half pages: 72 + 2 x 36 (bf16 slots) +
@@ -1196,6 +1308,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
       interpret=interpret or None,
       kernel_name=(f"mosaic_latent_decode_{'fp8' if fp8 else 'bf16'}{'_half' if half_pages else ''}"
                    f"{'_shared' if shared_widening else ''}{'_register_a' if register_a else ''}"
+                   f"{'_wide_widening' if wide_widening and fp8 and not register_a else ''}"
                    f"{'_wide_keys' if wide_keys else ''}{'_wide_values' if wide_values else ''}"
                    f"{f'_e4m3_scores{e4m3_promote_cols}' if e4m3_scores else ''}"
                    f"{f'_heads_n{tile_h}' if heads_n else ''}"

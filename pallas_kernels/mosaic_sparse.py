@@ -55,14 +55,13 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, memref, nvvm, scf, vector
+from jaxlib.mlir.dialects import arith, llvm, memref, nvvm, scf
 
 from pallas_kernels.common import (DS_MLA_TILE, F8, HALF_ROWS, HALF_ROWS_LAYOUT, HEADS_M_TILE,
                                    HEADS_N_TILES, LOG2E, REDUCTION_BYTES_PER_8_HEADS,
@@ -70,6 +69,8 @@ from pallas_kernels.common import (DS_MLA_TILE, F8, HALF_ROWS, HALF_ROWS_LAYOUT,
                                    heads_tile, leading_rows, merge_splits, one_wave_splits,
                                    padded_heads, row_broadcast, run_scores, run_values, sm_count,
                                    softmax_step, swizzled, SWIZZLE)
+from pallas_kernels.mosaic_lanes import (WIDE_MAX_SCALE_BITS, lane_asm, placed_bf16x2, wide_load,
+                                         wide_store)
 
 _TILE_H = HEADS_M_TILE  # heads per program: the M of every Hopper wgmma
 _STEP = 64  # slots per step: N of S = Q K^T, K of P V
@@ -198,61 +199,14 @@ def _cp_async_rows(parts, idx, *, num_slots, scales=None):
   issue(idx, *(ref for part in parts for ref in part), *(scales or ()))
 
 
-# wide_widening: e4m3 -> bf16 by bit placement. A byte sign-extended to 16 bits (prmt's sign-
-# replicating selectors: bytes 0, 1 or 2, 3 of a word into the halves of one), shifted left 4 and
-# masked to the sign, exponent and mantissa fields, is the bf16 of its e4m3 value times 2^-120
-# (normals and subnormals alike; zero stays zero); one bf16x2 multiply by scale * 2^120 finishes.
-WIDE_SELECTORS = (0x9180, 0xB3A2)
-WIDE_MASK = 0x87F087F0
-WIDE_BIAS = 120
-# The bit placement's multiply is today's f32 product rounded to bf16 when the scale is a bf16
-# (its low 16 bits 0) of magnitude <= 2^7 (so scale * 2^120 is a finite bf16); other scales take
-# today's conversion (cvt e4m3x2 -> f16x2, f32 multiplies, cvt -> bf16x2).
-WIDE_MAX_SCALE_BITS = 0x43000000  # 2^7
 _WIDE_LOAD_GROUP = 4  # 16-byte units a lane loads before converting them
-
-
-def wide_widening_model(words: np.ndarray, scales: np.ndarray) -> np.ndarray:
-  """What the wide widening's lane code computes, in numpy (XLA on CPUs flushes the bit
-  placement's subnormals), on uint32 words (4 e4m3 bytes, the first in the low byte) and float32
-  scales of the same shape: bf16 [..., 4], byte k times its scale. Scales `wide_fast_scale`
-  accepts go through the bit placement; the others through f32, as the Pallas-level widening."""
-  words, scales = np.asarray(words, np.uint32), np.asarray(scales, np.float32)
-  halves = []
-  for selector in WIDE_SELECTORS:  # prmt: bytes 2p, 2p + 1 sign-extended into a word's halves
-    pair = np.zeros_like(words)
-    for half in range(2):
-      byte = (words >> np.uint32(8 * ((selector >> (8 * half)) & 0x7))) & np.uint32(0xFF)
-      extended = byte | np.where(byte & 0x80, 0xFF00, 0).astype(np.uint32)
-      pair |= extended << np.uint32(16 * half)
-    halves.append((pair << np.uint32(4)) & np.uint32(WIDE_MASK))
-  # [..., 2] uint32: bf16x2 of bytes (0, 1) and (2, 3)
-  placed = np.stack(halves, -1).view(jnp.bfloat16).reshape(*words.shape, 4)
-  factor = (scales * np.float32(2.0 ** WIDE_BIAS)).astype(jnp.bfloat16)[..., None]
-  # A bf16 multiply (mul.rn.bf16x2): the float64 product of two bf16 is exact, rounded once.
-  fast = (placed.astype(np.float64) * factor.astype(np.float64)).astype(jnp.bfloat16)
-  e4m3 = words[..., None].view(np.uint8).view(F8).astype(np.float32).reshape(*words.shape, 4)
-  slow = (e4m3 * scales[..., None]).astype(jnp.bfloat16)
-  return np.where(wide_fast_scale(scales)[..., None], fast, slow)
-
-
-def wide_fast_scale(scales: np.ndarray) -> np.ndarray:
-  """Whether the wide widening takes the bit placement for these float32 scales (a bf16 of
-  magnitude <= 2^7), as the lane code decides it per row and tile."""
-  bits = np.asarray(scales, np.float32).view(np.uint32)
-  return ((bits & 0x7FFFFFFF) <= WIDE_MAX_SCALE_BITS) & ((bits & 0xFFFF) == 0)
-
-
-def _lane_asm(text, constraints, *args):
-  """An inline-PTX instruction sequence of one 32-bit result."""
-  return llvm.inline_asm(ir.IntegerType.get_signless(32), list(args), text, constraints)
 
 
 def _wide_paths(scale, units, result_types=()):
   """Emits units(convert) twice, the then and else of one branch on whether the lane's f32 scale
-  takes the bit placement (`wide_fast_scale`) or today's conversion. convert(word, p): the bf16x2
-  of bytes 2p, 2p + 1 of an i32 word (4 e4m3 values) times the scale. units returns the values of
-  result_types that the branch yields (its results, returned)."""
+  takes the bit placement (`mosaic_lanes.wide_fast_scale`) or today's conversion. convert(word,
+  p): the bf16x2 of bytes 2p, 2p + 1 of an i32 word (4 e4m3 values) times the scale. units
+  returns the values of result_types that the branch yields (its results, returned)."""
   i32 = ir.IntegerType.get_signless(32)
   c32 = lambda v: arith.constant(i32, v)
   bits = arith.bitcast(i32, scale)
@@ -262,14 +216,12 @@ def _wide_paths(scale, units, result_types=()):
       arith.cmpi(arith.CmpIPredicate.eq, arith.andi(bits, c32(0xFFFF)), c32(0)))
 
   def fast_units():
-    factor = _lane_asm("{ .reg .f32 m; mul.rn.f32 m, $1, 0f7B800000; mov.b32 $0, m; "
-                       "prmt.b32 $0, $0, 0, 0x3232; }", "=r,r", scale)  # bf16x2 scale * 2^120
-    return units(lambda word, p: _lane_asm(
-        f"{{ .reg .b32 x; prmt.b32 x, $1, 0, {WIDE_SELECTORS[p]:#x}; shl.b32 x, x, 4; "
-        f"and.b32 x, x, {WIDE_MASK:#x}; mul.rn.bf16x2 $0, x, $2; }}", "=r,r,r", word, factor))
+    factor = lane_asm("{ .reg .f32 m; mul.rn.f32 m, $1, 0f7B800000; mov.b32 $0, m; "
+                      "prmt.b32 $0, $0, 0, 0x3232; }", "=r,r", scale)  # bf16x2 scale * 2^120
+    return units(lambda word, p: placed_bf16x2(word, p, factor))
 
   def slow_units():
-    return units(lambda word, p: _lane_asm(
+    return units(lambda word, p: lane_asm(
         "{ .reg .b16 lo, hi, a, b; .reg .b32 x; .reg .f32 f0, f1; mov.b32 {lo, hi}, $1; "
         f"cvt.rn.f16x2.e4m3x2 x, {('lo', 'hi')[p]}; mov.b32 {{a, b}}, x; "
         "cvt.f32.f16 f0, a; cvt.f32.f16 f1, b; mul.rn.f32 f0, f0, $2; "
@@ -282,31 +234,6 @@ def _wide_paths(scale, units, result_types=()):
   return list(branch.results)
 
 
-def _wide_offset(base, offset):
-  """Byte offset base (i32, a lane's) + offset (static)."""
-  return arith.addi(base, arith.constant(ir.IntegerType.get_signless(32), offset))
-
-
-def _wide_load(ref, base, offset):
-  """The 16 bytes (4 i32 words) at byte offset base + offset of a shared-memory ref."""
-  i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
-  ptr = mgpu_utils.memref_ptr(ref)
-  return llvm.load(ir.VectorType.get((4,), i32),
-                   mgpu_utils.getelementptr(ptr, [_wide_offset(base, offset)], i8), alignment=16)
-
-
-def _wide_store(dst, words, convert, offsets):
-  """Widens a 16-byte unit's words (16 e4m3 values) with convert and stores their bf16 as two
-  16-byte units, values 8 h to 8 h + 7 at byte offset base + offset of dst, offsets[h] = (base,
-  offset)."""
-  i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
-  out = [convert(vector.extract(words, [], [w]), p) for w in range(4) for p in range(2)]
-  for h, (base, offset) in enumerate(offsets):
-    off = _wide_offset(base, offset)
-    llvm.store(vector.from_elements(ir.VectorType.get((4,), i32), out[4 * h:4 * h + 4]),
-               mgpu_utils.getelementptr(mgpu_utils.memref_ptr(dst), [off], i8), alignment=16)
-
-
 def _wide_widen(nope, scales, dst):
   """Lane-level widening of a staged half step's (32 rows) or step's (64) e4m3 NoPE tiles into
   the bf16 tiles of a row slot (wide_widening): nope [J, rows, 128] e4m3 (tiled (8, 128),
@@ -317,8 +244,8 @@ def _wide_widen(nope, scales, dst):
   16-byte load (16 e4m3 values), 8 x (prmt, shl, and, mul.bf16x2), two 16-byte stores. The 8
   lanes of a quarter warp (what one 16-byte shared access serves at a time) take the 8 rows of a
   swizzle period and the same unit: their loads and stores hit 8 distinct 16-byte bank groups
-  under either swizzle. A lane whose scale `wide_fast_scale` refuses converts as the Pallas-
-  level widening does (`wide_widening_model`)."""
+  under either swizzle. A lane whose scale `mosaic_lanes.wide_fast_scale` refuses converts as the
+  Pallas-level widening does (`mosaic_lanes.wide_widening_model`)."""
   tiles, rows, _ = nope.shape
   sw = dst.shape[1] // HALF_ROWS * 64  # bytes: 64 for 32 rows (half_rows), 128 for 64
   if (rows not in (HALF_ROWS, _STEP) or nope.shape[2] != DS_MLA_TILE
@@ -369,9 +296,9 @@ def _wide_widen(nope, scales, dst):
         # same shared memory, which would expose each load's latency.
         for g in range(0, _CHUNK_BYTES // _SEG, _WIDE_LOAD_GROUP):
           group = range(g, g + _WIDE_LOAD_GROUP)
-          loaded = [_wide_load(nope, src_unit[u], group_off) for u in group]
+          loaded = [wide_load(nope, src_unit[u], group_off) for u in group]
           for u, words in zip(group, loaded):
-            _wide_store(dst, words, convert, [dst_offset(u, h) for h in range(2)])
+            wide_store(dst, words, convert, [dst_offset(u, h) for h in range(2)])
 
       _wide_paths(scale, units)
 
@@ -421,7 +348,7 @@ def _wide_widen_in_place(nope, scales, dst):
     dst_unit = [arith.xori(dst_base, c32(16 * w)) for w in range(8)]
     index = lambda x: arith.index_cast(ir.IndexType.get(), x)
     scale = [memref.load(scales, [index(c32(j)), index(row)]) for j in range(tiles)]
-    load = lambda j, k: _wide_load(nope, src[k], j * tile_bytes)
+    load = lambda j, k: wide_load(nope, src[k], j * tile_bytes)
     words = [load(0, k) for k in range(4)]
     mgpu_utils.warpgroup_barrier()  # every warp's scales loaded: tile 0's stores overwrite them
     unguarded = set()  # tiles loaded since the last barrier
@@ -434,7 +361,7 @@ def _wide_widen_in_place(nope, scales, dst):
       def units(convert, j=j, words=words, ahead=ahead):
         loaded = []
         for k in range(4):
-          _wide_store(dst, words[k], convert,
+          wide_store(dst, words[k], convert,
                       [(dst_unit[2 * k + p], 2 * j * tile_bytes) for p in range(2)])
           if ahead:  # tile j's stores overwrite no later tile's rows
             loaded.append(load(j + 1, k))
@@ -1321,13 +1248,14 @@ class MosaicSparseConfig:
   and two warp barriers a step) instead of through Pallas arrays (HALF_ROWS_LAYOUT's 2-element
   vectors: per 2 values a 2-byte load, cvt e4m3x2 -> f16x2, 2 f16 -> f32, 2 multiplies, cvt ->
   bf16x2, a 4-byte store): each lane loads 16 e4m3 values of a row at once and places each byte's
-  bits into a bf16 (`WIDE_SELECTORS`: prmt, shl, and), times bf16(scale * 2^120) in one bf16x2
-  multiply: 4 instructions per 2 values, one 16-byte load per 16 and two 16-byte stores. Bit for
-  bit today's values (`wide_widening_model`, tested over all 256 bytes): scales that are not bf16
-  or above 2^7 (the project's quantizer writes powers of two; vLLM's non-power-of-two scales are
-  not bf16) take today's conversion in the same lane code, per row and tile; e4m3 NaN bytes (0x7F,
-  0xFF, which no quantizer writes) widen to 480 x scale instead of NaN on the fast path. The
-  interpreter runs the Pallas-level widening. ptxas (T=128, N=128, half_rows): the widening of a
+  bits into a bf16 (`mosaic_lanes.WIDE_SELECTORS`: prmt, shl, and), times bf16(scale * 2^120) in
+  one bf16x2 multiply: 4 instructions per 2 values, one 16-byte load per 16 and two 16-byte
+  stores. Bit for bit today's values (`mosaic_lanes.wide_widening_model`, tested over all 256
+  bytes): scales that are not bf16 or above 2^7 (the project's quantizer writes powers of two;
+  vLLM's non-power-of-two scales are not bf16) take today's conversion in the same lane code, per
+  row and tile; e4m3 NaN bytes (0x7F, 0xFF, which no quantizer writes) widen to 480 x scale
+  instead of NaN on the fast path. The interpreter runs the Pallas-level widening. ptxas (T=128,
+  N=128, half_rows): the widening of a
   half step 289 instructions a lane (8 LDS.128, 16 STS.128) against 496 (68 LDS, 16 STSM), no
   spills (the default: 3 outside step loops; N=16 1 in them). "in_place" (T=4096 over 32K,
   N=128): a step's widening 635 instructions a lane on the bit placement's path (16 LDS.128, 32

@@ -120,7 +120,9 @@ def test_mosaic_configs_times_what_changes_the_program(dtype):
                          {"fp8_pipeline": "register_a", "heads_in": "n", "e4m3_promote_cols": 192},
                          {"fp8_pipeline": "register_a", "heads_in": "n", "e4m3_scores": False},
                          {"fp8_pipeline": "register_a", "heads_in": "n", "e4m3_scores": False,
-                          "wide_keys": False}]
+                          "wide_keys": False},
+                         {"wide_widening": True},
+                         {"fp8_pipeline": "half_pages", "wide_widening": True}]
   else:
     assert named[1:] == [{"heads_in": "n"}]
 

@@ -13,7 +13,7 @@ from decode_contract import (FP8_SCALE, L, SCALE, DecodeContract, assert_decode_
                              assert_e4m3_split_is_exact, make_case)
 from mla_jax import backends
 from oracles import latent_decode_np
-from pallas_kernels import mosaic_decode
+from pallas_kernels import mosaic_decode, mosaic_lanes
 from pallas_kernels.common import HEADS_N_TILES, default_num_kv_splits, register_pool
 from pallas_kernels.latent_decode import latent_decode
 
@@ -180,6 +180,14 @@ class TestPallasMosaicDecode(DecodeContract):
       (128, 16, 8192, 1, jnp.float8_e4m3fn, {"fp8_pipeline": "half_pages"}),
       (128, 128, 4096, None, jnp.float8_e4m3fn, {"fp8_pipeline": "shared_widening"}),
       (128, 16, 8192, 1, jnp.float8_e4m3fn, {"fp8_pipeline": "shared_widening"}),
+      # wide_widening's lane code: the default pipeline at the timed shape (one split) and 4 splits,
+      # the other widening pipelines at 128 heads, shared_widening in N.
+      *[(128, 128, 8192, splits, jnp.float8_e4m3fn, {"fp8_pipeline": pipeline,
+                                                     "wide_widening": True})
+        for pipeline, splits in (("shared_widening", 1), ("shared_widening", 4),
+                                 ("half_pages", None), ("serial", None))],
+      (128, 16, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "shared_widening",
+                                                "heads_in": "n", "wide_widening": True}),
       # heads_in="n": a transposed float32 store does not lower (the partials are staged as they
       # are), so every output form: one split (bf16, transposed), several and fixed splits
       # (float32), at 16 and 32 heads, both caches.
@@ -378,6 +386,70 @@ class TestPallasMosaicDecodeSharedWidening(TestPallasMosaicDecodeHalfPages):
   @pytest.mark.parametrize("seed,n,splits", [(111, 128, None)])
   def test_fp8_half_page_edges(self, seed, n, splits):
     super().test_fp8_half_page_edges(seed, n, splits)
+
+
+class TestPallasMosaicDecodeWideWidening(_MosaicDecodeKnob):
+  """wide_widening=True (the widening pipelines widen e4m3 tiles into the bf16 slots in lane-level
+  code; off by default) through the backend's MOSAIC_DECODE_CONFIG. The interpreter runs the
+  Pallas-level widening (it runs no lane code), so these check the knob's plumbing and rules and
+  which programs it changes; the CUDA lowerings (TestPallasMosaicDecode.test_lowers_for_hopper)
+  build the lane code and the -m gpu tests (tests/test_decode_gpu.py) run it, bit-identical to
+  wide_widening=False."""
+  knob, value = "wide_widening", True
+  # The interpreter's program is the default's: the contract's other cases would repeat
+  # TestPallasMosaicDecode's. Its fp8 case at 128 heads (shared_widening in M) stays.
+  test_bf16 = None
+  test_other_dtypes = None
+  test_multi_token_rows = None
+  test_batch_invariant = None
+  test_bad_backend_input_raises = None
+  test_bad_table_entries_inside_length_are_masked = None
+
+  @pytest.mark.parametrize("seed,n,page,splits,k_scale", [(12, 128, 64, 2, FP8_SCALE)])
+  def test_fp8_cache(self, seed, n, page, splits, k_scale):
+    super().test_fp8_cache(seed, n, page, splits, k_scale)
+
+  @staticmethod
+  def jaxpr(n, cache_dtype, **knobs):
+    """The GPU program at B=32 and n heads, 128 pages of 64 a row, as text."""
+    args = (jax.ShapeDtypeStruct((32, n, 576), jnp.bfloat16),
+            jax.ShapeDtypeStruct((32 * 128, 64, 576), cache_dtype),
+            jax.ShapeDtypeStruct((32, 128), jnp.int32), jax.ShapeDtypeStruct((32,), jnp.int32))
+    k_scale = jnp.float32(FP8_SCALE) if cache_dtype == jnp.float8_e4m3fn else None
+    return str(mosaic_decode.latent_decode.trace(*args, scale=SCALE, k_scale=k_scale,
+                                                 **knobs).jaxpr)
+
+  @pytest.mark.parametrize("value", [1, None, "yes"])
+  def test_knob_must_be_a_bool(self, value):
+    with pytest.raises(ValueError, match="wide_widening must be True or False"):
+      mosaic_decode.MosaicDecodeConfig(wide_widening=value)
+
+  def test_off_by_default(self):
+    assert mosaic_decode.CONFIG.wide_widening is False
+
+  @pytest.mark.parametrize("n,knobs", [(128, {}), (16, {"heads_in": "n"})])
+  def test_bf16_cache_ignores_it(self, n, knobs):
+    assert (self.jaxpr(n, jnp.bfloat16, wide_widening=True, **knobs)
+            == self.jaxpr(n, jnp.bfloat16, **knobs))
+
+  def test_register_a_ignores_it(self):
+    # It widens nothing (the consumers convert their tiles in registers).
+    assert (self.jaxpr(16, jnp.float8_e4m3fn, fp8_pipeline="register_a", wide_widening=True)
+            == self.jaxpr(16, jnp.float8_e4m3fn, fp8_pipeline="register_a"))
+
+  @pytest.mark.parametrize("n,knobs", [
+      (128, {}), (128, {"fp8_pipeline": "half_pages"}), (128, {"fp8_pipeline": "serial"}),
+      (16, {"fp8_pipeline": "shared_widening", "heads_in": "n"})])
+  def test_it_changes_the_widening_programs(self, n, knobs):
+    on, off, default = (self.jaxpr(n, jnp.float8_e4m3fn, **extra, **knobs) for extra in (
+        {"wide_widening": True}, {"wide_widening": False}, {}))
+    assert off == default != on
+    assert "inline_mgpu" in on and "inline_mgpu" not in off
+
+  def test_unit_factor_is_bf16_two_to_the_bias(self):
+    # The lane code's multiply with the scale 1: bf16(2^120) in both halves.
+    bits = int(np.array(2.0 ** mosaic_lanes.WIDE_BIAS, np.float32).view(np.uint32)) >> 16
+    assert mosaic_lanes.WIDE_UNIT_FACTOR == bits << 16 | bits
 
 
 class TestPallasMosaicDecodeHeadsN(_MosaicDecodeKnob):

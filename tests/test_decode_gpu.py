@@ -186,6 +186,37 @@ def test_wide_values_is_bit_identical(seed, batch, max_len, n, split_tokens):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("seed,batch,max_len,n,knobs", [
+    (15, 128, 8192, 128, {"fp8_pipeline": "shared_widening"}),  # the timed shape (one split)
+    (16, 128, 8192, 128, {"fp8_pipeline": "half_pages"}),
+    (17, 128, 8192, 128, {"fp8_pipeline": "serial"}),
+    (18, 32, 8192, 128, {"fp8_pipeline": "shared_widening", "num_kv_splits": 4}),
+    (19, 128, 8192, 16, {"fp8_pipeline": "shared_widening", "heads_in": "n"}),
+])
+def test_wide_widening_is_bit_identical(seed, batch, max_len, n, knobs):
+  # The lane-level widening (16-byte loads, bit placement, 16-byte stores into the swizzled bf16
+  # slots; only the GPU runs it) writes the slots' bits as the Pallas-level one does: e4m3
+  # values are exact in bf16, rows past a step's length (NaN bytes here) +0 in both.
+  q, cache, tables, lens = serving_case(seed, batch=batch, max_len=max_len, n=n,
+                                        cache_dtype=jnp.float8_e4m3fn)
+  run = lambda wide: jax.device_get(mosaic_decode.latent_decode(
+      q, cache, tables, lens, scale=SCALE, k_scale=jnp.float32(FP8_SCALE), wide_widening=wide,
+      **knobs))
+  for a, b in zip(run(True), run(False)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("seed,batch,max_len,n,splits", [
+    (2, 128, 8192, 128, None),  # the timed shape
+    (3, 128, 32768, 16, 1),  # 2**31+ e4m3 values (heads in M: half pages)
+])
+def test_wide_widening_matches_reference(seed, batch, max_len, n, splits):
+  # wide_widening with the heads-in-M default pipeline (shared_widening) at serving sizes.
+  check_serving_case(seed, batch, max_len, n, jnp.float8_e4m3fn, functools.partial(
+      mosaic_decode.latent_decode, num_kv_splits=splits, heads_in="m",
+      fp8_pipeline="shared_widening", wide_widening=True))
+
+
 def test_wide_keys_queries_past_f16_range():
   # The f16 queries scaled by powers of two, then permuted.
   q_scale = jnp.where(jnp.arange(32) % 3 == 0, 2.0 ** 15, 1.0)

@@ -14,7 +14,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from mla_jax import backends, reference
 from mla_jax.cache import DSMLACache, LatentCache
 from pallas_kernels import indexer as pallas_indexer
-from pallas_kernels import mosaic_indexer
+from pallas_kernels import mosaic_indexer, mosaic_lanes
 from pallas_kernels import mosaic_sparse
 from pallas_kernels import sparse_attention as pallas_sparse
 from pallas_kernels import topk as pallas_topk
@@ -736,8 +736,8 @@ def test_mosaic_sparse_wide_widening_bits_are_todays():
   slow = [2.0 ** 8, 2.0 ** 20, 2.0 ** 100, 0.3, 57344.0 / 448 / 3, 1e-3, 200.0]
   for scale, want_fast in [(s, True) for s in fast] + [(s, False) for s in slow]:
     scales = np.full(words.shape, scale, np.float32)
-    assert bool(mosaic_sparse.wide_fast_scale(scales[0])) == want_fast, scale
-    got = mosaic_sparse.wide_widening_model(words, scales).astype(np.float32)
+    assert bool(mosaic_lanes.wide_fast_scale(scales[0])) == want_fast, scale
+    got = mosaic_lanes.wide_widening_model(words, scales).astype(np.float32)
     want = (e4m3.astype(np.float32) * np.float32(scale)).astype(jnp.bfloat16).astype(np.float32)
     np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32),
                                   err_msg=f"scale {scale}")

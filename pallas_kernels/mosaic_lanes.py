@@ -1,0 +1,103 @@
+"""Lane-level Mosaic GPU helpers the attention kernels share (mosaic_sparse, mosaic_decode): the
+e4m3 -> bf16 "wide widening" by bit placement, 16-byte shared-memory loads and stores, inline PTX.
+
+Apart from common.py because these build MLIR (jaxlib's llvm, arith and vector dialects) inside
+`plgpu.inline_mgpu` functions, which the Triton kernels never need; the interpreter runs none of
+it (the kernels keep a Pallas-level form for interpret=True).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm, vector
+
+from pallas_kernels.common import F8
+
+# e4m3 -> bf16 by bit placement. A byte sign-extended to 16 bits (prmt's sign-replicating
+# selectors: bytes 0, 1 or 2, 3 of a word into the halves of one), shifted left 4 and masked to
+# the sign, exponent and mantissa fields, is the bf16 of its e4m3 value times 2^-120 (normals and
+# subnormals alike; zero stays zero); one bf16x2 multiply by scale * 2^120 finishes.
+WIDE_SELECTORS = (0x9180, 0xB3A2)
+WIDE_MASK = 0x87F087F0
+WIDE_BIAS = 120
+WIDE_UNIT_FACTOR = 0x7B807B80  # bf16x2 (2^120, 2^120): the factor of scale 1
+# The bit placement's multiply is today's f32 product rounded to bf16 when the scale is a bf16
+# (its low 16 bits 0) of magnitude <= 2^7 (so scale * 2^120 is a finite bf16); other scales take
+# today's conversion (cvt e4m3x2 -> f16x2, f32 multiplies, cvt -> bf16x2).
+WIDE_MAX_SCALE_BITS = 0x43000000  # 2^7
+
+
+def wide_widening_model(words: np.ndarray, scales: np.ndarray) -> np.ndarray:
+  """What the wide widening's lane code computes, in numpy (XLA on CPUs flushes the bit
+  placement's subnormals), on uint32 words (4 e4m3 bytes, the first in the low byte) and float32
+  scales of the same shape: bf16 [..., 4], byte k times its scale. Scales `wide_fast_scale`
+  accepts go through the bit placement; the others through f32, as the Pallas-level widening."""
+  words, scales = np.asarray(words, np.uint32), np.asarray(scales, np.float32)
+  halves = []
+  for selector in WIDE_SELECTORS:  # prmt: bytes 2p, 2p + 1 sign-extended into a word's halves
+    pair = np.zeros_like(words)
+    for half in range(2):
+      byte = (words >> np.uint32(8 * ((selector >> (8 * half)) & 0x7))) & np.uint32(0xFF)
+      extended = byte | np.where(byte & 0x80, 0xFF00, 0).astype(np.uint32)
+      pair |= extended << np.uint32(16 * half)
+    halves.append((pair << np.uint32(4)) & np.uint32(WIDE_MASK))
+  # [..., 2] uint32: bf16x2 of bytes (0, 1) and (2, 3)
+  placed = np.stack(halves, -1).view(jnp.bfloat16).reshape(*words.shape, 4)
+  factor = (scales * np.float32(2.0 ** WIDE_BIAS)).astype(jnp.bfloat16)[..., None]
+  # A bf16 multiply (mul.rn.bf16x2): the float64 product of two bf16 is exact, rounded once.
+  fast = (placed.astype(np.float64) * factor.astype(np.float64)).astype(jnp.bfloat16)
+  e4m3 = words[..., None].view(np.uint8).view(F8).astype(np.float32).reshape(*words.shape, 4)
+  slow = (e4m3 * scales[..., None]).astype(jnp.bfloat16)
+  return np.where(wide_fast_scale(scales)[..., None], fast, slow)
+
+
+def wide_fast_scale(scales: np.ndarray) -> np.ndarray:
+  """Whether the wide widening takes the bit placement for these float32 scales (a bf16 of
+  magnitude <= 2^7), as the lane code decides it per row and tile."""
+  bits = np.asarray(scales, np.float32).view(np.uint32)
+  return ((bits & 0x7FFFFFFF) <= WIDE_MAX_SCALE_BITS) & ((bits & 0xFFFF) == 0)
+
+
+def lane_asm(text, constraints, *args):
+  """An inline-PTX instruction sequence of one 32-bit result."""
+  return llvm.inline_asm(ir.IntegerType.get_signless(32), list(args), text, constraints)
+
+
+def placed_bf16x2(word, p, factor, mask=None):
+  """The bf16x2 of bytes 2p, 2p + 1 of an i32 word (4 e4m3 values) by bit placement, times the
+  bf16x2 factor (an i32: bf16(scale * 2^WIDE_BIAS) twice). mask: an i32 to AND with instead of
+  WIDE_MASK (0 widens the word's values to +0: rows past the valid ones, whatever their bytes)."""
+  text = (f"{{ .reg .b32 x; prmt.b32 x, $1, 0, {WIDE_SELECTORS[p]:#x}; shl.b32 x, x, 4; "
+          f"and.b32 x, x, {'$3' if mask is not None else f'{WIDE_MASK:#x}'}; "
+          "mul.rn.bf16x2 $0, x, $2; }")
+  if mask is None:
+    return lane_asm(text, "=r,r,r", word, factor)
+  return lane_asm(text, "=r,r,r,r", word, factor, mask)
+
+
+def wide_offset(base, offset):
+  """Byte offset base (i32, a lane's) + offset (static)."""
+  return arith.addi(base, arith.constant(ir.IntegerType.get_signless(32), offset))
+
+
+def wide_load(ref, base, offset):
+  """The 16 bytes (4 i32 words) at byte offset base + offset of a shared-memory ref."""
+  i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+  ptr = mgpu_utils.memref_ptr(ref)
+  return llvm.load(ir.VectorType.get((4,), i32),
+                   mgpu_utils.getelementptr(ptr, [wide_offset(base, offset)], i8), alignment=16)
+
+
+def wide_store(dst, words, convert, offsets):
+  """Widens a 16-byte unit's words (16 e4m3 values) with convert and stores their bf16 as two
+  16-byte units, values 8 h to 8 h + 7 at byte offset base + offset of dst, offsets[h] = (base,
+  offset)."""
+  i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+  out = [convert(vector.extract(words, [], [w]), p) for w in range(4) for p in range(2)]
+  for h, (base, offset) in enumerate(offsets):
+    off = wide_offset(base, offset)
+    llvm.store(vector.from_elements(ir.VectorType.get((4,), i32), out[4 * h:4 * h + 4]),
+               mgpu_utils.getelementptr(mgpu_utils.memref_ptr(dst), [off], i8), alignment=16)
