@@ -169,22 +169,22 @@ class MosaicDecodeConfig:
   1's: 354 and 437). The keys' bytes are the products' (no wide_keys: True is a ValueError with
   it). None (the default): on wherever register_a runs, unless wide_keys=True asks for the f16
   keys; False keeps the f16 keys in registers (H200, session 18, B=128 S=8192, one process:
-  N=16 0.243 -> 0.191 ms, N=32 0.292 -> 0.261; benchmarks/RESULTS.md, "e4m3_scores"). The GPU
-  tests meet SPEC's tolerances with one accumulation over the 576 columns (session 18; session
-  17's misses were the split's lo parts folded to 0 by XLA, `_e4m3_queries`).
+  N=16 0.243 -> 0.189 ms, N=32 0.292 -> 0.273 with 192-column promotion; benchmarks/RESULTS.md,
+  "e4m3_scores"). Session 17's misses of SPEC's tolerances were the split's lo parts folded to 0
+  by XLA (`_e4m3_queries`), not the fp8 accumulation.
   e4m3_promote_cols (one of E4M3_PROMOTE_COLS; e4m3_scores only) promotes as DeepGEMM does: the
   product is split over the columns into chunks this wide (the last one shorter: 4 x 128 + 64),
   each into a fresh accumulator, summed in f32 registers; chunk c + 1's wgmma is issued before
   chunk c's is waited for (wgmma_accumulator_load(wait_n=1)) and read. All the chunks'
   accumulators come from one scope: a scope a chunk (nested) made ptxas wait for chunk 0 before
-  issuing chunk 1 (a WARPGROUP.DEPBAR 0 not in the PTX) and spilled more at 32 heads. 576 (the
-  default): one accumulation, the fastest (session 18, ms at N=16 / 32: 128 0.203 / 0.298, 192
-  0.189 / 0.273, 576 0.191 / 0.261), all of them within SPEC's tolerances on the GPU; the
-  narrower chunks stay for inputs whose sums need more of float32's bits. ptxas (13.5),
-  warpgroup 0's step without zero_rows, SASS instructions a thread, 576 / 192 / 128 / 64: N=16
-  316 / 384 / 461 / 622; N=32 483 / 615 / 756 / 1119 (64: 8 spill instructions in the step); the
-  chunks' sums (FADD) and each fresh accumulator's zeros (ptxas folds only the first's) are the
-  growth.
+  issuing chunk 1 (a WARPGROUP.DEPBAR 0 not in the PTX) and spilled more at 32 heads. H200
+  (session 18), ms at N=16 / 32: 128 0.203 / 0.298, 192 0.189 / 0.273, 576 (one accumulation)
+  0.191 / 0.261. 192 (the default) is the widest whose GPU tests have run (64, 128 and 192 met
+  SPEC's tolerances in every case; 576's were cut by a step limit): 576 is 1.05x at 32 heads.
+  ptxas (13.5), warpgroup 0's step without zero_rows, SASS instructions a thread, 576 / 192 /
+  128 / 64: N=16 316 / 384 / 461 / 622; N=32 483 / 615 / 756 / 1119 (64: 8 spill instructions in
+  the step); the chunks' sums (FADD) and each fresh accumulator's zeros (ptxas folds only the
+  first's) are the growth.
   wide_widening (the widening pipelines "serial", "half_pages" and "shared_widening", either
   heads_in; a bf16 cache and "register_a", which widen nothing, ignore it): the memory
   warpgroup's widening of the e4m3 stage into the bf16 slots (and warpgroup 1's of its value
@@ -207,7 +207,7 @@ class MosaicDecodeConfig:
   wide_keys: bool | None = None
   wide_values: bool | None = None
   e4m3_scores: bool | None = None
-  e4m3_promote_cols: int = 576
+  e4m3_promote_cols: int = 192
   wide_widening: bool = False
 
   def __post_init__(self):
@@ -272,7 +272,7 @@ SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"),
          MosaicDecodeConfig(heads_in="n"), MosaicDecodeConfig(fp8_pipeline="serial", heads_in="n"),
          MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n"),
          MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", wide_values=False),
-         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", e4m3_promote_cols=192),
+         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", e4m3_promote_cols=576),
          MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", e4m3_scores=False),
          MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", e4m3_scores=False,
                             wide_keys=False),

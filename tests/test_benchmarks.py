@@ -117,7 +117,7 @@ def test_mosaic_configs_times_what_changes_the_program(dtype):
                          {"heads_in": "n"}, {"fp8_pipeline": "serial", "heads_in": "n"},
                          {"fp8_pipeline": "register_a", "heads_in": "n"},
                          {"fp8_pipeline": "register_a", "heads_in": "n", "wide_values": False},
-                         {"fp8_pipeline": "register_a", "heads_in": "n", "e4m3_promote_cols": 192},
+                         {"fp8_pipeline": "register_a", "heads_in": "n", "e4m3_promote_cols": 576},
                          {"fp8_pipeline": "register_a", "heads_in": "n", "e4m3_scores": False},
                          {"fp8_pipeline": "register_a", "heads_in": "n", "e4m3_scores": False,
                           "wide_keys": False},
