@@ -113,16 +113,15 @@ def test_mosaic_configs_times_what_changes_the_program(dtype):
   assert "mosaic ms" in row and not any(k.endswith("error") for k in row)
   assert named[0] == {}
   if dtype == "float8_e4m3fn":
-    assert named[1:] == [{"fp8_pipeline": "serial"}, {"fp8_pipeline": "half_pages"},
+    assert named[1:] == [{"fp8_pipeline": "serial"}, {"fp8_pipeline": "shared_widening"},
+                         {"wide_widening": False},
                          {"heads_in": "n"}, {"fp8_pipeline": "serial", "heads_in": "n"},
                          {"fp8_pipeline": "register_a", "heads_in": "n"},
                          {"fp8_pipeline": "register_a", "heads_in": "n", "wide_values": False},
                          {"fp8_pipeline": "register_a", "heads_in": "n", "e4m3_promote_cols": 576},
                          {"fp8_pipeline": "register_a", "heads_in": "n", "e4m3_scores": False},
                          {"fp8_pipeline": "register_a", "heads_in": "n", "e4m3_scores": False,
-                          "wide_keys": False},
-                         {"wide_widening": True},
-                         {"fp8_pipeline": "half_pages", "wide_widening": True}]
+                          "wide_keys": False}]
   else:
     assert named[1:] == [{"heads_in": "n"}]
 

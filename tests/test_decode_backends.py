@@ -345,8 +345,9 @@ class TestPallasMosaicDecodeHalfPages(_MosaicDecodeKnob):
   128): the rows a half page can cut (lengths ending in either half or on its edge, a half with no
   row that counts), bad table entries. bf16 caches ignore the pipeline (TestPallasMosaicDecode)."""
   knob, value = "fp8_pipeline", "half_pages"
-  # A non-default pipeline: the half-page cases below take the contract's fp8 head counts (16 and
-  # 128) and splits, with lengths that cut half pages.
+  # The fp8 default with heads in M (TestPallasMosaicDecode's fp8 cases): the half-page cases
+  # below take the contract's fp8 head counts (16 and 128) and splits, with lengths that cut half
+  # pages.
   test_fp8_cache = None
 
   @pytest.mark.parametrize("seed,n,splits", [(110, 16, 3), (111, 128, None)])
@@ -377,11 +378,14 @@ class TestPallasMosaicDecodeSharedWidening(TestPallasMosaicDecodeHalfPages):
   half-page after next, the memory warpgroup the rest) on the same cases: every half-page's
   columns come from two warpgroups, and the stage ring is refilled only once both are done."""
   value = "shared_widening"
-  # Heads in M (128 heads) is the fp8 default above 16 heads: the contract's fp8 cases are
-  # TestPallasMosaicDecode's; at 16 heads it runs heads in N, the programs of
-  # TestPallasMosaicDecodeHeadsNSharedWidening (the same bad-table case, seed 40). The half-page
-  # edges at 128 stay.
+  # At 16 heads it runs heads in N, the programs of TestPallasMosaicDecodeHeadsNSharedWidening (the
+  # same bad-table case, seed 40); the contract's fp8 case and the half-page edges at 128 (heads
+  # in M, the fp8 default there before wide_widening) stay.
   test_fp8_bad_table_entries = None
+
+  @pytest.mark.parametrize("seed,n,page,splits,k_scale", [(12, 128, 64, 2, FP8_SCALE)])
+  def test_fp8_cache(self, seed, n, page, splits, k_scale):
+    DecodeContract.test_fp8_cache(self, seed, n, page, splits, k_scale)  # the parent skips it
 
   @pytest.mark.parametrize("seed,n,splits", [(111, 128, None)])
   def test_fp8_half_page_edges(self, seed, n, splits):
@@ -389,15 +393,16 @@ class TestPallasMosaicDecodeSharedWidening(TestPallasMosaicDecodeHalfPages):
 
 
 class TestPallasMosaicDecodeWideWidening(_MosaicDecodeKnob):
-  """wide_widening=True (the widening pipelines widen e4m3 tiles into the bf16 slots in lane-level
-  code; off by default) through the backend's MOSAIC_DECODE_CONFIG. The interpreter runs the
-  Pallas-level widening (it runs no lane code), so these check the knob's plumbing and rules and
-  which programs it changes; the CUDA lowerings (TestPallasMosaicDecode.test_lowers_for_hopper)
-  build the lane code and the -m gpu tests (tests/test_decode_gpu.py) run it, bit-identical to
-  wide_widening=False."""
-  knob, value = "wide_widening", True
-  # The interpreter's program is the default's: the contract's other cases would repeat
-  # TestPallasMosaicDecode's. Its fp8 case at 128 heads (shared_widening in M) stays.
+  """wide_widening=False (the widening pipelines widen e4m3 tiles into the bf16 slots through
+  Pallas arrays, not the default's lane-level code; fp8_pipeline=None then takes
+  "shared_widening" with heads in M) through the backend's MOSAIC_DECODE_CONFIG. The interpreter
+  runs the Pallas-level widening either way (it runs no lane code), so these check the knob's
+  plumbing and rules and which programs it changes; the CUDA lowerings
+  (TestPallasMosaicDecode.test_lowers_for_hopper) build the lane code and the -m gpu tests
+  (tests/test_decode_gpu.py) run it, bit-identical to wide_widening=False."""
+  knob, value = "wide_widening", False
+  # The interpreter's program is the default's but for the pipeline: the contract's other cases
+  # would repeat TestPallasMosaicDecode's. Its fp8 case at 128 heads (shared_widening in M) stays.
   test_bf16 = None
   test_other_dtypes = None
   test_multi_token_rows = None
@@ -424,8 +429,8 @@ class TestPallasMosaicDecodeWideWidening(_MosaicDecodeKnob):
     with pytest.raises(ValueError, match="wide_widening must be True or False"):
       mosaic_decode.MosaicDecodeConfig(wide_widening=value)
 
-  def test_off_by_default(self):
-    assert mosaic_decode.CONFIG.wide_widening is False
+  def test_on_by_default(self):
+    assert mosaic_decode.CONFIG.wide_widening is True
 
   @pytest.mark.parametrize("n,knobs", [(128, {}), (16, {"heads_in": "n"})])
   def test_bf16_cache_ignores_it(self, n, knobs):
@@ -443,7 +448,7 @@ class TestPallasMosaicDecodeWideWidening(_MosaicDecodeKnob):
   def test_it_changes_the_widening_programs(self, n, knobs):
     on, off, default = (self.jaxpr(n, jnp.float8_e4m3fn, **extra, **knobs) for extra in (
         {"wide_widening": True}, {"wide_widening": False}, {}))
-    assert off == default != on
+    assert on == default != off
     assert "inline_mgpu" in on and "inline_mgpu" not in off
 
   def test_unit_factor_is_bf16_two_to_the_bias(self):
@@ -584,8 +589,8 @@ class TestPallasMosaicDecodeHeadsNRegisterA(TestPallasMosaicDecodeHeadsN):
 
   @pytest.mark.parametrize("n,heads_in,want", [(16, None, "register_a"), (32, "n", "register_a"),
                                                 (32, None, "register_a"),
-                                                (32, "m", "shared_widening"),
-                                                (128, None, "shared_widening")])
+                                                (32, "m", "half_pages"),
+                                                (128, None, "half_pages")])
   def test_default_fp8_pipeline(self, n, heads_in, want):
     # fp8_pipeline=None traces the program of the pipeline its heads_in takes.
     q = jax.ShapeDtypeStruct((32, n, 576), jnp.bfloat16)
