@@ -383,51 +383,6 @@ def _cp_async_wait(pending):
   wait()
 
 
-def _prefetch_rows(idx, parts, *, num_slots):
-  """Asks L2 for the 128-byte lines of a step's rows (`prefetch.global.L2`: a hint, nothing lands
-  in shared memory and nothing waits for it), issued by every lane of the memory warpgroup.
-  idx [rows] int32 GMEM (the step's slots, raw or XLA's: one >= num_slots, or negative, is invalid
-  and its lane asks for row 0's lines, harmless); parts: GMEM refs [S, C, w] (C lines a row) and
-  [S, J] (a row's J tile scales, one line). The slots come from GMEM, not the shared index ring,
-  so a step any number ahead can be asked for (l2_lead). Lane tid takes row tid % R (R = rows)
-  and every (128 / R)-th of the row's lines from line tid / R: one 4-byte load (an L1 or L2 hit:
-  `_row_steps` or XLA read the row) and 3 prefetches a lane at an fp8_ds_mla step of 64."""
-  rows = idx.shape[0]
-  lanes_per_row = _WG_THREADS // rows
-  line_counts = [ref.shape[1] if ref.ndim == 3 else 1 for ref in parts]
-  line_bytes = [_CHUNK_BYTES if ref.ndim == 3 else ref.shape[1] * 4 for ref in parts]
-  lines = [(p, c) for p, count in enumerate(line_counts) for c in range(count)]
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * (1 + len(parts)))
-  def issue(_, idx_ref, *refs):
-    i32, i64, i8 = (ir.IntegerType.get_signless(w) for w in (32, 64, 8))
-    c32 = lambda v: arith.constant(i32, v)
-    c64 = lambda v: arith.constant(i64, v)
-    tid = arith.remui(mgpu_utils.thread_idx(), c32(_WG_THREADS))
-    r, k = arith.remui(tid, c32(rows)), arith.divui(tid, c32(rows))
-    global_ptr = llvm.PointerType.get(address_space=1)
-    bases = [llvm.ptrtoint(i64, llvm.addrspacecast(global_ptr, mgpu_utils.memref_ptr(ref)))
-             for ref in (idx_ref, *refs)]
-    row_ptr = llvm.inttoptr(global_ptr, arith.addi(bases[0], arith.muli(arith.extui(i64, r),
-                                                                        c64(4))))
-    row = llvm.load(i32, row_ptr)
-    row = arith.extui(i64, arith.select(arith.cmpi(arith.CmpIPredicate.ult, row, c32(num_slots)),
-                                        row, c32(0)))
-    # Each part's line c of the row at base + row * (lines * bytes) + c * bytes.
-    row_bytes = [count * size for count, size in zip(line_counts, line_bytes)]
-    addr = [arith.addi(arith.addi(bases[1 + p], arith.muli(row, c64(row_bytes[p]))),
-                       c64(c * line_bytes[p])) for p, c in lines]
-    for g in range(0, len(lines), lanes_per_row):
-      group = addr[g:g + lanes_per_row]
-      ptr = group[-1]  # lanes past a short last group ask for its last line again
-      for e in reversed(range(len(group) - 1)):
-        ptr = arith.select(arith.cmpi(arith.CmpIPredicate.eq, k, c32(e)), group[e], ptr)
-      llvm.inline_asm(ir.Type.parse("!llvm.void"), [llvm.inttoptr(global_ptr, ptr)],
-                      "prefetch.global.L2 [$0];", "l", has_side_effects=True)
-
-  issue(idx, *parts)
-
-
 def _row_steps(row_ref, *, num_slots, interpret):
   """Steps of 64 slots up to the last valid slot of row_ref [Kp] int32 (GMEM, raw slots: -1 or
   >= num_slots invalid, anywhere in the row), as a scalar every thread of the warpgroup holds.
@@ -473,7 +428,7 @@ def _row_steps(row_ref, *, num_slots, interpret):
 
 
 def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_slots, gather,
-            heads_n, prep_in_kernel, wide_widening, l2_lead, interpret):
+            heads_n, prep_in_kernel, wide_widening, interpret):
   # GMEM: q_ref [T, Np, D] bf16 (Np: heads padded to 64, or fewer unpadded, `padded_heads`: the
   # tile's first Np rows, the others never stored); idx_ref [T, Kp] int32 (slot, or num_slots
   # where invalid); steps_ref [T] int32 (steps of 64 slots up to the last valid one).
@@ -499,8 +454,7 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
   # members, aliases of the row slots past a query-sized pad: slot_nope [2, D/64, 64, 128] e4m3
   # tiled and swizzled (a step's e4m3 NoPE rows land in tiles L/128 to L/64 - 1 of its slot) and
   # slot_scales [2, D/64, 32, 64] f32 (its tile scales in tile 0); the RoPE rows land in the
-  # slot's RoPE tiles; staged [2]. l2_lead (in_place, on the GPU): each step's rows asked of L2
-  # l2_lead iterations before its gather (`_prefetch_rows`).
+  # slot's RoPE tiles; staged [2].
   if not prep_in_kernel:
     steps_ref, *rest = rest
   elif fp8 and gather == "cp_async":
@@ -829,20 +783,8 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
         the rows since removed), hence the indices fetched 3 steps ahead."""
         plgpu.barrier_wait(idx_bar.at[lax.rem(i, _IDX_RING)])
 
-      def prefetch(i):
-        """Asks L2 for step i's rows (l2_lead; a hint the interpreter, running no inline code,
-        skips: the values are the same). Its gather, l2_lead iterations on, waits for a free slot
-        (a consumer step) and then reads L2, not HBM: the HBM latency gets l2_lead steps of lead
-        where the slots give one."""
-        if not interpret:
-          cache_parts = (nope_ref, rope_ref) + ((scales_ref,) if prep_in_kernel else ())
-          _prefetch_rows(idx_ref.at[t, pl.ds((first + i) * _STEP, _STEP)], cache_parts,
-                         num_slots=num_slots)
-
       pl.when(n > 0)(functools.partial(indices_landed, 0))
       pl.when(n > 0)(functools.partial(stage, 0))
-      for i in range(1, l2_lead + 1):  # the first steps' rows, which no iteration asks for
-        pl.when(i < n)(functools.partial(prefetch, i))
       pl.when(n > 1)(functools.partial(indices_landed, 1))
 
       @pl.loop(0, n)
@@ -862,10 +804,6 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
           pl.when(i > 0)(lambda: plgpu.barrier_wait(consumed.at[lax.rem(i + 1, slots)]))
           pl.when(i + 3 < n)(functools.partial(fetch_indices, i + 3))
           stage(i + 1)
-          # Behind the gather it issues; a wait on this lane's index load here stays under the
-          # wait for that gather to land, which comes next.
-          if l2_lead:
-            pl.when(i + 1 + l2_lead < n)(functools.partial(prefetch, i + 1 + l2_lead))
           pl.when(i + 2 < n)(functools.partial(indices_landed, i + 2))
 
       @pl.loop(jnp.maximum(n - slots, 0), n)  # the last uses of the slots, as for bf16
@@ -1074,7 +1012,7 @@ def smem_bytes(scratch, reduction_bytes=0):
 
 def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_splits, auto_barriers,
                  gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in, prep_in_kernel,
-                 interpret, wide_widening=False, l2_lead=0):
+                 interpret, wide_widening=False):
   """Pads heads to tiles of heads_tile(N) and slots to 64-slot steps, runs the kernel, merges
   splits. prep_in_kernel: the kernel takes the padded slots as they are (`MosaicSparseConfig`)."""
   t, n, d = q.shape
@@ -1176,7 +1114,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                              heads_n=heads_n, prep_in_kernel=prep_in_kernel,
                              # The interpreter runs no lane-level code: the Pallas-level widening.
                              wide_widening=wide_widening and not interpret,
-                             l2_lead=l2_lead, interpret=bool(interpret))
+                             interpret=bool(interpret))
   o_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((t, splits, np_, lora), out_dtype),
@@ -1204,7 +1142,6 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                    f"{f'_heads_n{tile_h}' if heads_n else ''}"
                    f"{'_prep' if prep_in_kernel else ''}"
                    f"{'_wide' if wide_widening else ''}"
-                   f"{f'_l2lead{l2_lead}' if l2_lead else ''}"
                    f"_{gather}_s{splits}"),
   )(q, *index_args, *cache_args)
   if splits == 1:
@@ -1221,7 +1158,6 @@ SPLIT_RULES = ("fill", "one_wave")
 FP8_PIPELINES = ("serial", "half_rows", "in_place")
 HEADS_IN = ("m", "n")
 HEADS_N_FP8_PIPELINES = ("serial", "in_place")  # fp8_ds_mla pipelines heads_in="n" takes
-L2_LEADS = (0, 1, 2, 3)  # l2_lead: x 41 KB x 132 SMs asked of L2 ahead (at 3, 16 MB of 50)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1329,17 +1265,7 @@ class MosaicSparseConfig:
   half_rows 0.261 / 0.238 (307 TFLOP/s), serial 0.282 / 0.250; N=16 half_rows 0.136 / 0.122,
   serial 0.142 / 0.130; T=4096 over 32K N=128 in_place 6.96 / 5.52 (423 TFLOP/s), half_rows 7.41
   / 6.75: faster at every shape timed, so the default; False keeps the Pallas-level widening (the
-  bit-for-bit test's oracle).
-  l2_lead (fp8_ds_mla with fp8_pipeline="in_place" named; 0, the default, off; prepared, not yet
-  timed: RESULTS, sparse v19): more lead for the gather without shared memory. in_place issues a
-  step's gather only once the consumers free its slot, a step before they need it, so each step
-  pays the HBM latency of its 41 KB of random rows (session 17's profile: 21.7% of the samples
-  the consumers waiting for widened rows), and the slots leave no room for a step more (231.5
-  KB of 227 KB). With l2_lead = D the memory warpgroup asks L2 for step i + 1 + D's rows
-  (`_prefetch_rows`: their slots read from GMEM, 3 `prefetch.global.L2` a lane) right after
-  issuing step i + 1's gather, so that every gather reads lines asked for D iterations before.
-  v11's prefetch_l2 (one step ahead, through the shared index ring) gained 1.02-1.10x at T=128
-  while the widening still paced; removed. The interpreter skips the hint (same values)."""
+  bit-for-bit test's oracle)."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
   fp8_pipeline: str | None = None
@@ -1347,7 +1273,6 @@ class MosaicSparseConfig:
   heads_in: str | None = None
   prep_in_kernel: bool | None = None
   wide_widening: bool = True
-  l2_lead: int = 0
 
   def __post_init__(self):
     if self.gather not in GATHERS:
@@ -1368,11 +1293,6 @@ class MosaicSparseConfig:
       raise ValueError(f"prep_in_kernel must be None or a bool, got {self.prep_in_kernel!r}")
     if not isinstance(self.wide_widening, bool):
       raise ValueError(f"wide_widening must be True or False, got {self.wide_widening!r}")
-    if isinstance(self.l2_lead, bool) or self.l2_lead not in L2_LEADS:
-      raise ValueError(f"l2_lead must be one of {L2_LEADS}, got {self.l2_lead!r}")
-    if self.l2_lead and self.fp8_pipeline != "in_place":
-      raise ValueError(f"l2_lead takes fp8_pipeline \"in_place\" named (the pipeline whose gather "
-                       f"waits for a free slot), got {self.fp8_pipeline!r}")
 
 
 CONFIG = MosaicSparseConfig()
@@ -1389,8 +1309,7 @@ SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rul
          MosaicSparseConfig(fp8_pipeline="in_place", heads_in="n"),
          MosaicSparseConfig(prep_in_kernel=False),
          MosaicSparseConfig(fp8_pipeline="half_rows", wide_widening=False),
-         MosaicSparseConfig(fp8_pipeline="in_place", wide_widening=False),
-         *(MosaicSparseConfig(fp8_pipeline="in_place", l2_lead=d) for d in L2_LEADS[1:]))
+         MosaicSparseConfig(fp8_pipeline="in_place", wide_widening=False))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))
@@ -1442,7 +1361,7 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("fp8_pipeline", "fp8_stage_halves",
-                                                       "wide_widening", "l2_lead"))
+                                                       "wide_widening"))
 def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.Array,
                                 rope: jax.Array, slots: jax.Array, *, scale: float,
                                 num_splits: int | None = None, auto_barriers: bool = False,
@@ -1453,7 +1372,6 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                                 heads_in: str | None = CONFIG.heads_in,
                                 prep_in_kernel: bool | None = CONFIG.prep_in_kernel,
                                 wide_widening: bool = CONFIG.wide_widening,
-                                l2_lead: int = CONFIG.l2_lead,
                                 interpret: bool | plgpu.InterpretGPUParams = False
                                 ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over an fp8_ds_mla cache, widened to bf16 once per gathered row.
@@ -1464,8 +1382,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   "in_place", or None: `default_fp8_pipeline`'s pick for these shapes, num_splits, split_rule and
   gather) and fp8_stage_halves: `MosaicSparseConfig`'s; heads_in too ("n" with fp8_pipeline "serial"
   or "in_place" named; None: `default_heads_in`, "m") and prep_in_kernel too (None: True with the
-  cp_async gather up to FP8_PREP_MAX_ROWS rows, else False), wide_widening and l2_lead too
-  (l2_lead with fp8_pipeline="in_place" named). Returns o
+  cp_async gather up to FP8_PREP_MAX_ROWS rows, else False) and wide_widening too. Returns o
   [T, N, L] bf16 and lse [T, N] float32.
   """
   nb, page, lora = nope.shape
@@ -1478,7 +1395,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                      f"{nope.dtype.name}{nope.shape}, {tile_scales.dtype.name}{tile_scales.shape}, "
                      f"{rope.dtype.name}{rope.shape}, q {q.shape}")
   MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in,
-                     prep_in_kernel, wide_widening, l2_lead)  # checks them
+                     prep_in_kernel, wide_widening)  # checks them
   if prep_in_kernel is None:
     prep_in_kernel = gather == "cp_async" and q.shape[0] <= FP8_PREP_MAX_ROWS
   if prep_in_kernel and gather != "cp_async":
@@ -1505,4 +1422,4 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                       auto_barriers=auto_barriers, gather=gather, split_rule=split_rule,
                       fp8_pipeline=fp8_pipeline, fp8_stage_halves=fp8_stage_halves,
                       heads_in=heads_in, prep_in_kernel=prep_in_kernel, interpret=interpret,
-                      wide_widening=wide_widening, l2_lead=l2_lead)
+                      wide_widening=wide_widening)

@@ -881,7 +881,7 @@ def test_mosaic_sparse_default_heads_in_reaches_the_kernel(n, want):
 
 def check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves, heads_in="m",
                             prep_in_kernel=False, k=2048,
-                            wide_widening=mosaic_sparse.CONFIG.wide_widening, l2_lead=0):
+                            wide_widening=mosaic_sparse.CONFIG.wide_widening):
   """The Mosaic sparse kernel at T=128, k (2048) slots over 1M tokens, lowered for CUDA (it runs on
   this CPU), which checks what the interpreter does not: wgmma operand layouts and swizzles,
   bulk-copy boxes, the untiled aliases, the cp.async code, the register layouts of the widening
@@ -902,7 +902,7 @@ def check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves, h
         jax.ShapeDtypeStruct((tokens // 64, 64, 4), jnp.float32),
         jax.ShapeDtypeStruct((tokens // 64, 64, 64), jnp.bfloat16), slots, scale=0.1,
         gather=gather, fp8_pipeline=fp8_pipeline, fp8_stage_halves=halves, heads_in=heads_in,
-        prep_in_kernel=prep_in_kernel, wide_widening=wide_widening, l2_lead=l2_lead)
+        prep_in_kernel=prep_in_kernel, wide_widening=wide_widening)
   else:
     traced = mosaic_sparse.sparse_attention.trace(
         q, jax.ShapeDtypeStruct((tokens // 64, 64, 576), jnp.bfloat16), slots, scale=0.1,
@@ -913,15 +913,6 @@ def check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves, h
   monkeypatch.setattr(mosaic_gpu_core, "_SMEM_SIZE_BOUND", 0)
   with pytest.raises(ValueError, match=f"smem_bytes={counted[-1]} "):
     traced.lower(lowering_platforms=("cuda",))
-
-
-# l2_lead's inline prefetch code (which the interpreter skips) at each lead, with the in-kernel
-# slots (their scales prefetched too) and XLA's, at 128 and 16 heads; shared memory is in_place's.
-@pytest.mark.parametrize("n,l2_lead,prep", [(128, 1, True), (128, 2, True), (128, 3, True),
-                                            (16, 2, True), (128, 2, False)])
-def test_mosaic_sparse_l2_lead_lowers_for_hopper(n, l2_lead, prep, monkeypatch):
-  check_lowers_for_hopper(monkeypatch, n, True, "cp_async", "in_place", 2, prep_in_kernel=prep,
-                          l2_lead=l2_lead)
 
 
 # The Pallas-level widening (wide_widening=False, the GPU bit-for-bit test's oracle) over 32-row
@@ -948,7 +939,6 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
   # None: the kernel reads the raw slots (fp8_ds_mla with the bulk gather: XLA's idx and steps).
   prep_in_kernel = mosaic_sparse.CONFIG.prep_in_kernel
   wide_widening = mosaic_sparse.CONFIG.wide_widening
-  l2_lead = mosaic_sparse.CONFIG.l2_lead
 
   def fn(self):
     run = super().fn()
@@ -980,7 +970,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
       return mosaic_sparse.sparse_attention_fp8_ds_mla(
           q, cache.nope, cache.tile_scales, cache.rope, slots, scale=scale,
           fp8_pipeline=self.fp8_pipeline, fp8_stage_halves=self.fp8_stage_halves,
-          wide_widening=self.wide_widening, l2_lead=self.l2_lead, interpret=True)
+          wide_widening=self.wide_widening, interpret=True)
     return checked
 
   @pytest.mark.parametrize("kind,n,lora", [("bf16", 16, L), ("bf16", 128, L),
@@ -1133,17 +1123,6 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
       mosaic_sparse.sparse_attention_fp8_ds_mla(
           q, nope, jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16),
           slots, scale=0.1, fp8_pipeline="half_rows", wide_widening=1, interpret=True)
-    # l2_lead: 0 to 3, with "in_place" named (the default None may pick "half_rows").
-    for pipeline, lead in (("in_place", 4), ("in_place", -1), ("in_place", True)):
-      with pytest.raises(ValueError, match="l2_lead must be one of"):
-        mosaic_sparse.sparse_attention_fp8_ds_mla(
-            q, nope, jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16),
-            slots, scale=0.1, fp8_pipeline=pipeline, l2_lead=lead, interpret=True)
-    for pipeline in ("half_rows", "serial", None):
-      with pytest.raises(ValueError, match="l2_lead takes fp8_pipeline \"in_place\" named"):
-        mosaic_sparse.sparse_attention_fp8_ds_mla(
-            q, nope, jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16),
-            slots, scale=0.1, fp8_pipeline=pipeline, l2_lead=1, interpret=True)
     for pipeline, halves in (("serial", 3), ("half_rows", 4), (None, 3)):
       with pytest.raises(ValueError, match="fp8_stage_halves must be 2"):
         mosaic_sparse.sparse_attention_fp8_ds_mla(
@@ -1154,15 +1133,13 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     # The timed rules (`default_fp8_pipeline`, `default_heads_in`); both heads_in named beside.
     assert (mosaic_sparse.CONFIG.fp8_pipeline, mosaic_sparse.CONFIG.fp8_stage_halves,
             mosaic_sparse.CONFIG.heads_in, mosaic_sparse.CONFIG.prep_in_kernel,
-            mosaic_sparse.CONFIG.wide_widening, mosaic_sparse.CONFIG.l2_lead) == (
-                None, 2, None, None, True, 0)
+            mosaic_sparse.CONFIG.wide_widening) == (None, 2, None, None, True)
     for other in (dict(fp8_pipeline="serial"), dict(fp8_pipeline="half_rows"),
                   dict(fp8_pipeline="half_rows", fp8_stage_halves=3),
                   dict(fp8_pipeline="in_place"), dict(heads_in="m"), dict(heads_in="n"),
                   dict(fp8_pipeline="in_place", heads_in="n"), dict(prep_in_kernel=False),
                   dict(fp8_pipeline="half_rows", wide_widening=False),
-                  dict(fp8_pipeline="in_place", wide_widening=False),
-                  *(dict(fp8_pipeline="in_place", l2_lead=d) for d in (1, 2, 3))):
+                  dict(fp8_pipeline="in_place", wide_widening=False)):
       assert mosaic_sparse.MosaicSparseConfig(**other) in mosaic_sparse.SWEEP
 
 
@@ -1215,15 +1192,6 @@ class TestPallasMosaicSparseAttentionInPlace(TestPallasMosaicSparseAttentionSeri
   # contract's fp8_ds_mla cases run here too.
   test_fp8_ds_mla_cache_matches_dequantized_oracle = (
       TestPallasMosaicSparseAttention.test_fp8_ds_mla_cache_matches_dequantized_oracle)
-
-
-class TestPallasMosaicSparseAttentionInPlaceL2Lead(TestPallasMosaicSparseAttentionInPlace):
-  """fp8_pipeline="in_place" with l2_lead=2 (each step's rows asked of L2 two iterations before
-  its gather): the same cases as "in_place". The interpreter skips the prefetch itself (a hint,
-  inline code), so these check the rest: the prologue's and the loop's guarded prefetch points
-  leave the barrier order and the values unchanged; the prefetch code is the lowering cases' and
-  the GPU cases' (bit for bit "in_place")."""
-  l2_lead = 2
 
 
 class TestPallasMosaicSparseAttentionHeadsM(TestPallasMosaicSparseAttention):

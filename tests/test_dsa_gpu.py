@@ -110,25 +110,6 @@ def test_mosaic_sparse_in_place_equals_serial_bit_for_bit(n):
     np.testing.assert_array_equal(g, w)
 
 
-# l2_lead (L2 prefetches of each step's rows, `_prefetch_rows`, ahead of "in_place"'s gathers) is a
-# hint: every value is "in_place"'s, bit for bit, at each lead; this runs what the interpreter
-# skips (the inline prefetch code reading the slots from GMEM, at rows with -1 and past-the-cache
-# slots, a row with none and one with a single valid slot), both with the in-kernel slots and XLA's.
-@pytest.mark.parametrize("n", [128, 16])
-@pytest.mark.parametrize("l2_lead,prep", [(1, None), (2, None), (3, None), (2, False)])
-def test_mosaic_sparse_l2_lead_equals_in_place_bit_for_bit(n, l2_lead, prep):
-  q, cache, slots = sparse_case(n + 2, n, "fp8_ds_mla")
-  run = functools.partial(mosaic_sparse.sparse_attention_fp8_ds_mla, q, cache.nope,
-                          cache.tile_scales, cache.rope, slots, scale=SCALE,
-                          fp8_pipeline="in_place", prep_in_kernel=prep)
-  poison_allocator()
-  want = [np.asarray(a, np.float32) for a in run()]
-  poison_allocator()
-  got = [np.asarray(a, np.float32) for a in run(l2_lead=l2_lead)]
-  for g, w in zip(got, want):
-    np.testing.assert_array_equal(g, w)
-
-
 # wide_widening (the default: lane-level widening by bit placement, `mosaic_sparse._wide_widen`,
 # and with "in_place" `_wide_widen_in_place`) widens the values the Pallas-level widening does,
 # bit for bit, and the consumers run the same products: equal outputs, which checks what the
