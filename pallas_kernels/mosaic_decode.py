@@ -63,8 +63,8 @@ from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
                                    one_wave_splits, padded_heads, partials_dtype, row_broadcast,
                                    run_scores, run_values, sm_count, softmax_step, split_range,
                                    swizzled, SWIZZLE)
-from pallas_kernels.mosaic_lanes import (WIDE_MASK, WIDE_UNIT_FACTOR, placed_bf16x2, wide_load,
-                                         wide_store)
+from pallas_kernels.mosaic_lanes import (WIDE_MASK, WIDE_UNIT_FACTOR, placed_bf16x2,
+                                         warpgroup_thread, wide_load, wide_store)
 
 
 FP8_PIPELINES = ("serial", "half_pages", "shared_widening", "register_a")
@@ -367,8 +367,7 @@ def _wide_key_tile(slot, c: int):
   def load(_, slot):
     i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
     c32 = lambda v: arith.constant(i32, v)
-    tid = arith.remui(mgpu_utils.thread_idx(), c32(128))
-    lane, warp = arith.remui(tid, c32(32)), arith.divui(tid, c32(32))
+    _, lane, warp = warpgroup_thread()
     # Rows 16 warp + lane / 4 and + 8: row lane / 4 of the 8-row tiles 2 warp and 2 warp + 1 (each
     # row of tiles holds `tiles` tiles of 512 bytes); the 64-byte swizzle XORs a row's 16-byte
     # unit with (row % 8) / 2 = lane / 8.
@@ -471,8 +470,7 @@ def _wide_value_tiles(slot, first: int, count: int):
   def load(_, slot):
     i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
     c32 = lambda v: arith.constant(i32, v)
-    tid = arith.remui(mgpu_utils.thread_idx(), c32(128))
-    lane, warp = arith.remui(tid, c32(32)), arith.divui(tid, c32(32))
+    _, lane, warp = warpgroup_thread()
     quad, group = arith.remui(lane, c32(_WIDE_UNITS)), arith.divui(lane, c32(_WIDE_UNITS))
     unit = arith.addi(arith.muli(warp, c32(8)), group)  # of the row's 32 value units
     odd_first = arith.remui(group, c32(2))
@@ -885,7 +883,6 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
 # wide_widening: 16-byte units of e4m3 tiles a lane loads before widening them (8 registers;
 # ptxas, N=128 shared_widening: 2 spills fewer in the step loops than 4 at once, the same with 1).
 _WIDE_LOAD_GROUP = 2
-_WG_THREADS = 128
 
 
 def _wide_widen_rows(stage_slot, dst, first, valid, tiles):
@@ -912,8 +909,7 @@ def _wide_widen_rows(stage_slot, dst, first, valid, tiles):
     i32 = ir.IntegerType.get_signless(32)
     c32 = lambda v: arith.constant(i32, v)
     first, valid = first.registers.item(), valid.registers.item()
-    tid = arith.remui(mgpu_utils.thread_idx(), c32(_WG_THREADS))
-    lane, warp = arith.remui(tid, c32(32)), arith.divui(tid, c32(32))
+    _, lane, warp = warpgroup_thread()
     l = arith.remui(lane, c32(_SWIZZLE_TILE_ROWS))  # the row in its 8-row tile
     u = arith.divui(lane, c32(_SWIZZLE_TILE_ROWS))  # the e4m3 tile's 16-byte unit
     # e4m3 row r's unit u of tile c at (r / 8) 8D + 512 c + 64 (r % 8) + 16 (u ^ (r % 8) / 2)
@@ -1195,6 +1191,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                      f"8 value tiles are one 16-byte unit of a row), got {kv_lora_rank}")
   wide_values = register_a and (kv_lora_rank == WIDE_VALUE_COLS if wide_values is None
                                 else wide_values)
+  wide_widening = wide_widening and fp8 and not register_a  # only the widening pipelines widen
   if heads_n and fp8 and fp8_pipeline not in HEADS_N_FP8_PIPELINES:
     raise ValueError(f"heads_in=\"n\" with an fp8 cache takes fp8_pipeline "
                      f"{' or '.join(HEADS_N_FP8_PIPELINES)} (64-token steps: wgmma's M), got "
@@ -1241,8 +1238,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                              wide_values=wide_values, e4m3_scores=e4m3_scores,
                              e4m3_promote_cols=e4m3_promote_cols,
                              # The interpreter runs no lane-level code: the Pallas-level widening.
-                             wide_widening=wide_widening and fp8 and not register_a
-                             and not interpret)
+                             wide_widening=wide_widening and not interpret)
   # bf16 slots x rows (the consumers' step). wgmma's K must be a multiple of its operands' swizzle
   # width, and P V's K is the step: 32-row steps take 64-byte swizzles (32 bf16) for the query,
   # the slots and P alike (one wgmma takes one swizzle). Half pages: 72 + 2 x 36 (bf16 slots) +
@@ -1314,7 +1310,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
       interpret=interpret or None,
       kernel_name=(f"mosaic_latent_decode_{'fp8' if fp8 else 'bf16'}{'_half' if half_pages else ''}"
                    f"{'_shared' if shared_widening else ''}{'_register_a' if register_a else ''}"
-                   f"{'_wide_widening' if wide_widening and fp8 and not register_a else ''}"
+                   f"{'_wide_widening' if wide_widening else ''}"
                    f"{'_wide_keys' if wide_keys else ''}{'_wide_values' if wide_values else ''}"
                    f"{f'_e4m3_scores{e4m3_promote_cols}' if e4m3_scores else ''}"
                    f"{f'_heads_n{tile_h}' if heads_n else ''}"

@@ -78,6 +78,17 @@ def placed_bf16x2(word, p, factor, mask=None):
   return lane_asm(text, "=r,r,r,r", word, factor, mask)
 
 
+WARPGROUP_THREADS = 128
+
+
+def warpgroup_thread():
+  """The running thread's (index in its warpgroup, lane, warp in the warpgroup) as i32 values:
+  what lane-level code addresses shared memory by."""
+  c32 = lambda v: arith.constant(ir.IntegerType.get_signless(32), v)
+  tid = arith.remui(mgpu_utils.thread_idx(), c32(WARPGROUP_THREADS))
+  return tid, arith.remui(tid, c32(32)), arith.divui(tid, c32(32))
+
+
 def wide_offset(base, offset):
   """Byte offset base (i32, a lane's) + offset (static)."""
   return arith.addi(base, arith.constant(ir.IntegerType.get_signless(32), offset))

@@ -69,7 +69,8 @@ from pallas_kernels.common import (DS_MLA_TILE, F8, HALF_ROWS, HALF_ROWS_LAYOUT,
                                    heads_tile, leading_rows, merge_splits, one_wave_splits,
                                    padded_heads, row_broadcast, run_scores, run_values, sm_count,
                                    softmax_step, swizzled, SWIZZLE)
-from pallas_kernels.mosaic_lanes import (WIDE_MAX_SCALE_BITS, lane_asm, placed_bf16x2, wide_load,
+from pallas_kernels.mosaic_lanes import (WARPGROUP_THREADS, WIDE_MAX_SCALE_BITS, lane_asm,
+                                         placed_bf16x2, warpgroup_thread, wide_load,
                                          wide_store)
 
 _TILE_H = HEADS_M_TILE  # heads per program: the M of every Hopper wgmma
@@ -97,7 +98,6 @@ def _copy_row_chunk(src, tiled, raw, r, c, barrier):
   plgpu.copy_gmem_to_smem(src, dst, barrier)
 
 
-_WG_THREADS = 128
 _SEG = 16  # bytes a lane moves per cp.async
 _SWIZZLE_ROWS = 8  # the 128-byte swizzle permutes 16-byte units by the row's place in 8 rows
 _CHUNK_BYTES = 128  # a tile row: the swizzle width
@@ -144,8 +144,7 @@ def _cp_async_rows(parts, idx, *, num_slots, scales=None):
   def issue(_, rows_ref, *refs):
     i32, i64, i8 = (ir.IntegerType.get_signless(w) for w in (32, 64, 8))
     c32 = lambda v: arith.constant(i32, v)
-    tid = arith.remui(mgpu_utils.thread_idx(), c32(_WG_THREADS))
-    lane, warp = arith.remui(tid, c32(32)), arith.divui(tid, c32(32))
+    tid, lane, warp = warpgroup_thread()
     unit = arith.remui(lane, c32(unit_per_row))
     global_ptr = llvm.PointerType.get(address_space=1)
     if scales is not None:
@@ -178,9 +177,10 @@ def _cp_async_rows(parts, idx, *, num_slots, scales=None):
       src_base = llvm.addrspacecast(global_ptr, mgpu_utils.memref_ptr(scale_src))
       dst_base = mgpu_utils.memref_ptr(scale_dst)
       total = rows * per_row
-      for g in range(-(-total // _WG_THREADS)):
-        e = arith.addi(tid, c32(g * _WG_THREADS))  # row e / J, tile e % J
-        if (g + 1) * _WG_THREADS > total:  # lanes past the end repeat the last copy (same bytes)
+      for g in range(-(-total // WARPGROUP_THREADS)):
+        e = arith.addi(tid, c32(g * WARPGROUP_THREADS))  # row e / J, tile e % J
+        # Lanes past the end repeat the last copy (same bytes).
+        if (g + 1) * WARPGROUP_THREADS > total:
           e = arith.minui(e, c32(total - 1))
         r, j = arith.divui(e, c32(per_row)), arith.remui(e, c32(per_row))
         row = memref.load(rows_ref, [arith.index_cast(ir.IndexType.get(), r)])
@@ -260,8 +260,7 @@ def _wide_widen(nope, scales, dst):
   def run(_, nope, scales, dst):
     i32 = ir.IntegerType.get_signless(32)
     c32 = lambda v: arith.constant(i32, v)
-    tid = arith.remui(mgpu_utils.thread_idx(), c32(_WG_THREADS))
-    lane, warp = arith.remui(tid, c32(32)), arith.divui(tid, c32(32))
+    tid, lane, warp = warpgroup_thread()
     l = arith.remui(lane, c32(_SWIZZLE_ROWS))  # the row in its swizzle period
     j = arith.divui(lane, c32(_SWIZZLE_ROWS))  # the e4m3 tile
     # This lane's rows r = 8 (warp + 4 m) + l, m < rows / 32: rows 32 apart lie 4096 bytes apart
@@ -333,7 +332,7 @@ def _wide_widen_in_place(nope, scales, dst):
   def run(_, nope, scales, dst):
     i32 = ir.IntegerType.get_signless(32)
     c32 = lambda v: arith.constant(i32, v)
-    tid = arith.remui(mgpu_utils.thread_idx(), c32(_WG_THREADS))
+    tid = warpgroup_thread()[0]
     l = arith.remui(tid, c32(_SWIZZLE_ROWS))  # the row in its swizzle period
     h = arith.remui(arith.divui(tid, c32(_SWIZZLE_ROWS)), c32(2))
     row = arith.addi(arith.muli(arith.divui(tid, c32(2 * _SWIZZLE_ROWS)), c32(_SWIZZLE_ROWS)), l)
