@@ -432,6 +432,14 @@ class TestPallasMosaicDecodeWideWidening(_MosaicDecodeKnob):
   def test_on_by_default(self):
     assert mosaic_decode.CONFIG.wide_widening is True
 
+  @pytest.mark.parametrize("heads_in,wide,want", [
+      ("m", True, "half_pages"), ("m", False, "shared_widening"), ("n", True, "register_a"),
+      ("n", False, "register_a")])
+  def test_it_picks_the_heads_in_m_pipeline(self, heads_in, wide, want):
+    # Half pages only with the lane-level widening (session 18: 1.02-1.04x shared_widening's),
+    # shared_widening with the Pallas-level one (1.07-1.21x half_pages').
+    assert mosaic_decode.default_fp8_pipeline(heads_in, wide) == want
+
   @pytest.mark.parametrize("n,knobs", [(128, {}), (16, {"heads_in": "n"})])
   def test_bf16_cache_ignores_it(self, n, knobs):
     assert (self.jaxpr(n, jnp.bfloat16, wide_widening=True, **knobs)
