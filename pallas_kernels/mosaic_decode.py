@@ -171,7 +171,11 @@ class MosaicDecodeConfig:
   keys; False keeps the f16 keys in registers (H200, session 18, B=128 S=8192, one process:
   N=16 0.243 -> 0.189 ms, N=32 0.292 -> 0.273 with 192-column promotion; benchmarks/RESULTS.md,
   "e4m3_scores"). Session 17's misses of SPEC's tolerances were the split's lo parts folded to 0
-  by XLA (`_e4m3_queries`), not the fp8 accumulation.
+  by XLA (`_e4m3_queries`), not the fp8 accumulation. The accumulation has its own limit: Hopper's
+  fp8 wgmma keeps ~14 bits as it adds, so a logit carries an error of ~2^-14 of the partial sums'
+  magnitude. Ordinary logits (tens) stay within SPEC's tolerances; nearly one-hot rows with logits
+  in the thousands do not (H200, session 19: rows of q scaled by 2^15, cosine difference 9.4e-5
+  at 192-column promotion, 4e-3 at 576, against 1e-5): e4m3_scores=False keeps float32 sums there.
   e4m3_promote_cols (one of E4M3_PROMOTE_COLS; e4m3_scores only) promotes as DeepGEMM does: the
   product is split over the columns into chunks this wide (the last one shorter: 4 x 128 + 64),
   each into a fresh accumulator, summed in f32 registers; chunk c + 1's wgmma is issued before
