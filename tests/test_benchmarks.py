@@ -155,6 +155,30 @@ def test_kernel_times_help_and_its_wrong_use(capsys):
   assert "name a benchmark, or give --table" in capsys.readouterr().err
 
 
+def test_ncu_stalls_sums_an_ncu_source_page(tmp_path, capsys):
+  from benchmarks import ncu_stalls
+  head = ('"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed",'
+          '"stall_barrier","stall_long_sb","stall_barrier (Not Issued)"')
+  page = "\n".join([
+      '"Kernel Name","mosaic_latent_decode_bf16_p64_s1_mosaic_gpu_kernel",', head,
+      '"0x10","HGMMA.64x64x16.F32.BF16 R152, gdesc[UR28], R152","10","1,024","0","10","0"',
+      '"0x20","WARPGROUP.DEPBAR.LE gsb0, 0x0","30","1,024","30","0","0"',
+      '"0x30","@!P1  BRA 0x40","60","1,024","0","60","0"'])
+  got = ncu_stalls.summary(ncu_stalls.rows(page), top=2, windows=(0, 3, 2))
+  assert got.splitlines()[:3] == ["100 samples", "  long_sb                     70  70.0%",
+                                  "  barrier                     30  30.0%"]
+  assert "  BRA                    1024  60.0%" in got  # the guard is not the opcode
+  assert "HGMMA" not in got.split("most samples")[1].split("windows")[0]  # only the top 2
+  assert "      0  40.0%         2048" in got and "      2  60.0%         1024" in got
+  with pytest.raises(ValueError, match="no 'Warp Stall Sampling"):
+    ncu_stalls.rows('"Kernel Name","k",\n"Address","Source"')
+  (tmp_path / "src.csv").write_text(page)
+  ncu_stalls.main([str(tmp_path / "src.csv"), "--top", "1"])
+  assert "@!P1  BRA 0x40" in capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    ncu_stalls.main([str(tmp_path / "src.csv"), "--windows", "5:1:2"])
+
+
 def test_ptxas_report_reads_ptxas_and_finds_the_step_loops_spills():
   # A ptxas -v log and SASS as Mosaic GPU dumps them (shapes of the real prefill dump): one spill
   # reload in the item loop, one in the step loop (the innermost that issues wgmma), and one in
