@@ -266,7 +266,9 @@ def run_step(args, t=128, context=32768):
   flops = 2 * H * D * t * context + 2 * t * 128 * TOPK * (L + R + L)
 
   def fn(be):
-    logits_fn = be.indexer_logits if be is not REFERENCE else chunked_reference_indexer
+    # Decode rows of distinct requests: the hint the layer passes (mla_jax.indexer) for such steps.
+    logits_fn = (functools.partial(be.indexer_logits, distinct_tables=True) if be is not REFERENCE
+                 else chunked_reference_indexer)
 
     @jax.jit
     def step(q_idx, w, k_cache, tables, lens, q, latent):

@@ -18,7 +18,12 @@ scale; the kernels under it take and return plain arrays.
   sparse_attention(q [T,N,L+R], cache (LatentCache | DSMLACache), slots [T,K], *, scale,
                    kv_lora_rank) -> (o [T,N,L], lse [T,N] f32)
   indexer_logits(q [T,H,D], weights [T,H], k_cache (IndexerKCache), block_tables [T,MB],
-                 seq_lens [T]) -> logits [T, MB*BS] f32
+                 seq_lens [T], *, distinct_tables=False) -> logits [T, MB*BS] f32;
+                 distinct_tables: a speed hint, never a correctness one: True says consecutive
+                 rows (almost always) belong to different requests (decode rows), so a kernel
+                 that groups rows sharing a table need not look for groups (pallas_mosaic's, which
+                 otherwise checks on the device); the logits are the same either way, rows that
+                 do share tables included (only slower)
   topk(logits [T,S], seq_lens [T], topk) -> positions [T, topk] int32 (-1 padded)
   write_indexer_cache(k_cache (IndexerKCache), k [T,D], slot_mapping [T]) -> k_cache
 Every entry checks its arguments against the contract first (a ValueError naming what was wrong
@@ -145,9 +150,11 @@ def _gather_cache(cache, slots):
 
 
 def _indexer_logits(kernel):
-  """An array-in indexer logits function as a backend entry taking the IndexerKCache."""
+  """An array-in indexer logits function as a backend entry taking the IndexerKCache; it scores
+  every row alone (no row groups), so the distinct_tables hint changes nothing."""
   @functools.wraps(kernel)
-  def run(q, weights, k_cache, block_tables, seq_lens):
+  def run(q, weights, k_cache, block_tables, seq_lens, *, distinct_tables=False):
+    del distinct_tables  # no row groups to skip looking for
     check_indexer_args(q, weights, k_cache.values, k_cache.scales, block_tables, seq_lens)
     return kernel(q, weights, k_cache.values, k_cache.scales, block_tables, seq_lens)
   return run
@@ -242,11 +249,16 @@ PALLAS_TRITON = dataclasses.replace(
 )
 
 
-def _mosaic_indexer_logits(q, weights, k_cache, block_tables, seq_lens):
+def _mosaic_indexer_logits(q, weights, k_cache, block_tables, seq_lens, *,
+                           distinct_tables=False):
   """The Mosaic GPU indexer kernel for e4m3 q [T, <=64, 128] and keys in 64-token pages; other
-  operands go to the Pallas-Triton kernel."""
+  operands go to the Pallas-Triton kernel. distinct_tables=True runs its one-row programs
+  (rows=1, right for any tables) without the on-device check for 4-row groups sharing a table and
+  the lax.cond around it (~12-16 us a call on the H200); False lets the kernel check."""
   fits = pallas_mosaic_indexer.fits(q, k_cache.values)
   fn = pallas_mosaic_indexer.indexer_logits if fits else pallas_indexer.indexer_logits
+  if fits:
+    fn = functools.partial(fn, rows=1 if distinct_tables else None)
   return _indexer_logits(_off_gpu_interpreted(fn))(q, weights, k_cache, block_tables, seq_lens)
 
 
@@ -356,13 +368,14 @@ def _fastest_decode(q, cache, block_tables, seq_lens, *, scale, kv_lora_rank, nu
                 num_kv_splits=num_kv_splits, batch_invariant=batch_invariant)
 
 
-def _fastest_indexer_logits(q, weights, k_cache, block_tables, seq_lens):
+def _fastest_indexer_logits(q, weights, k_cache, block_tables, seq_lens, *,
+                            distinct_tables=False):
   """pallas_mosaic's indexer (fp8 wgmma) where it measured faster: the e4m3 operands it takes, on
   Hopper (H200, benchmarks/RESULTS.md "DSA selection": 2.4-2.5x at T=2048, 1.8-1.9x at T=128);
   else pallas_triton's."""
   mosaic = pallas_mosaic_indexer.fits(q, k_cache.values) and _on_hopper()
   logits = PALLAS_MOSAIC.indexer_logits if mosaic else PALLAS_TRITON.indexer_logits
-  return logits(q, weights, k_cache, block_tables, seq_lens)
+  return logits(q, weights, k_cache, block_tables, seq_lens, distinct_tables=distinct_tables)
 
 
 def _fastest_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):

@@ -85,10 +85,14 @@ class Indexer(nnx.Module):
     rows = max(1, SCORE_BYTES_BOUND // (c.index_n_heads * span * 4))
     rows = min(t, 1 << (rows.bit_length() - 1))  # a power of two, so it divides the bucketed T
     tables = md.row_block_tables()
+    # Decode rows only: one token a request (decode_threshold's default), so rows seldom share a
+    # table and a kernel that groups rows sharing one (pallas_mosaic's) need not look for groups
+    # on the device. A hint: the logits are the same either way.
+    distinct = md.num_decode_rows >= md.num_rows
 
     def one_chunk(args):
       q_i, w_i, tab_i, len_i = args
-      logits = backend.indexer_logits(q_i, w_i, k_cache, tab_i, len_i)
+      logits = backend.indexer_logits(q_i, w_i, k_cache, tab_i, len_i, distinct_tables=distinct)
       return backend.topk(logits, len_i, c.index_topk)
 
     split = lambda a: a.reshape(t // rows, rows, *a.shape[1:])

@@ -199,10 +199,11 @@ def shard_backend(backend: Backend, mesh: Mesh, dcp_merge: str = "all_reduce") -
                 out_specs=(split_o if split else heads, heads))(
         q, cache, slots)
 
-  def indexer_logits(q, weights, k_cache, block_tables, seq_lens):
+  def indexer_logits(q, weights, k_cache, block_tables, seq_lens, *, distinct_tables=False):
     specs, split = placement(k_cache)
+    logits = functools.partial(backend.indexer_logits, distinct_tables=distinct_tables)
     if not split:
-      return smap(backend.indexer_logits, in_specs=(rep, rep, specs, rep, rep), out_specs=rep)(
+      return smap(logits, in_specs=(rep, rep, specs, rep, rep), out_specs=rep)(
           q, weights, k_cache, block_tables, seq_lens)
 
     def per_shard(q, weights, k_cache, block_tables, seq_lens):
@@ -210,7 +211,7 @@ def shard_backend(backend: Backend, mesh: Mesh, dcp_merge: str = "all_reduce") -
       nb = k_cache.num_blocks
       local = block_tables - lax.axis_index(dcp) * nb
       tables = jnp.where((block_tables >= 0) & (local >= 0) & (local < nb), local, -1)
-      return backend.indexer_logits(q, weights, k_cache, tables, seq_lens)[None]
+      return logits(q, weights, k_cache, tables, seq_lens)[None]
     return smap(per_shard, in_specs=(rep, rep, specs, rep, rep), out_specs=blocks)(
         q, weights, k_cache, block_tables, seq_lens)
 

@@ -224,6 +224,28 @@ class IndexerContract:
         assert cosine_diff(got[i][fin], want[fin]) < 1e-3
         np.testing.assert_allclose(got[i][fin], want[fin], rtol=1e-4, atol=1e-4)
 
+  # distinct_tables is a speed hint, never a correctness one: the same logits, bit for bit, for
+  # rows of distinct requests and for prefill-like rows of one request (one table, consecutive
+  # lengths; what a kernel grouping rows that share a table would group, unless told not to look).
+  @pytest.mark.parametrize("shared", [pytest.param(True, id="shared"), False])
+  def test_distinct_tables_hint_gives_the_same_logits(self, shared):
+    rng = np.random.default_rng(40 + shared)
+    t, mb, h, d, bs = 4, 4, 64, 128, 64
+    f8 = jnp.float8_e4m3fn
+    k_cache = IndexerKCache(jnp.asarray(rng.standard_normal((self.NB, bs, d)) * 3, f8),
+                            jnp.asarray(2.0 ** rng.integers(-3, 3, (self.NB, bs)), jnp.float32))
+    q = jnp.asarray(rng.standard_normal((t, h, d)) * 3, f8)
+    w = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+    tables = np.stack([rng.permutation(self.NB)[:mb] for _ in range(t)]).astype(np.int32)
+    if shared:
+      tables[:] = tables[0]
+      lens = np.arange(t, dtype=np.int32) + 3 * bs - 7
+    else:
+      lens = np.array([mb * bs, 5 * bs // 2, 1, 0], np.int32)
+    logits = lambda hint: np.asarray(self.be().indexer_logits(
+        q, w, k_cache, jnp.asarray(tables), jnp.asarray(lens), distinct_tables=hint))
+    np.testing.assert_array_equal(logits(True).view(np.uint32), logits(False).view(np.uint32))
+
   @pytest.mark.parametrize("s,k", [(300, 64), (50, 64), (200, 200)])
   def test_topk_sets_match_brute_force(self, s, k):
     rng = np.random.default_rng(s + k)

@@ -7,7 +7,7 @@ import pytest
 
 from mla_jax import backends
 from mla_jax.backends import BACKENDS, ENV_VAR, default_backend_name, get_backend
-from mla_jax.cache import DSMLACache, LatentCache
+from mla_jax.cache import DSMLACache, IndexerKCache, LatentCache
 
 
 @pytest.fixture(autouse=True)
@@ -216,3 +216,19 @@ def test_pallas_sparse_attention_takes_the_faster_kernel(monkeypatch, tokens, he
   get_backend("pallas").sparse_attention(q, cache, jnp.zeros((tokens, 8), jnp.int32), scale=1.0,
                                          kv_lora_rank=512)
   assert [(name, kw["kv_lora_rank"]) for name, kw in called] == [(want, 512)]
+
+
+@pytest.mark.parametrize("dtype,hopper,want", [
+    (jnp.float8_e4m3fn, True, "pallas_mosaic"),  # e4m3 operands on Hopper: 1.8-2.5x
+    (jnp.bfloat16, True, "pallas_triton"),  # operands the Mosaic kernel does not take
+    (jnp.float8_e4m3fn, False, "pallas_triton"),  # not a Hopper GPU
+])
+@pytest.mark.parametrize("distinct", [True, False])
+def test_pallas_indexer_takes_the_faster_kernel_and_passes_the_hint(monkeypatch, dtype, hopper,
+                                                                   want, distinct):
+  called = record_kernel_calls(monkeypatch, "indexer_logits", hopper)
+  k_cache = IndexerKCache.allocate(2, 64, dtype=dtype)
+  get_backend("pallas").indexer_logits(
+      jnp.zeros((4, 64, 128), dtype), jnp.zeros((4, 64), jnp.float32), k_cache,
+      jnp.zeros((4, 2), jnp.int32), jnp.ones((4,), jnp.int32), distinct_tables=distinct)
+  assert called == [(want, {"distinct_tables": distinct})]

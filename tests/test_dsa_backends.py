@@ -12,7 +12,7 @@ from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mla_jax import backends, reference
-from mla_jax.cache import DSMLACache, LatentCache
+from mla_jax.cache import DSMLACache, IndexerKCache, LatentCache
 from pallas_kernels import indexer as pallas_indexer
 from pallas_kernels import mosaic_indexer, mosaic_lanes
 from pallas_kernels import mosaic_sparse
@@ -609,6 +609,30 @@ class TestPallasMosaicIndexer(IndexerContract):
     assert bool(mosaic_indexer.groups_share_tables(tables)) == shared
     got = mosaic_indexer.indexer_logits(q, w, k_vals, k_scale, tables, lens, interpret=True)
     assert_logits_close(got, reference.indexer_logits(q, w, k_vals, k_scale, tables, lens))
+
+  def test_distinct_tables_skips_the_table_check(self):
+    # distinct_tables=True: the one-row kernel alone; False: groups_share_tables and a lax.cond
+    # between the 4-row and 1-row kernels, outside them (the kernels' bodies have conds of their
+    # own, so the walk stops at them).
+    def outside(jaxpr):
+      names = []
+      for eqn in jaxpr.eqns:
+        names.append(eqn.primitive.name)
+        if eqn.primitive.name not in ("pallas_call", "custom_vmap_call"):
+          for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            names += outside(sub)
+      return names
+
+    s = jax.ShapeDtypeStruct
+    args = (s((8, 64, 128), jnp.float8_e4m3fn), s((8, 64), jnp.float32),
+            IndexerKCache(s((16, 64, 128), jnp.float8_e4m3fn), s((16, 64), jnp.float32)),
+            s((8, 4), jnp.int32), s((8,), jnp.int32))
+    traced = lambda hint: jax.make_jaxpr(functools.partial(
+        self.be().indexer_logits, distinct_tables=hint))(*args)
+    checked, distinct = traced(False), traced(True)
+    assert "cond" in outside(checked.jaxpr) and "reduce_and" in outside(checked.jaxpr)
+    assert not {"cond", "reduce_and"} & set(outside(distinct.jaxpr))
+    assert "_r4_" in str(checked) and "_r4_" not in str(distinct) and "_r1_" in str(distinct)
 
   @pytest.mark.parametrize("t,ctx,rows,compute_wgs", [
       (2048, 32768, None, None), (128, 131072, 1, None), (5, 4096, 4, None), (2048, 32768, 4, 4)])

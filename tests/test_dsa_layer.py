@@ -1,11 +1,14 @@
 """The V3.2 layer: indexer selection, sparse attention through the cache, shortcut, reuse."""
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from mla_jax import indexer
+from mla_jax import backends, indexer
 from mla_jax.cache import DSACache, DSMLACache, IndexerKCache, LatentCache
 from mla_jax.config import MLAConfig
 from mla_jax.metadata import RequestState, build_metadata
@@ -102,6 +105,28 @@ def test_indexer_row_chunks_give_the_same_selection(monkeypatch):
   for a, b in zip(whole, chunked):
     for x, y in zip(a, b):
       np.testing.assert_array_equal(x, y)
+
+
+def test_indexer_hints_distinct_tables_for_decode_only_steps():
+  # Windows past top-k, so the indexer scores them: decode rows only (one a request) tell the
+  # backend its rows are distinct requests; a step with prefill rows does not. Traced only.
+  hints = []
+
+  def recorded(*args, **kwargs):
+    hints.append(kwargs["distinct_tables"])
+    return backends.REFERENCE.indexer_logits(*args, **kwargs)
+  backend = dataclasses.replace(backends.REFERENCE, indexer_logits=recorded)
+  layer = indexer.Indexer(CFG, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+  k_cache = make_cache("latent").indexer
+  for q_lens, distinct in [([1, 1], True), ([5, 1], False), ([14, 9], False)]:
+    md, _ = build_metadata([RequestState(11, q, t) for q, t in zip(q_lens, tables(19))],
+                           block_size=BS, num_blocks=NB, max_blocks_per_seq=MB, index_topk=TOPK)
+    assert not md.within_topk
+    rows = md.num_rows
+    jax.eval_shape(lambda md=md, rows=rows: layer(
+        jnp.zeros((rows, CFG.hidden_size)), jnp.zeros((rows, CFG.q_lora_rank)), k_cache, md,
+        backend))
+    assert hints.pop() == distinct and not hints, q_lens
 
 
 def test_fp8_ds_mla_cache_close_to_bf16_cache_with_same_selection():

@@ -6,15 +6,20 @@ one device, so sharding_worker.py runs every sharded case in one subprocess and 
 measured; the tests here judge the report.
 """
 
+import dataclasses
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 from mla_jax import backends, reference
+from mla_jax.cache import IndexerKCache
 from mla_jax.metadata import dcp_seq_lens, dcp_tables
-from mla_jax.sharded_backend import merge_topk
+from mla_jax.sharded_backend import merge_topk, shard_backend
 from sharding_worker import (CFG, DENSE_CASES, DSA_CASES, WORKSPACE, case_name,
                              run_with_host_devices)
 from test_attention import make_layer
@@ -79,6 +84,23 @@ def test_merged_top_k_is_the_whole_rows_top_k_with_its_ties():
     got = merge_topk(jnp.concatenate([c[0] for c in cands], 1),
                      jnp.concatenate([c[1] for c in cands], 1), k)
     assert np.array_equal(np.sort(np.asarray(got), 1), np.sort(np.asarray(want), 1)), dcp
+
+
+def test_sharded_indexer_passes_the_distinct_tables_hint_on():
+  # The per-shard backend gets the caller's hint (a one-device mesh here; the dcp path passes the
+  # same partial, and the worker's decode steps run it).
+  hints = []
+
+  def recorded(*args, **kwargs):
+    hints.append(kwargs["distinct_tables"])
+    return backends.REFERENCE.indexer_logits(*args, **kwargs)
+  be = shard_backend(dataclasses.replace(backends.REFERENCE, indexer_logits=recorded),
+                     Mesh(np.array(jax.devices()[:1]), ("tp",)))
+  args = (jnp.zeros((2, 4, 32), jnp.float8_e4m3fn), jnp.zeros((2, 4), jnp.float32),
+          IndexerKCache.allocate(3, 8, 32), jnp.zeros((2, 3), jnp.int32), jnp.ones(2, jnp.int32))
+  for hint in (True, False):
+    jax.eval_shape(functools.partial(be.indexer_logits, distinct_tables=hint), *args)
+  assert hints == [True, False]
 
 
 @pytest.mark.parametrize("case", DENSE_CASES, ids=lambda c: case_name(*c))
