@@ -331,6 +331,19 @@ def test_indexer_logits_fp8_match_reference(backend, requests, per_req):
       q, weights, IndexerKCache(k_values, k_scales), tables, lens), want)
 
 
+@pytest.mark.parametrize("backend", ["pallas_mosaic", "pallas"])
+def test_indexer_distinct_tables_hint_gives_the_same_logits(backend):
+  # Rows in groups of 8 sharing a table (what the 4-row programs take): the hint's 1-row programs
+  # must give the logits bit for bit, as the contract says (the CPU interpreter shows it too).
+  args, want = indexer_case(16, 8)
+  q, weights, k_values, k_scales, tables, lens = args
+  run = lambda hint: np.asarray(backends.get_backend(backend).indexer_logits(
+      q, weights, IndexerKCache(k_values, k_scales), tables, lens, distinct_tables=hint))
+  grouped, alone = run(False), run(True)
+  assert_indexer_logits_close(alone, want)
+  np.testing.assert_array_equal(alone, grouped)
+
+
 @pytest.mark.parametrize("compute_wgs", [2, 4])
 def test_mosaic_indexer_compute_wgs_match_reference(compute_wgs):
   # The Mosaic kernel's rows=4 programs with 2 compute warpgroups (the default) or 4 (each step's
