@@ -22,8 +22,9 @@ scale; the kernels under it take and return plain arrays.
                  distinct_tables: a speed hint, never a correctness one: True says consecutive
                  rows (almost always) belong to different requests (decode rows), so a kernel
                  that groups rows sharing a table need not look for groups (pallas_mosaic's, which
-                 otherwise checks on the device); the logits are the same either way, rows that
-                 do share tables included (only slower)
+                 otherwise checks on the device); the logits are the same either way up to
+                 float32 rounding (pallas_mosaic on the H200: a few ulps where rows share tables;
+                 bit for bit in the interpreter), rows that share tables included (only slower)
   topk(logits [T,S], seq_lens [T], topk) -> positions [T, topk] int32 (-1 padded)
   write_indexer_cache(k_cache (IndexerKCache), k [T,D], slot_mapping [T]) -> k_cache
 Every entry checks its arguments against the contract first (a ValueError naming what was wrong

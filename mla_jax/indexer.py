@@ -87,7 +87,7 @@ class Indexer(nnx.Module):
     tables = md.row_block_tables()
     # Decode rows only: one token a request (decode_threshold's default), so rows seldom share a
     # table and a kernel that groups rows sharing one (pallas_mosaic's) need not look for groups
-    # on the device. A hint: the logits are the same either way.
+    # on the device. A hint: the logits are the same either way, up to float32 rounding.
     distinct = md.num_decode_rows >= md.num_rows
 
     def one_chunk(args):

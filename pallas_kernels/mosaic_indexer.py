@@ -29,8 +29,9 @@ suits one request's prefill rows, `rows=1` (N = 64, block_k = 256) decode rows o
 requests. With rows=None the wrapper checks (on the device, no host sync) whether every group of 4
 consecutive rows has one table and runs the matching variant under `lax.cond`. Callers who know
 their rows are distinct requests pass rows=1 (the backend's `distinct_tables=True`): the check and
-the cond cost ~12-16 us a call on the H200 (the 128-row decode step at 32K, bench_sparse.py
---parts step: 0.428 -> 0.410-0.413 ms).
+the cond cost ~12-26 us a call on the H200 (the 128-row decode step at 32K, bench_sparse.py
+--parts step: 0.426-0.445 -> 0.410-0.418 ms; session 19). The two kernels sum in different
+orders: their logits agree to float32 rounding, not bit for bit.
 
 Steps past the group's longest window are not fetched or computed, only written with -inf.
 

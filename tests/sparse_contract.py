@@ -224,7 +224,8 @@ class IndexerContract:
         assert cosine_diff(got[i][fin], want[fin]) < 1e-3
         np.testing.assert_allclose(got[i][fin], want[fin], rtol=1e-4, atol=1e-4)
 
-  # distinct_tables is a speed hint, never a correctness one: the same logits, bit for bit, for
+  # distinct_tables is a speed hint, never a correctness one: the same logits (bit for bit here,
+  # on the CPU; the H200's grouped kernel sums in another order: tests/test_dsa_gpu.py), for
   # rows of distinct requests and for prefill-like rows of one request (one table, consecutive
   # lengths; what a kernel grouping rows that share a table would group, unless told not to look).
   @pytest.mark.parametrize("shared", [pytest.param(True, id="shared"), False])
