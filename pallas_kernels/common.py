@@ -414,6 +414,19 @@ def leading_rows(smem, gmem):
   return smem if gmem.shape[0] == smem.shape[0] else smem.at[pl.ds(0, gmem.shape[0])]
 
 
+def step_variant(smem, i):
+  """smem (a wgmma operand every step of a loop reads, e.g. the query tile) at a row offset that is
+  0 for every step index 0 <= i < 2^30, but that LLVM cannot prove constant. Read as it is, its
+  descriptors (a 64-bit one per wgmma k-step: 36 for K = 576) are loop-invariant, LLVM hoists
+  them out of the step loop, and ptxas spills them and reloads them every step before the first
+  product (mosaic_decode at 64 heads a tile: 20 spill loads a step, on warpgroup 0's path from the
+  page's arrival to S; shared memory leaves L1 ~29 KB, so they come from L2). Offset by
+  i >> 30 rows, they are recomputed each step in uniform registers beside each HGMMA, and nothing
+  spills (ptxas 13.5, sm_90a: `benchmarks/ptxas_report.py decode`)."""
+  rows = smem.shape[0]
+  return smem.at[pl.ds(pl.multiple_of(lax.shift_right_logical(i, 30) * rows, rows), rows)]
+
+
 def _store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis=0):
   """acc (column tiles [64, w] f32 of one warpgroup's output) * out_scale / l, rows that saw
   nothing 0, staged in o_smem [64, cols] and copied to o_gmem (its rows: the first 64 or fewer).

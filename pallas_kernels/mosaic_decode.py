@@ -62,7 +62,7 @@ from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
                                    leading_rows, length_splits, merge_splits, num_fixed_splits,
                                    one_wave_splits, padded_heads, partials_dtype, row_broadcast,
                                    run_scores, run_values, sm_count, softmax_step, split_range,
-                                   swizzled, SWIZZLE)
+                                   step_variant, swizzled, SWIZZLE)
 from pallas_kernels.mosaic_lanes import (WIDE_MASK, WIDE_UNIT_FACTOR, placed_bf16x2,
                                          warpgroup_thread, wide_load, wide_store)
 
@@ -784,7 +784,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
         elif heads_n:
           plgpu.wgmma(acc_ref, kv_smem.at[slot], q_smem.transpose((1, 0)))
         else:
-          plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
+          plgpu.wgmma(acc_ref, step_variant(q_smem, i), kv_smem.at[slot].transpose((1, 0)))
         return acc_ref[...]
 
       s_shape = (step_rows, tile_h) if heads_n else (_TILE_H, step_rows)
