@@ -420,9 +420,11 @@ def step_variant(smem, i):
   descriptors (a 64-bit one per wgmma k-step: 36 for K = 576) are loop-invariant, LLVM hoists
   them out of the step loop, and ptxas spills them and reloads them every step before the first
   product (mosaic_decode at 64 heads a tile: 20 spill loads a step, on warpgroup 0's path from the
-  page's arrival to S; shared memory leaves L1 ~29 KB, so they come from L2). Offset by
-  i >> 30 rows, they are recomputed each step in uniform registers beside each HGMMA, and nothing
-  spills (ptxas 13.5, sm_90a: `benchmarks/ptxas_report.py decode`)."""
+  page's arrival to S; shared memory leaves L1 ~29 KB, so they come from L2; mosaic_sparse with
+  fp8_ds_mla: 2-14). Offset by i >> 30 rows, they are recomputed each step in uniform registers
+  beside each HGMMA, and nothing spills (ptxas 13.5, sm_90a: `benchmarks/ptxas_report.py decode`,
+  `sparse`). The same instructions otherwise: the results are bit for bit the same (H200, session
+  20: decode 1.05-1.09x at 64 and 128 heads, fp8_ds_mla sparse 1.04-1.08x)."""
   rows = smem.shape[0]
   return smem.at[pl.ds(pl.multiple_of(lax.shift_right_logical(i, 30) * rows, rows), rows)]
 

@@ -68,7 +68,7 @@ from pallas_kernels.common import (DS_MLA_TILE, F8, HALF_ROWS, HALF_ROWS_LAYOUT,
                                    check_sparse_args, default_num_kv_splits, hand_over_p,
                                    heads_tile, leading_rows, merge_splits, one_wave_splits,
                                    padded_heads, row_broadcast, run_scores, run_values, sm_count,
-                                   softmax_step, swizzled, SWIZZLE)
+                                   softmax_step, step_variant, swizzled, SWIZZLE)
 from pallas_kernels.mosaic_lanes import (WARPGROUP_THREADS, WIDE_MAX_SCALE_BITS, lane_asm,
                                          placed_bf16x2, warpgroup_thread, wide_load,
                                          wide_store)
@@ -586,7 +586,7 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
 
       def scores(acc_ref):  # acc_ref [64 heads, rows] f32 (heads in N: S^T [rows, heads])
         for c in range(chunks):
-          q_cols = q_smem.at[:, pl.ds(c * _COLS, _COLS)]
+          q_cols = step_variant(q_smem, i).at[:, pl.ds(c * _COLS, _COLS)]
           if heads_n:
             plgpu.wgmma(acc_ref, kv.at[slot, c], q_cols.transpose((1, 0)))
           else:
