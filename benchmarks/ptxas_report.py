@@ -24,6 +24,7 @@ Usage (from the repo root; a kernel's jit-entry keywords with --set FIELD=VALUE,
   PYTHONPATH=. .venv/bin/python benchmarks/ptxas_report.py prefill --tokens 8192 --requests 8
   PYTHONPATH=. .venv/bin/python benchmarks/ptxas_report.py decode --dtype fp8 --set num_kv_splits=4
   PYTHONPATH=. .venv/bin/python benchmarks/ptxas_report.py sparse --cache fp8_ds_mla --sass
+  PYTHONPATH=. .venv/bin/python benchmarks/ptxas_report.py indexer --t 2048 --seq 32768 --rows 4
   PYTHONPATH=. .venv/bin/python benchmarks/ptxas_report.py figures   # the RESULTS.md table
 Prints one row a kernel: its name, the registers a thread is launched with ("Used N registers":
 with warpgroup register reallocation, setmaxnreg, the launch count, e.g. 168 for 3 warpgroups,
@@ -113,6 +114,20 @@ def traced_sparse(t, heads, cache, slots, tokens, knobs):
   kv = jax.ShapeDtypeStruct((pages, PAGE, LATENT + ROPE), jnp.bfloat16)
   return mosaic_sparse.sparse_attention.trace(q, kv, picks, scale=0.1, kv_lora_rank=LATENT,
                                               **knobs)
+
+
+def traced_indexer(t, rows, tokens, knobs):
+  """The indexer logits: t rows, `rows` a program (4: one request's prefill rows sharing a table;
+  1: decode rows of distinct requests), over `tokens` keys a row."""
+  from pallas_kernels import mosaic_indexer
+  heads, dim, pages = mosaic_indexer.HEADS, mosaic_indexer.HEAD_DIM, tokens // PAGE
+  return mosaic_indexer.indexer_logits.trace(
+      jax.ShapeDtypeStruct((t, heads, dim), jnp.float8_e4m3fn),
+      jax.ShapeDtypeStruct((t, heads), jnp.float32),
+      jax.ShapeDtypeStruct((pages, PAGE, dim), jnp.float8_e4m3fn),
+      jax.ShapeDtypeStruct((pages, PAGE), jnp.float32),
+      jax.ShapeDtypeStruct((t, pages), jnp.int32), jax.ShapeDtypeStruct((t,), jnp.int32),
+      rows=rows, **knobs)
 
 
 def mosaic_modules(traced):
@@ -260,6 +275,8 @@ def traced_for(kind, a, knobs):
     return traced_prefill(a["tokens"], a["requests"], a["heads"], a.get("causal", True), knobs)
   if kind == "decode":
     return traced_decode(a["batch"], a["heads"], a.get("seq", 8192), a["dtype"], knobs)
+  if kind == "indexer":
+    return traced_indexer(a["t"], a["rows"], a.get("seq", 32768), knobs)
   return traced_sparse(a["t"], a["heads"], a["cache"], a.get("slots", 2048),
                        a.get("cache_tokens", 1 << 20), knobs)
 
@@ -267,15 +284,18 @@ def traced_for(kind, a, knobs):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("kind", choices=["prefill", "decode", "sparse", "figures"])
+  parser.add_argument("kind", choices=["prefill", "decode", "sparse", "indexer", "figures"])
   parser.add_argument("--tokens", type=int, default=8192, help="prefill: query rows in all")
   parser.add_argument("--requests", type=int, default=8, help="prefill: equal requests")
   parser.add_argument("--no-causal", dest="causal", action="store_false", help="prefill")
   parser.add_argument("--heads", type=int, default=128, help="query heads N")
   parser.add_argument("--batch", type=int, default=128, help="decode: requests B")
-  parser.add_argument("--seq", type=int, default=8192, help="decode: context a request")
+  parser.add_argument("--seq", type=int, default=8192,
+                      help="decode: context a request; indexer: keys a row")
   parser.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16", help="decode cache")
-  parser.add_argument("--t", type=int, default=128, help="sparse: query rows T")
+  parser.add_argument("--t", type=int, default=128, help="sparse, indexer: query rows T")
+  parser.add_argument("--rows", type=int, default=4, choices=[1, 4],
+                      help="indexer: rows a program (4: a prefill's, 1: decode rows')")
   parser.add_argument("--cache", choices=["bf16", "fp8_ds_mla"], default="bf16", help="sparse")
   parser.add_argument("--slots", type=int, default=2048, help="sparse: slots a row")
   parser.add_argument("--cache-tokens", type=int, default=1 << 20, help="sparse: cache size")
@@ -296,7 +316,8 @@ def main(argv=None):
   label = {"prefill": f"prefill {args.requests}x{args.tokens // args.requests} N={args.heads}"
                       + (" causal" if args.causal else ""),
            "decode": f"decode B={args.batch} N={args.heads} S={args.seq} {args.dtype}",
-           "sparse": f"sparse T={args.t} N={args.heads} {args.cache}"}[args.kind]
+           "sparse": f"sparse T={args.t} N={args.heads} {args.cache}",
+           "indexer": f"indexer T={args.t} S={args.seq} rows={args.rows}"}[args.kind]
   report(label, traced_for(args.kind, a, knobs), args)
 
 

@@ -209,9 +209,10 @@ def test_ptxas_report_reads_ptxas_and_finds_the_step_loops_spills():
 
 def test_ptxas_report_takes_the_mosaic_module_from_the_cuda_lowering():
   from benchmarks import ptxas_report
-  traced = ptxas_report.traced_prefill(256, 2, 16, True, {})
-  modules = ptxas_report.mosaic_modules(traced)
-  assert len(modules) == 1 and modules[0].startswith(b"ML\xefR")  # MLIR bytecode
+  for traced in (ptxas_report.traced_prefill(256, 2, 16, True, {}),
+                 ptxas_report.traced_indexer(8, 4, 512, {})):
+    modules = ptxas_report.mosaic_modules(traced)
+    assert len(modules) == 1 and modules[0].startswith(b"ML\xefR")  # MLIR bytecode
 
 
 def test_sparse_direct_probe_lowers_one_mosaic_module():
