@@ -585,8 +585,9 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
       plgpu.barrier_wait(ready.at[slot])
 
       def scores(acc_ref):  # acc_ref [64 heads, rows] f32 (heads in N: S^T [rows, heads])
+        q = step_variant(q_smem, i)
         for c in range(chunks):
-          q_cols = step_variant(q_smem, i).at[:, pl.ds(c * _COLS, _COLS)]
+          q_cols = q.at[:, pl.ds(c * _COLS, _COLS)]
           if heads_n:
             plgpu.wgmma(acc_ref, kv.at[slot, c], q_cols.transpose((1, 0)))
           else:
