@@ -91,7 +91,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import (LN2, LOG2E, M_INIT, check_at_least, check_prefill_args,
-                                   row_broadcast, sm_count, swizzled)
+                                   row_broadcast, sm_count, step_variant, swizzled)
 
 DTYPES = ("bfloat16",)  # what q, k, v may be (the wgmma operands here are 16-bit, f16 untested)
 _TILE = 64  # query rows per compute warpgroup: the M of every Hopper wgmma
@@ -448,17 +448,19 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
         pl.when(clean)(lambda: plgpu.barrier_wait(v_clean.at[slot]))
         pl.when(~clean)(lambda: plgpu.barrier_wait(v_ready.at[slot]))
 
-    def issue_scores(acc_ref, slot, keys=block_k):
-      """acc_ref [64 rows, keys] f32 (the box's first `keys` keys); nope then rope."""
+    def issue_scores(acc_ref, slot, count, keys=block_k):
+      """acc_ref [64 rows, keys] f32 (the box's first `keys` keys); nope then rope. The query
+      tiles are read through step_variant(., count) so their descriptors are not hoisted out of
+      the step loop and spilled (common.step_variant)."""
       rows = slice(None) if keys == block_k else pl.ds(0, keys)
-      plgpu.wgmma(acc_ref, qv_smem.at[wg],
+      plgpu.wgmma(acc_ref, step_variant(qv_smem.at[wg], count),
                   k_smem.at[slot, rows, pl.ds(0, dv)].transpose((1, 0)))
       if qr_smem is not None:
         if split_k:
           k_rope = kr_smem.at[slot] if keys == block_k else kr_smem.at[slot, rows]
         else:
           k_rope = k_smem.at[slot, rows, pl.ds(dv, dk - dv)]
-        plgpu.wgmma(acc_ref, qr_smem.at[wg], k_rope.transpose((1, 0)))
+        plgpu.wgmma(acc_ref, step_variant(qr_smem.at[wg], count), k_rope.transpose((1, 0)))
 
     def mask_scores(s, w, j, q_shift):
       """s with -inf where step j's keys are outside the request or (causal) after the row's."""
@@ -517,7 +519,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       clean = zero_foreign_values(w, j, slot) if masked else False
 
       def scores(acc_ref):
-        issue_scores(acc_ref, slot)
+        issue_scores(acc_ref, slot, count)
         take_turn()
         return acc_ref[...]
 
@@ -562,7 +564,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
         plgpu.barrier_wait(k_ready.at[slot])
 
       def products(s_ref, o_ref=None):  # s_ref [64, keys], o_ref [64, Dv] f32
-        issue_scores(s_ref, slot, keys)
+        issue_scores(s_ref, slot, count, keys)
         if not first:
           # Only a masked step zeroes V rows; an unmasked one has no foreign keys, so this is
           # False there.
