@@ -424,7 +424,8 @@ def step_variant(smem, i):
   fp8_ds_mla: 2-14). Offset by i >> 30 rows, they are recomputed each step in uniform registers
   beside each HGMMA, and nothing spills (ptxas 13.5, sm_90a: `benchmarks/ptxas_report.py decode`,
   `sparse`). The same instructions otherwise: the results are bit for bit the same (H200, session
-  20: decode 1.05-1.08x at 64 and 128 heads, fp8_ds_mla sparse 1.04-1.08x)."""
+  20: decode 1.05-1.08x at 64 and 128 heads, fp8_ds_mla sparse 1.04-1.08x; session 21:
+  mosaic_prefill's two query tiles, 1.055x at 16K tokens)."""
   rows = smem.shape[0]
   return smem.at[pl.ds(pl.multiple_of(lax.shift_right_logical(i, 30) * rows, rows), rows)]
 
