@@ -49,8 +49,11 @@ def time_ms(fn, arg_sets, *, warmup=3, iters=20, repeats=5):
   """Median milliseconds per call of `fn(*args)`.
 
   Calls are queued back to back and the device is drained once per repeat, so the figure is device
-  time plus launch gaps, not host round trips. `arg_sets` rotates among several input sets so that
-  repeated calls do not find their inputs in the L2 cache.
+  time plus launch gaps, and one host round trip a repeat: the first call's dispatch and the final
+  sync, spread over `iters` calls (H200 machine, the DSA decode step: ~0.2 ms a repeat, so ~10 us
+  a call at 20 calls; 0.403 ms at 20 calls, 0.386 at 200; benchmarks/RESULTS.md, sessions 20-21).
+  `arg_sets` rotates among several input sets so that repeated calls do not find their inputs in
+  the L2 cache.
   """
   out = None
   for i in range(warmup):
