@@ -239,30 +239,19 @@ def test_decode_loop_writes_the_caches_in_place(tiny, num_steps):
   assert not copied & {c.shape for c in caches if c.ndim >= 2}
 
 
-# One step per dispatch, by (variant, run): what every `steps` case compares with. The same
-# model, prompts and arguments each time, so generated once a module rather than once a case.
-_ONE_STEP = {}
-
-
 @pytest.mark.parametrize("steps", [3, 16])
 def test_several_steps_per_dispatch_equal_one_step_per_dispatch(tiny, steps):
   variant, model = tiny
   run = lambda k, **kw: generate(model, PROMPTS, NEW_TOKENS, steps_per_dispatch=k, **POOL, **kw)
-
-  def one_step(name, **kw):
-    if (variant, name) not in _ONE_STEP:
-      _ONE_STEP[variant, name] = run(1, **kw)
-    return _ONE_STEP[variant, name]
-
-  one_tokens, one_logits = one_step("logits", return_logits=True)
+  one_tokens, one_logits = run(1, return_logits=True)
   tokens, logits = run(steps, return_logits=True)
   assert tokens == one_tokens == HOST_LOOP[variant]  # one step per dispatch: the fixed-trip loop
   for a, b in zip(logits, one_logits):
     np.testing.assert_array_equal(a, b)
   stop = STOP[variant]
-  assert run(steps, stop_token_id=stop) == one_step("stopped", stop_token_id=stop)
+  assert run(steps, stop_token_id=stop) == run(1, stop_token_id=stop)
   key = jax.random.key(5)
-  assert run(steps, sampling=SAMPLED, key=key) == one_step("sampled", sampling=SAMPLED, key=key)
+  assert run(steps, sampling=SAMPLED, key=key) == run(1, sampling=SAMPLED, key=key)
 
 
 def test_within_topk_switch_keeps_step_by_step_logits():
@@ -280,18 +269,16 @@ def test_within_topk_switch_keeps_step_by_step_logits():
 
 
 def test_sampling_is_reproducible_per_key_and_differs_across_keys(tiny):
-  variant, model = tiny
+  _, model = tiny
   run = lambda key, sampling=SAMPLED, **kw: generate(model, PROMPTS, NEW_TOKENS, sampling=sampling,
                                                      key=key, **POOL, **kw)
-  # HOST_LOOP[variant] is the greedy `generate` here (test_greedy_tokens_equal_the_host_loop_
-  # generate checks it).
   a = run(jax.random.key(1))
   assert a == run(jax.random.key(1), steps_per_dispatch=4)
   assert a != run(jax.random.key(2))
-  assert a != HOST_LOOP[variant]  # not greedy
+  assert a != generate(model, PROMPTS, NEW_TOKENS, **POOL)  # not greedy
   # Only the allowed set is ever drawn: top-1 everywhere is greedy.
   top1 = SamplingParams(temperature=1.0, top_k=1)
-  assert run(jax.random.key(3), sampling=top1) == HOST_LOOP[variant]
+  assert run(jax.random.key(3), sampling=top1) == generate(model, PROMPTS, NEW_TOKENS, **POOL)
   with pytest.raises(ValueError, match="needs a key"):
     generate(model, PROMPTS, 2, sampling=SAMPLED, **POOL)
   with pytest.raises(ValueError, match="steps_per_dispatch"):
