@@ -17,9 +17,11 @@ the grid stays and is the default from there (`persistent`). Three warpgroups a 
   [Dv, Dk) into two buffers: the first later stages the output), then per step of block_k keys
   S = Q K^T (two wgmma, M = 64 rows, N = block_k keys), the float32 online softmax in exp2,
   O = O * alpha + P V (wgmma with P in registers, accumulating in place); by default
-  (`intra_overlap`, FlashAttention-3's intra-warpgroup overlap, without turns, as FA3 runs head
-  dims over 128) each issues step j's S, then step j - 1's P V, and runs step j's softmax while
-  that P V runs (H200: 1.04-1.07x the ping-pong schedule at 4096 and 16K tokens and 8 x 1024);
+  (`intra_overlap`, FlashAttention-3's intra-warpgroup order, without turns, as FA3 runs head
+  dims over 128) each issues step j's S, then step j - 1's P V, then runs step j's softmax
+  (H200: 1.04-1.07x the ping-pong schedule at 4096 and 16K tokens and 8 x 1024). ptxas waits
+  for both products before the softmax (its SASS; keeping P V in flight through the softmax
+  measured 0.93-1.00x, RESULTS.md session 22);
   with `ping_pong` instead the two warpgroups take turns on the tensor cores through a barrier
   (one's softmax overlaps the other's products);
 - memory (warpgroup 2): the request's K and V blocks, block_k keys a step, one bulk copy each into a
@@ -141,11 +143,13 @@ class MosaicPrefillConfig:
   # heads one section from _HEADS_FIRST_MIN heads, else one head a section. The grid has no
   # queue and ignores it.
   l2_section_bytes: int | None = 32 << 20
-  # FlashAttention-3's intra-warpgroup overlap: each compute warpgroup issues step j's S = Q K^T
-  # and then step j - 1's P V, and runs step j's softmax while P V is on the tensor cores (a
-  # second 64 x block_k f32 accumulator, 64 registers a thread). Without turn-taking, as FA3 runs
-  # it for head dims over 128 (H200, N=128: 1.04x ping-pong at 4096 and 16K tokens, 1.07x at
-  # 8 x 1024; benchmarks/RESULTS.md, session 10). Neither (both False): the steps in order.
+  # FlashAttention-3's intra-warpgroup order: each compute warpgroup issues step j's S = Q K^T
+  # and then step j - 1's P V (a second 64 x block_k f32 accumulator, 64 registers a thread),
+  # then runs step j's softmax. ptxas hoists the P V's wait above the softmax, so both products
+  # run back to back and the softmax overlaps the other warpgroup's products only; a wait kept
+  # after the softmax (a real overlap) measured 0.93-1.00x (benchmarks/RESULTS.md, session 22).
+  # Without turn-taking, as FA3 runs it for head dims over 128 (H200, N=128: 1.04x ping-pong at
+  # 4096 and 16K tokens, 1.07x at 8 x 1024; session 10). Neither (both False): the steps in order.
   intra_overlap: bool = True
   # The next item's query tiles copied by the memory warpgroup as soon as each compute warpgroup's
   # last S = Q K^T of an item has read its tile (FlashAttention-3's producer-loaded Q), so an item
@@ -551,10 +555,11 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       return m_new, l, acc, count + 1
 
     def overlapped_step(j, carry, w, q_shift, end, masked, first=False, keys=block_k):
-      """intra_overlap (FlashAttention-3's intra-warpgroup overlap): step j's S = Q K^T is issued,
-      then step j - 1's P V, and step j's softmax runs while P V is on the tensor cores. After
-      step j, acc holds the P V of the steps before j, scaled to step j's row max, and p16 is
-      step j's P, whose P V the next step (or `last_values`) adds; `first`: step 0, no P V."""
+      """intra_overlap (FlashAttention-3's intra-warpgroup order): step j's S = Q K^T is issued,
+      then step j - 1's P V, then step j's softmax (ptxas waits for both products before it: see
+      MosaicPrefillConfig.intra_overlap). After step j, acc holds the P V of the steps before j,
+      scaled to step j's row max, and p16 is step j's P, whose P V the next step (or
+      `last_values`) adds; `first`: step 0, no P V."""
       m, l, acc, count, p16 = carry
       slot = lax.rem(count, stages)
       prev = lax.rem(count + stages - 1, stages)  # step j - 1's slot
@@ -576,7 +581,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
             p_smem.at[wg][...] = p16
             plgpu.commit_smem()
             plgpu.wgmma(o_ref, p_smem.at[wg], v_smem.at[prev])
-        # Waits for the scores only: P V (the last group issued) stays in flight.
+        # Waits for the scores only, in the PTX: ptxas moves the P V's wait below to just after.
         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if first else 1)
         plgpu.barrier_arrive(k_consumed.at[slot])
         if prefetch_q:
