@@ -372,11 +372,15 @@ def softmax_step(s, m, l, heads_axis=0):
   """One step of the base-2 online softmax: s [64, K] scores already times log2(e) (-inf where
   masked), m and l the rows' running max and sum. Returns (m_new, alpha, p, l_new).
   heads_axis=1 (mosaic_sparse's heads_in="n"): s is S^T [K, heads], reduced over axis 0 (across
-  the warpgroup's warps, through the kernel's reduction scratch), m and l one per column."""
+  the warpgroup's warps, through the kernel's reduction scratch), m and l one per column. l of
+  s's shape holds partial sums, each element its own key's (rescaled like the others), summed
+  over the keys once after the last step (`run_scores`' partial_sums)."""
   keys = 1 - heads_axis
   m_new = jnp.maximum(m, s.max(axis=keys))
   alpha = jnp.exp2(m - m_new)
   p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [heads_axis]))
+  if l.shape == s.shape:
+    return m_new, alpha, p, l * lax.broadcast_in_dim(alpha, s.shape, [heads_axis]) + p
   return m_new, alpha, p, l * alpha + p.sum(axis=keys)
 
 
@@ -455,18 +459,25 @@ def _store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis=0):
 
 
 def run_scores(n, step, acc, *, row_smem, p_ready, p_free, lse_smem, lse_gmem, o_smem=None,
-               o_gmem=None, out_scale=1.0, heads_axis=0):
+               o_gmem=None, out_scale=1.0, heads_axis=0, partial_sums=None):
   """Warpgroup 0's n steps, (m, l, acc) = step(i, (m, l, acc)) from an empty softmax over 64 rows,
   and its end: once warpgroup 1 has read the last P (every step of both is done, so the step
   buffers are free for the output staging), hands it l, stores its output columns and the rows'
   log-sum-exps (natural log; -inf where nothing was seen). heads_axis=1: the heads are acc's
   columns (tiles of O^T, `softmax_step`). acc empty (no output columns: mosaic_decode's
-  register_a, whose warpgroup 1 holds them all): no o_smem, o_gmem, only the log-sum-exps."""
+  register_a, whose warpgroup 1 holds them all): no o_smem, o_gmem, only the log-sum-exps.
+  partial_sums (a step's score shape, heads_axis=1 only): l is carried as partial sums of that
+  shape and summed over the keys after the last step, so no step sums P across the warps.
+  """
   rows_layout = plmgpu.Layout.WGMMA.reduce(1 - heads_axis)
   rows = row_smem.shape[0]
+  l_shape = (rows,) if partial_sums is None else partial_sums
   init = (plmgpu.layout_cast(jnp.full((rows,), M_INIT, jnp.float32), rows_layout),
-          plmgpu.layout_cast(jnp.zeros((rows,), jnp.float32), rows_layout), acc)
+          plmgpu.layout_cast(jnp.zeros(l_shape, jnp.float32),
+                             rows_layout if partial_sums is None else plmgpu.Layout.WGMMA), acc)
   m, l, acc = lax.fori_loop(0, n, step, init)
+  if partial_sums is not None:
+    l = l.sum(axis=1 - heads_axis)
 
   @pl.when(n > 0)
   def _():

@@ -120,9 +120,10 @@ class MosaicDecodeConfig:
   "m": 64 heads as wgmma's M (N < 64 in the 64-row tile: at N=16 three quarters of every product
   and of the softmax are padding). "n": N <= 32 heads as wgmma's N, padded to 16 or 32
   (`common.heads_tile`; a ValueError above 32), mosaic_sparse's heads_in="n": S^T = K Q^T [64
-  tokens, heads], its softmax over the token rows (cross-warp reductions through
-  `reduction_scratch_bytes`), P^T stored transposed into p_smem [heads, 64], O^T = V^T P^T in
-  [64 columns, heads] value tiles; a
+  tokens, heads], its softmax over the token rows (the row max a cross-warp reduction a step,
+  through `reduction_scratch_bytes`; the row sum kept as partial sums, one a key, and reduced once
+  at the end: `common.run_scores`' partial_sums), P^T stored transposed into p_smem [heads, 64],
+  O^T = V^T P^T in [64 columns, heads] value tiles; a
   bf16 output (one split) stored transposed into the [heads, columns] staging, float32 partials
   (several splits, fixed splits) stored as they are and written [T, splits, L, Np] (Mosaic GPU,
   jax 0.11.2, does not lower a transposed float32 store), which the XLA merge reads transposed.
@@ -544,9 +545,10 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # third: stage_free [FP8_STAGES] barriers (warpgroup 1 done reading a stage slot).
   # heads_n (heads_in="n"): the tile's 16 or 32 heads (q_smem [tile_h, D], p_smem [tile_h, 64],
   # row_smem and lse_smem [tile_h]) are wgmma's N: S^T = K Q^T [64 tokens, heads], its softmax over
-  # axis 0, P^T stored transposed into p_smem, O^T = V^T P^T in [64 columns, heads] value tiles
-  # (V^T an MN-major A operand); bf16 outputs stored transposed into o_smem [2, heads, L/2],
-  # float32 partials as they are into o_smem [2, L/2, heads] and o_ref [T, splits, L, Np].
+  # axis 0 (l as [64, heads] partial sums), P^T stored transposed into p_smem, O^T = V^T P^T in
+  # [64 columns, heads] value tiles (V^T an MN-major A operand); bf16 outputs stored transposed
+  # into o_smem [2, heads, L/2], float32 partials as they are into o_smem [2, L/2, heads] and o_ref
+  # [T, splits, L, Np].
   # register_a (fp8_pipeline="register_a", heads_n): kv_smem is a ring of 4 e4m3 slots [4, 64, D]
   # (64-byte swizzled) filled by bulk copies as the bf16 slots are; q_smem and p_smem are f16; the
   # consumers convert their e4m3 tiles in registers into wgmma's A operand; warpgroup 1 holds all
@@ -811,7 +813,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
 
     run_scores(n * pieces, step, zero_acc(0), row_smem=row_smem, p_ready=p_ready, p_free=p_free,
                **out(0), lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out],
-               heads_axis=heads_axis)
+               heads_axis=heads_axis, partial_sums=(step_rows, tile_h) if heads_n else None)
 
   # Column tiles of the stage each widening warpgroup takes (shared_widening: warpgroup 1 its own
   # value columns, the memory warpgroup the rest; otherwise the memory warpgroup all).

@@ -473,8 +473,9 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
      p_free, idx_bar) = rest
   (q_smem, kv), (o_smem, lse_smem), *raw = buffers
   # heads_in="n": the program's tile_h (16 or 32) heads are wgmma's N: S^T = K Q^T [64 slots,
-  # heads], its softmax over axis 0, P^T stored transposed into p_smem [heads, 64] (so that it
-  # reads as the K-major B operand P^T), and O^T = V^T P^T [64 columns, heads] a value tile.
+  # heads], its softmax over axis 0 (l as [rows, heads] partial sums), P^T stored transposed into
+  # p_smem [heads, 64] (so that it reads as the K-major B operand P^T), and O^T = V^T P^T
+  # [64 columns, heads] a value tile.
   # Else the 64 heads are wgmma's M: S = Q K^T, O = P V.
   heads_axis = 1 if heads_n else 0
   tile_h = q_smem.shape[0]
@@ -613,7 +614,7 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
 
     run_scores(consumer_steps, step, zero_acc(), row_smem=row_smem, p_ready=p_ready, p_free=p_free,
                **out(0), lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out],
-               heads_axis=heads_axis)
+               heads_axis=heads_axis, partial_sums=(step_rows, tile_h) if heads_n else None)
 
   @pl.when(wg == 1)
   def _values():
@@ -1201,8 +1202,9 @@ class MosaicSparseConfig:
   softmax are padding; only the N query rows are copied in and stored, `padded_heads`, where N is
   a multiple of 8).
   "n" (RESULTS, sparse v12): N <= 32 heads as wgmma's N, padded to 16 or 32 (`heads_tile`; a
-  ValueError above 32): S^T = K Q^T [64 slots, heads], its softmax over the slot rows (two
-  cross-warp reductions a step, through `reduction_scratch_bytes`), P^T stored transposed into
+  ValueError above 32): S^T = K Q^T [64 slots, heads], its softmax over the slot rows (the row
+  max a cross-warp reduction a step, through `reduction_scratch_bytes`; the row sum as partial
+  sums reduced once at the end, `common.run_scores`' partial_sums), P^T stored transposed into
   p_smem [heads, 64], O^T = V^T P^T a value tile (V^T an MN-major A operand), the output tiles
   stored transposed into the [heads, columns] staging. Both caches; fp8_ds_mla with fp8_pipeline
   "serial" or "in_place" named (their consumers step 64 slots over widened bf16 rows, as bf16's

@@ -14,7 +14,8 @@ from decode_contract import (FP8_SCALE, L, SCALE, DecodeContract, assert_decode_
 from mla_jax import backends
 from oracles import latent_decode_np
 from pallas_kernels import mosaic_decode, mosaic_lanes
-from pallas_kernels.common import HEADS_N_TILES, default_num_kv_splits, register_pool
+from pallas_kernels.common import (HEADS_N_TILES, default_num_kv_splits, register_pool,
+                                   softmax_step)
 from pallas_kernels.latent_decode import latent_decode
 
 
@@ -888,3 +889,24 @@ def test_fixed_split_count_ignores_the_batch(kernel):
                                            **kwargs).jaxpr.jaxpr))
   assert [splits(b, split_tokens=2048) for b in (1, 3, 128)] == [{4}] * 3
   assert len({frozenset(splits(b)) for b in (1, 3, 128)}) > 1
+
+
+def test_softmax_partial_sums_are_the_running_sums():
+  # Heads in N carry l as per-key partial sums (`run_scores`' partial_sums), summed over the keys
+  # once after the last step: the same m and P each step as the per-step sums, and the same l up
+  # to float32 rounding, with masked keys, a fully masked step and a rising row max.
+  rng = np.random.default_rng(3)
+  steps = [rng.normal(0, 4, (64, 16)).astype(np.float32) + 3 * i for i in range(5)]
+  steps[1][:, 5] = -np.inf  # one head sees no key in a step
+  steps[2][40:] = -np.inf  # a tail
+  steps[3][:] = -np.inf  # a step with no key
+  m = jnp.full((16,), -1e30, jnp.float32)
+  m2, l, partial = m, jnp.zeros((16,), jnp.float32), jnp.zeros((64, 16), jnp.float32)
+  for s in map(jnp.asarray, steps):
+    m, alpha, p, l = softmax_step(s, m, l, heads_axis=1)
+    m2, alpha2, p2, partial = softmax_step(s, m2, partial, heads_axis=1)
+    np.testing.assert_array_equal(m2, m)
+    np.testing.assert_array_equal(alpha2, alpha)
+    np.testing.assert_array_equal(p2, p)
+  np.testing.assert_allclose(partial.sum(axis=0), l, rtol=2e-6)
+  assert bool((l > 1).all())
