@@ -43,9 +43,11 @@ Bulk copies move whole boxes and cannot mask rows, so:
   needed);
 - a box that would run past the end of q or k/v is moved back to end there (the row positions in
   the masks account for both shifts);
-- a 64-row output tile may run into the next request's rows, so a batch writes in place only the
-  tiles of one request's rows; each request's first and last tile go to two slots of their own,
-  whose rows a scatter patches in (`_patch_edges`, at most 128 rows a request); the rows past
+- a 64-row output tile may run into the next request's rows, so a batch writes whole only the
+  tiles of one request's rows; a request's first and last tile write their request's rows one
+  bulk copy a row (from an untiled alias of the staging), and their lse to two slots of their own,
+  which the lse's transpose selects from (`_final_lse`; a scatter into o, 25 us at 8 x 1024 and
+  128 heads on the H200, did this before); the rows past
   cu_q[-1] are one more request, without keys, which writes them as 0, -inf. One request
   (persistent) writes every tile in place: its blocks then start at row 0 and cover every row of
   q (padded to whole blocks, a copy only when needed), rows outside the request as 0, -inf.
@@ -279,7 +281,7 @@ def _block_keys(qs, q_lead, q_len, k_len, causal):
 def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref, *rest, scale,
                     causal, num_q_programs, block_k, ping_pong, p_in_registers, persistent,
                     section_heads, direct, split_k, intra_overlap, prefetch_q,
-                    first_step_unmasked, diagonal_half):
+                    first_step_unmasked, diagonal_half, raw_staging):
   # GMEM: cu_q_ref, cu_k_ref [R+1] int32; tile_ref [R] int32 (request r's first edge slot, 2r);
   # queue_ref [2, B+1] int32 (persistent: column 0 row 0 the number of blocks, then per block,
   # heaviest first, its request (row 0) and index in the request (row 1); otherwise unused);
@@ -287,12 +289,15 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
   # box); split_k: k_ref [Tk, N, Dv] (each head's key columns [0, Dv)) and k_pe_ref [Tk, Dk-Dv]
   # (columns [Dv, Dk), the same for every head);
   # o_ref [Tq, N, Dv] bf16 and lse_ref [N, Tq] f32, the rows themselves: direct (one request)
-  # every tile writes there; a batch (the last request holds the rows past the batch, without
-  # keys) only the tiles inside a request (`_interior`), the others to edge_o_ref [E*64, N, Dv]
-  # and edge_lse_ref [N, E*64], request r's first tile in slot tile_ref[r] (= 2r), its last in
-  # slot 2r + 1 (no edge refs when direct).
+  # every tile writes there whole; a batch (the last request holds the rows past the batch,
+  # without keys) whole only the tiles inside a request (`_interior`), and of the others (a
+  # request's first and last) its rows one bulk copy a row, their lse to edge_lse_ref [N, E*64],
+  # request r's first tile in slot tile_ref[r] (= 2r), its last in slot 2r + 1 (none when direct).
   # SMEM: qv_smem [2, 64, Dv] (each compute warpgroup's query columns [0, Dv), then its output
-  # staging); qr_smem [2, 64, Dk-Dv] (columns [Dv, Dk); absent when Dk == Dv); k_smem
+  # staging, unless prefetch_q); stage_raw (a batch on the GPU): the staging's untiled, swizzled
+  # alias [2, 8, Dv/64 (prefetch_q: 1), 8, 64] (tile-row, column tile, row in tile, column), from
+  # which a single row can be copied (Mosaic GPU slices tiled buffers by whole 8-row tiles);
+  # qr_smem [2, 64, Dk-Dv] (columns [Dv, Dk); absent when Dk == Dv); k_smem
   # [stages, block_k, Dk] (split_k: [stages, block_k, Dv], and kr_smem [stages, block_k, Dk-Dv]
   # k_pe's rows); v_smem [stages, block_k, Dv]; p_smem [2, 64, block_k] (each warpgroup's
   # P; only without p_in_registers); lse_smem [2, 64] f32. Barriers: q_bar [2] (a warpgroup's
@@ -305,7 +310,11 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
   # item read its query tile: the memory warpgroup may copy the next item's there).
   k_pe_ref, *rest = rest if split_k else (None, *rest)
   o_ref, lse_ref, *rest = rest
-  edge_o_ref, edge_lse_ref, qv_smem, *rest = (None, None, *rest) if direct else rest
+  edge_lse_ref, *rest = (None, *rest) if direct else rest
+  qv_smem, *rest = rest
+  stage_raw = None
+  if raw_staging and not prefetch_q:  # the union of the query tiles and their raw alias
+    qv_smem, stage_raw = qv_smem
   if qv_smem.shape[2] < q_ref.shape[2]:
     qr_smem, *rest = rest
   else:
@@ -316,6 +325,8 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
   p_smem = None if p_in_registers else rest.pop(0)
   lse_smem, q_bar, k_ready, v_ready, v_clean, k_consumed, v_consumed, schedule, *rest = rest
   o_stage, q_free = rest if prefetch_q else (None, None)
+  if raw_staging and prefetch_q:
+    o_stage, stage_raw = o_stage
   wg = lax.axis_index("wg")
   tq, tk, dk = q_ref.shape[0], k_ref.shape[0], q_ref.shape[2]
   num_heads = q_ref.shape[1]
@@ -715,18 +726,36 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
           if with_lse:
             plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_out.at[w.h, pl.ds(row, _TILE)])
 
-        def store_tile(staged, cols=(), with_lse=True):
-          """Stores the staged output columns (all of them: cols ()) and the lse if with_lse."""
+        def store_rows(staged, col0, with_lse):
+          """A request's first or last tile: only the request's rows of o, from the tile's own
+          first row (a box moved back starts on the tile before's), one bulk copy a row and 64
+          columns (the other rows are a neighbour's); the lse to the tile's slot."""
+          def row(r, _):
+            for c in range(staged.shape[1] // _STAGE_COLS):
+              src = (staged.at[pl.ds(r, 1), pl.ds(c * _STAGE_COLS, _STAGE_COLS)]
+                     if stage_raw is None
+                     else stage_raw.at[wg, lax.div(r, 8), c, pl.ds(lax.rem(r, 8), 1)])
+              plgpu.copy_smem_to_gmem(src, o_ref.at[pl.ds(q_first + r, 1), w.h,
+                                                    pl.ds(col0 + c * _STAGE_COLS, _STAGE_COLS)])
+
+          lax.fori_loop(jnp.maximum(w.q_base + tile_row, w.q_start) - q_first,
+                        jnp.minimum(w.q_start + w.q_len, q_first + _TILE) - q_first, row, None)
+          if with_lse:
+            edge_row = (w.tile + jnp.where(tile_row > 0, 1, 0)) * _TILE
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg],
+                                    edge_lse_ref.at[w.h, pl.ds(edge_row, _TILE)])
+
+        def store_tile(staged, col0=0, with_lse=True):
+          """Stores the staged output columns from col0 and the lse if with_lse."""
+          cols = (pl.ds(col0, staged.shape[1]),)
           if direct:
             store(o_ref, lse_ref, q_first, staged, cols, with_lse)
           else:
-            # A tile of the request's rows only is written in place (not moved back: those end
-            # past the request); the request's first or last tile otherwise goes to its own slot.
+            # A tile of the request's rows only is written whole (not moved back: those end past
+            # the request), the request's first or last tile otherwise row by row.
             interior = _interior(w.q_base + tile_row, w.q_start, w.q_len)
             pl.when(interior)(lambda: store(o_ref, lse_ref, q_first, staged, cols, with_lse))
-            edge_row = (w.tile + jnp.where(tile_row > 0, 1, 0)) * _TILE
-            pl.when(~interior)(
-                lambda: store(edge_o_ref, edge_lse_ref, edge_row, staged, cols, with_lse))
+            pl.when(~interior)(lambda: store_rows(staged, col0, with_lse))
 
         if prefetch_q:
           # The query tile may already hold the next item's queries: the output goes out through
@@ -741,7 +770,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
             if piece == 0:
               lse_smem.at[wg][...] = lse()
             plgpu.commit_smem()
-            store_tile(o_stage.at[wg], (pl.ds(start, _STAGE_COLS),), with_lse=piece == 0)
+            store_tile(o_stage.at[wg], start, with_lse=piece == 0)
         else:
           qv_smem.at[wg][...] = o.astype(qv_smem.dtype)
           lse_smem.at[wg][...] = lse()
@@ -856,26 +885,24 @@ def _pad_rows(x, rows):
   return jnp.pad(x, pad) if padded != x.shape[0] else x
 
 
-def _patch_edges(o, lse, edge_o, edge_lse, cu_q):
-  """o [Tq, N, Dv] and lse [N, Tq] with the rows of each request's first and last tiles that were
-  not written in place (`_interior`) taken from their slots (edge_o [2R*64, N, Dv], edge_lse
-  [N, 2R*64]: request r's first tile in slot 2r, its last in 2r + 1); a scatter of at most 128
-  rows a request, into the kernel's output buffer."""
-  tq = o.shape[0]
-  q_start, q_len = cu_q[:-1, None], jnp.diff(cu_q)[:, None]  # [R, 1]
-  q_lead = q_start % _ALIGN
-  last = jnp.maximum(-(-_aligned_rows(q_len, q_lead) // _TILE) - 1, 0)
-  tile = jnp.concatenate([jnp.zeros_like(last), last], axis=1)  # [R, 2]: first, last tile
-  first_row = q_start - q_lead + tile * _TILE
-  # The slot holds the tile's box, moved back to end at row tq if it would pass it; rows before
-  # first_row there are the previous tile's (a last tile that is also the first has no slot 1).
-  rows = (jnp.minimum(first_row, tq - _TILE))[..., None] + jnp.arange(_TILE)  # [R, 2, 64]
-  keep = (~_interior(first_row, q_start, q_len) & ((tile > 0) | (jnp.arange(2) == 0)))[..., None]
-  keep &= (rows >= first_row[..., None]) & (rows >= q_start[..., None])
-  keep &= rows < (q_start + q_len)[..., None]
-  idx = jnp.where(keep, rows, tq).reshape(-1)  # tq: out of bounds, dropped
-  return (o.at[idx].set(edge_o, mode="drop"),
-          lse.at[:, idx].set(edge_lse, mode="drop"))
+def _final_lse(lse, edge_lse, cu_q):
+  """lse [N, Tq] -> [Tq, N], the rows of each request's first and last tiles that were not written
+  in place (`_interior`) taken from their slots (edge_lse [N, 2R*64]: request r's first tile in
+  slot 2r, its last in 2r + 1, each holding its tile's box, moved back to end at row Tq if it
+  would pass it); a gather and a select in the transpose, no scatter."""
+  tq = lse.shape[1]
+  rows = jnp.arange(tq, dtype=jnp.int32)
+  r = jnp.clip(jnp.searchsorted(cu_q, rows, side="right", method="compare_all") - 1, 0,
+               cu_q.shape[0] - 2)
+  q_start, q_len = cu_q[r], cu_q[r + 1] - cu_q[r]
+  q_base = q_start - q_start % _ALIGN
+  tile = (rows - q_base) // _TILE
+  last = jnp.maximum(-(-_aligned_rows(q_len, q_start - q_base) // _TILE) - 1, 0)
+  first_row = q_base + tile * _TILE
+  edge = ((tile == 0) | (tile == last)) & ~_interior(first_row, q_start, q_len)
+  slot_row = (2 * r + jnp.where(tile > 0, 1, 0)) * _TILE
+  src = jnp.where(edge, slot_row + rows - jnp.minimum(first_row, tq - _TILE), 0)
+  return jnp.where(edge, edge_lse[:, src], lse).T
 
 
 def _work_queue(cu_q, cu_k, tq, causal, direct):
@@ -998,6 +1025,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
   # run_scoped accumulators, so there P goes through shared memory; on the GPU it stays in
   # registers and P V accumulates in place.
   p_in_registers = not interpret
+  raw_staging = not (direct or interpret)
   p_tiles = [] if p_in_registers else [swizzled((_COMPUTE_WGS, _TILE, block_k), q.dtype)]
   q_rest = [swizzled((_COMPUTE_WGS, _TILE, dk - dv), q.dtype)] if dk > dv else []
   k_rest = [swizzled((stages, block_k, dk - dv), k.dtype)] if split_k else []
@@ -1028,15 +1056,27 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                              p_in_registers=p_in_registers, persistent=persistent,
                              section_heads=section_heads, direct=direct, split_k=split_k,
                              intra_overlap=intra_overlap, prefetch_q=prefetch_q,
-                             first_step_unmasked=first_step_unmasked, diagonal_half=diagonal_half)
-  edge_rows = [] if direct else [2 * num_requests * _TILE]  # first and last tile slots
+                             first_step_unmasked=first_step_unmasked, diagonal_half=diagonal_half,
+                             raw_staging=raw_staging)
+  # A batch's first and last tiles: the lse of each in a slot of its own (2 a request).
+  edge_lse = [] if direct else [jax.ShapeDtypeStruct((n, 2 * num_requests * _TILE), jnp.float32)]
+
+  def staging(cols):
+    """The output staging [2, 64, cols]; with its raw alias where rows are copied one by one (a
+    batch, on the GPU: the interpreter neither aliases a union's members nor needs it)."""
+    tiled = swizzled((_COMPUTE_WGS, _TILE, cols), q.dtype)
+    if not raw_staging:
+      return tiled
+    raw = plgpu.SMEM((_COMPUTE_WGS, _TILE // 8, cols // _STAGE_COLS, 8, _STAGE_COLS), q.dtype,
+                     transforms=(plgpu.SwizzleTransform(128),))
+    return plgpu.RefUnion(tiled, raw)
+
   outs = plgpu.kernel(
       kernel,
-      out_type=tuple(
-          jax.ShapeDtypeStruct(shape, dtype) for rows in [q.shape[0], *edge_rows]
-          for shape, dtype in (((rows, n, dv), q.dtype), ((n, rows), jnp.float32))),
+      out_type=(jax.ShapeDtypeStruct((q.shape[0], n, dv), q.dtype),
+                jax.ShapeDtypeStruct((n, q.shape[0]), jnp.float32), *edge_lse),
       scratch_types=(
-          swizzled((_COMPUTE_WGS, _TILE, dv), q.dtype),
+          swizzled((_COMPUTE_WGS, _TILE, dv), q.dtype) if prefetch_q else staging(dv),
           *q_rest,
           swizzled((stages, block_k, k.shape[2]), k.dtype),
           *k_rest,
@@ -1053,8 +1093,8 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
           plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
           # prefetch_q: each compute warpgroup's output staging; its query tile read for the
           # last time in an item (one barrier a warpgroup).
-          *([swizzled((_COMPUTE_WGS, _TILE, _STAGE_COLS), q.dtype),
-             plgpu.Barrier(num_barriers=_COMPUTE_WGS)] if prefetch_q else []),
+          *([staging(_STAGE_COLS), plgpu.Barrier(num_barriers=_COMPUTE_WGS)]
+            if prefetch_q else []),
       ),
       grid=grid,
       grid_names=grid_names,
@@ -1071,5 +1111,6 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                    f"{'_first_unmasked' if first_step_unmasked else ''}"
                    f"{'_half_diagonal' if diagonal_half else ''}"),
   )(cu_q, cu_k, tile_offsets, queue, q, *k_inputs)
-  o, lse = outs if direct else _patch_edges(*outs, cu_q)
-  return o[:tq], lse.T[:tq]  # a slice (a copy) only where q was padded
+  o, lse = outs[:2]
+  lse = lse.T if direct else _final_lse(lse, outs[2], cu_q)
+  return o[:tq], lse[:tq]  # a slice (a copy) only where q was padded

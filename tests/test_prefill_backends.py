@@ -161,7 +161,7 @@ class TestPallasMosaicPrefill(PrefillContract):
     assert (f32(o[tail:]) == 0).all() and (np.asarray(lse[tail:]) == -np.inf).all()
 
   # split: the keys in the split form (two boxes a key step into one barrier). knobs: one program
-  # walks all three items, tiles in place and patched (intra_overlap, the default: each step's
+  # walks all three items, tiles whole and row by row (intra_overlap, the default: each step's
   # P V issued in the next step, its V slot released there, the ring running on across items);
   # the steps in order, and with turns (ping-pong), one program; the split form in one program
   # (a query tile's two copies on one barrier, reused by every item). The per-item knobs (the
@@ -213,7 +213,7 @@ class TestPallasMosaicPrefill(PrefillContract):
       # at 16); the queue in L2 sections (2 heads of 128 at 16K keys, 8 at 4096 keys) and without.
       (16384, 128, 1, True, dict(persistent=True)), (1024, 16, 1, True, dict(persistent=False)),
       (4096, 128, 4, True, dict(persistent=True, l2_section_bytes=None)),
-      # A batch's tiles written in place, the edge tiles patched in: the queue (8 x 1024) and the
+      # A batch's tiles written in place, the edge tiles row by row: the queue (8 x 1024) and the
       # grid (4 x 4096).
       (8192, 128, 8, True, {}), (16384, 128, 4, True, {}),
       # The ping-pong schedule (the default before intra_overlap): 16K on the grid, one
@@ -342,9 +342,9 @@ class TestPallasMosaicPrefill(PrefillContract):
 
 class TestPallasMosaicPrefillItemVariants:
   """How a batch's items end, in the interpreter, on the queue (3 programs, each taking several
-  items) and the grid: tiles of one request's rows written in place, the rows of each request's
-  first and last tiles from their slots through `_patch_edges`. Interpreter outputs start as NaN,
-  so the no-NaN checks also show that every row was written: in place or patched."""
+  items) and the grid: tiles of one request's rows written whole, each request's first and last
+  tiles row by row (their lse through slots, `_final_lse`). Interpreter outputs start as NaN, so
+  the no-NaN checks also show that every row was written: whole or row by row."""
 
   @pytest.fixture(autouse=True, params=[dict(persistent=True), dict(persistent=False)],
                   ids=["queue", "grid"])
@@ -355,14 +355,14 @@ class TestPallasMosaicPrefillItemVariants:
     return mosaic_prefill.mla_prefill(q, *args, **kwargs, **self.knobs, num_programs=3,
                                       interpret=True)
 
-  # Requests over several tiles, off 8-aligned rows (first tiles patched), ending inside a tile
-  # (last tiles patched) or on one's edge (written in place); the last request's last tile (the
+  # Requests over several tiles, off 8-aligned rows (first tiles row by row), ending inside a tile
+  # (last tiles row by row) or on one's edge (written in place); the last request's last tile (the
   # first of a block) moved back at the arrays' end over 48 of its own earlier rows, which see
   # fewer keys than the block's unmasked first step gives (causal; its keys start 8-aligned and
-  # outnumber its queries by 10): they must not be patched in from there. NaN queries in the
+  # outnumber its queries by 10): they must not be stored from there. NaN queries in the
   # padding rows, which only the extra request reads.
   @pytest.mark.parametrize("causal", [True, False])
-  def test_tiles_in_place_and_patched(self, causal):
+  def test_tiles_whole_and_row_by_row(self, causal):
     rng = np.random.default_rng(21 + causal)
     len_q, len_k = [128, 64, 3, 135], [128, 101, 3, 145]
     cu_q, cu_k = cumulative(len_q), cumulative(len_k)

@@ -45,7 +45,7 @@ def test_prefill_matches_reference(case, backend):
 # The Mosaic kernel's other orders beside its default (the grid at 16384 tokens, the queue in
 # 32 MiB L2 sections when short): the queue at 16384 tokens (2 heads a section), the short batch
 # in the queue without sections and in the grid (each writing its tiles in place:
-# the poisoned allocator shows a row neither written in place nor patched); the ping-pong
+# the poisoned allocator shows a row neither written whole nor row by row); the ping-pong
 # schedule (the default before intra_overlap) on the 16384-token batch's grid and the short
 # batch's queue; the per-item knobs (prefetch_q, first_step_unmasked, diagonal_half: the default
 # from 64 heads since session 14, on in the 128-head cases above) off on the short batch's queue
