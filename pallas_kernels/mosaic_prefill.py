@@ -246,7 +246,7 @@ class _Item(NamedTuple):
   """One work item: a block of 128 query rows of a request, for one head (int32 scalars)."""
   h: jax.Array
   qs: jax.Array  # the block's first row, counted from q_base
-  tile: jax.Array  # the request's first output tile
+  tile: jax.Array  # the request's first edge slot (2r)
   q_start: jax.Array
   k_start: jax.Array
   q_len: jax.Array
@@ -278,12 +278,13 @@ def _block_keys(qs, q_lead, q_len, k_len, causal):
   return jnp.where(inside, k_end, 0), jnp.where(inside, k_full, 0)
 
 
-def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref, *rest, scale,
+def _prefill_kernel(sched_ref, q_ref, k_ref, v_ref, *rest, num_bounds, scale,
                     causal, num_q_programs, block_k, ping_pong, p_in_registers, persistent,
                     section_heads, direct, split_k, intra_overlap, prefetch_q,
                     first_step_unmasked, diagonal_half, raw_staging):
-  # GMEM: cu_q_ref, cu_k_ref [R+1] int32; tile_ref [R] int32 (request r's first edge slot, 2r);
-  # queue_ref [2, B+1] int32 (persistent: column 0 row 0 the number of blocks, then per block,
+  # GMEM: sched_ref [2 (R+1) + 2 (B+1)] int32 (every scalar input in one array, so
+  # that one XLA fusion builds them): cu_q and cu_k (R+1 each, num_bounds), then the queue
+  # [2, B+1] row by row (persistent: column 0 row 0 the number of blocks, then per block,
   # heaviest first, its request (row 0) and index in the request (row 1); otherwise unused);
   # q_ref [Tq, N, Dk], k_ref [Tk, N, Dk], v_ref [Tk, N, Dv] bf16 (Tq, Tk multiples of 8, >= one
   # box); split_k: k_ref [Tk, N, Dv] (each head's key columns [0, Dv)) and k_pe_ref [Tk, Dk-Dv]
@@ -292,7 +293,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
   # every tile writes there whole; a batch (the last request holds the rows past the batch,
   # without keys) whole only the tiles inside a request (`_interior`), and of the others (a
   # request's first and last) its rows one bulk copy a row, their lse to edge_lse_ref [N, E*64],
-  # request r's first tile in slot tile_ref[r] (= 2r), its last in slot 2r + 1 (none when direct).
+  # request r's first tile in slot 2r, its last in slot 2r + 1 (none when direct).
   # SMEM: qv_smem [2, 64, Dv] (each compute warpgroup's query columns [0, Dv), then its output
   # staging, unless prefetch_q); stage_raw (a batch on the GPU): the staging's untiled, swizzled
   # alias [2, 8, Dv/64 (prefetch_q: 1), 8, 64] (tile-row, column tile, row in tile, column), from
@@ -333,15 +334,19 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
   dv = qv_smem.shape[2]
   stages = k_smem.shape[0]
   qk_scale = scale * LOG2E  # log2(e) folded in: the softmax runs on exp2
+  cu_q = lambda r: sched_ref[r]
+  cu_k = lambda r: sched_ref[num_bounds + r]
+  queue_len = (sched_ref.shape[0] - 2 * num_bounds) // 2
+  queue = lambda row, i: sched_ref[2 * num_bounds + row * queue_len + i]
 
   def request(r):
-    q_start, k_start = cu_q_ref[r], cu_k_ref[r]
+    q_start, k_start = cu_q(r), cu_k(r)
     # Written as products so that Mosaic GPU sees them divisible by 8. Direct: blocks start at row
     # 0 and cover all Tq rows, those outside the request giving 0, -inf.
     q_base = jnp.int32(0) if direct else lax.div(q_start, _ALIGN) * _ALIGN
     k_base = lax.div(k_start, _ALIGN) * _ALIGN
-    return dict(tile=tile_ref[r], q_start=q_start, k_start=k_start,
-                q_len=cu_q_ref[r + 1] - q_start, k_len=cu_k_ref[r + 1] - k_start,
+    return dict(tile=2 * r, q_start=q_start, k_start=k_start,
+                q_len=cu_q(r + 1) - q_start, k_len=cu_k(r + 1) - k_start,
                 q_base=q_base, k_base=k_base, q_lead=q_start - q_base, k_lead=k_start - k_base)
 
   def item_schedule():
@@ -353,7 +358,7 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
       # programs at work read, so it can stay in L2). All heads one section: every block for every
       # head; one head a section: each head for every block.
       prog, num_programs = lax.axis_index("programs"), lax.axis_size("programs")
-      num_blocks = queue_ref[0, 0]
+      num_blocks = queue(0, 0)
       trips = lax.div(jnp.maximum(num_blocks * num_heads - prog, 0) + (num_programs - 1),
                       num_programs)
 
@@ -361,8 +366,8 @@ def _prefill_kernel(cu_q_ref, cu_k_ref, tile_ref, queue_ref, q_ref, k_ref, v_ref
         i = prog + trip * num_programs
         section, i = lax.div(i, section_heads * num_blocks), lax.rem(i, section_heads * num_blocks)
         block, h = lax.div(i, section_heads), section * section_heads + lax.rem(i, section_heads)
-        r = queue_ref[0, block + 1]
-        return _Item(h=h, qs=queue_ref[1, block + 1] * _BLOCK_Q, **request(r))
+        r = queue(0, block + 1)
+        return _Item(h=h, qs=queue(1, block + 1) * _BLOCK_Q, **request(r))
     else:
       # Slot p takes its request's blocks nb-1-p, nb-1-p-P, ...: the heaviest causal blocks launch
       # first, and a request longer than max_seqlen_q is still covered, just serially.
@@ -1015,7 +1020,6 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
     cu_q = jnp.concatenate([cu_q, jnp.full((1,), q.shape[0], jnp.int32)])
     cu_k = jnp.concatenate([cu_k, cu_k[-1:]])
     num_requests += 1
-  tile_offsets = 2 * jnp.arange(num_requests, dtype=jnp.int32)  # first and last edge slots
   # No request is longer than Tq, so more slots than that would only idle.
   num_q_programs = max(1, -(-min(max_seqlen_q, tq) // _BLOCK_Q))
   stages = num_stages or _stages_for(dk, dv, block_k, prefetch_q)
@@ -1051,7 +1055,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
       grid, grid_names = (n, num_q_programs, num_requests), ("heads", "q", "requests")
     else:
       grid, grid_names = (num_q_programs, n, num_requests), ("q", "heads", "requests")
-  kernel = functools.partial(_prefill_kernel, scale=scale, causal=causal,
+  kernel = functools.partial(_prefill_kernel, num_bounds=cu_q.shape[0], scale=scale, causal=causal,
                              num_q_programs=num_q_programs, block_k=block_k, ping_pong=ping_pong,
                              p_in_registers=p_in_registers, persistent=persistent,
                              section_heads=section_heads, direct=direct, split_k=split_k,
@@ -1110,7 +1114,7 @@ def mla_prefill(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Arra
                    f"{'_overlap' if intra_overlap else ''}{'_prefetch_q' if prefetch_q else ''}"
                    f"{'_first_unmasked' if first_step_unmasked else ''}"
                    f"{'_half_diagonal' if diagonal_half else ''}"),
-  )(cu_q, cu_k, tile_offsets, queue, q, *k_inputs)
+  )(jnp.concatenate([cu_q, cu_k, queue.reshape(-1)]), q, *k_inputs)
   o, lse = outs[:2]
   lse = lse.T if direct else _final_lse(lse, outs[2], cu_q)
   return o[:tq], lse[:tq]  # a slice (a copy) only where q was padded
