@@ -8,7 +8,8 @@ kernel at its tuned configuration); rivals, each timed as a backend would call i
   cudnn  jax.nn.dot_product_attention(implementation='cudnn'), v zero-padded to 192 and o sliced
          back to 128 (cuDNN refuses Dv != Dk), requests as a [B, S] batch of equal lengths;
   sdpa   torch scaled_dot_product_attention (is_causal, bf16) on the same [T, N, D] memory layout,
-         timed with CUDA events.
+         timed as ours are (host clock around queued calls, one sync a repeat), its repeats taken
+         in turn with the Triton and Mosaic kernels' (`time_interleaved`).
 Mosaic columns: "mosaic ms", "mosaic TFLOP/s", "triton/mosaic" (> 1: Mosaic is faster), "mosaic x
 sdpa" and the largest difference of its output from the Triton kernel's; "grid ms" and
 "grid/persistent" time the same kernel with one program per (query slot, head, request) instead of
@@ -46,13 +47,13 @@ import ast
 import dataclasses
 import functools
 import itertools
-import statistics
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.common import make_parser, rates, require_gpu, time_ms, write_results
+from benchmarks.common import (jax_calls, make_parser, rates, require_gpu, time_interleaved,
+                               time_ms, write_results)
 from mla_jax import reference
 from mla_jax.attention import MLAAttention, merge_rows
 from mla_jax.backends import get_backend
@@ -106,8 +107,9 @@ def cudnn_fn(batch, seq):
   return fn
 
 
-def sdpa_ms(sets, batch, seq, iters, repeats):
-  """Median ms of torch SDPA on the same device buffers (shared through DLPack, no copy)."""
+def sdpa_calls(sets, batch, seq):
+  """`(launch, sync)` of torch SDPA on the same device buffers (shared through DLPack, no copy),
+  for `time_interleaved`: timed as ours are, host clock around queued calls and one sync."""
   import torch  # only on machines that have it
   import torch.nn.functional as F
 
@@ -116,20 +118,9 @@ def sdpa_ms(sets, batch, seq, iters, repeats):
     return t.reshape(batch, seq, *t.shape[1:]).transpose(1, 2)
 
   tsets = [[to_torch(x) for x in s[:3]] for s in sets]
-  call = lambda i: F.scaled_dot_product_attention(*tsets[i % len(tsets)], is_causal=True,
-                                                  scale=SCALE)
-  for i in range(3):
-    call(i)
-  samples = []
-  for _ in range(repeats):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(iters):
-      call(i)
-    end.record()
-    end.synchronize()
-    samples.append(start.elapsed_time(end) / iters)
-  return statistics.median(samples)
+  launch = lambda i: F.scaled_dot_product_attention(*tsets[i % len(tsets)], is_causal=True,
+                                                    scale=SCALE)
+  return launch, torch.cuda.synchronize
 
 
 def run_case(args, batch, seq, heads):
@@ -161,17 +152,30 @@ def run_case(args, batch, seq, heads):
       rows.append(row)
     return rows
 
-  ms = {"backend": timed(backend_fn(seq))}
+  # The Triton kernel, the Mosaic one and SDPA timed in turn, repeat by repeat (time_interleaved).
+  calls = {"backend": jax_calls(backend_fn(seq), sets)}
   variants = []  # the --mosaic-variant names timed in this row
-  row = {**base, **rates(ms["backend"], flops=flops)}
+  row = dict(base)
   if not args.no_mosaic:
     try:  # a first GPU run may not compile: record that and go on
       mosaic_fn = backend_fn(seq, "pallas_mosaic")
       outs = [fn(*sets[0])[0].astype(jnp.float32) for fn in (mosaic_fn, backend_fn(seq))]
-      row["mosaic ms"] = timed(mosaic_fn)
-      row["mosaic TFLOP/s"] = flops / row["mosaic ms"] / 1e9
-      row["triton/mosaic"] = ms["backend"] / row["mosaic ms"]
       row["mosaic vs triton max diff"] = float(jnp.abs(outs[0] - outs[1]).max())
+      calls["mosaic"] = jax_calls(mosaic_fn, sets)
+    except Exception as e:  # noqa: BLE001
+      row["mosaic error"] = f"{type(e).__name__}: {str(e)[:80]}"
+  if "sdpa" in args.rivals:
+    try:
+      calls["sdpa"] = sdpa_calls(sets, batch, seq)
+    except Exception as e:  # noqa: BLE001  (torch absent)
+      row["x sdpa"] = f"{type(e).__name__}: {str(e)[:60]}"
+  ms = time_interleaved(calls, iters=args.iters, repeats=args.repeats)
+  row.update(rates(ms["backend"], flops=flops))
+  if "mosaic" in ms:
+    row["mosaic ms"] = ms.pop("mosaic")
+    row["mosaic TFLOP/s"] = flops / row["mosaic ms"] / 1e9
+    row["triton/mosaic"] = ms["backend"] / row["mosaic ms"]
+    try:
       row["grid ms"] = timed(lambda q, k, v, cu: mosaic_kernel.mla_prefill(
           q, k, v, cu, cu, scale=SCALE, causal=True, max_seqlen_q=seq, persistent=False))
       row["grid/persistent"] = row["grid ms"] / row["mosaic ms"]
@@ -189,8 +193,10 @@ def run_case(args, batch, seq, heads):
       row["mosaic error"] = f"{type(e).__name__}: {str(e)[:80]}"
   rivals = {"xla": lambda: time_ms(xla_fn(), sets, warmup=1, iters=2, repeats=3),
             "cudnn": lambda: timed(cudnn_fn(batch, seq)),
-            "sdpa": lambda: sdpa_ms(sets, batch, seq, args.iters, args.repeats)}
+            "sdpa": lambda: ms["sdpa"]}
   for name in args.rivals:
+    if name == "sdpa" and "sdpa" not in calls:
+      continue  # torch absent: the row says why
     try:
       ms[name] = rivals[name]()
       row[f"{name} TFLOP/s"] = flops / ms[name] / 1e9

@@ -55,18 +55,40 @@ def time_ms(fn, arg_sets, *, warmup=3, iters=20, repeats=5):
   `arg_sets` rotates among several input sets so that repeated calls do not find their inputs in
   the L2 cache.
   """
-  out = None
-  for i in range(warmup):
-    out = fn(*arg_sets[i % len(arg_sets)])
-  jax.block_until_ready(out)
-  samples = []
+  return time_interleaved({"": jax_calls(fn, arg_sets)}, warmup=warmup, iters=iters,
+                          repeats=repeats)[""]
+
+
+def jax_calls(fn, arg_sets):
+  """`(launch, sync)` for `time_interleaved`: launch(i) calls `fn` on the i-th of `arg_sets` (in
+  rotation), sync() waits for the last call's outputs."""
+  last = []
+
+  def launch(i):
+    last[:] = [fn(*arg_sets[i % len(arg_sets)])]
+  return launch, lambda: jax.block_until_ready(last)
+
+
+def time_interleaved(calls, *, warmup=3, iters=20, repeats=5):
+  """Median milliseconds per call of each `name: (launch, sync)` in `calls`, timed as `time_ms`
+  times one (`iters` calls queued, one sync, host clock), the repeats taken in turn: repeat r of
+  every entry runs before repeat r + 1 of any, so the machine's drift between calls (the H200's
+  clocks; SDPA's own time moved 0.75-0.90 ms between calls in session 23) falls on all alike.
+  launch(i) queues the i-th call; sync() returns once the device has finished it (any framework).
+  """
+  for launch, sync in calls.values():
+    for i in range(warmup):
+      launch(i)
+    sync()
+  samples = {name: [] for name in calls}
   for _ in range(repeats):
-    start = time.perf_counter()
-    for i in range(iters):
-      out = fn(*arg_sets[i % len(arg_sets)])
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - start) * 1e3 / iters)
-  return statistics.median(samples)
+    for name, (launch, sync) in calls.items():
+      start = time.perf_counter()
+      for i in range(iters):
+        launch(i)
+      sync()
+      samples[name].append((time.perf_counter() - start) * 1e3 / iters)
+  return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def time_steps(step, x, cache, md, *, iters, repeats, warmup=3):
