@@ -206,7 +206,22 @@ class MosaicDecodeConfig:
   ms, Pallas-level "shared_widening" / wide "shared_widening" / wide "half_pages"; max diff 0):
   B=128 N=128 0.946 / 0.857 / 0.827, N=64 0.489 / 0.433 / 0.422, B=32 N=128 0.279 / 0.242 /
   0.237; GPU tests bit-identical to False (benchmarks/RESULTS.md, "wide_widening"). False keeps
-  the Pallas-level widening (the bit-identity test's oracle)."""
+  the Pallas-level widening (the bit-identity test's oracle).
+  pages_per_step (1 or 2; 2 takes fp8_pipeline "register_a", a ValueError with the other fp8
+  pipelines; bf16 caches ignore it): the 64-token pages a consumer step covers. With 2, step j
+  reads pages 2j and 2j + 1 from the two slots of one pair of the ring (4 slots: 2 pairs, each
+  one ready and one consumed barrier; the memory warpgroup's two bulk copies are ready's two
+  arrivals). Warpgroup 0 computes both pages' S^T (e4m3_scores: all the promotion chunks of both
+  in one chain, page 2j + 1's first issued before page 2j's last is read), takes their max in
+  registers and does one cross-warp row-max reduction and one P^T hand-off for 128 tokens (p_smem
+  [heads, 128]); warpgroup 1 accumulates both pages' V^T P^T in one step. Why: warpgroup 0's
+  per-page chain paces the fp8 N=16 kernel (H200, session 22's profile), and the reduction and
+  the hand-off (barriers, fence, arrive) are per step, not per token. An odd page count's last
+  step has no page 2j + 1: the memory warpgroup arrives on ready without a copy, and warpgroup 0
+  zeroes that slot (0 rows: `zero_rows`), so its stale or uninitialized bytes give P = 0 and
+  zero values. The memory warpgroup's lead drops from 3 pages to 2 (the other pair); a 6-slot
+  ring (3 pairs) does not fit beside the 16-head query tile (240 KB). 1 (the default) keeps one
+  page a step."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -217,6 +232,7 @@ class MosaicDecodeConfig:
   e4m3_scores: bool | None = None
   e4m3_promote_cols: int = 192
   wide_widening: bool = True
+  pages_per_step: int = 1
 
   def __post_init__(self):
     if self.block_h != 64:
@@ -240,6 +256,9 @@ class MosaicDecodeConfig:
       raise ValueError(f"e4m3_scores must be None, True or False, got {self.e4m3_scores!r}")
     if not isinstance(self.wide_widening, bool):
       raise ValueError(f"wide_widening must be True or False, got {self.wide_widening!r}")
+    if self.pages_per_step not in PAGES_PER_STEP:
+      raise ValueError(f"pages_per_step must be one of {PAGES_PER_STEP}, got "
+                       f"{self.pages_per_step!r}")
     if self.e4m3_promote_cols not in E4M3_PROMOTE_COLS:
       raise ValueError(f"e4m3_promote_cols must be one of {E4M3_PROMOTE_COLS}, got "
                        f"{self.e4m3_promote_cols!r}")
@@ -248,6 +267,9 @@ class MosaicDecodeConfig:
 # e4m3_scores' promotion chunks: multiples of the 64-byte-swizzled slot's 64-column tiles (128:
 # DeepGEMM's interval, 4 fp8 wgmma k-instructions of 32; 576: none).
 E4M3_PROMOTE_COLS = (64, 128, 192, 576)
+
+
+PAGES_PER_STEP = (1, 2)
 
 
 # heads_in=None runs "n" up to this many heads: bf16 1.01-1.10x "m" at 16 and 32 heads (sessions
@@ -288,12 +310,14 @@ SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"),
          MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", e4m3_promote_cols=576),
          MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", e4m3_scores=False),
          MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", e4m3_scores=False,
-                            wide_keys=False))
+                            wide_keys=False),
+         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", pages_per_step=2))
 # Fields that one cache dtype alone reads (with the other, the program is the same whatever they
 # are): a sweep times a config only with the cache dtype whose program it changes.
 DTYPE_KNOBS = {"fp8_pipeline": jnp.dtype(F8), "wide_keys": jnp.dtype(F8),
                "wide_values": jnp.dtype(F8), "e4m3_scores": jnp.dtype(F8),
-               "e4m3_promote_cols": jnp.dtype(F8), "wide_widening": jnp.dtype(F8)}
+               "e4m3_promote_cols": jnp.dtype(F8), "wide_widening": jnp.dtype(F8),
+               "pages_per_step": jnp.dtype(F8)}
 _TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
 # fp8 caches: 2 slots of e4m3 bytes (36 KB each) that the memory warpgroup widens into the bf16
 # slots the products read ("serial": one of 64 rows; "half_pages": two of 32 rows), so the shared
@@ -526,7 +550,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
                    row_smem, q_bar, ready, consumed, p_ready, p_free, *staging, scale, lora,
                    num_splits, split_steps, in_place, shared_widening, heads_n, register_a,
                    value_cols, wide_keys, wide_values, e4m3_scores, e4m3_promote_cols,
-                   wide_widening):
+                   wide_widening, pages):
   # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64, or fewer than 64 unpadded: the tile's
   # first Np rows, the others never stored); kv_ref [num_blocks, page, D] bf16 or
   # e4m3; bt_ref [T, max_blocks] int32; len_ref [T] int32; ks_ref [1] f32 (the cache's scale, 1
@@ -567,6 +591,10 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # wide_widening (the widening pipelines, on the GPU): the e4m3 tiles are widened into the bf16
   # slots in lane-level code (`_wide_widen_rows`) by the memory warpgroup and, with
   # shared_widening, warpgroup 1.
+  # pages > 1 (register_a's pages_per_step): consumer step j covers pages pages*j .. (the ring's
+  # slot pair j % (slots / pages), slots pages*(j % ...) + k); ready and consumed are one barrier
+  # a pair, [slots / pages] (ready: a bulk copy a page); p_smem [tile_h, 64 x pages] f16 (P^T's
+  # pages side by side, page k's tokens in columns 64k ..).
   (q_smem, kv_smem), (o_smem, lse_smem) = buffers
   if e4m3_scores:
     qs_smem, *staging = staging
@@ -604,6 +632,10 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # 64-row steps of this program (consumer steps: n * pieces); every warpgroup derives the same
   # count, so their barrier phases agree.
   n = jnp.maximum(end - first, 0)
+  ring = slots // pages  # the ring's slots (or slot pairs) that a step's barriers index
+
+  def consumer_steps():
+    return n * pieces if pages == 1 else pl.cdiv(n, pages)
 
   def step_source(i):
     """(block, first row in it, rows that count) of step i; a bad table entry counts no rows."""
@@ -618,6 +650,21 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
     """Rows that count in consumer step k (its part of 64-row step k // pieces)."""
     rows = step_source(lax.div(k, pieces))[2]
     return jnp.clip(rows - lax.rem(k, pieces) * step_rows, 0, step_rows)
+
+  def page_slots(slot):
+    """The kv_smem slots of ring slot (pair) `slot`: one a page of its consumer step."""
+    return (slot,) if pages == 1 else tuple(pages * slot + k for k in range(pages))
+
+  def page_rows(i):
+    """Rows that count in page i, which with pages > 1 may be past the split's last (0: the
+    table is not read there, its entry may lie past the table's end)."""
+    return jnp.where(i < n, step_source(jnp.minimum(i, n - 1))[2], 0)
+
+  def p_operand(k):
+    """P^T [64 tokens, heads] of the step's page k, wgmma's B (heads in N)."""
+    if pages == 1:
+      return p_smem.transpose((1, 0))
+    return p_smem.at[:, pl.ds(k * _STEP, _STEP)].transpose((1, 0))
 
   def a_operand(tile, w):
     """wgmma's A from warpgroup w's converted [64, 64] f16 tile (WGMMA layout): the registers on
@@ -645,38 +692,43 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   def accumulate_values(acc, alpha, slot, w, p=None):
     """acc * alpha + P V over warpgroup w's value columns, `width` columns a product; P from
     registers when given (warpgroup 0's own), else from p_smem. heads_n: O^T += V^T P^T, both
-    operands from shared memory (P^T is the B operand).
+    operands from shared memory (P^T is the B operand). slot: the ring's (a pair with pages > 1:
+    each value tile's products of every page of the step, P^T's matching columns as B).
 
     On the GPU each product accumulates in place into the rescaled running sum. Mosaic GPU's
     interpreter (jax 0.11.2) runs wgmma only with shared-memory operands into run_scoped
     accumulators, so there each product goes to a fresh accumulator that is added.
     """
-    def tile_operands(c):
-      """wgmma's A and B for the warpgroup's value tile c."""
-      values = kv_smem.at[slot, :, pl.ds(sum(value_cols[:w]) + c * width, width)]  # [64, width]
+    def tile_operands(c, k=0):
+      """wgmma's A and B for the warpgroup's value tile c of the step's page k."""
+      page_slot = page_slots(slot)[k]
+      values = kv_smem.at[page_slot, :, pl.ds(sum(value_cols[:w]) + c * width, width)]  # [64, w]
       if wide_values:  # the interpreter form: the GPU's fragment, from the plain load
-        values = plgpu.load(kv_smem.at[slot, :, pl.ds(0, lora)], layout=plgpu.Layout.WGMMA)
+        values = plgpu.load(kv_smem.at[page_slot, :, pl.ds(0, lora)], layout=plgpu.Layout.WGMMA)
         tile = wide_value_order(values.astype(jnp.float16),
                                 _WIDE_VALUE_GROUP[tile_h])[:, c * width:(c + 1) * width]
-        return a_operand(tile.T, w), p_smem.transpose((1, 0))
+        return a_operand(tile.T, w), p_operand(k)
       if register_a:
-        return value_tile(values, w), p_smem.transpose((1, 0))
+        return value_tile(values, w), p_operand(k)
       if heads_n:
-        return values.transpose((1, 0)), p_smem.transpose((1, 0))
+        return values.transpose((1, 0)), p_operand(k)
       return p_smem if p is None else p, values
 
     if register_a and in_place:
       # One accumulation for all the tiles, value_tiles_in_flight at once: each tile is loaded and
       # converted while the previous ones' products run (a wait after each serialized them).
+      # Pages > 1: page by page, every tile of one before the next's (its A into acc_refs[c]).
       def products(acc_refs):
+        tiles = len(acc_refs)
         if wide_values:  # a group's fragments from one pass of loads, issued as they come
           group = _WIDE_VALUE_GROUP[tile_h]
-          operands = ((a, p_smem.transpose((1, 0))) for c in range(0, len(acc_refs), group)
-                      for a in _wide_value_tiles(kv_smem.at[slot], c, group))
+          operands = ((a, p_operand(k)) for k, page_slot in enumerate(page_slots(slot))
+                      for c in range(0, tiles, group)
+                      for a in _wide_value_tiles(kv_smem.at[page_slot], c, group))
         else:
-          operands = map(tile_operands, range(len(acc_refs)))
-        for c, (acc_ref, ab) in enumerate(zip(acc_refs, operands)):
-          plgpu.wgmma(acc_ref, *ab)
+          operands = (tile_operands(c, k) for k in range(pages) for c in range(tiles))
+        for c, ab in enumerate(operands):
+          plgpu.wgmma(acc_refs[c % tiles], *ab)
           if c >= value_tiles_in_flight:
             plgpu.wgmma_wait(value_tiles_in_flight)
 
@@ -693,11 +745,17 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
 
         out.append(pl.run_state(product)(plgpu.ACC.init(scaled)))
       else:
-        def product(acc_ref, operands=operands):  # acc_ref: acc_shape f32
-          plgpu.wgmma(acc_ref, *operands)
-          return acc_ref[...]
+        total = scaled
+        for k in range(pages):
+          if k:  # page k's operands only after page k - 1's product: a_smem holds one tile
+            operands = tile_operands(c, k)
 
-        out.append(scaled + pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32)))
+          def product(acc_ref, operands=operands):  # acc_ref: acc_shape f32
+            plgpu.wgmma(acc_ref, *operands)
+            return acc_ref[...]
+
+          total = total + pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32))
+        out.append(total)
     return tuple(out)
 
   def zero_rows(slot, rows):
@@ -746,30 +804,40 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
 
     def step(i, carry):
       m, l, acc = carry
-      slot = lax.rem(i, slots)
-      rows = piece_rows(i)
+      slot = lax.rem(i, ring)
+      # Each page's rows that count (an odd page count's last step: its second page none).
+      rows = ((piece_rows(i),) if pages == 1
+              else tuple(page_rows(pages * i + k) for k in range(pages)))
       plgpu.barrier_wait(ready.at[slot])
       # Only the last page of a row (and a bad table entry) has rows that do not count; an fp8
       # tile is masked as it is widened (register_a's e4m3 slot here, as a bf16 one).
       if not fp8:
-        pl.when(rows < _STEP)(functools.partial(zero_rows, slot, rows))
+        for page_slot, page_rows_ in zip(page_slots(slot), rows):
+          pl.when(page_rows_ < _STEP)(functools.partial(zero_rows, page_slot, page_rows_))
 
       def e4m3_scores_(*acc_refs):
-        """[64 tokens, 2 x heads] f32: K hi^T, then K lo^T. Promotion: each chunk of
-        e4m3_promote_cols columns into its own fresh accumulator (Hopper's fp8 wgmma keeps ~14
-        bits as it accumulates), summed in f32 registers; chunk c + 1's wgmma is issued before
-        chunk c's is waited for and read."""
-        total = None
+        """[64 tokens, 2 x heads] f32 a page of the step: K hi^T, then K lo^T. Promotion: each
+        chunk of e4m3_promote_cols columns into its own fresh accumulator (Hopper's fp8 wgmma
+        keeps ~14 bits as it accumulates), summed in f32 registers; chunk c + 1's wgmma is issued
+        before chunk c's is waited for and read (with pages > 1 one chain: a page's first chunk
+        before the previous page's last is read)."""
+        chunks = len(acc_refs) // pages
+        totals, total = [], None
         for c, acc_ref in enumerate(acc_refs):
-          first = c * e4m3_promote_cols
+          first = c % chunks * e4m3_promote_cols
           cols = pl.ds(first, min(e4m3_promote_cols, kv_smem.shape[-1] - first))
-          plgpu.wgmma(acc_ref, kv_smem.at[slot, :, cols], q_smem.at[:, cols].transpose((1, 0)))
+          plgpu.wgmma(acc_ref, kv_smem.at[page_slots(slot)[c // chunks], :, cols],
+                      q_smem.at[:, cols].transpose((1, 0)))
           if c:  # chunk c - 1: done once at most this chunk's product is in flight
             part = plgpu.wgmma_accumulator_load(acc_refs[c - 1], wait_n=1)
             total = part if total is None else total + part
-        return acc_refs[-1][...] if total is None else total + acc_refs[-1][...]
+            if c % chunks == 0:  # the previous page's last chunk
+              totals.append(total)
+              total = None
+        totals.append(acc_refs[-1][...] if total is None else total + acc_refs[-1][...])
+        return totals
 
-      def scores(acc_ref):  # acc_ref [64 heads, step_rows] f32 (heads in N: S^T [64, heads])
+      def scores(slot, acc_ref):  # acc_ref [64 heads, step_rows] f32 (heads in N: S^T [64, heads])
         if register_a:  # K's e4m3 [64 tokens, 64] tiles converted in registers (WGMMA layout)
           for c in range(kv_smem.shape[-1] // _FP8_COLS):
             cols = pl.ds(c * _FP8_COLS, _FP8_COLS)
@@ -790,28 +858,33 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
         return acc_ref[...]
 
       s_shape = (step_rows, tile_h) if heads_n else (_TILE_H, step_rows)
-      if e4m3_scores:
+      if e4m3_scores:  # one scope for all the chunks of all the pages (`MosaicDecodeConfig`)
         both = pl.run_scoped(e4m3_scores_, *[
             plgpu.ACC((_STEP, 2 * tile_h), jnp.float32)
-            for _ in range(pl.cdiv(kv_smem.shape[-1], e4m3_promote_cols))])
-        s = both[:, :tile_h] + both[:, tile_h:] * E4M3_LO_SCALE
+            for _ in range(pages * pl.cdiv(kv_smem.shape[-1], e4m3_promote_cols))])
+        s = [x[:, :tile_h] + x[:, tile_h:] * E4M3_LO_SCALE for x in both]
       else:
-        s = pl.run_scoped(scores, plgpu.ACC(s_shape, jnp.float32))
+        s = [pl.run_scoped(functools.partial(scores, page_slot), plgpu.ACC(s_shape, jnp.float32))
+             for page_slot in page_slots(slot)]
       # Made in the step, not carried: a 64 x 64 int32 iota is 32 registers a thread.
       keys = plgpu.broadcasted_iota(jnp.int32, s_shape, 1 - heads_axis, layout=plgpu.Layout.WGMMA)
       s_scale = (lax.broadcast_in_dim(head_scales, s_shape, [heads_axis]) if e4m3_scores
                  else qk_scale)
       # A select, not a multiply: no tail row's score (NaN bytes there give NaN) reaches P.
-      m_new, alpha, p, l = softmax_step(jnp.where(keys < rows, s * s_scale, -jnp.inf), m, l,
-                                        heads_axis)
-      p16 = hand_over_p(i, p, alpha, p_smem.transpose((1, 0)) if heads_n else p_smem, row_smem,
-                        p_ready, p_free)
+      s = [jnp.where(keys < page_rows_, x * s_scale, -jnp.inf) for x, page_rows_ in zip(s, rows)]
+      if pages == 1:
+        m_new, alpha, p, l = softmax_step(s[0], m, l, heads_axis)
+        p16 = hand_over_p(i, p, alpha, p_smem.transpose((1, 0)) if heads_n else p_smem,
+                          row_smem, p_ready, p_free)
+      else:  # one cross-warp row max and one hand-off for all the pages (acc is empty here)
+        m_new, alpha, p, l = _softmax_pages(s, m, l)
+        _hand_over_pages(i, p, alpha, p_smem, row_smem, p_ready, p_free)
       if acc:
         acc = accumulate_values(acc, alpha, slot, 0, p16 if in_place and not heads_n else None)
       plgpu.barrier_arrive(consumed.at[slot])
       return m_new, l, acc
 
-    run_scores(n * pieces, step, zero_acc(0), row_smem=row_smem, p_ready=p_ready, p_free=p_free,
+    run_scores(consumer_steps(), step, zero_acc(0), row_smem=row_smem, p_ready=p_ready, p_free=p_free,
                **out(0), lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out],
                heads_axis=heads_axis, partial_sums=(step_rows, tile_h) if heads_n else None)
 
@@ -858,7 +931,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
         pl.when(part == slots - 1)(functools.partial(plgpu.barrier_arrive, stage_free.at[s]))
         plgpu.barrier_arrive(ready.at[part])
 
-    run_values(n * pieces, slots, lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, 1),
+    run_values(consumer_steps(), ring, lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, 1),
                zero_acc(1), ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready,
                p_free=p_free, **out(1), widen=widen_own, heads_axis=heads_axis)
 
@@ -878,17 +951,57 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
                      wide_widening, *staging)
       return
 
-    def fetch(i, slot):
+    def fetch(i, slot, page_slot=None):
+      """Page i into kv_smem slot page_slot (default: slot), arriving on ready[slot]."""
       block, offset, _ = step_source(i)
-      plgpu.copy_gmem_to_smem(kv_ref.at[block, pl.ds(offset, _STEP)], kv_smem.at[slot],
+      plgpu.copy_gmem_to_smem(kv_ref.at[block, pl.ds(offset, _STEP)],
+                              kv_smem.at[slot if page_slot is None else page_slot],
                               ready.at[slot])
 
-    feed_ring(n, slots, consumed, fetch)
+    def fetch_pages(j, slot):
+      """Step j's pages into the slots of pair `slot`; a page past the split's last (an odd count's
+      last step) is only an arrival: the consumers zero that slot."""
+      fetch(pages * j, slot, page_slots(slot)[0])
+      for k, page_slot in enumerate(page_slots(slot)[1:], 1):
+        i = pages * j + k
+        pl.when(i < n)(functools.partial(fetch, i, slot, page_slot))
+        pl.when(i >= n)(functools.partial(plgpu.barrier_arrive, ready.at[slot]))
+
+    if pages == 1:
+      feed_ring(n, slots, consumed, fetch)
+    else:
+      feed_ring(consumer_steps(), ring, consumed, fetch_pages)
 
 
 # wide_widening: 16-byte units of e4m3 tiles a lane loads before widening them (8 registers;
 # ptxas, N=128 shared_widening: 2 spills fewer in the step loops than 4 at once, the same with 1).
 _WIDE_LOAD_GROUP = 2
+
+
+def _softmax_pages(s, m, l):
+  """`common.softmax_step` with heads in N (heads_axis=1) and l as [64, heads] partial sums, over
+  a step of several pages' S^T tiles s [64 tokens, heads] each: their elementwise max in
+  registers, then one cross-warp row max for all of them; every page's P adds to l."""
+  m_new = jnp.maximum(m, functools.reduce(jnp.maximum, s).max(axis=0))
+  alpha = jnp.exp2(m - m_new)
+  p = [jnp.exp2(x - lax.broadcast_in_dim(m_new, x.shape, [1])) for x in s]
+  return m_new, alpha, p, functools.reduce(
+      jnp.add, p, l * lax.broadcast_in_dim(alpha, l.shape, [1]))
+
+
+def _hand_over_pages(i, p, alpha, p_smem, row_smem, p_ready, p_free):
+  """`common.hand_over_p` of a step's pages' P^T tiles p [64 tokens, heads] each, stored
+  transposed side by side into p_smem [heads, 64 x pages] (page k in columns 64k ..): one wait,
+  fence and arrival for all of them."""
+  @pl.when(i > 0)
+  def _():
+    plgpu.barrier_wait(p_free)
+
+  for k, x in enumerate(p):
+    p_smem.at[:, pl.ds(k * _STEP, _STEP)].transpose((1, 0))[...] = x.astype(p_smem.dtype)
+  row_smem[...] = alpha
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(p_ready)
 
 
 def _wide_widen_rows(stage_slot, dst, first, valid, tiles):
@@ -1125,7 +1238,7 @@ def _e4m3_queries(q):
                                              "split_tokens", "fp8_pipeline", "heads_in",
                                              "wide_keys", "wide_values", "e4m3_scores",
                                              "e4m3_promote_cols", "wide_widening",
-                                             "interpret"))
+                                             "pages_per_step", "interpret"))
 def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
                   *, scale: float, kv_lora_rank: int = 512,
                   k_scale: jax.Array | float | None = None, num_kv_splits: int | None = None,
@@ -1135,6 +1248,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                   e4m3_scores: bool | None = CONFIG.e4m3_scores,
                   e4m3_promote_cols: int = CONFIG.e4m3_promote_cols,
                   wide_widening: bool = CONFIG.wide_widening,
+                  pages_per_step: int = CONFIG.pages_per_step,
                   interpret: bool | plgpu.InterpretGPUParams = False
                   ) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
@@ -1160,13 +1274,16 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   the other fp8 pipelines or wide_keys=True, a bf16 cache ignores it); e4m3_promote_cols: its
   promotion chunks (`MosaicDecodeConfig`). wide_widening: the widening pipelines' lane-level
   widening (`MosaicDecodeConfig`; a bf16 cache and "register_a", which widen nothing, ignore it).
-  interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
+  pages_per_step: register_a's pages a consumer step (`MosaicDecodeConfig`; 2 is a ValueError
+  with the other fp8 pipelines, a bf16 cache ignores it). interpret: True or a
+  `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
   o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
   _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits, split_tokens)
   MosaicDecodeConfig(fp8_pipeline=fp8_pipeline, heads_in=heads_in, wide_keys=wide_keys,
                      wide_values=wide_values, e4m3_scores=e4m3_scores,
-                     e4m3_promote_cols=e4m3_promote_cols, wide_widening=wide_widening)  # checks
+                     e4m3_promote_cols=e4m3_promote_cols, wide_widening=wide_widening,
+                     pages_per_step=pages_per_step)  # checks
   fp8 = kv_cache.dtype == F8
   if heads_in is None:
     heads_in = default_heads_in(q.shape[1], fp8, fp8_pipeline)
@@ -1198,6 +1315,11 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   wide_values = register_a and (kv_lora_rank == WIDE_VALUE_COLS if wide_values is None
                                 else wide_values)
   wide_widening = wide_widening and fp8 and not register_a  # only the widening pipelines widen
+  if fp8 and pages_per_step != 1 and not register_a:
+    raise ValueError(f"pages_per_step={pages_per_step} takes heads_in=\"n\" with fp8_pipeline="
+                     f"\"register_a\" (its ring of e4m3 pages in pairs), got fp8_pipeline="
+                     f"{fp8_pipeline!r}; other pipelines take pages_per_step=1")
+  pages = pages_per_step if register_a else 1  # a bf16 cache ignores it
   if heads_n and fp8 and fp8_pipeline not in HEADS_N_FP8_PIPELINES:
     raise ValueError(f"heads_in=\"n\" with an fp8 cache takes fp8_pipeline "
                      f"{' or '.join(HEADS_N_FP8_PIPELINES)} (64-token steps: wgmma's M), got "
@@ -1242,7 +1364,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                              heads_n=heads_n, register_a=register_a,
                              value_cols=value_cols, wide_keys=wide_keys,
                              wide_values=wide_values, e4m3_scores=e4m3_scores,
-                             e4m3_promote_cols=e4m3_promote_cols,
+                             e4m3_promote_cols=e4m3_promote_cols, pages=pages,
                              # The interpreter runs no lane-level code: the Pallas-level widening.
                              wide_widening=wide_widening and not interpret)
   # bf16 slots x rows (the consumers' step). wgmma's K must be a multiple of its operands' swizzle
@@ -1289,13 +1411,15 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
               (swizzled(q.shape[1:], F8, _FP8_COLS) if e4m3_scores
                else swizzled((tile_h, d), q.dtype, sw), slot_type),
               (o_staging, plgpu.SMEM((tile_h,), jnp.float32))),
-          swizzled((tile_h, step_rows), p_dtype, sw),
+          swizzled((tile_h, step_rows * pages), p_dtype, sw),
           plgpu.SMEM((tile_h,), jnp.float32),
           plgpu.Barrier(num_arrivals=1 + e4m3_scores),  # q_bar (e4m3_scores: q and its scales)
           # ready: the memory warpgroup's bulk copy or widening, and warpgroup 1's widening too
           # with shared_widening.
-          plgpu.Barrier(num_arrivals=1 + shared_widening, num_barriers=slots),
-          plgpu.Barrier(num_arrivals=_VALUE_WGS, num_barriers=slots),
+          # With pages a step, one ready and one consumed barrier a slot pair (a copy a page).
+          plgpu.Barrier(num_arrivals=1 + shared_widening if pages == 1 else pages,
+                        num_barriers=slots // pages),
+          plgpu.Barrier(num_arrivals=_VALUE_WGS, num_barriers=slots // pages),
           plgpu.Barrier(),
           plgpu.Barrier(),
           *staging,
@@ -1320,6 +1444,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                    f"{'_wide_keys' if wide_keys else ''}{'_wide_values' if wide_values else ''}"
                    f"{f'_e4m3_scores{e4m3_promote_cols}' if e4m3_scores else ''}"
                    f"{f'_heads_n{tile_h}' if heads_n else ''}"
+                   f"{f'_pages{pages}' if pages > 1 else ''}"
                    f"_p{page}_s{splits}"),
   )(q, kv_cache, block_tables, seq_lens, k_scale, q_scales)
 
