@@ -256,7 +256,7 @@ class MosaicDecodeConfig:
       raise ValueError(f"e4m3_scores must be None, True or False, got {self.e4m3_scores!r}")
     if not isinstance(self.wide_widening, bool):
       raise ValueError(f"wide_widening must be True or False, got {self.wide_widening!r}")
-    if self.pages_per_step not in PAGES_PER_STEP:
+    if type(self.pages_per_step) is not int or self.pages_per_step not in PAGES_PER_STEP:
       raise ValueError(f"pages_per_step must be one of {PAGES_PER_STEP}, got "
                        f"{self.pages_per_step!r}")
     if self.e4m3_promote_cols not in E4M3_PROMOTE_COLS:
@@ -884,8 +884,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
       plgpu.barrier_arrive(consumed.at[slot])
       return m_new, l, acc
 
-    run_scores(consumer_steps(), step, zero_acc(0), row_smem=row_smem, p_ready=p_ready, p_free=p_free,
-               **out(0), lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out],
+    run_scores(consumer_steps(), step, zero_acc(0), row_smem=row_smem, p_ready=p_ready,
+               p_free=p_free, **out(0), lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out],
                heads_axis=heads_axis, partial_sums=(step_rows, tile_h) if heads_n else None)
 
   # Column tiles of the stage each widening warpgroup takes (shared_widening: warpgroup 1 its own
@@ -931,9 +931,10 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
         pl.when(part == slots - 1)(functools.partial(plgpu.barrier_arrive, stage_free.at[s]))
         plgpu.barrier_arrive(ready.at[part])
 
-    run_values(consumer_steps(), ring, lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, 1),
-               zero_acc(1), ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready,
-               p_free=p_free, **out(1), widen=widen_own, heads_axis=heads_axis)
+    run_values(consumer_steps(), ring,
+               lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, 1), zero_acc(1),
+               ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready, p_free=p_free,
+               **out(1), widen=widen_own, heads_axis=heads_axis)
 
   @pl.when(wg == _VALUE_WGS)
   def _memory():

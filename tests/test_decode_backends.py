@@ -225,7 +225,14 @@ class TestPallasMosaicDecode(DecodeContract):
       # Its other promotion chunks (the default is 192; 576: one accumulation) at the timed shapes.
       *[(128, n, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a",
                                                  "e4m3_promote_cols": cols})
-        for n in (16, 32) for cols in (64, 128, 576)]])
+        for n in (16, 32) for cols in (64, 128, 576)],
+      # pages_per_step=2 (two ring slots a step, P^T [heads, 128]): the timed shapes (one split),
+      # float32 partials and fixed splits, the f16 keys and one accumulation (576).
+      *[(batch, n, 8192, splits, jnp.float8_e4m3fn, {"pages_per_step": 2, **knobs})
+        for batch, n, splits, knobs in (
+            (128, 16, None, {}), (128, 32, None, {}), (32, 16, 4, {}),
+            (32, 32, None, {"split_tokens": 2048}),
+            (128, 16, None, {"e4m3_scores": False}), (128, 32, None, {"e4m3_promote_cols": 576}))]])
   def test_lowers_for_hopper(self, batch, n, seq, splits, cache_dtype, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # shapes and layouts, bulk-copy boxes, and that shared memory fits a Hopper block's 227 KB.
@@ -862,6 +869,62 @@ class TestPallasMosaicDecodeRegisterAF16Scores(_RegisterAOffKnob):
   def test_no_races_in_the_interpreter(self, n, cache_dtype):
     check_no_races(126, n, cache_dtype, num_kv_splits=2, heads_in="n", fp8_pipeline="register_a",
                    e4m3_scores=False)
+
+
+class TestPallasMosaicDecodeTwoPages(_RegisterAOffKnob):
+  """register_a with pages_per_step=2: a consumer step over a pair of ring slots (both pages' S^T,
+  one cross-warp row max and one P^T hand-off for 128 tokens, both pages' V^T P^T in one step).
+  The parent's fp8 cases (16 and 32 heads, one split and several, lengths cutting pages, odd and
+  even page counts, bad table entries, NaN past every length), the race detector (an odd count's
+  last step: a slot no copy filled, zeroed before it is read), odd page ranges of splits and fixed
+  splits, the f16 keys, and the knob's rules."""
+  knob, value = "pages_per_step", 2
+  test_on_by_default = None  # a bool knob's; its own below
+  test_knob_must_be_a_bool_or_none = None
+
+  @pytest.mark.parametrize("n,cache_dtype", [(16, jnp.float8_e4m3fn), (32, jnp.float8_e4m3fn)])
+  def test_no_races_in_the_interpreter(self, n, cache_dtype):
+    check_no_races(126, n, cache_dtype, num_kv_splits=2, heads_in="n", fp8_pipeline="register_a",
+                   pages_per_step=2)
+
+  @pytest.mark.parametrize("seed,n,knobs", [
+      (140, 16, {"num_kv_splits": 3}), (141, 32, {"num_kv_splits": 2}),
+      (142, 16, {"split_tokens": 192}), (143, 32, {"split_tokens": 128}),
+      (144, 16, {"num_kv_splits": 1, "e4m3_scores": False})])
+  def test_odd_page_ranges(self, seed, n, knobs):
+    # 1 to 5 pages a row, tails cutting pages and NaN past every length (make_case), in splits
+    # whose page ranges are odd (3 splits of 5 pages: 2, 2, 1; fixed splits of 3 pages) or even.
+    q, cache, tables, lens = make_case(seed, n=n, page=64, req_lens=[64, 65, 128, 191, 257, 320, 3],
+                                       cache_dtype=jnp.float8_e4m3fn)
+    o, lse = mosaic_decode.latent_decode(
+        *(jnp.asarray(a) for a in (q, cache, tables, lens)), scale=SCALE, kv_lora_rank=L,
+        k_scale=FP8_SCALE, fp8_pipeline="register_a", pages_per_step=2, interpret=True, **knobs)
+    assert_decode_close(np.asarray(o.astype(jnp.float32)), lse, *latent_decode_np(
+        q.astype(np.float32), cache, tables, lens, SCALE, L, FP8_SCALE))
+
+  def test_off_by_default(self):
+    assert mosaic_decode.CONFIG.pages_per_step == 1
+    one, two, default = (self.jaxpr(jnp.float8_e4m3fn, **knobs) for knobs in (
+        {self.knob: 1}, {self.knob: 2}, {}))
+    assert one == default != two
+
+  def test_bf16_cache_ignores_it(self):
+    assert self.jaxpr(jnp.bfloat16, **{self.knob: 2}) == self.jaxpr(jnp.bfloat16)
+
+  @pytest.mark.parametrize("value", [0, 3, True, 2.0])
+  def test_knob_must_be_one_or_two(self, value):
+    with pytest.raises(ValueError, match="pages_per_step must be one of"):
+      mosaic_decode.MosaicDecodeConfig(pages_per_step=value)
+
+  @pytest.mark.parametrize("pipeline", ["serial", "shared_widening"])
+  def test_knob_takes_register_a_only(self, pipeline):
+    q, cache, tables, lens = (jnp.asarray(a) for a in make_case(
+        128, n=16, page=64, req_lens=[20, 5], cache_dtype=jnp.float8_e4m3fn))
+    with pytest.raises(ValueError, match="pages_per_step=2 takes heads_in=\"n\" with "
+                                         "fp8_pipeline=\"register_a\""):
+      mosaic_decode.latent_decode(q, cache, tables, lens, k_scale=FP8_SCALE, scale=0.1,
+                                  heads_in="n", fp8_pipeline=pipeline, pages_per_step=2,
+                                  interpret=True)
 
 
 def _stage1_splits(jaxpr):
