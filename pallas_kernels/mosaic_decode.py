@@ -212,16 +212,20 @@ class MosaicDecodeConfig:
   reads pages 2j and 2j + 1 from the two slots of one pair of the ring (4 slots: 2 pairs, each
   one ready and one consumed barrier; the memory warpgroup's two bulk copies are ready's two
   arrivals). Warpgroup 0 computes both pages' S^T (e4m3_scores: all the promotion chunks of both
-  in one chain, page 2j + 1's first issued before page 2j's last is read), takes their max in
-  registers and does one cross-warp row-max reduction and one P^T hand-off for 128 tokens (p_smem
-  [heads, 128]); warpgroup 1 accumulates both pages' V^T P^T in one step. Why: warpgroup 0's
-  per-page chain paces the fp8 N=16 kernel (H200, session 22's profile), and the reduction and
-  the hand-off (barriers, fence, arrive) are per step, not per token. An odd page count's last
-  step has no page 2j + 1: the memory warpgroup arrives on ready without a copy, and warpgroup 0
-  zeroes that slot (0 rows: `zero_rows`), so its stale or uninitialized bytes give P = 0 and
-  zero values. The memory warpgroup's lead drops from 3 pages to 2 (the other pair); a 6-slot
-  ring (3 pairs) does not fit beside the 16-head query tile (240 KB). 1 (the default) keeps one
-  page a step."""
+  in one chain, page 2j + 1's first issued before page 2j's last is read; at 32 heads a chain a
+  page, `_CHAINED_PAGES_MAX_HEADS`), takes their max in registers and does one cross-warp row-max
+  reduction and one P^T hand-off for 128 tokens (p_smem [heads, 128]); warpgroup 1 accumulates
+  both pages' V^T P^T in one step (all the value tiles of page 2j, then of 2j + 1). Why:
+  warpgroup 0's per-page chain paces the fp8 N=16 kernel (H200, session 22's profile), and the
+  reduction and the hand-off (barriers, fence, arrive) are per step, not per token. An odd page
+  count's last step has no page 2j + 1: the memory warpgroup arrives on ready without a copy, and
+  warpgroup 0 zeroes that slot (0 rows: `zero_rows`), so its stale or uninitialized bytes give
+  P = 0 and zero values. The memory warpgroup's lead drops from 3 pages to 2 (the other pair); a
+  6-slot ring (3 pairs) does not fit beside the 16-head query tile (240 KB). ptxas (13.5, B=128
+  S=8192, SASS instructions a thread in the step loop outside its branches, 1 / 2 pages a step):
+  N=16 warpgroup 0 335 / 609 (SHFL 12 / 12, BAR 7 / 9), warpgroup 1 354 / 610, no spills; N=32
+  warpgroup 0 520 / 956 (2 pages: 3 spill stores and 6 loads), warpgroup 1 437 / 728 (4 and 13).
+  1 (the default) keeps one page a step."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -349,6 +353,10 @@ _REGISTER_A_STAGES = 4
 # (13.5) room: one more value tile in flight at 32 heads or 5 more key tiles at 16 still fit.
 _KEY_TILES_IN_FLIGHT = 4
 _VALUE_TILES_IN_FLIGHT = {16: 4, 32: 2}
+# pages_per_step=2 with e4m3_scores: both pages' promotion chunks in one chain (one scope) up to
+# this many heads; at 32 heads its 6 [64, 64] f32 accumulators spilled in warpgroup 0's step loop
+# (ptxas 13.5: 20 spill stores, 37 loads), so a chain (scope) a page there.
+_CHAINED_PAGES_MAX_HEADS = 16
 _MAX_HEAD_DIM = 576  # 3 x 64 rows x D bf16 + P must fit in shared memory
 
 
@@ -815,18 +823,18 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
         for page_slot, page_rows_ in zip(page_slots(slot), rows):
           pl.when(page_rows_ < _STEP)(functools.partial(zero_rows, page_slot, page_rows_))
 
-      def e4m3_scores_(*acc_refs):
-        """[64 tokens, 2 x heads] f32 a page of the step: K hi^T, then K lo^T. Promotion: each
-        chunk of e4m3_promote_cols columns into its own fresh accumulator (Hopper's fp8 wgmma
-        keeps ~14 bits as it accumulates), summed in f32 registers; chunk c + 1's wgmma is issued
-        before chunk c's is waited for and read (with pages > 1 one chain: a page's first chunk
-        before the previous page's last is read)."""
-        chunks = len(acc_refs) // pages
+      def e4m3_scores_(chained, *acc_refs):
+        """[64 tokens, 2 x heads] f32 a page of the kv_smem slots `chained`: K hi^T, then K lo^T.
+        Promotion: each chunk of e4m3_promote_cols columns into its own fresh accumulator
+        (Hopper's fp8 wgmma keeps ~14 bits as it accumulates), summed in f32 registers; chunk
+        c + 1's wgmma is issued before chunk c's is waited for and read (over several pages one
+        chain: a page's first chunk before the previous page's last is read)."""
+        chunks = len(acc_refs) // len(chained)
         totals, total = [], None
         for c, acc_ref in enumerate(acc_refs):
           first = c % chunks * e4m3_promote_cols
           cols = pl.ds(first, min(e4m3_promote_cols, kv_smem.shape[-1] - first))
-          plgpu.wgmma(acc_ref, kv_smem.at[page_slots(slot)[c // chunks], :, cols],
+          plgpu.wgmma(acc_ref, kv_smem.at[chained[c // chunks], :, cols],
                       q_smem.at[:, cols].transpose((1, 0)))
           if c:  # chunk c - 1: done once at most this chunk's product is in flight
             part = plgpu.wgmma_accumulator_load(acc_refs[c - 1], wait_n=1)
@@ -858,11 +866,15 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
         return acc_ref[...]
 
       s_shape = (step_rows, tile_h) if heads_n else (_TILE_H, step_rows)
-      if e4m3_scores:  # one scope for all the chunks of all the pages (`MosaicDecodeConfig`)
-        both = pl.run_scoped(e4m3_scores_, *[
-            plgpu.ACC((_STEP, 2 * tile_h), jnp.float32)
-            for _ in range(pages * pl.cdiv(kv_smem.shape[-1], e4m3_promote_cols))])
-        s = [x[:, :tile_h] + x[:, tile_h:] * E4M3_LO_SCALE for x in both]
+      if e4m3_scores:  # one scope for all the chunks of a chain (`MosaicDecodeConfig`)
+        chains = ((page_slots(slot),) if tile_h <= _CHAINED_PAGES_MAX_HEADS
+                  else tuple((x,) for x in page_slots(slot)))
+        s = []
+        for chained in chains:
+          both = pl.run_scoped(functools.partial(e4m3_scores_, chained), *[
+              plgpu.ACC((_STEP, 2 * tile_h), jnp.float32)
+              for _ in range(len(chained) * pl.cdiv(kv_smem.shape[-1], e4m3_promote_cols))])
+          s += [x[:, :tile_h] + x[:, tile_h:] * E4M3_LO_SCALE for x in both]
       else:
         s = [pl.run_scoped(functools.partial(scores, page_slot), plgpu.ACC(s_shape, jnp.float32))
              for page_slot in page_slots(slot)]
