@@ -227,12 +227,14 @@ class TestPallasMosaicDecode(DecodeContract):
                                                  "e4m3_promote_cols": cols})
         for n in (16, 32) for cols in (64, 128, 576)],
       # pages_per_step=2 (two ring slots a step, P^T [heads, 128]): the timed shapes (one split),
-      # float32 partials and fixed splits, the f16 keys and one accumulation (576).
+      # float32 partials and fixed splits, the f16 keys, the shuffled value relayout and one
+      # accumulation (576).
       *[(batch, n, 8192, splits, jnp.float8_e4m3fn, {"pages_per_step": 2, **knobs})
         for batch, n, splits, knobs in (
             (128, 16, None, {}), (128, 32, None, {}), (32, 16, 4, {}),
             (32, 32, None, {"split_tokens": 2048}),
-            (128, 16, None, {"e4m3_scores": False}), (128, 32, None, {"e4m3_promote_cols": 576}))]])
+            (128, 16, None, {"e4m3_scores": False}), (128, 16, None, {"wide_values": False}),
+            (128, 32, None, {"e4m3_promote_cols": 576}))]])
   def test_lowers_for_hopper(self, batch, n, seq, splits, cache_dtype, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # shapes and layouts, bulk-copy boxes, and that shared memory fits a Hopper block's 227 KB.
