@@ -496,10 +496,15 @@ def run_scores(n, step, acc, *, row_smem, p_ready, p_free, lse_smem, lse_gmem, o
 
 
 def run_values(n, num_slots, accumulate, acc, *, ready, consumed, row_smem, p_ready, p_free,
-               o_smem, o_gmem, out_scale=1.0, widen=None, heads_axis=0):
+               o_smem, o_gmem, out_scale=1.0, widen=None, heads_axis=0, pages=1):
   """Warpgroup 1's n steps and end: per step, once the slot's rows and warpgroup 0's P and rescale
   factors are in, acc = accumulate(acc, alpha, slot) (acc * alpha + P V over its columns); then it
   takes l from warpgroup 0 and stores its output columns.
+
+  pages > 1 (mosaic_decode's pages_per_step; no widen): step i reads pages pages * i + k, page p
+  in slot p % num_slots, and acc = accumulate(acc, alpha, slots, release) with the step's slots;
+  accumulate calls release(k) once it has last read page k's slot (its consumed arrival), so a
+  page's slot is refilled while the step's later pages are still read.
 
   widen (the fp8 half-row pipelines' "shared_widening", mosaic_decode and mosaic_sparse): widen(k)
   widens warpgroup 1's own value columns of consumer step k into slot k % num_slots and arrives on
@@ -511,6 +516,16 @@ def run_values(n, num_slots, accumulate, acc, *, ready, consumed, row_smem, p_re
   if widen is not None:
     for k in range(num_slots):  # the first steps' slots, before any was used
       pl.when(k < n)(functools.partial(widen, k))
+
+  def pages_step(i, acc):
+    slots = tuple(lax.rem(pages * i + k, num_slots) for k in range(pages))
+    for slot in slots:  # (as `step`'s wait)
+      plmgpu.barrier_wait(ready.at[slot])
+    plmgpu.barrier_wait(p_ready)
+    acc = accumulate(acc, plmgpu.load(row_smem, layout=rows_layout), slots,
+                     lambda k: plmgpu.barrier_arrive(consumed.at[slots[k]]))
+    plmgpu.barrier_arrive(p_free)
+    return acc
 
   def step(i, acc):
     slot = lax.rem(i, num_slots)
@@ -528,7 +543,8 @@ def run_values(n, num_slots, accumulate, acc, *, ready, consumed, row_smem, p_re
         widen(i + num_slots)
     return acc
 
-  acc = lax.fori_loop(0, n, step, acc)
+  assert pages == 1 or widen is None
+  acc = lax.fori_loop(0, n, step if pages == 1 else pages_step, acc)
   plmgpu.barrier_wait(p_ready)
   l = plmgpu.load(row_smem, layout=rows_layout)
   _store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis)

@@ -209,23 +209,34 @@ class MosaicDecodeConfig:
   the Pallas-level widening (the bit-identity test's oracle).
   pages_per_step (1 or 2; 2 takes fp8_pipeline "register_a", a ValueError with the other fp8
   pipelines; bf16 caches ignore it): the 64-token pages a consumer step covers. With 2, step j
-  reads pages 2j and 2j + 1 from the two slots of one pair of the ring (4 slots: 2 pairs, each
-  one ready and one consumed barrier; the memory warpgroup's two bulk copies are ready's two
-  arrivals). Warpgroup 0 computes both pages' S^T (e4m3_scores: all the promotion chunks of both
-  in one chain, page 2j + 1's first issued before page 2j's last is read; at 32 heads a chain a
-  page, `_CHAINED_PAGES_MAX_HEADS`), takes their max in registers and does one cross-warp row-max
+  reads pages 2j and 2j + 1, page p from ring slot p % ring_slots, each slot with its own ready
+  (the page's bulk copy) and consumed (both consumers) barrier, as with 1. Warpgroup 0 computes
+  both pages' S^T (e4m3_scores: all the promotion chunks of both in one chain, page 2j + 1's
+  first issued before page 2j's last is read; at 32 heads a chain a page,
+  `_CHAINED_PAGES_MAX_HEADS`), takes their max in registers and does one cross-warp row-max
   reduction and one P^T hand-off for 128 tokens (p_smem [heads, 128]); warpgroup 1 accumulates
   both pages' V^T P^T in one step (all the value tiles of page 2j, then of 2j + 1). Why:
   warpgroup 0's per-page chain paces the fp8 N=16 kernel (H200, session 22's profile), and the
-  reduction and the hand-off (barriers, fence, arrive) are per step, not per token. An odd page
-  count's last step has no page 2j + 1: the memory warpgroup arrives on ready without a copy, and
-  warpgroup 0 zeroes that slot (0 rows: `zero_rows`), so its stale or uninitialized bytes give
-  P = 0 and zero values. The memory warpgroup's lead drops from 3 pages to 2 (the other pair); a
-  6-slot ring (3 pairs) does not fit beside the 16-head query tile (240 KB). ptxas (13.5, B=128
-  S=8192, SASS instructions a thread in the step loop outside its branches, 1 / 2 pages a step):
-  N=16 warpgroup 0 335 / 609 (SHFL 12 / 12, BAR 7 / 9), warpgroup 1 354 / 610, no spills; N=32
-  warpgroup 0 520 / 956 (2 pages: 3 spill stores and 6 loads), warpgroup 1 437 / 728 (4 and 13).
-  1 (the default) keeps one page a step."""
+  reduction and the hand-off (barriers, fence, arrive) are per step, not per token. Each page's
+  slot is released as soon as both consumers are done with it: warpgroup 0 once its S^T of the
+  step is read, warpgroup 1 once it has loaded the page's last value tile (V^T is a register
+  operand: the products still running read registers and P^T only), so page 2j's slot refills
+  while page 2j + 1's products run; warpgroup 0 waits for page 2j + 1 only before its first
+  product. An odd page count's last step has no page 2j + 1: the memory warpgroup arrives on its
+  slot's ready without a copy, and warpgroup 0 zeroes that slot (0 rows: `zero_rows`), so its
+  stale or uninitialized bytes give P = 0 and zero values. H200 (session 23, B=128 S=8192, ms,
+  main / 2 pages with one ready and consumed barrier a slot pair, 4 slots): N=16 0.1829 / 0.1931,
+  N=32 0.2490 / 0.2445, B=32 N=16 0.990x; the memory warpgroup's lead had dropped from 3 pages to
+  2 (a pair's slots were released together after both pages' products). ptxas (13.5, B=128
+  S=8192, SASS instructions a thread in the step loop outside its branches, 1 / 2 pages a step,
+  pair barriers): N=16 warpgroup 0 335 / 609 (SHFL 12 / 12, BAR 7 / 9), warpgroup 1 354 / 610,
+  no spills; N=32 warpgroup 0 520 / 956 (2 pages: 3 spill stores and 6 loads), warpgroup 1 437 /
+  728 (4 and 13). 1 (the default) keeps one page a step.
+  ring_slots (None or one of RING_SLOTS; "register_a" only, a ValueError with the other fp8
+  pipelines; bf16 caches ignore it): the e4m3 ring's slots. None: 4 with one page a step (the
+  timed default), with two the most that fit (`_MAX_RING_SLOTS`: 5 at 16 heads, 4 at 32), so
+  that the memory warpgroup keeps more pages in flight beside two pages a step. A ring that does
+  not fit (5 at 32 heads with two pages a step) is a ValueError."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -237,6 +248,7 @@ class MosaicDecodeConfig:
   e4m3_promote_cols: int = 192
   wide_widening: bool = True
   pages_per_step: int = 1
+  ring_slots: int | None = None
 
   def __post_init__(self):
     if self.block_h != 64:
@@ -263,6 +275,10 @@ class MosaicDecodeConfig:
     if type(self.pages_per_step) is not int or self.pages_per_step not in PAGES_PER_STEP:
       raise ValueError(f"pages_per_step must be one of {PAGES_PER_STEP}, got "
                        f"{self.pages_per_step!r}")
+    if self.ring_slots is not None and (type(self.ring_slots) is not int
+                                        or self.ring_slots not in RING_SLOTS):
+      raise ValueError(f"ring_slots must be None or one of {RING_SLOTS}, got "
+                       f"{self.ring_slots!r}")
     if self.e4m3_promote_cols not in E4M3_PROMOTE_COLS:
       raise ValueError(f"e4m3_promote_cols must be one of {E4M3_PROMOTE_COLS}, got "
                        f"{self.e4m3_promote_cols!r}")
@@ -274,6 +290,7 @@ E4M3_PROMOTE_COLS = (64, 128, 192, 576)
 
 
 PAGES_PER_STEP = (1, 2)
+RING_SLOTS = (4, 5)  # register_a's e4m3 ring (`MosaicDecodeConfig`)
 
 
 # heads_in=None runs "n" up to this many heads: bf16 1.01-1.10x "m" at 16 and 32 heads (sessions
@@ -321,7 +338,7 @@ SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"),
 DTYPE_KNOBS = {"fp8_pipeline": jnp.dtype(F8), "wide_keys": jnp.dtype(F8),
                "wide_values": jnp.dtype(F8), "e4m3_scores": jnp.dtype(F8),
                "e4m3_promote_cols": jnp.dtype(F8), "wide_widening": jnp.dtype(F8),
-               "pages_per_step": jnp.dtype(F8)}
+               "pages_per_step": jnp.dtype(F8), "ring_slots": jnp.dtype(F8)}
 _TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
 # fp8 caches: 2 slots of e4m3 bytes (36 KB each) that the memory warpgroup widens into the bf16
 # slots the products read ("serial": one of 64 rows; "half_pages": two of 32 rows), so the shared
@@ -345,6 +362,13 @@ _REGS = {False: (232, 40), True: (224, 56)}
 # 166 KB at 16 heads, 188 at 32); its memory warpgroup only issues bulk copies (the bf16 split of
 # _REGS).
 _REGISTER_A_STAGES = 4
+# The most e4m3 slots (36 KB each at D = 576) that fit in a Hopper block's 227 KB (232,448 bytes)
+# beside the query tile (2 x heads x D bytes), P^T [heads, 64 x pages] f16, the cross-warp
+# reduction scratch (1 KB per 8 heads) and the rest, by (heads tile, pages_per_step). Mosaic GPU's
+# counts (bytes, rings of 4 / 5, B=128 S=8192): 16 heads 172,120 / 209,000, two pages a step
+# 174,168 / 211,048; 32 heads 194,648 / 231,528, two pages 198,744 / 235,624 (its lowering refuses
+# that: tests/test_decode_backends.py).
+_MAX_RING_SLOTS = {(16, 1): 5, (16, 2): 5, (32, 1): 5, (32, 2): 4}
 # register_a: a register A operand stays pinned until its wgmma completes (16 registers a thread a
 # [64, 64] tile), so a consumer waits for all but this many of its tiles' products after issuing
 # each (key tiles; value tiles by heads in the tile, whose O^T accumulators take 64 or 128
@@ -581,11 +605,12 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # [64 columns, heads] value tiles (V^T an MN-major A operand); bf16 outputs stored transposed
   # into o_smem [2, heads, L/2], float32 partials as they are into o_smem [2, L/2, heads] and o_ref
   # [T, splits, L, Np].
-  # register_a (fp8_pipeline="register_a", heads_n): kv_smem is a ring of 4 e4m3 slots [4, 64, D]
-  # (64-byte swizzled) filled by bulk copies as the bf16 slots are; q_smem and p_smem are f16; the
-  # consumers convert their e4m3 tiles in registers into wgmma's A operand; warpgroup 1 holds all
-  # the value columns (value_cols, o_smem [1, heads, L] or [1, L, heads]). No staging then, except
-  # in the interpreter form: a_smem [2, 64, 64] f16, warpgroup w's converted tile (`a_operand`).
+  # register_a (fp8_pipeline="register_a", heads_n): kv_smem is a ring of e4m3 slots
+  # [ring_slots, 64, D] (4 or 5, `MosaicDecodeConfig`; 64-byte swizzled) filled by bulk copies as
+  # the bf16 slots are; q_smem and p_smem are f16; the consumers convert their e4m3 tiles in
+  # registers into wgmma's A operand; warpgroup 1 holds all the value columns (value_cols, o_smem
+  # [1, heads, L] or [1, L, heads]). No staging then, except in the interpreter form: a_smem [2,
+  # 64, 64] f16, warpgroup w's converted tile (`a_operand`).
   # wide_keys (register_a): q_smem's columns are in `wide_key_order`, and so are the key tiles'
   # fragments (16-byte loads on the GPU, `_wide_key_tile`; permuted after the load here).
   # wide_values (register_a): the O^T tiles' rows are the value columns in `wide_value_order` (V^T's
@@ -599,10 +624,10 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # wide_widening (the widening pipelines, on the GPU): the e4m3 tiles are widened into the bf16
   # slots in lane-level code (`_wide_widen_rows`) by the memory warpgroup and, with
   # shared_widening, warpgroup 1.
-  # pages > 1 (register_a's pages_per_step): consumer step j covers pages pages*j .. (the ring's
-  # slot pair j % (slots / pages), slots pages*(j % ...) + k); ready and consumed are one barrier
-  # a pair, [slots / pages] (ready: a bulk copy a page); p_smem [tile_h, 64 x pages] f16 (P^T's
-  # pages side by side, page k's tokens in columns 64k ..).
+  # pages > 1 (register_a's pages_per_step): consumer step j covers pages pages*j .. pages*j +
+  # pages - 1, page p in slot p % slots with its own ready and consumed phase, as with one page a
+  # step (`step_slots`); p_smem [tile_h, 64 x pages] f16 (P^T's pages side by side, page k's
+  # tokens in columns 64k ..).
   (q_smem, kv_smem), (o_smem, lse_smem) = buffers
   if e4m3_scores:
     qs_smem, *staging = staging
@@ -640,10 +665,15 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # 64-row steps of this program (consumer steps: n * pieces); every warpgroup derives the same
   # count, so their barrier phases agree.
   n = jnp.maximum(end - first, 0)
-  ring = slots // pages  # the ring's slots (or slot pairs) that a step's barriers index
 
   def consumer_steps():
     return n * pieces if pages == 1 else pl.cdiv(n, pages)
+
+  def step_slots(i):
+    """The kv_smem slots of consumer step i's pages (page p in slot p % slots)."""
+    if pages == 1:
+      return (lax.rem(i, slots),)
+    return tuple(lax.rem(pages * i + k, slots) for k in range(pages))
 
   def step_source(i):
     """(block, first row in it, rows that count) of step i; a bad table entry counts no rows."""
@@ -658,10 +688,6 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
     """Rows that count in consumer step k (its part of 64-row step k // pieces)."""
     rows = step_source(lax.div(k, pieces))[2]
     return jnp.clip(rows - lax.rem(k, pieces) * step_rows, 0, step_rows)
-
-  def page_slots(slot):
-    """The kv_smem slots of ring slot (pair) `slot`: one a page of its consumer step."""
-    return (slot,) if pages == 1 else tuple(pages * slot + k for k in range(pages))
 
   def page_rows(i):
     """Rows that count in page i, which with pages > 1 may be past the split's last (0: the
@@ -697,11 +723,12 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
     return tuple(plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
                  for _ in range(value_cols[w] // width))
 
-  def accumulate_values(acc, alpha, slot, w, p=None):
+  def accumulate_values(acc, alpha, slots, w, p=None, release=None):
     """acc * alpha + P V over warpgroup w's value columns, `width` columns a product; P from
     registers when given (warpgroup 0's own), else from p_smem. heads_n: O^T += V^T P^T, both
-    operands from shared memory (P^T is the B operand). slot: the ring's (a pair with pages > 1:
-    each value tile's products of every page of the step, P^T's matching columns as B).
+    operands from shared memory (P^T is the B operand). slots: the step's pages' kv_smem slots
+    (with pages > 1 each page's products take P^T's matching columns as B, page by page), and
+    release(k) is called once page k's slot is read for the last time (its consumed arrival).
 
     On the GPU each product accumulates in place into the rescaled running sum. Mosaic GPU's
     interpreter (jax 0.11.2) runs wgmma only with shared-memory operands into run_scoped
@@ -709,7 +736,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
     """
     def tile_operands(c, k=0):
       """wgmma's A and B for the warpgroup's value tile c of the step's page k."""
-      page_slot = page_slots(slot)[k]
+      page_slot = slots[k]
       values = kv_smem.at[page_slot, :, pl.ds(sum(value_cols[:w]) + c * width, width)]  # [64, w]
       if wide_values:  # the interpreter form: the GPU's fragment, from the plain load
         values = plgpu.load(kv_smem.at[page_slot, :, pl.ds(0, lora)], layout=plgpu.Layout.WGMMA)
@@ -730,7 +757,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
         tiles = len(acc_refs)
         if wide_values:  # a group's fragments from one pass of loads, issued as they come
           group = _WIDE_VALUE_GROUP[tile_h]
-          operands = ((a, p_operand(k)) for k, page_slot in enumerate(page_slots(slot))
+          operands = ((a, p_operand(k)) for k, page_slot in enumerate(slots)
                       for c in range(0, tiles, group)
                       for a in _wide_value_tiles(kv_smem.at[page_slot], c, group))
         else:
@@ -739,10 +766,27 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
           plgpu.wgmma(acc_refs[c % tiles], *ab)
           if c >= value_tiles_in_flight:
             plgpu.wgmma_wait(value_tiles_in_flight)
+          if release is not None and c % tiles == tiles - 1:
+            # The page's last tile is loaded and converted: V^T is a register operand, so the
+            # products still running read registers and P^T, not the slot (its refill overlaps
+            # the next page's products).
+            release(c // tiles)
 
       return tuple(pl.run_state(products)(tuple(
           plgpu.ACC.init(part * lax.broadcast_in_dim(alpha, part.shape, [heads_axis]))
           for part in acc)))
+    if pages > 1:  # (the interpreter's form) page by page, each slot released after its page
+      def page_product(operands, acc_ref):  # acc_ref: acc_shape f32
+        plgpu.wgmma(acc_ref, *operands)
+        return acc_ref[...]
+
+      out = [part * lax.broadcast_in_dim(alpha, part.shape, [heads_axis]) for part in acc]
+      for k in range(pages):
+        for c in range(len(out)):  # tile c's operands after tile c - 1's product: a_smem holds one
+          out[c] = out[c] + pl.run_scoped(functools.partial(page_product, tile_operands(c, k)),
+                                          plgpu.ACC(acc_shape, jnp.float32))
+        release(k)
+      return tuple(out)
     out = []
     for c, part in enumerate(acc):
       operands = tile_operands(c)
@@ -753,17 +797,11 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
 
         out.append(pl.run_state(product)(plgpu.ACC.init(scaled)))
       else:
-        total = scaled
-        for k in range(pages):
-          if k:  # page k's operands only after page k - 1's product: a_smem holds one tile
-            operands = tile_operands(c, k)
+        def product(acc_ref, operands=operands):  # acc_ref: acc_shape f32
+          plgpu.wgmma(acc_ref, *operands)
+          return acc_ref[...]
 
-          def product(acc_ref, operands=operands):  # acc_ref: acc_shape f32
-            plgpu.wgmma(acc_ref, *operands)
-            return acc_ref[...]
-
-          total = total + pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32))
-        out.append(total)
+        out.append(scaled + pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32)))
     return tuple(out)
 
   def zero_rows(slot, rows):
@@ -812,19 +850,23 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
 
     def step(i, carry):
       m, l, acc = carry
-      slot = lax.rem(i, ring)
+      page_slots = step_slots(i)
       # Each page's rows that count (an odd page count's last step: its second page none).
       rows = ((piece_rows(i),) if pages == 1
               else tuple(page_rows(pages * i + k) for k in range(pages)))
-      plgpu.barrier_wait(ready.at[slot])
-      # Only the last page of a row (and a bad table entry) has rows that do not count; an fp8
-      # tile is masked as it is widened (register_a's e4m3 slot here, as a bf16 one).
-      if not fp8:
-        for page_slot, page_rows_ in zip(page_slots(slot), rows):
-          pl.when(page_rows_ < _STEP)(functools.partial(zero_rows, page_slot, page_rows_))
+
+      def landed(k):
+        """Waits for the step's page k. Only the last page of a row (and a bad table entry) has
+        rows that do not count; an fp8 tile is masked as it is widened (register_a's e4m3 slot
+        here, as a bf16 one)."""
+        plgpu.barrier_wait(ready.at[page_slots[k]])
+        if not fp8:
+          pl.when(rows[k] < _STEP)(functools.partial(zero_rows, page_slots[k], rows[k]))
+
+      landed(0)  # the step's later pages just before their first products (their copies' slack)
 
       def e4m3_scores_(chained, *acc_refs):
-        """[64 tokens, 2 x heads] f32 a page of the kv_smem slots `chained`: K hi^T, then K lo^T.
+        """[64 tokens, 2 x heads] f32 a page of the step's pages `chained`: K hi^T, then K lo^T.
         Promotion: each chunk of e4m3_promote_cols columns into its own fresh accumulator
         (Hopper's fp8 wgmma keeps ~14 bits as it accumulates), summed in f32 registers; chunk
         c + 1's wgmma is issued before chunk c's is waited for and read (over several pages one
@@ -834,7 +876,10 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
         for c, acc_ref in enumerate(acc_refs):
           first = c % chunks * e4m3_promote_cols
           cols = pl.ds(first, min(e4m3_promote_cols, kv_smem.shape[-1] - first))
-          plgpu.wgmma(acc_ref, kv_smem.at[chained[c // chunks], :, cols],
+          k = chained[c // chunks]
+          if k and not first:
+            landed(k)
+          plgpu.wgmma(acc_ref, kv_smem.at[page_slots[k], :, cols],
                       q_smem.at[:, cols].transpose((1, 0)))
           if c:  # chunk c - 1: done once at most this chunk's product is in flight
             part = plgpu.wgmma_accumulator_load(acc_refs[c - 1], wait_n=1)
@@ -867,8 +912,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
 
       s_shape = (step_rows, tile_h) if heads_n else (_TILE_H, step_rows)
       if e4m3_scores:  # one scope for all the chunks of a chain (`MosaicDecodeConfig`)
-        chains = ((page_slots(slot),) if tile_h <= _CHAINED_PAGES_MAX_HEADS
-                  else tuple((x,) for x in page_slots(slot)))
+        chains = ((tuple(range(pages)),) if tile_h <= _CHAINED_PAGES_MAX_HEADS
+                  else tuple((k,) for k in range(pages)))
         s = []
         for chained in chains:
           both = pl.run_scoped(functools.partial(e4m3_scores_, chained), *[
@@ -876,8 +921,15 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
               for _ in range(len(chained) * pl.cdiv(kv_smem.shape[-1], e4m3_promote_cols))])
           s += [x[:, :tile_h] + x[:, tile_h:] * E4M3_LO_SCALE for x in both]
       else:
-        s = [pl.run_scoped(functools.partial(scores, page_slot), plgpu.ACC(s_shape, jnp.float32))
-             for page_slot in page_slots(slot)]
+        s = []
+        for k, page_slot in enumerate(page_slots):
+          if k:
+            landed(k)
+          s.append(pl.run_scoped(functools.partial(scores, page_slot),
+                                 plgpu.ACC(s_shape, jnp.float32)))
+      if pages > 1:  # warpgroup 0 reads no slot after S^T (warpgroup 1 releases them later)
+        for page_slot in page_slots:
+          plgpu.barrier_arrive(consumed.at[page_slot])
       # Made in the step, not carried: a 64 x 64 int32 iota is 32 registers a thread.
       keys = plgpu.broadcasted_iota(jnp.int32, s_shape, 1 - heads_axis, layout=plgpu.Layout.WGMMA)
       s_scale = (lax.broadcast_in_dim(head_scales, s_shape, [heads_axis]) if e4m3_scores
@@ -892,8 +944,10 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
         m_new, alpha, p, l = _softmax_pages(s, m, l)
         _hand_over_pages(i, p, alpha, p_smem, row_smem, p_ready, p_free)
       if acc:
-        acc = accumulate_values(acc, alpha, slot, 0, p16 if in_place and not heads_n else None)
-      plgpu.barrier_arrive(consumed.at[slot])
+        acc = accumulate_values(acc, alpha, page_slots, 0,
+                                p16 if in_place and not heads_n else None)
+      if pages == 1:
+        plgpu.barrier_arrive(consumed.at[page_slots[0]])
       return m_new, l, acc
 
     run_scores(consumer_steps(), step, zero_acc(0), row_smem=row_smem, p_ready=p_ready,
@@ -943,10 +997,12 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
         pl.when(part == slots - 1)(functools.partial(plgpu.barrier_arrive, stage_free.at[s]))
         plgpu.barrier_arrive(ready.at[part])
 
-    run_values(consumer_steps(), ring,
-               lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, 1), zero_acc(1),
-               ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready, p_free=p_free,
-               **out(1), widen=widen_own, heads_axis=heads_axis)
+    # run_values' slot: with pages > 1 the step's slots, and their consumed arrivals (release).
+    accumulate = lambda acc, alpha, slot, release=None: accumulate_values(
+        acc, alpha, (slot,) if pages == 1 else slot, 1, release=release)
+    run_values(consumer_steps(), slots, accumulate, zero_acc(1), ready=ready, consumed=consumed,
+               row_smem=row_smem, p_ready=p_ready, p_free=p_free, **out(1), widen=widen_own,
+               heads_axis=heads_axis, pages=pages)
 
   @pl.when(wg == _VALUE_WGS)
   def _memory():
@@ -964,26 +1020,21 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
                      wide_widening, *staging)
       return
 
-    def fetch(i, slot, page_slot=None):
-      """Page i into kv_smem slot page_slot (default: slot), arriving on ready[slot]."""
+    def fetch(i, slot):
       block, offset, _ = step_source(i)
-      plgpu.copy_gmem_to_smem(kv_ref.at[block, pl.ds(offset, _STEP)],
-                              kv_smem.at[slot if page_slot is None else page_slot],
+      plgpu.copy_gmem_to_smem(kv_ref.at[block, pl.ds(offset, _STEP)], kv_smem.at[slot],
                               ready.at[slot])
 
-    def fetch_pages(j, slot):
-      """Step j's pages into the slots of pair `slot`; a page past the split's last (an odd count's
-      last step) is only an arrival: the consumers zero that slot."""
-      fetch(pages * j, slot, page_slots(slot)[0])
-      for k, page_slot in enumerate(page_slots(slot)[1:], 1):
-        i = pages * j + k
-        pl.when(i < n)(functools.partial(fetch, i, slot, page_slot))
-        pl.when(i >= n)(functools.partial(plgpu.barrier_arrive, ready.at[slot]))
+    def fetch_page(i, slot):
+      """Page i of the consumer steps' pages; one past the split's last (an odd count's last
+      step's second) is only an arrival: warpgroup 0 zeroes its slot."""
+      pl.when(i < n)(functools.partial(fetch, i, slot))
+      pl.when(i >= n)(functools.partial(plgpu.barrier_arrive, ready.at[slot]))
 
     if pages == 1:
       feed_ring(n, slots, consumed, fetch)
-    else:
-      feed_ring(consumer_steps(), ring, consumed, fetch_pages)
+    else:  # a page at a time, each slot refilled once its page's consumers release it
+      feed_ring(pages * consumer_steps(), slots, consumed, fetch_page)
 
 
 # wide_widening: 16-byte units of e4m3 tiles a lane loads before widening them (8 registers;
@@ -1251,7 +1302,7 @@ def _e4m3_queries(q):
                                              "split_tokens", "fp8_pipeline", "heads_in",
                                              "wide_keys", "wide_values", "e4m3_scores",
                                              "e4m3_promote_cols", "wide_widening",
-                                             "pages_per_step", "interpret"))
+                                             "pages_per_step", "ring_slots", "interpret"))
 def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
                   *, scale: float, kv_lora_rank: int = 512,
                   k_scale: jax.Array | float | None = None, num_kv_splits: int | None = None,
@@ -1262,6 +1313,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                   e4m3_promote_cols: int = CONFIG.e4m3_promote_cols,
                   wide_widening: bool = CONFIG.wide_widening,
                   pages_per_step: int = CONFIG.pages_per_step,
+                  ring_slots: int | None = CONFIG.ring_slots,
                   interpret: bool | plgpu.InterpretGPUParams = False
                   ) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
@@ -1288,15 +1340,17 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   promotion chunks (`MosaicDecodeConfig`). wide_widening: the widening pipelines' lane-level
   widening (`MosaicDecodeConfig`; a bf16 cache and "register_a", which widen nothing, ignore it).
   pages_per_step: register_a's pages a consumer step (`MosaicDecodeConfig`; 2 is a ValueError
-  with the other fp8 pipelines, a bf16 cache ignores it). interpret: True or a
-  `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
+  with the other fp8 pipelines, a bf16 cache ignores it). ring_slots: register_a's e4m3 slots
+  (`MosaicDecodeConfig`; None: 4 with one page a step, the most that fit with two; a number is a
+  ValueError with the other fp8 pipelines or where it does not fit, a bf16 cache ignores it).
+  interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
   o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
   _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits, split_tokens)
   MosaicDecodeConfig(fp8_pipeline=fp8_pipeline, heads_in=heads_in, wide_keys=wide_keys,
                      wide_values=wide_values, e4m3_scores=e4m3_scores,
                      e4m3_promote_cols=e4m3_promote_cols, wide_widening=wide_widening,
-                     pages_per_step=pages_per_step)  # checks
+                     pages_per_step=pages_per_step, ring_slots=ring_slots)  # checks
   fp8 = kv_cache.dtype == F8
   if heads_in is None:
     heads_in = default_heads_in(q.shape[1], fp8, fp8_pipeline)
@@ -1330,8 +1384,11 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   wide_widening = wide_widening and fp8 and not register_a  # only the widening pipelines widen
   if fp8 and pages_per_step != 1 and not register_a:
     raise ValueError(f"pages_per_step={pages_per_step} takes heads_in=\"n\" with fp8_pipeline="
-                     f"\"register_a\" (its ring of e4m3 pages in pairs), got fp8_pipeline="
+                     f"\"register_a\" (its ring of e4m3 pages), got fp8_pipeline="
                      f"{fp8_pipeline!r}; other pipelines take pages_per_step=1")
+  if fp8 and ring_slots is not None and not register_a:
+    raise ValueError(f"ring_slots takes fp8_pipeline=\"register_a\" (its ring of e4m3 pages), "
+                     f"got fp8_pipeline={fp8_pipeline!r}")
   pages = pages_per_step if register_a else 1  # a bf16 cache ignores it
   if heads_n and fp8 and fp8_pipeline not in HEADS_N_FP8_PIPELINES:
     raise ValueError(f"heads_in=\"n\" with an fp8 cache takes fp8_pipeline "
@@ -1339,6 +1396,13 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                      f"{fp8_pipeline!r}")
   t, n, d = q.shape
   tile_h = heads_tile(n, "n" if heads_n else "m")
+  if register_a:
+    most = _MAX_RING_SLOTS[tile_h, pages]
+    ring = ring_slots or (_REGISTER_A_STAGES if pages == 1 else most)
+    if ring > most:
+      raise ValueError(f"ring_slots={ring_slots} does not fit in shared memory at {tile_h} heads a "
+                       f"tile with pages_per_step={pages} (at most {most} e4m3 slots there: "
+                       f"`_MAX_RING_SLOTS`)")
   page = kv_cache.shape[1]
   head_tiles = pl.cdiv(n, tile_h)
   max_len = block_tables.shape[1] * page
@@ -1389,7 +1453,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   slot_type = swizzled((slots, step_rows, d), q.dtype, sw)
   staging = ()
   if register_a:  # no bf16 slot: the e4m3 pages' ring is the slots
-    slots = _REGISTER_A_STAGES
+    slots = ring
     slot_type = swizzled((slots, _STEP, d), F8, _FP8_COLS)
     if interpret:  # each consumer's converted A tile (`a_operand`)
       staging = (swizzled((_VALUE_WGS, _FP8_COLS, _FP8_COLS), p_dtype),)
@@ -1429,10 +1493,8 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
           plgpu.Barrier(num_arrivals=1 + e4m3_scores),  # q_bar (e4m3_scores: q and its scales)
           # ready: the memory warpgroup's bulk copy or widening, and warpgroup 1's widening too
           # with shared_widening.
-          # With pages a step, one ready and one consumed barrier a slot pair (a copy a page).
-          plgpu.Barrier(num_arrivals=1 + shared_widening if pages == 1 else pages,
-                        num_barriers=slots // pages),
-          plgpu.Barrier(num_arrivals=_VALUE_WGS, num_barriers=slots // pages),
+          plgpu.Barrier(num_arrivals=1 + shared_widening, num_barriers=slots),
+          plgpu.Barrier(num_arrivals=_VALUE_WGS, num_barriers=slots),
           plgpu.Barrier(),
           plgpu.Barrier(),
           *staging,
@@ -1458,6 +1520,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                    f"{f'_e4m3_scores{e4m3_promote_cols}' if e4m3_scores else ''}"
                    f"{f'_heads_n{tile_h}' if heads_n else ''}"
                    f"{f'_pages{pages}' if pages > 1 else ''}"
+                   f"{f'_ring{slots}' if register_a and slots != _REGISTER_A_STAGES else ''}"
                    f"_p{page}_s{splits}"),
   )(q, kv_cache, block_tables, seq_lens, k_scale, q_scales)
 
