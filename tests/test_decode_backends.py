@@ -118,11 +118,11 @@ _WHOLE_PAGE_CASES = [
 ]
 
 
-def check_no_races(seed, n, cache_dtype, **knobs):
-  """The Mosaic decode kernel under the interpreter's race detector (requests of 200, 1 and 0
-  tokens): no race, and the numpy oracle's results."""
+def check_no_races(seed, n, cache_dtype, req_lens=(200, 1, 0), **knobs):
+  """The Mosaic decode kernel under the interpreter's race detector (by default requests of 200,
+  1 and 0 tokens): no race, and the numpy oracle's results."""
   report = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
-  q, cache, tables, lens = make_case(seed, n=n, page=64, req_lens=[200, 1, 0],
+  q, cache, tables, lens = make_case(seed, n=n, page=64, req_lens=list(req_lens),
                                      cache_dtype=cache_dtype)
   k_scale = FP8_SCALE if cache_dtype == jnp.float8_e4m3fn else None
   o, lse = mosaic_decode.latent_decode(q, cache, tables, lens, scale=SCALE, k_scale=k_scale,
@@ -226,15 +226,19 @@ class TestPallasMosaicDecode(DecodeContract):
       *[(128, n, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a",
                                                  "e4m3_promote_cols": cols})
         for n in (16, 32) for cols in (64, 128, 576)],
-      # pages_per_step=2 (two ring slots a step, P^T [heads, 128]): the timed shapes (one split),
-      # float32 partials and fixed splits, the f16 keys, the shuffled value relayout and one
-      # accumulation (576).
+      # pages_per_step=2 (two ring slots a step, P^T [heads, 128]; by default a ring of 5 at 16
+      # heads, 4 at 32): the timed shapes (one split), float32 partials and fixed splits, the f16
+      # keys, the shuffled value relayout and one accumulation (576); a ring of 4 at 16 heads.
       *[(batch, n, 8192, splits, jnp.float8_e4m3fn, {"pages_per_step": 2, **knobs})
         for batch, n, splits, knobs in (
             (128, 16, None, {}), (128, 32, None, {}), (32, 16, 4, {}),
-            (32, 32, None, {"split_tokens": 2048}),
+            (32, 32, None, {"split_tokens": 2048}), (32, 16, None, {"split_tokens": 2048}),
             (128, 16, None, {"e4m3_scores": False}), (128, 16, None, {"wide_values": False}),
-            (128, 32, None, {"e4m3_promote_cols": 576}))]])
+            (128, 32, None, {"e4m3_promote_cols": 576}), (128, 16, None, {"ring_slots": 4}),
+            (32, 16, 4, {"ring_slots": 4}))],
+      # A ring of 5 with one page a step fits at 16 and 32 heads (231,528 bytes at 32).
+      *[(128, n, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a", "ring_slots": 5})
+        for n in (16, 32)]])
   def test_lowers_for_hopper(self, batch, n, seq, splits, cache_dtype, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # shapes and layouts, bulk-copy boxes, and that shared memory fits a Hopper block's 227 KB.
@@ -749,9 +753,9 @@ class _RegisterAOffKnob(TestPallasMosaicDecodeHeadsNRegisterA):
   test_e4m3_scores_bad_input_raises = None
   beside: dict = {}  # other knobs the knob needs to mean anything (in `others` too)
 
-  def jaxpr(self, cache_dtype, **knobs):
-    """The GPU program at B=32 N=16, 128 pages of 64 a row, as text."""
-    args = (jax.ShapeDtypeStruct((32, 16, 576), jnp.bfloat16),
+  def jaxpr(self, cache_dtype, n=16, **knobs):
+    """The GPU program at B=32 (N=16 unless told), 128 pages of 64 a row, as text."""
+    args = (jax.ShapeDtypeStruct((32, n, 576), jnp.bfloat16),
             jax.ShapeDtypeStruct((32 * 128, 64, 576), cache_dtype),
             jax.ShapeDtypeStruct((32, 128), jnp.int32), jax.ShapeDtypeStruct((32,), jnp.int32))
     k_scale = jnp.float32(FP8_SCALE) if cache_dtype == jnp.float8_e4m3fn else None
@@ -874,33 +878,49 @@ class TestPallasMosaicDecodeRegisterAF16Scores(_RegisterAOffKnob):
 
 
 class TestPallasMosaicDecodeTwoPages(_RegisterAOffKnob):
-  """register_a with pages_per_step=2: a consumer step over a pair of ring slots (both pages' S^T,
-  one cross-warp row max and one P^T hand-off for 128 tokens, both pages' V^T P^T in one step).
-  The parent's fp8 cases (16 and 32 heads, one split and several, lengths cutting pages, odd and
-  even page counts, bad table entries, NaN past every length), the race detector (an odd count's
-  last step: a slot no copy filled, zeroed before it is read), odd page ranges of splits and fixed
-  splits, the f16 keys, and the knob's rules."""
+  """register_a with pages_per_step=2: a consumer step over two pages, each in its own ring slot
+  with its own barriers (both pages' S^T, one cross-warp row max and one P^T hand-off for 128
+  tokens, both pages' V^T P^T in one step; a page's slot released once both consumers are done
+  with it). The parent's fp8 cases with the default ring (5 slots at 16 heads, 4 at 32: 16 and
+  32 heads, one split and several, lengths cutting pages, odd and even page counts, bad table
+  entries, NaN past every length); below, with rings of 4 and 5: the race detector (an odd
+  count's last step: a slot no copy filled, zeroed before it is read; rows long enough for the
+  ring to wrap, so that with 5 slots a slot serves either page of a step in turn), odd page
+  ranges of splits and fixed splits, the f16 keys, and the knobs' rules."""
   knob, value = "pages_per_step", 2
   test_on_by_default = None  # a bool knob's; its own below
   test_knob_must_be_a_bool_or_none = None
 
-  @pytest.mark.parametrize("n,cache_dtype", [(16, jnp.float8_e4m3fn), (32, jnp.float8_e4m3fn)])
-  def test_no_races_in_the_interpreter(self, n, cache_dtype):
-    check_no_races(126, n, cache_dtype, num_kv_splits=2, heads_in="n", fp8_pipeline="register_a",
-                   pages_per_step=2)
+  @pytest.mark.parametrize("n,ring,req_lens,splits", [
+      (16, 5, (200, 1, 0), 2), (16, 4, (200, 1, 0), 2), (32, 4, (200, 1, 0), 2),
+      # 15 and 5 pages in one split, 15 in three (5 each): rings that wrap, odd counts.
+      (16, 5, (900, 300, 0), 1), (16, 4, (900, 300, 0), 1), (16, 5, (900, 1), 3),
+      (32, 4, (900, 300, 0), 1)])
+  def test_no_races_in_the_interpreter(self, n, ring, req_lens, splits):
+    check_no_races(126, n, jnp.float8_e4m3fn, req_lens, num_kv_splits=splits, heads_in="n",
+                   fp8_pipeline="register_a", pages_per_step=2, ring_slots=ring)
 
-  @pytest.mark.parametrize("seed,n,knobs", [
-      (140, 16, {"num_kv_splits": 3}), (141, 32, {"num_kv_splits": 2}),
-      (142, 16, {"split_tokens": 192}), (143, 32, {"split_tokens": 128}),
-      (144, 16, {"num_kv_splits": 1, "e4m3_scores": False})])
-  def test_odd_page_ranges(self, seed, n, knobs):
-    # 1 to 5 pages a row, tails cutting pages and NaN past every length (make_case), in splits
-    # whose page ranges are odd (3 splits of 5 pages: 2, 2, 1; fixed splits of 3 pages) or even.
-    q, cache, tables, lens = make_case(seed, n=n, page=64, req_lens=[64, 65, 128, 191, 257, 320, 3],
-                                       cache_dtype=jnp.float8_e4m3fn)
+  @pytest.mark.parametrize("seed,n,knobs,req_lens,ring", [
+      (seed, n, knobs, req_lens, ring) for seed, n, knobs, req_lens in (
+          (140, 16, {"num_kv_splits": 3}, None), (141, 32, {"num_kv_splits": 2}, None),
+          (142, 16, {"split_tokens": 192}, None), (143, 32, {"split_tokens": 128}, None),
+          (144, 16, {"num_kv_splits": 1, "e4m3_scores": False}, None),
+          # 16, 18, 11 and 1 pages (the ring wraps; tails of 40, 2 and 60 rows), in one split
+          # and in three.
+          (145, 16, {"num_kv_splits": 1}, [1000, 1090, 700, 5]),
+          (146, 16, {"num_kv_splits": 3}, [1000, 1090, 700, 5]),
+          (147, 32, {"num_kv_splits": 1}, [1000, 1090, 700, 5]))
+      for ring in mosaic_decode.RING_SLOTS if ring <= mosaic_decode._MAX_RING_SLOTS[n, 2]])
+  def test_odd_page_ranges(self, seed, n, knobs, req_lens, ring):
+    # Lengths cutting pages and NaN past every length (make_case), in splits whose page ranges
+    # are odd (3 splits of 5 pages: 2, 2, 1; fixed splits of 3 pages) or even; by default 1 to 5
+    # pages a row.
+    q, cache, tables, lens = make_case(seed, n=n, page=64, cache_dtype=jnp.float8_e4m3fn,
+                                       req_lens=req_lens or [64, 65, 128, 191, 257, 320, 3])
     o, lse = mosaic_decode.latent_decode(
         *(jnp.asarray(a) for a in (q, cache, tables, lens)), scale=SCALE, kv_lora_rank=L,
-        k_scale=FP8_SCALE, fp8_pipeline="register_a", pages_per_step=2, interpret=True, **knobs)
+        k_scale=FP8_SCALE, fp8_pipeline="register_a", pages_per_step=2, ring_slots=ring,
+        interpret=True, **knobs)
     assert_decode_close(np.asarray(o.astype(jnp.float32)), lse, *latent_decode_np(
         q.astype(np.float32), cache, tables, lens, SCALE, L, FP8_SCALE))
 
@@ -911,7 +931,8 @@ class TestPallasMosaicDecodeTwoPages(_RegisterAOffKnob):
     assert one == default != two
 
   def test_bf16_cache_ignores_it(self):
-    assert self.jaxpr(jnp.bfloat16, **{self.knob: 2}) == self.jaxpr(jnp.bfloat16)
+    assert (self.jaxpr(jnp.bfloat16, **{self.knob: 2}) == self.jaxpr(jnp.bfloat16, ring_slots=5)
+            == self.jaxpr(jnp.bfloat16))
 
   @pytest.mark.parametrize("value", [0, 3, True, 2.0])
   def test_knob_must_be_one_or_two(self, value):
@@ -919,14 +940,70 @@ class TestPallasMosaicDecodeTwoPages(_RegisterAOffKnob):
       mosaic_decode.MosaicDecodeConfig(pages_per_step=value)
 
   @pytest.mark.parametrize("pipeline", ["serial", "shared_widening"])
-  def test_knob_takes_register_a_only(self, pipeline):
+  @pytest.mark.parametrize("knobs,message", [
+      ({"pages_per_step": 2}, "pages_per_step=2 takes heads_in=\"n\" with fp8_pipeline="
+                              "\"register_a\""),
+      ({"ring_slots": 4}, "ring_slots takes fp8_pipeline=\"register_a\"")])
+  def test_knob_takes_register_a_only(self, pipeline, knobs, message):
     q, cache, tables, lens = (jnp.asarray(a) for a in make_case(
         128, n=16, page=64, req_lens=[20, 5], cache_dtype=jnp.float8_e4m3fn))
-    with pytest.raises(ValueError, match="pages_per_step=2 takes heads_in=\"n\" with "
-                                         "fp8_pipeline=\"register_a\""):
+    with pytest.raises(ValueError, match=message):
       mosaic_decode.latent_decode(q, cache, tables, lens, k_scale=FP8_SCALE, scale=0.1,
-                                  heads_in="n", fp8_pipeline=pipeline, pages_per_step=2,
+                                  heads_in="n", fp8_pipeline=pipeline, interpret=True, **knobs)
+
+  @pytest.mark.parametrize("value", [3, 6, True, 5.0, "4"])
+  def test_ring_slots_must_be_listed(self, value):
+    with pytest.raises(ValueError, match=r"ring_slots must be None or one of \(4, 5\)"):
+      mosaic_decode.MosaicDecodeConfig(ring_slots=value)
+
+  def test_default_ring(self):
+    # None: 4 slots with one page a step (its programs unchanged), the most that fit with two:
+    # 5 at 16 heads, 4 at 32.
+    assert mosaic_decode.CONFIG.ring_slots is None
+    fp8 = lambda **knobs: self.jaxpr(jnp.float8_e4m3fn, **knobs)
+    assert fp8() == fp8(ring_slots=4) != fp8(ring_slots=5)
+    assert fp8(pages_per_step=2) == fp8(pages_per_step=2, ring_slots=5) != fp8(
+        pages_per_step=2, ring_slots=4)
+    assert fp8(n=32, pages_per_step=2) == fp8(n=32, pages_per_step=2, ring_slots=4)
+
+  def test_ring_that_does_not_fit_raises(self):
+    q, cache, tables, lens = (jnp.asarray(a) for a in make_case(
+        128, n=32, page=64, req_lens=[20, 5], cache_dtype=jnp.float8_e4m3fn))
+    with pytest.raises(ValueError, match="ring_slots=5 does not fit in shared memory at 32 heads "
+                                         "a tile with pages_per_step=2"):
+      mosaic_decode.latent_decode(q, cache, tables, lens, k_scale=FP8_SCALE, scale=0.1,
+                                  fp8_pipeline="register_a", pages_per_step=2, ring_slots=5,
                                   interpret=True)
+
+  def test_lowers_for_hopper_refuses_the_ring_past_max(self, monkeypatch):
+    # _MAX_RING_SLOTS is the most that fit: one more slot each, Mosaic GPU's own count of shared
+    # memory refuses the CUDA lowering (227 KB a block).
+    q = jax.ShapeDtypeStruct((128, 32, 576), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((128 * 128, 64, 576), jnp.float8_e4m3fn)
+    tables = jax.ShapeDtypeStruct((128, 128), jnp.int32)
+    lens = jax.ShapeDtypeStruct((128,), jnp.int32)
+    monkeypatch.setattr(mosaic_decode, "_MAX_RING_SLOTS", {(32, 2): 5})
+    traced = mosaic_decode.latent_decode.trace(q, cache, tables, lens, scale=SCALE,
+                                               k_scale=jnp.float32(FP8_SCALE), pages_per_step=2,
+                                               ring_slots=5)
+    with pytest.raises(ValueError, match="exceeds available shared memory"):
+      traced.lower(lowering_platforms=("cuda",))
+
+  def test_backend_passes_the_ring(self, monkeypatch):
+    seen = []
+
+    def latent_decode(*args, **kwargs):
+      seen.append(kwargs["ring_slots"])
+      return None, None
+
+    monkeypatch.setattr(mosaic_decode, "latent_decode", latent_decode)
+    monkeypatch.setattr(backends, "MOSAIC_DECODE_CONFIG", mosaic_decode.MosaicDecodeConfig(
+        pages_per_step=2, ring_slots=4, **self.others))
+    q, cache, tables, lens = make_case(112, n=16, page=64, req_lens=[5],
+                                       cache_dtype=jnp.float8_e4m3fn)
+    self.decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(tables), jnp.asarray(lens),
+                k_scale=FP8_SCALE)
+    assert seen == [4]
 
 
 def _stage1_splits(jaxpr):
