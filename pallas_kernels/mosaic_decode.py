@@ -225,18 +225,20 @@ class MosaicDecodeConfig:
   product. An odd page count's last step has no page 2j + 1: the memory warpgroup arrives on its
   slot's ready without a copy, and warpgroup 0 zeroes that slot (0 rows: `zero_rows`), so its
   stale or uninitialized bytes give P = 0 and zero values. H200 (session 23, B=128 S=8192, ms,
-  main / 2 pages with one ready and consumed barrier a slot pair, 4 slots): N=16 0.1829 / 0.1931,
+  1 / 2 pages with one ready and consumed barrier a slot pair, 4 slots): N=16 0.1829 / 0.1931,
   N=32 0.2490 / 0.2445, B=32 N=16 0.990x; the memory warpgroup's lead had dropped from 3 pages to
   2 (a pair's slots were released together after both pages' products). ptxas (13.5, B=128
-  S=8192, SASS instructions a thread in the step loop outside its branches, 1 / 2 pages a step,
-  pair barriers): N=16 warpgroup 0 335 / 609 (SHFL 12 / 12, BAR 7 / 9), warpgroup 1 354 / 610,
-  no spills; N=32 warpgroup 0 520 / 956 (2 pages: 3 spill stores and 6 loads), warpgroup 1 437 /
-  728 (4 and 13). 1 (the default) keeps one page a step.
+  S=8192; spill stores / loads in warpgroup 0's and warpgroup 1's step loops, and warpgroup 1's
+  SASS instructions there): N=16 one page 0 / 0, 0 / 0 (354), two with 4 slots 0 / 0, 0 / 0
+  (619), with 5 slots 1 / 1, 1 / 1 (655: a barrier phase word; the pairs' 610 and no spills);
+  N=32 one page 0 / 0, 0 / 0 (437), two (4 slots) 0 / 1, 3 / 11 (735; the pairs' 5 / 8, 4 / 13).
+  1 (the default) keeps one page a step.
   ring_slots (None or one of RING_SLOTS; "register_a" only, a ValueError with the other fp8
   pipelines; bf16 caches ignore it): the e4m3 ring's slots. None: 4 with one page a step (the
   timed default), with two the most that fit (`_MAX_RING_SLOTS`: 5 at 16 heads, 4 at 32), so
   that the memory warpgroup keeps more pages in flight beside two pages a step. A ring that does
-  not fit (5 at 32 heads with two pages a step) is a ValueError."""
+  not fit (5 at 32 heads with two pages a step) is a ValueError. ptxas (as above), one page a step
+  with 5 slots: N=16 0 / 0, 0 / 0 (369); N=32 1 / 0, 0 / 1 (454)."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
