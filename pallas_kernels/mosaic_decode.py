@@ -219,9 +219,9 @@ class MosaicDecodeConfig:
   warpgroup 0's per-page chain paces the fp8 N=16 kernel (H200, session 22's profile), and the
   reduction and the hand-off (barriers, fence, arrive) are per step, not per token. Each page's
   slot is released as soon as both consumers are done with it: warpgroup 0 once its S^T of the
-  step is read, warpgroup 1 once it has loaded the page's last value tile (V^T is a register
-  operand: the products still running read registers and P^T only), so page 2j's slot refills
-  while page 2j + 1's products run; warpgroup 0 waits for page 2j + 1 only before its first
+  step is read, warpgroup 1 once it has loaded the page's value tiles, before their products (V^T
+  is a register operand: the products read registers and P^T only), so page 2j's slot refills
+  while both pages' products run; warpgroup 0 waits for page 2j + 1 only before its first
   product. An odd page count's last step has no page 2j + 1: the memory warpgroup arrives on its
   slot's ready without a copy, and warpgroup 0 zeroes that slot (0 rows: `zero_rows`), so its
   stale or uninitialized bytes give P = 0 and zero values. H200 (session 23, B=128 S=8192, ms,
@@ -231,7 +231,7 @@ class MosaicDecodeConfig:
   S=8192; spill stores / loads in warpgroup 0's and warpgroup 1's step loops, and warpgroup 1's
   SASS instructions there): N=16 one page 0 / 0, 0 / 0 (354), two with 4 slots 0 / 0, 0 / 0
   (619), with 5 slots 1 / 1, 1 / 1 (655: a barrier phase word; the pairs' 610 and no spills);
-  N=32 one page 0 / 0, 0 / 0 (437), two (4 slots) 0 / 1, 3 / 11 (735; the pairs' 5 / 8, 4 / 13).
+  N=32 one page 0 / 0, 0 / 0 (437), two (4 slots) 0 / 1, 3 / 11 (734; the pairs' 5 / 8, 4 / 13).
   1 (the default) keeps one page a step.
   ring_slots (None or one of RING_SLOTS; "register_a" only, a ValueError with the other fp8
   pipelines; bf16 caches ignore it): the e4m3 ring's slots. None: 4 with one page a step (the
@@ -757,22 +757,30 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
       # Pages > 1: page by page, every tile of one before the next's (its A into acc_refs[c]).
       def products(acc_refs):
         tiles = len(acc_refs)
-        if wide_values:  # a group's fragments from one pass of loads, issued as they come
-          group = _WIDE_VALUE_GROUP[tile_h]
-          operands = ((a, p_operand(k)) for k, page_slot in enumerate(slots)
-                      for c in range(0, tiles, group)
-                      for a in _wide_value_tiles(kv_smem.at[page_slot], c, group))
-        else:
-          operands = (tile_operands(c, k) for k in range(pages) for c in range(tiles))
-        for c, ab in enumerate(operands):
+
+        def page_operands(k):
+          """Page k's tiles' A and B, each loaded and converted as it is taken. V^T is a register
+          operand: once the page's last tile is loaded, its products (issued or running) read
+          registers and P^T only, so with pages > 1 the slot is released there (its refill
+          overlaps the page's products and the next page's)."""
+          if wide_values:  # a group's fragments from one pass of loads, issued as they come
+            group = _WIDE_VALUE_GROUP[tile_h]
+            for c in range(0, tiles, group):
+              loaded = _wide_value_tiles(kv_smem.at[slots[k]], c, group)
+              if release is not None and c + group >= tiles:
+                release(k)
+              yield from ((a, p_operand(k)) for a in loaded)
+          else:
+            for c in range(tiles):
+              operands = tile_operands(c, k)
+              if release is not None and c == tiles - 1:
+                release(k)
+              yield operands
+
+        for c, ab in enumerate(ab for k in range(pages) for ab in page_operands(k)):
           plgpu.wgmma(acc_refs[c % tiles], *ab)
           if c >= value_tiles_in_flight:
             plgpu.wgmma_wait(value_tiles_in_flight)
-          if release is not None and c % tiles == tiles - 1:
-            # The page's last tile is loaded and converted: V^T is a register operand, so the
-            # products still running read registers and P^T, not the slot (its refill overlaps
-            # the next page's products).
-            release(c // tiles)
 
       return tuple(pl.run_state(products)(tuple(
           plgpu.ACC.init(part * lax.broadcast_in_dim(alpha, part.shape, [heads_axis]))
