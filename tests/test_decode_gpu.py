@@ -140,6 +140,23 @@ def test_register_a_matches_reference(seed, batch, max_len, n, splits, fixed):
       fp8_pipeline="register_a", **fixed))
 
 
+@pytest.mark.parametrize("seed,batch,max_len,n,splits,fixed,ring", [
+    (7, 128, 8192, 16, None, {}, 5),  # the timed shapes (one split), rings of 5 and 4 at 16 heads
+    (7, 128, 8192, 16, None, {}, 4),
+    (8, 128, 8192, 32, None, {}, 4),
+    (9, 32, 8192, 16, 4, {}, 5),  # float32 partials
+    (4, 32, 4096, 20, None, {"split_tokens": BATCH_INVARIANT_SPLIT_TOKENS}, 4),  # padded to 32
+])
+def test_two_pages_matches_reference(seed, batch, max_len, n, splits, fixed, ring):
+  # register_a's pages_per_step=2 (random lengths: odd and even page counts, NaN past them): what
+  # only the GPU runs, warpgroup 1 releasing each page's ring slot once it has loaded the page's
+  # value tiles (register A operands), before their products, and the products accumulating in
+  # place over both pages.
+  check_serving_case(seed, batch, max_len, n, jnp.float8_e4m3fn, functools.partial(
+      mosaic_decode.latent_decode, num_kv_splits=splits, heads_in="n",
+      fp8_pipeline="register_a", pages_per_step=2, ring_slots=ring, **fixed))
+
+
 @pytest.mark.parametrize("seed,batch,max_len,n,splits,fixed", [
     (7, 128, 8192, 16, None, {}),  # the timed shape (one split): bf16 output stored transposed
     (8, 128, 8192, 32, None, {}),  # 32 heads, its timed shape
