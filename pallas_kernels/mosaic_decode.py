@@ -628,8 +628,10 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # shared_widening, warpgroup 1.
   # pages > 1 (register_a's pages_per_step): consumer step j covers pages pages*j .. pages*j +
   # pages - 1, page p in slot p % slots with its own ready and consumed phase, as with one page a
-  # step (`step_slots`); p_smem [tile_h, 64 x pages] f16 (P^T's pages side by side, page k's
-  # tokens in columns 64k ..).
+  # step (`step_slots`): every warpgroup takes pages 0 .. pages * steps - 1 in order (a missing
+  # last one included), each once on its slot's barriers, so their phases agree whatever the
+  # ring's size (with 5 slots a slot holds either page of a step in turn); p_smem [tile_h, 64 x
+  # pages] f16 (P^T's pages side by side, page k's tokens in columns 64k ..).
   (q_smem, kv_smem), (o_smem, lse_smem) = buffers
   if e4m3_scores:
     qs_smem, *staging = staging
