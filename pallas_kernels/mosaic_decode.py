@@ -207,8 +207,8 @@ class MosaicDecodeConfig:
   B=128 N=128 0.946 / 0.857 / 0.827, N=64 0.489 / 0.433 / 0.422, B=32 N=128 0.279 / 0.242 /
   0.237; GPU tests bit-identical to False (benchmarks/RESULTS.md, "wide_widening"). False keeps
   the Pallas-level widening (the bit-identity test's oracle).
-  pages_per_step (1 or 2; 2 takes fp8_pipeline "register_a", a ValueError with the other fp8
-  pipelines; bf16 caches ignore it): the 64-token pages a consumer step covers. With 2, step j
+  pages_per_step (None, 1 or 2; 2 takes fp8_pipeline "register_a", a ValueError with the other
+  fp8 pipelines; bf16 caches ignore it): the 64-token pages a consumer step covers. With 2, step j
   reads pages 2j and 2j + 1, page p from ring slot p % ring_slots, each slot with its own ready
   (the page's bulk copy) and consumed (both consumers) barrier, as with 1. Warpgroup 0 computes
   both pages' S^T (e4m3_scores: all the promotion chunks of both in one chain, page 2j + 1's
@@ -232,13 +232,15 @@ class MosaicDecodeConfig:
   SASS instructions there): N=16 one page 0 / 0, 0 / 0 (354), two with 4 slots 0 / 0, 0 / 0
   (619), with 5 slots 1 / 1, 1 / 1 (655: a barrier phase word; the pairs' 610 and no spills);
   N=32 one page 0 / 0, 0 / 0 (437), two (4 slots) 0 / 1, 3 / 11 (734; the pairs' 5 / 8, 4 / 13).
-  1 (the default) keeps one page a step.
+  With a slot released a page (session 24, B=128 S=8192, ms, one page / two with 4 slots / two
+  with 5): N=16 0.1924 / 0.1767 / 0.1800 (1.09x; 0.602x bf16's 0.2934), N=32 0.2611 / 0.2272
+  (1.15x), B=32 N=16 0.0854 / 0.0854 / 0.0852; max |o| difference 3e-5 against one page. None
+  (the default): 2 with register_a (`_REGISTER_A_PAGES`).
   ring_slots (None or one of RING_SLOTS; "register_a" only, a ValueError with the other fp8
-  pipelines; bf16 caches ignore it): the e4m3 ring's slots. None: 4 with one page a step (the
-  timed default), with two the most that fit (`_MAX_RING_SLOTS`: 5 at 16 heads, 4 at 32), so
-  that the memory warpgroup keeps more pages in flight beside two pages a step. A ring that does
-  not fit (5 at 32 heads with two pages a step) is a ValueError. ptxas (as above), one page a step
-  with 5 slots: N=16 0 / 0, 0 / 0 (369); N=32 1 / 0, 0 / 1 (454)."""
+  pipelines; bf16 caches ignore it): the e4m3 ring's slots. None: 4 (`_REGISTER_A_STAGES`; with
+  two pages a step 5 at 16 heads timed 0.98x 4, above). A ring that does not fit
+  (`_MAX_RING_SLOTS`: 5 at 32 heads with two pages a step) is a ValueError. ptxas (as above), one
+  page a step with 5 slots: N=16 0 / 0, 0 / 0 (369); N=32 1 / 0, 0 / 1 (454)."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -249,7 +251,7 @@ class MosaicDecodeConfig:
   e4m3_scores: bool | None = None
   e4m3_promote_cols: int = 192
   wide_widening: bool = True
-  pages_per_step: int = 1
+  pages_per_step: int | None = None
   ring_slots: int | None = None
 
   def __post_init__(self):
@@ -274,8 +276,9 @@ class MosaicDecodeConfig:
       raise ValueError(f"e4m3_scores must be None, True or False, got {self.e4m3_scores!r}")
     if not isinstance(self.wide_widening, bool):
       raise ValueError(f"wide_widening must be True or False, got {self.wide_widening!r}")
-    if type(self.pages_per_step) is not int or self.pages_per_step not in PAGES_PER_STEP:
-      raise ValueError(f"pages_per_step must be one of {PAGES_PER_STEP}, got "
+    if self.pages_per_step is not None and (type(self.pages_per_step) is not int
+                                            or self.pages_per_step not in PAGES_PER_STEP):
+      raise ValueError(f"pages_per_step must be None or one of {PAGES_PER_STEP}, got "
                        f"{self.pages_per_step!r}")
     if self.ring_slots is not None and (type(self.ring_slots) is not int
                                         or self.ring_slots not in RING_SLOTS):
@@ -334,7 +337,7 @@ SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"),
          MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", e4m3_scores=False),
          MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", e4m3_scores=False,
                             wide_keys=False),
-         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", pages_per_step=2))
+         MosaicDecodeConfig(fp8_pipeline="register_a", heads_in="n", pages_per_step=1))
 # Fields that one cache dtype alone reads (with the other, the program is the same whatever they
 # are): a sweep times a config only with the cache dtype whose program it changes.
 DTYPE_KNOBS = {"fp8_pipeline": jnp.dtype(F8), "wide_keys": jnp.dtype(F8),
@@ -364,6 +367,9 @@ _REGS = {False: (232, 40), True: (224, 56)}
 # 166 KB at 16 heads, 188 at 32); its memory warpgroup only issues bulk copies (the bf16 split of
 # _REGS).
 _REGISTER_A_STAGES = 4
+# register_a's pages a consumer step with pages_per_step=None (`MosaicDecodeConfig`: 1.09x one
+# page at N=16, 1.15x at N=32, H200 session 24).
+_REGISTER_A_PAGES = 2
 # The most e4m3 slots (36 KB each at D = 576) that fit in a Hopper block's 227 KB (232,448 bytes)
 # beside the query tile (2 x heads x D bytes), P^T [heads, 64 x pages] f16, the cross-warp
 # reduction scratch (1 KB per 8 heads) and the rest, by (heads tile, pages_per_step). Mosaic GPU's
@@ -1324,7 +1330,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                   e4m3_scores: bool | None = CONFIG.e4m3_scores,
                   e4m3_promote_cols: int = CONFIG.e4m3_promote_cols,
                   wide_widening: bool = CONFIG.wide_widening,
-                  pages_per_step: int = CONFIG.pages_per_step,
+                  pages_per_step: int | None = CONFIG.pages_per_step,
                   ring_slots: int | None = CONFIG.ring_slots,
                   interpret: bool | plgpu.InterpretGPUParams = False
                   ) -> tuple[jax.Array, jax.Array]:
@@ -1351,10 +1357,10 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   the other fp8 pipelines or wide_keys=True, a bf16 cache ignores it); e4m3_promote_cols: its
   promotion chunks (`MosaicDecodeConfig`). wide_widening: the widening pipelines' lane-level
   widening (`MosaicDecodeConfig`; a bf16 cache and "register_a", which widen nothing, ignore it).
-  pages_per_step: register_a's pages a consumer step (`MosaicDecodeConfig`; 2 is a ValueError
-  with the other fp8 pipelines, a bf16 cache ignores it). ring_slots: register_a's e4m3 slots
-  (`MosaicDecodeConfig`; None: 4 with one page a step, the most that fit with two; a number is a
-  ValueError with the other fp8 pipelines or where it does not fit, a bf16 cache ignores it).
+  pages_per_step: register_a's pages a consumer step (`MosaicDecodeConfig`; None: 2 with
+  register_a; 2 is a ValueError with the other fp8 pipelines, a bf16 cache ignores it).
+  ring_slots: register_a's e4m3 slots (`MosaicDecodeConfig`; None: 4; a number is a ValueError
+  with the other fp8 pipelines or where it does not fit, a bf16 cache ignores it).
   interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
   o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
@@ -1394,14 +1400,14 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   wide_values = register_a and (kv_lora_rank == WIDE_VALUE_COLS if wide_values is None
                                 else wide_values)
   wide_widening = wide_widening and fp8 and not register_a  # only the widening pipelines widen
-  if fp8 and pages_per_step != 1 and not register_a:
+  if fp8 and pages_per_step not in (None, 1) and not register_a:
     raise ValueError(f"pages_per_step={pages_per_step} takes heads_in=\"n\" with fp8_pipeline="
                      f"\"register_a\" (its ring of e4m3 pages), got fp8_pipeline="
-                     f"{fp8_pipeline!r}; other pipelines take pages_per_step=1")
+                     f"{fp8_pipeline!r}; other pipelines take pages_per_step=1 or None")
   if fp8 and ring_slots is not None and not register_a:
     raise ValueError(f"ring_slots takes fp8_pipeline=\"register_a\" (its ring of e4m3 pages), "
                      f"got fp8_pipeline={fp8_pipeline!r}")
-  pages = pages_per_step if register_a else 1  # a bf16 cache ignores it
+  pages = (pages_per_step or _REGISTER_A_PAGES) if register_a else 1  # bf16 caches ignore it
   if heads_n and fp8 and fp8_pipeline not in HEADS_N_FP8_PIPELINES:
     raise ValueError(f"heads_in=\"n\" with an fp8 cache takes fp8_pipeline "
                      f"{' or '.join(HEADS_N_FP8_PIPELINES)} (64-token steps: wgmma's M), got "
@@ -1410,7 +1416,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   tile_h = heads_tile(n, "n" if heads_n else "m")
   if register_a:
     most = _MAX_RING_SLOTS[tile_h, pages]
-    ring = ring_slots or (_REGISTER_A_STAGES if pages == 1 else most)
+    ring = ring_slots or _REGISTER_A_STAGES
     if ring > most:
       raise ValueError(f"ring_slots={ring_slots} does not fit in shared memory at {tile_h} heads a "
                        f"tile with pages_per_step={pages} (at most {most} e4m3 slots there: "

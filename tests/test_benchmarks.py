@@ -122,7 +122,7 @@ def test_mosaic_configs_times_what_changes_the_program(dtype):
                          {"fp8_pipeline": "register_a", "heads_in": "n", "e4m3_scores": False},
                          {"fp8_pipeline": "register_a", "heads_in": "n", "e4m3_scores": False,
                           "wide_keys": False},
-                         {"fp8_pipeline": "register_a", "heads_in": "n", "pages_per_step": 2}]
+                         {"fp8_pipeline": "register_a", "heads_in": "n", "pages_per_step": 1}]
   else:
     assert named[1:] == [{"heads_in": "n"}]
 

@@ -226,19 +226,20 @@ class TestPallasMosaicDecode(DecodeContract):
       *[(128, n, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a",
                                                  "e4m3_promote_cols": cols})
         for n in (16, 32) for cols in (64, 128, 576)],
-      # pages_per_step=2 (two ring slots a step, P^T [heads, 128]; by default a ring of 5 at 16
-      # heads, 4 at 32): the timed shapes (one split), float32 partials and fixed splits, the f16
-      # keys, the shuffled value relayout and one accumulation (576); a ring of 4 at 16 heads.
+      # pages_per_step=2 (register_a's default: two ring slots a step, P^T [heads, 128]; a ring
+      # of 4 by default): the timed shapes (one split), float32 partials and fixed splits, the
+      # f16 keys, the shuffled value relayout and one accumulation (576); a ring of 5 at 16 heads.
       *[(batch, n, 8192, splits, jnp.float8_e4m3fn, {"pages_per_step": 2, **knobs})
         for batch, n, splits, knobs in (
             (128, 16, None, {}), (128, 32, None, {}), (32, 16, 4, {}),
             (32, 32, None, {"split_tokens": 2048}), (32, 16, None, {"split_tokens": 2048}),
             (128, 16, None, {"e4m3_scores": False}), (128, 16, None, {"wide_values": False}),
-            (128, 32, None, {"e4m3_promote_cols": 576}), (128, 16, None, {"ring_slots": 4}),
-            (32, 16, 4, {"ring_slots": 4}))],
-      # A ring of 5 with one page a step fits at 16 and 32 heads (231,528 bytes at 32).
-      *[(128, n, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a", "ring_slots": 5})
-        for n in (16, 32)]])
+            (128, 32, None, {"e4m3_promote_cols": 576}), (128, 16, None, {"ring_slots": 5}),
+            (32, 16, 4, {"ring_slots": 5}))],
+      # One page a step, with rings of 4 and 5 (5 fits at 16 and 32 heads: 231,528 bytes at 32).
+      *[(128, n, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a",
+                                                 "pages_per_step": 1, "ring_slots": ring})
+        for n in (16, 32) for ring in (4, 5)]])
   def test_lowers_for_hopper(self, batch, n, seq, splits, cache_dtype, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # shapes and layouts, bulk-copy boxes, and that shared memory fits a Hopper block's 227 KB.
@@ -877,17 +878,17 @@ class TestPallasMosaicDecodeRegisterAF16Scores(_RegisterAOffKnob):
                    e4m3_scores=False)
 
 
-class TestPallasMosaicDecodeTwoPages(_RegisterAOffKnob):
-  """register_a with pages_per_step=2: a consumer step over two pages, each in its own ring slot
-  with its own barriers (both pages' S^T, one cross-warp row max and one P^T hand-off for 128
-  tokens, both pages' V^T P^T in one step; a page's slot released once both consumers are done
-  with it). The parent's fp8 cases with the default ring (5 slots at 16 heads, 4 at 32: 16 and
-  32 heads, one split and several, lengths cutting pages, odd and even page counts, bad table
-  entries, NaN past every length); below, with rings of 4 and 5: the race detector (an odd
-  count's last step: a slot no copy filled, zeroed before it is read; rows long enough for the
-  ring to wrap, so that with 5 slots a slot serves either page of a step in turn), odd page
+class TestPallasMosaicDecodePagesPerStep(_RegisterAOffKnob):
+  """register_a's pages a consumer step. By default two (the parent's cases run them): a consumer
+  step over two pages, each in its own ring slot with its own barriers (both pages' S^T, one
+  cross-warp row max and one P^T hand-off for 128 tokens, both pages' V^T P^T in one step; a
+  page's slot released once both consumers are done with it). The parent's fp8 cases run one page
+  a step here (16 and 32 heads, one split and several, lengths cutting pages, bad table entries,
+  NaN past every length); below, two pages a step with rings of 4 and 5: the race detector (an
+  odd count's last step: a slot no copy filled, zeroed before it is read; rows long enough for
+  the ring to wrap, so that with 5 slots a slot serves either page of a step in turn), odd page
   ranges of splits and fixed splits, the f16 keys, and the knobs' rules."""
-  knob, value = "pages_per_step", 2
+  knob, value = "pages_per_step", 1
   test_on_by_default = None  # a bool knob's; its own below
   test_knob_must_be_a_bool_or_none = None
 
@@ -924,11 +925,12 @@ class TestPallasMosaicDecodeTwoPages(_RegisterAOffKnob):
     assert_decode_close(np.asarray(o.astype(jnp.float32)), lse, *latent_decode_np(
         q.astype(np.float32), cache, tables, lens, SCALE, L, FP8_SCALE))
 
-  def test_off_by_default(self):
-    assert mosaic_decode.CONFIG.pages_per_step == 1
-    one, two, default = (self.jaxpr(jnp.float8_e4m3fn, **knobs) for knobs in (
+  @pytest.mark.parametrize("n", [16, 32])
+  def test_two_by_default(self, n):
+    assert mosaic_decode.CONFIG.pages_per_step is None
+    one, two, default = (self.jaxpr(jnp.float8_e4m3fn, n=n, **knobs) for knobs in (
         {self.knob: 1}, {self.knob: 2}, {}))
-    assert one == default != two
+    assert two == default != one
 
   def test_bf16_cache_ignores_it(self):
     assert (self.jaxpr(jnp.bfloat16, **{self.knob: 2}) == self.jaxpr(jnp.bfloat16, ring_slots=5)
@@ -936,7 +938,7 @@ class TestPallasMosaicDecodeTwoPages(_RegisterAOffKnob):
 
   @pytest.mark.parametrize("value", [0, 3, True, 2.0])
   def test_knob_must_be_one_or_two(self, value):
-    with pytest.raises(ValueError, match="pages_per_step must be one of"):
+    with pytest.raises(ValueError, match=r"pages_per_step must be None or one of \(1, 2\)"):
       mosaic_decode.MosaicDecodeConfig(pages_per_step=value)
 
   @pytest.mark.parametrize("pipeline", ["serial", "shared_widening"])
@@ -957,14 +959,13 @@ class TestPallasMosaicDecodeTwoPages(_RegisterAOffKnob):
       mosaic_decode.MosaicDecodeConfig(ring_slots=value)
 
   def test_default_ring(self):
-    # None: 4 slots with one page a step (its programs unchanged), the most that fit with two:
-    # 5 at 16 heads, 4 at 32.
+    # None: 4 slots, with one page a step or two (5 at 16 heads timed slower with two).
     assert mosaic_decode.CONFIG.ring_slots is None
     fp8 = lambda **knobs: self.jaxpr(jnp.float8_e4m3fn, **knobs)
     assert fp8() == fp8(ring_slots=4) != fp8(ring_slots=5)
-    assert fp8(pages_per_step=2) == fp8(pages_per_step=2, ring_slots=5) != fp8(
-        pages_per_step=2, ring_slots=4)
-    assert fp8(n=32, pages_per_step=2) == fp8(n=32, pages_per_step=2, ring_slots=4)
+    assert fp8(pages_per_step=1) == fp8(pages_per_step=1, ring_slots=4) != fp8(
+        pages_per_step=1, ring_slots=5)
+    assert fp8(n=32) == fp8(n=32, ring_slots=4)
 
   def test_ring_that_does_not_fit_raises(self):
     q, cache, tables, lens = (jnp.asarray(a) for a in make_case(
