@@ -9,7 +9,8 @@ kernel's split counts) instead of the reference. Mosaic columns: "mosaic ms", "t
 (> 1: Mosaic faster) and the largest difference between the two kernels' outputs.
 `--mosaic-configs` adds the Mosaic kernel's other configs (its SWEEP, e.g. fp8_pipeline=half_pages;
 each only with the cache dtype whose program it changes: the fp8 pipelines only with fp8 caches):
-"mosaic <field>=<value> ms" and the largest difference from the chosen config's output.
+"mosaic <field>=<value> ms" and the largest difference from the chosen config's output, the
+chosen config and these timed in turn, repeat by repeat (as with `--no-triton`).
 `--no-triton` leaves the Triton kernel out (then also the reference; the row's "ms" is the Mosaic
 kernel's). `--batch-invariant` adds each kernel's batch-invariant mode (fixed splits of
 BATCH_INVARIANT_SPLIT_TOKENS tokens, merged in a fixed order): "<kernel> inv ms" and its cost
@@ -25,7 +26,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import make_parser, rates, require_gpu, time_ms, write_results
+from benchmarks.common import (jax_calls, make_parser, rates, require_gpu, time_interleaved,
+                               time_ms, write_results)
 from mla_jax import reference
 from pallas_kernels import common as kernel_common
 from pallas_kernels import latent_decode as kernel
@@ -96,7 +98,7 @@ def run_case(args, batch, heads, seq, dtype_name):
     return rows
 
   if args.no_triton:
-    row = mosaic_configs(base, kernel_fn, timed, sets, case_bytes, flops)
+    row = mosaic_configs(base, kernel_fn, args.iters, args.repeats, sets, case_bytes, flops)
     print(row, flush=True)
     return [row]
   cfg = kernel.tuned_config(heads, args.page, kernel.operand_kind(jnp.bfloat16, dtype))
@@ -106,8 +108,9 @@ def run_case(args, batch, heads, seq, dtype_name):
          "config": f"h{cfg.block_h} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} k{splits}",
          **rates(timed(kernel_fn()), bytes_moved=case_bytes, flops=flops)}
   if args.mosaic_configs and not args.no_mosaic:
-    row.update({k: v for k, v in mosaic_configs(base, kernel_fn, timed, sets, case_bytes,
-                                                flops).items() if k.startswith("mosaic ")})
+    row.update({k: v for k, v in mosaic_configs(base, kernel_fn, args.iters, args.repeats, sets,
+                                                case_bytes, flops).items()
+                if k.startswith("mosaic ")})
     if "mosaic ms" in row:
       row["triton/mosaic"] = row["ms"] / row["mosaic ms"]
   elif not args.no_mosaic:
@@ -135,21 +138,21 @@ def run_case(args, batch, heads, seq, dtype_name):
   return [row]
 
 
-def mosaic_configs(base, kernel_fn, timed, sets, case_bytes, flops):
+def mosaic_configs(base, kernel_fn, iters, repeats, sets, case_bytes, flops):
   """The Mosaic kernel's chosen config ("mosaic ms") and each other config of its SWEEP ("mosaic
   <field>=<value> ms" and "... max diff" from the chosen config's output) that changes the program
-  for this cache dtype (`mosaic.DTYPE_KNOBS`), each program once; one that does not compile is
-  recorded, not fatal."""
+  for this cache dtype (`mosaic.DTYPE_KNOBS`), each program once, all timed in turn repeat by
+  repeat (`time_interleaved`: a config timed first ran ~5% slow at fp8 N=16 in session 24, the
+  same program timed later did not); one that does not compile is recorded, not fatal."""
   row = dict(base)
   try:
     chosen = kernel_fn(mosaic)
     ref = chosen(*sets[0])[0].astype(jnp.float32)
-    row.update(rates(timed(chosen), bytes_moved=case_bytes, flops=flops))
-    row["mosaic ms"] = row["ms"]
   except Exception as e:  # noqa: BLE001
     row["mosaic error"] = f"{type(e).__name__}: {str(e)[:80]}"
     return row
   cache_dtype = sets[0][1].dtype
+  calls = {"mosaic": jax_calls(chosen, sets)}
   timed_knobs = [{}]
   for cfg in mosaic.SWEEP:
     changed = {k: v for k, v in dataclasses.asdict(cfg).items()
@@ -162,10 +165,15 @@ def mosaic_configs(base, kernel_fn, timed, sets, case_bytes, flops):
     try:
       fn = kernel_fn(mosaic, **changed)
       row[f"{name} max diff"] = float(jnp.abs(fn(*sets[0])[0].astype(jnp.float32) - ref).max())
-      row[f"{name} ms"] = timed(fn)
-      row[f"{name} speedup"] = row["mosaic ms"] / row[f"{name} ms"]
+      calls[name] = jax_calls(fn, sets)
     except Exception as e:  # noqa: BLE001
       row[f"{name} error"] = f"{type(e).__name__}: {str(e)[:80]}"
+  ms = time_interleaved(calls, iters=iters, repeats=repeats)
+  row.update(rates(ms.pop("mosaic"), bytes_moved=case_bytes, flops=flops))
+  row["mosaic ms"] = row["ms"]
+  for name, variant_ms in ms.items():
+    row[f"{name} ms"] = variant_ms
+    row[f"{name} speedup"] = row["mosaic ms"] / variant_ms
   return row
 
 

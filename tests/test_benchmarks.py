@@ -109,8 +109,10 @@ def test_mosaic_configs_times_what_changes_the_program(dtype):
     named.append(knobs)
     return lambda *a: (jax.numpy.zeros(4),)
 
-  row = bench_decode.mosaic_configs({}, kernel_fn, lambda fn: 1.0, [(None, cache)], 1, 1)
+  row = bench_decode.mosaic_configs({}, kernel_fn, 1, 1, [(None, cache)], 1, 1)
   assert "mosaic ms" in row and not any(k.endswith("error") for k in row)
+  # Every program built is timed (in turn with the others).
+  assert sum(k.endswith(" ms") for k in row) == len(named)
   assert named[0] == {}
   if dtype == "float8_e4m3fn":
     assert named[1:] == [{"fp8_pipeline": "serial"}, {"fp8_pipeline": "shared_widening"},
