@@ -315,6 +315,24 @@ class TestPallasMosaicDecode(DecodeContract):
     jax.eval_shape(decode, q, tables, lens)  # the same call at the real rows traces
 
 
+def backend_passes(decode, monkeypatch, field, cache_dtype, config=None):
+  """What one call of the backend's `decode` hands the Mosaic kernel as `field` (with `config` as
+  the backend's MOSAIC_DECODE_CONFIG where given): [value], or a KeyError if it passes none."""
+  seen = []
+
+  def latent_decode(*args, **kwargs):
+    seen.append(kwargs[field])
+    return None, None
+
+  monkeypatch.setattr(mosaic_decode, "latent_decode", latent_decode)
+  if config is not None:
+    monkeypatch.setattr(backends, "MOSAIC_DECODE_CONFIG", config)
+  q, cache, tables, lens = make_case(112, n=16, page=64, req_lens=[5], cache_dtype=cache_dtype)
+  decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(tables), jnp.asarray(lens),
+         k_scale=FP8_SCALE if cache_dtype == jnp.float8_e4m3fn else None)
+  return seen
+
+
 class _MosaicDecodeKnob(DecodeContract):
   """The contract through the backend's MOSAIC_DECODE_CONFIG with one field, `knob`, set to
   `value` (and the fields of `others`); where the field changes one cache dtype's program only
@@ -338,18 +356,8 @@ class _MosaicDecodeKnob(DecodeContract):
 
   def test_backend_passes_the_knob(self, monkeypatch):
     # Without this the cases would also pass on the default config.
-    seen = []
-
-    def latent_decode(*args, **kwargs):
-      seen.append(kwargs[self.knob])
-      return None, None
-
-    monkeypatch.setattr(mosaic_decode, "latent_decode", latent_decode)
     dtype = mosaic_decode.DTYPE_KNOBS.get(self.knob, jnp.dtype(jnp.bfloat16))
-    q, cache, tables, lens = make_case(112, n=16, page=64, req_lens=[5], cache_dtype=dtype)
-    self.decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(tables), jnp.asarray(lens),
-                k_scale=FP8_SCALE if dtype == jnp.float8_e4m3fn else None)
-    assert seen == [self.value]
+    assert backend_passes(self.decode, monkeypatch, self.knob, dtype) == [self.value]
 
 
 class TestPallasMosaicDecodeHalfPages(_MosaicDecodeKnob):
@@ -674,20 +682,10 @@ class TestPallasMosaicDecodeHeadsNRegisterA(TestPallasMosaicDecodeHeadsN):
     assert jaxpr() == programs[2] and len(set(programs)) == len(programs)
 
   def test_backend_passes_the_promote_cols(self, monkeypatch):
-    seen = []
-
-    def latent_decode(*args, **kwargs):
-      seen.append(kwargs["e4m3_promote_cols"])
-      return None, None
-
-    monkeypatch.setattr(mosaic_decode, "latent_decode", latent_decode)
-    monkeypatch.setattr(backends, "MOSAIC_DECODE_CONFIG", mosaic_decode.MosaicDecodeConfig(
-        e4m3_scores=True, e4m3_promote_cols=192, **self.others))
-    q, cache, tables, lens = make_case(112, n=16, page=64, req_lens=[5],
-                                       cache_dtype=jnp.float8_e4m3fn)
-    self.decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(tables), jnp.asarray(lens),
-                k_scale=FP8_SCALE)
-    assert seen == [192]
+    config = mosaic_decode.MosaicDecodeConfig(e4m3_scores=True, e4m3_promote_cols=576,
+                                              **self.others)
+    assert backend_passes(self.decode, monkeypatch, "e4m3_promote_cols", jnp.float8_e4m3fn,
+                          config) == [576]
 
   @pytest.mark.parametrize("value", [0, 32, 100, 640, None])
   def test_promote_cols_must_be_a_listed_width(self, value):
@@ -991,20 +989,9 @@ class TestPallasMosaicDecodePagesPerStep(_RegisterAOffKnob):
       traced.lower(lowering_platforms=("cuda",))
 
   def test_backend_passes_the_ring(self, monkeypatch):
-    seen = []
-
-    def latent_decode(*args, **kwargs):
-      seen.append(kwargs["ring_slots"])
-      return None, None
-
-    monkeypatch.setattr(mosaic_decode, "latent_decode", latent_decode)
-    monkeypatch.setattr(backends, "MOSAIC_DECODE_CONFIG", mosaic_decode.MosaicDecodeConfig(
-        pages_per_step=2, ring_slots=4, **self.others))
-    q, cache, tables, lens = make_case(112, n=16, page=64, req_lens=[5],
-                                       cache_dtype=jnp.float8_e4m3fn)
-    self.decode(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(tables), jnp.asarray(lens),
-                k_scale=FP8_SCALE)
-    assert seen == [4]
+    config = mosaic_decode.MosaicDecodeConfig(pages_per_step=2, ring_slots=5, **self.others)
+    assert backend_passes(self.decode, monkeypatch, "ring_slots", jnp.float8_e4m3fn,
+                          config) == [5]
 
 
 def _stage1_splits(jaxpr):
