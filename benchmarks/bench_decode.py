@@ -10,7 +10,9 @@ kernel's split counts) instead of the reference. Mosaic columns: "mosaic ms", "t
 `--mosaic-configs` adds the Mosaic kernel's other configs (its SWEEP, e.g. fp8_pipeline=half_pages;
 each only with the cache dtype whose program it changes: the fp8 pipelines only with fp8 caches):
 "mosaic <field>=<value> ms" and the largest difference from the chosen config's output, the
-chosen config and these timed in turn, repeat by repeat (as with `--no-triton`).
+chosen config and these timed in turn, repeat by repeat (as with `--no-triton`). `--fp8-vs-bf16`
+adds a row a shape timing the Mosaic kernel's default with an fp8 and a bf16 cache in turn:
+"fp8/bf16" (< 1: the fp8 cache is faster), each one's ms and GB/s.
 `--no-triton` leaves the Triton kernel out (then also the reference; the row's "ms" is the Mosaic
 kernel's). `--batch-invariant` adds each kernel's batch-invariant mode (fixed splits of
 BATCH_INVARIANT_SPLIT_TOKENS tokens, merged in a fixed order): "<kernel> inv ms" and its cost
@@ -138,6 +140,29 @@ def run_case(args, batch, heads, seq, dtype_name):
   return [row]
 
 
+def fp8_vs_bf16(args, batch, heads, seq):
+  """The Mosaic kernel's default with an fp8 and a bf16 cache on the same shape, timed in turn
+  repeat by repeat: "fp8/bf16" (issue 15 asks <= 0.6 at N=16), and each one's ms and GB/s."""
+  calls, case_bytes = {}, {}
+  for name in ("fp8", "bf16"):
+    dtype = DTYPES[name]
+    case_bytes[name] = batch * seq * (L + R) * jnp.dtype(dtype).itemsize + batch * heads * (
+        L + R + L) * 2
+    sets = input_sets(batch, heads, seq, args.page, dtype,
+                      max(2, math.ceil(4 * 60e6 / case_bytes[name])))
+    k_scale = jnp.float32(FP8_SCALE) if name == "fp8" else None
+    calls[name] = jax_calls(lambda q, c, t, s, k_scale=k_scale: mosaic.latent_decode(
+        q, c, t, s, scale=SCALE, k_scale=k_scale), sets)
+  ms = time_interleaved(calls, iters=args.iters, repeats=args.repeats)
+  row = {"B": batch, "N": heads, "S": seq, "cache": "fp8 vs bf16 (Mosaic, in turn)",
+         "fp8/bf16": ms["fp8"] / ms["bf16"]}
+  for name in ("fp8", "bf16"):
+    row[f"{name} ms"] = ms[name]
+    row[f"{name} GB/s"] = rates(ms[name], bytes_moved=case_bytes[name])["GB/s"]
+  print(row, flush=True)
+  return [row]
+
+
 def mosaic_configs(base, kernel_fn, iters, repeats, sets, case_bytes, flops):
   """The Mosaic kernel's chosen config ("mosaic ms") and each other config of its SWEEP ("mosaic
   <field>=<value> ms" and "... max diff" from the chosen config's output) that changes the program
@@ -197,6 +222,9 @@ def main(argv=None):
                       help="time the Mosaic kernel (and its configs) only, no Triton, no reference")
   parser.add_argument("--batch-invariant", action="store_true",
                       help="also time each kernel's batch-invariant mode (fixed splits)")
+  parser.add_argument("--fp8-vs-bf16", action="store_true",
+                      help="also time the Mosaic kernel with both caches in turn a shape: "
+                           "\"fp8/bf16\"")
   parser.add_argument("--iters", type=int, default=20, help="back-to-back calls per timing")
   parser.add_argument("--repeats", type=int, default=5, help="timings; the median is reported")
   parser.add_argument("--out", default="benchmarks/out", help="directory for the result tables")
@@ -208,6 +236,9 @@ def main(argv=None):
   for batch, heads, seq, dtype_name in itertools.product(args.batch, args.heads, args.seq,
                                                          args.dtype):
     rows += run_case(args, batch, heads, seq, dtype_name)
+  for batch, heads, seq in (itertools.product(args.batch, args.heads, args.seq)
+                            if args.fp8_vs_bf16 else ()):
+    rows += fp8_vs_bf16(args, batch, heads, seq)
   print(write_results(rows, "decode_sweep" if args.sweep else "decode", args.out))
 
 

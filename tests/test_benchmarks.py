@@ -129,6 +129,25 @@ def test_mosaic_configs_times_what_changes_the_program(dtype):
     assert named[1:] == [{"heads_in": "n"}]
 
 
+def test_fp8_vs_bf16_times_both_caches_of_one_shape(monkeypatch):
+  # The issue-15 ratio: the Mosaic default with each cache on the same shape, in one timing.
+  import argparse
+  from benchmarks import bench_decode
+  seen = set()
+
+  def latent_decode(q, cache, tables, lens, *, scale, k_scale):
+    seen.add((str(cache.dtype), k_scale is not None, cache.shape[1:], q.shape))
+    return (q,)
+
+  monkeypatch.setattr(bench_decode.mosaic, "latent_decode", latent_decode)
+  args = argparse.Namespace(page=64, iters=1, repeats=1)
+  [row] = bench_decode.fp8_vs_bf16(args, 2, 16, 128)
+  assert seen == {("float8_e4m3fn", True, (64, 576), (2, 16, 576)),
+                  ("bfloat16", False, (64, 576), (2, 16, 576))}
+  assert row["fp8/bf16"] == row["fp8 ms"] / row["bf16 ms"]
+  assert row["fp8 GB/s"] > 0 and row["bf16 GB/s"] > 0
+
+
 def test_kernel_times_splits_an_ncu_log_at_its_markers():
   from benchmarks import kernel_times
   log = "\n".join([
