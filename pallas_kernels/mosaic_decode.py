@@ -225,14 +225,12 @@ class MosaicDecodeConfig:
   while both pages' products run; warpgroup 0 waits for page 2j + 1 only before its first
   product. An odd page count's last step has no page 2j + 1: the memory warpgroup arrives on its
   slot's ready without a copy, and warpgroup 0 zeroes that slot (0 rows: `zero_rows`), so its
-  stale or uninitialized bytes give P = 0 and zero values. H200 (session 23, B=128 S=8192, ms,
-  1 / 2 pages with one ready and consumed barrier a slot pair, 4 slots): N=16 0.1829 / 0.1931,
-  N=32 0.2490 / 0.2445, B=32 N=16 0.990x; the memory warpgroup's lead had dropped from 3 pages to
-  2 (a pair's slots were released together after both pages' products). ptxas (13.5, B=128
-  S=8192; spill stores / loads in warpgroup 0's and warpgroup 1's step loops, and warpgroup 1's
-  SASS instructions there): N=16 one page 0 / 0, 0 / 0 (354), two with 4 slots 0 / 0, 0 / 0
-  (619), with 5 slots 1 / 1, 1 / 1 (655: a barrier phase word; the pairs' 610 and no spills);
-  N=32 one page 0 / 0, 0 / 0 (437), two (4 slots) 0 / 1, 3 / 11 (734; the pairs' 5 / 8, 4 / 13).
+  stale or uninitialized bytes give P = 0 and zero values. (Session 23's form released a pair of
+  slots together after both pages' products: the memory warpgroup's lead dropped from 3 pages to
+  2, 0.95x one page at N=16.) ptxas (13.5, B=128 S=8192; spill stores / loads in warpgroup 0's
+  and warpgroup 1's step loops, and warpgroup 1's SASS instructions there): N=16 one page 0 / 0,
+  0 / 0 (354), two with 4 slots 0 / 0, 0 / 0 (619), with 5 slots 1 / 1, 1 / 1 (655: a barrier
+  phase word); N=32 one page 0 / 0, 0 / 0 (437), two (4 slots) 0 / 1, 3 / 11 (734).
   With a slot released a page (session 24, B=128 S=8192, ms, one page / two with 4 slots / two
   with 5): N=16 0.1924 / 0.1767 / 0.1800 (1.09x; 0.602x bf16's 0.2934), N=32 0.2611 / 0.2272
   (1.15x), B=32 N=16 0.0854 / 0.0854 / 0.0852; max |o| difference 3e-5 against one page. None
