@@ -14,7 +14,9 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            context (one request: rows share rows, and L2 helps). Bytes = T*2048*row bytes (1152
            bf16, 656 fp8_ds_mla) + q + o, FLOPs = 2*T*N*2048*(576+512). --sparse-valid V: each
            row's first V picks, -1 after (a short context's top-k list; column "valid"), bytes
-           and FLOPs over V.
+           and FLOPs over V. --caches-in-turn adds a row a shape timing pallas_mosaic with both
+           caches in turn, repeat by repeat, on the same q and slots: "fp8_ds_mla/bf16" (< 1: the
+           fp8_ds_mla cache is faster).
   indexer  logits, T in {128, 2048} over 32K and 128K contexts. T=128: one row per request (decode),
            each sees its whole context; T=2048: one request's last 2048 tokens (causal prefill).
            Bytes = keys each distinct context holds (132 B a token) + the logits written;
@@ -51,7 +53,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from benchmarks.common import make_parser, rates, require_gpu, time_ms, write_results
+from benchmarks.common import (jax_calls, make_parser, rates, require_gpu, time_interleaved,
+                               time_ms, write_results)
 from mla_jax import reference
 from mla_jax.backends import REFERENCE, get_backend
 from mla_jax.cache import DSMLACache, IndexerKCache, LatentCache, positions_to_slots
@@ -131,9 +134,10 @@ def chunked_reference_indexer(q, weights, k_cache, tables, lens):
   return out.reshape(t, span)
 
 
-def run_sparse(args, t, n, kind, cache, valid=TOPK):
-  decode = t <= 128
-  span = DECODE_CACHE_TOKENS if decode else PREFILL_CONTEXT
+def sparse_sets(t, n, cache, valid):
+  """Two (q, cache, slots) of T rows and N heads: each row's first `valid` of 2048 random slots
+  (over the whole 1M-token cache at decode rows, the first 32K at prefill chunks), -1 after."""
+  span = DECODE_CACHE_TOKENS if t <= 128 else PREFILL_CONTEXT
   sets = []
   for i in range(2):
     kq, ks = jax.random.split(jax.random.key(100 + i))
@@ -142,6 +146,12 @@ def run_sparse(args, t, n, kind, cache, valid=TOPK):
     # Short rows: each row's first `valid` slots, -1 after (a top-k list of a short context).
     slots = slots.at[:, valid:].set(-1)
     sets.append((jax.random.normal(kq, (t, n, L + R), jnp.bfloat16), cache, slots))
+  return sets
+
+
+def run_sparse(args, t, n, kind, cache, valid=TOPK):
+  span = DECODE_CACHE_TOKENS if t <= 128 else PREFILL_CONTEXT
+  sets = sparse_sets(t, n, cache, valid)
   case_bytes = t * valid * ROW_BYTES[kind] + t * n * (L + R + L) * 2
   flops = 2 * t * n * valid * (L + R + L)
   case = lambda label: case_row("sparse", t, n=n, context=span, cache=label) | (
@@ -170,6 +180,26 @@ def run_sparse(args, t, n, kind, cache, valid=TOPK):
     rows.append(timed_row(args, case(f"{kind} {changed}"), other, sets, case_bytes, flops,
                           xla_ms=rows[0].get("xla ms"), backend="pallas_mosaic"))
   return rows
+
+
+def caches_in_turn(args, t, n, caches, valid=TOPK):
+  """pallas_mosaic's sparse attention over each cache layout on the same q and slots, timed in
+  turn repeat by repeat (`time_interleaved`): "fp8_ds_mla/bf16" (issue 13 asks <= 1)."""
+  fn = jax.jit(functools.partial(get_backend("pallas_mosaic").sparse_attention, scale=SCALE,
+                                 kv_lora_rank=L))
+  ms = time_interleaved({kind: jax_calls(fn, sparse_sets(t, n, cache, valid))
+                         for kind, cache in caches.items()}, iters=args.iters,
+                        repeats=args.repeats)
+  span = DECODE_CACHE_TOKENS if t <= 128 else PREFILL_CONTEXT
+  row = case_row("sparse", t, n=n, context=span, cache="fp8_ds_mla vs bf16 (Mosaic, in turn)") | (
+      {} if valid == TOPK else {"valid": valid})
+  row["fp8_ds_mla/bf16"] = ms["fp8_ds_mla"] / ms["bf16"]
+  flops = 2 * t * n * valid * (L + R + L)
+  for kind in caches:
+    row[f"{kind} ms"] = ms[kind]
+    row[f"{kind} TFLOP/s"] = flops / ms[kind] / 1e9
+  print(row, flush=True)
+  return [row]
 
 
 def mosaic_sparse_variant(q, cache, slots, *, cfg):
@@ -381,6 +411,9 @@ def main(argv=None):
   parser.add_argument("--sparse-valid", type=int, nargs="+", default=[TOPK],
                       help=f"sparse cases: valid slots a row (its first ones, -1 after; default "
                            f"{TOPK}, all); bytes and FLOPs count the valid ones")
+  parser.add_argument("--caches-in-turn", action="store_true",
+                      help="sparse: also time pallas_mosaic with both caches in turn a shape "
+                           "(\"fp8_ds_mla/bf16\")")
   parser.add_argument("--sweep", action="store_true", help="time each kernel's tuning variants")
   parser.add_argument("--sweep-kernels", nargs="+", default=list(SWEEPS), choices=list(SWEEPS),
                       help="--sweep: only these kernels' variants (default all)")
@@ -413,6 +446,12 @@ def main(argv=None):
       for t, n, valid in itertools.product(sparse_t, args.sparse_n, args.sparse_valid):
         rows += run_sparse(args, t, n, kind, decode_cache, valid)
       del decode_cache
+  if "sparse" in args.parts and args.caches_in_turn:
+    caches = {kind: latent_cache(kind, DECODE_CACHE_TOKENS, jax.random.key(1))
+              for kind in ("bf16", "fp8_ds_mla")}
+    for t, n, valid in itertools.product(sparse_t, args.sparse_n, args.sparse_valid):
+      rows += caches_in_turn(args, t, n, caches, valid)
+    del caches
   if "indexer" in args.parts:
     for t, ctx in itertools.product(indexer_t, (32768, 131072)):
       rows += run_indexer(args, t, ctx)

@@ -148,6 +148,30 @@ def test_fp8_vs_bf16_times_both_caches_of_one_shape(monkeypatch):
   assert row["fp8 GB/s"] > 0 and row["bf16 GB/s"] > 0
 
 
+def test_caches_in_turn_times_both_layouts_on_the_same_rows(monkeypatch):
+  # Issue 13's fp8_ds_mla / bf16 ratio: the same q and slots over each cache, in one timing.
+  import argparse
+  import types
+  from benchmarks import bench_sparse
+  seen = set()
+
+  def sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
+    seen.add((cache.shape, q.shape, slots.shape))
+    return q
+
+  monkeypatch.setattr(bench_sparse, "get_backend",
+                      lambda name: types.SimpleNamespace(sparse_attention=sparse_attention))
+  args = argparse.Namespace(iters=1, repeats=1)
+  caches = {"bf16": jax.numpy.zeros(1), "fp8_ds_mla": jax.numpy.zeros(2)}
+  [row] = bench_sparse.caches_in_turn(args, 4, 16, caches, valid=100)
+  assert seen == {((1,), (4, 16, 576), (4, 2048)), ((2,), (4, 16, 576), (4, 2048))}
+  assert row["fp8_ds_mla/bf16"] == row["fp8_ds_mla ms"] / row["bf16 ms"]
+  assert row["valid"] == 100 and row["bf16 TFLOP/s"] > 0
+  # Both layouts read the same rows: the input sets do not depend on the cache.
+  same = [bench_sparse.sparse_sets(4, 16, cache, 100) for cache in caches.values()]
+  assert all((a[0] == b[0]).all() and (a[2] == b[2]).all() for a, b in zip(*same))
+
+
 def test_kernel_times_splits_an_ncu_log_at_its_markers():
   from benchmarks import kernel_times
   log = "\n".join([
