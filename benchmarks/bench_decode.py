@@ -60,14 +60,21 @@ def ref_fn(k_scale):
                                                             k_scale=k_scale))
 
 
-def run_case(args, batch, heads, seq, dtype_name):
+def case_inputs(args, batch, heads, seq, dtype_name):
+  """(sets, bytes a call must move, k_scale) of one case: enough input sets that one pass over
+  them is 4x the L2."""
   dtype = DTYPES[dtype_name]
-  elem = jnp.dtype(dtype).itemsize
-  case_bytes = batch * seq * (L + R) * elem + batch * heads * (L + R + L) * 2
-  flops = 2 * batch * heads * seq * (L + R + L)
-  # Enough sets that one pass over them is 4x the L2.
+  case_bytes = (batch * seq * (L + R) * jnp.dtype(dtype).itemsize
+                + batch * heads * (L + R + L) * 2)
   sets = input_sets(batch, heads, seq, args.page, dtype, max(2, math.ceil(4 * 60e6 / case_bytes)))
   k_scale = jnp.float32(FP8_SCALE) if dtype == jnp.float8_e4m3fn else None
+  return sets, case_bytes, k_scale
+
+
+def run_case(args, batch, heads, seq, dtype_name):
+  dtype = DTYPES[dtype_name]
+  sets, case_bytes, k_scale = case_inputs(args, batch, heads, seq, dtype_name)
+  flops = 2 * batch * heads * seq * (L + R + L)
   base = {"B": batch, "N": heads, "S": seq, "cache": dtype_name}
 
   def kernel_fn(module=kernel, **cfg):
@@ -145,12 +152,7 @@ def fp8_vs_bf16(args, batch, heads, seq):
   repeat by repeat: "fp8/bf16" (issue 15 asks <= 0.6 at N=16), and each one's ms and GB/s."""
   calls, case_bytes = {}, {}
   for name in ("fp8", "bf16"):
-    dtype = DTYPES[name]
-    case_bytes[name] = batch * seq * (L + R) * jnp.dtype(dtype).itemsize + batch * heads * (
-        L + R + L) * 2
-    sets = input_sets(batch, heads, seq, args.page, dtype,
-                      max(2, math.ceil(4 * 60e6 / case_bytes[name])))
-    k_scale = jnp.float32(FP8_SCALE) if name == "fp8" else None
+    sets, case_bytes[name], k_scale = case_inputs(args, batch, heads, seq, name)
     calls[name] = jax_calls(lambda q, c, t, s, k_scale=k_scale: mosaic.latent_decode(
         q, c, t, s, scale=SCALE, k_scale=k_scale), sets)
   ms = time_interleaved(calls, iters=args.iters, repeats=args.repeats)

@@ -192,13 +192,13 @@ def run_case(args, batch, seq, heads):
     except Exception as e:  # noqa: BLE001
       row["mosaic error"] = f"{type(e).__name__}: {str(e)[:80]}"
   rivals = {"xla": lambda: time_ms(xla_fn(), sets, warmup=1, iters=2, repeats=3),
-            "cudnn": lambda: timed(cudnn_fn(batch, seq)),
-            "sdpa": lambda: ms["sdpa"]}
+            "cudnn": lambda: timed(cudnn_fn(batch, seq))}  # sdpa: timed above, with ours
   for name in args.rivals:
-    if name == "sdpa" and "sdpa" not in calls:
+    if name == "sdpa" and "sdpa" not in ms:
       continue  # torch absent: the row says why
     try:
-      ms[name] = rivals[name]()
+      if name in rivals:
+        ms[name] = rivals[name]()
       row[f"{name} TFLOP/s"] = flops / ms[name] / 1e9
       row[f"x {name}"] = ms[name] / ms["backend"]
     except Exception as e:  # noqa: BLE001  (torch absent, cuDNN refusing a shape)

@@ -134,10 +134,16 @@ def chunked_reference_indexer(q, weights, k_cache, tables, lens):
   return out.reshape(t, span)
 
 
+def slot_span(t):
+  """The cache rows T sparse rows pick from: the whole 1M-token cache at decode rows (T <= 128),
+  one 32K-token context at a prefill chunk."""
+  return DECODE_CACHE_TOKENS if t <= 128 else PREFILL_CONTEXT
+
+
 def sparse_sets(t, n, cache, valid):
   """Two (q, cache, slots) of T rows and N heads: each row's first `valid` of 2048 random slots
-  (over the whole 1M-token cache at decode rows, the first 32K at prefill chunks), -1 after."""
-  span = DECODE_CACHE_TOKENS if t <= 128 else PREFILL_CONTEXT
+  within `slot_span(t)`, -1 after."""
+  span = slot_span(t)
   sets = []
   for i in range(2):
     kq, ks = jax.random.split(jax.random.key(100 + i))
@@ -150,7 +156,7 @@ def sparse_sets(t, n, cache, valid):
 
 
 def run_sparse(args, t, n, kind, cache, valid=TOPK):
-  span = DECODE_CACHE_TOKENS if t <= 128 else PREFILL_CONTEXT
+  span = slot_span(t)
   sets = sparse_sets(t, n, cache, valid)
   case_bytes = t * valid * ROW_BYTES[kind] + t * n * (L + R + L) * 2
   flops = 2 * t * n * valid * (L + R + L)
@@ -190,8 +196,8 @@ def caches_in_turn(args, t, n, caches, valid=TOPK):
   ms = time_interleaved({kind: jax_calls(fn, sparse_sets(t, n, cache, valid))
                          for kind, cache in caches.items()}, iters=args.iters,
                         repeats=args.repeats)
-  span = DECODE_CACHE_TOKENS if t <= 128 else PREFILL_CONTEXT
-  row = case_row("sparse", t, n=n, context=span, cache="fp8_ds_mla vs bf16 (Mosaic, in turn)") | (
+  row = case_row("sparse", t, n=n, context=slot_span(t),
+                 cache="fp8_ds_mla vs bf16 (Mosaic, in turn)") | (
       {} if valid == TOPK else {"valid": valid})
   row["fp8_ds_mla/bf16"] = ms["fp8_ds_mla"] / ms["bf16"]
   flops = 2 * t * n * valid * (L + R + L)

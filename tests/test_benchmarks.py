@@ -129,6 +129,19 @@ def test_mosaic_configs_times_what_changes_the_program(dtype):
     assert named[1:] == [{"heads_in": "n"}]
 
 
+def test_time_interleaved_takes_the_repeats_in_turn():
+  # Repeat r of every entry before repeat r + 1 of any, each after its own warmup; one sync a
+  # repeat; the median of each entry's per-call times.
+  from benchmarks import common
+  log = []
+  calls = {name: (lambda i, name=name: log.append((name, i)),
+                  lambda name=name: log.append((name, "sync"))) for name in ("a", "b")}
+  ms = common.time_interleaved(calls, warmup=1, iters=2, repeats=2)
+  timed = [("a", 0), ("a", 1), ("a", "sync"), ("b", 0), ("b", 1), ("b", "sync")]
+  assert log == [("a", 0), ("a", "sync"), ("b", 0), ("b", "sync")] + timed + timed
+  assert set(ms) == {"a", "b"} and all(v >= 0 for v in ms.values())
+
+
 def test_fp8_vs_bf16_times_both_caches_of_one_shape(monkeypatch):
   # The issue-15 ratio: the Mosaic default with each cache on the same shape, in one timing.
   import argparse
