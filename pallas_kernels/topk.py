@@ -120,7 +120,8 @@ class TopkConfig:
   row_resident: bool = False
   # v11b: row_resident's search interpolates its next threshold between the bounds' counts
   # (`_interpolated_search`) instead of bisecting the key bits: ~12 passes instead of ~21 on
-  # random rows (RESULTS.md, top-k v11b); ignored without row_resident.
+  # random rows (RESULTS.md, top-k v11b). v12: so do the four-kernel path's theta (all bits of
+  # a threshold at least k maxima reach, not the top `_THETA_BITS`) and select.
   interpolate: bool = False
 
   def __post_init__(self):
@@ -260,21 +261,26 @@ def _maxima_kernel(logits_ref, len_ref, max_ref, *, groups):
   max_ref[...] = _keys(x, inside).max(axis=0)
 
 
-def _theta(maxima, k, bits):
+def _theta(maxima, k, bits, interpolate):
   """Theta of a row from its group maxima (INT_MIN padded): the top `bits` bits of the k-th
-  largest."""
+  largest; interpolate (v12): `_interpolated_search`'s threshold, which at least k maxima reach
+  (the k-th largest, or a threshold exactly k reach), all bits."""
   valid = maxima > _INT_MIN
-  enough = valid.astype(jnp.int32).sum() >= k
+  n_valid = valid.astype(jnp.int32).sum()
+  enough = n_valid >= k
   lo = jnp.where(enough, jnp.where(valid, maxima, _INT_MAX).min(), _INT_MIN)
+  if interpolate:
+    return _interpolated_search(lambda threshold: (maxima >= threshold).astype(jnp.int32).sum(),
+                                k, lo, jnp.where(enough, maxima.max(), _INT_MIN), n_valid)[0]
   return _kth_largest(lambda i: maxima, 1, k, lo, maxima.max(), bits)
 
 
-def _theta_kernel(max_ref, theta_ref, *, k, bits):
+def _theta_kernel(max_ref, theta_ref, *, k, bits, interpolate):
   # max_ref [mp] int32 (this row's group maxima, INT_MIN padded); theta_ref [T] int32
-  theta_ref[pl.program_id(0)] = _theta(max_ref[...], k, bits)
+  theta_ref[pl.program_id(0)] = _theta(max_ref[...], k, bits, interpolate)
 
 
-def _maxima_theta_kernel(logits_ref, len_ref, theta_ref, *, k, bits, groups, width):
+def _maxima_theta_kernel(logits_ref, len_ref, theta_ref, *, k, bits, interpolate, groups, width):
   # Steps 1 and 2 in one program per row, the maxima in registers (never written): for many rows,
   # which fill the SMs a program a row. logits_ref [T, S] f32; len_ref [T] int32; theta_ref [T]
   # int32. Group c is {c, c + m, c + 2m, ...}, as in `_maxima_kernel`; a step reads one member of
@@ -292,7 +298,7 @@ def _maxima_theta_kernel(logits_ref, len_ref, theta_ref, *, k, bits, groups, wid
     return jnp.maximum(maxima, _keys(x, inside))
 
   maxima = lax.fori_loop(0, groups, member, jnp.full((width,), _INT_MIN, jnp.int32))
-  theta_ref[t] = _theta(maxima, k, bits)
+  theta_ref[t] = _theta(maxima, k, bits, interpolate)
 
 
 def _threshold_kernel(theta_ref, logits_ref, len_ref, cand_key_ref, cand_pos_ref, count_ref, *,
@@ -398,8 +404,8 @@ def _sector_maxima_kernel(logits_ref, len_ref, max_ref, sec_ref, *, groups, m8, 
   sec_ref[...] = keys.max(axis=2)
 
 
-def _sector_maxima_theta_kernel(logits_ref, len_ref, theta_ref, sec_ref, *, k, bits, groups, m8,
-                                masked):
+def _sector_maxima_theta_kernel(logits_ref, len_ref, theta_ref, sec_ref, *, k, bits, interpolate,
+                                groups, m8, masked):
   # `_maxima_theta_kernel` for v9 (`sectors` with `fused_theta`), groups as in
   # `_sector_maxima_kernel`: a step reads one member of every group, m8 contiguous positions, and
   # writes their sector maxima. logits_ref [T, S] f32; len_ref [T] int32; theta_ref [T] int32;
@@ -422,7 +428,7 @@ def _sector_maxima_theta_kernel(logits_ref, len_ref, theta_ref, sec_ref, *, k, b
     return jnp.maximum(maxima, keys)
 
   maxima = lax.fori_loop(0, groups, member, jnp.full((sectors, _SECTOR), _INT_MIN, jnp.int32))
-  theta_ref[t] = _theta(maxima, k, bits)
+  theta_ref[t] = _theta(maxima, k, bits, interpolate)
 
 
 def _sector_threshold_kernel(theta_ref, sec_ref, logits_ref, len_ref, ids_ref, cand_key_ref,
@@ -491,7 +497,7 @@ def _sector_threshold_kernel(theta_ref, sec_ref, logits_ref, len_ref, ids_ref, c
 
 
 def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref, len_ref, out_ref,
-                   *, k, chunk, fill, lean):
+                   *, k, chunk, fill, lean, interpolate):
   # theta_ref [T] int32; cand_key_ref, cand_pos_ref [P * cap] int32 (this row's segments' places);
   # count_ref [T, P] int32; logits_ref [T, S] f32; len_ref [T] int32; out_ref [k] int32 (this
   # row's positions)
@@ -504,25 +510,38 @@ def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref,
   count = sum(counts)
   length = jnp.clip(len_ref[t], 0, s)
 
-  def select(source, num_chunks, hi):
-    """Writes the selection among `source(i)` -> (keys, positions), i < num_chunks (keys <= hi);
-    returns how many positions it wrote."""
+  def select(source, num_chunks, hi, reach_theta):
+    """Writes the selection among `source(i)` -> (keys, positions), i < num_chunks (keys <= hi;
+    reach_theta of them reach theta and are valid); returns how many positions it wrote."""
     total = lambda f: lax.fori_loop(0, num_chunks,
                                     lambda i, n: n + f(*source(i)).astype(jnp.int32).sum(), 0)
-    v = _kth_largest(lambda i: source(i)[0], num_chunks, k, theta, hi)
-    # Ties at v fill the rest; with fewer than k valid keys (v = INT_MIN) there are none to take.
-    need = jnp.where(v > _INT_MIN, k - total(lambda key, pos: key > v), 0)
+    if interpolate:
+      # v12: v is the k-th largest key or a threshold exactly n = k keys reach (then no ties to
+      # resolve); INT_MIN when at most k keys are valid (all taken).
+      enough = reach_theta > k
+      v, n = _interpolated_search(
+          lambda threshold: total(lambda key, pos: key >= threshold), k,
+          jnp.where(enough, theta, _INT_MIN), jnp.where(enough, hi, _INT_MIN), reach_theta)
+    else:
+      v, n = _kth_largest(lambda i: source(i)[0], num_chunks, k, theta, hi), jnp.int32(-1)
     tie = lambda key, pos: (key == v) & (v > _INT_MIN)
-    # Of the ties, the `need` lowest positions: those whose s-1-pos reaches the need-th largest
-    # s-1-pos over the ties; every tie (0) when they all fit. (The branches compute from `need`: a
-    # constant result does not lower to Triton.)
-    def tie_keys(i):
-      key, pos = source(i)
-      return jnp.where(tie(key, pos), s - 1 - pos, _INT_MIN)
 
-    last = lax.cond(total(tie) > need,
-                    lambda n: _kth_largest(tie_keys, num_chunks, n, 0, s - 1),
-                    lambda n: n * 0, need)
+    def ties(_):
+      # Ties at v fill the rest; with fewer than k valid keys (v = INT_MIN) there are none to
+      # take. Of the ties, the `need` lowest positions: those whose s-1-pos reaches the need-th
+      # largest s-1-pos over the ties; every tie (0) when they all fit. (The branches compute
+      # from `need`: a constant result does not lower to Triton.)
+      need = jnp.where(v > _INT_MIN, k - total(lambda key, pos: key > v), 0)
+
+      def tie_keys(i):
+        key, pos = source(i)
+        return jnp.where(tie(key, pos), s - 1 - pos, _INT_MIN)
+
+      return lax.cond(total(tie) > need,
+                      lambda m: _kth_largest(tie_keys, num_chunks, m, 0, s - 1),
+                      lambda m: m * 0, need)
+
+    last = lax.cond(n == k, lambda m: m * 0, ties, n)
 
     def body(i, written):
       key, pos = source(i)
@@ -545,17 +564,25 @@ def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref,
 
   def from_candidates(lanes):
     keys, positions = candidates(jnp.arange(lanes, dtype=jnp.int32))
-    return select(lambda i: (keys, positions), 1, keys.max())
+    return select(lambda i: (keys, positions), 1, keys.max(), count)
 
   def streamed(lanes, num_chunks):
     # The candidates in chunks of `lanes`, loaded again by every pass (L2) instead of held.
     source = lambda i: candidates(i * lanes + jnp.arange(lanes, dtype=jnp.int32))
     hi = lax.fori_loop(0, num_chunks, lambda i, m: jnp.maximum(m, source(i)[0].max()), _INT_MIN)
-    return select(source, num_chunks, hi)
+    return select(source, num_chunks, hi, count)
 
   def from_row():
-    return select(lambda i: _row_keys(logits_ref, t, length, i * chunk, chunk),
-                  pl.cdiv(length, chunk), _INT_MAX)
+    source = lambda i: _row_keys(logits_ref, t, length, i * chunk, chunk)
+    num_chunks = pl.cdiv(length, chunk)
+    if not interpolate:
+      return select(source, num_chunks, _INT_MAX, count)
+    # v12's search starts from the row's largest key and how many reach theta: two more passes,
+    # on this rare path only.
+    hi = lax.fori_loop(0, num_chunks, lambda i, m: jnp.maximum(m, source(i)[0].max()), _INT_MIN)
+    reach = lax.fori_loop(0, num_chunks, lambda i, n: n + ((source(i)[0] >= theta) & (
+        source(i)[0] > _INT_MIN)).astype(jnp.int32).sum(), 0)
+    return select(source, num_chunks, hi, reach)
 
   # Half as many lanes when the candidates fit (typically ~0.3 cap): each bisection pass costs its
   # lanes. lean (v10b): more than cap / 2 candidates stream in two halves, so the kernel's
@@ -569,13 +596,14 @@ def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref,
 
 
 def _interpolated_search(count, k, lo, hi, n_lo):
-  """v11b's search for the threshold of `_resident_kernel`: the k-th largest key, or a threshold
-  exactly k keys reach (then n == k), given lo (n_lo keys reach it, n_lo > k) and the largest key hi
-  (lo == hi == INT_MIN: no pass, INT_MIN): (threshold, n). count(threshold) counts the keys that
-  reach a threshold. On the unsigned images key ^ INT_MIN, each pass tries the point between the
-  bounds where the count would be k if it fell linearly from one bound's to the other's, and moves
-  the bound on that side; after two moves of the same bound it bisects until the other moves (the
-  interpolation's guard: a pass then at least halves the interval)."""
+  """The threshold search of v11b (`_resident_kernel`) and v12 (theta and select): the k-th
+  largest key, or a threshold exactly k keys reach (then n == k), given lo (n_lo keys reach it,
+  n_lo >= k; lo itself when n_lo == k) and the largest key hi (lo == hi == INT_MIN: no pass,
+  INT_MIN): (threshold, n). count(threshold) counts the keys that reach a threshold. On the
+  unsigned images key ^ INT_MIN, each pass tries the point between the bounds where the count
+  would be k if it fell linearly from one bound's to the other's, and moves the bound on that
+  side; after two moves of the same bound it bisects until the other moves (the interpolation's
+  guard: a pass then at least halves the interval)."""
   unsigned_less = lambda a, b: (a ^ _INT_MIN) < (b ^ _INT_MIN)
 
   def unsettled(state):
@@ -599,7 +627,8 @@ def _interpolated_search(count, k, lo, hi, n_lo):
 
   lo, _, _, _, _, n = lax.while_loop(
       unsettled, one_pass,
-      (lo ^ _INT_MIN, (hi ^ _INT_MIN) + 1, n_lo, jnp.int32(0), jnp.int32(0), jnp.int32(-1)))
+      (lo ^ _INT_MIN, (hi ^ _INT_MIN) + 1, n_lo, jnp.int32(0), jnp.int32(0),
+       jnp.where(n_lo == k, n_lo, -1)))  # (not a select of two constants: Triton refuses it)
   return lo ^ _INT_MIN, n
 
 
@@ -732,11 +761,12 @@ def group_maxima(logits: jax.Array, seq_lens: jax.Array, groups: int, width: int
 
 
 def row_theta(maxima: jax.Array, topk: int, params: plgpu.CompilerParams, *,
-              bits: int = _THETA_BITS, interpret: bool = False) -> jax.Array:
+              bits: int = _THETA_BITS, interpolate: bool = False,
+              interpret: bool = False) -> jax.Array:
   """Step 2: int32 [T], each row's theta (its top `bits` bits)."""
   t = maxima.shape[0]
   return pl.pallas_call(
-      functools.partial(_theta_kernel, k=topk, bits=bits),
+      functools.partial(_theta_kernel, k=topk, bits=bits, interpolate=interpolate),
       grid=(t,),
       in_specs=[_row(maxima.shape[1])],
       out_specs=pl.BlockSpec((t,), lambda i: (0,)),
@@ -749,12 +779,13 @@ def row_theta(maxima: jax.Array, topk: int, params: plgpu.CompilerParams, *,
 
 def fused_row_theta(logits: jax.Array, seq_lens: jax.Array, topk: int, groups: int, width: int,
                     params: plgpu.CompilerParams, *, bits: int = _THETA_BITS,
-                    interpret: bool = False) -> jax.Array:
+                    interpolate: bool = False, interpret: bool = False) -> jax.Array:
   """Steps 1 and 2 fused, a program per row: int32 [T], each row's theta (as `row_theta` of
   `group_maxima`)."""
   t = logits.shape[0]
   return pl.pallas_call(
-      functools.partial(_maxima_theta_kernel, k=topk, bits=bits, groups=groups, width=width),
+      functools.partial(_maxima_theta_kernel, k=topk, bits=bits, interpolate=interpolate,
+                        groups=groups, width=width),
       grid=(t,),
       in_specs=[_whole(logits), _whole(seq_lens)],
       out_specs=pl.BlockSpec((t,), lambda i: (0,)),
@@ -840,14 +871,15 @@ def threshold_candidates(theta: jax.Array, logits: jax.Array, seq_lens: jax.Arra
 
 def fused_sector_theta(logits: jax.Array, seq_lens: jax.Array, topk: int, groups: int, m8: int,
                        params: plgpu.CompilerParams, *, bits: int = _THETA_BITS,
+                       interpolate: bool = False,
                        interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """`sector_maxima` and `row_theta` fused, a program per row: (int32 [T], each row's theta;
   int32 [T, groups * next_pow2(m8) / 8], the sector maxima as `sector_maxima`'s)."""
   t, s = logits.shape
   width = next_pow2(m8)
   theta, sectors = pl.pallas_call(
-      functools.partial(_sector_maxima_theta_kernel, k=topk, bits=bits, groups=groups, m8=m8,
-                        masked=groups * m8 != s or m8 != width),
+      functools.partial(_sector_maxima_theta_kernel, k=topk, bits=bits, interpolate=interpolate,
+                        groups=groups, m8=m8, masked=groups * m8 != s or m8 != width),
       grid=(t,),
       in_specs=[_whole(logits), _whole(seq_lens)],
       out_specs=[pl.BlockSpec((t,), lambda i: (0,)),
@@ -893,13 +925,14 @@ def sector_candidates(theta: jax.Array, sector_max: jax.Array, logits: jax.Array
 def select_positions(theta: jax.Array, cand_keys: jax.Array, cand_pos: jax.Array,
                      counts: jax.Array, logits: jax.Array, seq_lens: jax.Array, topk: int,
                      chunk: int, params: plgpu.CompilerParams, *, lean: bool = False,
-                     interpret: bool = False) -> jax.Array:
-  """Step 4: int32 [T, topk] positions, -1 padded (lean: `TopkConfig.lean_select`)."""
+                     interpolate: bool = False, interpret: bool = False) -> jax.Array:
+  """Step 4: int32 [T, topk] positions, -1 padded (lean: `TopkConfig.lean_select`; interpolate:
+  `TopkConfig.interpolate`)."""
   t = logits.shape[0]
   width = cand_keys.shape[1]
   return pl.pallas_call(
       functools.partial(_select_kernel, k=topk, chunk=chunk, fill=min(1024, next_pow2(topk)),
-                        lean=lean),
+                        lean=lean, interpolate=interpolate),
       grid=(t,),
       in_specs=[_whole(theta), _row(width), _row(width), _whole(counts), _whole(logits),
                 _whole(seq_lens)],
@@ -976,17 +1009,18 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: 
   m8 = pl.cdiv(pl.cdiv(s, g), _SECTOR) * _SECTOR  # v9's groups {j, j + m8, ...}: whole sectors
   if config.sectors and config.fused_theta:
     theta, sector_max = fused_sector_theta(logits, seq_lens, topk, g, m8, params(_THETA_WARPS),
-                                           interpret=interpret)
+                                           interpolate=config.interpolate, interpret=interpret)
   elif config.sectors:
     maxima, sector_max = sector_maxima(logits, seq_lens, g, m8, next_pow2(m8),
                                        interpret=interpret)
   elif config.fused_theta:
     theta = fused_row_theta(logits, seq_lens, topk, g, width, params(_THETA_WARPS),
-                            interpret=interpret)
+                            interpolate=config.interpolate, interpret=interpret)
   else:
     maxima = group_maxima(logits, seq_lens, g, width, interpret=interpret)
   if not config.fused_theta:
-    theta = row_theta(maxima, topk, params(_THETA_WARPS), interpret=interpret)
+    theta = row_theta(maxima, topk, params(_THETA_WARPS), interpolate=config.interpolate,
+                      interpret=interpret)
   if config.sectors:
     cand_keys, cand_pos, counts = sector_candidates(theta, sector_max, logits, seq_lens, m8, cap,
                                                     chunk, params(config.num_warps),
@@ -998,4 +1032,4 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: 
                                                        interpret=interpret)
   return select_positions(theta, cand_keys, cand_pos, counts, logits, seq_lens, topk, chunk,
                           params(config.select_warps), lean=config.lean_select,
-                          interpret=interpret)
+                          interpolate=config.interpolate, interpret=interpret)

@@ -99,6 +99,9 @@ SECTORS_FUSED_LEAN = {**SECTORS_FUSED, "lean_select": True}
 # interpolating.
 RESIDENT = {"row_resident": True}
 RESIDENT_INTERPOLATED = {**RESIDENT, "interpolate": True}
+# v12: the four-kernel path's theta and select interpolating (apart, and many rows' fused form).
+INTERPOLATED = {"row_resident": False, "interpolate": True}
+SECTORS_FUSED_LEAN_INTERPOLATED = {**SECTORS_FUSED_LEAN, **INTERPOLATED}
 
 
 class TestPallasTritonIndexer(IndexerContract):
@@ -109,10 +112,12 @@ class TestPallasTritonIndexer(IndexerContract):
     # kernels; v9's sector filter (few long rows' and, theta fused, many rows' default) too. The
     # forms no default takes (v3's per-lane threshold, theta fused without sectors): the segments
     # and lane-slot cases below. Many rows' form with v10b's lean select (`SECTORS_FUSED_LEAN`);
-    # v11's one kernel (`RESIDENT`, and v11b's search: `RESIDENT_INTERPOLATED`).
+    # v11's one kernel (`RESIDENT`, and v11b's search: `RESIDENT_INTERPOLATED`); v12's
+    # interpolating theta and select (`INTERPOLATED`, and in many rows' form).
     return super().topk_variants() + [
         functools.partial(pallas_topk.topk_positions, interpret=True, **knobs)
-        for knobs in (SECTORS, SECTORS_FUSED, SECTORS_FUSED_LEAN, RESIDENT, RESIDENT_INTERPOLATED)]
+        for knobs in (SECTORS, SECTORS_FUSED, SECTORS_FUSED_LEAN, RESIDENT, RESIDENT_INTERPOLATED,
+                      INTERPOLATED, SECTORS_FUSED_LEAN_INTERPOLATED)]
 
   @pytest.mark.parametrize("dtype,widen_fp8", [(jnp.bfloat16, False), (jnp.float8_e4m3fn, True)])
   def test_chunks_and_steps_match_reference(self, dtype, widen_fp8):
@@ -150,9 +155,11 @@ class TestPallasTritonIndexer(IndexerContract):
 
   @pytest.mark.parametrize("variant", [
       {}, {"per_lane": True}, {"fused_theta": True}, SECTORS, SECTORS_FUSED,
-      {"lean_select": True}, RESIDENT, RESIDENT_INTERPOLATED],
+      {"lean_select": True}, RESIDENT, RESIDENT_INTERPOLATED, INTERPOLATED,
+      {**INTERPOLATED, "lean_select": True}, SECTORS_FUSED_LEAN_INTERPOLATED],
       ids=["default", "per_lane", "fused_theta", "sectors", "sectors_fused", "lean_select",
-           "row_resident", "interpolate"])
+           "row_resident", "interpolate", "four_kernel_interpolate", "lean_interpolate",
+           "sectors_fused_lean_interpolate"])
   def test_topk_segments_ties_and_overflow_match_reference(self, variant):
     # Small chunks split rows into several segments that claim candidate places concurrently;
     # row 1's ties overflow the candidate list (the slow exact path); row 3 mixes signs and
@@ -384,8 +391,9 @@ class TestPallasTritonIndexer(IndexerContract):
         else:
           assert v == ordered[k - 1], (trial, k, v, ordered[k - 1])
 
+  @pytest.mark.parametrize("interpolate", [False, True], ids=["bisect", "interpolate"])
   @pytest.mark.parametrize("lean", [False, True], ids=["held", "lean_select"])
-  def test_select_full_width_candidates(self, lean):
+  def test_select_full_width_candidates(self, lean, interpolate):
     # The select's full-width path (more than cap / 2 candidates; v10b streams it in two halves)
     # on a list whose largest keys come last: 400 candidates of 512 places in ascending order, k =
     # 20 (the k-th largest past 2.0: no leading bits in common with the first half's keys).
@@ -401,7 +409,7 @@ class TestPallasTritonIndexer(IndexerContract):
     got = np.asarray(pallas_topk.select_positions(
         jnp.asarray(keys[order[:1]]), jnp.asarray(cand_keys), jnp.asarray(cand_pos),
         jnp.asarray([[400]], jnp.int32), jnp.asarray(logits), jnp.asarray([4096], jnp.int32), 20,
-        16, params, lean=lean, interpret=True))
+        16, params, lean=lean, interpolate=interpolate, interpret=True))
     assert set(got[0].tolist()) == lowest_index_topk(logits[0], 4096, 20)
 
   def test_group_maxima_match_xla(self):
@@ -464,12 +472,15 @@ class TestPallasTritonIndexer(IndexerContract):
     assert text.count("__gpu$xla.gpu.triton") == len(names) and sorted(modules) == sorted(names)
     assert all(ok for ok, _ in modules.values()), modules
 
-  @pytest.mark.parametrize("t,s,knobs", [(4096, 32768, {**SECTORS_FUSED_LEAN, "select_warps": 8}),
-                                          (6, 5000, {"lean_select": True})],
-                           ids=["select_warps8", "short"])
-  def test_lean_select_lowers_for_hopper(self, monkeypatch, t, s, knobs):
+  @pytest.mark.parametrize("t,s,knobs", [
+      (4096, 32768, {**SECTORS_FUSED_LEAN, "select_warps": 8}), (6, 5000, {"lean_select": True}),
+      (128, 131072, {**SECTORS, "interpolate": True}),
+      (4096, 32768, SECTORS_FUSED_LEAN_INTERPOLATED), (6, 5000, INTERPOLATED)],
+      ids=["select_warps8", "short", "interpolate_long", "interpolate_many", "interpolate_short"])
+  def test_four_kernel_forms_lower_for_hopper(self, monkeypatch, t, s, knobs):
     # v10b's lean select at 8 warps with many rows' other knobs, and with short rows' (theta
-    # apart): each module verified. At 4 warps (SECTORS_FUSED_LEAN at 4096 x 32768) it is
+    # apart); v12's interpolating theta and select in few long rows', many rows' and short rows'
+    # forms: each module verified. v10b at 4 warps (SECTORS_FUSED_LEAN at 4096 x 32768) is
     # test_sectors_lowers_for_hopper[4096-32768-sectors_fused]'s program (lean_select None picks
     # DEFAULT_MANY_ROWS' True there: equal jaxprs), whose checks include these.
     text, modules = self.lowered_topk_modules(monkeypatch, t, s, knobs)

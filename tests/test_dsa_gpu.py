@@ -363,9 +363,12 @@ def test_mosaic_indexer_compute_wgs_match_reference(compute_wgs):
                             "s": 131072},
     {"lean_select": True}, {"lean_select": True, "select_warps": 4},
     {"row_resident": True}, {"row_resident": True, "s": 16384},
-    {"row_resident": True, "interpolate": True}],
+    {"row_resident": True, "interpolate": True},
+    {"row_resident": False, "interpolate": True, "s": 131072},
+    {"row_resident": False, "interpolate": True, "fused_theta": True, "lean_select": True}],
     ids=["default", "per_lane", "fused_theta", "sectors_fused", "sectors", "lean_select",
-         "lean_select_w4", "row_resident", "row_resident_16k", "row_resident_interpolate"])
+         "lean_select_w4", "row_resident", "row_resident_16k", "row_resident_interpolate",
+         "interpolate_131072", "interpolate_sectors_fused"])
 @pytest.mark.parametrize("kind", ["normal", "ties", "few_ties"])
 def test_topk_sets_match_lax_top_k(kind, variant):
   # variant: {} through the backend (this shape's default, v9's sector maxima and threshold with
@@ -374,7 +377,8 @@ def test_topk_sets_match_lax_top_k(kind, variant):
   # fused (many rows' default), or the sector form at 131072 positions (what it is for); v10b's
   # lean select at 8 and 4 warps ("ties" rows overflow half the list: its streamed path); v11's
   # one kernel a row at 32768 (16 warps) and 16384 positions (8 warps), and with v11b's
-  # interpolating search.
+  # interpolating search; v12's interpolating theta and select on the four-kernel path, at 131072
+  # (few long rows' form) and in many rows' form.
   variant = dict(variant)
   t, s = 128, variant.pop("s", 32768)
   x = jax.random.normal(jax.random.key(2), (t, s), jnp.float32)
