@@ -32,8 +32,8 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            group maxima or not), v10b's (`lean_select` flipped: for many rows; also at 8 select
            warps), and at rows up to 32K v11 (`row_resident`: one kernel a row, its keys in
            registers, bisecting) and v11b (its search interpolating: the default there); v12
-           (the four-kernel path's theta and select interpolating); --topk-rows keeps only
-           some of them (named by their first word).
+           (the four-kernel path's select interpolating, flipped: many rows' default);
+           --topk-rows keeps only some of them (named by their first word).
   step     one layer's DSA decode step: indexer logits + top-k + slots + sparse attention (N=128,
            fp8_ds_mla latent cache), 128 decode rows at 32K context each; pallas_triton's and the
            `pallas` default's.
@@ -255,13 +255,13 @@ def run_topk(args, t, s):
   # v3's per-lane threshold, v9's sector threshold (the other way from the shape's), each with its
   # theta, its theta flipped (fused with the maxima or not), v10b's lean select flipped (8 warps
   # too: fewer registers a thread let two 8-warp programs reside an SM), and v11's one kernel a
-  # row (rows up to its limit; v11b: its search interpolating); v12: the four-kernel path's theta
-  # and select interpolating.
+  # row (rows up to its limit; v11b: its search interpolating); v12: the four-kernel path's select
+  # interpolating (flipped).
   default = pallas_topk.default_config(t, s)
   knobs_of = lambda c: dict(per_lane=c.per_lane, fused_theta=c.fused_theta, sectors=c.sectors,
                             lean_select=c.lean_select, select_warps=c.select_warps,
                             row_resident=c.row_resident, interpolate=c.interpolate)
-  four = dict(knobs_of(default), row_resident=False, interpolate=False)  # the four-kernel path
+  four = knobs_of(pallas_topk.four_kernel_config(t, s))  # the four-kernel path
   plain = dict(four, per_lane=False, sectors=False)
   forms = {"four-kernel (row_resident=False)": four,
            "v2 (block compaction)": dict(plain, fused_theta=False),
@@ -273,9 +273,10 @@ def run_topk(args, t, s):
            f"v10b, lean_select={not default.lean_select}": dict(
                four, lean_select=not default.lean_select),
            "v10b, lean_select, select_warps=8": dict(four, lean_select=True, select_warps=8),
-           "v12, four-kernel interpolate": dict(four, interpolate=True)}
+           f"v12, interpolate={not four['interpolate']}": dict(
+               four, interpolate=not four["interpolate"])}
   if s <= pallas_topk.RESIDENT_MAX:
-    forms["v11, row_resident (bisection)"] = dict(four, row_resident=True)
+    forms["v11, row_resident (bisection)"] = dict(four, row_resident=True, interpolate=False)
     forms["v11b, row_resident, interpolate"] = dict(four, row_resident=True, interpolate=True)
   variants = {}
   for name, knobs in forms.items():  # each program once, the default's not again

@@ -120,8 +120,8 @@ class TopkConfig:
   row_resident: bool = False
   # v11b: row_resident's search interpolates its next threshold between the bounds' counts
   # (`_interpolated_search`) instead of bisecting the key bits: ~12 passes instead of ~21 on
-  # random rows (RESULTS.md, top-k v11b). v12: so do the four-kernel path's theta (all bits of
-  # a threshold at least k maxima reach, not the top `_THETA_BITS`) and select.
+  # random rows (RESULTS.md, top-k v11b). v12: so does the four-kernel path's select (its
+  # theta keeps the bisection of the top `_THETA_BITS` bits: interpolated, it measured slower).
   interpolate: bool = False
 
   def __post_init__(self):
@@ -156,9 +156,13 @@ class TopkConfig:
 # (lean_select; session 14, one process): 4096 x 32768 0.770 -> 0.729 ms (its select at 4 warps
 # no longer spills), so many rows take it; at 128 rows it moves only the select (13-14 us) and
 # timed within noise both ways (131072 0.0758 / 0.0667, 32768 0.0705 / 0.0751): not taken there.
+# v12 (interpolate: the select's search interpolating; session 25, in turn, 20-200 calls a
+# timing): 4096 x 32768 0.7275 -> 0.6695 ms (the select 179 -> 87 us), so many rows take it; 128 x
+# 131072 0.0648 / 0.0647 and 128 x 32768 0.0705 / 0.0719 (equal): not taken there.
 DEFAULT = TopkConfig(1024, 4, 1, 8)
 DEFAULT_LONG_ROWS = TopkConfig(1024, 4, 1, 8, sectors=True)
-DEFAULT_MANY_ROWS = TopkConfig(1024, 4, 1, 4, fused_theta=True, sectors=True, lean_select=True)
+DEFAULT_MANY_ROWS = TopkConfig(1024, 4, 1, 4, fused_theta=True, sectors=True, lean_select=True,
+                               interpolate=True)
 # v11b (session 15, H200, one process, ms, four kernels / v11 / v11b at k=2048): 32768 positions
 # 16 rows 0.068 / 0.043 / 0.050, 64 0.0595 / 0.041 / 0.038, 128 0.075 / 0.054 / 0.049, 264 0.069 /
 # 0.072 / 0.063, 512 0.108 / 0.124 / 0.102, 4096 0.739 / 0.858 / 0.696; 16384 positions 1.1-1.6x
@@ -261,26 +265,21 @@ def _maxima_kernel(logits_ref, len_ref, max_ref, *, groups):
   max_ref[...] = _keys(x, inside).max(axis=0)
 
 
-def _theta(maxima, k, bits, interpolate):
+def _theta(maxima, k, bits):
   """Theta of a row from its group maxima (INT_MIN padded): the top `bits` bits of the k-th
-  largest; interpolate (v12): `_interpolated_search`'s threshold, which at least k maxima reach
-  (the k-th largest, or a threshold exactly k reach), all bits."""
+  largest."""
   valid = maxima > _INT_MIN
-  n_valid = valid.astype(jnp.int32).sum()
-  enough = n_valid >= k
+  enough = valid.astype(jnp.int32).sum() >= k
   lo = jnp.where(enough, jnp.where(valid, maxima, _INT_MAX).min(), _INT_MIN)
-  if interpolate:
-    return _interpolated_search(lambda threshold: (maxima >= threshold).astype(jnp.int32).sum(),
-                                k, lo, jnp.where(enough, maxima.max(), _INT_MIN), n_valid)[0]
   return _kth_largest(lambda i: maxima, 1, k, lo, maxima.max(), bits)
 
 
-def _theta_kernel(max_ref, theta_ref, *, k, bits, interpolate):
+def _theta_kernel(max_ref, theta_ref, *, k, bits):
   # max_ref [mp] int32 (this row's group maxima, INT_MIN padded); theta_ref [T] int32
-  theta_ref[pl.program_id(0)] = _theta(max_ref[...], k, bits, interpolate)
+  theta_ref[pl.program_id(0)] = _theta(max_ref[...], k, bits)
 
 
-def _maxima_theta_kernel(logits_ref, len_ref, theta_ref, *, k, bits, interpolate, groups, width):
+def _maxima_theta_kernel(logits_ref, len_ref, theta_ref, *, k, bits, groups, width):
   # Steps 1 and 2 in one program per row, the maxima in registers (never written): for many rows,
   # which fill the SMs a program a row. logits_ref [T, S] f32; len_ref [T] int32; theta_ref [T]
   # int32. Group c is {c, c + m, c + 2m, ...}, as in `_maxima_kernel`; a step reads one member of
@@ -298,7 +297,7 @@ def _maxima_theta_kernel(logits_ref, len_ref, theta_ref, *, k, bits, interpolate
     return jnp.maximum(maxima, _keys(x, inside))
 
   maxima = lax.fori_loop(0, groups, member, jnp.full((width,), _INT_MIN, jnp.int32))
-  theta_ref[t] = _theta(maxima, k, bits, interpolate)
+  theta_ref[t] = _theta(maxima, k, bits)
 
 
 def _threshold_kernel(theta_ref, logits_ref, len_ref, cand_key_ref, cand_pos_ref, count_ref, *,
@@ -404,8 +403,8 @@ def _sector_maxima_kernel(logits_ref, len_ref, max_ref, sec_ref, *, groups, m8, 
   sec_ref[...] = keys.max(axis=2)
 
 
-def _sector_maxima_theta_kernel(logits_ref, len_ref, theta_ref, sec_ref, *, k, bits, interpolate,
-                                groups, m8, masked):
+def _sector_maxima_theta_kernel(logits_ref, len_ref, theta_ref, sec_ref, *, k, bits, groups, m8,
+                                masked):
   # `_maxima_theta_kernel` for v9 (`sectors` with `fused_theta`), groups as in
   # `_sector_maxima_kernel`: a step reads one member of every group, m8 contiguous positions, and
   # writes their sector maxima. logits_ref [T, S] f32; len_ref [T] int32; theta_ref [T] int32;
@@ -428,7 +427,7 @@ def _sector_maxima_theta_kernel(logits_ref, len_ref, theta_ref, sec_ref, *, k, b
     return jnp.maximum(maxima, keys)
 
   maxima = lax.fori_loop(0, groups, member, jnp.full((sectors, _SECTOR), _INT_MIN, jnp.int32))
-  theta_ref[t] = _theta(maxima, k, bits, interpolate)
+  theta_ref[t] = _theta(maxima, k, bits)
 
 
 def _sector_threshold_kernel(theta_ref, sec_ref, logits_ref, len_ref, ids_ref, cand_key_ref,
@@ -496,6 +495,49 @@ def _sector_threshold_kernel(theta_ref, sec_ref, logits_ref, len_ref, ids_ref, c
   count_ref[t, p] = count
 
 
+def _select_among(out_ref, source, num_chunks, hi, reach_theta, *, theta, k, s, interpolate):
+  """Writes a row's selection into out_ref [k] (the select step's), in no order, from its
+  keys >= theta, `source(i)` -> (keys, positions), i < num_chunks (keys <= hi; reach_theta of them
+  reach theta and are valid; s: the row's positions); returns how many positions it wrote."""
+  total = lambda f: lax.fori_loop(0, num_chunks,
+                                  lambda i, n: n + f(*source(i)).astype(jnp.int32).sum(), 0)
+  if interpolate:
+    # v12: v is the k-th largest key or a threshold exactly n = k keys reach (then no ties to
+    # resolve); INT_MIN when at most k keys are valid (all taken).
+    enough = reach_theta > k
+    v, n = _interpolated_search(
+        lambda threshold: total(lambda key, pos: key >= threshold), k,
+        jnp.where(enough, theta, _INT_MIN), jnp.where(enough, hi, _INT_MIN), reach_theta)
+  else:
+    v, n = _kth_largest(lambda i: source(i)[0], num_chunks, k, theta, hi), jnp.int32(-1)
+  tie = lambda key, pos: (key == v) & (v > _INT_MIN)
+
+  def ties(_):
+    # Ties at v fill the rest; with fewer than k valid keys (v = INT_MIN) there are none to
+    # take. Of the ties, the `need` lowest positions: those whose s-1-pos reaches the need-th
+    # largest s-1-pos over the ties; every tie (0) when they all fit. (The branches compute
+    # from `need`: a constant result does not lower to Triton.)
+    need = jnp.where(v > _INT_MIN, k - total(lambda key, pos: key > v), 0)
+
+    def tie_keys(i):
+      key, pos = source(i)
+      return jnp.where(tie(key, pos), s - 1 - pos, _INT_MIN)
+
+    return lax.cond(total(tie) > need,
+                    lambda m: _kth_largest(tie_keys, num_chunks, m, 0, s - 1),
+                    lambda m: m * 0, need)
+
+  last = lax.cond(n == k, lambda m: m * 0, ties, n)
+
+  def body(i, written):
+    key, pos = source(i)
+    dst, taken = _compact((key > v) | (tie(key, pos) & (s - 1 - pos >= last)), written, k)
+    plgpu.store(out_ref.at[dst], pos, mask=dst < k)
+    return written + taken
+
+  return lax.fori_loop(0, num_chunks, body, jnp.int32(0))
+
+
 def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref, len_ref, out_ref,
                    *, k, chunk, fill, lean, interpolate):
   # theta_ref [T] int32; cand_key_ref, cand_pos_ref [P * cap] int32 (this row's segments' places);
@@ -509,47 +551,8 @@ def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref,
   counts = [count_ref[t, p] for p in range(segments)]
   count = sum(counts)
   length = jnp.clip(len_ref[t], 0, s)
-
-  def select(source, num_chunks, hi, reach_theta):
-    """Writes the selection among `source(i)` -> (keys, positions), i < num_chunks (keys <= hi;
-    reach_theta of them reach theta and are valid); returns how many positions it wrote."""
-    total = lambda f: lax.fori_loop(0, num_chunks,
-                                    lambda i, n: n + f(*source(i)).astype(jnp.int32).sum(), 0)
-    if interpolate:
-      # v12: v is the k-th largest key or a threshold exactly n = k keys reach (then no ties to
-      # resolve); INT_MIN when at most k keys are valid (all taken).
-      enough = reach_theta > k
-      v, n = _interpolated_search(
-          lambda threshold: total(lambda key, pos: key >= threshold), k,
-          jnp.where(enough, theta, _INT_MIN), jnp.where(enough, hi, _INT_MIN), reach_theta)
-    else:
-      v, n = _kth_largest(lambda i: source(i)[0], num_chunks, k, theta, hi), jnp.int32(-1)
-    tie = lambda key, pos: (key == v) & (v > _INT_MIN)
-
-    def ties(_):
-      # Ties at v fill the rest; with fewer than k valid keys (v = INT_MIN) there are none to
-      # take. Of the ties, the `need` lowest positions: those whose s-1-pos reaches the need-th
-      # largest s-1-pos over the ties; every tie (0) when they all fit. (The branches compute
-      # from `need`: a constant result does not lower to Triton.)
-      need = jnp.where(v > _INT_MIN, k - total(lambda key, pos: key > v), 0)
-
-      def tie_keys(i):
-        key, pos = source(i)
-        return jnp.where(tie(key, pos), s - 1 - pos, _INT_MIN)
-
-      return lax.cond(total(tie) > need,
-                      lambda m: _kth_largest(tie_keys, num_chunks, m, 0, s - 1),
-                      lambda m: m * 0, need)
-
-    last = lax.cond(n == k, lambda m: m * 0, ties, n)
-
-    def body(i, written):
-      key, pos = source(i)
-      dst, taken = _compact((key > v) | (tie(key, pos) & (s - 1 - pos >= last)), written, k)
-      plgpu.store(out_ref.at[dst], pos, mask=dst < k)
-      return written + taken
-
-    return lax.fori_loop(0, num_chunks, body, jnp.int32(0))
+  select = functools.partial(_select_among, out_ref, theta=theta, k=k, s=s,
+                             interpolate=interpolate)
 
   def candidates(lane):
     # Lane j holds the j-th candidate in segment order: segment p's are after the earlier ones'.
@@ -596,7 +599,7 @@ def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref,
 
 
 def _interpolated_search(count, k, lo, hi, n_lo):
-  """The threshold search of v11b (`_resident_kernel`) and v12 (theta and select): the k-th
+  """The threshold search of v11b (`_resident_kernel`) and v12 (the select): the k-th
   largest key, or a threshold exactly k keys reach (then n == k), given lo (n_lo keys reach it,
   n_lo >= k; lo itself when n_lo == k) and the largest key hi (lo == hi == INT_MIN: no pass,
   INT_MIN): (threshold, n). count(threshold) counts the keys that reach a threshold. On the
@@ -761,12 +764,11 @@ def group_maxima(logits: jax.Array, seq_lens: jax.Array, groups: int, width: int
 
 
 def row_theta(maxima: jax.Array, topk: int, params: plgpu.CompilerParams, *,
-              bits: int = _THETA_BITS, interpolate: bool = False,
-              interpret: bool = False) -> jax.Array:
+              bits: int = _THETA_BITS, interpret: bool = False) -> jax.Array:
   """Step 2: int32 [T], each row's theta (its top `bits` bits)."""
   t = maxima.shape[0]
   return pl.pallas_call(
-      functools.partial(_theta_kernel, k=topk, bits=bits, interpolate=interpolate),
+      functools.partial(_theta_kernel, k=topk, bits=bits),
       grid=(t,),
       in_specs=[_row(maxima.shape[1])],
       out_specs=pl.BlockSpec((t,), lambda i: (0,)),
@@ -779,13 +781,12 @@ def row_theta(maxima: jax.Array, topk: int, params: plgpu.CompilerParams, *,
 
 def fused_row_theta(logits: jax.Array, seq_lens: jax.Array, topk: int, groups: int, width: int,
                     params: plgpu.CompilerParams, *, bits: int = _THETA_BITS,
-                    interpolate: bool = False, interpret: bool = False) -> jax.Array:
+                    interpret: bool = False) -> jax.Array:
   """Steps 1 and 2 fused, a program per row: int32 [T], each row's theta (as `row_theta` of
   `group_maxima`)."""
   t = logits.shape[0]
   return pl.pallas_call(
-      functools.partial(_maxima_theta_kernel, k=topk, bits=bits, interpolate=interpolate,
-                        groups=groups, width=width),
+      functools.partial(_maxima_theta_kernel, k=topk, bits=bits, groups=groups, width=width),
       grid=(t,),
       in_specs=[_whole(logits), _whole(seq_lens)],
       out_specs=pl.BlockSpec((t,), lambda i: (0,)),
@@ -871,15 +872,14 @@ def threshold_candidates(theta: jax.Array, logits: jax.Array, seq_lens: jax.Arra
 
 def fused_sector_theta(logits: jax.Array, seq_lens: jax.Array, topk: int, groups: int, m8: int,
                        params: plgpu.CompilerParams, *, bits: int = _THETA_BITS,
-                       interpolate: bool = False,
                        interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """`sector_maxima` and `row_theta` fused, a program per row: (int32 [T], each row's theta;
   int32 [T, groups * next_pow2(m8) / 8], the sector maxima as `sector_maxima`'s)."""
   t, s = logits.shape
   width = next_pow2(m8)
   theta, sectors = pl.pallas_call(
-      functools.partial(_sector_maxima_theta_kernel, k=topk, bits=bits, interpolate=interpolate,
-                        groups=groups, m8=m8, masked=groups * m8 != s or m8 != width),
+      functools.partial(_sector_maxima_theta_kernel, k=topk, bits=bits, groups=groups, m8=m8,
+                        masked=groups * m8 != s or m8 != width),
       grid=(t,),
       in_specs=[_whole(logits), _whole(seq_lens)],
       out_specs=[pl.BlockSpec((t,), lambda i: (0,)),
@@ -1009,18 +1009,17 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: 
   m8 = pl.cdiv(pl.cdiv(s, g), _SECTOR) * _SECTOR  # v9's groups {j, j + m8, ...}: whole sectors
   if config.sectors and config.fused_theta:
     theta, sector_max = fused_sector_theta(logits, seq_lens, topk, g, m8, params(_THETA_WARPS),
-                                           interpolate=config.interpolate, interpret=interpret)
+                                           interpret=interpret)
   elif config.sectors:
     maxima, sector_max = sector_maxima(logits, seq_lens, g, m8, next_pow2(m8),
                                        interpret=interpret)
   elif config.fused_theta:
     theta = fused_row_theta(logits, seq_lens, topk, g, width, params(_THETA_WARPS),
-                            interpolate=config.interpolate, interpret=interpret)
+                            interpret=interpret)
   else:
     maxima = group_maxima(logits, seq_lens, g, width, interpret=interpret)
   if not config.fused_theta:
-    theta = row_theta(maxima, topk, params(_THETA_WARPS), interpolate=config.interpolate,
-                      interpret=interpret)
+    theta = row_theta(maxima, topk, params(_THETA_WARPS), interpret=interpret)
   if config.sectors:
     cand_keys, cand_pos, counts = sector_candidates(theta, sector_max, logits, seq_lens, m8, cap,
                                                     chunk, params(config.num_warps),

@@ -99,7 +99,7 @@ SECTORS_FUSED_LEAN = {**SECTORS_FUSED, "lean_select": True}
 # interpolating.
 RESIDENT = {"row_resident": True}
 RESIDENT_INTERPOLATED = {**RESIDENT, "interpolate": True}
-# v12: the four-kernel path's theta and select interpolating (apart, and many rows' fused form).
+# v12: the four-kernel path's select interpolating (theta apart, and many rows' fused form).
 INTERPOLATED = {"row_resident": False, "interpolate": True}
 SECTORS_FUSED_LEAN_INTERPOLATED = {**SECTORS_FUSED_LEAN, **INTERPOLATED}
 
@@ -113,7 +113,7 @@ class TestPallasTritonIndexer(IndexerContract):
     # forms no default takes (v3's per-lane threshold, theta fused without sectors): the segments
     # and lane-slot cases below. Many rows' form with v10b's lean select (`SECTORS_FUSED_LEAN`);
     # v11's one kernel (`RESIDENT`, and v11b's search: `RESIDENT_INTERPOLATED`); v12's
-    # interpolating theta and select (`INTERPOLATED`, and in many rows' form).
+    # interpolating select (`INTERPOLATED`, and in many rows' form).
     return super().topk_variants() + [
         functools.partial(pallas_topk.topk_positions, interpret=True, **knobs)
         for knobs in (SECTORS, SECTORS_FUSED, SECTORS_FUSED_LEAN, RESIDENT, RESIDENT_INTERPOLATED,
@@ -479,8 +479,8 @@ class TestPallasTritonIndexer(IndexerContract):
       ids=["select_warps8", "short", "interpolate_long", "interpolate_many", "interpolate_short"])
   def test_four_kernel_forms_lower_for_hopper(self, monkeypatch, t, s, knobs):
     # v10b's lean select at 8 warps with many rows' other knobs, and with short rows' (theta
-    # apart); v12's interpolating theta and select in few long rows', many rows' and short rows'
-    # forms: each module verified. v10b at 4 warps (SECTORS_FUSED_LEAN at 4096 x 32768) is
+    # apart); v12's interpolating select in few long rows', many rows' and short rows' forms: each
+    # module verified. v10b at 4 warps (SECTORS_FUSED_LEAN at 4096 x 32768) is
     # test_sectors_lowers_for_hopper[4096-32768-sectors_fused]'s program (lean_select None picks
     # DEFAULT_MANY_ROWS' True there: equal jaxprs), whose checks include these.
     text, modules = self.lowered_topk_modules(monkeypatch, t, s, knobs)
@@ -514,6 +514,9 @@ class TestPallasTritonIndexer(IndexerContract):
     # v10b's streamed full-width select for many rows (session 14: 1.06x at 4096 x 32768).
     assert pallas_topk.DEFAULT_MANY_ROWS.lean_select
     assert not pallas_topk.DEFAULT_LONG_ROWS.lean_select
+    # v12's interpolating select for many rows (session 25: 1.09x at 4096 x 32768, equal at 128).
+    assert pallas_topk.DEFAULT_MANY_ROWS.interpolate
+    assert not (pallas_topk.DEFAULT_LONG_ROWS.interpolate or pallas_topk.DEFAULT.interpolate)
 
   @pytest.mark.parametrize("fused", [False, True], ids=["sectors", "sectors_fused"])
   @pytest.mark.parametrize("t,s", [(128, 131072), (128, 32768), (4096, 32768), (6, 5000)])

@@ -377,8 +377,8 @@ def test_topk_sets_match_lax_top_k(kind, variant):
   # fused (many rows' default), or the sector form at 131072 positions (what it is for); v10b's
   # lean select at 8 and 4 warps ("ties" rows overflow half the list: its streamed path); v11's
   # one kernel a row at 32768 (16 warps) and 16384 positions (8 warps), and with v11b's
-  # interpolating search; v12's interpolating theta and select on the four-kernel path, at 131072
-  # (few long rows' form) and in many rows' form.
+  # interpolating search; v12's interpolating select on the four-kernel path, at 131072 (few long
+  # rows' form) and in many rows' form.
   variant = dict(variant)
   t, s = 128, variant.pop("s", 32768)
   x = jax.random.normal(jax.random.key(2), (t, s), jnp.float32)
