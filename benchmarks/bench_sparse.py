@@ -38,8 +38,10 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            fp8_ds_mla latent cache), 128 decode rows at 32K context each; pallas_triton's and the
            `pallas` default's.
 Columns: S is the context a row selects from or scores (positions). Two input sets are rotated
-per case. `--quick` (~3 minutes on the H200): T=128 for sparse and indexer, the two 128-row top-k
-cases and the step. `--sweep` times each kernel's tuning variants (SWEEPS) at one case a part
+per case, and a case's rows (backends, configs, forms) are timed in turn, repeat by repeat, so the
+machine's drift between timings falls on all of them alike (the reference once, after them).
+`--quick` (~3 minutes on the H200): T=128 for sparse and indexer, the two 128-row top-k cases and
+the step. `--sweep` times each kernel's tuning variants (SWEEPS) at one case a part
 instead: sparse at T=128, N=128 (both caches), indexer at T=2048 over 32K (and pallas_mosaic's at
 T=128 over 128K too), top-k at 128 x 131072; `--sweep-kernels` narrows it to some kernels.
 """
@@ -165,9 +167,7 @@ def run_sparse(args, t, n, kind, cache, valid=TOPK):
       {} if valid == TOPK else {"valid": valid})
   # Caches are arguments, never closed over: jit would embed a closed-over array as a constant.
   fn = lambda be: jax.jit(functools.partial(be.sparse_attention, scale=SCALE, kv_lora_rank=L))
-  rows = [timed_row(args, case(kind), fn, sets, case_bytes, flops)]
-  rows.append(timed_row(args, case(kind), fn, sets, case_bytes, flops,
-                        xla_ms=rows[0].get("xla ms"), backend="pallas_mosaic"))
+  entries = [(case(kind), fn, "pallas_triton"), (case(kind), fn, "pallas_mosaic")]
   # The Mosaic kernel's other configs: its SWEEP beside the chosen CONFIG.
   for cfg in () if args.no_sweep_rows else pallas_mosaic_sparse.SWEEP:
     changed = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()
@@ -184,9 +184,8 @@ def run_sparse(args, t, n, kind, cache, valid=TOPK):
       # pipeline is named and steps 64 slots).
       continue
     other = lambda be, cfg=cfg: jax.jit(functools.partial(mosaic_sparse_variant, cfg=cfg))
-    rows.append(timed_row(args, case(f"{kind} {changed}"), other, sets, case_bytes, flops,
-                          xla_ms=rows[0].get("xla ms"), backend="pallas_mosaic"))
-  return rows
+    entries.append((case(f"{kind} {changed}"), other, "pallas_mosaic"))
+  return timed_rows(args, entries, sets, case_bytes, flops)
 
 
 def caches_in_turn(args, t, n, caches, valid=TOPK):
@@ -228,28 +227,24 @@ def run_indexer(args, t, context):
   case_bytes = distinct_tokens * K_TOKEN_BYTES + t * context * 4
   flops = 2 * H * D * visible
   fn = lambda be: jax.jit(be.indexer_logits if be is not REFERENCE else chunked_reference_indexer)
-  rows = [timed_row(args, case_row("indexer", t, context=context, cache="fp8 x fp8"), fn, sets,
-                    case_bytes, flops)]
+  case = lambda label: case_row("indexer", t, context=context, cache=label)
   # The same kernel with the e4m3 inputs multiplied as bf16 (wgmma instead of mma.sync).
   widened = lambda be: jax.jit(lambda *a: pallas_indexer.indexer_logits(
       *kernel_inputs(*a), widen_fp8=True, interpret=jax.default_backend() != "gpu"))
-  rows.append(timed_row(args, case_row("indexer", t, context=context, cache="fp8 as bf16"), widened,
-                        sets, case_bytes, flops, xla_ms=rows[0].get("xla ms")))
   # The Mosaic GPU kernel (fp8 wgmma) and the `pallas` default, against the same XLA.
-  for name in ("pallas_mosaic", "pallas"):
-    rows.append(timed_row(args, case_row("indexer", t, context=context, cache=f"fp8 {name}"),
-                          lambda be, name=name: jax.jit(get_backend(name).indexer_logits), sets,
-                          case_bytes, flops, xla_ms=rows[0].get("xla ms")))
-  return rows
+  others = [(case(f"fp8 {name}"), lambda be, name=name: jax.jit(get_backend(name).indexer_logits),
+             "pallas_triton") for name in ("pallas_mosaic", "pallas")]
+  return timed_rows(args, [(case("fp8 x fp8"), fn, "pallas_triton"),
+                           (case("fp8 as bf16"), widened, "pallas_triton")] + others,
+                    sets, case_bytes, flops)
 
 
 def run_topk(args, t, s):
   sets = [(jax.random.normal(jax.random.key(300 + i), (t, s), jnp.float32),
            jnp.full((t,), s, jnp.int32)) for i in range(2)]
   case_bytes = t * s * 4 + t * TOPK * 4
-  row = case_row("topk", t, context=s, cache="default")
   fn = lambda be: jax.jit(lambda x, lens: be.topk(x, lens, TOPK))
-  rows = [timed_row(args, row, fn, sets, case_bytes, None)]
+  entries = [(case_row("topk", t, context=s, cache="default"), fn, "pallas_triton")]
   # Each form beside the default (every knob named; a form equal to the default's is left out):
   # the default's four-kernel path (row_resident off), its v2 (block-wide compaction per chunk),
   # v3's per-lane threshold, v9's sector threshold (the other way from the shape's), each with its
@@ -288,9 +283,8 @@ def run_topk(args, t, s):
   for name, knobs in variants.items():
     variant = lambda be, knobs=knobs: jax.jit(lambda x, lens: pallas_topk.topk_positions(
         x, lens, TOPK, interpret=jax.default_backend() != "gpu", **knobs))
-    rows.append(timed_row(args, case_row("topk", t, context=s, cache=name), variant, sets,
-                          case_bytes, None, xla_ms=rows[0].get("xla ms")))
-  return rows
+    entries.append((case_row("topk", t, context=s, cache=name), variant, "pallas_triton"))
+  return timed_rows(args, entries, sets, case_bytes, None)
 
 
 def run_step(args, t=128, context=32768):
@@ -317,71 +311,72 @@ def run_step(args, t=128, context=32768):
       return be.sparse_attention(q, latent, slots, scale=SCALE, kv_lora_rank=L)
     return step
 
-  row = case_row("step", t, n=128, context=context, cache="fp8_ds_mla")
-  rows = [timed_row(args, row, fn, sets, case_bytes, flops)]
-  # The same step through the `pallas` default (its indexer: pallas_mosaic's where faster).
-  row = case_row("step", t, n=128, context=context, cache="fp8_ds_mla pallas")
-  rows.append(timed_row(args, row, lambda be: fn(get_backend("pallas")), sets, case_bytes, flops,
-                        xla_ms=rows[0].get("xla ms")))
-  return rows
+  # pallas_triton's step and the same step through the `pallas` default (its indexer:
+  # pallas_mosaic's where faster).
+  return timed_rows(args, [
+      (case_row("step", t, n=128, context=context, cache="fp8_ds_mla"), fn, "pallas_triton"),
+      (case_row("step", t, n=128, context=context, cache="fp8_ds_mla pallas"),
+       lambda be: fn(get_backend("pallas")), "pallas_triton")], sets, case_bytes, flops)
 
 
 def run_sweep(args):
-  """Each kernel's SWEEPS variants at one case a part (no reference): config, ms, rates."""
+  """Each kernel's SWEEPS variants at one case a part (no reference), the variants of a case timed
+  in turn (`timed_rows`): config, ms, rates."""
   rows = []
 
-  def timed(row, fn, sets, case_bytes, flops):
-    try:  # a variant may not compile (shared memory, registers): record that and go on
-      row.update(rates(time_ms(jax.jit(fn), sets, iters=args.iters, repeats=args.repeats),
-                       bytes_moved=case_bytes, flops=flops))
-    except Exception as e:  # noqa: BLE001
-      row["error"] = f"{type(e).__name__}: {str(e)[:80]}"
-    print(row, flush=True)
-    rows.append(row)
+  def timed(cases, sets, case_bytes, flops):
+    # cases: (row, fn) of one case's variants; a variant may not compile (shared memory,
+    # registers): its row records that.
+    rows.extend(timed_rows(args, [(row, lambda be, fn=fn: jax.jit(fn), "pallas_triton")
+                                  for row, fn in cases], sets, case_bytes, flops,
+                           reference=False))
 
   t, n = 128, 128
-  if "sparse" in args.parts:
+  if "sparse" in args.parts and "sparse" in args.sweep_kernels:
     for kind in ("bf16", "fp8_ds_mla"):
       cache = latent_cache(kind, DECODE_CACHE_TOKENS, jax.random.key(1))
       sets = [(jax.random.normal(jax.random.key(100 + i), (t, n, L + R), jnp.bfloat16), cache,
                jax.random.randint(jax.random.key(110 + i), (t, TOPK), 0, DECODE_CACHE_TOKENS,
                                   jnp.int32)) for i in range(2)]
-      for cfg in SWEEPS["sparse"] if "sparse" in args.sweep_kernels else ():
-        if kind == "bf16":
-          fn = lambda q, c, s, cfg=cfg: pallas_sparse.sparse_attention(
-              q, c.data, s, scale=SCALE, kv_lora_rank=L, **cfg)
-        else:
-          fn = lambda q, c, s, cfg=cfg: pallas_sparse.sparse_attention_fp8_ds_mla(
-              q, c.nope, c.tile_scales, c.rope, s, scale=SCALE, **cfg)
-        timed({**case_row("sparse", t, n=n, context=DECODE_CACHE_TOKENS, cache=kind), **cfg}, fn,
-              sets, t * TOPK * ROW_BYTES[kind] + t * n * (L + R + L) * 2,
-              2 * t * n * TOPK * (L + R + L))
+      if kind == "bf16":
+        variant = lambda q, c, s, cfg: pallas_sparse.sparse_attention(
+            q, c.data, s, scale=SCALE, kv_lora_rank=L, **cfg)
+      else:
+        variant = lambda q, c, s, cfg: pallas_sparse.sparse_attention_fp8_ds_mla(
+            q, c.nope, c.tile_scales, c.rope, s, scale=SCALE, **cfg)
+      timed([({**case_row("sparse", t, n=n, context=DECODE_CACHE_TOKENS, cache=kind), **cfg},
+              functools.partial(variant, cfg=cfg)) for cfg in SWEEPS["sparse"]],
+            sets, t * TOPK * ROW_BYTES[kind] + t * n * (L + R + L) * 2,
+            2 * t * n * TOPK * (L + R + L))
       del cache, sets
   if "indexer" in args.parts:
-    t, context = 2048, 32768
-    sets = [kernel_inputs(*indexer_inputs(t, context, False, jax.random.key(200 + i)))
-            for i in range(2)]
-    for cfg in SWEEPS["indexer"] if "indexer" in args.sweep_kernels else ():
-      timed({**case_row("indexer", t, context=context, cache="fp8 x fp8"), **cfg},
-            functools.partial(pallas_indexer.indexer_logits, **cfg), sets,
-            context * K_TOKEN_BYTES + t * context * 4, 2 * H * D * int(sets[0][5].sum()))
-    for cfg in SWEEPS["mosaic_indexer"] if "mosaic_indexer" in args.sweep_kernels else ():
-      t, context = (2048, 32768) if cfg["rows"] == 4 else (128, 131072)
-      if sets[0][0].shape[0] != t:  # new inputs when the case changes (the SWEEP groups by rows)
-        sets = [kernel_inputs(*indexer_inputs(t, context, cfg["rows"] == 1,
-                                              jax.random.key(200 + i))) for i in range(2)]
-      distinct = context if cfg["rows"] == 4 else t * context
-      timed({**case_row("indexer", t, context=context, cache="fp8 pallas_mosaic"), **cfg},
-            functools.partial(pallas_mosaic_indexer.indexer_logits, **cfg), sets,
-            distinct * K_TOKEN_BYTES + t * context * 4, 2 * H * D * int(sets[0][5].sum()))
-  if "topk" in args.parts:
+    if "indexer" in args.sweep_kernels:
+      t, context = 2048, 32768
+      sets = [kernel_inputs(*indexer_inputs(t, context, False, jax.random.key(200 + i)))
+              for i in range(2)]
+      timed([({**case_row("indexer", t, context=context, cache="fp8 x fp8"), **cfg},
+              functools.partial(pallas_indexer.indexer_logits, **cfg))
+             for cfg in SWEEPS["indexer"]],
+            sets, context * K_TOKEN_BYTES + t * context * 4, 2 * H * D * int(sets[0][5].sum()))
+    # The Mosaic kernel's SWEEP in its two cases (rows=4 at T=2048 over 32K; rows=1, decode rows
+    # over 128K), each case's configs in turn.
+    mosaic = SWEEPS["mosaic_indexer"] if "mosaic_indexer" in args.sweep_kernels else ()
+    for rows_per_program in dict.fromkeys(cfg["rows"] for cfg in mosaic):
+      t, context = (2048, 32768) if rows_per_program == 4 else (128, 131072)
+      sets = [kernel_inputs(*indexer_inputs(t, context, rows_per_program == 1,
+                                            jax.random.key(200 + i))) for i in range(2)]
+      distinct = context if rows_per_program == 4 else t * context
+      timed([({**case_row("indexer", t, context=context, cache="fp8 pallas_mosaic"), **cfg},
+              functools.partial(pallas_mosaic_indexer.indexer_logits, **cfg))
+             for cfg in mosaic if cfg["rows"] == rows_per_program],
+            sets, distinct * K_TOKEN_BYTES + t * context * 4, 2 * H * D * int(sets[0][5].sum()))
+  if "topk" in args.parts and "topk" in args.sweep_kernels:
     t, s = 128, 131072
     sets = [(jax.random.normal(jax.random.key(300 + i), (t, s), jnp.float32),
              jnp.full((t,), s, jnp.int32)) for i in range(2)]
-    for cfg in SWEEPS["topk"] if "topk" in args.sweep_kernels else ():
-      timed({**case_row("topk", t, context=s), **cfg},
-            lambda x, lens, cfg=cfg: pallas_topk.topk_positions(x, lens, TOPK, **cfg), sets,
-            t * s * 4 + t * TOPK * 4, None)
+    timed([({**case_row("topk", t, context=s), **cfg},
+            lambda x, lens, cfg=cfg: pallas_topk.topk_positions(x, lens, TOPK, **cfg))
+           for cfg in SWEEPS["topk"]], sets, t * s * 4 + t * TOPK * 4, None)
   return rows
 
 
@@ -390,21 +385,37 @@ def case_row(part, t, *, n="", context="", cache=""):
   return {"part": part, "T": t, "N": n, "S": context, "cache": cache}
 
 
-def timed_row(args, row, fn, sets, case_bytes, flops, xla_ms=None, backend="pallas_triton"):
-  """Times fn(backend) and, unless --no-ref or given `xla_ms`, fn(reference) on the rotated sets."""
-  row["kernel"] = backend
-  try:
-    row.update(rates(time_ms(fn(get_backend(backend)), sets, iters=args.iters,
-                             repeats=args.repeats), bytes_moved=case_bytes, flops=flops))
-    if xla_ms is None and not args.no_ref:
-      xla_ms = time_ms(fn(REFERENCE), sets, warmup=1, iters=max(2, args.iters // 4), repeats=3)
-    if xla_ms is not None:
-      row["xla ms"] = xla_ms
-      row["speedup"] = xla_ms / row["ms"]
-  except Exception as e:  # noqa: BLE001  (a case that does not compile or fit: record it, go on)
-    row["error"] = f"{type(e).__name__}: {str(e)[:80]}"
-  print(row, flush=True)
-  return row
+def timed_rows(args, entries, sets, case_bytes, flops, reference=True):
+  """One case's rows, each entry (row, fn, backend) timing fn(get_backend(backend)) on the rotated
+  sets, all of them in turn, repeat by repeat (`time_interleaved`: the machine's drift between
+  separate timings moved a ~65 us top-k by tens of percent in session 25); then, unless --no-ref
+  or not `reference`, the first entry's fn(reference) once, every row's "xla ms" and speedup. A
+  program that does not compile or fit records its error and is left out of the timing."""
+  calls = {}
+  for i, (row, fn, backend) in enumerate(entries):
+    row["kernel"] = backend
+    try:
+      built = fn(get_backend(backend))
+      jax.block_until_ready(built(*sets[0]))
+      calls[i] = jax_calls(built, sets)
+    except Exception as e:  # noqa: BLE001  (record it, go on)
+      row["error"] = f"{type(e).__name__}: {str(e)[:80]}"
+  ms = time_interleaved(calls, iters=args.iters, repeats=args.repeats) if calls else {}
+  xla_ms = None
+  if reference and ms and not args.no_ref:
+    try:
+      xla_ms = time_ms(entries[0][1](REFERENCE), sets, warmup=1, iters=max(2, args.iters // 4),
+                       repeats=3)
+    except Exception as e:  # noqa: BLE001
+      entries[0][0]["xla error"] = f"{type(e).__name__}: {str(e)[:80]}"
+  for i, (row, _, _) in enumerate(entries):
+    if i in ms:
+      row.update(rates(ms[i], bytes_moved=case_bytes, flops=flops))
+      if xla_ms is not None:
+        row["xla ms"] = xla_ms
+        row["speedup"] = xla_ms / ms[i]
+    print(row, flush=True)
+  return [row for row, _, _ in entries]
 
 
 def main(argv=None):

@@ -185,6 +185,44 @@ def test_caches_in_turn_times_both_layouts_on_the_same_rows(monkeypatch):
   assert all((a[0] == b[0]).all() and (a[2] == b[2]).all() for a, b in zip(*same))
 
 
+def test_bench_sparse_times_a_cases_rows_in_turn(monkeypatch):
+  # A case's rows are timed in turn (repeat r of each before repeat r + 1 of any); one that does
+  # not build records its error and the others are still timed; the first entry's reference is
+  # timed once and gives every timed row its speedup (none with reference=False).
+  import argparse
+  import types
+  from benchmarks import bench_sparse
+  log = []
+
+  def backend(name):
+    return types.SimpleNamespace(name=name)
+
+  def fn(tag):
+    def build(be):
+      if tag == "broken":
+        raise ValueError("does not fit")
+      return lambda x: log.append((tag, be.name)) or x
+    return build
+
+  monkeypatch.setattr(bench_sparse, "get_backend", backend)
+  monkeypatch.setattr(bench_sparse, "REFERENCE", backend("reference"))
+  args = argparse.Namespace(iters=2, repeats=2, no_ref=False)
+  entries = [({"case": tag}, fn(tag), "pallas_triton") for tag in ("a", "broken", "b")]
+  rows = bench_sparse.timed_rows(args, entries, [(jax.numpy.zeros(3),)], 1000, None)
+  assert [r["case"] for r in rows] == ["a", "broken", "b"]
+  assert "does not fit" in rows[1]["error"] and "ms" not in rows[1]
+  assert all(r["ms"] > 0 and r["speedup"] > 0 and r["xla ms"] == rows[0]["xla ms"]
+             for r in (rows[0], rows[2]))
+  timed = [tag for tag, name in log if name == "pallas_triton"]
+  # Built and checked once each, warmed up (3 calls) in turn, then repeats of 2 calls in turn.
+  assert timed == ["a", "b"] + ["a"] * 3 + ["b"] * 3 + (["a"] * 2 + ["b"] * 2) * 2
+  assert {name for _, name in log} == {"pallas_triton", "reference"}
+  log.clear()
+  rows = bench_sparse.timed_rows(args, [({"case": "a"}, fn("a"), "pallas_triton")],
+                                 [(jax.numpy.zeros(3),)], 1000, None, reference=False)
+  assert "xla ms" not in rows[0] and {name for _, name in log} == {"pallas_triton"}
+
+
 def test_kernel_times_splits_an_ncu_log_at_its_markers():
   from benchmarks import kernel_times
   log = "\n".join([
