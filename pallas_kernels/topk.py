@@ -45,7 +45,11 @@ compacted in column order (a thread's keys are a column: a running count in the 
 cumsum across the threads). One read of the logits, one launch. v11b (`TopkConfig.interpolate`):
 the search interpolates its next threshold between its bounds' counts (~12 passes on random
 rows), bisecting where interpolation stalls: the default for rows of 16384 to 32768 positions
-(`default_config`; H200, session 15: 1.06-1.6x the four kernels at 16 to 4096 rows).
+(`default_config`; H200, session 15: 1.06-1.6x the four kernels at 16 to 4096 rows). v12 (the
+same `TopkConfig.interpolate` on the four-kernel path): step 4's search for v interpolates too,
+from theta to the largest candidate (`_select_among`); many rows' default (H200, session 25: the
+select 179 -> 87 us at 4096 x 32768). Theta keeps its bisection of the top bits, which measured
+faster than an exact interpolated theta.
 
 Not a radix select: a histogram of the keys' high bits needs scatter-adds into shared memory (or a
 warp's match). jax 0.11.2 offers none with an interpreter path: Pallas-Triton has no scratch
