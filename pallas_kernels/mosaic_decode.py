@@ -54,7 +54,7 @@ from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, vector
+from jaxlib.mlir.dialects import arith, llvm, memref, scf, vector
 
 from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
                                    REDUCTION_BYTES_PER_8_HEADS, check_decode_args,
@@ -63,8 +63,8 @@ from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
                                    one_wave_splits, padded_heads, partials_dtype, row_broadcast,
                                    run_scores, run_values, sm_count, softmax_step, split_range,
                                    step_variant, swizzled, SWIZZLE)
-from pallas_kernels.mosaic_lanes import (WIDE_MASK, WIDE_UNIT_FACTOR, placed_bf16x2,
-                                         warpgroup_thread, wide_load, wide_store)
+from pallas_kernels.mosaic_lanes import (WARPGROUP_THREADS, WIDE_MASK, WIDE_UNIT_FACTOR, lane_asm,
+                                         placed_bf16x2, warpgroup_thread, wide_load, wide_store)
 
 
 FP8_PIPELINES = ("serial", "half_pages", "shared_widening", "register_a")
@@ -158,26 +158,28 @@ class MosaicDecodeConfig:
   with kv_lora_rank 512 (H200, session 17, B=128 S=8192, one process: N=16 0.257 -> 0.245 ms,
   N=32 0.318 -> 0.296; benchmarks/RESULTS.md, "wide_values"); False keeps the shuffled relayout
   (the bit-identity test's oracle).
-  e4m3_scores (an fp8 cache with fp8_pipeline "register_a" only: True is a ValueError with the
-  other fp8 pipelines; bf16 caches ignore it): S^T = K Q^T by fp8 wgmma straight from shared
-  memory, A the e4m3 slot itself ([64 tokens, 576], K-major with the 64-byte swizzle), so
-  warpgroup 0 loads and converts no keys. q is split exactly into two e4m3 parts per head
-  (`_e4m3_queries`, q = hi + 2^-4 lo), one [2 x heads, 576] e4m3 tile (hi rows, then lo rows) that
-  is B of one wgmma of N = 2 x heads: [64 tokens, 2 x heads], its halves combined as
-  K hi^T + 2^-4 K lo^T before the score scale. One wgmma, not one a part: ptxas (13.5) kept the
-  two products' 36 loop-invariant B descriptors in ordinary registers and moved them back each
-  step (warpgroup 0's step, B=128 S=8192, SASS instructions a thread: N=16 481 without the knob,
-  470 with two wgmmas, 316 with one; N=32 640, 649 (and 2 spill loads a step), 483; warpgroup
-  1's: 354 and 437). The keys' bytes are the products' (no wide_keys: True is a ValueError with
-  it). None (the default): on wherever register_a runs, unless wide_keys=True asks for the f16
-  keys; False keeps the f16 keys in registers (H200, session 18, B=128 S=8192, one process:
-  N=16 0.243 -> 0.189 ms, N=32 0.292 -> 0.273 with 192-column promotion; benchmarks/RESULTS.md,
-  "e4m3_scores"). Session 17's misses of SPEC's tolerances were the split's lo parts folded to 0
-  by XLA (`_e4m3_queries`), not the fp8 accumulation. The accumulation has its own limit: Hopper's
-  fp8 wgmma keeps ~14 bits as it adds, so a logit carries an error of ~2^-14 of the partial sums'
-  magnitude. Ordinary logits (tens) stay within SPEC's tolerances; nearly one-hot rows with logits
-  in the thousands do not (H200, session 19: rows of q scaled by 2^15, cosine difference 9.4e-5
-  at 192-column promotion, 4e-3 at 576, against 1e-5): e4m3_scores=False keeps float32 sums there.
+  e4m3_scores (an fp8 cache with fp8_pipeline "register_a" only: True is a ValueError with the other
+  fp8 pipelines; bf16 caches ignore it): S^T = K Q^T by fp8 wgmma straight from shared memory, A the
+  e4m3 slot itself ([64 tokens, 576], K-major with the 64-byte swizzle), so warpgroup 0 loads and
+  converts no keys. q is split exactly into two e4m3 parts per head (`_e4m3_queries`, q = hi + 2^-4
+  lo) by warpgroup 0 itself before its first product, from q's bf16 row in GMEM (`_split_queries`:
+  H200, session 26, B=128 S=8192, bit-identical, 1.05x at 16 heads and 1.04x at 32 against the split
+  as four XLA kernels before the call), one [2 x heads, 576] e4m3 tile (hi rows, then lo rows) that
+  is B of one wgmma of N = 2 x heads: [64 tokens, 2 x heads], its halves combined as K hi^T + 2^-4 K
+  lo^T before the score scale. One wgmma, not one a part: ptxas (13.5) kept the two products' 36
+  loop-invariant B descriptors in ordinary registers and moved them back each step (warpgroup 0's
+  step, B=128 S=8192, SASS instructions a thread: N=16 481 without the knob, 470 with two wgmmas,
+  316 with one; N=32 640, 649 (and 2 spill loads a step), 483; warpgroup 1's: 354 and 437). The
+  keys' bytes are the products' (no wide_keys: True is a ValueError with it). None (the default): on
+  wherever register_a runs, unless wide_keys=True asks for the f16 keys; False keeps the f16 keys in
+  registers (H200, session 18, B=128 S=8192, one process: N=16 0.243 -> 0.189 ms, N=32 0.292 ->
+  0.273 with 192-column promotion; benchmarks/RESULTS.md, "e4m3_scores"). Session 17's misses of
+  SPEC's tolerances were the split's lo parts folded to 0 by XLA (`_e4m3_queries`), not the fp8
+  accumulation. The accumulation has its own limit: Hopper's fp8 wgmma keeps ~14 bits as it adds, so
+  a logit carries an error of ~2^-14 of the partial sums' magnitude. Ordinary logits (tens) stay
+  within SPEC's tolerances; nearly one-hot rows with logits in the thousands do not (H200, session
+  19: rows of q scaled by 2^15, cosine difference 9.4e-5 at 192-column promotion, 4e-3 at 576,
+  against 1e-5): e4m3_scores=False keeps float32 sums there.
   e4m3_promote_cols (one of E4M3_PROMOTE_COLS; e4m3_scores only) promotes as DeepGEMM does: the
   product is split over the columns into chunks this wide (the last one shorter: 4 x 128 + 64),
   each into a fresh accumulator, summed in f32 registers; chunk c + 1's wgmma is issued before
@@ -589,7 +591,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
                    row_smem, q_bar, ready, consumed, p_ready, p_free, *staging, scale, lora,
                    num_splits, split_steps, in_place, shared_widening, heads_n, register_a,
                    value_cols, wide_keys, wide_values, e4m3_scores, e4m3_promote_cols,
-                   wide_widening, pages):
+                   wide_widening, pages, lane_queries):
   # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64, or fewer than 64 unpadded: the tile's
   # first Np rows, the others never stored); kv_ref [num_blocks, page, D] bf16 or
   # e4m3; bt_ref [T, max_blocks] int32; len_ref [T] int32; ks_ref [1] f32 (the cache's scale, 1
@@ -623,11 +625,14 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # wide_values (register_a): the O^T tiles' rows are the value columns in `wide_value_order` (V^T's
   # fragments from wide loads on the GPU, `_wide_value_tiles`; permuted after the load here);
   # the caller puts the output's columns back.
-  # e4m3_scores (register_a): q_ref [T, 2 Np, D] e4m3 and q_smem [2 x tile_h, D] (64-byte
-  # swizzled), q's exact parts hi and lo (`_e4m3_queries`); S^T = K hi^T + 2^-4 K lo^T from one
-  # fp8 wgmma (N = 2 x tile_h) a chunk of e4m3_promote_cols columns from the slot itself, the
-  # chunks' accumulators summed in f32 (promotion). qs_ref is then [T, Np] (a scale-back per
-  # head), staged first: qs_smem [tile_h] f32, copied beside the query tile (q_bar takes both).
+  # e4m3_scores (register_a): q_smem [2 x tile_h, D] e4m3 (64-byte swizzled) holds q's exact
+  # parts hi and lo, and qs_smem [tile_h] f32 (staged first) each head's scale-back
+  # (`_e4m3_queries`), both written by warpgroup 0 from q_ref's bf16 row before its first product:
+  # with lane_queries (the GPU) in lane-level code straight from GMEM (`_split_queries`), else
+  # (the interpreter) from qb_smem [tile_h, D] bf16 (staged next, the memory warpgroup's copy of
+  # the row, q_bar). S^T = K hi^T + 2^-4 K lo^T from one fp8 wgmma (N = 2 x tile_h) a chunk of
+  # e4m3_promote_cols columns from the slot itself, the chunks' accumulators summed in f32
+  # (promotion). qs_ref is unused then.
   # wide_widening (the widening pipelines, on the GPU): the e4m3 tiles are widened into the bf16
   # slots in lane-level code (`_wide_widen_rows`) by the memory warpgroup and, with
   # shared_widening, warpgroup 1.
@@ -640,6 +645,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   (q_smem, kv_smem), (o_smem, lse_smem) = buffers
   if e4m3_scores:
     qs_smem, *staging = staging
+    if not lane_queries:
+      qb_smem, *staging = staging
   a_smem, staging = (staging[0] if staging else None, ()) if register_a else (None, staging)
   fp8 = bool(staging)  # the widening pipelines (bf16 slots widened from an e4m3 stage)
   slots, step_rows = kv_smem.shape[:2]
@@ -860,7 +867,16 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
 
     @pl.when(n > 0)
     def _():
-      plgpu.barrier_wait(q_bar)
+      if e4m3_scores and lane_queries:
+        _split_queries(q_ref.at[t], q_smem, qs_smem)
+      else:
+        plgpu.barrier_wait(q_bar)
+      if e4m3_scores:
+        if not lane_queries:
+          parts, scales = _e4m3_queries(qb_smem[...][None])
+          q_smem[...] = parts[0]
+          qs_smem[...] = scales[0]
+        plgpu.commit_smem()  # also a warpgroup barrier: every thread's rows are written
 
     if e4m3_scores:  # the heads' score scales (read, unused, when there is no step)
       head_scales = plgpu.load(qs_smem, layout=plgpu.Layout.WGMMA.reduce(0)) * qk_scale
@@ -1027,10 +1043,11 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
 
     @pl.when(n > 0)
     def _():
-      q_rows = q_ref.at[t] if e4m3_scores else q_ref.at[t, rows_out]  # e4m3: heads in N, whole
-      plgpu.copy_gmem_to_smem(q_rows, leading_rows(q_smem, q_rows), q_bar)
-      if e4m3_scores:
-        plgpu.copy_gmem_to_smem(qs_ref.at[t], qs_smem, q_bar)
+      if not e4m3_scores:
+        q_rows = q_ref.at[t, rows_out]
+        plgpu.copy_gmem_to_smem(q_rows, leading_rows(q_smem, q_rows), q_bar)
+      elif not lane_queries:  # e4m3_scores: heads in N, the whole row
+        plgpu.copy_gmem_to_smem(q_ref.at[t], qb_smem, q_bar)
 
     if fp8:
       _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, memory_tiles,
@@ -1294,7 +1311,9 @@ E4M3_LO_SCALE = 2.0 ** -4
 
 def _e4m3_queries(q):
   """q [T, Np, D] bf16 as e4m3_scores' B operand: [T, 2 Np, D] e4m3, each token's hi parts then
-  lo parts, and the inverse powers of two [T, Np] f32 the kernel folds into each head's scores.
+  lo parts, and the inverse powers of two [T, Np] f32 the kernel folds into each head's scores:
+  what the kernel's warpgroup 0 computes (`_split_queries` on the GPU; this function in the
+  interpreter's form) and its oracle.
   Each head of each token is scaled by the power of two that puts its largest magnitude in
   [2^7, 2^8) (e4m3 ends at 448), hi = e4m3(q), lo = e4m3((q - hi) / E4M3_LO_SCALE). Exact,
   q = hi + 2^-4 lo, for every element at least 2^-6 after the scaling (2^(E - 13) for a head
@@ -1313,6 +1332,110 @@ def _e4m3_queries(q):
   hi = lax.optimization_barrier(scaled.astype(F8))
   lo = ((scaled - hi.astype(jnp.float32)) / E4M3_LO_SCALE).astype(F8)
   return jnp.concatenate([hi, lo], axis=1), jnp.ldexp(jnp.float32(1), shift)
+
+
+# _split_queries: a head's 16-column units are spread over this many consecutive lanes of one warp
+# (128 / heads: 8 at 16 heads, 4 at 32), whose maxima meet by butterfly shuffles.
+_UNIT_COLS = 16
+# e4m3 x 2 -> the hi and lo bytes of two bf16 q values (one i32 word, element 2k in its low half)
+# scaled by $2 (an f32 power of two): the low 16 bits of $0 hold hi's two bytes, the high 16 lo's;
+# hi = e4m3(x), lo = e4m3((x - hi) * 16), as `_e4m3_queries` (cvt's first source is the upper byte).
+_SPLIT_PAIR = (
+    "{ .reg .b32 x0, x1, hh; .reg .f32 s0, s1, r0, r1; .reg .b16 h, l, a0, a1; "
+    "shl.b32 x0, $1, 16; and.b32 x1, $1, 0xffff0000; "
+    "mul.rn.f32 s0, x0, $2; mul.rn.f32 s1, x1, $2; "
+    "cvt.rn.satfinite.e4m3x2.f32 h, s1, s0; cvt.rn.f16x2.e4m3x2 hh, h; mov.b32 {a0, a1}, hh; "
+    "cvt.f32.f16 r0, a0; cvt.f32.f16 r1, a1; sub.rn.f32 r0, s0, r0; sub.rn.f32 r1, s1, r1; "
+    "mul.rn.f32 r0, r0, 0f41800000; mul.rn.f32 r1, r1, 0f41800000; "
+    "cvt.rn.satfinite.e4m3x2.f32 l, r1, r0; mov.b32 $0, {h, l}; }")
+
+
+def _split_queries(q_rows, q_smem, qs_smem):
+  """`_e4m3_queries` of one token inside the kernel, in lane-level code (warpgroup 0, before its
+  first product): q_rows [heads, D] bf16 in GMEM, read by 16-byte loads straight into registers;
+  q_smem [2 x heads, D] e4m3 (tiled (8, 64), 64-byte swizzled) gets the hi rows then the lo rows,
+  qs_smem [heads] f32 the scale-backs 2^shift. A head's max |q| is the largest of its bf16 bit
+  patterns less the sign (their order is the magnitudes'), its frexp exponent e that pattern's
+  exponent field - 126 (0 for 0; a subnormal's e is below -126, clipped alike to -120 by the
+  shift), so the bytes and scales are `_e4m3_queries`' for finite q. Spares the call the XLA
+  kernels of the split (a reduction and three elementwise passes). The interpreter runs
+  `_e4m3_queries` itself (`_decode_kernel`)."""
+  heads, d = q_rows.shape
+  group = WARPGROUP_THREADS // heads
+  units = d // _UNIT_COLS
+  per_thread = pl.cdiv(units, group)
+  tiles = d // _FP8_COLS
+  tile_bytes = _SWIZZLE_TILE_ROWS * _FP8_COLS
+  transforms = (plgpu.TilingTransform((_SWIZZLE_TILE_ROWS, _FP8_COLS)),
+                plgpu.SwizzleTransform(_FP8_COLS))
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(transforms), plgpu.RefType()))
+  def split(_, q_rows, q_smem, qs_smem):
+    i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+    c32 = lambda v: arith.constant(i32, v)
+    words_type = ir.VectorType.get((4,), i32)
+    tid, _, _ = warpgroup_thread()
+    head, sub = arith.divui(tid, c32(group)), arith.remui(tid, c32(group))
+    src = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(q_rows),
+                                   [arith.muli(head, c32(2 * d))], i8)
+    # Unit j of this thread: sub + group j; past the row (the last round at 16 heads) it reads
+    # the row's last unit again (max unchanged) and stores nothing.
+    unit_of = [arith.minui(arith.addi(sub, c32(group * j)), c32(units - 1))
+               for j in range(per_thread)]
+    words = []  # [unit][8 i32 words: bf16 pairs]
+    for u in unit_of:
+      ptr = mgpu_utils.getelementptr(src, [arith.muli(u, c32(2 * _UNIT_COLS))], i8)
+      pair = [llvm.load(words_type, mgpu_utils.getelementptr(ptr, [c32(16 * k)], i8),
+                        alignment=16) for k in range(2)]
+      words.append([vector.extract(pair[k], [], [w]) for k in range(2) for w in range(4)])
+    largest = c32(0)
+    for w in (w for unit in words for w in unit):
+      for x in (arith.andi(w, c32(0x7FFF)), arith.andi(arith.shrui(w, c32(16)), c32(0x7FFF))):
+        largest = arith.maxui(largest, x)
+    for distance in (1, 2, 4, 8)[:group.bit_length() - 1]:
+      largest = arith.maxui(largest, mgpu_utils.shfl_bfly(largest, distance))
+    exponent = arith.select(arith.cmpi(arith.CmpIPredicate.eq, largest, c32(0)), c32(0),
+                            arith.subi(arith.shrui(largest, c32(7)), c32(126)))
+    shift = arith.maxsi(arith.minsi(arith.subi(exponent, c32(8)), c32(120)), c32(-120))
+    factor = arith.shli(arith.subi(c32(127), shift), c32(23))  # 2^-shift
+    scale_back = arith.bitcast(ir.F32Type.get(), arith.shli(arith.addi(c32(127), shift), c32(23)))
+    first = arith.cmpi(arith.CmpIPredicate.eq, sub, c32(0))
+    store_scale = scf.IfOp(first)
+    with ir.InsertionPoint(store_scale.then_block):
+      memref.store(scale_back, qs_smem, [arith.index_cast(ir.IndexType.get(), head)])
+      scf.yield_([])
+    # Row r's unit u: 8-row tile r / 8 of column tile u / 4, row r % 8 of it, its 16-byte unit
+    # XOR (r % 8) / 2 (the 64-byte swizzle).
+    dst = mgpu_utils.memref_ptr(q_smem)
+
+    def unit_offset(row, u):
+      return arith.addi(
+          arith.addi(arith.muli(arith.addi(arith.muli(arith.divui(row, c32(8)), c32(tiles)),
+                                           arith.divui(u, c32(4))), c32(tile_bytes)),
+                     arith.muli(arith.remui(row, c32(8)), c32(_FP8_COLS))),
+          arith.muli(arith.xori(arith.remui(u, c32(4)), arith.divui(arith.remui(row, c32(8)),
+                                                                      c32(2))), c32(16)))
+
+    for j, (u, unit) in enumerate(zip(unit_of, words)):
+      split_words = [lane_asm(_SPLIT_PAIR, "=r,r,r", w, factor) for w in unit]
+      parts = [vector.from_elements(words_type, [
+          lane_asm(f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r", split_words[2 * k],
+                   split_words[2 * k + 1]) for k in range(4)]) for selector in (0x5410, 0x7632)]
+
+      def store(u=u, parts=parts):
+        for row, part in zip((head, arith.addi(head, c32(heads))), parts):
+          llvm.store(part, mgpu_utils.getelementptr(dst, [unit_offset(row, u)], i8),
+                     alignment=16)
+      if group * (j + 1) <= units:
+        store()
+      else:
+        inside = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, arith.addi(sub, c32(group * j)),
+                                     c32(units)))
+        with ir.InsertionPoint(inside.then_block):
+          store()
+          scf.yield_([])
+
+  split(q_rows, q_smem, qs_smem)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits",
@@ -1434,13 +1557,11 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   fixed_order = split_tokens is not None
   out_dtype = partials_dtype(q.dtype, splits, fixed_order)
   dtype = q.dtype
-  if e4m3_scores:  # fp8 wgmma's B beside the e4m3 slot (`_e4m3_queries`)
-    q, q_scales = _e4m3_queries(q)
-  elif register_a:  # wgmma's B beside an f16 A (`MosaicDecodeConfig`)
+  if register_a and not e4m3_scores:  # wgmma's B beside an f16 A (`MosaicDecodeConfig`)
     q, q_scales = _f16_queries(q)
     if wide_keys:  # the key fragments' column order (`wide_key_order`)
       q = wide_key_order(q)
-  else:
+  else:  # e4m3_scores: the kernel splits q into fp8 wgmma's B (`_split_queries`)
     q_scales = jnp.ones((t,), jnp.float32)
   # P's (and the interpreter's converted tiles'): register_a's f16 beside f16 or e4m3 queries.
   p_dtype = jnp.float16 if register_a else q.dtype
@@ -1459,6 +1580,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                              value_cols=value_cols, wide_keys=wide_keys,
                              wide_values=wide_values, e4m3_scores=e4m3_scores,
                              e4m3_promote_cols=e4m3_promote_cols, pages=pages,
+                             lane_queries=not interpret,
                              # The interpreter runs no lane-level code: the Pallas-level widening.
                              wide_widening=wide_widening and not interpret)
   # bf16 slots x rows (the consumers' step). wgmma's K must be a multiple of its operands' swizzle
@@ -1474,8 +1596,9 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
     slot_type = swizzled((slots, _STEP, d), F8, _FP8_COLS)
     if interpret:  # each consumer's converted A tile (`a_operand`)
       staging = (swizzled((_VALUE_WGS, _FP8_COLS, _FP8_COLS), p_dtype),)
-    if e4m3_scores:  # the heads' scale-backs (qs_smem)
-      staging = (plgpu.SMEM((tile_h,), jnp.float32),) + staging
+    if e4m3_scores:  # the heads' scale-backs (qs_smem), and the interpreter's bf16 row (qb_smem)
+      staging = (plgpu.SMEM((tile_h,), jnp.float32),
+                 *((plgpu.SMEM((tile_h, d), q.dtype),) if interpret else ())) + staging
   elif fp8:
     staging = (plgpu.SMEM((_FP8_STAGES, _STEP, d), F8,
                           transforms=(plgpu.TilingTransform((8, _FP8_COLS)),
@@ -1502,12 +1625,12 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                 jax.ShapeDtypeStruct((t, splits, np_), jnp.float32)),
       scratch_types=(
           plgpu.RefUnion(
-              (swizzled(q.shape[1:], F8, _FP8_COLS) if e4m3_scores
+              (swizzled((2 * tile_h, d), F8, _FP8_COLS) if e4m3_scores
                else swizzled((tile_h, d), q.dtype, sw), slot_type),
               (o_staging, plgpu.SMEM((tile_h,), jnp.float32))),
           swizzled((tile_h, step_rows * pages), p_dtype, sw),
           plgpu.SMEM((tile_h,), jnp.float32),
-          plgpu.Barrier(num_arrivals=1 + e4m3_scores),  # q_bar (e4m3_scores: q and its scales)
+          plgpu.Barrier(),  # q_bar (e4m3_scores: the interpreter's bf16 row only)
           # ready: the memory warpgroup's bulk copy or widening, and warpgroup 1's widening too
           # with shared_widening.
           plgpu.Barrier(num_arrivals=1 + shared_widening, num_barriers=slots),
