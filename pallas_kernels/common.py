@@ -434,26 +434,31 @@ def step_variant(smem, i):
   return smem.at[pl.ds(pl.multiple_of(lax.shift_right_logical(i, 30) * rows, rows), rows)]
 
 
-def _store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis=0):
+def _store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis=0, store=None):
   """acc (column tiles [64, w] f32 of one warpgroup's output) * out_scale / l, rows that saw
-  nothing 0, staged in o_smem [64, cols] and copied to o_gmem (its rows: the first 64 or fewer).
+  nothing 0, staged in o_smem [64, cols] and copied to o_gmem (its rows: the first 64 or fewer);
+  or, with store, handed to store (the list of tiles in o_smem's dtype), which writes them.
   heads_axis=1: the tiles are O^T [w, heads], stored transposed into o_smem [heads, cols], so
   o_gmem keeps the [heads, cols] layout; or, where o_smem is [cols, heads] (told apart by its
   shape: heads <= 32 < cols), stored as they are, o_gmem [cols, heads] (mosaic_decode's float32
   partials: Mosaic GPU, jax 0.11.2, lowers a transposed store of bf16 but not of float32)."""
   inv = out_scale / jnp.where(l > 0, l, 1.0)
   cols_first = heads_axis == 1 and o_smem.shape[-1] == acc[0].shape[1]
-  col = 0
+  col, tiles = 0, []
   for part in acc:
     width = part.shape[1 - heads_axis]
     scaled = (part * lax.broadcast_in_dim(inv, part.shape, [heads_axis])).astype(o_smem.dtype)
-    if heads_axis == 0:
+    if store is not None:
+      tiles.append(scaled)
+    elif heads_axis == 0:
       o_smem[:, pl.ds(col, width)] = scaled
     elif cols_first:
       o_smem[pl.ds(col, width), :] = scaled
     else:
       o_smem.at[:, pl.ds(col, width)].transpose((1, 0))[...] = scaled
     col += width
+  if store is not None:
+    store(tiles)
   plmgpu.commit_smem()
   plmgpu.copy_smem_to_gmem(leading_rows(o_smem, o_gmem), o_gmem)
 
@@ -496,7 +501,7 @@ def run_scores(n, step, acc, *, row_smem, p_ready, p_free, lse_smem, lse_gmem, o
 
 
 def run_values(n, num_slots, accumulate, acc, *, ready, consumed, row_smem, p_ready, p_free,
-               o_smem, o_gmem, out_scale=1.0, widen=None, heads_axis=0, pages=1):
+               o_smem, o_gmem, out_scale=1.0, widen=None, heads_axis=0, pages=1, store=None):
   """Warpgroup 1's n steps and end: per step, once the slot's rows and warpgroup 0's P and rescale
   factors are in, acc = accumulate(acc, alpha, slot) (acc * alpha + P V over its columns); then it
   takes l from warpgroup 0 and stores its output columns.
@@ -511,7 +516,8 @@ def run_values(n, num_slots, accumulate, acc, *, ready, consumed, row_smem, p_re
   its ready barrier (the memory warpgroup widens the other columns: ready takes both). Steps 0 to
   num_slots - 1 are widened before the loop, and step k + num_slots right after the P V of step k
   (once both value warpgroups are done with its slot), while warpgroup 0 computes the next
-  step's scores and softmax from the other slot. heads_axis: `run_scores`'."""
+  step's scores and softmax from the other slot. heads_axis: `run_scores`'. store: the output's
+  writer instead of o_smem and a bulk copy (`_store_output`)."""
   rows_layout = plmgpu.Layout.WGMMA.reduce(1 - heads_axis)
   if widen is not None:
     for k in range(num_slots):  # the first steps' slots, before any was used
@@ -547,7 +553,7 @@ def run_values(n, num_slots, accumulate, acc, *, ready, consumed, row_smem, p_re
   acc = lax.fori_loop(0, n, step if pages == 1 else pages_step, acc)
   plmgpu.barrier_wait(p_ready)
   l = plmgpu.load(row_smem, layout=rows_layout)
-  _store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis)
+  _store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis, store)
   plmgpu.wait_smem_to_gmem(0)
   if widen is not None:
     # The phases of consumed the loop did not wait on (a warpgroup that waits on some phases of a

@@ -149,15 +149,16 @@ class MosaicDecodeConfig:
   wide_values (an fp8 cache with fp8_pipeline "register_a" and kv_lora_rank 512 only: True is a
   ValueError elsewhere; bf16 caches ignore it): warpgroup 1 loads V^T's fragments of all 8 value
   tiles with 16-byte loads, one a token row (`_WIDE_VALUE_GROUP`: 8-byte loads in two passes at 32
-  heads), interleaving token pairs bytewise (prmt) before the e4m3x2 -> f16x2 conversion, instead
-  of loading each tile in WGMMA_TRANSPOSED and relaying it through shuffles. The O^T tiles' rows
-  are then the value columns in `wide_value_order` (wgmma's M: each row's sums are unchanged, so
-  the output is bit-identical), put back by one XLA transpose of o after the call (fused into the
-  split merge with several splits). Only the GPU form loads wide (`_wide_value_tiles`); the
-  interpreter loads the tiles and permutes them. None (the default): on wherever register_a runs
-  with kv_lora_rank 512 (H200, session 17, B=128 S=8192, one process: N=16 0.257 -> 0.245 ms,
-  N=32 0.318 -> 0.296; benchmarks/RESULTS.md, "wide_values"); False keeps the shuffled relayout
-  (the bit-identity test's oracle).
+  heads), interleaving token pairs bytewise (prmt) before the e4m3x2 -> f16x2 conversion, instead of
+  loading each tile in WGMMA_TRANSPOSED and relaying it through shuffles. The O^T tiles' rows are
+  then the value columns in `wide_value_order` (wgmma's M: each row's sums are unchanged, so the
+  output is bit-identical), put back as warpgroup 1 stages a bf16 output (one split) for its bulk
+  copy (`_store_wide_values`: H200, session 26, 1.01x at 16 heads, 1.02x at 32 against an XLA
+  transpose after the call), else by the split merge. Only the GPU form loads wide
+  (`_wide_value_tiles`); the interpreter loads the tiles and permutes them. None (the default): on
+  wherever register_a runs with kv_lora_rank 512 (H200, session 17, B=128 S=8192, one process: N=16
+  0.257 -> 0.245 ms, N=32 0.318 -> 0.296; benchmarks/RESULTS.md, "wide_values"); False keeps the
+  shuffled relayout (the bit-identity test's oracle).
   e4m3_scores (an fp8 cache with fp8_pipeline "register_a" only: True is a ValueError with the other
   fp8 pipelines; bf16 caches ignore it): S^T = K Q^T by fp8 wgmma straight from shared memory, A the
   e4m3 slot itself ([64 tokens, 576], K-major with the 64-byte swizzle), so warpgroup 0 loads and
@@ -475,6 +476,9 @@ def _wide_key_tile(slot, c: int):
 # of a token's row: wide loads a token for every tile, where WGMMA_TRANSPOSED's loads take a token
 # pair's bytes per tile and a relayout through shuffles (`value_tile`).
 WIDE_VALUE_COLS = 512
+# bf16 columns of q (`_split_queries`) or of an output row (`_store_wide_values`) a lane takes as
+# one unit: 32 bytes.
+_UNIT_COLS = 16
 _WIDE_VALUE_TILES = WIDE_VALUE_COLS // _FP8_COLS
 # Tiles converted from one pass of loads (16-byte loads at 8, 8-byte at 4), and value tiles in
 # flight (`_VALUE_TILES_IN_FLIGHT`), by heads in the tile: a pass's raw bytes (2 registers a tile
@@ -515,6 +519,69 @@ def wide_value_order(x: jax.Array, group: int, inverse: bool = False) -> jax.Arr
     return rotate(jnp.einsum("...kcwhasb->...wasbkch", x)).reshape(*lead, d)
   x = rotate(x.reshape(*lead, 4, 2, 2, 2, 2, 4, 2))
   return jnp.einsum("...wasbkch->...kcwhasb", x).reshape(*lead, d)
+
+
+# The bf16 output staging's tiles (`_store_wide_values`): 8 rows of 64 columns, 128-byte swizzled.
+_OUT_TILE_COLS = SWIZZLE // 2
+_OUT_TILE_BYTES = _SWIZZLE_TILE_ROWS * SWIZZLE
+
+
+def _store_wide_values(tiles, o_rows):
+  """wide_values' output tiles (the 8 O^T tiles [64 rows, heads] bf16, their rows the value
+  columns in `wide_value_order`) written into the output staging o_rows [heads, 512] bf16 (tiled
+  (8, 64), 128-byte swizzled) in the value columns' own order, so no XLA transpose follows the
+  call. Thread (warp w, lane l) holds rows 16w + l/4 + 8h of every tile, all 16 bytes of unit
+  u = 8w + l/4 (`wide_value_order`): for each of its heads (columns 8j + 2 (l % 4) + e) it packs
+  value columns 16u .. 16u + 15 (column 16u + b from tile (b XOR f) / 2, row half b % 2; f = 8
+  where the 8-byte passes rotate the unit, else 0) into two 16-byte stores. Straight to GMEM
+  instead, ptxas (13.5) spilled two barrier addresses into warpgroup 0's step loop (N=16:
+  1.001x; benchmarks/RESULTS.md, session 26). Lane-level code; the interpreter stores O^T
+  transposed and the caller reorders."""
+  heads, cols = o_rows.shape
+  group = _WIDE_VALUE_GROUP[heads]
+  layout = plgpu.Layout.WGMMA
+  transforms = (plgpu.TilingTransform((_SWIZZLE_TILE_ROWS, _OUT_TILE_COLS)),
+                plgpu.SwizzleTransform(SWIZZLE))
+
+  @plgpu.inline_mgpu(arg_types=((layout,) * len(tiles), plgpu.RefType(transforms)))
+  def store(_, tiles, o_rows):
+    i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+    c32 = lambda v: arith.constant(i32, v)
+    _, lane, warp = warpgroup_thread()
+    r, q = arith.divui(lane, c32(4)), arith.remui(lane, c32(4))
+    unit = arith.addi(arith.muli(warp, c32(8)), r)
+    # [tile][register 2j + h]: rows + 8h, columns 8j + 2q, + 1 as i32 (two bf16)
+    regs = [[mgpu_utils.bitcast(v, i32) for v in t.registers.flat] for t in tiles]
+    rotated = None
+    if group != _WIDE_VALUE_TILES:  # units with an odd u / 2: tile k XOR 4 for word k
+      rotated = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(unit, c32(2)), c32(0))
+    base = mgpu_utils.memref_ptr(o_rows)
+    words_type = ir.VectorType.get((4,), i32)
+    for j in range(heads // 8):
+      for e, selector in enumerate((0x5410, 0x7632)):
+        head = arith.addi(arith.muli(q, c32(2)), c32(8 * j + e))
+        words = []
+        for k in range(_WIDE_VALUE_TILES):  # columns 16u + 2k, + 1: tile k (or k XOR 4), h 0, 1
+          pick = lambda c: lane_asm(f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r",
+                                    regs[c][2 * j], regs[c][2 * j + 1])
+          word = pick(k)
+          if rotated is not None:
+            word = arith.select(rotated, pick(k ^ 4), word)
+          words.append(word)
+        # The head's row of its 8-row tile in unit u's 64-column tile; the unit's two 16-byte
+        # chunks XOR head % 8 (the 128-byte swizzle).
+        tile = arith.addi(arith.muli(arith.divui(head, c32(_SWIZZLE_TILE_ROWS)),
+                                     c32(cols // _OUT_TILE_COLS)), arith.divui(unit, c32(4)))
+        row = arith.addi(arith.muli(tile, c32(_OUT_TILE_BYTES)),
+                         arith.muli(arith.remui(head, c32(_SWIZZLE_TILE_ROWS)), c32(SWIZZLE)))
+        for half in range(2):
+          chunk = arith.xori(arith.addi(arith.muli(arith.remui(unit, c32(4)), c32(2)), c32(half)),
+                             arith.remui(head, c32(_SWIZZLE_TILE_ROWS)))
+          offset = arith.addi(row, arith.muli(chunk, c32(16)))
+          llvm.store(vector.from_elements(words_type, words[4 * half:4 * half + 4]),
+                     mgpu_utils.getelementptr(base, [offset], i8), alignment=16)
+
+  store(tuple(tiles), o_rows)
 
 
 def _wide_value_tiles(slot, first: int, count: int):
@@ -591,7 +658,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
                    row_smem, q_bar, ready, consumed, p_ready, p_free, *staging, scale, lora,
                    num_splits, split_steps, in_place, shared_widening, heads_n, register_a,
                    value_cols, wide_keys, wide_values, e4m3_scores, e4m3_promote_cols,
-                   wide_widening, pages, lane_queries):
+                   wide_widening, pages, lane_queries, lane_output):
   # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64, or fewer than 64 unpadded: the tile's
   # first Np rows, the others never stored); kv_ref [num_blocks, page, D] bf16 or
   # e4m3; bt_ref [T, max_blocks] int32; len_ref [T] int32; ks_ref [1] f32 (the cache's scale, 1
@@ -624,7 +691,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # fragments (16-byte loads on the GPU, `_wide_key_tile`; permuted after the load here).
   # wide_values (register_a): the O^T tiles' rows are the value columns in `wide_value_order` (V^T's
   # fragments from wide loads on the GPU, `_wide_value_tiles`; permuted after the load here);
-  # the caller puts the output's columns back.
+  # with lane_output (the GPU, a bf16 output) warpgroup 1 stages them in the columns'
+  # order (`_store_wide_values`), else the caller puts the output's columns back.
   # e4m3_scores (register_a): q_smem [2 x tile_h, D] e4m3 (64-byte swizzled) holds q's exact
   # parts hi and lo, and qs_smem [tile_h] f32 (staged first) each head's scale-back
   # (`_e4m3_queries`), both written by warpgroup 0 from q_ref's bf16 row before its first product:
@@ -1033,9 +1101,11 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
     # run_values' slot: with pages > 1 the step's slots, and their consumed arrivals (release).
     accumulate = lambda acc, alpha, slot, release=None: accumulate_values(
         acc, alpha, (slot,) if pages == 1 else slot, 1, release=release)
+    store = (functools.partial(_store_wide_values, o_rows=o_smem.at[0])
+             if lane_output else None)
     run_values(consumer_steps(), slots, accumulate, zero_acc(1), ready=ready, consumed=consumed,
                row_smem=row_smem, p_ready=p_ready, p_free=p_free, **out(1), widen=widen_own,
-               heads_axis=heads_axis, pages=pages)
+               heads_axis=heads_axis, pages=pages, store=store)
 
   @pl.when(wg == _VALUE_WGS)
   def _memory():
@@ -1334,9 +1404,6 @@ def _e4m3_queries(q):
   return jnp.concatenate([hi, lo], axis=1), jnp.ldexp(jnp.float32(1), shift)
 
 
-# _split_queries: a head's 16-column units are spread over this many consecutive lanes of one warp
-# (128 / heads: 8 at 16 heads, 4 at 32), whose maxima meet by butterfly shuffles.
-_UNIT_COLS = 16
 # e4m3 x 2 -> the hi and lo bytes of two bf16 q values (one i32 word, element 2k in its low half)
 # scaled by $2 (an f32 power of two): the low 16 bits of $0 hold hi's two bytes, the high 16 lo's;
 # hi = e4m3(x), lo = e4m3((x - hi) * 16), as `_e4m3_queries` (cvt's first source is the upper byte).
@@ -1581,6 +1648,9 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                              wide_values=wide_values, e4m3_scores=e4m3_scores,
                              e4m3_promote_cols=e4m3_promote_cols, pages=pages,
                              lane_queries=not interpret,
+                             # bf16 (one split): stored in the value columns' order.
+                             lane_output=(wide_values and not interpret
+                                          and out_dtype == jnp.bfloat16),
                              # The interpreter runs no lane-level code: the Pallas-level widening.
                              wide_widening=wide_widening and not interpret)
   # bf16 slots x rows (the consumers' step). wgmma's K must be a multiple of its operands' swizzle
@@ -1666,7 +1736,8 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
 
   if cols_first:  # the XLA merge reads them transposed
     o_parts = jnp.swapaxes(o_parts, 2, 3)
-  if wide_values:  # the value columns' order (one transpose of o; the merge's input with splits)
+  if wide_values and (interpret or out_dtype != jnp.bfloat16):  # the value columns' order
+    # (one transpose of o; the merge's input with splits): the kernel's lane store did it else
     o_parts = wide_value_order(o_parts, _WIDE_VALUE_GROUP[tile_h], inverse=True)
   if splits == 1 and not fixed_order:
     o, lse = o_parts[:, 0], lse_parts[:, 0]
