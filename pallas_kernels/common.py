@@ -436,8 +436,9 @@ def step_variant(smem, i):
 
 def _store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis=0, store=None):
   """acc (column tiles [64, w] f32 of one warpgroup's output) * out_scale / l, rows that saw
-  nothing 0, staged in o_smem [64, cols] and copied to o_gmem (its rows: the first 64 or fewer);
-  or, with store, handed to store (the list of tiles in o_smem's dtype), which writes them.
+  nothing 0, staged in o_smem [64, cols] and copied to o_gmem (its rows: the first 64 or fewer).
+  store: store(tiles) writes the scaled tiles (a list, o_smem's dtype) into o_smem itself, in its
+  own order, instead of the stores below (mosaic_decode's wide_values).
   heads_axis=1: the tiles are O^T [w, heads], stored transposed into o_smem [heads, cols], so
   o_gmem keeps the [heads, cols] layout; or, where o_smem is [cols, heads] (told apart by its
   shape: heads <= 32 < cols), stored as they are, o_gmem [cols, heads] (mosaic_decode's float32
@@ -516,8 +517,8 @@ def run_values(n, num_slots, accumulate, acc, *, ready, consumed, row_smem, p_re
   its ready barrier (the memory warpgroup widens the other columns: ready takes both). Steps 0 to
   num_slots - 1 are widened before the loop, and step k + num_slots right after the P V of step k
   (once both value warpgroups are done with its slot), while warpgroup 0 computes the next
-  step's scores and softmax from the other slot. heads_axis: `run_scores`'. store: the output's
-  writer instead of o_smem and a bulk copy (`_store_output`)."""
+  step's scores and softmax from the other slot. heads_axis: `run_scores`'. store: what stages the
+  output in o_smem (`_store_output`)."""
   rows_layout = plmgpu.Layout.WGMMA.reduce(1 - heads_axis)
   if widen is not None:
     for k in range(num_slots):  # the first steps' slots, before any was used
