@@ -64,7 +64,8 @@ from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
                                    run_scores, run_values, sm_count, softmax_step, split_range,
                                    step_variant, swizzled, SWIZZLE)
 from pallas_kernels.mosaic_lanes import (WARPGROUP_THREADS, WIDE_MASK, WIDE_UNIT_FACTOR, lane_asm,
-                                         placed_bf16x2, warpgroup_thread, wide_load, wide_store)
+                                         placed_bf16x2, swizzled_unit_offset, warpgroup_thread,
+                                         wide_load, wide_store)
 
 
 FP8_PIPELINES = ("serial", "half_pages", "shared_widening", "register_a")
@@ -521,11 +522,6 @@ def wide_value_order(x: jax.Array, group: int, inverse: bool = False) -> jax.Arr
   return jnp.einsum("...wasbkch->...kcwhasb", x).reshape(*lead, d)
 
 
-# The bf16 output staging's tiles (`_store_wide_values`): 8 rows of 64 columns, 128-byte swizzled.
-_OUT_TILE_COLS = SWIZZLE // 2
-_OUT_TILE_BYTES = _SWIZZLE_TILE_ROWS * SWIZZLE
-
-
 def _store_wide_values(tiles, o_rows):
   """wide_values' output tiles (the 8 O^T tiles [64 rows, heads] bf16, their rows the value
   columns in `wide_value_order`) written into the output staging o_rows [heads, 512] bf16 (tiled
@@ -540,7 +536,7 @@ def _store_wide_values(tiles, o_rows):
   heads, cols = o_rows.shape
   group = _WIDE_VALUE_GROUP[heads]
   layout = plgpu.Layout.WGMMA
-  transforms = (plgpu.TilingTransform((_SWIZZLE_TILE_ROWS, _OUT_TILE_COLS)),
+  transforms = (plgpu.TilingTransform((_SWIZZLE_TILE_ROWS, SWIZZLE // 2)),
                 plgpu.SwizzleTransform(SWIZZLE))
 
   @plgpu.inline_mgpu(arg_types=((layout,) * len(tiles), plgpu.RefType(transforms)))
@@ -568,16 +564,9 @@ def _store_wide_values(tiles, o_rows):
           if rotated is not None:
             word = arith.select(rotated, pick(k ^ 4), word)
           words.append(word)
-        # The head's row of its 8-row tile in unit u's 64-column tile; the unit's two 16-byte
-        # chunks XOR head % 8 (the 128-byte swizzle).
-        tile = arith.addi(arith.muli(arith.divui(head, c32(_SWIZZLE_TILE_ROWS)),
-                                     c32(cols // _OUT_TILE_COLS)), arith.divui(unit, c32(4)))
-        row = arith.addi(arith.muli(tile, c32(_OUT_TILE_BYTES)),
-                         arith.muli(arith.remui(head, c32(_SWIZZLE_TILE_ROWS)), c32(SWIZZLE)))
-        for half in range(2):
-          chunk = arith.xori(arith.addi(arith.muli(arith.remui(unit, c32(4)), c32(2)), c32(half)),
-                             arith.remui(head, c32(_SWIZZLE_TILE_ROWS)))
-          offset = arith.addi(row, arith.muli(chunk, c32(16)))
+        for half in range(2):  # the unit's two 16-byte halves
+          offset = swizzled_unit_offset(head, arith.addi(arith.muli(unit, c32(2)), c32(half)),
+                                        2 * cols, SWIZZLE)
           llvm.store(vector.from_elements(words_type, words[4 * half:4 * half + 4]),
                      mgpu_utils.getelementptr(base, [offset], i8), alignment=16)
 
@@ -1431,8 +1420,6 @@ def _split_queries(q_rows, q_smem, qs_smem):
   group = WARPGROUP_THREADS // heads
   units = d // _UNIT_COLS
   per_thread = pl.cdiv(units, group)
-  tiles = d // _FP8_COLS
-  tile_bytes = _SWIZZLE_TILE_ROWS * _FP8_COLS
   transforms = (plgpu.TilingTransform((_SWIZZLE_TILE_ROWS, _FP8_COLS)),
                 plgpu.SwizzleTransform(_FP8_COLS))
 
@@ -1471,17 +1458,7 @@ def _split_queries(q_rows, q_smem, qs_smem):
     with ir.InsertionPoint(store_scale.then_block):
       memref.store(scale_back, qs_smem, [arith.index_cast(ir.IndexType.get(), head)])
       scf.yield_([])
-    # Row r's unit u: 8-row tile r / 8 of column tile u / 4, row r % 8 of it, its 16-byte unit
-    # XOR (r % 8) / 2 (the 64-byte swizzle).
     dst = mgpu_utils.memref_ptr(q_smem)
-
-    def unit_offset(row, u):
-      return arith.addi(
-          arith.addi(arith.muli(arith.addi(arith.muli(arith.divui(row, c32(8)), c32(tiles)),
-                                           arith.divui(u, c32(4))), c32(tile_bytes)),
-                     arith.muli(arith.remui(row, c32(8)), c32(_FP8_COLS))),
-          arith.muli(arith.xori(arith.remui(u, c32(4)), arith.divui(arith.remui(row, c32(8)),
-                                                                      c32(2))), c32(16)))
 
     for j, (u, unit) in enumerate(zip(unit_of, words)):
       split_words = [lane_asm(_SPLIT_PAIR, "=r,r,r", w, factor) for w in unit]
@@ -1491,8 +1468,8 @@ def _split_queries(q_rows, q_smem, qs_smem):
 
       def store(u=u, parts=parts):
         for row, part in zip((head, arith.addi(head, c32(heads))), parts):
-          llvm.store(part, mgpu_utils.getelementptr(dst, [unit_offset(row, u)], i8),
-                     alignment=16)
+          offset = swizzled_unit_offset(row, u, d, _FP8_COLS)
+          llvm.store(part, mgpu_utils.getelementptr(dst, [offset], i8), alignment=16)
       if group * (j + 1) <= units:
         store()
       else:

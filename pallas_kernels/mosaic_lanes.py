@@ -89,6 +89,21 @@ def warpgroup_thread():
   return tid, arith.remui(tid, c32(32)), arith.divui(tid, c32(32))
 
 
+def swizzled_unit_offset(row, unit, row_bytes, swizzle):
+  """Byte offset (i32) of 16-byte unit `unit` of row `row` (i32 values) in a shared-memory buffer
+  of `row_bytes`-byte rows in `common.swizzled`'s layout: tiles of 8 rows x `swizzle` bytes, row
+  by row of tiles, and within a tile each row's units XOR (row % 8) / (128 / swizzle) (64- and
+  128-byte swizzles)."""
+  c32 = lambda v: arith.constant(ir.IntegerType.get_signless(32), v)
+  units = swizzle // 16  # a tile row's units
+  in_tile = arith.remui(row, c32(8))
+  tile = arith.addi(arith.muli(arith.divui(row, c32(8)), c32(row_bytes // swizzle)),
+                    arith.divui(unit, c32(units)))
+  place = arith.xori(arith.remui(unit, c32(units)), arith.divui(in_tile, c32(8 // units)))
+  row_start = arith.addi(arith.muli(tile, c32(8 * swizzle)), arith.muli(in_tile, c32(swizzle)))
+  return arith.addi(row_start, arith.muli(place, c32(16)))
+
+
 def wide_offset(base, offset):
   """Byte offset base (i32, a lane's) + offset (static)."""
   return arith.addi(base, arith.constant(ir.IntegerType.get_signless(32), offset))
