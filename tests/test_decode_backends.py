@@ -994,16 +994,24 @@ class TestPallasMosaicDecodePagesPerStep(_RegisterAOffKnob):
                           config) == [5]
 
 
-def _stage1_splits(jaxpr):
-  """The split count of every Pallas call in a jaxpr: dimension 1 of its first output (Mosaic GPU's
-  `plgpu.kernel` shows as a custom_vmap_call around it)."""
-  found = []
+# Pallas calls in a jaxpr (Mosaic GPU's `plgpu.kernel` shows as a custom_vmap_call around one).
+_KERNELS = ("pallas_call", "custom_vmap_call")
+
+
+def _leaf_eqns(jaxpr):
+  """A jaxpr's equations with nested jaxprs opened, a Pallas call kept whole."""
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name in ("pallas_call", "custom_vmap_call"):
-      found.append(eqn.outvars[0].aval.shape[1])
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      found += _stage1_splits(sub)
-  return found
+    subs = () if eqn.primitive.name in _KERNELS else jax.extend.core.jaxprs_in_params(eqn.params)
+    subs = list(subs)
+    if not subs:
+      yield eqn
+    for sub in subs:
+      yield from _leaf_eqns(sub)
+
+
+def _stage1_splits(jaxpr):
+  """The split count of every Pallas call in a jaxpr: dimension 1 of its first output."""
+  return [e.outvars[0].aval.shape[1] for e in _leaf_eqns(jaxpr) if e.primitive.name in _KERNELS]
 
 
 @pytest.mark.parametrize("kernel", [latent_decode, mosaic_decode.latent_decode])
@@ -1021,22 +1029,6 @@ def test_fixed_split_count_ignores_the_batch(kernel):
   assert len({frozenset(splits(b)) for b in (1, 3, 128)}) > 1
 
 
-def _outside_kernels(jaxpr):
-  """(kernel calls, other equations as (primitive, output shape)) of a jaxpr, nested jits opened."""
-  kernels, others = 0, []
-  for eqn in jaxpr.eqns:
-    subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
-    if eqn.primitive.name in ("pallas_call", "custom_vmap_call"):
-      kernels += 1
-    elif subs:
-      for sub in subs:
-        k, o = _outside_kernels(sub)
-        kernels, others = kernels + k, others + o
-    else:
-      others += [(eqn.primitive.name, eqn.outvars[0].aval.shape)]
-  return kernels, others
-
-
 @pytest.mark.parametrize("heads", [16, 32, 128])
 @pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
 def test_default_call_is_one_kernel(heads, cache_dtype):
@@ -1049,12 +1041,13 @@ def test_default_call_is_one_kernel(heads, cache_dtype):
   tables = jax.ShapeDtypeStruct((128, 128), jnp.int32)
   lens = jax.ShapeDtypeStruct((128,), jnp.int32)
   k_scale = jnp.float32(FP8_SCALE) if cache_dtype == jnp.float8_e4m3fn else None
-  kernels, others = _outside_kernels(mosaic_decode.latent_decode.trace(
-      q, cache, tables, lens, scale=SCALE, k_scale=k_scale).jaxpr.jaxpr)
-  assert kernels == 1
+  eqns = list(_leaf_eqns(mosaic_decode.latent_decode.trace(
+      q, cache, tables, lens, scale=SCALE, k_scale=k_scale).jaxpr.jaxpr))
+  assert [e.primitive.name in _KERNELS for e in eqns].count(True) == 1
   # Scalars and the [T] per-token scale-backs of 1 (constants), and the output's squeezes.
-  heavy = [(name, shape) for name, shape in others
-           if name not in ("reshape", "squeeze") and np.prod(shape) > 128]
+  heavy = [(e.primitive.name, e.outvars[0].aval.shape) for e in eqns
+           if e.primitive.name not in _KERNELS + ("reshape", "squeeze")
+           and np.prod(e.outvars[0].aval.shape) > 128]
   assert heavy == []
 
 
