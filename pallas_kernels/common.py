@@ -598,3 +598,25 @@ def check_indexer_args(q, weights, k_values, k_scales, block_tables, seq_lens):
     raise ValueError(f"weights and k_scales must be float32, block_tables and seq_lens int32; got "
                      f"{weights.dtype.name}, {k_scales.dtype.name}, {block_tables.dtype.name}, "
                      f"{seq_lens.dtype.name}")
+
+
+def smem_bytes(scratch, reduction_bytes=0):
+  """Bytes of shared memory Pallas Mosaic GPU (jax 0.11.2) allocates for these scratch types and a
+  kernel that reduces across warps with `CompilerParams(reduction_scratch_bytes=reduction_bytes)`:
+  each buffer, and each buffer of a `RefUnion` member, starts 1024-byte aligned; a union takes
+  its largest member; a barrier takes 8 bytes; the reduction scratch, 1024-byte aligned, comes on
+  top. The sparse kernels refuse a launch past a Hopper block's 227 KB."""
+  align = lambda x: -(-x // 1024) * 1024
+
+  def size(ref):
+    if isinstance(ref, plmgpu.RefUnion):
+      return max(functools.reduce(lambda acc, r: align(acc) + size(r), jax.tree.leaves(m), 0)
+                 for m in ref.refs)
+    if isinstance(ref, plmgpu.Barrier):
+      return 0
+    return math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
+
+  buffers = sum(align(size(ref)) for ref in scratch)
+  barriers = sum(math.prod(ref.num_barriers) for ref in scratch
+                 if isinstance(ref, plmgpu.Barrier))
+  return buffers + 8 * barriers + -(-reduction_bytes // 1024) * 1024

@@ -54,7 +54,7 @@ from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, memref, scf, vector
+from jaxlib.mlir.dialects import arith, llvm, vector
 
 from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
                                    REDUCTION_BYTES_PER_8_HEADS, check_decode_args,
@@ -63,9 +63,13 @@ from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
                                    one_wave_splits, padded_heads, partials_dtype, row_broadcast,
                                    run_scores, run_values, sm_count, softmax_step, split_range,
                                    step_variant, swizzled, SWIZZLE)
-from pallas_kernels.mosaic_lanes import (WARPGROUP_THREADS, WIDE_MASK, WIDE_UNIT_FACTOR, lane_asm,
-                                         placed_bf16x2, swizzled_unit_offset, warpgroup_thread,
-                                         wide_load, wide_store)
+from pallas_kernels.e4m3_operands import (E4M3_LO_SCALE, FP8_COLS, SWIZZLE_TILE_ROWS,
+                                          WIDE_UNITS, WIDE_VALUE_COLS, WIDE_VALUE_GROUP,
+                                          WIDE_VALUE_TILES_IN_FLIGHT,
+                                          e4m3_queries, split_queries, store_wide_values,
+                                          wide_value_order, wide_value_tiles)
+from pallas_kernels.mosaic_lanes import (WIDE_MASK, WIDE_UNIT_FACTOR, placed_bf16x2,
+                                         warpgroup_thread, wide_load, wide_store)
 
 
 FP8_PIPELINES = ("serial", "half_pages", "shared_widening", "register_a")
@@ -149,22 +153,22 @@ class MosaicDecodeConfig:
   0.334 -> 0.314; benchmarks/RESULTS.md, "wide_keys"); False keeps the 2-byte fragment loads.
   wide_values (an fp8 cache with fp8_pipeline "register_a" and kv_lora_rank 512 only: True is a
   ValueError elsewhere; bf16 caches ignore it): warpgroup 1 loads V^T's fragments of all 8 value
-  tiles with 16-byte loads, one a token row (`_WIDE_VALUE_GROUP`: 8-byte loads in two passes at 32
+  tiles with 16-byte loads, one a token row (`WIDE_VALUE_GROUP`: 8-byte loads in two passes at 32
   heads), interleaving token pairs bytewise (prmt) before the e4m3x2 -> f16x2 conversion, instead of
   loading each tile in WGMMA_TRANSPOSED and relaying it through shuffles. The O^T tiles' rows are
   then the value columns in `wide_value_order` (wgmma's M: each row's sums are unchanged, so the
   output is bit-identical), put back as warpgroup 1 stages a bf16 output (one split) for its bulk
-  copy (`_store_wide_values`: H200, session 26, 1.01x at 16 heads, 1.02x at 32 against an XLA
+  copy (`store_wide_values`: H200, session 26, 1.01x at 16 heads, 1.02x at 32 against an XLA
   transpose after the call), else by the split merge. Only the GPU form loads wide
-  (`_wide_value_tiles`); the interpreter loads the tiles and permutes them. None (the default): on
+  (`wide_value_tiles`); the interpreter loads the tiles and permutes them. None (the default): on
   wherever register_a runs with kv_lora_rank 512 (H200, session 17, B=128 S=8192, one process: N=16
   0.257 -> 0.245 ms, N=32 0.318 -> 0.296; benchmarks/RESULTS.md, "wide_values"); False keeps the
   shuffled relayout (the bit-identity test's oracle).
   e4m3_scores (an fp8 cache with fp8_pipeline "register_a" only: True is a ValueError with the other
   fp8 pipelines; bf16 caches ignore it): S^T = K Q^T by fp8 wgmma straight from shared memory, A the
   e4m3 slot itself ([64 tokens, 576], K-major with the 64-byte swizzle), so warpgroup 0 loads and
-  converts no keys. q is split exactly into two e4m3 parts per head (`_e4m3_queries`, q = hi + 2^-4
-  lo) by warpgroup 0 itself before its first product, from q's bf16 row in GMEM (`_split_queries`:
+  converts no keys. q is split exactly into two e4m3 parts per head (`e4m3_queries`, q = hi + 2^-4
+  lo) by warpgroup 0 itself before its first product, from q's bf16 row in GMEM (`split_queries`:
   H200, session 26, B=128 S=8192, bit-identical, 1.05x at 16 heads and 1.04x at 32 against the split
   as four XLA kernels before the call), one [2 x heads, 576] e4m3 tile (hi rows, then lo rows) that
   is B of one wgmma of N = 2 x heads: [64 tokens, 2 x heads], its halves combined as K hi^T + 2^-4 K
@@ -176,7 +180,7 @@ class MosaicDecodeConfig:
   wherever register_a runs, unless wide_keys=True asks for the f16 keys; False keeps the f16 keys in
   registers (H200, session 18, B=128 S=8192, one process: N=16 0.243 -> 0.189 ms, N=32 0.292 ->
   0.273 with 192-column promotion; benchmarks/RESULTS.md, "e4m3_scores"). Session 17's misses of
-  SPEC's tolerances were the split's lo parts folded to 0 by XLA (`_e4m3_queries`), not the fp8
+  SPEC's tolerances were the split's lo parts folded to 0 by XLA (`e4m3_queries`), not the fp8
   accumulation. The accumulation has its own limit: Hopper's fp8 wgmma keeps ~14 bits as it adds, so
   a logit carries an error of ~2^-14 of the partial sums' magnitude. Ordinary logits (tens) stay
   within SPEC's tolerances; nearly one-hot rows with logits in the thousands do not (H200, session
@@ -352,7 +356,6 @@ _TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
 # slots the products read ("serial": one of 64 rows; "half_pages": two of 32 rows), so the shared
 # memory is the bf16 kernel's.
 _FP8_STAGES = 2
-_FP8_COLS = 64  # e4m3 columns per shared-memory tile: 64 bytes, the 64-byte swizzle
 _HALF = HALF_ROWS  # rows per bf16 slot and consumer step with fp8_pipeline="half_pages"
 _VALUE_WGS = 2  # warpgroups sharing the value columns; warpgroup 0 also computes the scores
 # Value columns per P V product in the interpreter's form: each lands in a fresh 64 x 128 float32
@@ -403,11 +406,9 @@ def _value_columns(lora: int, register_a: bool) -> tuple[int, int]:
   return (0, lora) if register_a else (lora // _VALUE_WGS,) * _VALUE_WGS
 
 
-# wide_keys: a [64, 64] e4m3 key tile's row is 64 bytes, 4 units of 16 that the 4 lanes of a
-# quad (lane % 4) load, each unit 8 column pairs: fragment registers j = 0..7 of a row.
-_WIDE_UNITS = 4
+# wide_keys: a [64, 64] e4m3 key tile's row is WIDE_UNITS units of 16 bytes, each unit 8 column
+# pairs: fragment registers j = 0..7 of a row.
 _WIDE_PAIRS = 8
-_SWIZZLE_TILE_ROWS = 8  # rows of a tiled (8, 64) shared-memory tile: 512 bytes
 
 
 def wide_key_order(x: jax.Array) -> jax.Array:
@@ -416,7 +417,7 @@ def wide_key_order(x: jax.Array) -> jax.Array:
   j of lane q = lane % 4, half e) takes the tile's column 16q + 2j + e (byte 2j + e of lane q's
   16-byte unit of the row)."""
   *lead, d = x.shape
-  tiles = x.reshape(*lead, d // _FP8_COLS, _WIDE_UNITS, _WIDE_PAIRS, 2)
+  tiles = x.reshape(*lead, d // FP8_COLS, WIDE_UNITS, _WIDE_PAIRS, 2)
   return jnp.swapaxes(tiles, -3, -2).reshape(*lead, d)
 
 
@@ -427,14 +428,14 @@ def _wide_key_tile(slot, c: int):
   row and converts them pairwise (cvt e4m3x2 -> f16x2), register j of a row from bytes 2j, 2j + 1.
   Lane-level code (`plgpu.inline_mgpu`): no Pallas layout maps 16 loaded bytes onto those
   registers; the interpreter does not run it."""
-  tiles = slot.shape[-1] // _FP8_COLS
-  tile_bytes = _SWIZZLE_TILE_ROWS * _FP8_COLS
+  tiles = slot.shape[-1] // FP8_COLS
+  tile_bytes = SWIZZLE_TILE_ROWS * FP8_COLS
   layout = plgpu.Layout.WGMMA
-  transforms = (plgpu.TilingTransform((_SWIZZLE_TILE_ROWS, _FP8_COLS)),
-                plgpu.SwizzleTransform(_FP8_COLS))
+  transforms = (plgpu.TilingTransform((SWIZZLE_TILE_ROWS, FP8_COLS)),
+                plgpu.SwizzleTransform(FP8_COLS))
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms),),
-                     return_type=plgpu.ShapeDtypeStruct((_STEP, _FP8_COLS), jnp.float16,
+                     return_type=plgpu.ShapeDtypeStruct((_STEP, FP8_COLS), jnp.float16,
                                                         layout=layout))
   def load(_, slot):
     i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
@@ -443,10 +444,10 @@ def _wide_key_tile(slot, c: int):
     # Rows 16 warp + lane / 4 and + 8: row lane / 4 of the 8-row tiles 2 warp and 2 warp + 1 (each
     # row of tiles holds `tiles` tiles of 512 bytes); the 64-byte swizzle XORs a row's 16-byte
     # unit with (row % 8) / 2 = lane / 8.
-    unit = arith.xori(arith.remui(lane, c32(_WIDE_UNITS)), arith.divui(lane, c32(8)))
+    unit = arith.xori(arith.remui(lane, c32(WIDE_UNITS)), arith.divui(lane, c32(8)))
     offset = arith.addi(
         arith.addi(arith.muli(warp, c32(2 * tiles * tile_bytes)),
-                   arith.muli(arith.divui(lane, c32(_WIDE_UNITS)), c32(_FP8_COLS))),
+                   arith.muli(arith.divui(lane, c32(WIDE_UNITS)), c32(FP8_COLS))),
         arith.addi(arith.muli(unit, c32(16)), c32(c * tile_bytes)))
     base = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(slot), [offset], i8)
     words_type = ir.VectorType.get((4,), i32)
@@ -464,181 +465,8 @@ def _wide_key_tile(slot, c: int):
           regs[2 * w + e, half] = mgpu_utils.bitcast(pair, pair_type)
     mgpu_layout = layout.to_mgpu()
     return mgpu_fa.FragmentedArray(
-        _registers=regs.reshape(mgpu_layout.registers_shape((_STEP, _FP8_COLS))),
+        _registers=regs.reshape(mgpu_layout.registers_shape((_STEP, FP8_COLS))),
         _layout=mgpu_layout, _is_signed=None)
-
-  return load(slot)
-
-
-# wide_values: V^T's tile c [64 value columns (M), 64 tokens (K)] as wgmma's register A holds on
-# thread (warp w, lane l) rows m = 16w + l/4 + 8h (h < 2); the kernel gives row m of tile c a value
-# column of unit u = 8w + l/4 (the 16 columns 16u ..), byte 2c + h of it (`wide_value_order`), so
-# that over the 8 tiles of the 512 value columns a thread's 16 rows are the 16 bytes of one unit
-# of a token's row: wide loads a token for every tile, where WGMMA_TRANSPOSED's loads take a token
-# pair's bytes per tile and a relayout through shuffles (`value_tile`).
-WIDE_VALUE_COLS = 512
-# bf16 columns of q (`_split_queries`) or of an output row (`_store_wide_values`) a lane takes as
-# one unit: 32 bytes.
-_UNIT_COLS = 16
-_WIDE_VALUE_TILES = WIDE_VALUE_COLS // _FP8_COLS
-# Tiles converted from one pass of loads (16-byte loads at 8, 8-byte at 4), and value tiles in
-# flight (`_VALUE_TILES_IN_FLIGHT`), by heads in the tile: a pass's raw bytes (2 registers a tile
-# and token pair, 64 at 8) stay live until its tiles are converted, beside the O^T accumulators
-# (64 registers a thread at 16 heads, 128 at 32). Spill-free step loops with ptxas 13.5; 4 tiles
-# in flight spilled in them at 16 heads, 8-tile passes at 32.
-_WIDE_VALUE_GROUP = {16: 8, 32: 4}
-_WIDE_VALUE_TILES_IN_FLIGHT = {16: 3, 32: 2}
-# prmt selectors interleaving two rows' words a, b bytewise (bytes 0-3 of a, 4-7 of b): [a0, b0,
-# a1, b1] and [a2, b2, a3, b3], or with b the even row [b0, a0, b1, a1] and [b2, a2, b3, a3].
-_EVEN_FIRST_SELECTORS, _ODD_FIRST_SELECTORS = (0x5140, 0x7362), (0x1504, 0x3726)
-
-
-def wide_value_order(x: jax.Array, group: int, inverse: bool = False) -> jax.Array:
-  """x [..., 512] (value columns) in the order of wide_values' O^T tiles loaded `group` (8 or 4)
-  tiles a pass: output column 64c + 16w + 8h + r (tile c's row 16w + r + 8h) is byte 2c + h of
-  unit u = 8w + r, value column 16u + 2c + h; with 8-byte passes (group 4), units with an odd u / 2
-  hold tiles 0-3 in bytes 8-15 and 4-7 in 0-7 (byte 2c + h XOR 8), so that the 16 lanes of a
-  half-warp phase read 16 distinct 8-byte bank pairs. inverse: the kernel's output order back to
-  the value columns'. Reshapes, a transpose and a flip only: the interpreter form runs it in the
-  kernel, which takes no array constants."""
-  *lead, d = x.shape
-  if d != WIDE_VALUE_COLS:
-    raise ValueError(f"wide_value_order takes {WIDE_VALUE_COLS} columns, got {d}")
-  if group not in (_WIDE_VALUE_TILES, _WIDE_VALUE_TILES // 2):
-    raise ValueError(f"wide_values loads 8 or 4 tiles a pass, got {group}")
-
-  def rotate(y):  # y [..., s, b, k, c, h]: k XOR s (its own inverse)
-    if group == _WIDE_VALUE_TILES:
-      return y
-    even, odd = (lax.index_in_dim(y, i, -5, keepdims=False) for i in range(2))
-    return jnp.stack([even, jnp.flip(odd, -3)], axis=-5)
-
-  # Value column 128w + 64a + 32s + 16b + 8k + 2c + h (unit u = 8w + 4a + 2s + b, byte 8k + 2c +
-  # h) is output column 64 (4k' + c) + 16w + 8h + 4a + 2s + b, k' = k XOR s with group 4, else k.
-  if inverse:
-    x = x.reshape(*lead, 2, 4, 4, 2, 2, 2, 2)
-    return rotate(jnp.einsum("...kcwhasb->...wasbkch", x)).reshape(*lead, d)
-  x = rotate(x.reshape(*lead, 4, 2, 2, 2, 2, 4, 2))
-  return jnp.einsum("...wasbkch->...kcwhasb", x).reshape(*lead, d)
-
-
-def _store_wide_values(tiles, o_rows):
-  """wide_values' output tiles (the 8 O^T tiles [64 rows, heads] bf16, their rows the value
-  columns in `wide_value_order`) written into the output staging o_rows [heads, 512] bf16 (tiled
-  (8, 64), 128-byte swizzled) in the value columns' own order, so no XLA transpose follows the
-  call. Thread (warp w, lane l) holds rows 16w + l/4 + 8h of every tile, all 16 bytes of unit
-  u = 8w + l/4 (`wide_value_order`): for each of its heads (columns 8j + 2 (l % 4) + e) it packs
-  value columns 16u .. 16u + 15 (column 16u + b from tile (b XOR f) / 2, row half b % 2; f = 8
-  where the 8-byte passes rotate the unit, else 0) into two 16-byte stores. Straight to GMEM
-  instead, ptxas (13.5) spilled two barrier addresses into warpgroup 0's step loop (N=16:
-  1.001x; benchmarks/RESULTS.md, session 26). Lane-level code; the interpreter stores O^T
-  transposed and the caller reorders."""
-  heads, cols = o_rows.shape
-  group = _WIDE_VALUE_GROUP[heads]
-  layout = plgpu.Layout.WGMMA
-  transforms = (plgpu.TilingTransform((_SWIZZLE_TILE_ROWS, SWIZZLE // 2)),
-                plgpu.SwizzleTransform(SWIZZLE))
-
-  @plgpu.inline_mgpu(arg_types=((layout,) * len(tiles), plgpu.RefType(transforms)))
-  def store(_, tiles, o_rows):
-    i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
-    c32 = lambda v: arith.constant(i32, v)
-    _, lane, warp = warpgroup_thread()
-    r, q = arith.divui(lane, c32(4)), arith.remui(lane, c32(4))
-    unit = arith.addi(arith.muli(warp, c32(8)), r)
-    # [tile][register 2j + h]: rows + 8h, columns 8j + 2q, + 1 as i32 (two bf16)
-    regs = [[mgpu_utils.bitcast(v, i32) for v in t.registers.flat] for t in tiles]
-    rotated = None
-    if group != _WIDE_VALUE_TILES:  # units with an odd u / 2: tile k XOR 4 for word k
-      rotated = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(unit, c32(2)), c32(0))
-    base = mgpu_utils.memref_ptr(o_rows)
-    words_type = ir.VectorType.get((4,), i32)
-    for j in range(heads // 8):
-      for e, selector in enumerate((0x5410, 0x7632)):
-        head = arith.addi(arith.muli(q, c32(2)), c32(8 * j + e))
-        words = []
-        for k in range(_WIDE_VALUE_TILES):  # columns 16u + 2k, + 1: tile k (or k XOR 4), h 0, 1
-          pick = lambda c: lane_asm(f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r",
-                                    regs[c][2 * j], regs[c][2 * j + 1])
-          word = pick(k)
-          if rotated is not None:
-            word = arith.select(rotated, pick(k ^ 4), word)
-          words.append(word)
-        for half in range(2):  # the unit's two 16-byte halves
-          offset = swizzled_unit_offset(head, arith.addi(arith.muli(unit, c32(2)), c32(half)),
-                                        2 * cols, SWIZZLE)
-          llvm.store(vector.from_elements(words_type, words[4 * half:4 * half + 4]),
-                     mgpu_utils.getelementptr(base, [offset], i8), alignment=16)
-
-  store(tuple(tiles), o_rows)
-
-
-def _wide_value_tiles(slot, first: int, count: int):
-  """V^T tiles first .. first + count - 1 [64 value columns, 64 tokens] of an e4m3 slot [64, D]
-  (tiled (8, 64), 64-byte swizzled) as f16 WGMMA-layout A fragments with their columns in
-  `wide_value_order` (count: 8 or 4, its `group`). Per token pair (t, t + 1) of its fragment, a
-  thread loads its unit's bytes of the pass's tiles (2 a tile) of both rows (one load a row),
-  interleaves the rows' words bytewise (prmt) and converts each (t, t + 1) byte pair (cvt e4m3x2
-  -> f16x2): register j of row half h of tile c. Lanes with an odd lane / 4 load their odd row
-  first, so that the lanes of a phase (8 of a 16-byte load) read distinct bank groups (every lane
-  reads row 2 (lane % 4) + its parity, unit (8w + lane / 4) % 4 swizzled with lane % 4; 8-byte
-  loads: and their half of the unit, rotated by lane / 8). Lane-level code (`plgpu.inline_mgpu`);
-  the interpreter does not run it."""
-  tiles = slot.shape[-1] // _FP8_COLS
-  tile_bytes = _SWIZZLE_TILE_ROWS * _FP8_COLS
-  layout = plgpu.Layout.WGMMA
-  transforms = (plgpu.TilingTransform((_SWIZZLE_TILE_ROWS, _FP8_COLS)),
-                plgpu.SwizzleTransform(_FP8_COLS))
-  fragment = plgpu.ShapeDtypeStruct((_FP8_COLS, _STEP), jnp.float16, layout=layout)
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms),),
-                     return_type=(fragment,) * count)
-  def load(_, slot):
-    i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
-    c32 = lambda v: arith.constant(i32, v)
-    _, lane, warp = warpgroup_thread()
-    quad, group = arith.remui(lane, c32(_WIDE_UNITS)), arith.divui(lane, c32(_WIDE_UNITS))
-    unit = arith.addi(arith.muli(warp, c32(8)), group)  # of the row's 32 value units
-    odd_first = arith.remui(group, c32(2))
-    # Byte 2c of a unit is tile c's (2 bytes a tile), 8-byte passes rotated (`wide_value_order`).
-    first_byte = c32(2 * first)
-    if count < _WIDE_VALUE_TILES:
-      first_byte = arith.xori(first_byte, arith.andi(lane, c32(8)))  # 8 at an odd lane / 8
-    # Token 8j + 2 quad + e is row 2 quad + e of 8-row tile j: the 64-byte swizzle XORs its 16-byte
-    # unit with (row % 8) / 2 = quad.
-    offset = arith.addi(
-        arith.addi(arith.muli(arith.divui(unit, c32(_WIDE_UNITS)), c32(tile_bytes)),
-                   arith.muli(quad, c32(2 * _FP8_COLS))),
-        arith.addi(arith.muli(arith.xori(arith.remui(unit, c32(_WIDE_UNITS)), quad), c32(16)),
-                   first_byte))
-    odd_offset = arith.muli(odd_first, c32(_FP8_COLS))
-    base = mgpu_utils.memref_ptr(slot)
-    rows_first = (arith.addi(offset, odd_offset),  # the lane's first and second rows
-                  arith.subi(arith.addi(offset, c32(_FP8_COLS)), odd_offset))
-    is_odd = arith.cmpi(arith.CmpIPredicate.ne, odd_first, c32(0))
-    selectors = [arith.select(is_odd, c32(odd), c32(even))
-                 for even, odd in zip(_EVEN_FIRST_SELECTORS, _ODD_FIRST_SELECTORS)]
-    words_type = ir.VectorType.get((count // 2,), i32)
-    pair_type = ir.VectorType.get((2,), ir.F16Type.get())
-    regs = np.empty((count, 8, 2), dtype=object)  # [tile, register j, row half h]
-    for j in range(8):  # tokens 8j + 2 quad + (0, 1): K chunk j // 2, 8-row tile j
-      rows = [llvm.load(words_type, mgpu_utils.getelementptr(
-          base, [arith.addi(r, c32(j * tiles * tile_bytes))], i8), alignment=2 * count)
-              for r in rows_first]
-      for w in range(count // 2):
-        a, b = (vector.extract(x, [], [w]) for x in rows)
-        for s, selector in enumerate(selectors):  # tile 2w + s: bytes 4w + 2s (h = 0), + 1
-          pair = llvm.inline_asm(i32, [a, b, selector], "prmt.b32 $0, $1, $2, $3;",
-                                 "=r,r,r,r")
-          for h, part in enumerate(("lo", "hi")):
-            f16x2 = llvm.inline_asm(
-                i32, [pair], "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $1; "
-                f"cvt.rn.f16x2.e4m3x2 $0, {part}; }}", "=r,r")
-            regs[2 * w + s, j, h] = mgpu_utils.bitcast(f16x2, pair_type)
-    mgpu_layout = layout.to_mgpu()
-    return tuple(mgpu_fa.FragmentedArray(
-        _registers=tile.reshape(mgpu_layout.registers_shape((_FP8_COLS, _STEP))),
-        _layout=mgpu_layout, _is_signed=None) for tile in regs)
 
   return load(slot)
 
@@ -679,13 +507,13 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # wide_keys (register_a): q_smem's columns are in `wide_key_order`, and so are the key tiles'
   # fragments (16-byte loads on the GPU, `_wide_key_tile`; permuted after the load here).
   # wide_values (register_a): the O^T tiles' rows are the value columns in `wide_value_order` (V^T's
-  # fragments from wide loads on the GPU, `_wide_value_tiles`; permuted after the load here);
+  # fragments from wide loads on the GPU, `wide_value_tiles`; permuted after the load here);
   # with lane_output (the GPU, a bf16 output) warpgroup 1 stages them in the columns'
-  # order (`_store_wide_values`), else the caller puts the output's columns back.
+  # order (`store_wide_values`), else the caller puts the output's columns back.
   # e4m3_scores (register_a): q_smem [2 x tile_h, D] e4m3 (64-byte swizzled) holds q's exact
   # parts hi and lo, and qs_smem [tile_h] f32 (staged first) each head's scale-back
-  # (`_e4m3_queries`), both written by warpgroup 0 from q_ref's bf16 row before its first product:
-  # with lane_queries (the GPU) in lane-level code straight from GMEM (`_split_queries`), else
+  # (`e4m3_queries`), both written by warpgroup 0 from q_ref's bf16 row before its first product:
+  # with lane_queries (the GPU) in lane-level code straight from GMEM (`split_queries`), else
   # (the interpreter) from qb_smem [tile_h, D] bf16 (staged next, the memory warpgroup's copy of
   # the row, q_bar). S^T = K hi^T + 2^-4 K lo^T from one fp8 wgmma (N = 2 x tile_h) a chunk of
   # e4m3_promote_cols columns from the slot itself, the chunks' accumulators summed in f32
@@ -726,7 +554,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
     width = half if in_place and half <= _MAX_WGMMA_N else _CHUNK
   acc_shape = (width, tile_h) if heads_n else (_TILE_H, width)
   if register_a:
-    value_tiles_in_flight = (_WIDE_VALUE_TILES_IN_FLIGHT if wide_values
+    value_tiles_in_flight = (WIDE_VALUE_TILES_IN_FLIGHT if wide_values
                              else _VALUE_TILES_IN_FLIGHT)[tile_h]
   # log2(e) folded in: the softmax runs on exp2. The per-tensor fp8 scale is linear: it scales the
   # logits here and the output at the end instead of every cache value.
@@ -814,7 +642,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
       if wide_values:  # the interpreter form: the GPU's fragment, from the plain load
         values = plgpu.load(kv_smem.at[page_slot, :, pl.ds(0, lora)], layout=plgpu.Layout.WGMMA)
         tile = wide_value_order(values.astype(jnp.float16),
-                                _WIDE_VALUE_GROUP[tile_h])[:, c * width:(c + 1) * width]
+                                WIDE_VALUE_GROUP[tile_h])[:, c * width:(c + 1) * width]
         return a_operand(tile.T, w), p_operand(k)
       if register_a:
         return value_tile(values, w), p_operand(k)
@@ -835,9 +663,9 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
           registers and P^T only, so with pages > 1 the slot is released there (its refill
           overlaps the page's products and the next page's)."""
           if wide_values:  # a group's fragments from one pass of loads, issued as they come
-            group = _WIDE_VALUE_GROUP[tile_h]
+            group = WIDE_VALUE_GROUP[tile_h]
             for c in range(0, tiles, group):
-              loaded = _wide_value_tiles(kv_smem.at[slots[k]], c, group)
+              loaded = wide_value_tiles(kv_smem.at[slots[k]], c, group)
               if release is not None and c + group >= tiles:
                 release(k)
               yield from ((a, p_operand(k)) for a in loaded)
@@ -925,12 +753,12 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
     @pl.when(n > 0)
     def _():
       if e4m3_scores and lane_queries:
-        _split_queries(q_ref.at[t], q_smem, qs_smem)
+        split_queries(q_ref.at[t], q_smem, qs_smem)
       else:
         plgpu.barrier_wait(q_bar)
       if e4m3_scores:
         if not lane_queries:
-          parts, scales = _e4m3_queries(qb_smem[...][None])
+          parts, scales = e4m3_queries(qb_smem[...][None])
           q_smem[...] = parts[0]
           qs_smem[...] = scales[0]
         plgpu.commit_smem()  # also a warpgroup barrier: every thread's rows are written
@@ -982,8 +810,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
 
       def scores(slot, acc_ref):  # acc_ref [64 heads, step_rows] f32 (heads in N: S^T [64, heads])
         if register_a:  # K's e4m3 [64 tokens, 64] tiles converted in registers (WGMMA layout)
-          for c in range(kv_smem.shape[-1] // _FP8_COLS):
-            cols = pl.ds(c * _FP8_COLS, _FP8_COLS)
+          for c in range(kv_smem.shape[-1] // FP8_COLS):
+            cols = pl.ds(c * FP8_COLS, FP8_COLS)
             if wide_keys and a_smem is None:
               k = _wide_key_tile(kv_smem.at[slot], c)
             else:
@@ -1046,8 +874,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
 
   # Column tiles of the stage each widening warpgroup takes (shared_widening: warpgroup 1 its own
   # value columns, the memory warpgroup the rest; otherwise the memory warpgroup all).
-  all_tiles = range(kv_smem.shape[-1] // _FP8_COLS)
-  value_tiles = range(half // _FP8_COLS, lora // _FP8_COLS) if shared_widening else range(0)
+  all_tiles = range(kv_smem.shape[-1] // FP8_COLS)
+  value_tiles = range(half // FP8_COLS, lora // FP8_COLS) if shared_widening else range(0)
   memory_tiles = [c for c in all_tiles if c not in value_tiles]
 
   @pl.when(wg == 1)
@@ -1090,7 +918,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
     # run_values' slot: with pages > 1 the step's slots, and their consumed arrivals (release).
     accumulate = lambda acc, alpha, slot, release=None: accumulate_values(
         acc, alpha, (slot,) if pages == 1 else slot, 1, release=release)
-    store = (functools.partial(_store_wide_values, o_rows=o_smem.at[0])
+    store = (functools.partial(store_wide_values, o_rows=o_smem.at[0])
              if lane_output else None)
     run_values(consumer_steps(), slots, accumulate, zero_acc(1), ready=ready, consumed=consumed,
                row_smem=row_smem, p_ready=p_ready, p_free=p_free, **out(1), widen=widen_own,
@@ -1176,7 +1004,7 @@ def _wide_widen_rows(stage_slot, dst, first, valid, tiles):
   sw = 2 * rows  # bytes of a bf16 tile row: 64 for 32 rows, 128 for 64
   if stage_slot.shape != (_STEP, d) or rows not in (_HALF, _STEP):
     raise ValueError(f"want stage [64, D], dst [32 or 64, D]; got {stage_slot.shape}, {dst.shape}")
-  stage_t = (plgpu.TilingTransform((8, _FP8_COLS)), plgpu.SwizzleTransform(_FP8_COLS))
+  stage_t = (plgpu.TilingTransform((8, FP8_COLS)), plgpu.SwizzleTransform(FP8_COLS))
   dst_t = (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw))
   scalar = plgpu.Layout.WG_SPLAT(())
 
@@ -1186,30 +1014,30 @@ def _wide_widen_rows(stage_slot, dst, first, valid, tiles):
     c32 = lambda v: arith.constant(i32, v)
     first, valid = first.registers.item(), valid.registers.item()
     _, lane, warp = warpgroup_thread()
-    l = arith.remui(lane, c32(_SWIZZLE_TILE_ROWS))  # the row in its 8-row tile
-    u = arith.divui(lane, c32(_SWIZZLE_TILE_ROWS))  # the e4m3 tile's 16-byte unit
+    l = arith.remui(lane, c32(SWIZZLE_TILE_ROWS))  # the row in its 8-row tile
+    u = arith.divui(lane, c32(SWIZZLE_TILE_ROWS))  # the e4m3 tile's 16-byte unit
     # e4m3 row r's unit u of tile c at (r / 8) 8D + 512 c + 64 (r % 8) + 16 (u ^ (r % 8) / 2)
     src = arith.addi(
-        arith.muli(arith.addi(first, arith.muli(warp, c32(_SWIZZLE_TILE_ROWS))), c32(d)),
-        arith.addi(arith.muli(l, c32(_FP8_COLS)),
+        arith.muli(arith.addi(first, arith.muli(warp, c32(SWIZZLE_TILE_ROWS))), c32(d)),
+        arith.addi(arith.muli(l, c32(FP8_COLS)),
                    arith.muli(arith.xori(u, arith.divui(l, c32(2))), c32(16))))
     # Its 16 bf16 values, in two 16-byte units h of tile c's 128 bytes (64-byte swizzle: tiles
     # 2c + u / 2 of 32 columns), row at (r / 8) 16D + 1024 c + sw (r % 8), unit w ^ the swizzle's
     # row bits (r % 8 with 128 bytes, (r % 8) / 2 with 64): w = 2u + h, or 2 (u % 2) + h.
-    dst_lane = arith.addi(arith.muli(warp, c32(_SWIZZLE_TILE_ROWS * 2 * d)),
+    dst_lane = arith.addi(arith.muli(warp, c32(SWIZZLE_TILE_ROWS * 2 * d)),
                           arith.muli(l, c32(sw)))
-    if sw == 2 * _FP8_COLS:
+    if sw == 2 * FP8_COLS:
       w, period = arith.muli(u, c32(2)), l
     else:
       dst_lane = arith.addi(dst_lane, arith.muli(arith.divui(u, c32(2)),
-                                                 c32(_SWIZZLE_TILE_ROWS * sw)))
+                                                 c32(SWIZZLE_TILE_ROWS * sw)))
       w, period = arith.muli(arith.remui(u, c32(2)), c32(2)), arith.divui(l, c32(2))
     dst_unit = [arith.addi(dst_lane, arith.muli(arith.xori(arith.addi(w, c32(h)), period),
                                                 c32(16))) for h in range(2)]
     factor = c32(WIDE_UNIT_FACTOR)
-    tile_bytes = _SWIZZLE_TILE_ROWS * 2 * _FP8_COLS  # a column tile's 8 rows, e4m3 or bf16
+    tile_bytes = SWIZZLE_TILE_ROWS * 2 * FP8_COLS  # a column tile's 8 rows, e4m3 or bf16
     for m in range(rows // _HALF):  # rows 32 apart: 4 row tiles further in both
-      row = arith.addi(arith.addi(arith.muli(warp, c32(_SWIZZLE_TILE_ROWS)), l), c32(m * _HALF))
+      row = arith.addi(arith.addi(arith.muli(warp, c32(SWIZZLE_TILE_ROWS)), l), c32(m * _HALF))
       mask = arith.select(arith.cmpi(arith.CmpIPredicate.slt, row, valid), c32(WIDE_MASK), c32(0))
       convert = lambda word, p, mask=mask: placed_bf16x2(word, p, factor, mask)
       src_off, dst_off = m * _HALF * d, m * _HALF * 2 * d
@@ -1230,10 +1058,10 @@ def _widen_half(stage, kv_smem, s, part, rows, tiles):
   every e4m3 value is a bf16 one) into bf16 slot `part`; rows from `rows` on (counted from the
   page step's first row) become 0 (they may hold NaN bytes)."""
   # The WGMMA layout takes 64 rows: each [32, 64] tile is loaded in HALF_ROWS_LAYOUT.
-  keep = plgpu.broadcasted_iota(jnp.int32, (_HALF, _FP8_COLS), 0,
+  keep = plgpu.broadcasted_iota(jnp.int32, (_HALF, FP8_COLS), 0,
                                 layout=HALF_ROWS_LAYOUT) < rows - part * _HALF
   for c in tiles:
-    cols = pl.ds(c * _FP8_COLS, _FP8_COLS)
+    cols = pl.ds(c * FP8_COLS, FP8_COLS)
     x = plgpu.load(stage.at[s, pl.ds(part * _HALF, _HALF), cols], layout=HALF_ROWS_LAYOUT)
     # e4m3 -> f16 (one instruction per pair) -> f32 -> bf16, all exact
     x = jnp.where(keep, x.astype(jnp.float16).astype(jnp.float32), 0.0)
@@ -1246,10 +1074,10 @@ def _widen_page(stage, kv_smem, s, keep, tiles):
   bytes)."""
   for c in tiles:
     # [64 rows, 64] e4m3 -> f16 (one instruction per pair) -> f32 -> bf16, all exact
-    x = stage[s, :, pl.ds(c * _FP8_COLS, _FP8_COLS)].astype(jnp.float16).astype(jnp.float32)
+    x = stage[s, :, pl.ds(c * FP8_COLS, FP8_COLS)].astype(jnp.float16).astype(jnp.float32)
     x = plgpu.layout_cast(x, plgpu.Layout.WGMMA)
     x = jnp.where(row_broadcast(keep, x.shape), x, 0.0)
-    kv_smem[0, :, pl.ds(c * _FP8_COLS, _FP8_COLS)] = x.astype(kv_smem.dtype)
+    kv_smem[0, :, pl.ds(c * FP8_COLS, FP8_COLS)] = x.astype(kv_smem.dtype)
 
 
 def _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, tiles, wide, stage, staged,
@@ -1362,124 +1190,6 @@ def _f16_queries(q):
   shift = jnp.maximum(exponent - 15, 0)
   scaled = q.astype(jnp.float32) * jnp.ldexp(jnp.float32(1), -shift)[:, None, None]
   return scaled.astype(jnp.float16), jnp.ldexp(jnp.float32(1), shift)
-
-
-# e4m3_scores: q = hi + E4M3_LO_SCALE * lo, lo = e4m3((q - hi) / E4M3_LO_SCALE).
-E4M3_LO_SCALE = 2.0 ** -4
-
-
-def _e4m3_queries(q):
-  """q [T, Np, D] bf16 as e4m3_scores' B operand: [T, 2 Np, D] e4m3, each token's hi parts then
-  lo parts, and the inverse powers of two [T, Np] f32 the kernel folds into each head's scores:
-  what the kernel's warpgroup 0 computes (`_split_queries` on the GPU; this function in the
-  interpreter's form) and its oracle.
-  Each head of each token is scaled by the power of two that puts its largest magnitude in
-  [2^7, 2^8) (e4m3 ends at 448), hi = e4m3(q), lo = e4m3((q - hi) / E4M3_LO_SCALE). Exact,
-  q = hi + 2^-4 lo, for every element at least 2^-6 after the scaling (2^(E - 13) for a head
-  whose largest magnitude is in [2^E, 2^(E+1))): hi rounds its 8 significant bits to 4 (e4m3
-  normals from 2^-6), and the residual, a multiple of the element's bf16 ulp at most half of hi's,
-  is 4 bits on e4m3's grid (subnormals to 2^-9); smaller ones lose bits, at most 2^-14 after the
-  scaling (the check over every bf16 value: tests/test_decode_backends.py). Per head, not per
-  token as `_f16_queries`: e4m3's range is narrow, and one head's outlier must not push the
-  token's other heads below it. A row's result never depends on the batch."""
-  _, exponent = jnp.frexp(jnp.max(jnp.abs(q.astype(jnp.float32)), axis=2))  # |q| < 2^e
-  # Kept within float32's normal powers (an all-zero head: e = 0, scaled up by 2^8, still 0).
-  shift = jnp.clip(exponent - 8, -120, 120)
-  scaled = q.astype(jnp.float32) * jnp.ldexp(jnp.float32(1), -shift)[..., None]
-  # The barrier keeps XLA from folding hi's f32 -> e4m3 -> f32 round trip into the identity (GPU
-  # compilation allows such "excess precision"): lo was then 0 on the H200, never on the CPU.
-  hi = lax.optimization_barrier(scaled.astype(F8))
-  lo = ((scaled - hi.astype(jnp.float32)) / E4M3_LO_SCALE).astype(F8)
-  return jnp.concatenate([hi, lo], axis=1), jnp.ldexp(jnp.float32(1), shift)
-
-
-# e4m3 x 2 -> the hi and lo bytes of two bf16 q values (one i32 word, element 2k in its low half)
-# scaled by $2 (an f32 power of two): the low 16 bits of $0 hold hi's two bytes, the high 16 lo's;
-# hi = e4m3(x), lo = e4m3((x - hi) * 16), as `_e4m3_queries` (cvt's first source is the upper byte).
-_SPLIT_PAIR = (
-    "{ .reg .b32 x0, x1, hh; .reg .f32 s0, s1, r0, r1; .reg .b16 h, l, a0, a1; "
-    "shl.b32 x0, $1, 16; and.b32 x1, $1, 0xffff0000; "
-    "mul.rn.f32 s0, x0, $2; mul.rn.f32 s1, x1, $2; "
-    "cvt.rn.satfinite.e4m3x2.f32 h, s1, s0; cvt.rn.f16x2.e4m3x2 hh, h; mov.b32 {a0, a1}, hh; "
-    "cvt.f32.f16 r0, a0; cvt.f32.f16 r1, a1; sub.rn.f32 r0, s0, r0; sub.rn.f32 r1, s1, r1; "
-    "mul.rn.f32 r0, r0, 0f41800000; mul.rn.f32 r1, r1, 0f41800000; "
-    "cvt.rn.satfinite.e4m3x2.f32 l, r1, r0; mov.b32 $0, {h, l}; }")
-
-
-def _split_queries(q_rows, q_smem, qs_smem):
-  """`_e4m3_queries` of one token inside the kernel, in lane-level code (warpgroup 0, before its
-  first product): q_rows [heads, D] bf16 in GMEM, read by 16-byte loads straight into registers;
-  q_smem [2 x heads, D] e4m3 (tiled (8, 64), 64-byte swizzled) gets the hi rows then the lo rows,
-  qs_smem [heads] f32 the scale-backs 2^shift. A head's max |q| is the largest of its bf16 bit
-  patterns less the sign (their order is the magnitudes'), its frexp exponent e that pattern's
-  exponent field - 126 (0 for 0; a subnormal's e is below -126, clipped alike to -120 by the
-  shift), so the bytes and scales are `_e4m3_queries`' for finite q. Spares the call the XLA
-  kernels of the split (a reduction and three elementwise passes). The interpreter runs
-  `_e4m3_queries` itself (`_decode_kernel`)."""
-  heads, d = q_rows.shape
-  group = WARPGROUP_THREADS // heads
-  units = d // _UNIT_COLS
-  per_thread = pl.cdiv(units, group)
-  transforms = (plgpu.TilingTransform((_SWIZZLE_TILE_ROWS, _FP8_COLS)),
-                plgpu.SwizzleTransform(_FP8_COLS))
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(transforms), plgpu.RefType()))
-  def split(_, q_rows, q_smem, qs_smem):
-    i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
-    c32 = lambda v: arith.constant(i32, v)
-    words_type = ir.VectorType.get((4,), i32)
-    tid, _, _ = warpgroup_thread()
-    head, sub = arith.divui(tid, c32(group)), arith.remui(tid, c32(group))
-    src = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(q_rows),
-                                   [arith.muli(head, c32(2 * d))], i8)
-    # Unit j of this thread: sub + group j; past the row (the last round at 16 heads) it reads
-    # the row's last unit again (max unchanged) and stores nothing.
-    unit_of = [arith.minui(arith.addi(sub, c32(group * j)), c32(units - 1))
-               for j in range(per_thread)]
-    words = []  # [unit][8 i32 words: bf16 pairs]
-    for u in unit_of:
-      ptr = mgpu_utils.getelementptr(src, [arith.muli(u, c32(2 * _UNIT_COLS))], i8)
-      pair = [llvm.load(words_type, mgpu_utils.getelementptr(ptr, [c32(16 * k)], i8),
-                        alignment=16) for k in range(2)]
-      words.append([vector.extract(pair[k], [], [w]) for k in range(2) for w in range(4)])
-    largest = c32(0)
-    for w in (w for unit in words for w in unit):
-      for x in (arith.andi(w, c32(0x7FFF)), arith.andi(arith.shrui(w, c32(16)), c32(0x7FFF))):
-        largest = arith.maxui(largest, x)
-    for distance in (1, 2, 4, 8)[:group.bit_length() - 1]:
-      largest = arith.maxui(largest, mgpu_utils.shfl_bfly(largest, distance))
-    exponent = arith.select(arith.cmpi(arith.CmpIPredicate.eq, largest, c32(0)), c32(0),
-                            arith.subi(arith.shrui(largest, c32(7)), c32(126)))
-    shift = arith.maxsi(arith.minsi(arith.subi(exponent, c32(8)), c32(120)), c32(-120))
-    factor = arith.shli(arith.subi(c32(127), shift), c32(23))  # 2^-shift
-    scale_back = arith.bitcast(ir.F32Type.get(), arith.shli(arith.addi(c32(127), shift), c32(23)))
-    first = arith.cmpi(arith.CmpIPredicate.eq, sub, c32(0))
-    store_scale = scf.IfOp(first)
-    with ir.InsertionPoint(store_scale.then_block):
-      memref.store(scale_back, qs_smem, [arith.index_cast(ir.IndexType.get(), head)])
-      scf.yield_([])
-    dst = mgpu_utils.memref_ptr(q_smem)
-
-    for j, (u, unit) in enumerate(zip(unit_of, words)):
-      split_words = [lane_asm(_SPLIT_PAIR, "=r,r,r", w, factor) for w in unit]
-      parts = [vector.from_elements(words_type, [
-          lane_asm(f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r", split_words[2 * k],
-                   split_words[2 * k + 1]) for k in range(4)]) for selector in (0x5410, 0x7632)]
-
-      def store(u=u, parts=parts):
-        for row, part in zip((head, arith.addi(head, c32(heads))), parts):
-          offset = swizzled_unit_offset(row, u, d, _FP8_COLS)
-          llvm.store(part, mgpu_utils.getelementptr(dst, [offset], i8), alignment=16)
-      if group * (j + 1) <= units:
-        store()
-      else:
-        inside = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, arith.addi(sub, c32(group * j)),
-                                     c32(units)))
-        with ir.InsertionPoint(inside.then_block):
-          store()
-          scf.yield_([])
-
-  split(q_rows, q_smem, qs_smem)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits",
@@ -1605,7 +1315,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
     q, q_scales = _f16_queries(q)
     if wide_keys:  # the key fragments' column order (`wide_key_order`)
       q = wide_key_order(q)
-  else:  # e4m3_scores: the kernel splits q into fp8 wgmma's B (`_split_queries`)
+  else:  # e4m3_scores: the kernel splits q into fp8 wgmma's B (`split_queries`)
     q_scales = jnp.ones((t,), jnp.float32)
   # P's (and the interpreter's converted tiles'): register_a's f16 beside f16 or e4m3 queries.
   p_dtype = jnp.float16 if register_a else q.dtype
@@ -1640,16 +1350,16 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   staging = ()
   if register_a:  # no bf16 slot: the e4m3 pages' ring is the slots
     slots = ring
-    slot_type = swizzled((slots, _STEP, d), F8, _FP8_COLS)
+    slot_type = swizzled((slots, _STEP, d), F8, FP8_COLS)
     if interpret:  # each consumer's converted A tile (`a_operand`)
-      staging = (swizzled((_VALUE_WGS, _FP8_COLS, _FP8_COLS), p_dtype),)
+      staging = (swizzled((_VALUE_WGS, FP8_COLS, FP8_COLS), p_dtype),)
     if e4m3_scores:  # the heads' scale-backs (qs_smem), and the interpreter's bf16 row (qb_smem)
       staging = (plgpu.SMEM((tile_h,), jnp.float32),
                  *((plgpu.SMEM((tile_h, d), q.dtype),) if interpret else ())) + staging
   elif fp8:
     staging = (plgpu.SMEM((_FP8_STAGES, _STEP, d), F8,
-                          transforms=(plgpu.TilingTransform((8, _FP8_COLS)),
-                                      plgpu.SwizzleTransform(_FP8_COLS))),
+                          transforms=(plgpu.TilingTransform((8, FP8_COLS)),
+                                      plgpu.SwizzleTransform(FP8_COLS))),
                plgpu.Barrier(num_barriers=_FP8_STAGES))
     if shared_widening:  # stage_free: warpgroup 1 done reading a stage slot
       staging += (plgpu.Barrier(num_barriers=_FP8_STAGES),)
@@ -1672,7 +1382,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                 jax.ShapeDtypeStruct((t, splits, np_), jnp.float32)),
       scratch_types=(
           plgpu.RefUnion(
-              (swizzled((2 * tile_h, d), F8, _FP8_COLS) if e4m3_scores
+              (swizzled((2 * tile_h, d), F8, FP8_COLS) if e4m3_scores
                else swizzled((tile_h, d), q.dtype, sw), slot_type),
               (o_staging, plgpu.SMEM((tile_h,), jnp.float32))),
           swizzled((tile_h, step_rows * pages), p_dtype, sw),
@@ -1715,7 +1425,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
     o_parts = jnp.swapaxes(o_parts, 2, 3)
   if wide_values and (interpret or out_dtype != jnp.bfloat16):  # the value columns' order
     # (one transpose of o; the merge's input with splits): the kernel's lane store did it else
-    o_parts = wide_value_order(o_parts, _WIDE_VALUE_GROUP[tile_h], inverse=True)
+    o_parts = wide_value_order(o_parts, WIDE_VALUE_GROUP[tile_h], inverse=True)
   if splits == 1 and not fixed_order:
     o, lse = o_parts[:, 0], lse_parts[:, 0]
   else:

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, vector
+from jaxlib.mlir.dialects import arith, llvm, nvvm, vector
 
 from pallas_kernels.common import F8
 
@@ -127,3 +130,57 @@ def wide_store(dst, words, convert, offsets):
     off = wide_offset(base, offset)
     llvm.store(vector.from_elements(ir.VectorType.get((4,), i32), out[4 * h:4 * h + 4]),
                mgpu_utils.getelementptr(mgpu_utils.memref_ptr(dst), [off], i8), alignment=16)
+
+
+def cp_async_wait(pending):
+  """Waits until at most `pending` of this thread's cp.async groups are in flight."""
+
+  @plgpu.inline_mgpu()
+  def wait(_):
+    nvvm.cp_async_wait_group(pending)
+
+  wait()
+
+
+def row_steps(row_ref, *, num_slots, step, interpret):
+  """Steps of `step` slots up to the last valid slot of row_ref [Kp] int32 (GMEM, raw slots: -1 or
+  >= num_slots invalid, anywhere in the row), as a scalar every thread of the warpgroup holds.
+  On the GPU each warp reads the whole row (Kp / 128 16-byte loads a lane, coalesced) and takes
+  the max over its lanes with redux.sync: no shared memory and no barrier, so every warp of every
+  warpgroup derives the same count on its own. The interpreter (no inline Mosaic GPU code) loops
+  over the slots."""
+  kp = row_ref.shape[0]
+  if interpret:
+    def last_valid(k, extent):
+      slot = row_ref[k]
+      return jnp.where((slot >= 0) & (slot < num_slots), k + 1, extent)
+
+    extent = lax.fori_loop(0, kp, last_valid, jnp.int32(0))
+    return lax.div(extent + (step - 1), step)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                     return_type=plgpu.ShapeDtypeStruct((), jnp.int32,
+                                                        layout=plgpu.Layout.WG_SPLAT(())))
+  def count(_, row):
+    i32, i64 = (ir.IntegerType.get_signless(w) for w in (32, 64))
+    c32 = lambda v: arith.constant(i32, v)
+    lane = arith.remui(mgpu_utils.thread_idx(), c32(32))
+    base = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(row))
+    vec = ir.VectorType.get((4,), i32)
+    extent = c32(0)
+    for g in range(-(-kp // 128)):
+      first = arith.addi(c32(g * 128), arith.muli(lane, c32(4)))  # this lane's 4 slots
+      if (g + 1) * 128 > kp:  # Kp an odd number of steps: lanes past the row reread its last 4
+        first = arith.minui(first, c32(kp - 4))
+      ptr = mgpu_utils.getelementptr(base, [arith.extui(i64, first)], i32)
+      values = llvm.load(vec, ptr, alignment=16)
+      for e in range(4):
+        slot = llvm.extractelement(values, c32(e))
+        valid = arith.cmpi(arith.CmpIPredicate.ult, slot, c32(num_slots))
+        extent = arith.maxsi(extent, arith.select(valid, arith.addi(first, c32(e + 1)), c32(0)))
+    extent = mgpu_utils.redux(extent, c32(0xFFFFFFFF), mgpu_utils.ReductionKind.MAX)
+    steps = arith.divui(arith.addi(extent, c32(step - 1)), c32(step))
+    return mgpu_fa.FragmentedArray.splat(steps, (), layout=mgpu_fa.WGSplatFragLayout(()),
+                                          is_signed=True)
+
+  return count(row_ref)

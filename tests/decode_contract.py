@@ -216,13 +216,13 @@ class DecodeContract:
 
 
 def assert_e4m3_split_is_exact():
-  """`mosaic_decode._e4m3_queries` compiled for the default device: every finite bf16 magnitude
+  """`e4m3_operands.e4m3_queries` compiled for the default device: every finite bf16 magnitude
   below 256 in tokens whose largest is 255 (no scaling), hi + 2^-4 lo is the value exactly from
   2^-6 (e4m3's normals) up, and not always below it; then scaled heads (each its own power of
   two) give the same parts and the powers back. Compiled, not eager: XLA's GPU compiler may fold
   a convert round trip that the split relies on."""
-  from pallas_kernels import mosaic_decode
-  split = jax.jit(mosaic_decode._e4m3_queries)
+  from pallas_kernels import e4m3_operands
+  split = jax.jit(e4m3_operands.e4m3_queries)
   x = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(jnp.bfloat16)
   x = x[np.isfinite(x) & (np.abs(x.astype(np.float32)) < 256)]
   per_token = 576 - 1
@@ -232,7 +232,7 @@ def assert_e4m3_split_is_exact():
   assert parts.dtype == jnp.float8_e4m3fn and parts.shape == (len(x), 2, 576)
   np.testing.assert_array_equal(back, np.ones((len(x), 1)))
   want = q.astype(np.float32)[:, 0]
-  got = parts[:, 0].astype(np.float32) + mosaic_decode.E4M3_LO_SCALE * parts[:, 1].astype(
+  got = parts[:, 0].astype(np.float32) + e4m3_operands.E4M3_LO_SCALE * parts[:, 1].astype(
       np.float32)
   normal = np.abs(want) >= 2.0 ** -6
   np.testing.assert_array_equal(got[normal], want[normal])

@@ -13,7 +13,7 @@ from decode_contract import (FP8_SCALE, L, SCALE, DecodeContract, assert_decode_
                              assert_e4m3_split_is_exact, make_case)
 from mla_jax import backends
 from oracles import latent_decode_np
-from pallas_kernels import mosaic_decode, mosaic_lanes
+from pallas_kernels import e4m3_operands, mosaic_decode, mosaic_lanes
 from pallas_kernels.common import (HEADS_N_TILES, default_num_kv_splits, register_pool,
                                    softmax_step)
 from pallas_kernels.latent_decode import latent_decode
@@ -833,7 +833,7 @@ class TestPallasMosaicDecodeRegisterANarrowValues(_RegisterAOffKnob):
     # fragment's rows; tile c is output columns 64c ..); wide_value_order gives them the 16 value
     # columns of unit u = 8w + l/4 (a token row's 16 bytes), tile c's in the bytes that a pass of
     # `group` tiles loads: 2c + h, or with 8-byte passes rotated by 8 bytes where u / 2 is odd.
-    order = np.asarray(mosaic_decode.wide_value_order(jnp.arange(512), group))
+    order = np.asarray(e4m3_operands.wide_value_order(jnp.arange(512), group))
     for w in range(4):
       for r in range(8):
         unit = 8 * w + r
@@ -846,8 +846,8 @@ class TestPallasMosaicDecodeRegisterANarrowValues(_RegisterAOffKnob):
           np.testing.assert_array_equal(bytes_, bytes_[0] + np.arange(2 * group))
     assert sorted(order) == list(range(512))
     x = jnp.arange(3 * 512).reshape(3, 512)
-    np.testing.assert_array_equal(mosaic_decode.wide_value_order(
-        mosaic_decode.wide_value_order(x, group), group, inverse=True), x)
+    np.testing.assert_array_equal(e4m3_operands.wide_value_order(
+        e4m3_operands.wide_value_order(x, group), group, inverse=True), x)
 
   def test_wide_values_other_lora_raises(self):
     # A 256-column latent: 8 bytes a thread's rows, not a 16-byte unit.

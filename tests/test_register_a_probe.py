@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gpu_utils import poison_allocator
-from pallas_kernels import mosaic_decode
+from pallas_kernels import e4m3_operands, mosaic_decode
 from pallas_kernels.common import swizzled
 
 F8 = jnp.float8_e4m3fn
@@ -162,22 +162,22 @@ def test_wide_key_tile_on_gpu_is_the_permuted_tile():
   np.testing.assert_array_equal(out, np.asarray(want))
 
 
-# mosaic_decode's wide_values: `_wide_value_tiles` (lane-level loads of a token row's value unit,
+# mosaic_decode's wide_values: `wide_value_tiles` (lane-level loads of a token row's value unit,
 # the token pairs interleaved bytewise, into the f16 WGMMA fragments of V^T's 8 tiles) against
 # `wide_value_order`, for both pass sizes (16-byte loads, 8 tiles a pass; 8-byte, 4), which only
 # the GPU runs.
-L = mosaic_decode.WIDE_VALUE_COLS
+L = e4m3_operands.WIDE_VALUE_COLS
 
 
 def wide_value_kernel(group):
   def fill(slot, o_smem):
     for first in range(0, L // TILE, group):
-      for c, tile in enumerate(mosaic_decode._wide_value_tiles(slot, first, group), first):
+      for c, tile in enumerate(e4m3_operands.wide_value_tiles(slot, first, group), first):
         o_smem[pl.ds(c * TILE, TILE), :] = tile
   return slot_probe(fill, (L, TILE))
 
 
-@pytest.mark.parametrize("group", sorted(set(mosaic_decode._WIDE_VALUE_GROUP.values())))
+@pytest.mark.parametrize("group", sorted(set(e4m3_operands.WIDE_VALUE_GROUP.values())))
 def test_wide_value_tiles_lower_for_hopper(group):
   text = wide_value_kernel(group).trace(wide_key_rows(0)).lower(
       lowering_platforms=("cuda",)).as_text()
@@ -185,11 +185,11 @@ def test_wide_value_tiles_lower_for_hopper(group):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("group", sorted(set(mosaic_decode._WIDE_VALUE_GROUP.values())))
+@pytest.mark.parametrize("group", sorted(set(e4m3_operands.WIDE_VALUE_GROUP.values())))
 def test_wide_value_tiles_on_gpu_are_the_permuted_tiles(group):
   x = wide_key_rows(3)
   poison_allocator()
   out = np.asarray(wide_value_kernel(group)(x))
   # V^T's tiles stacked [512 value columns in wide_value_order, 64 tokens]; e4m3 -> f16 is exact
-  want = mosaic_decode.wide_value_order(x[:, :L].astype(jnp.float16), group).T
+  want = e4m3_operands.wide_value_order(x[:, :L].astype(jnp.float16), group).T
   np.testing.assert_array_equal(out, np.asarray(want))
