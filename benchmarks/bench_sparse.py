@@ -175,13 +175,14 @@ def run_sparse(args, t, n, kind, cache, valid=TOPK):
     if (not changed or (args.sweep_rows and changed not in args.sweep_rows)
         or (kind != "fp8_ds_mla" and any(getattr(cfg, k) != getattr(pallas_mosaic_sparse.CONFIG, k)
                                          for k in FP8_DS_MLA_FIELDS))
+        or (cfg.fp8_pipeline == "register_a" and n not in pallas_mosaic_sparse.HEADS_N_TILES)
         or (cfg.heads_in == "n" and (
             n > pallas_mosaic_sparse.HEADS_N_TILES[-1]
             or (kind == "fp8_ds_mla"
                 and cfg.fp8_pipeline not in pallas_mosaic_sparse.HEADS_N_FP8_PIPELINES)))):
       # The chosen config, one not asked for, an fp8_ds_mla pipeline on a bf16 cache, or heads in
       # wgmma's N where the kernel refuses them (more than 32 heads; fp8_ds_mla unless the
-      # pipeline is named and steps 64 slots).
+      # pipeline is named and steps 64 slots; "register_a" at other than 16 or 32 heads).
       continue
     other = lambda be, cfg=cfg: jax.jit(functools.partial(mosaic_sparse_variant, cfg=cfg))
     entries.append((case(f"{kind} {changed}"), other, "pallas_mosaic"))

@@ -231,8 +231,7 @@ def wide_value_tiles(slot, first: int, count: int, scales=None):
         _registers=tile.reshape(mgpu_layout.registers_shape((FP8_COLS, STEP))),
         _layout=mgpu_layout, _is_signed=None) for tile in regs)
 
-  return load(slot)
-
+  return load(slot, *([scales] if scaled else []))
 
 
 # e4m3_scores: q = hi + E4M3_LO_SCALE * lo, lo = e4m3((q - hi) / E4M3_LO_SCALE).

@@ -51,27 +51,27 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, nvvm, scf
 
+from pallas_kernels import mosaic_sparse_register_a as register_a
 from pallas_kernels.common import (DS_MLA_TILE, F8, HALF_ROWS, HALF_ROWS_LAYOUT, HEADS_M_TILE,
                                    HEADS_N_TILES, LOG2E, REDUCTION_BYTES_PER_8_HEADS,
                                    check_sparse_args, default_num_kv_splits, hand_over_p,
                                    heads_tile, leading_rows, merge_splits, one_wave_splits,
                                    padded_heads, row_broadcast, run_scores, run_values, sm_count,
-                                   softmax_step, step_variant, swizzled, SWIZZLE)
-from pallas_kernels.mosaic_lanes import (WARPGROUP_THREADS, WIDE_MAX_SCALE_BITS, lane_asm,
-                                         placed_bf16x2, warpgroup_thread, wide_load,
-                                         wide_store)
+                                   smem_bytes, softmax_step, step_variant, swizzled, SWIZZLE)
+from pallas_kernels.mosaic_lanes import (WARPGROUP_THREADS, WIDE_MAX_SCALE_BITS, cp_async_wait,
+                                         lane_asm,
+                                         placed_bf16x2, row_steps, warpgroup_thread,
+                                         wide_load, wide_store)
 
 _TILE_H = HEADS_M_TILE  # heads per program: the M of every Hopper wgmma
 _STEP = 64  # slots per step: N of S = Q K^T, K of P V
@@ -372,58 +372,8 @@ def _wide_widen_in_place(nope, scales, dst):
   run(nope, scales, dst)
 
 
-def _cp_async_wait(pending):
-  """Waits until at most `pending` of this thread's cp.async groups are in flight."""
-
-  @plgpu.inline_mgpu()
-  def wait(_):
-    nvvm.cp_async_wait_group(pending)
-
-  wait()
 
 
-def _row_steps(row_ref, *, num_slots, interpret):
-  """Steps of 64 slots up to the last valid slot of row_ref [Kp] int32 (GMEM, raw slots: -1 or
-  >= num_slots invalid, anywhere in the row), as a scalar every thread of the warpgroup holds.
-  On the GPU each warp reads the whole row (Kp / 128 16-byte loads a lane, coalesced) and takes
-  the max over its lanes with redux.sync: no shared memory and no barrier, so every warp of every
-  warpgroup derives the same count on its own. The interpreter (no inline Mosaic GPU code) loops
-  over the slots."""
-  kp = row_ref.shape[0]
-  if interpret:
-    def last_valid(k, extent):
-      slot = row_ref[k]
-      return jnp.where((slot >= 0) & (slot < num_slots), k + 1, extent)
-
-    extent = lax.fori_loop(0, kp, last_valid, jnp.int32(0))
-    return lax.div(extent + (_STEP - 1), _STEP)
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
-                     return_type=plgpu.ShapeDtypeStruct((), jnp.int32,
-                                                        layout=plgpu.Layout.WG_SPLAT(())))
-  def count(_, row):
-    i32, i64 = (ir.IntegerType.get_signless(w) for w in (32, 64))
-    c32 = lambda v: arith.constant(i32, v)
-    lane = arith.remui(mgpu_utils.thread_idx(), c32(32))
-    base = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(row))
-    vec = ir.VectorType.get((4,), i32)
-    extent = c32(0)
-    for g in range(-(-kp // 128)):
-      first = arith.addi(c32(g * 128), arith.muli(lane, c32(4)))  # this lane's 4 slots
-      if (g + 1) * 128 > kp:  # Kp an odd number of steps: lanes past the row reread its last 4
-        first = arith.minui(first, c32(kp - 4))
-      ptr = mgpu_utils.getelementptr(base, [arith.extui(i64, first)], i32)
-      values = llvm.load(vec, ptr, alignment=16)
-      for e in range(4):
-        slot = llvm.extractelement(values, c32(e))
-        valid = arith.cmpi(arith.CmpIPredicate.ult, slot, c32(num_slots))
-        extent = arith.maxsi(extent, arith.select(valid, arith.addi(first, c32(e + 1)), c32(0)))
-    extent = mgpu_utils.redux(extent, c32(0xFFFFFFFF), mgpu_utils.ReductionKind.MAX)
-    steps = arith.divui(arith.addi(extent, c32(_STEP - 1)), c32(_STEP))
-    return mgpu_fa.FragmentedArray.splat(steps, (), layout=mgpu_fa.WGSplatFragLayout(()),
-                                          is_signed=True)
-
-  return count(row_ref)
 
 
 def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_slots, gather,
@@ -513,10 +463,11 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
 
   def own_steps():
     """prep_in_kernel: this warpgroup's (first, n, consumer_steps), which the helpers below read,
-    from its own count of the row (`_row_steps`: every warp reads the row and derives the same
-    count, so the three warpgroups agree on every barrier phase without exchanging it)."""
+    from its own count of the row (`mosaic_lanes.row_steps`: every warp reads the row and derives
+    the same count, so the three warpgroups agree on every barrier phase without exchanging it)."""
     nonlocal first, n, consumer_steps
-    first, n = split_steps(_row_steps(idx_ref.at[t], num_slots=num_slots, interpret=interpret))
+    first, n = split_steps(row_steps(idx_ref.at[t], num_slots=num_slots, step=_STEP,
+                                     interpret=interpret))
     consumer_steps = consumer_steps_of(n)
 
   slots_layout = plgpu.Layout.WGMMA.reduce(heads_axis)  # one slot index a score row or column
@@ -714,7 +665,7 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
       """cp_async: this lane's last group has landed; the fence (in commit_smem) makes the
       generic-proxy writes visible to wgmma's async proxy, its warpgroup barrier every lane's rows
       to every lane."""
-      _cp_async_wait(0)
+      cp_async_wait(0)
       plgpu.commit_smem()
 
     if not fp8:
@@ -729,7 +680,7 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
           # The previous step's rows have landed once at most this step's group is in flight.
           @pl.when(i > 0)
           def _():
-            _cp_async_wait(1)
+            cp_async_wait(1)
             plgpu.commit_smem()
             plgpu.barrier_arrive(ready.at[lax.rem(i - 1, slots)])
 
@@ -892,7 +843,7 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
           in_flight = n * pieces - 1 - j  # groups committed after G(j), up to ring - 1
           for k in range(ring):
             pl.when(in_flight == k if k < ring - 1 else in_flight >= k)(
-                functools.partial(_cp_async_wait, k))
+                functools.partial(cp_async_wait, k))
           plgpu.commit_smem()  # every lane widens rows other lanes copied
         # Slot part took consumer step j - 2: wait until both consumers are done with it.
         pl.when(i > 0)(functools.partial(plgpu.barrier_wait, consumed.at[part]))
@@ -990,25 +941,6 @@ def heads_n_splits(num_splits):
   return 1
 
 
-def smem_bytes(scratch, reduction_bytes=0):
-  """Bytes of shared memory Pallas Mosaic GPU (jax 0.11.2) allocates for these scratch types and a
-  kernel that reduces across warps with `CompilerParams(reduction_scratch_bytes=reduction_bytes)`:
-  each buffer, and each buffer of a `RefUnion` member, starts 1024-byte aligned; a union takes
-  its largest member; a barrier takes 8 bytes; the reduction scratch, 1024-byte aligned, comes on
-  top. `_sparse_call` refuses a launch past _SMEM_LIMIT."""
-  align = lambda x: -(-x // 1024) * 1024
-
-  def size(ref):
-    if isinstance(ref, plgpu.RefUnion):
-      return max(functools.reduce(lambda acc, r: align(acc) + size(r), jax.tree.leaves(m), 0)
-                 for m in ref.refs)
-    if isinstance(ref, plgpu.Barrier):
-      return 0
-    return math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
-
-  buffers = sum(align(size(ref)) for ref in scratch)
-  barriers = sum(math.prod(ref.num_barriers) for ref in scratch if isinstance(ref, plgpu.Barrier))
-  return buffers + 8 * barriers + -(-reduction_bytes // 1024) * 1024
 
 
 def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_splits, auto_barriers,
@@ -1156,7 +1088,7 @@ _STATIC = ("scale", "num_splits", "auto_barriers", "interpret", "gather", "split
            "heads_in", "prep_in_kernel")
 GATHERS = ("cp_async", "bulk")
 SPLIT_RULES = ("fill", "one_wave")
-FP8_PIPELINES = ("serial", "half_rows", "in_place")
+FP8_PIPELINES = ("serial", "half_rows", "in_place", "register_a")
 HEADS_IN = ("m", "n")
 HEADS_N_FP8_PIPELINES = ("serial", "in_place")  # fp8_ds_mla pipelines heads_in="n" takes
 
@@ -1227,23 +1159,23 @@ class MosaicSparseConfig:
   memory side (the cp.async gather's compare is unsigned, so -1 reads nothing like a slot past the
   cache; a bulk copy's signed coordinates put a row at -1 outside the cache, zero-filled); the
   scores mask them with one more compare. Each warpgroup counts the row's steps itself
-  (`_row_steps`: every warp reads the row's Kp slots from GMEM, 8 KB at Kp=2048, and takes the max
-  over its lanes of the last valid position, which -1 anywhere in the row leaves right), so a row
-  walks only up to its last valid slot, as the default's XLA count does (v14; v13 walked all Kp/64
-  steps: rows of 256 valid slots 2.2-3.4x slower). Every program copies its query tile and the
-  consumers wait for it unconditionally: under the default's `n > 0` ptxas spills in the scores loop
-  (bf16 N=128: 10 reloads a step; none here). The scales come in each step's cp.async group (4-byte
-  copies, 2 a lane a 64-row step), so fp8_ds_mla takes the cp_async gather only (bulk copies of 4
-  bytes are under a bulk copy's 16-byte box). H200 (session 12, v13: every step walked), T=128 over
-  a 1M-token cache, ms, default / prep_in_kernel: full rows (2048 valid slots) bf16 N=128 0.197 /
-  0.185, N=16 0.0931 / 0.0862; fp8_ds_mla N=128 0.264 / 0.249, N=16 0.138 / 0.124; rows of 256 valid
-  slots bf16 N=128 0.0855 / 0.1917, fp8_ds_mla N=128 0.0768 / 0.2641. v14 (the count in the kernel;
-  session 13, one process), N=128: full rows bf16 0.202 / 0.190, fp8_ds_mla 0.267 / 0.251; 256 valid
-  slots bf16 0.0698 / 0.0567, fp8_ds_mla 0.0723 / 0.0697. Session 14, full rows, v14 / XLA's prep:
-  T=128 N=128 bf16 0.184 / 0.201, fp8_ds_mla 0.256 / 0.258, N=16 equal; over 32K, fp8_ds_mla T=1024
-  N=16 0.962 / 0.897, N=128 1.88 / 1.79, T=4096 N=16 3.68 / 3.46, N=128 7.18 / 6.93 (the in-kernel
-  scale gather costs more than the XLA work it saves there), bf16 T=1024 and 4096 N=128 1.36 / 1.40
-  and 5.34 / 5.50, N=16 equal.
+  (`mosaic_lanes.row_steps`: every warp reads the row's Kp slots from GMEM, 8 KB at Kp=2048, and
+  takes the max over its lanes of the last valid position, which -1 anywhere in the row leaves
+  right), so a row walks only up to its last valid slot, as the default's XLA count does (v14; v13
+  walked all Kp/64 steps: rows of 256 valid slots 2.2-3.4x slower). Every program copies its query
+  tile and the consumers wait for it unconditionally: under the default's `n > 0` ptxas spills in
+  the scores loop (bf16 N=128: 10 reloads a step; none here). The scales come in each step's
+  cp.async group (4-byte copies, 2 a lane a 64-row step), so fp8_ds_mla takes the cp_async gather
+  only (bulk copies of 4 bytes are under a bulk copy's 16-byte box). H200 (session 12, v13: every
+  step walked), T=128 over a 1M-token cache, ms, default / prep_in_kernel: full rows (2048 valid
+  slots) bf16 N=128 0.197 / 0.185, N=16 0.0931 / 0.0862; fp8_ds_mla N=128 0.264 / 0.249, N=16 0.138
+  / 0.124; rows of 256 valid slots bf16 N=128 0.0855 / 0.1917, fp8_ds_mla N=128 0.0768 / 0.2641. v14
+  (the count in the kernel; session 13, one process), N=128: full rows bf16 0.202 / 0.190,
+  fp8_ds_mla 0.267 / 0.251; 256 valid slots bf16 0.0698 / 0.0567, fp8_ds_mla 0.0723 / 0.0697.
+  Session 14, full rows, v14 / XLA's prep: T=128 N=128 bf16 0.184 / 0.201, fp8_ds_mla 0.256 / 0.258,
+  N=16 equal; over 32K, fp8_ds_mla T=1024 N=16 0.962 / 0.897, N=128 1.88 / 1.79, T=4096 N=16 3.68 /
+  3.46, N=128 7.18 / 6.93 (the in-kernel scale gather costs more than the XLA work it saves there),
+  bf16 T=1024 and 4096 N=128 1.36 / 1.40 and 5.34 / 5.50, N=16 equal.
   wide_widening (True, the default; fp8_ds_mla, every fp8_pipeline): the memory warpgroup widens
   the staged e4m3 NoPE tiles in lane-level code (`_wide_widen`; "in_place": `_wide_widen_in_place`,
   whose stores overwrite the staged tiles and scales that other lanes read, behind one warpgroup
@@ -1311,7 +1243,8 @@ SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rul
          MosaicSparseConfig(fp8_pipeline="in_place", heads_in="n"),
          MosaicSparseConfig(prep_in_kernel=False),
          MosaicSparseConfig(fp8_pipeline="half_rows", wide_widening=False),
-         MosaicSparseConfig(fp8_pipeline="in_place", wide_widening=False))
+         MosaicSparseConfig(fp8_pipeline="in_place", wide_widening=False),
+         MosaicSparseConfig(fp8_pipeline="register_a"))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))
@@ -1388,6 +1321,16 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   [T, N, L] bf16 and lse [T, N] float32.
   """
   nb, page, lora = nope.shape
+  if fp8_pipeline == "register_a":
+    MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in,
+                       prep_in_kernel, wide_widening)  # checks them
+    if heads_in == "m" or gather != "cp_async" or prep_in_kernel is False:
+      raise ValueError(f"fp8_pipeline \"register_a\" runs heads in N, the cp_async gather and "
+                       f"the slot prep in the kernel; got heads_in={heads_in!r}, "
+                       f"gather={gather!r}, prep_in_kernel={prep_in_kernel!r}")
+    register_a.check_args(q, nope, tile_scales, rope, slots, num_splits)
+    return register_a.sparse_attention_fp8_ds_mla(q, nope, tile_scales, rope, slots, scale=scale,
+                                                  interpret=interpret)
   _check(q, slots, lora, num_splits)
   if (nope.dtype != F8 or tile_scales.dtype != jnp.float32 or rope.dtype != jnp.bfloat16
       or tile_scales.shape != (nb, page, lora // DS_MLA_TILE) or rope.shape[:2] != (nb, page)

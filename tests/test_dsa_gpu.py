@@ -170,6 +170,25 @@ def test_mosaic_sparse_heads_in_n_fp8_ds_mla_matches_reference(n, fp8_pipeline):
                          functools.partial(heads_in_n, fp8_pipeline=fp8_pipeline), tokens=1 << 20)
 
 
+# fp8_pipeline="register_a" (`mosaic_sparse_register_a`): S^T by fp8 wgmma from the gathered e4m3
+# rows (q split into exact e4m3 parts), V^T converted and scaled in registers. Against the
+# reference at the contract's tolerance, and against "in_place" (exact bf16 widening, the same
+# slots) at SPEC's cosine for bf16 caches: its products differ only by the fp8 accumulation and P
+# in f16.
+@pytest.mark.parametrize("n", [16, 32])
+def test_mosaic_sparse_register_a_matches_reference(n):
+  register_a = functools.partial(named_heads_in, heads_in=None, fp8_pipeline="register_a")
+  check_sparse_attention(n, "fp8_ds_mla", register_a, tokens=1 << 20)
+  q, cache, slots = sparse_case(n + 3, n, "fp8_ds_mla", tokens=1 << 20)
+  poison_allocator()
+  o, lse = (np.asarray(a, np.float64) for a in register_a(q, cache, slots, scale=SCALE,
+                                                          kv_lora_rank=L))
+  want_o, want_lse = (np.asarray(a, np.float64) for a in heads_in_n(
+      q, cache, slots, scale=SCALE, kv_lora_rank=L, fp8_pipeline="in_place"))
+  seen = np.isfinite(want_lse)
+  assert cosine_diff(o, want_o) < 1e-5 and cosine_diff(lse[seen], want_lse[seen]) < 1e-5
+
+
 # heads_in="m" named where the bf16 default runs "n": 64-head tiles that copy in and store only the
 # N query rows (16 and 32 heads, multiples of 8), at the same shape.
 @pytest.mark.parametrize("n", [16, 32])
