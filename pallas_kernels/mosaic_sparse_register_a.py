@@ -11,9 +11,10 @@ attention (pallas_mosaic)", "Session 26 (CPU)" and "Session 27"). One program (C
 - memory (warpgroup 2): per step of 64 slots, each lane gathers its part of the 64 rows with
   16-byte `cp.async` copies (`_gather_rows`) into a ring of _RING slots: the e4m3 NoPE rows
   [64, 512] (64-byte swizzled, as wgmma reads fp8 A operands), the bf16 RoPE rows [64, 64], the
-  rows' tile scales [4, 64] f32 and the step's raw slots [64]; an invalid slot copies 0 bytes
-  (zeros, nothing read). A step is handed over (ready) once _LANDING_LAG later steps are issued
-  and its group has landed, so up to _LANDING_LAG + 1 steps are in flight.
+  rows' tile scales [4, 64] f32 (the step's slot list fetched by a bulk copy two steps before,
+  into a ring of _INDEX_RING); an invalid slot copies 0 bytes (zeros, nothing read). A step is
+  handed over (ready) once _LANDING_LAG later steps are issued and its group has landed, so up
+  to _LANDING_LAG + 1 steps are in flight.
 - scores (warpgroup 0): q split exactly into e4m3 hi and lo parts per head
   (`e4m3_operands.split_queries`, its NoPE columns; the RoPE columns stay bf16), then per step
   S^T [64 slots, heads] = sum over the 4 scale tiles j of scale[:, j] * (K_j hi^T + 2^-4 K_j lo^T)
@@ -43,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, nvvm, scf
+from jaxlib.mlir.dialects import arith, llvm, nvvm
 
 from pallas_kernels.common import (DS_MLA_TILE, F8, HEADS_N_TILES, LOG2E,
                                    REDUCTION_BYTES_PER_8_HEADS, check_sparse_args, hand_over_p,
@@ -56,7 +57,12 @@ from pallas_kernels.e4m3_operands import (E4M3_LO_SCALE, FP8_COLS, STEP, WIDE_VA
 from pallas_kernels.mosaic_lanes import (WARPGROUP_THREADS, cp_async_wait, row_steps,
                                          swizzled_unit_offset, warpgroup_thread)
 
-_RING = 4  # row slots: 41 KB each (32 KB e4m3 NoPE, 8 KB RoPE, 1 KB scales, 256 B slots)
+_RING = 4  # row slots: 41 KB each (32 KB e4m3 NoPE, 8 KB RoPE, 1 KB scales)
+# Steps' slot lists in shared memory, each fetched (one bulk copy) _INDICES_AHEAD steps before its
+# gather and read until warpgroup 0 has masked its scores: a ring entry is refilled once the row
+# slot _RING steps back is free, by then read.
+_INDEX_RING = 8
+_INDICES_AHEAD = 2
 # Steps issued after a step before it is handed over: its group has landed once at most this many
 # later groups are in flight. Below _RING: a step's hand-off waits for the slot of step +
 # _LANDING_LAG to be free, i.e. for the consumers to finish step + _LANDING_LAG - _RING (at 2, a
@@ -70,109 +76,109 @@ _SEG = 16  # bytes a lane copies per cp.async
 _HEADS = HEADS_N_TILES  # the heads a program takes: wgmma's N (`e4m3_operands`' passes by heads)
 
 
-def _gather_rows(slots, nope, rope, scales, nope_dst, rope_dst, scales_dst, slots_dst, *,
-                 num_slots):
+def _gather_rows(slots, nope, rope, scales, nope_dst, rope_dst, scales_dst, *, num_slots):
   """Issues one step's gather as one cp.async group of the memory warpgroup's 128 lanes.
 
-  slots [64] int32 (GMEM: the token's raw slots of this step; -1 or >= num_slots invalid, the
-  compare unsigned); nope [S, 512] e4m3, rope [S, 64] bf16, scales [S, 4] f32 (GMEM, the cache);
-  nope_dst [64, 512] e4m3 (tiled (8, 64), 64-byte swizzled), rope_dst [64, 64] bf16 (tiled
-  (8, 64), 128-byte swizzled), scales_dst [4, 64] f32, slots_dst [64] int32. An invalid row copies
-  0 source bytes: cp.async fills zeros and reads nothing.
+  slots [64] int32 (shared memory: the token's raw slots of this step; -1 or >= num_slots invalid,
+  the compare unsigned); nope [S, 512] e4m3, rope [S, 64] bf16, scales [S, 4] f32 (GMEM, the
+  cache); nope_dst [64, 512] e4m3 (tiled (8, 64), 64-byte swizzled), rope_dst [64, 64] bf16
+  (tiled (8, 64), 128-byte swizzled), scales_dst [4, 64] f32. An invalid row copies 0 source
+  bytes: cp.async fills zeros and reads nothing. Every lane reads all its rows' slots first: the
+  copies are memory operations the compilers do not move a load above.
   NoPE: warp w takes rows 16 w .. 16 w + 15 two at a time, lanes 0-15 the first and 16-31 the
   second, each lane 2 of a row's 32 units: a warp instruction reads two rows' 256-byte halves
   and writes 8 64-byte rows of tiles that fill every bank twice (rows r and r + 1 sit 64 bytes
   apart). RoPE: 4 rows an instruction, 8 lanes a row. Scales: rows x 4 4-byte copies, 2 a lane
-  (cp.async's .ca; .cg takes 16 bytes only). Slots: 16 lanes copy the 256 bytes."""
+  (cp.async's .ca; .cg takes 16 bytes only)."""
   rows, lora = nope_dst.shape
   tiles = scales_dst.shape[0]
   nope_t = (plgpu.TilingTransform((8, FP8_COLS)), plgpu.SwizzleTransform(FP8_COLS))
   rope_t = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 4 + (
-      plgpu.RefType(nope_t), plgpu.RefType(rope_t), plgpu.RefType(), plgpu.RefType()))
-  def issue(_, slots, nope, rope, scales, nope_dst, rope_dst, scales_dst, slots_dst):
+      plgpu.RefType(nope_t), plgpu.RefType(rope_t), plgpu.RefType()))
+  def issue(_, slots, nope, rope, scales, nope_dst, rope_dst, scales_dst):
     i32, i64, i8 = (ir.IntegerType.get_signless(w) for w in (32, 64, 8))
+    f32 = ir.F32Type.get()
     c32 = lambda v: arith.constant(i32, v)
     tid, lane, warp = warpgroup_thread()
     global_ptr = llvm.PointerType.get(address_space=1)
     gmem = lambda ref: llvm.addrspacecast(global_ptr, mgpu_utils.memref_ptr(ref))
-    slots_src = gmem(slots)
+    slots_base = mgpu_utils.memref_ptr(slots)
 
     def row_of(r):
-      """(row, copied bytes) of step row r: row 0 and 0 bytes where the slot is invalid."""
-      row = llvm.load(i32, mgpu_utils.getelementptr(slots_src, [r], i32))
+      """(row, valid) of step row r: row 0 where the slot is invalid."""
+      row = llvm.load(i32, mgpu_utils.getelementptr(slots_base, [r], i32))
       valid = arith.cmpi(arith.CmpIPredicate.ult, row, c32(num_slots))
       return arith.select(valid, row, c32(0)), valid
 
-    def row_part(src, dst, row_bytes, swizzle, r, unit):
-      row, valid = row_of(r)
+    warp_rows = rows // 4
+    first = arith.muli(warp, c32(warp_rows))
+    rope_units = _ROPE_COLS * 2 // _SEG
+    rope_rows = 32 // rope_units  # rows a warp instruction
+    # (step row, cp.async source, destination base, row bytes, swizzle, unit) of each 16-byte copy
+    nope_rows = [arith.addi(first, arith.addi(c32(2 * g), arith.divui(lane, c32(16))))
+                 for g in range(warp_rows // 2)]
+    rope_step_rows = [arith.addi(first, arith.addi(c32(rope_rows * g),
+                                                   arith.divui(lane, c32(rope_units))))
+                      for g in range(warp_rows // rope_rows)]
+    scale_elems = [arith.addi(tid, c32(g * WARPGROUP_THREADS))  # row e / 4, tile e % 4
+                   for g in range(rows * tiles // WARPGROUP_THREADS)]
+    scale_rows = [arith.divui(e, c32(tiles)) for e in scale_elems]
+    loaded = [row_of(r) for r in nope_rows + rope_step_rows + scale_rows]
+    nope_of, rope_of, scale_of = (loaded[:len(nope_rows)],
+                                  loaded[len(nope_rows):-len(scale_rows)],
+                                  loaded[-len(scale_rows):])
+
+    def row_part(src, dst, row_bytes, swizzle, r, row_valid, unit):
+      row, valid = row_valid
       src_off = arith.addi(arith.muli(arith.extui(i64, row), arith.constant(i64, row_bytes)),
                            arith.extui(i64, arith.muli(unit, c32(_SEG))))
-      dst_off = swizzled_unit_offset(r, unit, row_bytes, swizzle)
       nvvm.cp_async_shared_global(
-          mgpu_utils.getelementptr(dst, [dst_off], i8),
+          mgpu_utils.getelementptr(dst, [swizzled_unit_offset(r, unit, row_bytes, swizzle)], i8),
           mgpu_utils.getelementptr(src, [src_off], i8), _SEG, nvvm.LoadCacheModifierKind.CG,
           cp_size=arith.select(valid, c32(_SEG), c32(0)))
 
-    nope_src, rope_src = gmem(nope), gmem(rope)
-    nope_base, rope_base = mgpu_utils.memref_ptr(nope_dst), mgpu_utils.memref_ptr(rope_dst)
-    half = arith.divui(lane, c32(16))
-    warp_rows = rows // 4
-    for g in range(warp_rows // 2):
-      r = arith.addi(arith.muli(warp, c32(warp_rows)), arith.addi(c32(2 * g), half))
+    nope_src, nope_base = gmem(nope), mgpu_utils.memref_ptr(nope_dst)
+    for r, row_valid in zip(nope_rows, nope_of):
       for k in range(lora // _SEG // 16):
         unit = arith.addi(arith.remui(lane, c32(16)), c32(16 * k))
-        row_part(nope_src, nope_base, lora, FP8_COLS, r, unit)
-    rope_units = _ROPE_COLS * 2 // _SEG
-    per_instr = 32 // rope_units
-    for g in range(warp_rows // per_instr):
-      r = arith.addi(arith.muli(warp, c32(warp_rows)),
-                     arith.addi(c32(per_instr * g), arith.divui(lane, c32(rope_units))))
-      row_part(rope_src, rope_base, _ROPE_COLS * 2, SWIZZLE, r, arith.remui(lane, c32(rope_units)))
+        row_part(nope_src, nope_base, lora, FP8_COLS, r, row_valid, unit)
+    rope_src, rope_base = gmem(rope), mgpu_utils.memref_ptr(rope_dst)
+    for r, row_valid in zip(rope_step_rows, rope_of):
+      row_part(rope_src, rope_base, _ROPE_COLS * 2, SWIZZLE, r, row_valid,
+               arith.remui(lane, c32(rope_units)))
     scales_src, scales_base = gmem(scales), mgpu_utils.memref_ptr(scales_dst)
-    for g in range(rows * tiles // WARPGROUP_THREADS):
-      e = arith.addi(tid, c32(g * WARPGROUP_THREADS))  # row e / 4, tile e % 4
-      r, j = arith.divui(e, c32(tiles)), arith.remui(e, c32(tiles))
-      row, valid = row_of(r)
+    for e, r, (row, valid) in zip(scale_elems, scale_rows, scale_of):
+      j = arith.remui(e, c32(tiles))
       src = mgpu_utils.getelementptr(
-          scales_src, [arith.extui(i64, arith.addi(arith.muli(row, c32(tiles)), j))],
-          ir.F32Type.get())
-      dst = mgpu_utils.getelementptr(scales_base, [arith.addi(arith.muli(j, c32(rows)), r)],
-                                     ir.F32Type.get())
+          scales_src, [arith.extui(i64, arith.addi(arith.muli(row, c32(tiles)), j))], f32)
+      dst = mgpu_utils.getelementptr(scales_base, [arith.addi(arith.muli(j, c32(rows)), r)], f32)
       nvvm.cp_async_shared_global(dst, src, 4, nvvm.LoadCacheModifierKind.CA,
                                   cp_size=arith.select(valid, c32(4), c32(0)))
-    slot_units = rows * 4 // _SEG
-    inside = arith.cmpi(arith.CmpIPredicate.ult, tid, c32(slot_units))
-    copy_slots = scf.IfOp(inside)
-    with ir.InsertionPoint(copy_slots.then_block):
-      off = arith.muli(tid, c32(_SEG))
-      nvvm.cp_async_shared_global(
-          mgpu_utils.getelementptr(mgpu_utils.memref_ptr(slots_dst), [off], i8),
-          mgpu_utils.getelementptr(slots_src, [arith.extui(i64, off)], i8), _SEG,
-          nvvm.LoadCacheModifierKind.CG)
-      scf.yield_([])
     nvvm.cp_async_commit_group()
 
-  issue(slots, nope, rope, scales, nope_dst, rope_dst, scales_dst, slots_dst)
+  issue(slots, nope, rope, scales, nope_dst, rope_dst, scales_dst)
 
 
 def _kernel(q_ref, idx_ref, nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buffers, q_rope,
-            qs_smem, p_smem, row_smem, q_bar, ready, consumed, p_ready, p_free, *interpreted,
-            scale, num_slots, interpret):
+            qs_smem, p_smem, row_smem, q_bar, ready, consumed, p_ready, p_free, idx_bar,
+            *interpreted, scale, num_slots, interpret):
   # GMEM: q_ref [T, H, L+R] bf16 (H = the program's heads, 16 or 32); idx_ref [T, Kp] int32 (raw
   # slots, -1 padded to whole steps); nope_ref [S, L] e4m3, rope_ref [S, R] bf16, scales_ref
   # [S, L/128] f32 (the cache's rows); o_ref [T, 1, H, L] bf16; lse_ref [T, 1, H] f32.
   # SMEM: buffers = union of (q_e4m3 [2H, L] e4m3 (hi rows, then lo), and the ring: nope
-  # [ring, 64, L] e4m3, rope [ring, 64, R] bf16, scales [ring, L/128, 64] f32, slots [ring, 64]
-  # int32), live while the steps run, and (o_smem [1, H, L] bf16, lse_smem [H] f32), live after;
-  # q_rope [H, R] bf16; qs_smem [H] f32 (each head's scale-back of its e4m3 parts); p_smem [H, 64]
-  # f16 (P^T, stored transposed); row_smem [H] f32 (the rescale factors, then l).
+  # [ring, 64, L] e4m3, rope [ring, 64, R] bf16, scales [ring, L/128, 64] f32; and the steps' slot
+  # lists idx_smem [_INDEX_RING, 64] int32), live while the steps run, and (o_smem [1, H, L]
+  # bf16, lse_smem [H] f32), live after; q_rope [H, R] bf16; qs_smem [H] f32 (each head's scale-back
+  # of its e4m3 parts); p_smem [H, 64] f16 (P^T, stored transposed); row_smem [H] f32 (the rescale
+  # factors, then l).
   # Interpreter only: qb_smem [H, L+R] bf16 (q's row, split by e4m3_queries) and a_smem [64, 64]
   # f16 (warpgroup 1's V^T tile: the interpreter's wgmma takes shared-memory operands only).
   # Barriers: q_bar (q's RoPE columns, or the interpreter's row); ready [ring] (a slot's rows
-  # landed); consumed [ring] (both consumers done with a slot); p_ready, p_free (the P hand-off).
-  (q_e4m3, nope, rope, scales, slots), (o_smem, lse_smem) = buffers
+  # landed); consumed [ring] (both consumers done with a slot); p_ready, p_free (the P hand-off);
+  # idx_bar [_INDEX_RING] (a step's slot list landed).
+  (q_e4m3, nope, rope, scales, idx_smem), (o_smem, lse_smem) = buffers
   ring, _, lora = nope.shape
   tiles = scales.shape[1]
   tile_h = p_smem.shape[0]
@@ -213,7 +219,8 @@ def _kernel(q_ref, idx_ref, nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buff
 
     def step(i, carry):
       m, l, acc = carry
-      slot = lax.rem(i, ring)
+      slot, entry = lax.rem(i, ring), lax.rem(i, _INDEX_RING)
+      plgpu.barrier_wait(idx_bar.at[entry])  # long landed: a warpgroup waits on every phase
       plgpu.barrier_wait(ready.at[slot])
 
       def scores(*acc_refs):
@@ -238,7 +245,7 @@ def _kernel(q_ref, idx_ref, nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buff
 
       s = pl.run_scoped(scores, *[plgpu.ACC((STEP, 2 * tile_h), jnp.float32)] * tiles,
                         plgpu.ACC((STEP, tile_h), jnp.float32))
-      idx = plgpu.load(slots.at[slot], layout=slots_layout)
+      idx = plgpu.load(idx_smem.at[entry], layout=slots_layout)
       valid = lax.broadcast_in_dim((idx >= 0) & (idx < num_slots), s.shape, [0])
       # A select, not a multiply: an invalid row's score never reaches P.
       m_new, alpha, p, l = softmax_step(jnp.where(valid, s * (scale * LOG2E), -jnp.inf), m, l,
@@ -313,19 +320,24 @@ def _kernel(q_ref, idx_ref, nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buff
       plgpu.copy_gmem_to_smem(q_ref.at[t, :, pl.ds(lora, q_rope.shape[1])], q_rope, q_bar)
     n = steps()
 
+    def fetch_indices(i):
+      entry = lax.rem(i, _INDEX_RING)
+      plgpu.copy_gmem_to_smem(idx_ref.at[t, pl.ds(i * STEP, STEP)], idx_smem.at[entry],
+                              idx_bar.at[entry])
+
     def gather(i, slot):
-      step_slots = idx_ref.at[t, pl.ds(i * STEP, STEP)]
+      entry = lax.rem(i, _INDEX_RING)
+      plgpu.barrier_wait(idx_bar.at[entry])
       if not interpret:
-        _gather_rows(step_slots, nope_ref, rope_ref, scales_ref, nope.at[slot], rope.at[slot],
-                     scales.at[slot], slots.at[slot], num_slots=num_slots)
+        _gather_rows(idx_smem.at[entry], nope_ref, rope_ref, scales_ref, nope.at[slot],
+                     rope.at[slot], scales.at[slot], num_slots=num_slots)
         return
+
       # One bulk copy a row and part, each an arrival on ready (a copy at row -1 or past the
       # cache lies outside it: zeros, nothing read).
-      plgpu.copy_gmem_to_smem(step_slots, slots.at[slot], ready.at[slot])
-
       @pl.loop(0, STEP)
       def _(r):
-        row = idx_ref[t, i * STEP + r]
+        row = idx_smem[entry, r]
         plgpu.copy_gmem_to_smem(nope_ref.at[pl.ds(row, 1)], nope.at[slot, pl.ds(r, 1)],
                                 ready.at[slot])
         plgpu.copy_gmem_to_smem(rope_ref.at[pl.ds(row, 1)], rope.at[slot, pl.ds(r, 1)],
@@ -340,10 +352,16 @@ def _kernel(q_ref, idx_ref, nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buff
       plgpu.commit_smem()
       plgpu.barrier_arrive(ready.at[lax.rem(i, ring)])
 
+    for i in range(_INDICES_AHEAD):
+      pl.when(i < n)(functools.partial(fetch_indices, i))
+
     @pl.loop(0, n)
     def _(i):
       slot = lax.rem(i, ring)
+      # The slot's last step is done, and so is its slot list's use by warpgroup 0 (entry
+      # i + _INDICES_AHEAD held step i + _INDICES_AHEAD - _INDEX_RING, before it).
       pl.when(i >= ring)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+      pl.when(i + _INDICES_AHEAD < n)(functools.partial(fetch_indices, i + _INDICES_AHEAD))
       gather(i, slot)
       if not interpret:
         @pl.when(i >= _LANDING_LAG)
@@ -409,19 +427,20 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   if interpret is True:
     interpret = plgpu.InterpretGPUParams()
   tiles = lora // DS_MLA_TILE
-  # Interpreter: each row and part a bulk copy (and the slots), every one an arrival on ready.
-  arrivals = 1 + STEP * (2 + tiles) if interpret else 1
+  # Interpreter: each row and part a bulk copy, every one an arrival on ready.
+  arrivals = STEP * (2 + tiles) if interpret else 1
   scratch = [
       plgpu.RefUnion(
           (swizzled((2 * n, lora), F8, FP8_COLS), swizzled((_RING, STEP, lora), F8, FP8_COLS),
            swizzled((_RING, STEP, d - lora), jnp.bfloat16),
-           plgpu.SMEM((_RING, tiles, STEP), jnp.float32), plgpu.SMEM((_RING, STEP), jnp.int32)),
+           plgpu.SMEM((_RING, tiles, STEP), jnp.float32),
+           plgpu.SMEM((_INDEX_RING, STEP), jnp.int32)),
           (swizzled((1, n, lora), jnp.bfloat16), plgpu.SMEM((n,), jnp.float32))),
       swizzled((n, d - lora), jnp.bfloat16), plgpu.SMEM((n,), jnp.float32),
       swizzled((n, STEP), jnp.float16), plgpu.SMEM((n,), jnp.float32),
       plgpu.Barrier(), plgpu.Barrier(num_arrivals=arrivals, num_barriers=_RING),
       plgpu.Barrier(num_arrivals=_VALUE_WGS, num_barriers=_RING), plgpu.Barrier(),
-      plgpu.Barrier()]
+      plgpu.Barrier(), plgpu.Barrier(num_barriers=_INDEX_RING)]
   reduction_bytes = REDUCTION_BYTES_PER_8_HEADS * n // 8
   used = smem_bytes(scratch, reduction_bytes)
   if used > _SMEM_LIMIT:
