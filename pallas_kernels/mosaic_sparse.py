@@ -903,17 +903,26 @@ def _splits(num_tokens, head_tiles, padded_slots, num_splits, split_rule):
   return max(min(splits, padded_slots // _STEP), 1)
 
 
-def default_fp8_pipeline(num_tokens, num_heads, top_k, *, num_splits, split_rule, gather):
+def default_fp8_pipeline(num_tokens, num_heads, top_k, *, num_splits, split_rule, gather,
+                         head_dims=None):
   """The fp8_ds_mla pipeline that fp8_pipeline=None runs (static shapes only): "in_place" where
   the kernel runs 1 split a token (several splits, small batches or an explicit num_splits, were
   not timed with "in_place": "half_rows") and the gather is cp_async (the only one "in_place"
-  takes); else "half_rows". Timings in `MosaicSparseConfig`."""
+  takes), or there "register_a" (`mosaic_sparse_register_a`) for decode rows (up to
+  FP8_PREP_MAX_ROWS tokens, the rows timed) of head_dims (kv_lora_rank, rope dim; None where the
+  caller's knobs rule it out) that it takes (16 or 32 heads, 512 + 64); else "half_rows". Timings
+  in `MosaicSparseConfig`."""
   head_tiles = pl.cdiv(num_heads, _TILE_H)
   if gather != "cp_async":
     return "half_rows"
   padded_slots = max(pl.cdiv(top_k, _STEP), 1) * _STEP
   one_split = _splits(num_tokens, head_tiles, padded_slots, num_splits, split_rule) == 1
-  return "in_place" if one_split else "half_rows"
+  if not one_split:
+    return "half_rows"
+  if (head_dims is not None and register_a.fits(num_heads, *head_dims)
+      and num_tokens <= FP8_PREP_MAX_ROWS):
+    return "register_a"
+  return "in_place"
 
 
 def default_heads_in(num_tokens, num_heads, top_k, *, fp8, num_splits, split_rule):
@@ -1321,6 +1330,12 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   [T, N, L] bf16 and lse [T, N] float32.
   """
   nb, page, lora = nope.shape
+  if fp8_pipeline is None and heads_in != "m" and prep_in_kernel is not False:
+    _check(q, slots, lora, num_splits)
+    if default_fp8_pipeline(q.shape[0], q.shape[1], slots.shape[1], num_splits=num_splits,
+                            split_rule=split_rule, gather=gather,
+                            head_dims=(lora, q.shape[2] - lora)) == "register_a":
+      fp8_pipeline = "register_a"
   if fp8_pipeline == "register_a":
     MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in,
                        prep_in_kernel, wide_widening)  # checks them

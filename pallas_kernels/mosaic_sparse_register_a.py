@@ -64,10 +64,15 @@ _RING = 4  # row slots: 41 KB each (32 KB e4m3 NoPE, 8 KB RoPE, 1 KB scales)
 _INDEX_RING = 8
 _INDICES_AHEAD = 2
 # Steps issued after a step before it is handed over: its group has landed once at most this many
-# later groups are in flight. Below _RING: a step's hand-off waits for the slot of step +
-# _LANDING_LAG to be free, i.e. for the consumers to finish step + _LANDING_LAG - _RING (at 2, a
-# step before they need it).
-_LANDING_LAG = 2
+# later groups are in flight, and the memory warpgroup waits for that before its next issue. H200
+# (session 27, T=128 over 1M tokens, in turn, us): 1: N=16 64.0, N=32 86.5; 2: 68.1, 88.4; 3 (a
+# hand-off waiting for the consumers to free the slot of step + 3): 89.0, 121.2.
+_LANDING_LAG = 1
+# Value products a warpgroup 1 keeps running (each pins its register A tile), by heads: the
+# decode's at 16 (`e4m3_operands.WIDE_VALUE_TILES_IN_FLIGHT`); at 32, where O^T takes 128
+# registers, one (H200, session 27: 83.1 us against the decode's 2 at 88.4; ptxas spilled in the
+# step loops with 2).
+_VALUE_TILES_IN_FLIGHT = {16: WIDE_VALUE_TILES_IN_FLIGHT[16], 32: 1}
 _ROPE_COLS = 64
 _VALUE_WGS = 2
 _REGS = (232, 40)  # (consumer, memory) registers a thread: the memory warpgroup only copies
@@ -184,7 +189,7 @@ def _kernel(q_ref, idx_ref, nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buff
   tile_h = p_smem.shape[0]
   t, wg = lax.axis_index("tokens"), lax.axis_index("wg")
   group = WIDE_VALUE_GROUP[tile_h]
-  in_flight = WIDE_VALUE_TILES_IN_FLIGHT[tile_h]
+  in_flight = _VALUE_TILES_IN_FLIGHT[tile_h]
   acc_shape = (FP8_COLS, tile_h)  # an O^T tile: 64 value columns (wgmma's M), the heads
   value_tiles = lora // FP8_COLS
   heads_layout = plgpu.Layout.WGMMA.reduce(0)  # one value a score column (head)
@@ -380,6 +385,12 @@ def _kernel(q_ref, idx_ref, nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buff
     @pl.loop(jnp.maximum(n - ring, 0), n)
     def _(i):
       plgpu.barrier_wait(consumed.at[lax.rem(i, ring)])
+
+
+def fits(num_heads, kv_lora_rank, rope_dim):
+  """Whether the kernel takes these shapes: 16 or 32 heads (wgmma's N), 512 NoPE columns (a warp's
+  value rows in one scale tile) and 64 RoPE columns."""
+  return num_heads in _HEADS and kv_lora_rank == WIDE_VALUE_COLS and rope_dim == _ROPE_COLS
 
 
 def check_args(q, nope, tile_scales, rope, slots, num_splits=None):

@@ -1457,3 +1457,97 @@ class TestPallasMosaicSparseAttentionPrepInKernel(TestPallasMosaicSparseAttentio
     with pytest.raises(ValueError, match="prep_in_kernel must be None or a bool"):
       mosaic_sparse.sparse_attention(q, jnp.zeros((4, 16, L + R), jnp.bfloat16), slots, scale=0.1,
                                      kv_lora_rank=L, prep_in_kernel=1, interpret=True)
+
+
+class TestPallasMosaicSparseRegisterA:
+  """fp8_pipeline="register_a" (`mosaic_sparse_register_a`, the fp8_ds_mla default for decode rows
+  at 16 and 32 heads): S^T by fp8 wgmma from the gathered e4m3 rows scaled per row and tile, the
+  RoPE part in bf16, V^T scaled per token. In the interpreter (whose gather is a bulk copy a row
+  and part, and whose V^T tiles go through shared memory) at V3.2's 512 + 64 columns: NaN in every
+  unselected row, -1 and past-the-cache slots, a row with none valid, per-row and per-tile
+  magnitudes 20x apart. Lowering for CUDA checks the lane-level code (the cp.async gather, the q
+  split, the scaled V^T fragments, the output staging), which the interpreter does not run; the
+  GPU cases (tests/test_dsa_gpu.py) the numbers."""
+
+  @staticmethod
+  def run(q, cache, slots, **knobs):
+    return mosaic_sparse.sparse_attention_fp8_ds_mla(
+        q, cache.nope, cache.tile_scales, cache.rope, jnp.asarray(slots), scale=0.05,
+        **{"fp8_pipeline": "register_a", "interpret": True, **knobs})
+
+  # 16 heads over 300 slots: 5 steps, the 4-slot ring and the index ring wrapping, the last step
+  # partly -1 padding; 32 heads over 80 (2 steps).
+  @pytest.mark.parametrize("n,k", [(16, 300), (32, 80)])
+  def test_poisoned_steps_match_oracle(self, n, k):
+    q, cache, slots, rows = poisoned_case(40 + n, n, "fp8_ds_mla", 512, t=3, k=k, nb=40)
+    o, lse = self.run(q, cache, slots)
+    assert o.dtype == jnp.bfloat16 and o.shape == (3, n, 512) and lse.shape == (3, n)
+    assert_matches_oracle(o, lse, q, rows, slots, rows.shape[0], 512)
+
+  @pytest.mark.parametrize("t,n,want", [(128, 16, True), (128, 32, True), (256, 16, True),
+                                        (257, 16, False), (128, 64, False), (128, 27, False),
+                                        (64, 16, False)])
+  def test_default_for_decode_rows(self, t, n, want):
+    # fp8_pipeline=None takes it for one-split decode rows (up to FP8_PREP_MAX_ROWS, the rows
+    # timed) at 16 and 32 heads (T=64 splits in 2: "half_rows"); so does pallas_mosaic's backend.
+    nb = (1 << 14) // 64
+    q = jax.ShapeDtypeStruct((t, n, 512 + R), jnp.bfloat16)
+    cache = DSMLACache(jax.ShapeDtypeStruct((nb, 64, 512), jnp.float8_e4m3fn),
+                       jax.ShapeDtypeStruct((nb, 64, 4), jnp.float32),
+                       jax.ShapeDtypeStruct((nb, 64, R), jnp.bfloat16))
+    slots = jax.ShapeDtypeStruct((t, 2048), jnp.int32)
+    entry = functools.partial(mosaic_sparse.sparse_attention_fp8_ds_mla, scale=0.1)
+    args = (q, cache.nope, cache.tile_scales, cache.rope, slots)
+    default = str(jax.make_jaxpr(entry)(*args))
+    assert ("_register_a_" in default) == want
+    if want:
+      assert default == str(jax.make_jaxpr(functools.partial(entry, fp8_pipeline="register_a"))(
+          *args))
+      backend = functools.partial(backends.get_backend("pallas_mosaic").sparse_attention,
+                                  scale=0.1, kv_lora_rank=512)
+      assert "_register_a_" in str(jax.make_jaxpr(backend)(q, cache, slots))
+      # Knobs it does not take keep the other pipelines.
+      assert "_register_a_" not in str(jax.make_jaxpr(functools.partial(
+          entry, heads_in="m"))(*args))
+      assert "_register_a_" not in str(jax.make_jaxpr(functools.partial(
+          entry, prep_in_kernel=False))(*args))
+
+  @pytest.mark.parametrize("n", [16, 32])
+  def test_lowers_for_hopper(self, n, monkeypatch):
+    # T=128, 2048 slots over 1M tokens; with Mosaic GPU's limit at 0 its error names the bytes it
+    # counts, which must be smem_bytes' (what the entry checks before any launch).
+    from pallas_kernels import mosaic_sparse_register_a
+    counted = []
+    monkeypatch.setattr(mosaic_sparse_register_a, "smem_bytes",
+                        lambda *a, count=mosaic_sparse_register_a.smem_bytes: counted.append(
+                            count(*a)) or counted[-1])
+    tokens = 1 << 20
+    s = jax.ShapeDtypeStruct
+    traced = mosaic_sparse.sparse_attention_fp8_ds_mla.trace(
+        s((128, n, 576), jnp.bfloat16), s((tokens // 64, 64, 512), jnp.float8_e4m3fn),
+        s((tokens // 64, 64, 4), jnp.float32), s((tokens // 64, 64, 64), jnp.bfloat16),
+        s((128, 2048), jnp.int32), scale=0.1, fp8_pipeline="register_a")
+    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert counted[-1] <= 227 * 1024
+    jax.clear_caches()
+    monkeypatch.setattr(mosaic_gpu_core, "_SMEM_SIZE_BOUND", 0)
+    with pytest.raises(ValueError, match=f"smem_bytes={counted[-1]} "):
+      traced.lower(lowering_platforms=("cuda",))
+
+  @pytest.mark.parametrize("change,message", [
+      (dict(n=64), "takes 16 or 32 heads"),
+      (dict(lora=256), "takes bf16 q"),
+      (dict(q_dtype=jnp.float32), "takes bf16 q"),
+      (dict(knobs=dict(heads_in="m")), "runs heads in N"),
+      (dict(knobs=dict(gather="bulk")), "runs heads in N"),
+      (dict(knobs=dict(prep_in_kernel=False)), "runs heads in N"),
+      (dict(knobs=dict(num_splits=2)), "runs one split"),
+  ])
+  def test_bad_input_raises(self, change, message):
+    n, lora = change.get("n", 16), change.get("lora", 512)
+    q = jnp.zeros((2, n, lora + R), change.get("q_dtype", jnp.bfloat16))
+    cache = DSMLACache(jnp.zeros((4, 16, lora), jnp.float8_e4m3fn),
+                       jnp.zeros((4, 16, lora // 128), jnp.float32), jnp.zeros((4, 16, R),
+                                                                                jnp.bfloat16))
+    with pytest.raises(ValueError, match=message):
+      self.run(q, cache, np.zeros((2, 8), np.int32), **change.get("knobs", {}))
