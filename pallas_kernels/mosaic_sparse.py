@@ -34,7 +34,8 @@ block's 227 KB), or with fp8_pipeline="half_rows" the same bytes as two 32-row s
 consumers step through 32 slots at a time while the other is widened, fed by a ring of 32-row
 staging buffers, or with "in_place" bf16's two 64-row slots, each holding its own step's e4m3 rows
 and scales until they are widened there (`MosaicSparseConfig`; by default "in_place" over many
-one-split programs, else "half_rows": `default_fp8_pipeline`). Splits of a token's slot
+one-split programs, else "half_rows": `default_fp8_pipeline`; at 16 and 32 heads on decode rows
+the kernel of `mosaic_sparse_register_a`, which widens nothing). Splits of a token's slot
 list are merged by their log-sum-exps (`merge_splits`).
 
 Shared memory holds a row slot as 9 tiles of 64 rows x 64 columns, each in the tiled, 128-byte-
@@ -1137,6 +1138,15 @@ class MosaicSparseConfig:
     bf16's 64-slot steps (half_rows' 32-slot steps set its pace at N=128, RESULTS v7, v8); a
     step's gather then waits for its slot to be free (half_rows': two half steps ahead). cp_async
     only (the bulk gather on the GPU would need untiled aliases of the in-place views).
+  - "register_a" (RESULTS, "DSA sparse attention (pallas_mosaic)", session 27; another kernel,
+    `mosaic_sparse_register_a`): no row is widened. 16 or 32 heads as wgmma's N, the e4m3 rows
+    gathered into a 4-slot ring and used as they are: S^T by fp8 wgmma per 128-column tile (q
+    split into exact e4m3 hi and lo parts), scaled per slot row; the RoPE part by bf16 wgmma; V^T
+    converted and scaled per token in registers as wgmma's A. One split, the cp_async gather, the
+    slot prep in the kernel, 512 NoPE and 64 RoPE columns (ValueErrors otherwise). The default
+    for one-split decode rows (T <= FP8_PREP_MAX_ROWS) at 16 and 32 heads: H200, T=128 over 1M
+    tokens, in turn, us, "in_place" (the default before) / "register_a": N=16 105.5 / 64.0 (2.69
+    TB/s gathered; bf16 82.6), N=32 105.4 / 83.1.
   heads_in, where a program's heads sit in the wgmma shapes. None (the default) picks from static
   shapes (`default_heads_in`): "n" for bf16 caches at N <= 32 run in one split, else "m". "m": 64
   heads as M (N < 64 in the 64-row tile: at N=16 three quarters of the tensor work and of the
