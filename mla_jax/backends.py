@@ -330,8 +330,9 @@ PALLAS_MOSAIC = dataclasses.replace(
 # Session 11 (Mosaic's fewer-than-64 heads unpadded: no XLA pad and slice around the kernel), T=128
 # bf16 in one run: N=16 Triton 0.116 ms, Mosaic 0.107 (1.08x); N=32 0.185 / 0.113. So bf16 takes
 # Mosaic from 16 heads up to 128 tokens (T=4096 at N=16 not re-timed: 0.65x in v3, Triton's).
-# Session 27 (fp8_ds_mla's "register_a" kernel, the default at 16 and 32 heads on decode rows),
-# T=128 over 1M tokens: N=16 Triton 0.213 ms, Mosaic 0.064-0.070 (3.0-3.3x); N=32 0.288 / 0.083.
+# Session 27 (fp8_ds_mla's "register_a" kernel, Mosaic's default at 16 and 32 heads in one split):
+# T=128 over 1M tokens, Triton / Mosaic ms, N=16 0.209 / 0.064, N=32 0.280 / 0.076; T=4096 over
+# 32K, N=16 4.87 / 1.59, N=32 6.59 / 2.10.
 _MOSAIC_PREFILL_MIN_TOKENS = CONTEXT_MIN_QUERY_ROWS  # context chunks' windows keep to it
 _MOSAIC_DECODE_MIN_HEADS = 16  # bf16 and fp8 caches
 _MOSAIC_SPARSE_MIN_HEADS = {"bfloat16": 32, caches.FP8_DS_MLA: 16}  # by cache dtype_name

@@ -34,8 +34,8 @@ block's 227 KB), or with fp8_pipeline="half_rows" the same bytes as two 32-row s
 consumers step through 32 slots at a time while the other is widened, fed by a ring of 32-row
 staging buffers, or with "in_place" bf16's two 64-row slots, each holding its own step's e4m3 rows
 and scales until they are widened there (`MosaicSparseConfig`; by default "in_place" over many
-one-split programs, else "half_rows": `default_fp8_pipeline`; at 16 and 32 heads on decode rows
-the kernel of `mosaic_sparse_register_a`, which widens nothing). Splits of a token's slot
+one-split programs, else "half_rows": `default_fp8_pipeline`; there at 16 and 32 heads the kernel
+of `mosaic_sparse_register_a`, which widens nothing). Splits of a token's slot
 list are merged by their log-sum-exps (`merge_splits`).
 
 Shared memory holds a row slot as 9 tiles of 64 rows x 64 columns, each in the tiled, 128-byte-
@@ -909,10 +909,9 @@ def default_fp8_pipeline(num_tokens, num_heads, top_k, *, num_splits, split_rule
   """The fp8_ds_mla pipeline that fp8_pipeline=None runs (static shapes only): "in_place" where
   the kernel runs 1 split a token (several splits, small batches or an explicit num_splits, were
   not timed with "in_place": "half_rows") and the gather is cp_async (the only one "in_place"
-  takes), or there "register_a" (`mosaic_sparse_register_a`) for decode rows (up to
-  FP8_PREP_MAX_ROWS tokens, the rows timed) of head_dims (kv_lora_rank, rope dim; None where the
-  caller's knobs rule it out) that it takes (16 or 32 heads, 512 + 64); else "half_rows". Timings
-  in `MosaicSparseConfig`."""
+  takes), or there "register_a" (`mosaic_sparse_register_a`) for head_dims (kv_lora_rank, rope
+  dim; None where the caller's knobs rule it out) that it takes (16 or 32 heads, 512 + 64); else
+  "half_rows". Timings in `MosaicSparseConfig`."""
   head_tiles = pl.cdiv(num_heads, _TILE_H)
   if gather != "cp_async":
     return "half_rows"
@@ -920,8 +919,7 @@ def default_fp8_pipeline(num_tokens, num_heads, top_k, *, num_splits, split_rule
   one_split = _splits(num_tokens, head_tiles, padded_slots, num_splits, split_rule) == 1
   if not one_split:
     return "half_rows"
-  if (head_dims is not None and register_a.fits(num_heads, *head_dims)
-      and num_tokens <= FP8_PREP_MAX_ROWS):
+  if head_dims is not None and register_a.fits(num_heads, *head_dims):
     return "register_a"
   return "in_place"
 
@@ -1144,9 +1142,9 @@ class MosaicSparseConfig:
     split into exact e4m3 hi and lo parts), scaled per slot row; the RoPE part by bf16 wgmma; V^T
     converted and scaled per token in registers as wgmma's A. One split, the cp_async gather, the
     slot prep in the kernel, 512 NoPE and 64 RoPE columns (ValueErrors otherwise). The default
-    for one-split decode rows (T <= FP8_PREP_MAX_ROWS) at 16 and 32 heads: H200, T=128 over 1M
-    tokens, in turn, us, "in_place" (the default before) / "register_a": N=16 105.5 / 64.0 (2.69
-    TB/s gathered; bf16 82.6), N=32 105.4 / 83.1.
+    wherever one split runs at 16 and 32 heads: H200, T=128 over 1M tokens, in turn, us,
+    "in_place" (the default before) / "register_a": N=16 105.5 / 64.0 (2.69 TB/s gathered; bf16
+    82.6), N=32 105.4 / 83.1; T=4096 over 32K, ms: N=16 2.55 / 1.59, N=32 2.61 / 2.10.
   heads_in, where a program's heads sit in the wgmma shapes. None (the default) picks from static
   shapes (`default_heads_in`): "n" for bf16 caches at N <= 32 run in one split, else "m". "m": 64
   heads as M (N < 64 in the 64-row tile: at N=16 three quarters of the tensor work and of the

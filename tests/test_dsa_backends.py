@@ -1460,10 +1460,10 @@ class TestPallasMosaicSparseAttentionPrepInKernel(TestPallasMosaicSparseAttentio
 
 
 class TestPallasMosaicSparseRegisterA:
-  """fp8_pipeline="register_a" (`mosaic_sparse_register_a`, the fp8_ds_mla default for decode rows
-  at 16 and 32 heads): S^T by fp8 wgmma from the gathered e4m3 rows scaled per row and tile, the
-  RoPE part in bf16, V^T scaled per token. In the interpreter (whose gather is a bulk copy a row
-  and part, and whose V^T tiles go through shared memory) at V3.2's 512 + 64 columns: NaN in every
+  """fp8_pipeline="register_a" (`mosaic_sparse_register_a`, the fp8_ds_mla default at 16 and 32
+  heads where one split runs): S^T by fp8 wgmma from the gathered e4m3 rows scaled per row and
+  tile, the RoPE part in bf16, V^T scaled per token. In the interpreter (its gather a bulk copy a
+  row and part, its V^T tiles through shared memory) at V3.2's 512 + 64 columns: NaN in every
   unselected row, -1 and past-the-cache slots, a row with none valid, per-row and per-tile
   magnitudes 20x apart. Lowering for CUDA checks the lane-level code (the cp.async gather, the q
   split, the scaled V^T fragments, the output staging), which the interpreter does not run; the
@@ -1484,12 +1484,12 @@ class TestPallasMosaicSparseRegisterA:
     assert o.dtype == jnp.bfloat16 and o.shape == (3, n, 512) and lse.shape == (3, n)
     assert_matches_oracle(o, lse, q, rows, slots, rows.shape[0], 512)
 
-  @pytest.mark.parametrize("t,n,want", [(128, 16, True), (128, 32, True), (256, 16, True),
-                                        (257, 16, False), (128, 64, False), (128, 27, False),
+  @pytest.mark.parametrize("t,n,want", [(128, 16, True), (128, 32, True), (4096, 16, True),
+                                        (4096, 32, True), (128, 64, False), (128, 27, False),
                                         (64, 16, False)])
-  def test_default_for_decode_rows(self, t, n, want):
-    # fp8_pipeline=None takes it for one-split decode rows (up to FP8_PREP_MAX_ROWS, the rows
-    # timed) at 16 and 32 heads (T=64 splits in 2: "half_rows"); so does pallas_mosaic's backend.
+  def test_default_where_one_split_runs(self, t, n, want):
+    # fp8_pipeline=None takes it wherever one split runs at 16 and 32 heads (timed at T=128 and
+    # 4096; T=64 splits in 2: "half_rows"); so does pallas_mosaic's backend.
     nb = (1 << 14) // 64
     q = jax.ShapeDtypeStruct((t, n, 512 + R), jnp.bfloat16)
     cache = DSMLACache(jax.ShapeDtypeStruct((nb, 64, 512), jnp.float8_e4m3fn),
