@@ -357,7 +357,7 @@ def _kernel(q_ref, idx_ref, nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buff
       plgpu.commit_smem()
       plgpu.barrier_arrive(ready.at[lax.rem(i, ring)])
 
-    for i in range(_INDICES_AHEAD):
+    for i in range(min(_INDICES_AHEAD, idx_ref.shape[1] // STEP)):  # (steps the row may have)
       pl.when(i < n)(functools.partial(fetch_indices, i))
 
     @pl.loop(0, n)
