@@ -600,12 +600,15 @@ def check_indexer_args(q, weights, k_values, k_scales, block_tables, seq_lens):
                      f"{seq_lens.dtype.name}")
 
 
+HOPPER_SMEM_BYTES = 227 * 1024  # shared memory one Hopper block may have (opt-in maximum)
+
+
 def smem_bytes(scratch, reduction_bytes=0):
   """Bytes of shared memory Pallas Mosaic GPU (jax 0.11.2) allocates for these scratch types and a
   kernel that reduces across warps with `CompilerParams(reduction_scratch_bytes=reduction_bytes)`:
   each buffer, and each buffer of a `RefUnion` member, starts 1024-byte aligned; a union takes
   its largest member; a barrier takes 8 bytes; the reduction scratch, 1024-byte aligned, comes on
-  top. The sparse kernels refuse a launch past a Hopper block's 227 KB."""
+  top. The sparse kernels refuse a launch past HOPPER_SMEM_BYTES."""
   align = lambda x: -(-x // 1024) * 1024
 
   def size(ref):

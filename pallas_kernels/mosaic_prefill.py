@@ -94,8 +94,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import (LN2, LOG2E, M_INIT, check_at_least, check_prefill_args,
-                                   row_broadcast, sm_count, step_variant, swizzled)
+from pallas_kernels.common import (HOPPER_SMEM_BYTES, LN2, LOG2E, M_INIT, check_at_least,
+                                   check_prefill_args, row_broadcast, sm_count, step_variant,
+                                   swizzled)
 
 DTYPES = ("bfloat16",)  # what q, k, v may be (the wgmma operands here are 16-bit, f16 untested)
 _TILE = 64  # query rows per compute warpgroup: the M of every Hopper wgmma
@@ -114,7 +115,6 @@ _PERSISTENT_MAX_TOKENS_MANY_HEADS = 8192
 # Head counts from which the per-item knobs (prefetch_q, first_step_unmasked, diagonal_half) are
 # on by default (MosaicPrefillConfig: timed faster at 128 heads, 0.80x at 16 heads, 1 x 4096).
 _KNOBS_MIN_HEADS = 64
-_SMEM_BYTES = 227 * 1024  # what one Hopper block may have
 _CONSUMER_REGS = 232  # 2 x 232 + 40 (memory warpgroup) registers x 128 threads fit the 64K file
 _MEMORY_REGS = 40
 _MAX_DV = 256  # wgmma N limit; the 64 x Dv float32 accumulator is Dv / 2 registers a thread
@@ -234,7 +234,7 @@ def _smem_bytes(dk, dv, block_k, stages, prefetch_q=False):
 def _stages_for(dk, dv, block_k, prefetch_q=False):
   """The deepest K/V ring (at most _MAX_STAGES, at least 2) that fits, or 0 if none does."""
   return next((s for s in range(_MAX_STAGES, 1, -1)
-               if _smem_bytes(dk, dv, block_k, s, prefetch_q) <= _SMEM_BYTES), 0)
+               if _smem_bytes(dk, dv, block_k, s, prefetch_q) <= HOPPER_SMEM_BYTES), 0)
 
 
 def _aligned_rows(q_len, q_lead):

@@ -64,8 +64,9 @@ from jaxlib.mlir.dialects import arith, llvm, memref, nvvm, scf
 
 from pallas_kernels import mosaic_sparse_register_a as register_a
 from pallas_kernels.common import (DS_MLA_TILE, F8, HALF_ROWS, HALF_ROWS_LAYOUT, HEADS_M_TILE,
-                                   HEADS_N_TILES, LOG2E, REDUCTION_BYTES_PER_8_HEADS,
-                                   check_sparse_args, default_num_kv_splits, hand_over_p,
+                                   HEADS_N_TILES, HOPPER_SMEM_BYTES, LOG2E,
+                                   REDUCTION_BYTES_PER_8_HEADS, check_sparse_args,
+                                   default_num_kv_splits, hand_over_p,
                                    heads_tile, leading_rows, merge_splits, one_wave_splits,
                                    padded_heads, row_broadcast, run_scores, run_values, sm_count,
                                    smem_bytes, softmax_step, step_variant, swizzled, SWIZZLE)
@@ -80,7 +81,7 @@ _COLS = 64  # columns per shared-memory tile: 128 bytes of bf16, the swizzle wid
 _VALUE_WGS = 2
 _IDX_RING = 4  # steps of slot indices in shared memory: fetched 2 ahead, read until consumed
 _MAX_HEAD_DIM = 576
-_SMEM_LIMIT = 227 * 1024  # a Hopper block's shared memory (opt-in maximum)
+_SMEM_LIMIT = HOPPER_SMEM_BYTES  # (a module name: tests lower it)
 # (consumer, memory) registers a thread: 2 x consumer + memory <= common.register_pool(3).
 # fp8_ds_mla's memory warpgroup widens tiles. (224, 64) asked for 512 and hung on the H200.
 _REGS = {False: (232, 40), True: (224, 56)}

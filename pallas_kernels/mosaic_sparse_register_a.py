@@ -46,7 +46,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, nvvm
 
-from pallas_kernels.common import (DS_MLA_TILE, F8, HEADS_N_TILES, LOG2E,
+from pallas_kernels.common import (DS_MLA_TILE, F8, HEADS_N_TILES, HOPPER_SMEM_BYTES, LOG2E,
                                    REDUCTION_BYTES_PER_8_HEADS, check_sparse_args, hand_over_p,
                                    row_broadcast, run_scores, run_values, smem_bytes,
                                    softmax_step, swizzled, SWIZZLE)
@@ -76,7 +76,6 @@ _VALUE_TILES_IN_FLIGHT = {16: WIDE_VALUE_TILES_IN_FLIGHT[16], 32: 1}
 _ROPE_COLS = 64
 _VALUE_WGS = 2
 _REGS = (232, 40)  # (consumer, memory) registers a thread: the memory warpgroup only copies
-_SMEM_LIMIT = 227 * 1024
 _SEG = 16  # bytes a lane copies per cp.async
 _HEADS = HEADS_N_TILES  # the heads a program takes: wgmma's N (`e4m3_operands`' passes by heads)
 
@@ -454,9 +453,9 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
       plgpu.Barrier(), plgpu.Barrier(num_barriers=_INDEX_RING)]
   reduction_bytes = REDUCTION_BYTES_PER_8_HEADS * n // 8
   used = smem_bytes(scratch, reduction_bytes)
-  if used > _SMEM_LIMIT:
+  if used > HOPPER_SMEM_BYTES:
     raise ValueError(f"the kernel's shared memory ({used} bytes at {n} heads) exceeds a Hopper "
-                     f"block's {_SMEM_LIMIT}")
+                     f"block's {HOPPER_SMEM_BYTES}")
   if interpret:  # the interpreter's forms' buffers (it has no shared-memory limit)
     scratch += [plgpu.SMEM((n, d), jnp.bfloat16), swizzled((FP8_COLS, FP8_COLS), jnp.float16)]
   o, lse = plgpu.kernel(
