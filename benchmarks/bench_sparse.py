@@ -36,7 +36,8 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            --topk-rows keeps only some of them (named by their first word).
   step     one layer's DSA decode step: indexer logits + top-k + slots + sparse attention (N=128,
            fp8_ds_mla latent cache), 128 decode rows at 32K context each; pallas_triton's and the
-           `pallas` default's.
+           `pallas` default's, the slots written by the top-k (`topk_slots`, as the layer runs
+           it); the default's again with them mapped by XLA after the top-k, as before.
 Columns: S is the context a row selects from or scores (positions). Two input sets are rotated
 per case, and a case's rows (backends, configs, forms) are timed in turn, repeat by repeat, so the
 machine's drift between timings falls on all of them alike (the reference once, after them).
@@ -300,24 +301,31 @@ def run_step(args, t=128, context=32768):
                 + t * TOPK * ROW_BYTES["fp8_ds_mla"])
   flops = 2 * H * D * t * context + 2 * t * 128 * TOPK * (L + R + L)
 
-  def fn(be):
+  def fn(be, mapped=False):
     # Decode rows of distinct requests: the hint the layer passes (mla_jax.indexer) for such steps.
     logits_fn = (functools.partial(be.indexer_logits, distinct_tables=True) if be is not REFERENCE
                  else chunked_reference_indexer)
 
     @jax.jit
     def step(q_idx, w, k_cache, tables, lens, q, latent):
-      positions = be.topk(logits_fn(q_idx, w, k_cache, tables, lens), lens, TOPK)
-      slots = positions_to_slots(positions, tables, PAGE, latent.num_blocks)
+      logits = logits_fn(q_idx, w, k_cache, tables, lens)
+      if mapped:  # the slots mapped by XLA after the top-k, as before session 28
+        slots = positions_to_slots(be.topk(logits, lens, TOPK), tables, PAGE, latent.num_blocks)
+      else:  # the top-k writes them (what the layer runs: Indexer.select)
+        _, slots = be.topk_slots(logits, lens, TOPK, tables, block_size=PAGE,
+                                 num_blocks=latent.num_blocks)
       return be.sparse_attention(q, latent, slots, scale=SCALE, kv_lora_rank=L)
     return step
 
   # pallas_triton's step and the same step through the `pallas` default (its indexer:
-  # pallas_mosaic's where faster).
+  # pallas_mosaic's where faster), and that one with the slots mapped apart.
   return timed_rows(args, [
       (case_row("step", t, n=128, context=context, cache="fp8_ds_mla"), fn, "pallas_triton"),
       (case_row("step", t, n=128, context=context, cache="fp8_ds_mla pallas"),
-       lambda be: fn(get_backend("pallas")), "pallas_triton")], sets, case_bytes, flops)
+       lambda be: fn(get_backend("pallas")), "pallas_triton"),
+      (case_row("step", t, n=128, context=context, cache="fp8_ds_mla pallas, slots mapped apart"),
+       lambda be: fn(get_backend("pallas"), mapped=True), "pallas_triton")],
+      sets, case_bytes, flops)
 
 
 def run_sweep(args):

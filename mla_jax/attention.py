@@ -182,11 +182,13 @@ class MLAAttention(nnx.Module):
     return jnp.einsum("...NL,NLV->...NV", o.astype(self.dtype), self.W_UV[...])
 
   def sparse(self, q: jax.Array, kv_c_normed: jax.Array, k_pe: jax.Array,
-             cache: caches.LatentCacheKind, md: AttentionMetadata,
-             positions: jax.Array) -> tuple[jax.Array, caches.LatentCacheKind]:
+             cache: caches.LatentCacheKind, md: AttentionMetadata, positions: jax.Array,
+             slots: jax.Array | None = None) -> tuple[jax.Array, caches.LatentCacheKind]:
     """DSA: every row attends (absorbed, in latent space) to its selected request-local
     `positions` [T, K] only (-1: none). cache is a LatentCache or a DSMLACache (fp8_ds_mla).
-    Returns (out [T, N*V], or dcp parts as `__call__` says, new cache)."""
+    slots [T, K]: the positions' cache slots where the selection wrote them
+    (`Indexer.select`), else mapped here. Returns (out [T, N*V], or dcp parts as `__call__`
+    says, new cache)."""
     c = self.config
     t = md.num_rows
     if q.shape != (t, c.num_heads, c.qk_head_dim) or positions.shape[0] != t or positions.ndim != 2:
@@ -198,8 +200,12 @@ class MLAAttention(nnx.Module):
     self.check_dcp(md)
     be = self.backend
     cache = be.write_cache(cache, kv_c_normed, k_pe, md.slot_mapping)
-    slots = caches.positions_to_slots(positions, md.row_block_tables(), cache.block_size,
-                                         cache.num_blocks)
+    if slots is None:
+      slots = caches.positions_to_slots(positions, md.row_block_tables(), cache.block_size,
+                                        cache.num_blocks)
+    elif slots.shape != positions.shape or slots.dtype != jnp.int32:
+      raise ValueError(f"slots {slots.shape} {slots.dtype} must be int32 of the positions' shape "
+                       f"{positions.shape}")
     o, _ = be.sparse_attention(self._absorb_query(q), cache, slots, scale=c.softmax_scale,
                                kv_lora_rank=c.kv_lora_rank)
     out = jnp.einsum("...NL,NLV->...NV", o.astype(self.dtype), self.W_UV[...])

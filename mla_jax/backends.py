@@ -26,6 +26,10 @@ scale; the kernels under it take and return plain arrays.
                  float32 rounding (pallas_mosaic on the H200: a few ulps where rows share tables;
                  bit for bit in the interpreter), rows that share tables included (only slower)
   topk(logits [T,S], seq_lens [T], topk) -> positions [T, topk] int32 (-1 padded)
+  topk_slots(logits [T,S], seq_lens [T], topk, block_tables [T,MB], *, block_size, num_blocks)
+             -> (positions, slots [T, topk] int32): topk's positions and their cache slots,
+             `cache.positions_to_slots` of them exactly (the Pallas kernels write both, so no
+             mapping pass runs between the selection and sparse attention)
   write_indexer_cache(k_cache (IndexerKCache), k [T,D], slot_mapping [T]) -> k_cache
 Every entry checks its arguments against the contract first (a ValueError naming what was wrong
 and what is supported, before any kernel is traced); -1 and out-of-range slots or blocks are masked.
@@ -75,6 +79,7 @@ class Backend:
   sparse_attention: Callable
   indexer_logits: Callable
   topk: Callable
+  topk_slots: Callable
   cache_dtypes: frozenset[str]
   block_size_multiple: int = 1
   max_heads: int | None = None
@@ -186,6 +191,12 @@ def _reference_topk(logits, seq_lens, topk):
   return reference.topk_positions(logits, seq_lens, topk)
 
 
+def _reference_topk_slots(logits, seq_lens, topk, block_tables, *, block_size, num_blocks):
+  check_topk_args(logits, seq_lens, topk, block_tables, block_size, num_blocks)
+  positions = reference.topk_positions(logits, seq_lens, topk)
+  return positions, caches.positions_to_slots(positions, block_tables, block_size, num_blocks)
+
+
 REFERENCE = Backend(
     name="reference",
     decode=_reference_decode,
@@ -196,6 +207,7 @@ REFERENCE = Backend(
     sparse_attention=_reference_sparse_attention,
     indexer_logits=_indexer_logits(reference.indexer_logits),
     topk=_reference_topk,
+    topk_slots=_reference_topk_slots,
     cache_dtypes=frozenset(caches.LATENT_CACHE_DTYPES),
 )
 
@@ -237,6 +249,13 @@ def _pallas_mosaic_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
                                                kv_lora_rank=kv_lora_rank, interpret=interpret)
 
 
+def _pallas_topk_slots(logits, seq_lens, topk, block_tables, *, block_size, num_blocks,
+                       interpret):
+  return pallas_topk.topk_positions(logits, seq_lens, topk, block_tables=block_tables,
+                                    block_size=block_size, num_blocks=num_blocks,
+                                    interpret=interpret)
+
+
 # Cache writes and gathers stay the cache module's XLA scatter and gather.
 PALLAS_TRITON = dataclasses.replace(
     REFERENCE,
@@ -246,6 +265,7 @@ PALLAS_TRITON = dataclasses.replace(
     sparse_attention=_pallas_triton_sparse_attention,
     indexer_logits=_indexer_logits(_off_gpu_interpreted(pallas_indexer.indexer_logits)),
     topk=_off_gpu_interpreted(pallas_topk.topk_positions),
+    topk_slots=_off_gpu_interpreted(_pallas_topk_slots),
     block_size_multiple=16,
 )
 

@@ -73,12 +73,23 @@ class Indexer(nnx.Module):
                backend: Backend) -> tuple[jax.Array, IndexerKCache]:
     """Writes this step's keys, then returns (top-k request-local positions [T, topk], -1 padded;
     the new K cache). Rows are scored a chunk at a time to bound the score buffer."""
+    positions, _, k_cache = self.select(x, q_c, k_cache, md, backend)
+    return positions, k_cache
+
+  def select(self, x: jax.Array, q_c: jax.Array, k_cache: IndexerKCache, md: AttentionMetadata,
+             backend: Backend, slots_of: tuple[int, int] | None = None
+             ) -> tuple[jax.Array, jax.Array | None, IndexerKCache]:
+    """As `__call__`, returning (positions, slots, new K cache): with slots_of = (block_size,
+    num_blocks) of a cache sharing the block tables (the latent cache), slots [T, topk] are the
+    positions' slots in it (`cache.positions_to_slots`), written by the top-k itself
+    (`Backend.topk_slots`); else, and where every window fits in top-k (no selection runs),
+    None."""
     c = self.config
     md.check_cache("indexer cache", k_cache.block_size, k_cache.num_blocks)
     q, weights, k = self.project(x, q_c, md.positions)
     k_cache = backend.write_indexer_cache(k_cache, k, md.slot_mapping)
     if md.within_topk:  # every window fits: the selection is the whole window, no scoring needed
-      return causal_positions(md.seq_lens, c.index_topk), k_cache
+      return causal_positions(md.seq_lens, c.index_topk), None, k_cache
 
     t = md.num_rows
     span = md.block_tables.shape[1] * k_cache.block_size
@@ -93,8 +104,14 @@ class Indexer(nnx.Module):
     def one_chunk(args):
       q_i, w_i, tab_i, len_i = args
       logits = backend.indexer_logits(q_i, w_i, k_cache, tab_i, len_i, distinct_tables=distinct)
-      return backend.topk(logits, len_i, c.index_topk)
+      if slots_of is None:
+        return backend.topk(logits, len_i, c.index_topk), None
+      block_size, num_blocks = slots_of
+      return backend.topk_slots(logits, len_i, c.index_topk, tab_i, block_size=block_size,
+                                num_blocks=num_blocks)
 
     split = lambda a: a.reshape(t // rows, rows, *a.shape[1:])
-    topk = lax.map(one_chunk, (split(q), split(weights), split(tables), split(md.seq_lens)))
-    return topk.reshape(t, c.index_topk), k_cache
+    positions, slots = lax.map(one_chunk, (split(q), split(weights), split(tables),
+                                           split(md.seq_lens)))
+    whole = lambda a: None if a is None else a.reshape(t, c.index_topk)
+    return whole(positions), whole(slots), k_cache

@@ -162,16 +162,18 @@ class DeepseekV2MLAAttention(nnx.Module):
     if not self.config.has_indexer:
       attn, cache = self.mla_attn(p.q, p.kv_c_normed, p.k_pe, cache, md)
       return self.project_out(attn), cache
-    indexer_cache = cache.indexer
+    indexer_cache, slots = cache.indexer, None
     if topk_positions is None:
-      topk_positions, indexer_cache = self.indexer(x, p.q_c, cache.indexer, md,
-                                                   self.mla_attn.backend)
+      # The top-k writes the selection's latent-cache slots too (no mapping pass after it).
+      topk_positions, slots, indexer_cache = self.indexer.select(
+          x, p.q_c, cache.indexer, md, self.mla_attn.backend,
+          slots_of=(cache.latent.block_size, cache.latent.num_blocks))
     if md.within_topk and cache.latent.dense_attention:
       # Every window fits in top-k, so the selection is everything: dense MLA is the same math.
       attn, latent = self.mla_attn(p.q, p.kv_c_normed, p.k_pe, cache.latent, md)
     else:
       attn, latent = self.mla_attn.sparse(p.q, p.kv_c_normed, p.k_pe, cache.latent, md,
-                                          topk_positions)
+                                          topk_positions, slots)
     out, cache = self.project_out(attn), DSACache(latent, indexer_cache)
     return (out, cache, topk_positions) if return_topk else (out, cache)
 

@@ -37,6 +37,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from mla_jax.backends import Backend
+from mla_jax.cache import positions_to_slots
 
 TP_AXIS = "tp"
 DCP_AXIS = "dcp"
@@ -229,10 +230,21 @@ def shard_backend(backend: Backend, mesh: Mesh, dcp_merge: str = "all_reduce") -
       return merge_topk(gather(scores), gather(own), k)
     return smap(per_shard, in_specs=(blocks, rep), out_specs=rep)(logits, seq_lens)
 
+  def topk_slots(logits, seq_lens, k, block_tables, *, block_size, num_blocks):
+    if logits.ndim == 2:
+      def replicated(logits, seq_lens, block_tables):
+        return backend.topk_slots(logits, seq_lens, k, block_tables, block_size=block_size,
+                                  num_blocks=num_blocks)
+      return smap(replicated, in_specs=rep, out_specs=rep)(logits, seq_lens, block_tables)
+    # Under dcp the selection is merged after the devices' own top-k: its slots are mapped after.
+    positions = topk(logits, seq_lens, k)
+    return positions, positions_to_slots(positions, block_tables, block_size, num_blocks)
+
   tp_size = mesh.shape[tp] if tp else 1
   return dataclasses.replace(
       backend, decode=decode, prefill=prefill, write_cache=write_cache,
       write_indexer_cache=write_indexer_cache, gather_cache=gather_cache,
       sparse_attention=sparse_attention, indexer_logits=indexer_logits, topk=topk,
+      topk_slots=topk_slots,
       # Backend.check sees the global head count; each kernel call sees N / tp of them.
       max_heads=None if backend.max_heads is None else backend.max_heads * tp_size)

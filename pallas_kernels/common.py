@@ -286,9 +286,13 @@ def check_sparse_args(q: jax.Array, slots: jax.Array, num_splits: int | None = N
     raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
 
-def check_topk_args(logits: jax.Array, seq_lens: jax.Array, topk: int) -> None:
+def check_topk_args(logits: jax.Array, seq_lens: jax.Array, topk: int,
+                    block_tables: jax.Array | None = None, block_size: int | None = None,
+                    num_blocks: int | None = None) -> None:
   """The top-k contract's logits [T, S] float32, seq_lens [T] int32 and a positive int topk (which
-  may exceed S: the rest is -1), shared by every top-k kernel and backend."""
+  may exceed S: the rest is -1), shared by every top-k kernel and backend; with block_tables (the
+  selection mapped to cache slots too), block_tables [T, MB] int32 and positive int block_size and
+  num_blocks."""
   if logits.ndim != 2 or seq_lens.shape != logits.shape[:1]:
     raise ValueError(f"want logits [T, S] and seq_lens [T]; got {logits.shape} and "
                      f"{seq_lens.shape}")
@@ -297,6 +301,19 @@ def check_topk_args(logits: jax.Array, seq_lens: jax.Array, topk: int) -> None:
                      f"{seq_lens.dtype.name}")
   if not (_is_int(topk) and topk >= 1):
     raise ValueError(f"topk must be a positive int, got {topk!r}")
+  if block_tables is None:
+    if block_size is not None or num_blocks is not None:
+      raise ValueError("block_size and num_blocks map the selection to slots: pass block_tables "
+                       "too")
+    return
+  if block_tables.ndim != 2 or block_tables.shape[0] != logits.shape[0]:
+    raise ValueError(f"want block_tables [T, MB] with T = {logits.shape[0]} (the logits' rows), "
+                     f"got {block_tables.shape}")
+  if block_tables.dtype != jnp.int32:
+    raise ValueError(f"block_tables must be int32, got {block_tables.dtype.name}")
+  for name, value in (("block_size", block_size), ("num_blocks", num_blocks)):
+    if not (_is_int(value) and value >= 1):
+      raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def check_prefill_args(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,

@@ -60,6 +60,10 @@ thresholds at once needs no scatter but costs ~2 integer ops a key a threshold p
 (RESULTS.md, "DSA selection", top-k v6). The maxima play the histogram's part: theta bounds v from
 below as the histogram's boundary bucket would.
 
+With a block table (`topk_positions(..., block_tables=)`), the kernel that writes the positions
+(the select, or v11's) also writes their cache slots through the row's table (`_outputs`): what
+sparse attention reads, without an XLA mapping pass between the two kernels.
+
 Stores compact by cumsum; lanes that do not store point one past the end of their ref (masked off
 on the GPU; interpret mode's scatter drops out-of-range indices) so they never collide with a lane
 that does. Pure arrays in and out.
@@ -69,6 +73,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -244,15 +249,40 @@ def _compact(take, base, bound):
   return jnp.where(take & (dst < bound), dst, bound), taken.sum()
 
 
-def _pad(out_ref, written, k, fill):
-  """-1 into out_ref[written:k], `fill` places a step."""
+def _pad(out_refs, written, k, fill):
+  """-1 into each of out_refs' [written:k], `fill` places a step."""
   def step(i, carry):
     idx = i * fill + jnp.arange(fill, dtype=jnp.int32)
     dst = jnp.where((idx >= written) & (idx < k), idx, k)
-    plgpu.store(out_ref.at[dst], jnp.full((fill,), -1, jnp.int32), mask=dst < k)
+    for out_ref in out_refs:
+      plgpu.store(out_ref.at[dst], jnp.full((fill,), -1, jnp.int32), mask=dst < k)
     return carry
 
   lax.fori_loop(0, pl.cdiv(k, fill), step, 0)
+
+
+def _outputs(t, refs, paging):
+  """A select kernel's outputs: refs = (out_ref,) or, with paging = (block_size, num_blocks),
+  (table_ref [T, MB] int32, out_ref, slot_ref). Returns (store(dst, pos, mask): the positions at
+  dst, and with paging their cache slots through row t's table, as
+  `mla_jax.cache.positions_to_slots` maps them; the output refs, which `_pad` fills)."""
+  if paging is None:
+    (out_ref,) = refs
+    return lambda dst, pos, mask: plgpu.store(out_ref.at[dst], pos, mask=mask), (out_ref,)
+  table_ref, out_ref, slot_ref = refs
+  block_size, num_blocks = paging
+  mb = table_ref.shape[1]
+
+  def store(dst, pos, mask):
+    plgpu.store(out_ref.at[dst], pos, mask=mask)
+    blk = pos // block_size
+    listed = mask & (blk < mb)  # positions past the table map to -1, unread
+    block = plgpu.load(table_ref.at[t, jnp.where(listed, blk, 0)], mask=listed, other=-1)
+    slot = jnp.where((block >= 0) & (block < num_blocks), block * block_size + pos % block_size,
+                     -1)
+    plgpu.store(slot_ref.at[dst], slot, mask=mask)
+
+  return store, (out_ref, slot_ref)
 
 
 def _maxima_kernel(logits_ref, len_ref, max_ref, *, groups):
@@ -499,8 +529,8 @@ def _sector_threshold_kernel(theta_ref, sec_ref, logits_ref, len_ref, ids_ref, c
   count_ref[t, p] = count
 
 
-def _select_among(out_ref, source, num_chunks, hi, reach_theta, *, theta, k, s, interpolate):
-  """Writes a row's selection into out_ref [k] (the select step's), in no order, from its
+def _select_among(store, source, num_chunks, hi, reach_theta, *, theta, k, s, interpolate):
+  """Writes a row's selection through `store` (`_outputs`) into places 0..k-1, in no order, from its
   keys >= theta, `source(i)` -> (keys, positions), i < num_chunks (keys <= hi; reach_theta of them
   reach theta and are valid; s: the row's positions); returns how many positions it wrote."""
   total = lambda f: lax.fori_loop(0, num_chunks,
@@ -536,18 +566,20 @@ def _select_among(out_ref, source, num_chunks, hi, reach_theta, *, theta, k, s, 
   def body(i, written):
     key, pos = source(i)
     dst, taken = _compact((key > v) | (tie(key, pos) & (s - 1 - pos >= last)), written, k)
-    plgpu.store(out_ref.at[dst], pos, mask=dst < k)
+    store(dst, pos, dst < k)
     return written + taken
 
   return lax.fori_loop(0, num_chunks, body, jnp.int32(0))
 
 
-def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref, len_ref, out_ref,
-                   *, k, chunk, fill, lean, interpolate):
+def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref, len_ref, *refs,
+                   k, chunk, fill, lean, interpolate, paging):
   # theta_ref [T] int32; cand_key_ref, cand_pos_ref [P * cap] int32 (this row's segments' places);
-  # count_ref [T, P] int32; logits_ref [T, S] f32; len_ref [T] int32; out_ref [k] int32 (this
-  # row's positions)
+  # count_ref [T, P] int32; logits_ref [T, S] f32; len_ref [T] int32; refs: out_ref [k] int32
+  # (this row's positions), or with paging table_ref [T, MB] int32, out_ref, slot_ref [k] int32
+  # (their cache slots; `_outputs`)
   t = pl.program_id(0)
+  store, out_refs = _outputs(t, refs, paging)
   segments = count_ref.shape[1]
   cap = cand_key_ref.shape[0] // segments
   s = logits_ref.shape[1]
@@ -555,7 +587,7 @@ def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref,
   counts = [count_ref[t, p] for p in range(segments)]
   count = sum(counts)
   length = jnp.clip(len_ref[t], 0, s)
-  select = functools.partial(_select_among, out_ref, theta=theta, k=k, s=s,
+  select = functools.partial(_select_among, store, theta=theta, k=k, s=s,
                              interpolate=interpolate)
 
   def candidates(lane):
@@ -599,7 +631,7 @@ def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref,
   half = lambda: lax.cond(count > cap // 2, full, lambda: from_candidates(cap // 2))
   written = lax.cond(count > cap, from_row, half if cap >= _HALVED_MIN else
                      functools.partial(from_candidates, cap))
-  _pad(out_ref, written, k, fill)
+  _pad(out_refs, written, k, fill)
 
 
 def _interpolated_search(count, k, lo, hi, n_lo):
@@ -639,9 +671,10 @@ def _interpolated_search(count, k, lo, hi, n_lo):
   return lo ^ _INT_MIN, n
 
 
-def _resident_kernel(logits_ref, len_ref, out_ref, *, k, rows, lanes, fill, interpolate):
+def _resident_kernel(logits_ref, len_ref, *refs, k, rows, lanes, fill, interpolate, paging):
   # v11 (`row_resident`): a row's whole top-k in one program, its keys loaded once and held in
-  # registers. logits_ref [T, S] f32; len_ref [T] int32; out_ref [k] int32 (this row's positions).
+  # registers. logits_ref [T, S] f32; len_ref [T] int32; refs: out_ref [k] int32 (this row's
+  # positions), or with paging table_ref [T, MB] int32, out_ref, slot_ref (`_outputs`).
   # The row as [rows, lanes], lanes the block's threads: position r * lanes + l at [r, l], so the
   # loads are coalesced and thread l holds column l; sums go down the columns first (in each
   # thread), then across the lanes (`count`).
@@ -714,8 +747,9 @@ def _resident_kernel(logits_ref, len_ref, out_ref, *, k, rows, lanes, fill, inte
   totals = take.sum(axis=0)
   dst = (jnp.cumsum(totals) - totals)[None, :] + jnp.cumsum(take, axis=0) - 1
   flat = lambda a: a.reshape(rows * lanes)
-  plgpu.store(out_ref.at[flat(jnp.where(take > 0, dst, k))], flat(pos), mask=flat(take > 0))
-  _pad(out_ref, totals.sum(), k, fill)
+  store, out_refs = _outputs(t, refs, paging)
+  store(flat(jnp.where(take > 0, dst, k)), flat(pos), flat(take > 0))
+  _pad(out_refs, totals.sum(), k, fill)
 
 
 def default_config(rows: int, positions: int) -> TopkConfig:
@@ -926,26 +960,47 @@ def sector_candidates(theta: jax.Array, sector_max: jax.Array, logits: jax.Array
   return tuple(out[1:])
 
 
+class Paging(NamedTuple):
+  """The paged cache the select kernels map positions into: position p of row t is slot
+  table[t, p // block_size] * block_size + p % block_size of a cache of num_blocks blocks."""
+  block_size: int
+  num_blocks: int
+
+
+def _paged_outputs(t: int, topk: int, paging: Paging | None) -> dict:
+  """The select kernels' output specs and shapes: positions [T, topk], and with paging their
+  slots too."""
+  n = 1 if paging is None else 2
+  return dict(out_specs=[_row(topk)] * n,
+              out_shape=[jax.ShapeDtypeStruct((t, topk), jnp.int32)] * n)
+
+
+def _paged_result(out: list[jax.Array], paging: Paging | None):
+  return out[0] if paging is None else tuple(out)
+
+
 def select_positions(theta: jax.Array, cand_keys: jax.Array, cand_pos: jax.Array,
                      counts: jax.Array, logits: jax.Array, seq_lens: jax.Array, topk: int,
                      chunk: int, params: plgpu.CompilerParams, *, lean: bool = False,
-                     interpolate: bool = False, interpret: bool = False) -> jax.Array:
+                     interpolate: bool = False, block_tables: jax.Array | None = None,
+                     paging: Paging | None = None, interpret: bool = False):
   """Step 4: int32 [T, topk] positions, -1 padded (lean: `TopkConfig.lean_select`; interpolate:
-  `TopkConfig.interpolate`)."""
+  `TopkConfig.interpolate`); with block_tables [T, MB] and paging, (positions, their slots)."""
   t = logits.shape[0]
   width = cand_keys.shape[1]
-  return pl.pallas_call(
+  tables = () if paging is None else (block_tables,)
+  out = pl.pallas_call(
       functools.partial(_select_kernel, k=topk, chunk=chunk, fill=min(1024, next_pow2(topk)),
-                        lean=lean, interpolate=interpolate),
+                        lean=lean, interpolate=interpolate, paging=paging),
       grid=(t,),
       in_specs=[_whole(theta), _row(width), _row(width), _whole(counts), _whole(logits),
-                _whole(seq_lens)],
-      out_specs=_row(topk),
-      out_shape=jax.ShapeDtypeStruct((t, topk), jnp.int32),
+                _whole(seq_lens)] + [_whole(x) for x in tables],
+      **_paged_outputs(t, topk, paging),
       compiler_params=params,
       interpret=interpret,
-      name="topk_select",
-  )(theta, cand_keys, cand_pos, counts, logits, seq_lens)
+      name="topk_select" if paging is None else "topk_select_slots",
+  )(theta, cand_keys, cand_pos, counts, logits, seq_lens, *tables)
+  return _paged_result(out, paging)
 
 
 def resident_warps(width: int) -> int:
@@ -954,44 +1009,55 @@ def resident_warps(width: int) -> int:
 
 
 def resident_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *,
-                       interpolate: bool = False, interpret: bool = False) -> jax.Array:
+                       interpolate: bool = False, block_tables: jax.Array | None = None,
+                       paging: Paging | None = None, interpret: bool = False):
   """v11 (`TopkConfig.row_resident`): int32 [T, topk] positions, -1 padded, a program a row
   holding its keys in registers; rows of at most `RESIDENT_MAX` positions (interpolate:
-  `TopkConfig.interpolate`, v11b)."""
+  `TopkConfig.interpolate`, v11b); with block_tables [T, MB] and paging, (positions, their
+  slots)."""
   t, s = logits.shape
   warps = resident_warps(next_pow2(s))
   lanes = 32 * warps
-  return pl.pallas_call(
+  tables = () if paging is None else (block_tables,)
+  out = pl.pallas_call(
       functools.partial(_resident_kernel, k=topk, rows=max(1, next_pow2(s) // lanes), lanes=lanes,
-                        fill=min(1024, next_pow2(topk)), interpolate=interpolate),
+                        fill=min(1024, next_pow2(topk)), interpolate=interpolate, paging=paging),
       grid=(t,),
-      in_specs=[_whole(logits), _whole(seq_lens)],
-      out_specs=_row(topk),
-      out_shape=jax.ShapeDtypeStruct((t, topk), jnp.int32),
+      in_specs=[_whole(logits), _whole(seq_lens)] + [_whole(x) for x in tables],
+      **_paged_outputs(t, topk, paging),
       compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
       interpret=interpret,
-      name="topk_resident",
-  )(logits, seq_lens)
+      name="topk_resident" if paging is None else "topk_resident_slots",
+  )(logits, seq_lens, *tables)
+  return _paged_result(out, paging)
 
 
-@functools.partial(jax.jit, static_argnames=("topk", "chunk", "num_warps", "num_stages",
-                                             "select_warps", "per_lane", "fused_theta",
-                                             "sectors", "lean_select", "row_resident",
-                                             "interpolate", "interpret"))
-def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: int | None = None,
+@functools.partial(jax.jit, static_argnames=("topk", "block_size", "num_blocks", "chunk",
+                                             "num_warps", "num_stages", "select_warps",
+                                             "per_lane", "fused_theta", "sectors", "lean_select",
+                                             "row_resident", "interpolate", "interpret"))
+def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *,
+                   block_tables: jax.Array | None = None, block_size: int | None = None,
+                   num_blocks: int | None = None, chunk: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None,
                    select_warps: int | None = None, per_lane: bool | None = None,
                    fused_theta: bool | None = None, sectors: bool | None = None,
                    lean_select: bool | None = None, row_resident: bool | None = None,
-                   interpolate: bool | None = None, interpret: bool = False) -> jax.Array:
+                   interpolate: bool | None = None, interpret: bool = False):
   """Top-`topk` positions of each row within its window (semantics of
   `mla_jax.reference.topk_positions`): logits [T, S] float32, seq_lens [T] int32 (row t sees
   s < seq_lens[t]) -> int32 [T, topk], -1 padded, in no particular order; of positions tied at the
   k-th largest value, the lowest. chunk, num_warps, num_stages, select_warps, per_lane,
   fused_theta, sectors, lean_select, row_resident, interpolate: `TopkConfig`'s (None:
   `default_config`'s).
+
+  With block_tables [T, MB] int32 (row t's request's blocks), block_size and num_blocks (the
+  paged cache's), returns (positions, slots): slots [T, topk] int32 are the positions' cache
+  slots, as `mla_jax.cache.positions_to_slots` maps them (-1 for -1, a position past the table,
+  or a -1 / out-of-cache block), written by the kernel that writes the positions (no separate
+  mapping pass between the selection and sparse attention).
   """
-  check_topk_args(logits, seq_lens, topk)
+  check_topk_args(logits, seq_lens, topk, block_tables, block_size, num_blocks)
   config = with_overrides(default_config(*logits.shape), chunk=chunk, num_warps=num_warps,
                           num_stages=num_stages, select_warps=select_warps, per_lane=per_lane,
                           fused_theta=fused_theta, sectors=sectors, lean_select=lean_select,
@@ -1000,10 +1066,12 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: 
   if config.row_resident and s > RESIDENT_MAX:
     raise ValueError(f"row_resident takes rows of at most {RESIDENT_MAX} positions (their keys "
                      f"in one program's registers), got {s}")
+  paging = None if block_tables is None else Paging(block_size, num_blocks)
   if t == 0 or s == 0:
-    return jnp.full((t, topk), -1, jnp.int32)
+    return _paged_result([jnp.full((t, topk), -1, jnp.int32)] * 2, paging)
+  paged = dict(block_tables=block_tables, paging=paging)
   if config.row_resident:
-    return resident_positions(logits, seq_lens, topk, interpolate=config.interpolate,
+    return resident_positions(logits, seq_lens, topk, interpolate=config.interpolate, **paged,
                               interpret=interpret)
   chunk = min(config.chunk, max(16, next_pow2(s)))
   params = lambda warps: plgpu.CompilerParams(num_warps=warps, num_stages=config.num_stages)
@@ -1035,4 +1103,4 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *, chunk: 
                                                        interpret=interpret)
   return select_positions(theta, cand_keys, cand_pos, counts, logits, seq_lens, topk, chunk,
                           params(config.select_warps), lean=config.lean_select,
-                          interpolate=config.interpolate, interpret=interpret)
+                          interpolate=config.interpolate, **paged, interpret=interpret)

@@ -194,6 +194,11 @@ class IndexerContract:
     other choices (which other shapes would take by default)."""
     return [self.be().topk]
 
+  def topk_slots_variants(self):
+    """The top-k-with-slots functions the slot tests check: the backend's; a backend class adds
+    its kernel's other choices."""
+    return [self.be().topk_slots]
+
   # Small heads (padded by kernels) and V3.2's 64 x 128 with 64-token pages.
   @pytest.mark.parametrize("h,d,bs", [(8, 32, 16), (64, 128, 64)])
   @pytest.mark.parametrize("fp8", [True, False])
@@ -305,6 +310,45 @@ class IndexerContract:
                 seq_lens=jnp.ones((2,), jnp.int32))
     with pytest.raises(ValueError, match=message):
       self.be().indexer_logits(**change(args))
+
+  def test_topk_slots_are_the_selections_cache_slots(self):
+    """topk_slots: topk's selection, and each selected position's slot through its row's table:
+    -1 past the table (rows wider than it), at a -1 block and at a block past the cache."""
+    rng = np.random.default_rng(8)
+    t, s, k, bs, nb, mb = 6, 300, 64, 16, 20, 17  # 17 blocks cover 272 of the 300 positions
+    logits = rng.standard_normal((t, s)).astype(np.float32)
+    lens = np.array([s, 1, 0, 150, k, s - 3], np.int32)
+    tables = rng.integers(-1, nb + 3, (t, mb)).astype(np.int32)
+    for topk_slots in self.topk_slots_variants():
+      positions, slots = (np.asarray(a) for a in topk_slots(
+          jnp.asarray(logits), jnp.asarray(lens), k, jnp.asarray(tables), block_size=bs,
+          num_blocks=nb))
+      assert positions.shape == slots.shape == (t, k) and slots.dtype == np.int32
+      want = np.full((t, k), -1)
+      for i in range(t):
+        sel = positions[i][positions[i] >= 0]
+        assert set(sel.tolist()) == lowest_index_topk(logits[i], lens[i], k), (topk_slots, i)
+        for j, p in enumerate(positions[i]):
+          block = tables[i, p // bs] if 0 <= p < mb * bs else -1
+          if 0 <= block < nb:
+            want[i, j] = block * bs + p % bs
+      # Both kinds of selected position occur: mapped, and -1 (past the table or its blocks).
+      assert (want >= 0).any() and ((positions >= 0) & (want < 0)).any()
+      np.testing.assert_array_equal(slots, want)
+
+  @pytest.mark.parametrize("change,message", [
+      (lambda a: {**a, "block_tables": a["block_tables"][:1]}, "want block_tables"),
+      (lambda a: {**a, "block_tables": a["block_tables"][0]}, "want block_tables"),
+      (lambda a: {**a, "block_tables": a["block_tables"].astype(jnp.float32)}, "int32"),
+      (lambda a: {**a, "block_size": 0}, "block_size must be a positive int"),
+      (lambda a: {**a, "num_blocks": 2.0}, "num_blocks must be a positive int"),
+      (lambda a: {**a, "topk": 0}, "positive int"),
+  ])
+  def test_bad_backend_topk_slots_input_raises(self, change, message):
+    args = dict(logits=jnp.zeros((2, 64), jnp.float32), seq_lens=jnp.ones((2,), jnp.int32),
+                topk=8, block_tables=jnp.zeros((2, 4), jnp.int32), block_size=16, num_blocks=4)
+    with pytest.raises(ValueError, match=message):
+      self.be().topk_slots(**change(args))
 
   # topk past the row's width is no error: the positions past it are -1 (see the top-k cases).
   @pytest.mark.parametrize("change,message", [

@@ -119,6 +119,15 @@ class TestPallasTritonIndexer(IndexerContract):
         for knobs in (SECTORS, SECTORS_FUSED, SECTORS_FUSED_LEAN, RESIDENT, RESIDENT_INTERPOLATED,
                       INTERPOLATED, SECTORS_FUSED_LEAN_INTERPOLATED)]
 
+  def topk_slots_variants(self):
+    # The backend's (this shape's default: the four kernels, the slots written by the select) and
+    # v11's one kernel writing them, with either search; many rows' four-kernel form.
+    paged = lambda knobs: lambda *args, **kwargs: pallas_topk.topk_positions(
+        *args[:3], block_tables=args[3], **kwargs, interpret=True, **knobs)
+    return super().topk_slots_variants() + [
+        paged(knobs) for knobs in (RESIDENT, RESIDENT_INTERPOLATED,
+                                   SECTORS_FUSED_LEAN_INTERPOLATED)]
+
   @pytest.mark.parametrize("dtype,widen_fp8", [(jnp.bfloat16, False), (jnp.float8_e4m3fn, True)])
   def test_chunks_and_steps_match_reference(self, dtype, widen_fp8):
     # Several programs per row and several steps per program, pages smaller than a step.

@@ -16,7 +16,7 @@ import pytest
 
 from gpu_utils import poison_allocator
 from mla_jax import backends, reference
-from mla_jax.cache import DSMLACache, IndexerKCache, LatentCache
+from mla_jax.cache import DSMLACache, IndexerKCache, LatentCache, positions_to_slots
 from mla_jax.quant import dequantize, quantize_fp8, quantize_indexer_q
 from pallas_kernels import mosaic_indexer, mosaic_sparse
 from pallas_kernels import topk as pallas_topk
@@ -422,6 +422,31 @@ def test_topk_sets_match_lax_top_k(kind, variant):
     assert set(g.tolist()) == lowest_index_topk(xs[i], int(lens[i]), TOPK), i
     if kind == "normal":
       assert set(g.tolist()) == set(w.tolist()), i
+
+
+@pytest.mark.parametrize("s", [32768, 131072])  # v11b's one kernel; the four kernels' select
+def test_topk_slots_are_the_mapped_selection(s):
+  # The backend's top-k writing the selection's cache slots too (what the layer runs), at the
+  # decode step's shapes: the positions are `topk`'s, the slots `positions_to_slots` of them
+  # exactly (tables of 64-token blocks, shuffled, with -1 and past-the-cache entries).
+  t, page, nb = 128, 64, 4 * s // 64
+  rng = np.random.default_rng(s)
+  x = jax.random.normal(jax.random.key(5), (t, s), jnp.float32)
+  lens = jnp.asarray(rng.integers(0, s + 1, t), jnp.int32).at[:4].set(
+      jnp.asarray([s, 0, 1, TOPK], jnp.int32))
+  tables = rng.integers(0, nb, (t, s // page)).astype(np.int32)
+  tables[::3, ::7] = -1
+  tables[1::3, ::5] = nb + 1
+  be = backends.get_backend("pallas")
+  poison_allocator()
+  positions, slots = be.topk_slots(x, lens, TOPK, jnp.asarray(tables), block_size=page,
+                                   num_blocks=nb)
+  positions, slots = np.asarray(positions), np.asarray(slots)
+  want = np.asarray(positions_to_slots(jnp.asarray(positions), jnp.asarray(tables), page, nb))
+  np.testing.assert_array_equal(slots, want)
+  assert (want >= 0).any() and ((positions >= 0) & (want < 0)).any()
+  np.testing.assert_array_equal(np.sort(positions, 1), np.sort(np.asarray(be.topk(x, lens, TOPK)),
+                                                               1))
 
 
 def test_quantize_fp8_rounds_inside_a_jit():

@@ -201,6 +201,33 @@ def test_short_windows_take_the_dense_shortcut_with_the_same_result():
       np.testing.assert_array_equal(np.sort(x, -1), np.sort(y, -1))
 
 
+@pytest.mark.parametrize("kind", ["latent", "ds_mla"])
+def test_selection_slots_written_by_the_topk_kernel(monkeypatch, kind):
+  # The layer takes the selection's latent-cache slots from the top-k (`Backend.topk_slots`),
+  # here pallas_triton's kernel (interpreted), the rest the reference. Given that selection back
+  # as reused positions, the layer maps them itself (`cache.positions_to_slots`): the same
+  # positions in the same order, so the outputs are the same bits only if the kernel's slots are
+  # exactly the mapped ones (the tables are shuffled and span blocks of several requests).
+  calls = []
+
+  def topk_slots(*args, **kwargs):
+    calls.append(kwargs)
+    return backends.PALLAS_TRITON.topk_slots(*args, **kwargs)
+  mixed = dataclasses.replace(backends.REFERENCE, name="mixed", topk_slots=topk_slots)
+  monkeypatch.setattr(backends, "BACKENDS", {**backends.BACKENDS, "mixed": mixed})
+  layer = DeepseekV2MLAAttention(CFG, backend="mixed", dtype=jnp.float32, param_dtype=jnp.float32,
+                                 rngs=nnx.Rngs(20))
+  inputs = inputs_for(SCHEDULE, 21)
+  fused, sels, _ = run(layer, inputs, SCHEDULE, tables(22), make_cache(kind))
+  assert calls and all(kw == {"block_size": BS, "num_blocks": NB} for kw in calls)
+  calls.clear()
+  given = [[sels[i][k] for i in range(2) if SCHEDULE[k][i]] for k in range(len(SCHEDULE))]
+  mapped, _, _ = run(layer, inputs, SCHEDULE, tables(22), make_cache(kind), given=given)
+  assert not calls
+  for a, b in zip(fused, mapped):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_given_selection_is_used_instead_of_the_indexer():
   layer_a, layer_b = make_layer(seed=10), make_layer(seed=11)
   inputs = inputs_for(SCHEDULE, 12)
