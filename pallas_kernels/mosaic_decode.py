@@ -72,7 +72,7 @@ from pallas_kernels.mosaic_lanes import (WIDE_MASK, WIDE_UNIT_FACTOR, placed_bf1
                                          warpgroup_thread, wide_load, wide_store)
 
 
-FP8_PIPELINES = ("serial", "half_pages", "shared_widening", "register_a")
+FP8_PIPELINES = ("serial", "half_pages", "shared_widening", "register_a", "in_slot")
 HEADS_IN = ("m", "n")
 # The fp8 pipelines heads_in="n" takes: its consumers step 64 tokens (wgmma's M), so
 # "shared_widening" runs as 64-token steps there (one bf16 slot, warpgroup 1 widening its value
@@ -118,6 +118,15 @@ class MosaicDecodeConfig:
     heads_in="n", one process): B=128 0.462 / 0.365, B=32 0.138 / 0.112; at N=32 0.490 ("m",
     "shared_widening") / 0.493; without spills (the waits and warpgroup 1's columns above), B=128
     N=16 0.273 (bf16: 0.296), bit-identical; session 14, B=128 N=32 0.332 against "m" 0.481.
+  - "in_slot" (heads_in="m" only, a ValueError with "n"; session 28, prepared on the CPU, not
+    timed): bf16's two 64-row slots and no stage. Each page's e4m3 bytes land inside the slot it
+    is widened into (its upper half, `_IN_SLOT_BANDS`), and the memory warpgroup widens them in
+    place (`_wide_widen_rows`, lane-level, two halves of 32 rows with a warpgroup barrier
+    between), so the consumers run bf16's 64-token steps: one S of N=64 and one softmax a page,
+    where "half_pages" runs two of each (session 25's profile: warpgroup 0's half-step chain
+    paces fp8 at N=128, 42% of it S at N=32). What it costs: a slot's refill window now holds
+    the 36 KB copy and the widening (bf16: the 72 KB copy). Needs wide_widening on the GPU (a
+    ValueError without: the Pallas-level widening cannot order its in-place stores).
   fp8_pipeline=None (the default) takes "register_a" where heads_in resolves to "n", else
   "half_pages" with wide_widening, "shared_widening" without (`default_fp8_pipeline`).
   heads_in, where a program's heads sit in the wgmma shapes (benchmarks/RESULTS.md, "Latent decode
@@ -334,7 +343,8 @@ def default_fp8_pipeline(heads_in: str, wide_widening: bool) -> str:
 
 CONFIG = MosaicDecodeConfig()
 # The sweep space: the variants `benchmarks/bench_decode.py --mosaic-configs` times beside CONFIG.
-SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="serial"),
+SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="in_slot"),
+         MosaicDecodeConfig(fp8_pipeline="serial"),
          MosaicDecodeConfig(fp8_pipeline="shared_widening"),
          MosaicDecodeConfig(wide_widening=False),
          MosaicDecodeConfig(heads_in="n"), MosaicDecodeConfig(fp8_pipeline="serial", heads_in="n"),
@@ -475,7 +485,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
                    row_smem, q_bar, ready, consumed, p_ready, p_free, *staging, scale, lora,
                    num_splits, split_steps, in_place, shared_widening, heads_n, register_a,
                    value_cols, wide_keys, wide_values, e4m3_scores, e4m3_promote_cols,
-                   wide_widening, pages, lane_queries, lane_output):
+                   wide_widening, pages, lane_queries, lane_output, in_slot):
   # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64, or fewer than 64 unpadded: the tile's
   # first Np rows, the others never stored); kv_ref [num_blocks, page, D] bf16 or
   # e4m3; bt_ref [T, max_blocks] int32; len_ref [T] int32; ks_ref [1] f32 (the cache's scale, 1
@@ -527,7 +537,11 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # last one included), each once on its slot's barriers, so their phases agree whatever the
   # ring's size (with 5 slots a slot holds either page of a step in turn); p_smem [tile_h, 64 x
   # pages] f16 (P^T's pages side by side, page k's tokens in columns 64k ..).
-  (q_smem, kv_smem), (o_smem, lse_smem) = buffers
+  # in_slot (fp8_pipeline="in_slot"): bf16's kv_smem [2, 64, D], and buffers has a third member,
+  # (a pad the size of q_smem, slot_bytes [2, 128, D] e4m3 tiled (8, 64), 64-byte swizzled): each
+  # slot's bytes again, where its page's 8-row bands land (`_IN_SLOT_BANDS`) to be widened in
+  # place; staging = (staged [2] barriers: a slot's e4m3 page landed).
+  (q_smem, kv_smem), (o_smem, lse_smem), *slot_alias = buffers
   if e4m3_scores:
     qs_smem, *staging = staging
     if not lane_queries:
@@ -936,6 +950,10 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
       elif not lane_queries:  # e4m3_scores: heads in N, the whole row
         plgpu.copy_gmem_to_smem(q_ref.at[t], qb_smem, q_bar)
 
+    if in_slot:
+      _in_slot_loop(n, step_source, kv_ref, kv_smem, slot_alias[0][1], ready, consumed,
+                    wide_widening, *staging)
+      return
     if fp8:
       _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, memory_tiles,
                      wide_widening, *staging)
@@ -989,12 +1007,16 @@ def _hand_over_pages(i, p, alpha, p_smem, row_smem, p_ready, p_free):
   plgpu.barrier_arrive(p_ready)
 
 
-def _wide_widen_rows(stage_slot, dst, first, valid, tiles):
+def _wide_widen_rows(stage_slot, dst, first, valid, tiles, in_slot=False):
   """wide_widening's lane-level form of `_widen_half` / `_widen_page`: the given 64-column tiles
   of stage rows first ... first + R - 1 (stage_slot [64, D] e4m3, tiled (8, 64), 64-byte
   swizzled; first a multiple of 32) into dst [R, D] bf16 (R = 32: tiled (8, 32), 64-byte
   swizzled; R = 64: tiled (8, 64), 128-byte swizzled), exactly; dst rows from valid on (scalars,
-  traced) become +0 (they may hold NaN bytes). Lane (warp w, lane l) takes rows 8w + l % 8 (+ 32)
+  traced) become +0 (they may hold NaN bytes). in_slot ("in_slot", R = 64, first 0): stage_slot
+  is dst's own bytes as [128, D] e4m3, row band b of the page (rows 8b ..) in its band
+  `_IN_SLOT_BANDS[b]`: a warp's stores overwrite only bytes its own lanes loaded before (rows
+  32-63's, each group's stores after a warp barrier), so no warp waits for another.
+  Lane (warp w, lane l) takes rows 8w + l % 8 (+ 32)
   and the e4m3 tile's 16-byte unit u = l / 8: per tile one 16-byte load, 8 x (prmt, shl, and,
   mul.bf16x2) by bit placement (`mosaic_lanes.placed_bf16x2`, the scale 1: bf16(2^120); the AND's
   mask is 0 on rows past valid, so their bytes never count) and two 16-byte stores. The 8 lanes of
@@ -1002,8 +1024,12 @@ def _wide_widen_rows(stage_slot, dst, first, valid, tiles):
   unit: 8 distinct 16-byte bank groups in the stage and in dst under either swizzle."""
   rows, d = dst.shape
   sw = 2 * rows  # bytes of a bf16 tile row: 64 for 32 rows, 128 for 64
-  if stage_slot.shape != (_STEP, d) or rows not in (_HALF, _STEP):
-    raise ValueError(f"want stage [64, D], dst [32 or 64, D]; got {stage_slot.shape}, {dst.shape}")
+  stage_rows = 2 * _STEP if in_slot else _STEP
+  if stage_slot.shape != (stage_rows, d) or rows not in ((_STEP,) if in_slot else (_HALF, _STEP)):
+    raise ValueError(f"want stage [{stage_rows}, D], dst [{'64' if in_slot else '32 or 64'}, D]; "
+                     f"got {stage_slot.shape}, {dst.shape}")
+  # The stage row band of (warp w, half m): w + 4m, or in the slot 2w + m + 8 (`_IN_SLOT_BANDS`).
+  band_of_warp, band_of_half, first_band = (2, 1, _STEP // 8) if in_slot else (1, 4, 0)
   stage_t = (plgpu.TilingTransform((8, FP8_COLS)), plgpu.SwizzleTransform(FP8_COLS))
   dst_t = (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw))
   scalar = plgpu.Layout.WG_SPLAT(())
@@ -1017,8 +1043,9 @@ def _wide_widen_rows(stage_slot, dst, first, valid, tiles):
     l = arith.remui(lane, c32(SWIZZLE_TILE_ROWS))  # the row in its 8-row tile
     u = arith.divui(lane, c32(SWIZZLE_TILE_ROWS))  # the e4m3 tile's 16-byte unit
     # e4m3 row r's unit u of tile c at (r / 8) 8D + 512 c + 64 (r % 8) + 16 (u ^ (r % 8) / 2)
+    band = arith.addi(c32(first_band), arith.muli(warp, c32(band_of_warp)))
     src = arith.addi(
-        arith.muli(arith.addi(first, arith.muli(warp, c32(SWIZZLE_TILE_ROWS))), c32(d)),
+        arith.muli(arith.addi(first, arith.muli(band, c32(SWIZZLE_TILE_ROWS))), c32(d)),
         arith.addi(arith.muli(l, c32(FP8_COLS)),
                    arith.muli(arith.xori(u, arith.divui(l, c32(2))), c32(16))))
     # Its 16 bf16 values, in two 16-byte units h of tile c's 128 bytes (64-byte swizzle: tiles
@@ -1040,12 +1067,14 @@ def _wide_widen_rows(stage_slot, dst, first, valid, tiles):
       row = arith.addi(arith.addi(arith.muli(warp, c32(SWIZZLE_TILE_ROWS)), l), c32(m * _HALF))
       mask = arith.select(arith.cmpi(arith.CmpIPredicate.slt, row, valid), c32(WIDE_MASK), c32(0))
       convert = lambda word, p, mask=mask: placed_bf16x2(word, p, factor, mask)
-      src_off, dst_off = m * _HALF * d, m * _HALF * 2 * d
+      src_off, dst_off = m * band_of_half * SWIZZLE_TILE_ROWS * d, m * _HALF * 2 * d
       # The loads of a group first: the compilers cannot move a load above a store to the same
       # shared memory, which would expose each load's latency.
       for g in range(0, len(tiles), _WIDE_LOAD_GROUP):
         group = tiles[g:g + _WIDE_LOAD_GROUP]
         loaded = [wide_load(stage_slot, src, src_off + c * tile_bytes // 2) for c in group]
+        if in_slot and m:  # the stores overwrite what this warp's lanes loaded before them
+          mgpu_utils.warp_barrier()
         for c, words in zip(group, loaded):
           wide_store(dst, words, convert,
                      [(dst_unit[h], dst_off + c * tile_bytes) for h in range(2)])
@@ -1134,6 +1163,65 @@ def _widening_loop(n, step_source, kv_ref, kv_smem, ready, consumed, tiles, wide
     @pl.loop(jnp.maximum(n - _FP8_STAGES, 0), n)
     def _(i):
       plgpu.barrier_wait(stage_free.at[lax.rem(i, _FP8_STAGES)])
+
+
+# "in_slot": where each 8-row band of a page lands in its slot's bytes, as bands of 8 e4m3 rows
+# (4.5 KB; a slot is 16 of them, a bf16 band 2). Page band b widens into the slot's bands 2b and
+# 2b + 1, by warp b % 4 (`_wide_widen_rows`), rows 0-31 first. Page bands 0-3 land in bands 8, 10,
+# 12, 14 and 4-7 in 9, 11, 13, 15: the first half's stores (bands 0-7) overwrite nothing staged,
+# and warp w's second-half stores (bands 8 + 2w, 9 + 2w) only the bands warp w itself read.
+_IN_SLOT_BANDS = (8, 10, 12, 14, 9, 11, 13, 15)
+
+
+def _in_slot_loop(n, step_source, kv_ref, kv_smem, slot_bytes, ready, consumed, wide, staged):
+  """The memory warpgroup's loop with fp8_pipeline="in_slot": page i's e4m3 bands land in slot
+  i % 2's own bytes (slot_bytes [2, 128, D] e4m3, `_IN_SLOT_BANDS`; 8 bulk copies on staged), and
+  are widened there into the bf16 rows the consumers read (kv_smem [2, 64, D]; rows past the
+  page's length +0). Page i + 1 is fetched into the other slot once both consumers are done with
+  page i - 1 there, after page i is widened. wide: lane-level (`_wide_widen_rows`), else (the
+  interpreter, which aliases no union members) the Pallas-level widening of `_widen_page`."""
+  slots = kv_smem.shape[0]
+
+  def fetch(i, s):
+    block, offset, _ = step_source(i)
+    for b, band in enumerate(_IN_SLOT_BANDS):
+      plgpu.copy_gmem_to_smem(kv_ref.at[block, pl.ds(offset + b * SWIZZLE_TILE_ROWS,
+                                                     SWIZZLE_TILE_ROWS)],
+                              slot_bytes.at[s, pl.ds(band * SWIZZLE_TILE_ROWS, SWIZZLE_TILE_ROWS)],
+                              staged.at[s])
+
+  def widen(s, valid):
+    if wide:
+      _wide_widen_rows(slot_bytes.at[s], kv_smem.at[s], 0, valid, range(kv_smem.shape[-1] //
+                                                                        FP8_COLS), in_slot=True)
+      return
+    page = jnp.concatenate([slot_bytes[s, pl.ds(band * SWIZZLE_TILE_ROWS, SWIZZLE_TILE_ROWS)]
+                            for band in _IN_SLOT_BANDS])  # [64, D] e4m3
+    # e4m3 -> f16 -> f32 -> bf16, all exact; rows past the length +0 (they may hold NaN bytes)
+    x = page.astype(jnp.float16).astype(jnp.float32)
+    keep = lax.broadcasted_iota(jnp.int32, x.shape, 0) < valid
+    kv_smem[s] = jnp.where(keep, x, 0.0).astype(kv_smem.dtype)
+
+  for i in range(slots):
+    pl.when(i < n)(functools.partial(fetch, i, i))
+
+  @pl.loop(0, n)
+  def _(i):
+    s = lax.rem(i, slots)
+    plgpu.barrier_wait(staged.at[s])
+    widen(s, step_source(i)[2])
+    plgpu.commit_smem()  # the widened rows, visible to wgmma (and a warpgroup barrier)
+    plgpu.barrier_arrive(ready.at[s])
+
+    @pl.when((i >= 1) & (i + 1 < n))
+    def _():
+      other = lax.rem(i + 1, slots)
+      plgpu.barrier_wait(consumed.at[other])  # page i - 1's consumers are done there
+      fetch(i + 1, other)
+
+  @pl.loop(jnp.maximum(n - slots, 0), n)  # the last use of each slot (every phase is waited on)
+  def _(i):
+    plgpu.barrier_wait(consumed.at[lax.rem(i, slots)])
 
 
 def num_kv_splits_for(num_tokens: int, num_heads: int, max_len: int) -> int:
@@ -1323,6 +1411,10 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
     interpret = plgpu.InterpretGPUParams()
 
   shared_widening = fp8 and fp8_pipeline == "shared_widening"
+  in_slot = fp8 and fp8_pipeline == "in_slot"
+  if in_slot and not wide_widening and not interpret:
+    raise ValueError("fp8_pipeline=\"in_slot\" widens in place in lane-level code only "
+                     "(wide_widening=True; the interpreter runs its own form)")
   # Heads in N step 64 tokens: "shared_widening" without half pages.
   half_pages = fp8 and fp8_pipeline in ("half_pages", "shared_widening") and not heads_n
   value_cols = _value_columns(kv_lora_rank, register_a)
@@ -1334,7 +1426,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                              value_cols=value_cols, wide_keys=wide_keys,
                              wide_values=wide_values, e4m3_scores=e4m3_scores,
                              e4m3_promote_cols=e4m3_promote_cols, pages=pages,
-                             lane_queries=not interpret,
+                             lane_queries=not interpret, in_slot=in_slot,
                              # bf16 (one split): stored in the value columns' order.
                              lane_output=(wide_values and not interpret
                                           and out_dtype == jnp.bfloat16),
@@ -1344,7 +1436,8 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   # width, and P V's K is the step: 32-row steps take 64-byte swizzles (32 bf16) for the query,
   # the slots and P alike (one wgmma takes one swizzle). Half pages: 72 + 2 x 36 (bf16 slots) +
   # 2 x 36 (e4m3 stage) + 4 KB (P) + 0.25 = 220.3 KB of the 227.
-  slots, step_rows = (2, _HALF) if half_pages else (1, _STEP) if fp8 else (_STAGES, _STEP)
+  slots, step_rows = ((2, _HALF) if half_pages else (1, _STEP) if fp8 and not in_slot
+                      else (_STAGES, _STEP))
   sw = 2 * _HALF if half_pages else SWIZZLE
   slot_type = swizzled((slots, step_rows, d), q.dtype, sw)
   staging = ()
@@ -1356,6 +1449,8 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
     if e4m3_scores:  # the heads' scale-backs (qs_smem), and the interpreter's bf16 row (qb_smem)
       staging = (plgpu.SMEM((tile_h,), jnp.float32),
                  *((plgpu.SMEM((tile_h, d), q.dtype),) if interpret else ())) + staging
+  elif in_slot:  # staged: a slot's e4m3 page landed in its own bytes (a copy a row band)
+    staging = (plgpu.Barrier(num_arrivals=len(_IN_SLOT_BANDS), num_barriers=slots),)
   elif fp8:
     staging = (plgpu.SMEM((_FP8_STAGES, _STEP, d), F8,
                           transforms=(plgpu.TilingTransform((8, FP8_COLS)),
@@ -1384,7 +1479,14 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
           plgpu.RefUnion(
               (swizzled((2 * tile_h, d), F8, FP8_COLS) if e4m3_scores
                else swizzled((tile_h, d), q.dtype, sw), slot_type),
-              (o_staging, plgpu.SMEM((tile_h,), jnp.float32))),
+              (o_staging, plgpu.SMEM((tile_h,), jnp.float32)),
+              # in_slot: the slots' bytes as e4m3 row bands, past a pad the size of the query
+              # tile (both 1024-byte multiples: each starts where q_smem and kv_smem do)
+              *([(plgpu.SMEM((tile_h, d), q.dtype),
+                  plgpu.SMEM((slots, 2 * _STEP, d), F8,
+                             transforms=(plgpu.TilingTransform((8, FP8_COLS)),
+                                         plgpu.SwizzleTransform(FP8_COLS))))]
+                if in_slot else [])),
           swizzled((tile_h, step_rows * pages), p_dtype, sw),
           plgpu.SMEM((tile_h,), jnp.float32),
           plgpu.Barrier(),  # q_bar (e4m3_scores: the interpreter's bf16 row only)
@@ -1412,6 +1514,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
       interpret=interpret or None,
       kernel_name=(f"mosaic_latent_decode_{'fp8' if fp8 else 'bf16'}{'_half' if half_pages else ''}"
                    f"{'_shared' if shared_widening else ''}{'_register_a' if register_a else ''}"
+                   f"{'_in_slot' if in_slot else ''}"
                    f"{'_wide_widening' if wide_widening else ''}"
                    f"{'_wide_keys' if wide_keys else ''}{'_wide_values' if wide_values else ''}"
                    f"{f'_e4m3_scores{e4m3_promote_cols}' if e4m3_scores else ''}"

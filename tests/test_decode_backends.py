@@ -181,6 +181,9 @@ class TestPallasMosaicDecode(DecodeContract):
       (128, 16, 8192, 1, jnp.float8_e4m3fn, {"fp8_pipeline": "half_pages"}),
       (128, 128, 4096, None, jnp.float8_e4m3fn, {"fp8_pipeline": "shared_widening"}),
       (128, 16, 8192, 1, jnp.float8_e4m3fn, {"fp8_pipeline": "shared_widening"}),
+      # in_slot (lane-level in-place widening): the timed shape, and 4 splits at 16 heads.
+      (128, 128, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "in_slot"}),
+      (128, 16, 8192, 4, jnp.float8_e4m3fn, {"fp8_pipeline": "in_slot"}),
       # wide_widening's lane code: the default pipeline at the timed shape (one split) and 4 splits,
       # half_pages at 128 heads. "serial" with wide_widening at 128 heads traces the program of
       # plain "serial" above, and shared_widening in N at 16 heads (wide_widening, one split) that
@@ -411,6 +414,38 @@ class TestPallasMosaicDecodeSharedWidening(TestPallasMosaicDecodeHalfPages):
   @pytest.mark.parametrize("seed,n,splits", [(111, 128, None)])
   def test_fp8_half_page_edges(self, seed, n, splits):
     super().test_fp8_half_page_edges(seed, n, splits)
+
+
+class TestPallasMosaicDecodeInSlot(TestPallasMosaicDecodeHalfPages):
+  """fp8_pipeline="in_slot" (each page's e4m3 bands land inside the bf16 slot they are widened
+  into; bf16's 64-token consumer steps) on the same cases, heads in M at 16 and 128: pages cut
+  anywhere (rows past the length and behind bad table entries zeroed as they are widened),
+  splits with no, one and several pages (the memory warpgroup's refill order and its last waits),
+  the contract's fp8 cases (NaN in every unused slot, shuffled tables). The interpreter widens
+  through Pallas arrays from the bands' places; the lane-level form lowers (test_lowers_for_hopper)
+  and compiles without spills (ptxas, RESULTS.md). No race-detector case: the detector refuses
+  any read of a `RefUnion` through another member than the last write's, which the slots' e4m3
+  view does by design (mosaic_sparse's "in_place" the same)."""
+  value = "in_slot"
+  test_fp8_cache = DecodeContract.test_fp8_cache
+
+  def test_bit_identical_to_serial(self):
+    # "serial" widens the same pages from a stage of their own into one slot and its consumers
+    # run the same 64-token steps: the same bits (the GPU's lane-level form: test_decode_gpu.py).
+    q, cache, tables, lens = make_case(53, n=128, page=64, req_lens=[200, 64, 1, 0],
+                                       cache_dtype=jnp.float8_e4m3fn)
+    run = lambda pipeline: mosaic_decode.latent_decode(
+        q, cache, tables, lens, scale=SCALE, k_scale=FP8_SCALE, heads_in="m", num_kv_splits=2,
+        fp8_pipeline=pipeline, interpret=True)
+    for a, b in zip(run("in_slot"), run("serial")):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  def test_gpu_form_without_wide_widening_raises(self):
+    q, cache, tables, lens = (jnp.asarray(a) for a in make_case(
+        52, n=16, page=64, req_lens=[20, 5], cache_dtype=jnp.float8_e4m3fn))
+    with pytest.raises(ValueError, match="in_slot\" widens in place in lane-level code only"):
+      mosaic_decode.latent_decode(q, cache, tables, lens, scale=0.1, k_scale=1.0,
+                                  fp8_pipeline="in_slot", wide_widening=False)
 
 
 class TestPallasMosaicDecodeWideWidening(_MosaicDecodeKnob):

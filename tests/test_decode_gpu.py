@@ -224,6 +224,31 @@ def test_wide_widening_is_bit_identical(seed, batch, max_len, n, knobs):
 
 
 @pytest.mark.parametrize("seed,batch,max_len,n,splits", [
+    (20, 128, 8192, 128, None),  # the timed shape (one split)
+    (21, 32, 8192, 128, 4),
+    (22, 128, 32768, 16, 1),  # 2**31+ e4m3 values (heads in M)
+])
+def test_in_slot_is_bit_identical_to_serial(seed, batch, max_len, n, splits):
+  # fp8_pipeline="in_slot" widens each page in place inside the bf16 slot it landed in (lane-level
+  # code whose stores overwrite the page's own bytes); "serial" widens the same pages from a stage
+  # of their own into one slot. The consumers run the same 64-token steps, so the outputs are the
+  # same bits unless the in-place widening reads a byte after it was overwritten.
+  q, cache, tables, lens = serving_case(seed, batch=batch, max_len=max_len, n=n,
+                                        cache_dtype=jnp.float8_e4m3fn)
+  poison_allocator()
+  run = lambda pipeline: jax.device_get(mosaic_decode.latent_decode(
+      q, cache, tables, lens, scale=SCALE, k_scale=jnp.float32(FP8_SCALE), heads_in="m",
+      num_kv_splits=splits, fp8_pipeline=pipeline))
+  for a, b in zip(run("in_slot"), run("serial")):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_in_slot_matches_reference():
+  check_serving_case(2, 128, 8192, 128, jnp.float8_e4m3fn, functools.partial(
+      mosaic_decode.latent_decode, fp8_pipeline="in_slot"))
+
+
+@pytest.mark.parametrize("seed,batch,max_len,n,splits", [
     (2, 128, 8192, 128, None),  # the timed shape
     (3, 128, 32768, 16, 1),  # 2**31+ e4m3 values (heads in M: half pages)
 ])
