@@ -418,16 +418,23 @@ class TestPallasMosaicDecodeSharedWidening(TestPallasMosaicDecodeHalfPages):
 
 class TestPallasMosaicDecodeInSlot(TestPallasMosaicDecodeHalfPages):
   """fp8_pipeline="in_slot" (each page's e4m3 bands land inside the bf16 slot they are widened
-  into; bf16's 64-token consumer steps) on the same cases, heads in M at 16 and 128: pages cut
-  anywhere (rows past the length and behind bad table entries zeroed as they are widened),
-  splits with no, one and several pages (the memory warpgroup's refill order and its last waits),
-  the contract's fp8 cases (NaN in every unused slot, shuffled tables). The interpreter widens
-  through Pallas arrays from the bands' places; the lane-level form lowers (test_lowers_for_hopper)
-  and compiles without spills (ptxas, RESULTS.md). No race-detector case: the detector refuses
-  any read of a `RefUnion` through another member than the last write's, which the slots' e4m3
-  view does by design (mosaic_sparse's "in_place" the same)."""
+  into; bf16's 64-token consumer steps), heads in M: pages cut anywhere (rows past the length and
+  behind bad table entries zeroed as they are widened) at 128 heads, bad table entries and a
+  contract fp8 case (NaN in every unused slot, shuffled tables, 4 splits: splits with no, one and
+  several pages, the memory warpgroup's refill order and its last waits) at 16. The interpreter
+  widens through Pallas arrays from the bands' places; the lane-level form lowers
+  (test_lowers_for_hopper) and compiles without spills (ptxas, RESULTS.md). No race-detector
+  case: the detector refuses any read of a `RefUnion` through another member than the last
+  write's, which the slots' e4m3 view does by design (mosaic_sparse's "in_place" the same)."""
   value = "in_slot"
-  test_fp8_cache = DecodeContract.test_fp8_cache
+
+  @pytest.mark.parametrize("seed,n,page,splits,k_scale", [(10, 16, 64, 4, FP8_SCALE)])
+  def test_fp8_cache(self, seed, n, page, splits, k_scale):
+    DecodeContract.test_fp8_cache(self, seed, n, page, splits, k_scale)  # the parent skips it
+
+  @pytest.mark.parametrize("seed,n,splits", [(111, 128, None)])
+  def test_fp8_half_page_edges(self, seed, n, splits):
+    super().test_fp8_half_page_edges(seed, n, splits)
 
   def test_bit_identical_to_serial(self):
     # "serial" widens the same pages from a stage of their own into one slot and its consumers
