@@ -455,6 +455,112 @@ class TestPallasMosaicDecodeInSlot(TestPallasMosaicDecodeHalfPages):
                                   fp8_pipeline="in_slot", wide_widening=False)
 
 
+class _IntArith:
+  """Mosaic GPU's arith ops on Python ints: runs lane-level address code for one lane at a time."""
+
+  class CmpIPredicate:
+    slt = "slt"
+
+  constant = staticmethod(lambda _type, v: v)
+  addi = staticmethod(lambda a, b: a + b)
+  muli = staticmethod(lambda a, b: a * b)
+  remui = staticmethod(lambda a, b: a % b)
+  divui = staticmethod(lambda a, b: a // b)
+  xori = staticmethod(lambda a, b: a ^ b)
+  select = staticmethod(lambda c, a, b: a if c else b)
+  cmpi = staticmethod(lambda pred, a, b: a < b)
+
+
+def test_in_slot_widening_reads_every_byte_before_it_is_overwritten(monkeypatch):
+  # The GPU's in-place widening (`_wide_widen_rows(..., in_slot=True)`), which neither the
+  # interpreter nor its race detector can check: its own lane-level address code, run lane by lane
+  # on ints, recording each lane's 16-byte loads (slot bytes as e4m3 bands), 16-byte stores (the
+  # same bytes as bf16 rows) and warp barriers in program order. Checked: every bf16 byte stored
+  # once, every staged e4m3 byte loaded once (`_IN_SLOT_BANDS`' places), each stored unit from
+  # the right row, band and columns; no warp stores where another warp loads or stores; a lane
+  # stores over bytes its warp loaded only after they were loaded and a warp barrier since.
+  lane = {"tid": 0}
+  events = {}  # tid -> [(kind, byte offset or None, load id)]
+
+  class Scalar:
+    def __init__(self, v):
+      self.registers = np.asarray(v)
+
+  def inline_mgpu(**_):
+    def wrap(body):
+      def run(stage_slot, dst, first, valid):
+        for tid in range(128):
+          lane["tid"] = tid
+          events[tid] = []
+          body(None, stage_slot, dst, Scalar(first), Scalar(valid))
+      return run
+    return wrap
+
+  def wide_load(_ref, base, offset):
+    events[lane["tid"]].append(("load", base + offset, len(events[lane["tid"]])))
+    return len(events[lane["tid"]]) - 1
+
+  def wide_store(_ref, words, _convert, offsets):
+    for h, (base, offset) in enumerate(offsets):
+      events[lane["tid"]].append(("store", base + offset, (words, h)))
+
+  class Utils:
+    warp_barrier = staticmethod(lambda: events[lane["tid"]].append(("barrier", None, None)))
+
+  class Plgpu:
+    def __getattr__(self, name):
+      return inline_mgpu if name == "inline_mgpu" else getattr(plgpu, name)
+
+  class Ir:
+    class IntegerType:
+      get_signless = staticmethod(lambda bits: bits)
+
+  for module in (mosaic_decode, mosaic_lanes):
+    monkeypatch.setattr(module, "arith", _IntArith)
+    monkeypatch.setattr(module, "ir", Ir)
+  monkeypatch.setattr(mosaic_decode, "plgpu", Plgpu())
+  monkeypatch.setattr(mosaic_decode, "mgpu_utils", Utils)
+  monkeypatch.setattr(mosaic_decode, "wide_load", wide_load)
+  monkeypatch.setattr(mosaic_decode, "wide_store", wide_store)
+  monkeypatch.setattr(mosaic_decode, "warpgroup_thread", lambda: (
+      lane["tid"], lane["tid"] % 32, lane["tid"] // 32))
+  d = 576
+  shaped = lambda *shape: type("Ref", (), {"shape": shape})()
+  mosaic_decode._wide_widen_rows(shaped(128, d), shaped(64, d), 0, 64, range(d // 64),
+                                 in_slot=True)
+
+  # The layouts' one definition (`mosaic_lanes.swizzled_unit_offset`), inverted.
+  e4m3_at = {mosaic_lanes.swizzled_unit_offset(r, u, d, 64): (r, u)
+             for r in range(128) for u in range(d // 16)}
+  bf16_at = {mosaic_lanes.swizzled_unit_offset(r, u, 2 * d, 128): (r, u)
+             for r in range(64) for u in range(2 * d // 16)}
+  kinds = {tuple(kind for kind, _, _ in ev) for ev in events.values()}
+  assert len(kinds) == 1  # no lane diverges: event k is the same instruction in every lane
+  loads, stores = {}, {}  # byte offset of a 16-byte unit -> (tid, event index)
+  for tid, ev in events.items():
+    for k, (kind, offset, what) in enumerate(ev):
+      if kind == "load":
+        assert offset not in loads and offset in e4m3_at
+        loads[offset] = (tid, k)
+      elif kind == "store":
+        assert offset not in stores and offset in bf16_at
+        stores[offset] = (tid, k)
+        row, unit = bf16_at[offset]
+        load_id, h = what
+        src_row, src_unit = e4m3_at[ev[load_id][1]]
+        assert src_row // 8 == mosaic_decode._IN_SLOT_BANDS[row // 8] and src_row % 8 == row % 8
+        assert 8 * unit == 16 * src_unit + 8 * h  # the unit's 16 values, 8 a bf16 unit
+  assert len(stores) == 64 * 2 * d // 16  # every bf16 byte of the slot
+  staged = {8 * band + r for band in mosaic_decode._IN_SLOT_BANDS for r in range(8)}
+  assert {e4m3_at[o][0] for o in loads} == staged and len(loads) == 64 * d // 16
+  for offset, (tid, k) in stores.items():  # 16-byte units, aligned, on both sides
+    if offset in loads:
+      loader, j = loads[offset]
+      assert loader // 32 == tid // 32, (tid, loader)  # no cross-warp overwrite
+      between = [kind for kind, _, _ in events[tid][j + 1:k]]
+      assert j < k and (loader == tid or "barrier" in between), (tid, loader, j, k)
+
+
 class TestPallasMosaicDecodeWideWidening(_MosaicDecodeKnob):
   """wide_widening=False (the widening pipelines widen e4m3 tiles into the bf16 slots through
   Pallas arrays, not the default's lane-level code; fp8_pipeline=None then takes
