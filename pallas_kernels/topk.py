@@ -61,8 +61,8 @@ thresholds at once needs no scatter but costs ~2 integer ops a key a threshold p
 below as the histogram's boundary bucket would.
 
 With a block table (`topk_positions(..., block_tables=)`), the kernel that writes the positions
-(the select, or v11's) also writes their cache slots through the row's table (`_outputs`): what
-sparse attention reads, without an XLA mapping pass between the two kernels.
+(the select, or v11's) then maps them to cache slots through the row's table (`_map_to_slots`):
+what sparse attention reads, without an XLA mapping pass between the two kernels.
 
 Stores compact by cumsum; lanes that do not store point one past the end of their ref (masked off
 on the GPU; interpret mode's scatter drops out-of-range indices) so they never collide with a lane
@@ -249,40 +249,49 @@ def _compact(take, base, bound):
   return jnp.where(take & (dst < bound), dst, bound), taken.sum()
 
 
-def _pad(out_refs, written, k, fill):
-  """-1 into each of out_refs' [written:k], `fill` places a step."""
+def _pad(out_ref, written, k, fill):
+  """-1 into out_ref[written:k], `fill` places a step."""
   def step(i, carry):
     idx = i * fill + jnp.arange(fill, dtype=jnp.int32)
     dst = jnp.where((idx >= written) & (idx < k), idx, k)
-    for out_ref in out_refs:
-      plgpu.store(out_ref.at[dst], jnp.full((fill,), -1, jnp.int32), mask=dst < k)
+    plgpu.store(out_ref.at[dst], jnp.full((fill,), -1, jnp.int32), mask=dst < k)
     return carry
 
   lax.fori_loop(0, pl.cdiv(k, fill), step, 0)
 
 
-def _outputs(t, refs, paging):
-  """A select kernel's outputs: refs = (out_ref,) or, with paging = (block_size, num_blocks),
-  (table_ref [T, MB] int32, out_ref, slot_ref). Returns (store(dst, pos, mask): the positions at
-  dst, and with paging their cache slots through row t's table, as
-  `mla_jax.cache.positions_to_slots` maps them; the output refs, which `_pad` fills)."""
-  if paging is None:
-    (out_ref,) = refs
-    return lambda dst, pos, mask: plgpu.store(out_ref.at[dst], pos, mask=mask), (out_ref,)
-  table_ref, out_ref, slot_ref = refs
+def _outputs(refs, paging):
+  """A select kernel's refs after its inputs: (out_ref,), or with paging (table_ref [T, MB]
+  int32, out_ref, slot_ref) -> (table_ref or None, out_ref, slot_ref or None)."""
+  return (None, *refs, None) if paging is None else refs
+
+
+def _map_to_slots(t, out_ref, table_ref, slot_ref, paging, fill, barrier):
+  """The row's positions, just written to out_ref [k] (-1 padded), as cache slots into slot_ref
+  [k] through row t's table (`Paging`; as `mla_jax.cache.positions_to_slots` maps them: -1 for
+  -1, past the table, or at a -1 / out-of-cache block). A pass over the k places after a block
+  barrier (a thread reads positions other threads wrote): `fill` places a step, a few a thread,
+  where mapping at the selection's own stores would take a masked table load for every one of
+  the row's candidate lanes (v11: 64 a thread). barrier: False in interpret mode, which runs a
+  program's threads as one (and has no block barrier)."""
   block_size, num_blocks = paging
-  mb = table_ref.shape[1]
+  k, mb = out_ref.shape[0], table_ref.shape[1]
+  if barrier:
+    plgpu.debug_barrier()
 
-  def store(dst, pos, mask):
-    plgpu.store(out_ref.at[dst], pos, mask=mask)
+  def step(i, carry):
+    idx = i * fill + jnp.arange(fill, dtype=jnp.int32)
+    inside = idx < k
+    pos = plgpu.load(out_ref.at[jnp.minimum(idx, k - 1)], mask=inside, other=-1)
     blk = pos // block_size
-    listed = mask & (blk < mb)  # positions past the table map to -1, unread
+    listed = inside & (pos >= 0) & (blk < mb)
     block = plgpu.load(table_ref.at[t, jnp.where(listed, blk, 0)], mask=listed, other=-1)
-    slot = jnp.where((block >= 0) & (block < num_blocks), block * block_size + pos % block_size,
-                     -1)
-    plgpu.store(slot_ref.at[dst], slot, mask=mask)
+    slot = jnp.where(listed & (block >= 0) & (block < num_blocks),
+                     block * block_size + pos % block_size, -1)
+    plgpu.store(slot_ref.at[jnp.where(inside, idx, k)], slot, mask=inside)
+    return carry
 
-  return store, (out_ref, slot_ref)
+  lax.fori_loop(0, pl.cdiv(k, fill), step, 0)
 
 
 def _maxima_kernel(logits_ref, len_ref, max_ref, *, groups):
@@ -529,8 +538,8 @@ def _sector_threshold_kernel(theta_ref, sec_ref, logits_ref, len_ref, ids_ref, c
   count_ref[t, p] = count
 
 
-def _select_among(store, source, num_chunks, hi, reach_theta, *, theta, k, s, interpolate):
-  """Writes a row's selection through `store` (`_outputs`) into places 0..k-1, in no order, from its
+def _select_among(out_ref, source, num_chunks, hi, reach_theta, *, theta, k, s, interpolate):
+  """Writes a row's selection into out_ref [k] (the select step's), in no order, from its
   keys >= theta, `source(i)` -> (keys, positions), i < num_chunks (keys <= hi; reach_theta of them
   reach theta and are valid; s: the row's positions); returns how many positions it wrote."""
   total = lambda f: lax.fori_loop(0, num_chunks,
@@ -566,20 +575,20 @@ def _select_among(store, source, num_chunks, hi, reach_theta, *, theta, k, s, in
   def body(i, written):
     key, pos = source(i)
     dst, taken = _compact((key > v) | (tie(key, pos) & (s - 1 - pos >= last)), written, k)
-    store(dst, pos, dst < k)
+    plgpu.store(out_ref.at[dst], pos, mask=dst < k)
     return written + taken
 
   return lax.fori_loop(0, num_chunks, body, jnp.int32(0))
 
 
 def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref, len_ref, *refs,
-                   k, chunk, fill, lean, interpolate, paging):
+                   k, chunk, fill, lean, interpolate, paging, interpret):
   # theta_ref [T] int32; cand_key_ref, cand_pos_ref [P * cap] int32 (this row's segments' places);
   # count_ref [T, P] int32; logits_ref [T, S] f32; len_ref [T] int32; refs: out_ref [k] int32
   # (this row's positions), or with paging table_ref [T, MB] int32, out_ref, slot_ref [k] int32
   # (their cache slots; `_outputs`)
   t = pl.program_id(0)
-  store, out_refs = _outputs(t, refs, paging)
+  table_ref, out_ref, slot_ref = _outputs(refs, paging)
   segments = count_ref.shape[1]
   cap = cand_key_ref.shape[0] // segments
   s = logits_ref.shape[1]
@@ -587,7 +596,7 @@ def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref,
   counts = [count_ref[t, p] for p in range(segments)]
   count = sum(counts)
   length = jnp.clip(len_ref[t], 0, s)
-  select = functools.partial(_select_among, store, theta=theta, k=k, s=s,
+  select = functools.partial(_select_among, out_ref, theta=theta, k=k, s=s,
                              interpolate=interpolate)
 
   def candidates(lane):
@@ -631,7 +640,9 @@ def _select_kernel(theta_ref, cand_key_ref, cand_pos_ref, count_ref, logits_ref,
   half = lambda: lax.cond(count > cap // 2, full, lambda: from_candidates(cap // 2))
   written = lax.cond(count > cap, from_row, half if cap >= _HALVED_MIN else
                      functools.partial(from_candidates, cap))
-  _pad(out_refs, written, k, fill)
+  _pad(out_ref, written, k, fill)
+  if paging is not None:
+    _map_to_slots(t, out_ref, table_ref, slot_ref, paging, fill, not interpret)
 
 
 def _interpolated_search(count, k, lo, hi, n_lo):
@@ -671,7 +682,8 @@ def _interpolated_search(count, k, lo, hi, n_lo):
   return lo ^ _INT_MIN, n
 
 
-def _resident_kernel(logits_ref, len_ref, *refs, k, rows, lanes, fill, interpolate, paging):
+def _resident_kernel(logits_ref, len_ref, *refs, k, rows, lanes, fill, interpolate, paging,
+                     interpret):
   # v11 (`row_resident`): a row's whole top-k in one program, its keys loaded once and held in
   # registers. logits_ref [T, S] f32; len_ref [T] int32; refs: out_ref [k] int32 (this row's
   # positions), or with paging table_ref [T, MB] int32, out_ref, slot_ref (`_outputs`).
@@ -747,9 +759,11 @@ def _resident_kernel(logits_ref, len_ref, *refs, k, rows, lanes, fill, interpola
   totals = take.sum(axis=0)
   dst = (jnp.cumsum(totals) - totals)[None, :] + jnp.cumsum(take, axis=0) - 1
   flat = lambda a: a.reshape(rows * lanes)
-  store, out_refs = _outputs(t, refs, paging)
-  store(flat(jnp.where(take > 0, dst, k)), flat(pos), flat(take > 0))
-  _pad(out_refs, totals.sum(), k, fill)
+  table_ref, out_ref, slot_ref = _outputs(refs, paging)
+  plgpu.store(out_ref.at[flat(jnp.where(take > 0, dst, k))], flat(pos), mask=flat(take > 0))
+  _pad(out_ref, totals.sum(), k, fill)
+  if paging is not None:
+    _map_to_slots(t, out_ref, table_ref, slot_ref, paging, fill, not interpret)
 
 
 def default_config(rows: int, positions: int) -> TopkConfig:
@@ -991,7 +1005,8 @@ def select_positions(theta: jax.Array, cand_keys: jax.Array, cand_pos: jax.Array
   tables = () if paging is None else (block_tables,)
   out = pl.pallas_call(
       functools.partial(_select_kernel, k=topk, chunk=chunk, fill=min(1024, next_pow2(topk)),
-                        lean=lean, interpolate=interpolate, paging=paging),
+                        lean=lean, interpolate=interpolate, paging=paging,
+                        interpret=interpret),
       grid=(t,),
       in_specs=[_whole(theta), _row(width), _row(width), _whole(counts), _whole(logits),
                 _whole(seq_lens)] + [_whole(x) for x in tables],
@@ -1021,7 +1036,8 @@ def resident_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *,
   tables = () if paging is None else (block_tables,)
   out = pl.pallas_call(
       functools.partial(_resident_kernel, k=topk, rows=max(1, next_pow2(s) // lanes), lanes=lanes,
-                        fill=min(1024, next_pow2(topk)), interpolate=interpolate, paging=paging),
+                        fill=min(1024, next_pow2(topk)), interpolate=interpolate, paging=paging,
+                        interpret=interpret),
       grid=(t,),
       in_specs=[_whole(logits), _whole(seq_lens)] + [_whole(x) for x in tables],
       **_paged_outputs(t, topk, paging),
