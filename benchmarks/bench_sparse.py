@@ -77,6 +77,7 @@ DECODE_CACHE_TOKENS = 1 << 20
 # Variants --sweep times, as keyword arguments of the kernels' jit entries.
 # MosaicSparseConfig fields that only the fp8_ds_mla entry takes (how its rows are widened).
 FP8_DS_MLA_FIELDS = ("fp8_pipeline", "fp8_stage_halves", "wide_widening")
+BF16_FIELDS = ("hand_over_first",)  # MosaicSparseConfig fields only the bf16 entry takes
 SWEEPS = {
     "sparse": [dataclasses.asdict(config) for config in pallas_sparse.SWEEP],
     "indexer": [dataclasses.asdict(config) for config in pallas_indexer.SWEEP],
@@ -174,14 +175,15 @@ def run_sparse(args, t, n, kind, cache, valid=TOPK):
     changed = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()
                         if v != getattr(pallas_mosaic_sparse.CONFIG, k))
     if (not changed or (args.sweep_rows and changed not in args.sweep_rows)
-        or (kind != "fp8_ds_mla" and any(getattr(cfg, k) != getattr(pallas_mosaic_sparse.CONFIG, k)
-                                         for k in FP8_DS_MLA_FIELDS))
+        or any(getattr(cfg, k) != getattr(pallas_mosaic_sparse.CONFIG, k)
+               for k in (BF16_FIELDS if kind == "fp8_ds_mla" else FP8_DS_MLA_FIELDS))
         or (cfg.fp8_pipeline == "register_a" and n not in pallas_mosaic_sparse.HEADS_N_TILES)
         or (cfg.heads_in == "n" and (
             n > pallas_mosaic_sparse.HEADS_N_TILES[-1]
             or (kind == "fp8_ds_mla"
                 and cfg.fp8_pipeline not in pallas_mosaic_sparse.HEADS_N_FP8_PIPELINES)))):
-      # The chosen config, one not asked for, an fp8_ds_mla pipeline on a bf16 cache, or heads in
+      # The chosen config, one not asked for, an fp8_ds_mla pipeline on a bf16 cache (or a bf16
+      # knob on an fp8_ds_mla one), or heads in
       # wgmma's N where the kernel refuses them (more than 32 heads; fp8_ds_mla unless the
       # pipeline is named and steps 64 slots; "register_a" at other than 16 or 32 heads).
       continue
@@ -213,8 +215,9 @@ def caches_in_turn(args, t, n, caches, valid=TOPK):
 def mosaic_sparse_variant(q, cache, slots, *, cfg):
   """The Mosaic sparse kernel with config cfg over either cache layout."""
   if isinstance(cache, DSMLACache):
+    kwargs = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in BF16_FIELDS}
     return pallas_mosaic_sparse.sparse_attention_fp8_ds_mla(
-        q, cache.nope, cache.tile_scales, cache.rope, slots, scale=SCALE, **dataclasses.asdict(cfg))
+        q, cache.nope, cache.tile_scales, cache.rope, slots, scale=SCALE, **kwargs)
   kwargs = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in FP8_DS_MLA_FIELDS}
   return pallas_mosaic_sparse.sparse_attention(q, cache.data, slots, scale=SCALE, kv_lora_rank=L,
                                                **kwargs)

@@ -379,7 +379,7 @@ def _wide_widen_in_place(nope, scales, dst):
 
 
 def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_slots, gather,
-            heads_n, prep_in_kernel, wide_widening, interpret):
+            heads_n, prep_in_kernel, wide_widening, hand_over_first, interpret):
   # GMEM: q_ref [T, Np, D] bf16 (Np: heads padded to 64, or fewer unpadded, `padded_heads`: the
   # tile's first Np rows, the others never stored); idx_ref [T, Kp] int32 (slot, or num_slots
   # where invalid); steps_ref [T] int32 (steps of 64 slots up to the last valid one).
@@ -671,20 +671,25 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
       plgpu.commit_smem()
 
     if not fp8:
+      def hand_over_previous(i, in_flight):
+        """cp_async: step i - 1's rows have landed once at most `in_flight` groups are."""
+        @pl.when(i > 0)
+        def _():
+          cp_async_wait(in_flight)
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(ready.at[lax.rem(i - 1, slots)])
+
       @pl.loop(0, n)
       def _(i):
         slot = lax.rem(i, slots)
+        if gather == "cp_async" and hand_over_first:  # before this step's slot is free
+          hand_over_previous(i, 0)
         pl.when(i >= slots)(lambda: plgpu.barrier_wait(consumed.at[slot]))
         pl.when(i + 2 < n)(functools.partial(fetch_indices, i + 2))
         gather_step(i, ((kv_ref, kv.at[slot], None if kv_raw is None else kv_raw.at[slot]),),
                     ready.at[slot])
-        if gather == "cp_async":
-          # The previous step's rows have landed once at most this step's group is in flight.
-          @pl.when(i > 0)
-          def _():
-            cp_async_wait(1)
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(ready.at[lax.rem(i - 1, slots)])
+        if gather == "cp_async" and not hand_over_first:
+          hand_over_previous(i, 1)  # this step's group issued, still in flight
 
       if gather == "cp_async":
         @pl.when(n > 0)
@@ -954,7 +959,7 @@ def heads_n_splits(num_splits):
 
 def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_splits, auto_barriers,
                  gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in, prep_in_kernel,
-                 interpret, wide_widening=False):
+                 interpret, wide_widening=False, hand_over_first=False):
   """Pads heads to tiles of heads_tile(N) and slots to 64-slot steps, runs the kernel, merges
   splits. prep_in_kernel: the kernel takes the padded slots as they are (`MosaicSparseConfig`)."""
   t, n, d = q.shape
@@ -1056,7 +1061,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                              heads_n=heads_n, prep_in_kernel=prep_in_kernel,
                              # The interpreter runs no lane-level code: the Pallas-level widening.
                              wide_widening=wide_widening and not interpret,
-                             interpret=bool(interpret))
+                             hand_over_first=hand_over_first, interpret=bool(interpret))
   o_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((t, splits, np_, lora), out_dtype),
@@ -1084,6 +1089,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                    f"{f'_heads_n{tile_h}' if heads_n else ''}"
                    f"{'_prep' if prep_in_kernel else ''}"
                    f"{'_wide' if wide_widening else ''}"
+                   f"{'_hand_over_first' if hand_over_first and not fp8 else ''}"
                    f"_{gather}_s{splits}"),
   )(q, *index_args, *cache_args)
   if splits == 1:
@@ -1217,7 +1223,16 @@ class MosaicSparseConfig:
   half_rows 0.261 / 0.238 (307 TFLOP/s), serial 0.282 / 0.250; N=16 half_rows 0.136 / 0.122,
   serial 0.142 / 0.130; T=4096 over 32K N=128 in_place 6.96 / 5.52 (423 TFLOP/s), half_rows 7.41
   / 6.75: faster at every shape timed, so the default; False keeps the Pallas-level widening (the
-  bit-for-bit test's oracle)."""
+  bit-for-bit test's oracle).
+  hand_over_first (bf16 caches, the cp_async gather; the fp8_ds_mla entry takes none): when the
+  memory warpgroup hands step i - 1's landed rows over (ready). False (the default): after it has
+  waited for step i's slot (step i - 2's consumers done) and issued step i's gather, so step i -
+  1's ready waits for that issue (~36 cp.async a lane) even when its rows landed long before, and
+  the consumers, done with step i - 2, want step i - 1 just then. True: first, as soon as step i -
+  1's rows are in (then the wait for step i's slot and its gather): no such bubble, but a late
+  step i - 1 now delays step i's issue (prepared in session 28 on the CPU, not timed; the
+  profiles had warpgroup 0 waiting for ready ~18% of its time at bf16 N=128, T=128, RESULTS v20).
+  The interpreter's bulk gather has no hand-over: it ignores the knob."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
   fp8_pipeline: str | None = None
@@ -1225,6 +1240,7 @@ class MosaicSparseConfig:
   heads_in: str | None = None
   prep_in_kernel: bool | None = None
   wide_widening: bool = True
+  hand_over_first: bool = False
 
   def __post_init__(self):
     if self.gather not in GATHERS:
@@ -1245,6 +1261,8 @@ class MosaicSparseConfig:
       raise ValueError(f"prep_in_kernel must be None or a bool, got {self.prep_in_kernel!r}")
     if not isinstance(self.wide_widening, bool):
       raise ValueError(f"wide_widening must be True or False, got {self.wide_widening!r}")
+    if not isinstance(self.hand_over_first, bool):
+      raise ValueError(f"hand_over_first must be True or False, got {self.hand_over_first!r}")
 
 
 CONFIG = MosaicSparseConfig()
@@ -1262,16 +1280,17 @@ SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rul
          MosaicSparseConfig(prep_in_kernel=False),
          MosaicSparseConfig(fp8_pipeline="half_rows", wide_widening=False),
          MosaicSparseConfig(fp8_pipeline="in_place", wide_widening=False),
-         MosaicSparseConfig(fp8_pipeline="register_a"))
+         MosaicSparseConfig(fp8_pipeline="register_a"), MosaicSparseConfig(hand_over_first=True))
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank",))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank", "hand_over_first"))
 def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, scale: float,
                      kv_lora_rank: int = 512, num_splits: int | None = None,
                      auto_barriers: bool = False, gather: str = CONFIG.gather,
                      split_rule: str = CONFIG.split_rule,
                      heads_in: str | None = CONFIG.heads_in,
                      prep_in_kernel: bool | None = CONFIG.prep_in_kernel,
+                     hand_over_first: bool = CONFIG.hand_over_first,
                      interpret: bool | plgpu.InterpretGPUParams = False
                      ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over a bf16 latent cache (semantics of `mla_jax.reference.sparse_attention`).
@@ -1286,14 +1305,14 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   either way). heads_in: `MosaicSparseConfig`'s ("n": N <= 32 heads in wgmma's N, one split;
   None: `default_heads_in`, "n" at N <= 32 where the split rule gives one split, else "m").
   prep_in_kernel: `MosaicSparseConfig`'s (the kernel reads the raw slots and counts each row's
-  steps; None: True).
+  steps; None: True). hand_over_first: `MosaicSparseConfig`'s.
   interpret: True or a `plgpu.InterpretGPUParams`
   runs Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and lse [T, N] float32 (natural
   log); a row with no valid slot gives (0, -inf).
   """
   _check(q, slots, kv_lora_rank, num_splits)
-  MosaicSparseConfig(gather, split_rule, heads_in=heads_in,
-                     prep_in_kernel=prep_in_kernel)  # checks them
+  MosaicSparseConfig(gather, split_rule, heads_in=heads_in, prep_in_kernel=prep_in_kernel,
+                     hand_over_first=hand_over_first)  # checks them
   if prep_in_kernel is None:
     prep_in_kernel = True
   if heads_in is None:
@@ -1310,7 +1329,8 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
                       fp8=False, num_splits=num_splits, auto_barriers=auto_barriers,
                       gather=gather, split_rule=split_rule, fp8_pipeline=CONFIG.fp8_pipeline,
                       fp8_stage_halves=CONFIG.fp8_stage_halves, heads_in=heads_in,
-                      prep_in_kernel=prep_in_kernel, interpret=interpret)
+                      prep_in_kernel=prep_in_kernel, hand_over_first=hand_over_first,
+                      interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("fp8_pipeline", "fp8_stage_halves",

@@ -435,8 +435,9 @@ class TestPallasTritonIndexer(IndexerContract):
     np.testing.assert_array_equal(got, want)
 
   @staticmethod
-  def lowered_topk_modules(monkeypatch, t, s, knobs):
-    """The top-k with `knobs` at [t, s] (topk 2048), lowered to Triton IR for compute capability
+  def lowered_topk_modules(monkeypatch, t, s, knobs, paged=False):
+    """The top-k with `knobs` at [t, s] (topk 2048; paged: with block tables, the slots too),
+    lowered to Triton IR for compute capability
     9.0 on this CPU (the lowering asks the device for it; there is none here): the StableHLO
     text, and each kernel's (module verified, module text) by kernel name. The GPU's Triton parser
     refuses a module that does not verify: session 12's v7 failed so on the GPU, a select of two
@@ -456,9 +457,24 @@ class TestPallasTritonIndexer(IndexerContract):
 
     monkeypatch.setattr(pallas_call_registration.lowering, "lower_jaxpr_to_triton_module",
                         lower_and_verify)
-    traced = jax.jit(functools.partial(pallas_topk.topk_positions, topk=2048, **knobs)).trace(
-        jax.ShapeDtypeStruct((t, s), jnp.float32), jax.ShapeDtypeStruct((t,), jnp.int32))
+    args = [jax.ShapeDtypeStruct((t, s), jnp.float32), jax.ShapeDtypeStruct((t,), jnp.int32)]
+    if paged:  # the selection's slots too, through 64-token blocks
+      knobs = {**knobs, "block_size": 64, "num_blocks": 4 * s // 64}
+      args.append(jax.ShapeDtypeStruct((t, s // 64), jnp.int32))
+    traced = jax.jit(lambda x, lens, *tables: pallas_topk.topk_positions(
+        x, lens, 2048, **({"block_tables": tables[0]} if tables else {}), **knobs)).trace(*args)
     return traced.lower(lowering_platforms=("cuda",)).as_text(), modules
+
+  @pytest.mark.parametrize("t,s,knobs,last", [
+      (128, 32768, RESIDENT_INTERPOLATED, "topk_resident_slots"),
+      (128, 131072, SECTORS, "topk_select_slots"),
+      (4096, 32768, SECTORS_FUSED_LEAN_INTERPOLATED, "topk_select_slots")])
+  def test_slots_lower_for_hopper(self, monkeypatch, t, s, knobs, last):
+    # With block tables the last kernel (v11's, or the select) also maps the positions to slots
+    # after a block barrier: each module verified.
+    text, modules = self.lowered_topk_modules(monkeypatch, t, s, knobs, paged=True)
+    assert last in modules and all(ok for ok, _ in modules.values()), modules
+    assert "gpu.barrier" in modules[last][1]
 
   @pytest.mark.parametrize("interpolate", [False, True], ids=["bisect", "interpolate"])
   @pytest.mark.parametrize("t,s", [(128, 32768), (4096, 32768), (128, 16384), (6, 5000)])
@@ -927,9 +943,18 @@ def test_mosaic_sparse_default_heads_in_reaches_the_kernel(n, want):
   assert str(jax.make_jaxpr(fp8)()) == str(jax.make_jaxpr(functools.partial(fp8, heads_in="m"))())
 
 
+@pytest.mark.parametrize("prep_in_kernel", [False, True])
+def test_hand_over_first_lowers_for_hopper(prep_in_kernel, monkeypatch):
+  # bf16's memory warpgroup handing a step over before it waits for the next slot: the cp.async
+  # loop's other order (the interpreter's bulk gather has no hand-over; GPU: test_dsa_gpu.py).
+  check_lowers_for_hopper(monkeypatch, 128, False, "cp_async", None, 2,
+                          prep_in_kernel=prep_in_kernel, hand_over_first=True)
+
+
 def check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves, heads_in="m",
                             prep_in_kernel=False, k=2048,
-                            wide_widening=mosaic_sparse.CONFIG.wide_widening):
+                            wide_widening=mosaic_sparse.CONFIG.wide_widening,
+                            hand_over_first=False):
   """The Mosaic sparse kernel at T=128, k (2048) slots over 1M tokens, lowered for CUDA (it runs on
   this CPU), which checks what the interpreter does not: wgmma operand layouts and swizzles,
   bulk-copy boxes, the untiled aliases, the cp.async code, the register layouts of the widening
@@ -954,7 +979,8 @@ def check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves, h
   else:
     traced = mosaic_sparse.sparse_attention.trace(
         q, jax.ShapeDtypeStruct((tokens // 64, 64, 576), jnp.bfloat16), slots, scale=0.1,
-        gather=gather, heads_in=heads_in, prep_in_kernel=prep_in_kernel)
+        gather=gather, heads_in=heads_in, prep_in_kernel=prep_in_kernel,
+        hand_over_first=hand_over_first)
   assert_lowers_with_counted_smem(traced, counted[-1], monkeypatch)
 
 

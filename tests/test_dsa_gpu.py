@@ -110,6 +110,23 @@ def test_mosaic_sparse_in_place_equals_serial_bit_for_bit(n):
     np.testing.assert_array_equal(g, w)
 
 
+# hand_over_first moves only when the memory warpgroup signals a bf16 step's rows (before it waits
+# for the next slot, not after issuing its gather): the same products in the same order, equal
+# bits. At T=128 (rows from HBM) and 4096 (from L2), the two shapes it is timed at.
+@pytest.mark.parametrize("t", [128, 4096])
+def test_mosaic_sparse_hand_over_first_equals_default_bit_for_bit(t):
+  q, cache, slots = sparse_case(t + 5, 128, "bf16", t=t, tokens=CACHE_TOKENS if t <= 128
+                                else 32768)
+  run = functools.partial(mosaic_sparse.sparse_attention, q, cache.data, slots, scale=SCALE,
+                          kv_lora_rank=L)
+  poison_allocator()
+  want = [np.asarray(a, np.float32) for a in run()]
+  poison_allocator()
+  got = [np.asarray(a, np.float32) for a in run(hand_over_first=True)]
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+
+
 # wide_widening (the default: lane-level widening by bit placement, `mosaic_sparse._wide_widen`,
 # and with "in_place" `_wide_widen_in_place`) widens the values the Pallas-level widening does,
 # bit for bit, and the consumers run the same products: equal outputs, which checks what the
