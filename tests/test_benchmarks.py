@@ -115,7 +115,8 @@ def test_mosaic_configs_times_what_changes_the_program(dtype):
   assert sum(k.endswith(" ms") for k in row) == len(named)
   assert named[0] == {}
   if dtype == "float8_e4m3fn":
-    assert named[1:] == [{"fp8_pipeline": "serial"}, {"fp8_pipeline": "shared_widening"},
+    assert named[1:] == [{"fp8_pipeline": "in_slot"}, {"fp8_pipeline": "serial"},
+                         {"fp8_pipeline": "shared_widening"},
                          {"wide_widening": False},
                          {"heads_in": "n"}, {"fp8_pipeline": "serial", "heads_in": "n"},
                          {"fp8_pipeline": "register_a", "heads_in": "n"},

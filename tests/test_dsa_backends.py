@@ -1203,6 +1203,10 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
       mosaic_sparse.sparse_attention_fp8_ds_mla(
           q, nope, jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16),
           slots, scale=0.1, fp8_pipeline="half_rows", wide_widening=1, interpret=True)
+    with pytest.raises(ValueError, match="hand_over_first must be True or False"):
+      mosaic_sparse.sparse_attention(q, jnp.zeros((4, 16, L + R), jnp.bfloat16), slots,
+                                     scale=0.1, kv_lora_rank=L, hand_over_first="yes",
+                                     interpret=True)
     for pipeline, halves in (("serial", 3), ("half_rows", 4), (None, 3)):
       with pytest.raises(ValueError, match="fp8_stage_halves must be 2"):
         mosaic_sparse.sparse_attention_fp8_ds_mla(
@@ -1213,13 +1217,15 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     # The timed rules (`default_fp8_pipeline`, `default_heads_in`); both heads_in named beside.
     assert (mosaic_sparse.CONFIG.fp8_pipeline, mosaic_sparse.CONFIG.fp8_stage_halves,
             mosaic_sparse.CONFIG.heads_in, mosaic_sparse.CONFIG.prep_in_kernel,
-            mosaic_sparse.CONFIG.wide_widening) == (None, 2, None, None, True)
+            mosaic_sparse.CONFIG.wide_widening, mosaic_sparse.CONFIG.hand_over_first) == (
+                None, 2, None, None, True, False)
     for other in (dict(fp8_pipeline="serial"), dict(fp8_pipeline="half_rows"),
                   dict(fp8_pipeline="half_rows", fp8_stage_halves=3),
                   dict(fp8_pipeline="in_place"), dict(heads_in="m"), dict(heads_in="n"),
                   dict(fp8_pipeline="in_place", heads_in="n"), dict(prep_in_kernel=False),
                   dict(fp8_pipeline="half_rows", wide_widening=False),
-                  dict(fp8_pipeline="in_place", wide_widening=False)):
+                  dict(fp8_pipeline="in_place", wide_widening=False),
+                  dict(hand_over_first=True)):
       assert mosaic_sparse.MosaicSparseConfig(**other) in mosaic_sparse.SWEEP
 
 
