@@ -245,11 +245,25 @@ def run_indexer(args, t, context):
 
 
 def run_topk(args, t, s):
+  # Each row's block table (64-token pages of its own request, shuffled over a cache of t * s
+  # tokens) for the forms that map the selection to slots too.
+  num_blocks = t * s // PAGE
   sets = [(jax.random.normal(jax.random.key(300 + i), (t, s), jnp.float32),
-           jnp.full((t,), s, jnp.int32)) for i in range(2)]
+           jnp.full((t,), s, jnp.int32),
+           jax.random.permutation(jax.random.key(310 + i), num_blocks).astype(jnp.int32).reshape(
+               t, s // PAGE)) for i in range(2)]
   case_bytes = t * s * 4 + t * TOPK * 4
-  fn = lambda be: jax.jit(lambda x, lens: be.topk(x, lens, TOPK))
+  fn = lambda be: jax.jit(lambda x, lens, _: be.topk(x, lens, TOPK))
   entries = [(case_row("topk", t, context=s, cache="default"), fn, "pallas_triton")]
+  # v14: the backend's top-k writing the selection's slots too (what the layer runs), and the
+  # same selection with its slots mapped by XLA after it (what ran before).
+  entries += [
+      (case_row("topk", t, context=s, cache="v14, slots (topk_slots)"),
+       lambda be: jax.jit(lambda x, lens, tables: be.topk_slots(
+           x, lens, TOPK, tables, block_size=PAGE, num_blocks=num_blocks)), "pallas_triton"),
+      (case_row("topk", t, context=s, cache="v14, slots mapped apart"),
+       lambda be: jax.jit(lambda x, lens, tables: positions_to_slots(
+           be.topk(x, lens, TOPK), tables, PAGE, num_blocks)), "pallas_triton")]
   # Each form beside the default (every knob named; a form equal to the default's is left out):
   # the default's four-kernel path (row_resident off), its v2 (block-wide compaction per chunk),
   # v3's per-lane threshold, v9's sector threshold (the other way from the shape's), each with its
@@ -286,7 +300,7 @@ def run_topk(args, t, s):
     variants = {name: knobs for name, knobs in variants.items()
                 if name.split(" ")[0].rstrip(",") in args.topk_rows}
   for name, knobs in variants.items():
-    variant = lambda be, knobs=knobs: jax.jit(lambda x, lens: pallas_topk.topk_positions(
+    variant = lambda be, knobs=knobs: jax.jit(lambda x, lens, _: pallas_topk.topk_positions(
         x, lens, TOPK, interpret=jax.default_backend() != "gpu", **knobs))
     entries.append((case_row("topk", t, context=s, cache=name), variant, "pallas_triton"))
   return timed_rows(args, entries, sets, case_bytes, None)
