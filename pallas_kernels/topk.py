@@ -775,6 +775,15 @@ def default_config(rows: int, positions: int) -> TopkConfig:
   return four
 
 
+def maps_slots_in_kernel(rows: int) -> bool:
+  """Whether the backend's top-k with slots has the kernel map them (`topk_positions(...,
+  block_tables=)`) for `rows` rows, rather than XLA after it. Predicted, not timed (RESULTS.md,
+  "Top-k v14"): with rows at most 2 an SM they all run at once and the mapping pass adds ~1 us
+  against XLA's pass and launch (~4 us); with more, v11's rows run in turn on each SM at ~1.3 us
+  of mapping a row, more than XLA's pass over all of them."""
+  return rows <= 2 * sm_count()
+
+
 def four_kernel_config(rows: int, positions: int) -> TopkConfig:
   """The four-kernel path's chosen config for `rows` rows of `positions` logits."""
   if rows > 2 * sm_count():

@@ -128,6 +128,27 @@ class TestPallasTritonIndexer(IndexerContract):
         paged(knobs) for knobs in (RESIDENT, RESIDENT_INTERPOLATED,
                                    SECTORS_FUSED_LEAN_INTERPOLATED)]
 
+  def test_topk_slots_mapped_by_the_kernel_for_few_rows_only(self, monkeypatch):
+    # Decode-sized calls (rows at most 2 an SM) have the kernel map the slots; many rows' calls
+    # map them in XLA after it (`maps_slots_in_kernel`, predicted: RESULTS.md "Top-k v14").
+    assert pallas_topk.maps_slots_in_kernel(264) and not pallas_topk.maps_slots_in_kernel(265)
+    calls = []
+    kernel = pallas_topk.topk_positions
+    monkeypatch.setattr(pallas_topk, "topk_positions",
+                        lambda *a, **kw: calls.append("block_tables" in kw) or kernel(*a, **kw))
+    rng = np.random.default_rng(9)
+    logits = jnp.asarray(rng.standard_normal((3, 200)), jnp.float32)
+    lens = jnp.asarray([200, 50, 0], jnp.int32)
+    tables = jnp.asarray(rng.integers(-1, 14, (3, 13)), jnp.int32)
+    run = lambda: [np.asarray(a) for a in self.be().topk_slots(logits, lens, 16, tables,
+                                                               block_size=16, num_blocks=12)]
+    fused = run()
+    monkeypatch.setattr(pallas_topk, "maps_slots_in_kernel", lambda rows: False)
+    apart = run()
+    assert calls == [True, False]
+    for a, b in zip(fused, apart):
+      np.testing.assert_array_equal(a, b)
+
   @pytest.mark.parametrize("dtype,widen_fp8", [(jnp.bfloat16, False), (jnp.float8_e4m3fn, True)])
   def test_chunks_and_steps_match_reference(self, dtype, widen_fp8):
     # Several programs per row and several steps per program, pages smaller than a step.
