@@ -191,10 +191,17 @@ def _reference_topk(logits, seq_lens, topk):
   return reference.topk_positions(logits, seq_lens, topk)
 
 
-def _reference_topk_slots(logits, seq_lens, topk, block_tables, *, block_size, num_blocks):
+def _slots_mapped_after(topk_positions, logits, seq_lens, topk, block_tables, block_size,
+                        num_blocks):
+  """topk_slots by a top-k's positions, then XLA's `cache.positions_to_slots` of them."""
   check_topk_args(logits, seq_lens, topk, block_tables, block_size, num_blocks)
-  positions = reference.topk_positions(logits, seq_lens, topk)
+  positions = topk_positions(logits, seq_lens, topk)
   return positions, caches.positions_to_slots(positions, block_tables, block_size, num_blocks)
+
+
+def _reference_topk_slots(logits, seq_lens, topk, block_tables, *, block_size, num_blocks):
+  return _slots_mapped_after(reference.topk_positions, logits, seq_lens, topk, block_tables,
+                             block_size, num_blocks)
 
 
 REFERENCE = Backend(
@@ -257,9 +264,9 @@ def _pallas_topk_slots(logits, seq_lens, topk, block_tables, *, block_size, num_
     return pallas_topk.topk_positions(logits, seq_lens, topk, block_tables=block_tables,
                                       block_size=block_size, num_blocks=num_blocks,
                                       interpret=interpret)
-  check_topk_args(logits, seq_lens, topk, block_tables, block_size, num_blocks)
-  positions = pallas_topk.topk_positions(logits, seq_lens, topk, interpret=interpret)
-  return positions, caches.positions_to_slots(positions, block_tables, block_size, num_blocks)
+  topk_positions = functools.partial(pallas_topk.topk_positions, interpret=interpret)
+  return _slots_mapped_after(topk_positions, logits, seq_lens, topk, block_tables, block_size,
+                             num_blocks)
 
 
 # Cache writes and gathers stay the cache module's XLA scatter and gather.
