@@ -385,15 +385,39 @@ def row_broadcast(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 # half of the output columns.
 
 
-def softmax_step(s, m, l, heads_axis=0):
+# FlashAttention-4's slack: P <= 2^8 (bf16 holds it at full relative precision).
+RESCALE_SLACK = 8.0
+
+
+def check_rescale_slack(slack: object) -> None:
+  """rescale_slack (the Mosaic attention kernels' lazy rescale): None, or a finite float >= 0 in
+  log2 units (`softmax_step`)."""
+  if slack is None:
+    return
+  if (isinstance(slack, bool) or not isinstance(slack, (int, float))
+      or not 0 <= slack < float("inf")):
+    raise ValueError(f"rescale_slack must be None or a finite float >= 0 (log2 units: P <= "
+                     f"2^slack), got {slack!r}")
+
+
+def softmax_step(s, m, l, heads_axis=0, slack=None):
   """One step of the base-2 online softmax: s [64, K] scores already times log2(e) (-inf where
   masked), m and l the rows' running max and sum. Returns (m_new, alpha, p, l_new).
   heads_axis=1 (mosaic_sparse's heads_in="n"): s is S^T [K, heads], reduced over axis 0 (across
   the warpgroup's warps, through the kernel's reduction scratch), m and l one per column. l of
   s's shape holds partial sums, each element its own key's (rescaled like the others), summed
-  over the keys once after the last step (`run_scores`' partial_sums)."""
+  over the keys once after the last step (`run_scores`' partial_sums).
+  slack (the kernels' rescale_slack, a float >= 0): a row's m moves only to a step maximum above
+  m + slack, so p <= 2^slack and alpha is exactly 1 for rows that keep theirs (what the lazy
+  rescale, `mosaic_lanes.rows_rescaled`, skips; FlashAttention-4's conditional rescaling). The
+  sums are the same softmax at any m; P in bf16 keeps its relative precision at any scale. 0 is
+  today's maximum."""
   keys = 1 - heads_axis
-  m_new = jnp.maximum(m, s.max(axis=keys))
+  step_max = s.max(axis=keys)
+  if slack is None:
+    m_new = jnp.maximum(m, step_max)
+  else:
+    m_new = jnp.where(step_max > m + slack, step_max, m)
   alpha = jnp.exp2(m - m_new)
   p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [heads_axis]))
   if l.shape == s.shape:

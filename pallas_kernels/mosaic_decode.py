@@ -57,19 +57,20 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, vector
 
 from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
-                                   REDUCTION_BYTES_PER_8_HEADS, check_decode_args,
-                                   check_split_args, feed_ring, hand_over_p, heads_tile,
-                                   leading_rows, length_splits, merge_splits, num_fixed_splits,
-                                   one_wave_splits, padded_heads, partials_dtype, row_broadcast,
-                                   run_scores, run_values, sm_count, softmax_step, split_range,
-                                   step_variant, swizzled, SWIZZLE)
+                                   REDUCTION_BYTES_PER_8_HEADS, RESCALE_SLACK, check_decode_args,
+                                   check_rescale_slack, check_split_args, feed_ring, hand_over_p,
+                                   heads_tile, leading_rows, length_splits, merge_splits,
+                                   num_fixed_splits, one_wave_splits, padded_heads,
+                                   partials_dtype, row_broadcast, run_scores, run_values,
+                                   sm_count, softmax_step, split_range, step_variant, swizzled,
+                                   SWIZZLE)
 from pallas_kernels.e4m3_operands import (E4M3_LO_SCALE, FP8_COLS, SWIZZLE_TILE_ROWS,
                                           WIDE_UNITS, WIDE_VALUE_COLS, WIDE_VALUE_GROUP,
                                           WIDE_VALUE_TILES_IN_FLIGHT,
                                           e4m3_queries, split_queries, store_wide_values,
                                           wide_value_order, wide_value_tiles)
 from pallas_kernels.mosaic_lanes import (WIDE_MASK, WIDE_UNIT_FACTOR, placed_bf16x2,
-                                         warpgroup_thread, wide_load, wide_store)
+                                         rows_rescaled, warpgroup_thread, wide_load, wide_store)
 
 
 FP8_PIPELINES = ("serial", "half_pages", "shared_widening", "register_a", "in_slot")
@@ -256,7 +257,18 @@ class MosaicDecodeConfig:
   pipelines; bf16 caches ignore it): the e4m3 ring's slots. None: 4 (`_REGISTER_A_STAGES`; with
   two pages a step 5 at 16 heads timed 0.98x 4, above). A ring that does not fit
   (`_MAX_RING_SLOTS`: 5 at 32 heads with two pages a step) is a ValueError. ptxas (as above), one
-  page a step with 5 slots: N=16 0 / 0, 0 / 0 (369); N=32 1 / 0, 0 / 1 (454)."""
+  page a step with 5 slots: N=16 0 / 0, 0 / 0 (369); N=32 1 / 0, 0 / 1 (454).
+  rescale_slack (None or a float >= 0, log2 units; heads in M, either cache; heads in N ignore
+  it): FlashAttention-4's conditional rescaling. A row's running max moves only to a step
+  maximum above it by more than the slack (`common.softmax_step`; P <= 2^slack), so its rescale
+  factor is exactly 1 on the other steps, and on the GPU each consumer warp whose 16 rows all
+  keep theirs skips the output's rescale (`mosaic_lanes.rows_rescaled`: 128 FMUL a thread at
+  N=128 on each consumer's path from the softmax to P V; in the bf16 SASS warpgroup 0's come
+  before it hands P over, so warpgroup 1's P V starts after both warpgroups' multiplies). 0: the
+  exact running max (bit-identical to None), skipping where no row of a warp moved; 8.0
+  (`common.RESCALE_SLACK`): after the first steps rows seldom move. The outputs are the same
+  softmax (P in bf16 has its relative precision at any scale), not the same bits as None. None
+  (the default): every step rescales. Prepared, not timed (session 29)."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -269,6 +281,7 @@ class MosaicDecodeConfig:
   wide_widening: bool = True
   pages_per_step: int | None = None
   ring_slots: int | None = None
+  rescale_slack: float | None = None
 
   def __post_init__(self):
     if self.block_h != 64:
@@ -303,6 +316,7 @@ class MosaicDecodeConfig:
     if self.e4m3_promote_cols not in E4M3_PROMOTE_COLS:
       raise ValueError(f"e4m3_promote_cols must be one of {E4M3_PROMOTE_COLS}, got "
                        f"{self.e4m3_promote_cols!r}")
+    check_rescale_slack(self.rescale_slack)
 
 
 # e4m3_scores' promotion chunks: multiples of the 64-byte-swizzled slot's 64-column tiles (128:
@@ -343,7 +357,9 @@ def default_fp8_pipeline(heads_in: str, wide_widening: bool) -> str:
 
 CONFIG = MosaicDecodeConfig()
 # The sweep space: the variants `benchmarks/bench_decode.py --mosaic-configs` times beside CONFIG.
-SWEEP = (CONFIG, MosaicDecodeConfig(fp8_pipeline="in_slot"),
+SWEEP = (CONFIG, MosaicDecodeConfig(rescale_slack=RESCALE_SLACK),
+         MosaicDecodeConfig(fp8_pipeline="in_slot"),
+         MosaicDecodeConfig(fp8_pipeline="in_slot", rescale_slack=RESCALE_SLACK),
          MosaicDecodeConfig(fp8_pipeline="serial"),
          MosaicDecodeConfig(fp8_pipeline="shared_widening"),
          MosaicDecodeConfig(wide_widening=False),
@@ -485,7 +501,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
                    row_smem, q_bar, ready, consumed, p_ready, p_free, *staging, scale, lora,
                    num_splits, split_steps, in_place, shared_widening, heads_n, register_a,
                    value_cols, wide_keys, wide_values, e4m3_scores, e4m3_promote_cols,
-                   wide_widening, pages, lane_queries, lane_output, in_slot):
+                   wide_widening, pages, lane_queries, lane_output, in_slot, rescale_slack,
+                   lazy_rescale):
   # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64, or fewer than 64 unpadded: the tile's
   # first Np rows, the others never stored); kv_ref [num_blocks, page, D] bf16 or
   # e4m3; bt_ref [T, max_blocks] int32; len_ref [T] int32; ks_ref [1] f32 (the cache's scale, 1
@@ -711,9 +728,12 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
         release(k)
       return tuple(out)
     out = []
+    # rescale_slack on the GPU: one warp-uniform skip for all the tiles (`rows_rescaled`).
+    rescaled = rows_rescaled(acc, alpha, skip_ones=True) if lazy_rescale else None
     for c, part in enumerate(acc):
       operands = tile_operands(c)
-      scaled = part * lax.broadcast_in_dim(alpha, part.shape, [heads_axis])
+      scaled = (rescaled[c] if rescaled is not None
+                else part * lax.broadcast_in_dim(alpha, part.shape, [heads_axis]))
       if in_place:
         def product(acc_ref, operands=operands):  # acc_ref: acc_shape f32, the running sum
           plgpu.wgmma(acc_ref, *operands)
@@ -869,7 +889,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
       # A select, not a multiply: no tail row's score (NaN bytes there give NaN) reaches P.
       s = [jnp.where(keys < page_rows_, x * s_scale, -jnp.inf) for x, page_rows_ in zip(s, rows)]
       if pages == 1:
-        m_new, alpha, p, l = softmax_step(s[0], m, l, heads_axis)
+        m_new, alpha, p, l = softmax_step(s[0], m, l, heads_axis,
+                                          None if heads_n else rescale_slack)
         p16 = hand_over_p(i, p, alpha, p_smem.transpose((1, 0)) if heads_n else p_smem,
                           row_smem, p_ready, p_free)
       else:  # one cross-warp row max and one hand-off for all the pages (acc is empty here)
@@ -1284,7 +1305,8 @@ def _f16_queries(q):
                                              "split_tokens", "fp8_pipeline", "heads_in",
                                              "wide_keys", "wide_values", "e4m3_scores",
                                              "e4m3_promote_cols", "wide_widening",
-                                             "pages_per_step", "ring_slots", "interpret"))
+                                             "pages_per_step", "ring_slots", "rescale_slack",
+                                             "interpret"))
 def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
                   *, scale: float, kv_lora_rank: int = 512,
                   k_scale: jax.Array | float | None = None, num_kv_splits: int | None = None,
@@ -1296,6 +1318,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                   wide_widening: bool = CONFIG.wide_widening,
                   pages_per_step: int | None = CONFIG.pages_per_step,
                   ring_slots: int | None = CONFIG.ring_slots,
+                  rescale_slack: float | None = CONFIG.rescale_slack,
                   interpret: bool | plgpu.InterpretGPUParams = False
                   ) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
@@ -1325,6 +1348,8 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   register_a; 2 is a ValueError with the other fp8 pipelines, a bf16 cache ignores it).
   ring_slots: register_a's e4m3 slots (`MosaicDecodeConfig`; None: 4; a number is a ValueError
   with the other fp8 pipelines or where it does not fit, a bf16 cache ignores it).
+  rescale_slack: the consumers' lazy rescale (`MosaicDecodeConfig`; None: off; heads in N ignore
+  it).
   interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
   o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
@@ -1332,7 +1357,8 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   MosaicDecodeConfig(fp8_pipeline=fp8_pipeline, heads_in=heads_in, wide_keys=wide_keys,
                      wide_values=wide_values, e4m3_scores=e4m3_scores,
                      e4m3_promote_cols=e4m3_promote_cols, wide_widening=wide_widening,
-                     pages_per_step=pages_per_step, ring_slots=ring_slots)  # checks
+                     pages_per_step=pages_per_step, ring_slots=ring_slots,
+                     rescale_slack=rescale_slack)  # checks
   fp8 = kv_cache.dtype == F8
   if heads_in is None:
     heads_in = default_heads_in(q.shape[1], fp8, fp8_pipeline)
@@ -1427,6 +1453,10 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                              wide_values=wide_values, e4m3_scores=e4m3_scores,
                              e4m3_promote_cols=e4m3_promote_cols, pages=pages,
                              lane_queries=not interpret, in_slot=in_slot,
+                             rescale_slack=None if heads_n else rescale_slack,
+                             # The interpreter multiplies every step (by 1 where skipped).
+                             lazy_rescale=(rescale_slack is not None and not heads_n
+                                           and not interpret),
                              # bf16 (one split): stored in the value columns' order.
                              lane_output=(wide_values and not interpret
                                           and out_dtype == jnp.bfloat16),
@@ -1515,6 +1545,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
       kernel_name=(f"mosaic_latent_decode_{'fp8' if fp8 else 'bf16'}{'_half' if half_pages else ''}"
                    f"{'_shared' if shared_widening else ''}{'_register_a' if register_a else ''}"
                    f"{'_in_slot' if in_slot else ''}"
+                   f"{'_lazy_rescale' if rescale_slack is not None and not heads_n else ''}"
                    f"{'_wide_widening' if wide_widening else ''}"
                    f"{'_wide_keys' if wide_keys else ''}{'_wide_values' if wide_values else ''}"
                    f"{f'_e4m3_scores{e4m3_promote_cols}' if e4m3_scores else ''}"

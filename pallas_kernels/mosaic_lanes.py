@@ -15,7 +15,7 @@ from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, nvvm, vector
+from jaxlib.mlir.dialects import arith, llvm, nvvm, scf, vector
 
 from pallas_kernels.common import F8
 
@@ -184,3 +184,47 @@ def row_steps(row_ref, *, num_slots, step, interpret):
                                           is_signed=True)
 
   return count(row_ref)
+
+
+def rows_rescaled(parts, alpha, *, skip_ones):
+  """parts (tiles [64, w] f32 in the WGMMA layout: a consumer's output columns, a row per head)
+  times alpha [64] (the rows' online-softmax rescale factors), as `part * alpha[:, None]` each.
+
+  skip_ones (lane-level; the kernels' `rescale_slack`): a warp whose rows all have alpha == 1
+  keeps its registers and issues no multiply (x * 1 == x: the same values either way). A warp
+  holds 16 rows, a thread 2 (r and r + 8); vote.sync makes the one branch for all the tiles
+  warp-uniform. For 256 columns that is 128 FMUL a thread on each consumer's path from the
+  softmax to P V (H200 SASS of the bf16 decode: warpgroup 0's before it hands P over, warpgroup
+  1's after), and with a slack the rows' maxima seldom move after the first steps."""
+  if not skip_ones:
+    return tuple(part * lax.broadcast_in_dim(alpha, part.shape, [0]) for part in parts)
+  layout = plgpu.Layout.WGMMA
+
+  @plgpu.inline_mgpu(arg_types=((layout,) * len(parts), layout.reduce(1)),
+                     return_type=tuple(plgpu.ShapeDtypeStruct(part.shape, jnp.float32,
+                                                              layout=layout) for part in parts))
+  def rescale(_, parts, alpha):
+    f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
+    one = arith.constant(f32, 1.0)
+    moved = None
+    for reg in alpha.registers.flat:
+      for e in range(ir.VectorType(reg.type).shape[0]):
+        ne = arith.cmpf(arith.CmpFPredicate.UNE, vector.extract(reg, [], [e]), one)
+        moved = ne if moved is None else arith.ori(moved, ne)
+    moved = nvvm.vote_sync(arith.constant(i32, 0xFFFFFFFF), moved, "any")
+    flat = [reg for part in parts for reg in part.registers.flat]
+    branch = scf.IfOp(moved, [reg.type for reg in flat], has_else=True)
+    with ir.InsertionPoint(branch.then_block):
+      scaled = [part * alpha.broadcast_in_dim(part.shape, (0,), part.layout) for part in parts]
+      scf.yield_([reg for part in scaled for reg in part.registers.flat])
+    with ir.InsertionPoint(branch.else_block):
+      scf.yield_(flat)
+    results, out = list(branch.results), []
+    for part in parts:
+      registers = np.empty(part.registers.shape, dtype=object)
+      registers.flat, results = results[:part.registers.size], results[part.registers.size:]
+      out.append(mgpu_fa.FragmentedArray(_registers=registers, _layout=part.layout,
+                                         _is_signed=None))
+    return tuple(out)
+
+  return rescale(tuple(parts), alpha)

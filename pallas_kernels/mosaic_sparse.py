@@ -65,14 +65,15 @@ from jaxlib.mlir.dialects import arith, llvm, memref, nvvm, scf
 from pallas_kernels import mosaic_sparse_register_a as register_a
 from pallas_kernels.common import (DS_MLA_TILE, F8, HALF_ROWS, HALF_ROWS_LAYOUT, HEADS_M_TILE,
                                    HEADS_N_TILES, HOPPER_SMEM_BYTES, LOG2E,
-                                   REDUCTION_BYTES_PER_8_HEADS, check_sparse_args,
+                                   REDUCTION_BYTES_PER_8_HEADS, RESCALE_SLACK,
+                                   check_rescale_slack, check_sparse_args,
                                    default_num_kv_splits, hand_over_p,
                                    heads_tile, leading_rows, merge_splits, one_wave_splits,
                                    padded_heads, row_broadcast, run_scores, run_values, sm_count,
                                    smem_bytes, softmax_step, step_variant, swizzled, SWIZZLE)
 from pallas_kernels.mosaic_lanes import (WARPGROUP_THREADS, WIDE_MAX_SCALE_BITS, cp_async_wait,
-                                         lane_asm,
-                                         placed_bf16x2, row_steps, warpgroup_thread,
+                                         lane_asm, placed_bf16x2, row_steps, rows_rescaled,
+                                         warpgroup_thread,
                                          wide_load, wide_store)
 
 _TILE_H = HEADS_M_TILE  # heads per program: the M of every Hopper wgmma
@@ -379,7 +380,8 @@ def _wide_widen_in_place(nope, scales, dst):
 
 
 def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_slots, gather,
-            heads_n, prep_in_kernel, wide_widening, hand_over_first, interpret):
+            heads_n, prep_in_kernel, wide_widening, hand_over_first, rescale_slack,
+            lazy_rescale, interpret):
   # GMEM: q_ref [T, Np, D] bf16 (Np: heads padded to 64, or fewer unpadded, `padded_heads`: the
   # tile's first Np rows, the others never stored); idx_ref [T, Kp] int32 (slot, or num_slots
   # where invalid); steps_ref [T] int32 (steps of 64 slots up to the last valid one).
@@ -489,7 +491,8 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
   def accumulate_values(acc, alpha, slot, w, p=None):
     """acc * alpha + P V over warpgroup w's value tiles; P from registers when given, else p_smem.
     On the GPU the products accumulate in place; the interpreter adds fresh accumulators."""
-    scaled = tuple(part * head_broadcast(alpha, part.shape) for part in acc)
+    scaled = (tuple(part * head_broadcast(alpha, part.shape) for part in acc) if heads_n
+              else rows_rescaled(acc, alpha, skip_ones=lazy_rescale))
     if not interpret:
       def product(acc_ref, c):  # acc_ref [64, 64] f32 (heads in N: [64, tile_h]), the running sum
         # The tile is sliced here: a sliced ref closed over would carry its indices as constants.
@@ -558,7 +561,7 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
         valid = valid & (idx >= 0)
       valid = lax.broadcast_in_dim(valid, s.shape, [1 - heads_axis])
       m_new, alpha, p, l = softmax_step(jnp.where(valid, s * qk_scale, -jnp.inf), m, l,
-                                        heads_axis)
+                                        heads_axis, rescale_slack)
       p16 = hand_over_p(i, p, alpha, p_smem.transpose((1, 0)) if heads_n else p_smem, row_smem,
                         p_ready, p_free)
       acc = accumulate_values(acc, alpha, slot, 0, None if interpret or heads_n else p16)
@@ -959,7 +962,7 @@ def heads_n_splits(num_splits):
 
 def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_splits, auto_barriers,
                  gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in, prep_in_kernel,
-                 interpret, wide_widening=False, hand_over_first=False):
+                 interpret, wide_widening=False, hand_over_first=False, rescale_slack=None):
   """Pads heads to tiles of heads_tile(N) and slots to 64-slot steps, runs the kernel, merges
   splits. prep_in_kernel: the kernel takes the padded slots as they are (`MosaicSparseConfig`)."""
   t, n, d = q.shape
@@ -1061,7 +1064,12 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                              heads_n=heads_n, prep_in_kernel=prep_in_kernel,
                              # The interpreter runs no lane-level code: the Pallas-level widening.
                              wide_widening=wide_widening and not interpret,
-                             hand_over_first=hand_over_first, interpret=bool(interpret))
+                             hand_over_first=hand_over_first,
+                             rescale_slack=None if heads_n else rescale_slack,
+                             # The interpreter multiplies every step (by 1 where skipped).
+                             lazy_rescale=(rescale_slack is not None and not heads_n
+                                           and not interpret),
+                             interpret=bool(interpret))
   o_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((t, splits, np_, lora), out_dtype),
@@ -1090,6 +1098,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                    f"{'_prep' if prep_in_kernel else ''}"
                    f"{'_wide' if wide_widening else ''}"
                    f"{'_hand_over_first' if hand_over_first and not fp8 else ''}"
+                   f"{'_lazy_rescale' if rescale_slack is not None and not heads_n else ''}"
                    f"_{gather}_s{splits}"),
   )(q, *index_args, *cache_args)
   if splits == 1:
@@ -1232,7 +1241,12 @@ class MosaicSparseConfig:
   1's rows are in (then the wait for step i's slot and its gather): no such bubble, but a late
   step i - 1 now delays step i's issue (prepared in session 28 on the CPU, not timed; the
   profiles had warpgroup 0 waiting for ready ~18% of its time at bf16 N=128, T=128, RESULTS v20).
-  The interpreter's bulk gather has no hand-over: it ignores the knob."""
+  The interpreter's bulk gather has no hand-over: it ignores the knob.
+  rescale_slack (None or a float >= 0, log2 units; heads in M, both caches; heads in N and
+  "register_a" ignore it): the consumers' lazy rescale, `mosaic_decode.MosaicDecodeConfig`'s: a
+  row's running max moves only past the slack, and a consumer warp whose rows all kept theirs
+  skips its output's rescale (`mosaic_lanes.rows_rescaled`: 128 FMUL a thread, both consumers,
+  between the softmax and P V). 0 is bit-identical to None. Prepared, not timed (session 29)."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
   fp8_pipeline: str | None = None
@@ -1241,6 +1255,7 @@ class MosaicSparseConfig:
   prep_in_kernel: bool | None = None
   wide_widening: bool = True
   hand_over_first: bool = False
+  rescale_slack: float | None = None
 
   def __post_init__(self):
     if self.gather not in GATHERS:
@@ -1263,6 +1278,7 @@ class MosaicSparseConfig:
       raise ValueError(f"wide_widening must be True or False, got {self.wide_widening!r}")
     if not isinstance(self.hand_over_first, bool):
       raise ValueError(f"hand_over_first must be True or False, got {self.hand_over_first!r}")
+    check_rescale_slack(self.rescale_slack)
 
 
 CONFIG = MosaicSparseConfig()
@@ -1280,10 +1296,12 @@ SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rul
          MosaicSparseConfig(prep_in_kernel=False),
          MosaicSparseConfig(fp8_pipeline="half_rows", wide_widening=False),
          MosaicSparseConfig(fp8_pipeline="in_place", wide_widening=False),
-         MosaicSparseConfig(fp8_pipeline="register_a"), MosaicSparseConfig(hand_over_first=True))
+         MosaicSparseConfig(fp8_pipeline="register_a"), MosaicSparseConfig(hand_over_first=True),
+         MosaicSparseConfig(rescale_slack=RESCALE_SLACK))
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank", "hand_over_first"))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank", "hand_over_first",
+                                                       "rescale_slack"))
 def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, scale: float,
                      kv_lora_rank: int = 512, num_splits: int | None = None,
                      auto_barriers: bool = False, gather: str = CONFIG.gather,
@@ -1291,6 +1309,7 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
                      heads_in: str | None = CONFIG.heads_in,
                      prep_in_kernel: bool | None = CONFIG.prep_in_kernel,
                      hand_over_first: bool = CONFIG.hand_over_first,
+                     rescale_slack: float | None = CONFIG.rescale_slack,
                      interpret: bool | plgpu.InterpretGPUParams = False
                      ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over a bf16 latent cache (semantics of `mla_jax.reference.sparse_attention`).
@@ -1305,14 +1324,14 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   either way). heads_in: `MosaicSparseConfig`'s ("n": N <= 32 heads in wgmma's N, one split;
   None: `default_heads_in`, "n" at N <= 32 where the split rule gives one split, else "m").
   prep_in_kernel: `MosaicSparseConfig`'s (the kernel reads the raw slots and counts each row's
-  steps; None: True). hand_over_first: `MosaicSparseConfig`'s.
+  steps; None: True). hand_over_first and rescale_slack: `MosaicSparseConfig`'s.
   interpret: True or a `plgpu.InterpretGPUParams`
   runs Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and lse [T, N] float32 (natural
   log); a row with no valid slot gives (0, -inf).
   """
   _check(q, slots, kv_lora_rank, num_splits)
   MosaicSparseConfig(gather, split_rule, heads_in=heads_in, prep_in_kernel=prep_in_kernel,
-                     hand_over_first=hand_over_first)  # checks them
+                     hand_over_first=hand_over_first, rescale_slack=rescale_slack)  # checks them
   if prep_in_kernel is None:
     prep_in_kernel = True
   if heads_in is None:
@@ -1330,11 +1349,11 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
                       gather=gather, split_rule=split_rule, fp8_pipeline=CONFIG.fp8_pipeline,
                       fp8_stage_halves=CONFIG.fp8_stage_halves, heads_in=heads_in,
                       prep_in_kernel=prep_in_kernel, hand_over_first=hand_over_first,
-                      interpret=interpret)
+                      rescale_slack=rescale_slack, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("fp8_pipeline", "fp8_stage_halves",
-                                                       "wide_widening"))
+                                                       "wide_widening", "rescale_slack"))
 def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.Array,
                                 rope: jax.Array, slots: jax.Array, *, scale: float,
                                 num_splits: int | None = None, auto_barriers: bool = False,
@@ -1345,6 +1364,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                                 heads_in: str | None = CONFIG.heads_in,
                                 prep_in_kernel: bool | None = CONFIG.prep_in_kernel,
                                 wide_widening: bool = CONFIG.wide_widening,
+                                rescale_slack: float | None = CONFIG.rescale_slack,
                                 interpret: bool | plgpu.InterpretGPUParams = False
                                 ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over an fp8_ds_mla cache, widened to bf16 once per gathered row.
@@ -1355,7 +1375,8 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   "in_place", or None: `default_fp8_pipeline`'s pick for these shapes, num_splits, split_rule and
   gather) and fp8_stage_halves: `MosaicSparseConfig`'s; heads_in too ("n" with fp8_pipeline "serial"
   or "in_place" named; None: `default_heads_in`, "m") and prep_in_kernel too (None: True with the
-  cp_async gather up to FP8_PREP_MAX_ROWS rows, else False) and wide_widening too. Returns o
+  cp_async gather up to FP8_PREP_MAX_ROWS rows, else False) and wide_widening and rescale_slack
+  too ("register_a", heads in N, ignores it). Returns o
   [T, N, L] bf16 and lse [T, N] float32.
   """
   nb, page, lora = nope.shape
@@ -1367,7 +1388,8 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
       fp8_pipeline = "register_a"
   if fp8_pipeline == "register_a":
     MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in,
-                       prep_in_kernel, wide_widening)  # checks them
+                       prep_in_kernel, wide_widening,
+                       rescale_slack=rescale_slack)  # checks them
     if heads_in == "m" or gather != "cp_async" or prep_in_kernel is False:
       raise ValueError(f"fp8_pipeline \"register_a\" runs heads in N, the cp_async gather and "
                        f"the slot prep in the kernel; got heads_in={heads_in!r}, "
@@ -1384,7 +1406,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                      f"{nope.dtype.name}{nope.shape}, {tile_scales.dtype.name}{tile_scales.shape}, "
                      f"{rope.dtype.name}{rope.shape}, q {q.shape}")
   MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in,
-                     prep_in_kernel, wide_widening)  # checks them
+                     prep_in_kernel, wide_widening, rescale_slack=rescale_slack)  # checks them
   if prep_in_kernel is None:
     prep_in_kernel = gather == "cp_async" and q.shape[0] <= FP8_PREP_MAX_ROWS
   if prep_in_kernel and gather != "cp_async":
@@ -1411,4 +1433,4 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                       auto_barriers=auto_barriers, gather=gather, split_rule=split_rule,
                       fp8_pipeline=fp8_pipeline, fp8_stage_halves=fp8_stage_halves,
                       heads_in=heads_in, prep_in_kernel=prep_in_kernel, interpret=interpret,
-                      wide_widening=wide_widening)
+                      wide_widening=wide_widening, rescale_slack=rescale_slack)

@@ -1,6 +1,7 @@
 """Every decode backend against the float64 oracle; the Pallas ones run in interpret mode on
 CPUs."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -14,8 +15,8 @@ from decode_contract import (FP8_SCALE, L, SCALE, DecodeContract, assert_decode_
 from mla_jax import backends
 from oracles import latent_decode_np
 from pallas_kernels import e4m3_operands, mosaic_decode, mosaic_lanes
-from pallas_kernels.common import (HEADS_N_TILES, default_num_kv_splits, register_pool,
-                                   softmax_step)
+from pallas_kernels.common import (HEADS_N_TILES, RESCALE_SLACK, default_num_kv_splits,
+                                   register_pool, softmax_step)
 from pallas_kernels.latent_decode import latent_decode
 
 
@@ -184,6 +185,12 @@ class TestPallasMosaicDecode(DecodeContract):
       # in_slot (lane-level in-place widening): the timed shape, and 4 splits at 16 heads.
       (128, 128, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "in_slot"}),
       (128, 16, 8192, 4, jnp.float8_e4m3fn, {"fp8_pipeline": "in_slot"}),
+      # rescale_slack (the consumers' lane-level skip of the rescale): bf16 at the timed shape
+      # and several splits, the fp8 pipelines in M at 128 heads.
+      *[(128, 128, 8192, splits, dtype, {"rescale_slack": RESCALE_SLACK, **knobs})
+        for splits, dtype, knobs in ((None, jnp.bfloat16, {}), (4, jnp.bfloat16, {}),
+                                     (None, jnp.float8_e4m3fn, {"fp8_pipeline": "half_pages"}),
+                                     (None, jnp.float8_e4m3fn, {"fp8_pipeline": "in_slot"}))],
       # wide_widening's lane code: the default pipeline at the timed shape (one split) and 4 splits,
       # half_pages at 128 heads. "serial" with wide_widening at 128 heads traces the program of
       # plain "serial" above, and shared_widening in N at 16 heads (wide_widening, one split) that
@@ -1218,3 +1225,109 @@ def test_softmax_partial_sums_are_the_running_sums():
     np.testing.assert_array_equal(p2, p)
   np.testing.assert_allclose(partial.sum(axis=0), l, rtol=2e-6)
   assert bool((l > 1).all())
+
+
+def test_softmax_slack_moves_the_max_only_past_it():
+  # rescale_slack's online softmax (`softmax_step(slack=)`): a row's m moves only to a step max
+  # above m + slack, so alpha is exactly 1 on the other steps (what the GPU's lazy rescale skips)
+  # and P stays <= 2^slack; run over the steps as the kernels do, o / l and m + log2 l are the
+  # exact softmax's. slack=0 is the plain running max, bit for bit. Rows rising by 3 a step move
+  # every third step, rows rising by 20 every step, falling rows never; masked keys, a fully
+  # masked step and a row that sees nothing.
+  rng = np.random.default_rng(5)
+  rise = np.repeat([0.0, 3.0, 20.0, -6.0], 16)[:, None].astype(np.float32)
+  steps = [rng.normal(0, 2, (64, 64)).astype(np.float32) + rise * i for i in range(7)]
+  values = [rng.normal(0, 1, (64, 8)).astype(np.float32) for _ in steps]
+  steps[1][:, 50:] = -np.inf
+  steps[4][:] = -np.inf
+  for s in steps:
+    s[63] = -np.inf
+
+  def run(slack):
+    m, l = jnp.full((64,), -1e30, jnp.float32), jnp.zeros((64,), jnp.float32)
+    o, kept = jnp.zeros((64, 8), jnp.float32), []
+    for s, v in zip(steps, values):
+      m_new, alpha, p, l = softmax_step(jnp.asarray(s), m, l, slack=slack)
+      assert float(p.max()) <= 2.0 ** (slack or 0)
+      kept.append(np.asarray(m_new == m))
+      np.testing.assert_array_equal(np.asarray(alpha)[kept[-1]], 1.0)
+      o, m = o * alpha[:, None] + p @ v, m_new
+    return np.asarray(o), np.asarray(l), np.asarray(m), np.stack(kept)
+
+  s_all, v_all = np.concatenate(steps, 1).astype(np.float64), np.concatenate(values)
+  seen = np.isfinite(s_all).any(1)
+  w = np.exp2(s_all[seen] - s_all[seen].max(1, keepdims=True))
+  for slack in (0.0, RESCALE_SLACK):
+    o, l, m, kept = run(slack)
+    np.testing.assert_allclose(o[seen] / l[seen, None], (w @ v_all) / w.sum(1, keepdims=True),
+                               rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(m[seen] + np.log2(l[seen]),
+                               np.log2(np.exp2(s_all[seen]).sum(1)), rtol=1e-6)
+    assert l[63] == 0
+  exact, lazy = run(0.0), run(None)
+  for a, b in zip(exact[:3], lazy[:3]):
+    np.testing.assert_array_equal(a, b)
+  kept = run(RESCALE_SLACK)[3]
+  assert kept[1:, 48:63].all() and kept[1:, :16].all() and not kept[1:, 32:48].all()
+  assert not kept[1:, 16:32].all() and kept[1:, 16:32].any()
+
+
+class TestPallasMosaicDecodeRescaleSlack:
+  """rescale_slack at the kernel level (interpreter): the softmax's slack in both consumers'
+  steps, over rows whose scores rise page by page along a direction of the keys (each head's
+  slope its own: maxima that move far past the slack, where a max left behind overflows P, some
+  within it, some never), bf16 and fp8 (half_pages and in_slot) heads in M, against the float64
+  oracle; slack 0 bit for bit the default. The GPU's lane-level skip: lowering
+  (test_lowers_for_hopper) and test_decode_gpu.py."""
+
+  def ramp_case(self, seed, rise=30.0):
+    """make_case's bf16 inputs at 128 heads (one 300-token row: 5 pages), the keys of token pos
+    plus pos / 64 * rise / (scale log2 e) along a unit direction u: head h's scores rise by
+    rise * (q_h . u) log2 units a page (|q_h . u| ~ 1). Float32 values, NaN where unused."""
+    q, cache, tables, lens = make_case(seed, n=128, page=64, req_lens=[300, 130, 0])
+    rng = np.random.default_rng(seed)
+    u = rng.standard_normal(L + 64).astype(np.float32)
+    u /= np.linalg.norm(u)
+    values = cache.astype(np.float32)
+    for row, length in enumerate(lens):
+      for pos in range(length):
+        values[tables[row, pos // 64], pos % 64] += pos / 64 * rise / (SCALE * np.log2(np.e)) * u
+    return q, values, tables, lens
+
+  @pytest.mark.parametrize("cache_dtype,pipeline", [(jnp.bfloat16, None),
+                                                    (jnp.float8_e4m3fn, "half_pages"),
+                                                    (jnp.float8_e4m3fn, "in_slot")])
+  def test_matches_oracle(self, cache_dtype, pipeline):
+    fp8 = cache_dtype == jnp.float8_e4m3fn
+    q, values, tables, lens = self.ramp_case(81)
+    k_scale = 0.5 if fp8 else None  # the ramp's largest values (~170) within e4m3's 448
+    cache = (values / (k_scale or 1)).astype(ml_dtypes.float8_e4m3fn if fp8 else jnp.bfloat16)
+    o, lse = mosaic_decode.latent_decode(q, cache, tables, lens, scale=SCALE, k_scale=k_scale,
+                                         heads_in="m", num_kv_splits=1, fp8_pipeline=pipeline,
+                                         rescale_slack=RESCALE_SLACK, interpret=True)
+    dequantized = cache.astype(np.float32) * (k_scale or 1)
+    ref_o, ref_lse = latent_decode_np(q, dequantized, tables, lens, SCALE, L)
+    assert_decode_close(o, lse, ref_o, ref_lse)
+
+  def test_slack_zero_is_the_default_bit_for_bit(self):
+    q, values, tables, lens = self.ramp_case(82)
+    cache = values.astype(jnp.bfloat16)
+    run = lambda slack: mosaic_decode.latent_decode(q, cache, tables, lens, scale=SCALE,
+                                                    heads_in="m", rescale_slack=slack,
+                                                    interpret=True)
+    for a, b in zip(run(0.0), run(None)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  def test_backend_passes_it_on(self, monkeypatch):
+    seen = []
+    monkeypatch.setattr(backends, "MOSAIC_DECODE_CONFIG",
+                        mosaic_decode.MosaicDecodeConfig(rescale_slack=RESCALE_SLACK))
+    monkeypatch.setattr(mosaic_decode, "latent_decode",
+                        lambda *a, **kw: seen.append(kw["rescale_slack"]) or (None, None))
+    backends._mosaic_decode(None, None, None, None, scale=SCALE)
+    assert seen == [RESCALE_SLACK]
+
+  @pytest.mark.parametrize("slack", [-1.0, float("inf"), float("nan"), "8", True])
+  def test_bad_slack(self, slack):
+    with pytest.raises(ValueError, match="rescale_slack must be None or a finite float >= 0"):
+      mosaic_decode.MosaicDecodeConfig(rescale_slack=slack)

@@ -18,7 +18,7 @@ from mla_jax import reference
 from mla_jax.backends import get_backend
 from mla_jax.cache import LatentCache
 from pallas_kernels import latent_decode, mosaic_decode
-from pallas_kernels.common import BATCH_INVARIANT_SPLIT_TOKENS
+from pallas_kernels.common import BATCH_INVARIANT_SPLIT_TOKENS, RESCALE_SLACK
 
 pytestmark = pytest.mark.gpu
 
@@ -345,3 +345,34 @@ def test_e4m3_promote_cols_match_reference(seed, batch, max_len, n, splits, cols
 def test_e4m3_split_is_exact_on_gpu():
   # XLA's GPU compiler folded hi's f32 -> e4m3 -> f32 round trip (lo was 0) until a barrier kept it.
   assert_e4m3_split_is_exact()
+
+
+@pytest.mark.parametrize("seed,batch,max_len,cache_dtype,knobs", [
+    (30, 128, 8192, jnp.bfloat16, {}),  # the timed shape (one split)
+    (31, 32, 8192, jnp.bfloat16, {"num_kv_splits": 4}),
+    (32, 128, 8192, jnp.float8_e4m3fn, {"fp8_pipeline": "half_pages"}),
+    (33, 128, 8192, jnp.float8_e4m3fn, {"fp8_pipeline": "in_slot"}),
+])
+def test_rescale_slack_zero_is_bit_identical_to_default(seed, batch, max_len, cache_dtype, knobs):
+  # rescale_slack=0 keeps the exact running max, so the lane-level skip
+  # (`mosaic_lanes.rows_rescaled`) leaves a warp's registers as they are only where all its alpha
+  # are 1 (x * 1 == x) and multiplies them otherwise: the same bits as the default, which
+  # multiplies every step. Early steps move many rows' maxima and later ones few, so both of the
+  # branch's sides run, in different warps of one step.
+  q, cache, tables, lens = serving_case(seed, batch=batch, max_len=max_len, n=128,
+                                        cache_dtype=cache_dtype)
+  k_scale = jnp.float32(FP8_SCALE) if cache_dtype == jnp.float8_e4m3fn else None
+  poison_allocator()
+  run = lambda slack: jax.device_get(mosaic_decode.latent_decode(
+      q, cache, tables, lens, scale=SCALE, k_scale=k_scale, rescale_slack=slack, **knobs))
+  for a, b in zip(run(0.0), run(None)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_rescale_slack_matches_reference(cache_dtype):
+  # Every third row's q times 6: scores spread ~6x wider, so maxima also move past the slack
+  # after the first step (both sides of the skip with running sums in the registers).
+  q_scale = jnp.where(jnp.arange(128) % 3 == 0, 6.0, 1.0)
+  check_serving_case(34, 128, 8192, 128, cache_dtype, functools.partial(
+      mosaic_decode.latent_decode, rescale_slack=RESCALE_SLACK), q_scale=q_scale)

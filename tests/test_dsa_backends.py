@@ -18,7 +18,7 @@ from pallas_kernels import mosaic_indexer, mosaic_lanes
 from pallas_kernels import mosaic_sparse
 from pallas_kernels import sparse_attention as pallas_sparse
 from pallas_kernels import topk as pallas_topk
-from pallas_kernels.common import register_pool
+from pallas_kernels.common import RESCALE_SLACK, register_pool
 from sparse_contract import (L, R, IndexerContract, SparseAttentionContract, cosine_diff,
                              lowest_index_topk, random_slots, sparse_np)
 
@@ -972,10 +972,81 @@ def test_hand_over_first_lowers_for_hopper(prep_in_kernel, monkeypatch):
                           prep_in_kernel=prep_in_kernel, hand_over_first=True)
 
 
+@pytest.mark.parametrize("fp8,fp8_pipeline,prep_in_kernel", [
+    (False, None, True), (False, None, False), (True, "in_place", True),
+    (True, "half_rows", False)])
+def test_rescale_slack_lowers_for_hopper(fp8, fp8_pipeline, prep_in_kernel, monkeypatch):
+  # The consumers' lane-level skip of the rescale (`mosaic_lanes.rows_rescaled`, GPU only) at 128
+  # heads: bf16 with and without the slot prep in the kernel, fp8_ds_mla's two heads-in-M
+  # pipelines (GPU: test_dsa_gpu.py).
+  check_lowers_for_hopper(monkeypatch, 128, fp8, "cp_async", fp8_pipeline, 2,
+                          prep_in_kernel=prep_in_kernel, rescale_slack=RESCALE_SLACK)
+
+
+def ramp_case(seed, kind, n=64, t=3, k=200, nb=20, rise=400.0):
+  """Slots whose rows' scores rise along each token's (sorted) slot list: every row plus
+  s / S * rise / (0.05 log2 e) along a unit direction u, so head h's scores rise by ~rise (q_h . u)
+  log2 units over a list (~120 a 64-slot step at |q_h . u| = 1, past float32's range within the
+  list; some heads fall). Row 1 selects
+  nothing, unused rows hold NaN. Returns (q, cache, slots, rows [S, L+R] as the cache holds
+  them)."""
+  rng = np.random.default_rng(seed)
+  bs = 16
+  num_slots = nb * bs
+  slots = np.sort(random_slots(rng, t, k, num_slots), axis=1)
+  slots[1] = -1
+  unused = np.ones(num_slots, bool)
+  unused[slots[(slots >= 0) & (slots < num_slots)]] = False
+  u = rng.standard_normal(L + R).astype(np.float32)
+  u /= np.linalg.norm(u)
+  ramp = np.arange(num_slots, dtype=np.float32)[:, None] / num_slots * rise / (
+      0.05 * np.log2(np.e)) * u
+  rows = rng.standard_normal((num_slots, L + R)).astype(np.float32) + ramp
+  if kind == "bf16":
+    rows = np.asarray(jnp.asarray(rows, jnp.bfloat16).astype(jnp.float32))
+    cache = LatentCache(jnp.asarray(np.where(unused[:, None], np.nan, rows).reshape(nb, bs, -1),
+                                    jnp.bfloat16), jnp.float32(1.0))
+  else:
+    c = DSMLACache.allocate(nb, bs, L, R).write(jnp.asarray(rows[:, :L]), jnp.asarray(rows[:, L:]),
+                                                jnp.arange(num_slots, dtype=jnp.int32))
+    rows = np.asarray(c.dequantize_rows(jnp.arange(num_slots, dtype=jnp.int32)), np.float32)
+    poison = jnp.asarray(unused.reshape(nb, bs))[..., None]
+    cache = DSMLACache(
+        jnp.where(poison, jnp.nan, c.nope.astype(jnp.float32)).astype(c.nope.dtype),
+        jnp.where(poison, jnp.nan, c.tile_scales),
+        jnp.where(poison, jnp.nan, c.rope.astype(jnp.float32)).astype(jnp.bfloat16))
+  q = jnp.asarray(rng.standard_normal((t, n, L + R)), jnp.bfloat16)
+  return q, cache, slots, rows
+
+
+@pytest.mark.parametrize("kind,fp8_pipeline", [("bf16", None), ("fp8_ds_mla", "in_place"),
+                                               ("fp8_ds_mla", "half_rows")])
+def test_mosaic_sparse_rescale_slack_matches_oracle(kind, fp8_pipeline):
+  # rescale_slack's softmax in both consumers' steps (interpreter; the GPU's lane-level skip:
+  # lowering above, test_dsa_gpu.py), heads in M, over scores that rise far past the slack
+  # along the slot lists (a max left behind overflows P) and fall for other heads; one split, so
+  # a program runs every step of its list; slack 0 bit for bit the default.
+  q, cache, slots, rows = ramp_case(41, kind)
+  num_slots = rows.shape[0]
+  if kind == "bf16":
+    run = lambda slack: mosaic_sparse.sparse_attention(
+        q, cache.data, jnp.asarray(slots), scale=0.05, kv_lora_rank=L, num_splits=1,
+        rescale_slack=slack, interpret=True)
+  else:
+    run = lambda slack: mosaic_sparse.sparse_attention_fp8_ds_mla(
+        q, cache.nope, cache.tile_scales, cache.rope, jnp.asarray(slots), scale=0.05,
+        num_splits=1, fp8_pipeline=fp8_pipeline, heads_in="m", rescale_slack=slack,
+        interpret=True)
+  assert_matches_oracle(*run(RESCALE_SLACK), q, rows, slots, num_slots, L)
+  if kind == "bf16":
+    for a, b in zip(run(0.0), run(None)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves, heads_in="m",
                             prep_in_kernel=False, k=2048,
                             wide_widening=mosaic_sparse.CONFIG.wide_widening,
-                            hand_over_first=False):
+                            hand_over_first=False, rescale_slack=None):
   """The Mosaic sparse kernel at T=128, k (2048) slots over 1M tokens, lowered for CUDA (it runs on
   this CPU), which checks what the interpreter does not: wgmma operand layouts and swizzles,
   bulk-copy boxes, the untiled aliases, the cp.async code, the register layouts of the widening
@@ -996,12 +1067,12 @@ def check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves, h
         jax.ShapeDtypeStruct((tokens // 64, 64, 4), jnp.float32),
         jax.ShapeDtypeStruct((tokens // 64, 64, 64), jnp.bfloat16), slots, scale=0.1,
         gather=gather, fp8_pipeline=fp8_pipeline, fp8_stage_halves=halves, heads_in=heads_in,
-        prep_in_kernel=prep_in_kernel, wide_widening=wide_widening)
+        prep_in_kernel=prep_in_kernel, wide_widening=wide_widening, rescale_slack=rescale_slack)
   else:
     traced = mosaic_sparse.sparse_attention.trace(
         q, jax.ShapeDtypeStruct((tokens // 64, 64, 576), jnp.bfloat16), slots, scale=0.1,
         gather=gather, heads_in=heads_in, prep_in_kernel=prep_in_kernel,
-        hand_over_first=hand_over_first)
+        hand_over_first=hand_over_first, rescale_slack=rescale_slack)
   assert_lowers_with_counted_smem(traced, counted[-1], monkeypatch)
 
 

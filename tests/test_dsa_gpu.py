@@ -20,6 +20,7 @@ from mla_jax.cache import DSMLACache, IndexerKCache, LatentCache, positions_to_s
 from mla_jax.quant import dequantize, quantize_fp8, quantize_indexer_q
 from pallas_kernels import mosaic_indexer, mosaic_sparse
 from pallas_kernels import topk as pallas_topk
+from pallas_kernels.common import RESCALE_SLACK
 from sparse_contract import cosine_diff, lowest_index_topk
 
 pytestmark = pytest.mark.gpu
@@ -125,6 +126,44 @@ def test_mosaic_sparse_hand_over_first_equals_default_bit_for_bit(t):
   got = [np.asarray(a, np.float32) for a in run(hand_over_first=True)]
   for g, w in zip(got, want):
     np.testing.assert_array_equal(g, w)
+
+
+# rescale_slack=0 keeps the exact running max, so the consumers' lane-level skip of the rescale
+# (`mosaic_lanes.rows_rescaled`) leaves a warp's registers only where its alpha are all 1 (x * 1
+# == x) and multiplies them elsewhere: the default's bits. bf16 at T=128 and 4096, fp8_ds_mla's
+# heads-in-M pipelines at T=128, 128 heads; one split too, so a program runs 32 steps (maxima
+# move often early, seldom late: both sides of the branch).
+@pytest.mark.parametrize("kind,t,knobs", [
+    ("bf16", 128, {}), ("bf16", 128, {"num_splits": 1}), ("bf16", 4096, {}),
+    ("fp8_ds_mla", 128, {"fp8_pipeline": "in_place"}),
+    ("fp8_ds_mla", 128, {"fp8_pipeline": "half_rows", "num_splits": 1})])
+def test_mosaic_sparse_rescale_slack_zero_equals_default_bit_for_bit(kind, t, knobs):
+  q, cache, slots = sparse_case(t + 7, 128, kind, t=t, tokens=CACHE_TOKENS if t <= 128
+                                else 32768)
+  if kind == "bf16":
+    run = functools.partial(mosaic_sparse.sparse_attention, q, cache.data, slots, scale=SCALE,
+                            kv_lora_rank=L, **knobs)
+  else:
+    run = functools.partial(mosaic_sparse.sparse_attention_fp8_ds_mla, q, cache.nope,
+                            cache.tile_scales, cache.rope, slots, scale=SCALE, **knobs)
+  poison_allocator()
+  want = [np.asarray(a, np.float32) for a in run(rescale_slack=None)]
+  poison_allocator()
+  got = [np.asarray(a, np.float32) for a in run(rescale_slack=0.0)]
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8_ds_mla"])
+def test_mosaic_sparse_rescale_slack_matches_reference(kind):
+  def run(q, cache, slots, *, scale, kv_lora_rank):
+    if kind == "bf16":
+      return mosaic_sparse.sparse_attention(q, cache.data, slots, scale=scale,
+                                            kv_lora_rank=kv_lora_rank, rescale_slack=RESCALE_SLACK)
+    return mosaic_sparse.sparse_attention_fp8_ds_mla(q, cache.nope, cache.tile_scales, cache.rope,
+                                                     slots, scale=scale, fp8_pipeline="in_place",
+                                                     rescale_slack=RESCALE_SLACK)
+  check_sparse_attention(128, kind, run)
 
 
 # wide_widening (the default: lane-level widening by bit placement, `mosaic_sparse._wide_widen`,
