@@ -767,22 +767,30 @@ def poisoned_case(seed, n, kind, lora=L, t=4, k=80, nb=6, edit=None):
   kv = (rng.standard_normal((num_slots, lora)) * rng.uniform(0.1, 2, (num_slots, 1))
         * np.repeat(rng.uniform(0.1, 2, (1, lora // 128)), 128, 1)).astype(np.float32)
   pe = rng.standard_normal((num_slots, R)).astype(np.float32)
-  if kind == "bf16":
-    rows = np.concatenate([kv, pe], 1)
-    rows = np.asarray(jnp.asarray(rows, jnp.bfloat16).astype(jnp.float32))
-    cache = LatentCache(jnp.asarray(np.where(unused[:, None], np.nan, rows).reshape(nb, bs, -1),
-                                    jnp.bfloat16), jnp.float32(1.0))
-  else:
-    c = DSMLACache.allocate(nb, bs, lora, R).write(jnp.asarray(kv), jnp.asarray(pe),
-                                                   jnp.arange(num_slots, dtype=jnp.int32))
-    rows = np.asarray(c.dequantize_rows(jnp.arange(num_slots, dtype=jnp.int32)), np.float32)
-    poison = jnp.asarray(unused.reshape(nb, bs))[..., None]
-    cache = DSMLACache(
-        jnp.where(poison, jnp.nan, c.nope.astype(jnp.float32)).astype(c.nope.dtype),
-        jnp.where(poison, jnp.nan, c.tile_scales),
-        jnp.where(poison, jnp.nan, c.rope.astype(jnp.float32)).astype(jnp.bfloat16))
+  cache, rows = poisoned_cache(kind, kv, pe, unused, nb, bs)
   q = jnp.asarray(rng.standard_normal((t, n, lora + R)), jnp.bfloat16)
   return q, cache, slots, rows
+
+
+def poisoned_cache(kind, kv, pe, unused, nb, bs):
+  """A bf16 LatentCache or a DSMLACache [nb, bs] of the rows [kv | pe] (float32 [S, lora] and
+  [S, R]), NaN in the rows `unused` marks; returns it and the rows [S, lora + R] as it holds them
+  (bf16-rounded, or dequantized)."""
+  num_slots = kv.shape[0]
+  if kind == "bf16":
+    rows = np.asarray(jnp.asarray(np.concatenate([kv, pe], 1), jnp.bfloat16).astype(jnp.float32))
+    cache = LatentCache(jnp.asarray(np.where(unused[:, None], np.nan, rows).reshape(nb, bs, -1),
+                                    jnp.bfloat16), jnp.float32(1.0))
+    return cache, rows
+  c = DSMLACache.allocate(nb, bs, kv.shape[1], pe.shape[1]).write(
+      jnp.asarray(kv), jnp.asarray(pe), jnp.arange(num_slots, dtype=jnp.int32))
+  rows = np.asarray(c.dequantize_rows(jnp.arange(num_slots, dtype=jnp.int32)), np.float32)
+  poison = jnp.asarray(unused.reshape(nb, bs))[..., None]
+  cache = DSMLACache(
+      jnp.where(poison, jnp.nan, c.nope.astype(jnp.float32)).astype(c.nope.dtype),
+      jnp.where(poison, jnp.nan, c.tile_scales),
+      jnp.where(poison, jnp.nan, c.rope.astype(jnp.float32)).astype(jnp.bfloat16))
+  return cache, rows
 
 
 def assert_matches_oracle(o, lse, q, rows, slots, num_slots, lora):
@@ -1002,19 +1010,7 @@ def ramp_case(seed, kind, n=64, t=3, k=200, nb=20, rise=400.0):
   ramp = np.arange(num_slots, dtype=np.float32)[:, None] / num_slots * rise / (
       0.05 * np.log2(np.e)) * u
   rows = rng.standard_normal((num_slots, L + R)).astype(np.float32) + ramp
-  if kind == "bf16":
-    rows = np.asarray(jnp.asarray(rows, jnp.bfloat16).astype(jnp.float32))
-    cache = LatentCache(jnp.asarray(np.where(unused[:, None], np.nan, rows).reshape(nb, bs, -1),
-                                    jnp.bfloat16), jnp.float32(1.0))
-  else:
-    c = DSMLACache.allocate(nb, bs, L, R).write(jnp.asarray(rows[:, :L]), jnp.asarray(rows[:, L:]),
-                                                jnp.arange(num_slots, dtype=jnp.int32))
-    rows = np.asarray(c.dequantize_rows(jnp.arange(num_slots, dtype=jnp.int32)), np.float32)
-    poison = jnp.asarray(unused.reshape(nb, bs))[..., None]
-    cache = DSMLACache(
-        jnp.where(poison, jnp.nan, c.nope.astype(jnp.float32)).astype(c.nope.dtype),
-        jnp.where(poison, jnp.nan, c.tile_scales),
-        jnp.where(poison, jnp.nan, c.rope.astype(jnp.float32)).astype(jnp.bfloat16))
+  cache, rows = poisoned_cache(kind, rows[:, :L], rows[:, L:], unused, nb, bs)
   q = jnp.asarray(rng.standard_normal((t, n, L + R)), jnp.bfloat16)
   return q, cache, slots, rows
 
@@ -1309,15 +1305,15 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     # The timed rules (`default_fp8_pipeline`, `default_heads_in`); both heads_in named beside.
     assert (mosaic_sparse.CONFIG.fp8_pipeline, mosaic_sparse.CONFIG.fp8_stage_halves,
             mosaic_sparse.CONFIG.heads_in, mosaic_sparse.CONFIG.prep_in_kernel,
-            mosaic_sparse.CONFIG.wide_widening, mosaic_sparse.CONFIG.hand_over_first) == (
-                None, 2, None, None, True, False)
+            mosaic_sparse.CONFIG.wide_widening, mosaic_sparse.CONFIG.hand_over_first,
+            mosaic_sparse.CONFIG.rescale_slack) == (None, 2, None, None, True, False, None)
     for other in (dict(fp8_pipeline="serial"), dict(fp8_pipeline="half_rows"),
                   dict(fp8_pipeline="half_rows", fp8_stage_halves=3),
                   dict(fp8_pipeline="in_place"), dict(heads_in="m"), dict(heads_in="n"),
                   dict(fp8_pipeline="in_place", heads_in="n"), dict(prep_in_kernel=False),
                   dict(fp8_pipeline="half_rows", wide_widening=False),
                   dict(fp8_pipeline="in_place", wide_widening=False),
-                  dict(hand_over_first=True)):
+                  dict(hand_over_first=True), dict(rescale_slack=8.0)):
       assert mosaic_sparse.MosaicSparseConfig(**other) in mosaic_sparse.SWEEP
 
 
