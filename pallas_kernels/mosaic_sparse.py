@@ -1059,6 +1059,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                      f"{fp8_pipeline} x {fp8_stage_halves}, gather {gather}) exceeds a Hopper "
                      f"block's {_SMEM_LIMIT}")
 
+  hands_over_first = hand_over_first and not fp8 and gather == "cp_async"  # where it acts
   kernel = functools.partial(_kernel, scale=scale, lora=lora, num_splits=splits, fp8=fp8,
                              in_place=in_place, num_slots=num_slots, gather=gather,
                              heads_n=heads_n, prep_in_kernel=prep_in_kernel,
@@ -1097,7 +1098,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                    f"{f'_heads_n{tile_h}' if heads_n else ''}"
                    f"{'_prep' if prep_in_kernel else ''}"
                    f"{'_wide' if wide_widening else ''}"
-                   f"{'_hand_over_first' if hand_over_first and not fp8 else ''}"
+                   f"{'_hand_over_first' if hands_over_first else ''}"
                    f"{'_lazy_rescale' if rescale_slack is not None and not heads_n else ''}"
                    f"_{gather}_s{splits}"),
   )(q, *index_args, *cache_args)

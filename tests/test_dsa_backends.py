@@ -938,11 +938,11 @@ def test_mosaic_sparse_heads_in_n_runs_one_split(monkeypatch):
   slots = jax.ShapeDtypeStruct((64, 2048), jnp.int32)
   kv = jax.ShapeDtypeStruct(((1 << 20) // 64, 64, L + R), jnp.bfloat16)
   traced = mosaic_sparse.sparse_attention.trace(q, kv, slots, scale=0.1, kv_lora_rank=L)
-  assert "mosaic_sparse_bf16_prep_cp_async_s2" in str(traced.jaxpr)
+  assert "mosaic_sparse_bf16_prep_hand_over_first_cp_async_s2" in str(traced.jaxpr)
   assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
   named = mosaic_sparse.sparse_attention.trace(q, kv, slots, scale=0.1, kv_lora_rank=L,
                                                heads_in="n")
-  assert "mosaic_sparse_bf16_heads_n16_prep_cp_async_s1" in str(named.jaxpr)
+  assert "mosaic_sparse_bf16_heads_n16_prep_hand_over_first_cp_async_s1" in str(named.jaxpr)
   with pytest.raises(ValueError, match="runs one split"):
     mosaic_sparse.sparse_attention.trace(q, kv, slots, scale=0.1, kv_lora_rank=L, heads_in="n",
                                          num_splits=2)
@@ -960,7 +960,7 @@ def test_mosaic_sparse_default_heads_in_reaches_the_kernel(n, want):
   entry = functools.partial(mosaic_sparse.sparse_attention, scale=0.1, kv_lora_rank=L)
   default = str(jax.make_jaxpr(entry)(q, kv, slots))
   tile = f"_heads_n{16 if n <= 16 else 32}" if want == "n" else ""
-  assert f"mosaic_sparse_bf16{tile}_prep_cp_async_s1" in default
+  assert f"mosaic_sparse_bf16{tile}_prep_hand_over_first_cp_async_s1" in default
   assert default == str(jax.make_jaxpr(functools.partial(entry, heads_in=want))(q, kv, slots))
   backend = functools.partial(backends.get_backend("pallas_mosaic").sparse_attention, scale=0.1,
                               kv_lora_rank=L)
