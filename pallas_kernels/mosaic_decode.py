@@ -1353,8 +1353,8 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   register_a; 2 is a ValueError with the other fp8 pipelines, a bf16 cache ignores it).
   ring_slots: register_a's e4m3 slots (`MosaicDecodeConfig`; None: 4; a number is a ValueError
   with the other fp8 pipelines or where it does not fit, a bf16 cache ignores it).
-  rescale_slack: the consumers' lazy rescale (`MosaicDecodeConfig`; None: off; heads in N ignore
-  it).
+  rescale_slack: the consumers' lazy rescale (`MosaicDecodeConfig`; by default
+  `common.RESCALE_SLACK`, 8.0; None: every step rescales; heads in N ignore it).
   interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
   o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
