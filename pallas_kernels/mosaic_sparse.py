@@ -380,8 +380,7 @@ def _wide_widen_in_place(nope, scales, dst):
 
 
 def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_slots, gather,
-            heads_n, prep_in_kernel, wide_widening, hand_over_first, rescale_slack,
-            lazy_rescale, interpret):
+            heads_n, prep_in_kernel, wide_widening, hand_over_first, rescale_slack, interpret):
   # GMEM: q_ref [T, Np, D] bf16 (Np: heads padded to 64, or fewer unpadded, `padded_heads`: the
   # tile's first Np rows, the others never stored); idx_ref [T, Kp] int32 (slot, or num_slots
   # where invalid); steps_ref [T] int32 (steps of 64 slots up to the last valid one).
@@ -444,6 +443,9 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
   value_chunks = lora // _COLS // _VALUE_WGS  # tiles of value columns per consumer warpgroup
   half = lora // _VALUE_WGS
   qk_scale = scale * LOG2E
+  # The lane-level skip of rows whose maximum kept (rescale_slack); the interpreter runs no
+  # lane-level code and multiplies every step (by 1 where skipped).
+  lazy_rescale = rescale_slack is not None and not interpret
 
   def split_steps(num_steps):
     """(first step, steps) of this program's split of a row of num_steps steps."""
@@ -1067,9 +1069,6 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                              wide_widening=wide_widening and not interpret,
                              hand_over_first=hand_over_first,
                              rescale_slack=None if heads_n else rescale_slack,
-                             # The interpreter multiplies every step (by 1 where skipped).
-                             lazy_rescale=(rescale_slack is not None and not heads_n
-                                           and not interpret),
                              interpret=bool(interpret))
   o_parts, lse_parts = plgpu.kernel(
       kernel,
