@@ -400,9 +400,22 @@ def check_rescale_slack(slack: object) -> None:
                      f"2^slack), got {slack!r}")
 
 
-def softmax_step(s, m, l, heads_axis=0, slack=None):
+def check_softmax_scale(scale: object) -> None:
+  """The Mosaic attention kernels' softmax scale: a finite positive float (`softmax_step` takes a
+  row's maximum score before scaling it)."""
+  if (isinstance(scale, bool) or not isinstance(scale, (int, float))
+      or not 0 < scale < float("inf")):
+    raise ValueError(f"scale must be a finite positive float (the kernel takes a row's maximum "
+                     f"score before scaling it), got {scale!r}")
+
+
+def softmax_step(s, m, l, heads_axis=0, slack=None, scale=None):
   """One step of the base-2 online softmax: s [64, K] scores already times log2(e) (-inf where
   masked), m and l the rows' running max and sum. Returns (m_new, alpha, p, l_new).
+  scale (> 0: a scalar, or one a row of m's shape): s holds the raw products and the step scales
+  them inside exp2's argument (an FFMA an element, where a multiply before the step was one more
+  instruction an element on the path from S to P; FlashMLA's order): a row's maximum is taken
+  before scaling, which a positive scale keeps. m, alpha and p are the same base-2 values.
   heads_axis=1 (mosaic_sparse's heads_in="n"): s is S^T [K, heads], reduced over axis 0 (across
   the warpgroup's warps, through the kernel's reduction scratch), m and l one per column. l of
   s's shape holds partial sums, each element its own key's (rescaled like the others), summed
@@ -413,15 +426,19 @@ def softmax_step(s, m, l, heads_axis=0, slack=None):
   sums are the same softmax at any m; P in bf16 keeps its relative precision at any scale. 0 is
   today's maximum."""
   keys = 1 - heads_axis
+  along_rows = lambda x: x if jnp.ndim(x) == 0 else lax.broadcast_in_dim(x, s.shape, [heads_axis])
   step_max = s.max(axis=keys)
+  if scale is not None:
+    step_max = step_max * scale
+    s = s * along_rows(scale)
   if slack is None:
     m_new = jnp.maximum(m, step_max)
   else:
     m_new = jnp.where(step_max > m + slack, step_max, m)
   alpha = jnp.exp2(m - m_new)
-  p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [heads_axis]))
+  p = jnp.exp2(s - along_rows(m_new))
   if l.shape == s.shape:
-    return m_new, alpha, p, l * lax.broadcast_in_dim(alpha, s.shape, [heads_axis]) + p
+    return m_new, alpha, p, l * along_rows(alpha) + p
   return m_new, alpha, p, l * alpha + p.sum(axis=keys)
 
 

@@ -58,7 +58,8 @@ from jaxlib.mlir.dialects import arith, llvm, vector
 
 from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
                                    REDUCTION_BYTES_PER_8_HEADS, RESCALE_SLACK, check_decode_args,
-                                   check_rescale_slack, check_split_args, feed_ring, hand_over_p,
+                                   check_rescale_slack, check_softmax_scale, check_split_args,
+                                   feed_ring, hand_over_p,
                                    heads_tile, leading_rows, length_splits, merge_splits,
                                    num_fixed_splits, one_wave_splits, padded_heads,
                                    partials_dtype, row_broadcast, run_scores, run_values,
@@ -887,19 +888,20 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
       if pages > 1:  # warpgroup 0 reads no slot after S^T (warpgroup 1 releases them later)
         for page_slot in page_slots:
           plgpu.barrier_arrive(consumed.at[page_slot])
-      # Made in the step, not carried: a 64 x 64 int32 iota is 32 registers a thread.
-      keys = plgpu.broadcasted_iota(jnp.int32, s_shape, 1 - heads_axis, layout=plgpu.Layout.WGMMA)
-      s_scale = (lax.broadcast_in_dim(head_scales, s_shape, [heads_axis]) if e4m3_scores
-                 else qk_scale)
-      # A select, not a multiply: no tail row's score (NaN bytes there give NaN) reaches P.
-      s = [jnp.where(keys < page_rows_, x * s_scale, -jnp.inf) for x, page_rows_ in zip(s, rows)]
+      # The scores stay unscaled: the softmax scales them inside exp2's argument (`softmax_step`'s
+      # scale, one row scale a head; positive: the softmax scale, checked, and the fp8 cache's and
+      # queries' scales, positive by their contracts).
+      row_scale = head_scales if e4m3_scores else qk_scale
+      mask = functools.partial(_mask_keys, keys_axis=1 - heads_axis)
+      s = [lax.cond(page_rows_ < s_shape[1 - heads_axis], mask, lambda x, _: x, x, page_rows_)
+           for x, page_rows_ in zip(s, rows)]
       if pages == 1:
         m_new, alpha, p, l = softmax_step(s[0], m, l, heads_axis,
-                                          None if heads_n else rescale_slack)
+                                          None if heads_n else rescale_slack, scale=row_scale)
         p16 = hand_over_p(i, p, alpha, p_smem.transpose((1, 0)) if heads_n else p_smem,
                           row_smem, p_ready, p_free)
       else:  # one cross-warp row max and one hand-off for all the pages (acc is empty here)
-        m_new, alpha, p, l = _softmax_pages(s, m, l)
+        m_new, alpha, p, l = _softmax_pages(s, m, l, row_scale)
         _hand_over_pages(i, p, alpha, p_smem, row_smem, p_ready, p_free)
       if acc:
         acc = accumulate_values(acc, alpha, page_slots, 0,
@@ -1007,13 +1009,25 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
 _WIDE_LOAD_GROUP = 2
 
 
-def _softmax_pages(s, m, l):
+def _mask_keys(s, rows, *, keys_axis):
+  """s (a page's scores: S [64 heads, keys] or S^T [keys, heads], keys along keys_axis) with the
+  keys from `rows` on -inf. A select, not a multiply: no tail key's score reaches P. Only a row's
+  last page has keys that do not count, so the kernel masks under a branch (FlashMLA masks only
+  its last blocks): on a full page the select was 48 instructions a thread on warpgroup 0's path
+  from S to P. The iota is made here, not carried: 64 x 64 int32 is 32 registers a thread."""
+  keys = plgpu.broadcasted_iota(jnp.int32, s.shape, keys_axis, layout=plgpu.Layout.WGMMA)
+  return jnp.where(keys < rows, s, -jnp.inf)
+
+
+def _softmax_pages(s, m, l, scale):
   """`common.softmax_step` with heads in N (heads_axis=1) and l as [64, heads] partial sums, over
-  a step of several pages' S^T tiles s [64 tokens, heads] each: their elementwise max in
-  registers, then one cross-warp row max for all of them; every page's P adds to l."""
-  m_new = jnp.maximum(m, functools.reduce(jnp.maximum, s).max(axis=0))
+  a step of several pages' S^T tiles s [64 tokens, heads] each (unscaled: `softmax_step`'s
+  scale): their elementwise max in registers, then one cross-warp row max for all of them; every
+  page's P adds to l."""
+  along = lambda x: x if jnp.ndim(x) == 0 else lax.broadcast_in_dim(x, s[0].shape, [1])
+  m_new = jnp.maximum(m, functools.reduce(jnp.maximum, s).max(axis=0) * scale)
   alpha = jnp.exp2(m - m_new)
-  p = [jnp.exp2(x - lax.broadcast_in_dim(m_new, x.shape, [1])) for x in s]
+  p = [jnp.exp2(x * along(scale) - along(m_new)) for x in s]
   return m_new, alpha, p, functools.reduce(
       jnp.add, p, l * lax.broadcast_in_dim(alpha, l.shape, [1]))
 
@@ -1270,8 +1284,9 @@ def head_dims_fit(head_dim: int, kv_lora_rank: int) -> bool:
 
 
 def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits,
-           split_tokens):
+           split_tokens, scale):
   _, d, page = check_decode_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank)
+  check_softmax_scale(scale)
   if not head_dims_fit(d, kv_lora_rank):
     raise ValueError(f"head dim {d} must be kv_lora_rank ({kv_lora_rank}, a multiple of "
                      f"{_VALUE_WGS * _CHUNK}) + a rope dim, a multiple of 64 and at most "
@@ -1358,7 +1373,8 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
   o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
-  _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits, split_tokens)
+  _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_splits, split_tokens,
+         scale)
   MosaicDecodeConfig(fp8_pipeline=fp8_pipeline, heads_in=heads_in, wide_keys=wide_keys,
                      wide_values=wide_values, e4m3_scores=e4m3_scores,
                      e4m3_promote_cols=e4m3_promote_cols, wide_widening=wide_widening,

@@ -66,7 +66,7 @@ from pallas_kernels import mosaic_sparse_register_a as register_a
 from pallas_kernels.common import (DS_MLA_TILE, F8, HALF_ROWS, HALF_ROWS_LAYOUT, HEADS_M_TILE,
                                    HEADS_N_TILES, HOPPER_SMEM_BYTES, LOG2E,
                                    REDUCTION_BYTES_PER_8_HEADS, RESCALE_SLACK,
-                                   check_rescale_slack, check_sparse_args,
+                                   check_rescale_slack, check_softmax_scale, check_sparse_args,
                                    default_num_kv_splits, hand_over_p,
                                    heads_tile, leading_rows, merge_splits, one_wave_splits,
                                    padded_heads, row_broadcast, run_scores, run_values, sm_count,
@@ -562,8 +562,8 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
       if prep_in_kernel:  # raw slots: -1 is invalid too (XLA's idx maps it to num_slots)
         valid = valid & (idx >= 0)
       valid = lax.broadcast_in_dim(valid, s.shape, [1 - heads_axis])
-      m_new, alpha, p, l = softmax_step(jnp.where(valid, s * qk_scale, -jnp.inf), m, l,
-                                        heads_axis, rescale_slack)
+      m_new, alpha, p, l = softmax_step(jnp.where(valid, s, -jnp.inf), m, l, heads_axis,
+                                        rescale_slack, scale=qk_scale)
       p16 = hand_over_p(i, p, alpha, p_smem.transpose((1, 0)) if heads_n else p_smem, row_smem,
                         p_ready, p_free)
       acc = accumulate_values(acc, alpha, slot, 0, None if interpret or heads_n else p16)
@@ -886,8 +886,9 @@ def head_dims_fit(head_dim, kv_lora_rank):
           and head_dim % _COLS == 0)
 
 
-def _check(q, slots, lora, num_splits):
+def _check(q, slots, lora, num_splits, scale):
   check_sparse_args(q, slots, num_splits)
+  check_softmax_scale(scale)
   d = q.shape[2]
   if not head_dims_fit(d, lora):
     raise ValueError(f"head dim {d} must be kv_lora_rank ({lora}, a multiple of "
@@ -1329,7 +1330,7 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
   runs Mosaic GPU's CPU interpreter. Returns o [T, N, L] bf16 and lse [T, N] float32 (natural
   log); a row with no valid slot gives (0, -inf).
   """
-  _check(q, slots, kv_lora_rank, num_splits)
+  _check(q, slots, kv_lora_rank, num_splits, scale)
   MosaicSparseConfig(gather, split_rule, heads_in=heads_in, prep_in_kernel=prep_in_kernel,
                      hand_over_first=hand_over_first, rescale_slack=rescale_slack)  # checks them
   if prep_in_kernel is None:
@@ -1381,7 +1382,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   """
   nb, page, lora = nope.shape
   if fp8_pipeline is None and heads_in != "m" and prep_in_kernel is not False:
-    _check(q, slots, lora, num_splits)
+    _check(q, slots, lora, num_splits, scale)
     if default_fp8_pipeline(q.shape[0], q.shape[1], slots.shape[1], num_splits=num_splits,
                             split_rule=split_rule, gather=gather,
                             head_dims=(lora, q.shape[2] - lora)) == "register_a":
@@ -1397,7 +1398,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
     register_a.check_args(q, nope, tile_scales, rope, slots, num_splits)
     return register_a.sparse_attention_fp8_ds_mla(q, nope, tile_scales, rope, slots, scale=scale,
                                                   interpret=interpret)
-  _check(q, slots, lora, num_splits)
+  _check(q, slots, lora, num_splits, scale)
   if (nope.dtype != F8 or tile_scales.dtype != jnp.float32 or rope.dtype != jnp.bfloat16
       or tile_scales.shape != (nb, page, lora // DS_MLA_TILE) or rope.shape[:2] != (nb, page)
       or lora % DS_MLA_TILE or q.shape[2] != lora + rope.shape[2]):

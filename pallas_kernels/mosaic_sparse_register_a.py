@@ -252,8 +252,8 @@ def _kernel(q_ref, idx_ref, nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buff
       idx = plgpu.load(idx_smem.at[entry], layout=slots_layout)
       valid = lax.broadcast_in_dim((idx >= 0) & (idx < num_slots), s.shape, [0])
       # A select, not a multiply: an invalid row's score never reaches P.
-      m_new, alpha, p, l = softmax_step(jnp.where(valid, s * (scale * LOG2E), -jnp.inf), m, l,
-                                        heads_axis=1)
+      m_new, alpha, p, l = softmax_step(jnp.where(valid, s, -jnp.inf), m, l, heads_axis=1,
+                                        scale=scale * LOG2E)
       hand_over_p(i, p, alpha, p_t, row_smem, p_ready, p_free)
       plgpu.barrier_arrive(consumed.at[slot])
       return m_new, l, acc

@@ -312,6 +312,15 @@ class TestPallasMosaicDecode(DecodeContract):
     with pytest.raises(ValueError, match=message):
       mosaic_decode.latent_decode(**change(args), scale=0.1, interpret=True)
 
+  @pytest.mark.parametrize("scale", [0.0, -0.1, float("nan"), float("inf")])
+  def test_non_positive_scale_raises(self, scale):
+    # The kernel takes a row's maximum score before scaling it (`common.softmax_step`).
+    q, cache, tables, lens = (jnp.asarray(a)
+                              for a in make_case(51, n=16, page=64, req_lens=[20, 5]))
+    with pytest.raises(ValueError, match="scale must be a finite positive float"):
+      mosaic_decode.latent_decode(q, cache, tables, lens, kv_lora_rank=512, scale=scale,
+                                  interpret=True)
+
   def test_more_tokens_than_the_grid_takes_raises(self):
     # Shapes only (65536 rows of queries would be 1.2 GB): the check runs while tracing.
     q, cache, tables, lens = (jnp.asarray(a)
@@ -1272,6 +1281,34 @@ def test_softmax_slack_moves_the_max_only_past_it():
   kept = run(RESCALE_SLACK)[3]
   assert kept[1:, 48:63].all() and kept[1:, :16].all() and not kept[1:, 32:48].all()
   assert not kept[1:, 16:32].all() and kept[1:, 16:32].any()
+
+
+@pytest.mark.parametrize("heads_axis", [0, 1])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_softmax_scale_inside_the_exponent(heads_axis, per_row):
+  # `softmax_step(scale=)`: raw scores (masked keys -inf), scaled inside exp2's argument with the
+  # maximum taken before scaling, give the step of the pre-scaled scores (to float32 rounding: one
+  # FFMA an element against a multiply then a subtract), with or without a slack, for one scale
+  # or one a row (heads along heads_axis), partial sums too; a masked row keeps its m.
+  rng = np.random.default_rng(7)
+  shape = (64, 48) if heads_axis == 0 else (48, 64)
+  s = rng.normal(0, 30, shape).astype(np.float32)
+  s[(slice(None), slice(40, None)) if heads_axis == 0 else (slice(40, None), slice(None))] = -np.inf
+  s[(3, slice(None)) if heads_axis == 0 else (slice(None), 3)] = -np.inf
+  scale = (rng.uniform(0.01, 0.2, 64).astype(np.float32) if per_row
+           else np.float32(0.0721))
+  along = (lambda x: x[:, None]) if heads_axis == 0 else (lambda x: x[None, :])
+  scaled = s * (along(scale) if per_row else scale)
+  m = rng.normal(0, 3, 64).astype(np.float32)
+  m[5] = -1e30
+  for slack in (None, RESCALE_SLACK):
+    for l in (jnp.ones((64,), jnp.float32), jnp.ones(shape, jnp.float32)):
+      want = softmax_step(jnp.asarray(scaled), jnp.asarray(m), l, heads_axis, slack)
+      got = softmax_step(jnp.asarray(s), jnp.asarray(m), l, heads_axis, slack,
+                         scale=jnp.asarray(scale))
+      for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-30)
+      assert float(got[0][3]) == m[3] and float(got[2].max()) <= 2.0 ** (slack or 0)
 
 
 class TestPallasMosaicDecodeRescaleSlack:

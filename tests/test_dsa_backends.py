@@ -1271,6 +1271,18 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     with pytest.raises(ValueError, match=message):
       mosaic_sparse.sparse_attention(**change(args), scale=0.1, interpret=True)
 
+  @pytest.mark.parametrize("scale", [0.0, -0.1, float("nan"), float("inf")])
+  def test_non_positive_scale_raises(self, scale):
+    # The kernels take a row's maximum score before scaling it (`common.softmax_step`).
+    q, slots = jnp.zeros((2, 16, L + R), jnp.bfloat16), jnp.zeros((2, 8), jnp.int32)
+    with pytest.raises(ValueError, match="scale must be a finite positive float"):
+      mosaic_sparse.sparse_attention(q, jnp.zeros((4, 16, L + R), jnp.bfloat16), slots,
+                                     scale=scale, kv_lora_rank=L, interpret=True)
+    with pytest.raises(ValueError, match="scale must be a finite positive float"):
+      mosaic_sparse.sparse_attention_fp8_ds_mla(
+          q, jnp.zeros((4, 16, L), jnp.float8_e4m3fn), jnp.ones((4, 16, L // 128), jnp.float32),
+          jnp.zeros((4, 16, R), jnp.bfloat16), slots, scale=scale, interpret=True)
+
   def test_bad_ds_mla_layout_raises(self):
     q, slots = jnp.zeros((2, 16, L + R), jnp.bfloat16), jnp.zeros((2, 8), jnp.int32)
     nope = jnp.zeros((4, 16, L), jnp.float8_e4m3fn)
