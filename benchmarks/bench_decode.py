@@ -13,6 +13,9 @@ each only with the cache dtype whose program it changes: the fp8 pipelines only 
 chosen config and these timed in turn, repeat by repeat (as with `--no-triton`). `--fp8-vs-bf16`
 adds a row a shape timing the Mosaic kernel's default with an fp8 and a bf16 cache in turn:
 "fp8/bf16" (< 1: the fp8 cache is faster), each one's ms and GB/s.
+`--against-rev REV` adds a row a case timing the Mosaic kernel's default as git revision REV had
+it (`pallas_kernels/mosaic_decode.py` of REV, beside today's other modules) and today's, in turn:
+"REV ms", "now ms", "REV/now" (> 1: today's is faster) and the largest output difference.
 `--no-triton` leaves the Triton kernel out (then also the reference; the row's "ms" is the Mosaic
 kernel's). `--batch-invariant` adds each kernel's batch-invariant mode (fixed splits of
 BATCH_INVARIANT_SPLIT_TOKENS tokens, merged in a fixed order): "<kernel> inv ms" and its cost
@@ -22,14 +25,15 @@ against the default splits in %.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import (jax_calls, make_parser, rates, require_gpu, time_interleaved,
-                               time_ms, write_results)
+from benchmarks.common import (jax_calls, make_parser, module_at_revision, rates, require_gpu,
+                               time_interleaved, time_ms, write_results)
 from mla_jax import reference
 from pallas_kernels import common as kernel_common
 from pallas_kernels import latent_decode as kernel
@@ -165,6 +169,28 @@ def fp8_vs_bf16(args, batch, heads, seq):
   return [row]
 
 
+def against_revision(args, batch, heads, seq, dtype_name, old=None):
+  """The Mosaic kernel's default at git revision args.against_rev (`old`: that module, imported
+  once by the caller) and today's on the same inputs, timed in turn repeat by repeat: what a
+  change moved, free of the machine's drift between calls."""
+  rev = args.against_rev
+  old = old or module_at_revision(mosaic.__name__, rev)
+  sets, case_bytes, k_scale = case_inputs(args, batch, heads, seq, dtype_name)
+  fns = {name: functools.partial(module.latent_decode, scale=SCALE, k_scale=k_scale)
+         for name, module in ((rev, old), ("now", mosaic))}
+  ms = time_interleaved({name: jax_calls(fn, sets) for name, fn in fns.items()},
+                        iters=args.iters, repeats=args.repeats)
+  outs = [fn(*sets[0])[0].astype(jnp.float32) for fn in fns.values()]
+  row = {"B": batch, "N": heads, "S": seq, "cache": f"{dtype_name} Mosaic, {rev} vs now (in turn)",
+         f"{rev} ms": ms[rev], "now ms": ms["now"], f"{rev}/now": ms[rev] / ms["now"],
+         "max diff": float(jnp.abs(outs[0] - outs[1]).max())}
+  row.update({f"now {k}": v for k, v in rates(ms["now"], bytes_moved=case_bytes,
+                                               flops=2 * batch * heads * seq * (L + R + L)).items()
+              if k != "ms"})
+  print(row, flush=True)
+  return [row]
+
+
 def mosaic_configs(base, kernel_fn, iters, repeats, sets, case_bytes, flops):
   """The Mosaic kernel's chosen config ("mosaic ms") and each other config of its SWEEP ("mosaic
   <field>=<value> ms" and "... max diff" from the chosen config's output) that changes the program
@@ -227,11 +253,15 @@ def main(argv=None):
   parser.add_argument("--fp8-vs-bf16", action="store_true",
                       help="also time the Mosaic kernel with both caches in turn a shape: "
                            "\"fp8/bf16\"")
+  parser.add_argument("--against-rev", metavar="REV",
+                      help="also time the Mosaic kernel's default at git revision REV and today's "
+                           "in turn: \"REV/now\"")
   parser.add_argument("--iters", type=int, default=20, help="back-to-back calls per timing")
   parser.add_argument("--repeats", type=int, default=5, help="timings; the median is reported")
   parser.add_argument("--out", default="benchmarks/out", help="directory for the result tables")
   args = parser.parse_args(argv)
   require_gpu("benchmarks.bench_decode")
+  old = args.against_rev and module_at_revision(mosaic.__name__, args.against_rev)
   if args.quick:
     args.batch, args.seq = [128], [4096, 32768]
   rows = []
@@ -241,6 +271,9 @@ def main(argv=None):
   for batch, heads, seq in (itertools.product(args.batch, args.heads, args.seq)
                             if args.fp8_vs_bf16 else ()):
     rows += fp8_vs_bf16(args, batch, heads, seq)
+  for batch, heads, seq, dtype_name in (itertools.product(args.batch, args.heads, args.seq,
+                                                          args.dtype) if old else ()):
+    rows += against_revision(args, batch, heads, seq, dtype_name, old)
   print(write_results(rows, "decode_sweep" if args.sweep else "decode", args.out))
 
 

@@ -16,7 +16,10 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            row's first V picks, -1 after (a short context's top-k list; column "valid"), bytes
            and FLOPs over V. --caches-in-turn adds a row a shape timing pallas_mosaic with both
            caches in turn, repeat by repeat, on the same q and slots: "fp8_ds_mla/bf16" (< 1: the
-           fp8_ds_mla cache is faster).
+           fp8_ds_mla cache is faster). --against-rev REV adds, in each case's rows, the Mosaic
+           kernel's default as git revision REV had it ("<cache> mosaic_sparse at REV": that
+           revision's `pallas_kernels/mosaic_sparse.py` beside today's other modules) and today's
+           ("<cache> mosaic_sparse now"): what a change moved, timed in turn.
   indexer  logits, T in {128, 2048} over 32K and 128K contexts. T=128: one row per request (decode),
            each sees its whole context; T=2048: one request's last 2048 tokens (causal prefill).
            Bytes = keys each distinct context holds (132 B a token) + the logits written;
@@ -57,8 +60,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from benchmarks.common import (jax_calls, make_parser, rates, require_gpu, time_interleaved,
-                               time_ms, write_results)
+from benchmarks.common import (jax_calls, make_parser, module_at_revision, rates, require_gpu,
+                               time_interleaved, time_ms, write_results)
 from mla_jax import reference
 from mla_jax.backends import REFERENCE, get_backend
 from mla_jax.cache import DSMLACache, IndexerKCache, LatentCache, positions_to_slots
@@ -160,7 +163,18 @@ def sparse_sets(t, n, cache, valid):
   return sets
 
 
-def run_sparse(args, t, n, kind, cache, valid=TOPK):
+def mosaic_default(module):
+  """`module`'s sparse attention default (today's `pallas_kernels.mosaic_sparse`, or another
+  revision's) over either cache layout, as a function of (q, cache, slots)."""
+  def call(q, cache, slots):
+    if isinstance(cache, DSMLACache):
+      return module.sparse_attention_fp8_ds_mla(q, cache.nope, cache.tile_scales, cache.rope,
+                                                slots, scale=SCALE)
+    return module.sparse_attention(q, cache.data, slots, scale=SCALE, kv_lora_rank=L)
+  return call
+
+
+def run_sparse(args, t, n, kind, cache, valid=TOPK, old=None):
   span = slot_span(t)
   sets = sparse_sets(t, n, cache, valid)
   case_bytes = t * valid * ROW_BYTES[kind] + t * n * (L + R + L) * 2
@@ -189,6 +203,10 @@ def run_sparse(args, t, n, kind, cache, valid=TOPK):
       continue
     other = lambda be, cfg=cfg: jax.jit(functools.partial(mosaic_sparse_variant, cfg=cfg))
     entries.append((case(f"{kind} {changed}"), other, "pallas_mosaic"))
+  if old is not None:  # --against-rev: that revision's module and today's, both their defaults
+    for label, module in ((f"at {args.against_rev}", old), ("now", pallas_mosaic_sparse)):
+      entries.append((case(f"{kind} mosaic_sparse {label}"),
+                      lambda be, module=module: jax.jit(mosaic_default(module)), "pallas_mosaic"))
   return timed_rows(args, entries, sets, case_bytes, flops)
 
 
@@ -473,6 +491,9 @@ def main(argv=None):
   parser.add_argument("--topk-rows", nargs="+", metavar="VERSION",
                       help="top-k cases: beside the default, only these variants' rows, named by "
                            "the version opening their cache column (e.g. v9 v10b)")
+  parser.add_argument("--against-rev", metavar="REV",
+                      help="sparse cases: also the Mosaic kernel's default at git revision REV and "
+                           "today's, in the case's rows")
   parser.add_argument("--iters", type=int, default=20, help="back-to-back calls per timing")
   parser.add_argument("--repeats", type=int, default=5, help="timings; the median is reported")
   parser.add_argument("--out", default="benchmarks/out", help="directory for the result tables")
@@ -480,6 +501,7 @@ def main(argv=None):
   if not all(1 <= v <= TOPK for v in args.sparse_valid):
     parser.error(f"--sparse-valid takes 1 to {TOPK} slots a row, got {args.sparse_valid}")
   require_gpu("benchmarks.bench_sparse")
+  old = args.against_rev and module_at_revision(pallas_mosaic_sparse.__name__, args.against_rev)
   if args.sweep:
     print(write_results(run_sweep(args), "sparse_sweep", args.out))
     return
@@ -491,7 +513,7 @@ def main(argv=None):
     for kind in args.sparse_caches:
       decode_cache = latent_cache(kind, DECODE_CACHE_TOKENS, jax.random.key(1))
       for t, n, valid in itertools.product(sparse_t, args.sparse_n, args.sparse_valid):
-        rows += run_sparse(args, t, n, kind, decode_cache, valid)
+        rows += run_sparse(args, t, n, kind, decode_cache, valid, old or None)
       del decode_cache
   if "sparse" in args.parts and args.caches_in_turn:
     caches = {kind: latent_cache(kind, DECODE_CACHE_TOKENS, jax.random.key(1))

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
+import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import jax
@@ -14,6 +17,29 @@ import jax
 # Measured on the H200 of this workplace (SPEC section 9): device-to-device copy and bf16 matmul.
 H200_COPY_GBPS = 4200.0
 H200_BF16_TFLOPS = 790.0
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def module_at_revision(module: str, rev: str, root: Path = ROOT) -> types.ModuleType:
+  """`module` (dotted, under the repository root: "pallas_kernels.mosaic_decode") as git revision
+  `rev` holds it, imported beside today's under its own name, so that a change can be timed in
+  turn with the code before it (the benchmarks' `--against-rev`). Only that file is old: what it
+  imports is today's, so a change that spans modules compares this way only where the old file
+  still works with today's others. root: the git checkout (this repository). A revision or file
+  git does not know: ValueError."""
+  path = module.replace(".", "/") + ".py"
+  shown = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, capture_output=True,
+                         text=True, check=False)
+  if shown.returncode:
+    raise ValueError(f"git show {rev}:{path} failed: {shown.stderr.strip()}")
+  name = module + "_at_" + re.sub(r"\W", "_", rev)
+  old = types.ModuleType(name)
+  old.__file__, old.__package__ = f"{rev}:{path}", module.rpartition(".")[0]
+  sys.modules[name] = old  # dataclasses look their module up while the file runs
+  exec(compile(shown.stdout, old.__file__, "exec"), old.__dict__)  # noqa: S102
+  return old
 
 
 def make_parser(module_name: str, doc: str) -> argparse.ArgumentParser:

@@ -226,6 +226,76 @@ def test_bench_sparse_times_a_cases_rows_in_turn(monkeypatch):
   assert "xla ms" not in rows[0] and {name for _, name in log} == {"pallas_triton"}
 
 
+def test_module_at_revision_imports_that_revisions_file_beside_todays(tmp_path):
+  # `--against-rev`'s import, in a repository of its own: the file as the first commit holds it,
+  # a module of its own (its dataclass too), beside the second commit's; a revision or path git
+  # does not know raises.
+  from benchmarks.common import module_at_revision
+  git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a],
+                                  cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+  (tmp_path / "pkg").mkdir()
+  source = ('"""Version {v}."""\nimport dataclasses\n\n\n@dataclasses.dataclass\nclass Config:\n'
+            '  x: int = {v}\n\n\ndef version():\n  return {v}\n')
+  git("init", "-q")
+  for v in (1, 2):
+    (tmp_path / "pkg" / "mod.py").write_text(source.format(v=v))
+    git("add", "-A")
+    git("commit", "-q", "-m", f"v{v}")
+  first = git("rev-list", "--max-parents=0", "HEAD").strip()
+  old = module_at_revision("pkg.mod", first, root=tmp_path)
+  now = module_at_revision("pkg.mod", "HEAD", root=tmp_path)
+  assert old.version() == 1 and old.Config().x == 1 and old.__doc__ == "Version 1."
+  assert now.version() == 2 and old is not now and sys.modules[old.__name__] is old
+  assert old.__name__ == f"pkg.mod_at_{first}" and old.Config.__module__ == old.__name__
+  assert old.__file__ == f"{first}:pkg/mod.py" and old.__package__ == "pkg"
+  with pytest.raises(ValueError, match="git show no-such-rev"):
+    module_at_revision("pkg.mod", "no-such-rev", root=tmp_path)
+  with pytest.raises(ValueError, match="pkg/other.py"):
+    module_at_revision("pkg.other", "HEAD", root=tmp_path)
+
+
+def test_against_revision_times_both_revisions_in_turn(monkeypatch):
+  # bench_decode --against-rev: the same inputs through that revision's kernel and today's, in
+  # one timing; the ratio, today's rates and the largest output difference.
+  import argparse
+  import types
+  from benchmarks import bench_decode
+  seen = []
+
+  def fake(tag, offset):
+    def latent_decode(q, cache, tables, lens, *, scale, k_scale):
+      seen.append((tag, str(cache.dtype), k_scale is not None))
+      return (q.astype(jax.numpy.float32) + offset,)
+    return latent_decode
+
+  monkeypatch.setattr(bench_decode.mosaic, "latent_decode", fake("now", 0.0))
+  old = types.SimpleNamespace(latent_decode=fake("old", 0.5))
+  args = argparse.Namespace(page=64, iters=1, repeats=1, against_rev="abc123")
+  [row] = bench_decode.against_revision(args, 2, 16, 128, "fp8", old)
+  assert {("old", "float8_e4m3fn", True), ("now", "float8_e4m3fn", True)} == set(seen)
+  assert row["abc123/now"] == row["abc123 ms"] / row["now ms"]
+  assert row["max diff"] == 0.5 and row["now TFLOP/s"] > 0 and "now GB/s" in row
+  assert row["cache"] == "fp8 Mosaic, abc123 vs now (in turn)"
+
+
+def test_bench_sparse_mosaic_default_takes_either_layout():
+  # bench_sparse --against-rev's rows: a module's default entry for each cache layout.
+  import types
+  from benchmarks import bench_sparse
+  from mla_jax.cache import DSMLACache, LatentCache
+  calls = []
+  module = types.SimpleNamespace(
+      sparse_attention=lambda q, data, slots, **kw: calls.append(("bf16", data.shape, kw)),
+      sparse_attention_fp8_ds_mla=lambda q, nope, scales, rope, slots, **kw: calls.append(
+          ("fp8_ds_mla", (nope.shape, scales.shape, rope.shape), kw)))
+  call = bench_sparse.mosaic_default(module)
+  call(None, LatentCache.allocate(2, 64), None)
+  call(None, DSMLACache.allocate(2, 64), None)
+  assert calls == [("bf16", (2, 64, 576), {"scale": bench_sparse.SCALE, "kv_lora_rank": 512}),
+                   ("fp8_ds_mla", ((2, 64, 512), (2, 64, 4), (2, 64, 64)),
+                    {"scale": bench_sparse.SCALE})]
+
+
 def test_kernel_times_splits_an_ncu_log_at_its_markers():
   from benchmarks import kernel_times
   log = "\n".join([
