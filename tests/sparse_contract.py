@@ -229,10 +229,13 @@ class IndexerContract:
         assert cosine_diff(got[i][fin], want[fin]) < 1e-3
         np.testing.assert_allclose(got[i][fin], want[fin], rtol=1e-4, atol=1e-4)
 
-  # distinct_tables is a speed hint, never a correctness one: the same logits (bit for bit here,
-  # on the CPU; the H200's grouped kernel sums in another order: tests/test_dsa_gpu.py), for
-  # rows of distinct requests and for prefill-like rows of one request (one table, consecutive
-  # lengths; what a kernel grouping rows that share a table would group, unless told not to look).
+  # distinct_tables is a speed hint, never a correctness one: the same logits, for rows of
+  # distinct requests and for prefill-like rows of one request (one table, consecutive lengths;
+  # what a kernel grouping rows that share a table would group, unless told not to look). The -inf
+  # pattern exactly, the values to float32 rounding: a grouped program's products are another
+  # shape, and XLA's CPU dot (the interpreter's) may sum them in another order, as the H200's
+  # grouped kernel does (tests/test_dsa_gpu.py). Session 30: 1 ulp on one element of the
+  # Mosaic indexer's shared rows, on numpy 2.5.5 / ml_dtypes 0.7.0 inputs (bit for bit before).
   @pytest.mark.parametrize("shared", [pytest.param(True, id="shared"), False])
   def test_distinct_tables_hint_gives_the_same_logits(self, shared):
     rng = np.random.default_rng(40 + shared)
@@ -250,7 +253,11 @@ class IndexerContract:
       lens = np.array([mb * bs, 5 * bs // 2, 1, 0], np.int32)
     logits = lambda hint: np.asarray(self.be().indexer_logits(
         q, w, k_cache, jnp.asarray(tables), jnp.asarray(lens), distinct_tables=hint))
-    np.testing.assert_array_equal(logits(True).view(np.uint32), logits(False).view(np.uint32))
+    alone, grouped = logits(True), logits(False)
+    np.testing.assert_array_equal(np.isneginf(alone), np.isneginf(grouped))
+    fin = np.isfinite(grouped)
+    np.testing.assert_array_equal(np.isfinite(alone), fin)
+    np.testing.assert_allclose(alone[fin], grouped[fin], rtol=1e-6, atol=0)
 
   @pytest.mark.parametrize("s,k", [(300, 64), (50, 64), (200, 200)])
   def test_topk_sets_match_brute_force(self, s, k):
