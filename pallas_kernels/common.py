@@ -442,12 +442,12 @@ def softmax_step(s, m, l, heads_axis=0, slack=None, scale=None):
   return m_new, alpha, p, l * alpha + p.sum(axis=keys)
 
 
-def hand_over_p(i, p, alpha, p_smem, row_smem, p_ready, p_free):
+def hand_over_p(i, p, alpha, p_smem, row_smem, p_ready, p_free, wait=True):
   """Warpgroup 0's hand-off of step i's P and rescale factors (once warpgroup 1 is done with the
-  previous ones); returns P in p_smem's dtype."""
-  @pl.when(i > 0)
-  def _():
-    plmgpu.barrier_wait(p_free)
+  previous ones: wait=False where the caller has waited for p_free); returns P in p_smem's
+  dtype."""
+  if wait:
+    pl.when(i > 0)(functools.partial(plmgpu.barrier_wait, p_free))
 
   p16 = p.astype(p_smem.dtype)
   p_smem[...] = p16

@@ -600,6 +600,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   max_blocks = bt_ref.shape[1]
   steps_per_page = page // _STEP
   half = lora // _VALUE_WGS
+  # split_release's two boxes of a page's columns: lo warpgroup 0's values, hi the rest.
+  hi_cols, lo_cols = pl.ds(half, kv_smem.shape[-1] - half), pl.ds(0, half)
   tile_h = p_smem.shape[0]  # (q_smem holds two e4m3 parts with e4m3_scores)
   heads_axis = 1 if heads_n else 0
   # Value columns per P V product: all of a warpgroup's when it accumulates in place (wgmma's N is
@@ -930,8 +932,6 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
         plgpu.barrier_arrive(consumed.at[page_slots[0]])
       return m_new, l, acc
 
-    hi_cols, lo_cols = pl.ds(half, kv_smem.shape[-1] - half), pl.ds(0, half)
-
     def values_left(acc, slot, o_refs):
       """Issues acc + P V over this warpgroup's value columns (lo) of the slot's page, P from
       p_smem, into o_refs (acc's parts; in place on the GPU, fresh in the interpreter)."""
@@ -985,12 +985,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
       if not first:
         acc = landed_values(acc, pv)
       acc = rows_rescaled(acc, alpha, skip_ones=lazy_rescale)
-      # P(i) handed over (`hand_over_p` but for its p_free wait, above): both P Vs of page
-      # i - 1 are done reading p_smem.
-      p_smem[...] = p.astype(p_smem.dtype)
-      row_smem[...] = alpha
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(p_ready)
+      # p_free was waited for above: both P Vs of page i - 1 are done reading p_smem.
+      hand_over_p(i, p, alpha, p_smem, row_smem, p_ready, p_free, wait=False)
       return m_new, l, acc
 
     def last_values(_, carry):
@@ -1106,7 +1102,6 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
           plgpu.copy_gmem_to_smem(kv_ref.at[block, pl.ds(offset + rows.start, rows.size), cols],
                                   kv_smem.at[slot, rows, cols], barrier.at[slot])
 
-      hi_cols, lo_cols = pl.ds(half, kv_smem.shape[-1] - half), pl.ds(0, half)
       boxes = ((hi_cols, ready, consumed), (lo_cols, ready_lo, consumed_lo))
       for k in range(slots):
         for cols, landed, _ in boxes:
