@@ -169,12 +169,11 @@ def fp8_vs_bf16(args, batch, heads, seq):
   return [row]
 
 
-def against_revision(args, batch, heads, seq, dtype_name, old=None):
-  """The Mosaic kernel's default at git revision args.against_rev (`old`: that module, imported
-  once by the caller) and today's on the same inputs, timed in turn repeat by repeat: what a
+def against_revision(args, batch, heads, seq, dtype_name, old):
+  """The Mosaic kernel's default at git revision args.against_rev (`old`: that module,
+  `module_at_revision`'s) and today's on the same inputs, timed in turn repeat by repeat: what a
   change moved, free of the machine's drift between calls."""
   rev = args.against_rev
-  old = old or module_at_revision(mosaic.__name__, rev)
   sets, case_bytes, k_scale = case_inputs(args, batch, heads, seq, dtype_name)
   fns = {name: functools.partial(module.latent_decode, scale=SCALE, k_scale=k_scale)
          for name, module in ((rev, old), ("now", mosaic))}
@@ -261,7 +260,7 @@ def main(argv=None):
   parser.add_argument("--out", default="benchmarks/out", help="directory for the result tables")
   args = parser.parse_args(argv)
   require_gpu("benchmarks.bench_decode")
-  old = args.against_rev and module_at_revision(mosaic.__name__, args.against_rev)
+  old = module_at_revision(mosaic.__name__, args.against_rev) if args.against_rev else None
   if args.quick:
     args.batch, args.seq = [128], [4096, 32768]
   rows = []

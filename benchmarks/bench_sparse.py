@@ -501,7 +501,8 @@ def main(argv=None):
   if not all(1 <= v <= TOPK for v in args.sparse_valid):
     parser.error(f"--sparse-valid takes 1 to {TOPK} slots a row, got {args.sparse_valid}")
   require_gpu("benchmarks.bench_sparse")
-  old = args.against_rev and module_at_revision(pallas_mosaic_sparse.__name__, args.against_rev)
+  old = (module_at_revision(pallas_mosaic_sparse.__name__, args.against_rev) if args.against_rev
+         else None)
   if args.sweep:
     print(write_results(run_sweep(args), "sparse_sweep", args.out))
     return
@@ -513,7 +514,7 @@ def main(argv=None):
     for kind in args.sparse_caches:
       decode_cache = latent_cache(kind, DECODE_CACHE_TOKENS, jax.random.key(1))
       for t, n, valid in itertools.product(sparse_t, args.sparse_n, args.sparse_valid):
-        rows += run_sparse(args, t, n, kind, decode_cache, valid, old or None)
+        rows += run_sparse(args, t, n, kind, decode_cache, valid, old)
       del decode_cache
   if "sparse" in args.parts and args.caches_in_turn:
     caches = {kind: latent_cache(kind, DECODE_CACHE_TOKENS, jax.random.key(1))

@@ -47,7 +47,8 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, nvvm
 
 from pallas_kernels.common import (DS_MLA_TILE, F8, HEADS_N_TILES, HOPPER_SMEM_BYTES, LOG2E,
-                                   REDUCTION_BYTES_PER_8_HEADS, check_sparse_args, hand_over_p,
+                                   REDUCTION_BYTES_PER_8_HEADS, check_softmax_scale,
+                                   check_sparse_args, hand_over_p,
                                    row_broadcast, run_scores, run_values, smem_bytes,
                                    softmax_step, swizzled, SWIZZLE)
 from pallas_kernels.e4m3_operands import (E4M3_LO_SCALE, FP8_COLS, STEP, WIDE_VALUE_COLS,
@@ -427,6 +428,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   interpreter. Returns o [T, N, 512] bf16 and lse [T, N] float32 (natural log); a row with no
   valid slot gives (0, -inf)."""
   check_args(q, nope, tile_scales, rope, slots)
+  check_softmax_scale(scale)
   t, n, d = q.shape
   nb, page, lora = nope.shape
   if t == 0:

@@ -15,7 +15,7 @@ from mla_jax import backends, reference
 from mla_jax.cache import DSMLACache, IndexerKCache, LatentCache
 from pallas_kernels import indexer as pallas_indexer
 from pallas_kernels import mosaic_indexer, mosaic_lanes
-from pallas_kernels import mosaic_sparse
+from pallas_kernels import mosaic_sparse, mosaic_sparse_register_a
 from pallas_kernels import sparse_attention as pallas_sparse
 from pallas_kernels import topk as pallas_topk
 from pallas_kernels.common import RESCALE_SLACK, register_pool
@@ -1278,10 +1278,18 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     with pytest.raises(ValueError, match="scale must be a finite positive float"):
       mosaic_sparse.sparse_attention(q, jnp.zeros((4, 16, L + R), jnp.bfloat16), slots,
                                      scale=scale, kv_lora_rank=L, interpret=True)
-    with pytest.raises(ValueError, match="scale must be a finite positive float"):
-      mosaic_sparse.sparse_attention_fp8_ds_mla(
-          q, jnp.zeros((4, 16, L), jnp.float8_e4m3fn), jnp.ones((4, 16, L // 128), jnp.float32),
-          jnp.zeros((4, 16, R), jnp.bfloat16), slots, scale=scale, interpret=True)
+    # The fp8_ds_mla entry's default pick at 16 heads, register_a, named and called directly (at
+    # the 512 NoPE columns it takes).
+    wide = 512
+    ds_mla = (jnp.zeros((2, 16, wide + R), jnp.bfloat16),
+              jnp.zeros((4, 16, wide), jnp.float8_e4m3fn),
+              jnp.ones((4, 16, wide // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16))
+    for entry in (mosaic_sparse.sparse_attention_fp8_ds_mla,
+                  functools.partial(mosaic_sparse.sparse_attention_fp8_ds_mla,
+                                    fp8_pipeline="register_a"),
+                  mosaic_sparse_register_a.sparse_attention_fp8_ds_mla):
+      with pytest.raises(ValueError, match="scale must be a finite positive float"):
+        entry(*ds_mla, slots, scale=scale, interpret=True)
 
   def test_bad_ds_mla_layout_raises(self):
     q, slots = jnp.zeros((2, 16, L + R), jnp.bfloat16), jnp.zeros((2, 8), jnp.int32)
