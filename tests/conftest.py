@@ -1,3 +1,4 @@
+import functools
 import os
 import sys
 import threading
@@ -9,6 +10,7 @@ import threading
 os.environ.setdefault("NPROC", "8")
 
 import jax  # noqa: E402  (after NPROC: the CPU client reads it when created)
+import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests share oracles.py and the contract bases
@@ -40,6 +42,45 @@ def _serialize_interpreter_compiles():
 
 
 _serialize_interpreter_compiles()
+
+
+_INTERPRETER_MODULE = "jax._src.pallas.mosaic_gpu.interpret"
+
+
+def _interpreter_callbacks_take_host_values():
+  """The Mosaic GPU interpreter (jax 0.11-0.12) runs every load, store, barrier and wgmma of the
+  simulated kernel as an `io_callback`, and `io_callback_impl` first puts each of the callback's
+  arguments on the CPU device as a jax array: ~12 `device_put`s a callback, ~85% of a kernel
+  test's time (cProfile, 2026-12-05). The interpreter's callbacks read those arguments as Python
+  ints (indices, keys, clocks) or copy them into its numpy buffers, so here they get the host
+  values XLA:CPU hands over: integer scalars as ints (what its `_to_int` takes), arrays as numpy.
+  Only callbacks defined in the interpreter's modules; every other `io_callback` keeps jax's path.
+  The kernel files' tests run ~1.4x faster; `tests/test_interpreter.py` checks the race detector
+  still finds a race. A jax without that private function is left alone."""
+  try:
+    from jax._src import callback, tree_util
+  except ImportError:
+    return
+  original = getattr(callback, "io_callback_impl", None)
+  if original is None:
+    return
+
+  def host_value(x):
+    return x.item() if isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in "biu" else x
+
+  def io_callback_impl(*args, result_avals, callback, sharding, ordered):
+    func = getattr(callback, "callback_func", None)
+    while isinstance(func, functools.partial):
+      func = func.func
+    if not getattr(func, "__module__", "").startswith(_INTERPRETER_MODULE):
+      return original(*args, result_avals=result_avals, callback=callback, sharding=sharding,
+                      ordered=ordered)
+    return tree_util.tree_map(np.asarray, callback(*map(host_value, args)))
+
+  callback.io_callback_impl = io_callback_impl
+
+
+_interpreter_callbacks_take_host_values()
 
 
 def _has_gpu() -> bool:
