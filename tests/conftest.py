@@ -1,7 +1,11 @@
 import functools
+import importlib.util
 import os
 import sys
 import threading
+
+import numpy as np
+import pytest
 
 # XLA:CPU sizes its worker pool from NPROC (else the core count). The Mosaic GPU interpreter's
 # warpgroup threads block in barrier callbacks that can hold those workers; with 2 (CI's cores) a
@@ -9,9 +13,21 @@ import threading
 # turns), with 8 it ran every time.
 os.environ.setdefault("NPROC", "8")
 
-import jax  # noqa: E402  (after NPROC: the CPU client reads it when created)
-import numpy as np
-import pytest
+
+def _cpu_only_jax() -> bool:
+  return not any(importlib.util.find_spec(p) for p in ("jax_cuda13_plugin", "jax_cuda12_plugin"))
+
+
+# The suite compiles thousands of small distinct XLA:CPU programs (layers, references, the
+# interpreter's warpgroups), so compiling, not running, paces it: LLVM at level 0 took the
+# compile-bound files (generation, sharding, attention, model) from 317 to 197 s (-n 2,
+# 2026-12-05), every test passing. XLA:CPU is not fast-math either way, so float semantics hold.
+# Never with a GPU jax: the flag would reach the GPU's codegen too.
+if _cpu_only_jax() and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_backend_optimization_level=0").strip()
+
+import jax  # noqa: E402  (after NPROC and XLA_FLAGS: the CPU client reads them when created)
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests share oracles.py and the contract bases
 

@@ -40,8 +40,12 @@ def _hand_over(synced: bool):
 
 
 def test_race_detector_finds_an_unsynchronized_hand_over():
-  _hand_over(synced=False)
-  assert races.get_races().races_found
+  try:
+    _hand_over(synced=False)
+  except jax.errors.JaxRuntimeError as e:  # jax 0.12 raises at the racing access
+    assert "RACE DETECTED" in str(e)
+  else:  # jax 0.11 records it
+    assert races.get_races().races_found
 
 
 def test_race_detector_passes_a_barrier_hand_over():
