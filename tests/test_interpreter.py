@@ -7,6 +7,7 @@ import pytest
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import io_callback
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -63,7 +64,7 @@ def test_other_io_callbacks_keep_jax_arrays():
 
   @jax.jit
   def f(a, b):
-    return jax.experimental.io_callback(record, jax.ShapeDtypeStruct((), jnp.int32), a, b)
+    return io_callback(record, jax.ShapeDtypeStruct((), jnp.int32), a, b)
 
   assert int(f(jnp.int32(3), jnp.int32(4))) == 7
   assert all(issubclass(t, jax.Array) for t in seen[0])
