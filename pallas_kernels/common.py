@@ -442,12 +442,12 @@ def softmax_step(s, m, l, heads_axis=0, slack=None, scale=None):
   return m_new, alpha, p, l * alpha + p.sum(axis=keys)
 
 
-def hand_over_p(i, p, alpha, p_smem, row_smem, p_ready, p_free, wait=True):
+def hand_over_p(i, p, alpha, p_smem, row_smem, p_ready, p_free):
   """Warpgroup 0's hand-off of step i's P and rescale factors (once warpgroup 1 is done with the
-  previous ones: wait=False where the caller has waited for p_free); returns P in p_smem's
-  dtype."""
-  if wait:
-    pl.when(i > 0)(functools.partial(plmgpu.barrier_wait, p_free))
+  previous ones); returns P in p_smem's dtype."""
+  @pl.when(i > 0)
+  def _():
+    plmgpu.barrier_wait(p_free)
 
   p16 = p.astype(p_smem.dtype)
   p_smem[...] = p16
@@ -523,7 +523,7 @@ def _store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis=0, store=None):
 
 
 def run_scores(n, step, acc, *, row_smem, p_ready, p_free, lse_smem, lse_gmem, o_smem=None,
-               o_gmem=None, out_scale=1.0, heads_axis=0, partial_sums=None, loop=None):
+               o_gmem=None, out_scale=1.0, heads_axis=0, partial_sums=None):
   """Warpgroup 0's n steps, (m, l, acc) = step(i, (m, l, acc)) from an empty softmax over 64 rows,
   and its end: once warpgroup 1 has read the last P (every step of both is done, so the step
   buffers are free for the output staging), hands it l, stores its output columns and the rows'
@@ -532,8 +532,6 @@ def run_scores(n, step, acc, *, row_smem, p_ready, p_free, lse_smem, lse_gmem, o
   register_a, whose warpgroup 1 holds them all): no o_smem, o_gmem, only the log-sum-exps.
   partial_sums (a step's score shape, heads_axis=1 only): l is carried as partial sums of that
   shape and summed over the keys after the last step, so no step sums P across the warps.
-  loop (n, init) -> (m, l, acc): runs the steps instead of `fori_loop(0, n, step, init)` (a
-  schedule that peels steps; its acc complete, every product of the steps landed, on return).
   """
   rows_layout = plmgpu.Layout.WGMMA.reduce(1 - heads_axis)
   rows = row_smem.shape[0]
@@ -541,7 +539,7 @@ def run_scores(n, step, acc, *, row_smem, p_ready, p_free, lse_smem, lse_gmem, o
   init = (plmgpu.layout_cast(jnp.full((rows,), M_INIT, jnp.float32), rows_layout),
           plmgpu.layout_cast(jnp.zeros(l_shape, jnp.float32),
                              rows_layout if partial_sums is None else plmgpu.Layout.WGMMA), acc)
-  m, l, acc = lax.fori_loop(0, n, step, init) if loop is None else loop(n, init)
+  m, l, acc = lax.fori_loop(0, n, step, init)
   if partial_sums is not None:
     l = l.sum(axis=1 - heads_axis)
 

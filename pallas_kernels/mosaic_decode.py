@@ -272,19 +272,7 @@ class MosaicDecodeConfig:
   softmax (P in bf16 has its relative precision at any scale), not the same bits as None. H200
   (session 29, B=128 N=128 S=8192, in turn, ms, None / 8.0): bf16 0.560 / 0.545 (1.03x), fp8
   half_pages 0.770 / 0.722 (1.07x), in_slot 0.655 / 0.636 (1.03x): 8.0 the default
-  (`common.RESCALE_SLACK`); None: every step rescales.
-  split_release (bf16 caches with heads in M; fp8 caches and heads in N ignore it):
-  FlashAttention-3's order with a page's slot copied and released in two boxes (FlashMLA refills
-  its pages by column groups as they free). Each page lands as lo (columns 0 to L/2 - 1:
-  warpgroup 0's values) and hi (the rest: warpgroup 1's values and the RoPE columns), each box
-  with its own ready and consumed barriers. Warpgroup 0's step i issues S(i) over hi, waits for
-  lo and issues the rest, then its P V of page i - 1 (P from p_smem), and runs softmax(i) while
-  that product is on the tensor cores; it rescales its output once the product has landed. hi
-  is released once S(i) and warpgroup 1's P V(i) have read it, lo once warpgroup 0's P V(i) has,
-  in step i + 1. FlashAttention-3's order with whole-page release lost 0.80-0.88x (session 22):
-  a page's slot freed only after the next softmax, and its copy then landed late. Counted
-  (RESULTS, "Latent decode (pallas_mosaic)", session 30): hi's box leads by ~2,900 cycles, lo's
-  (32 KB) by ~1,600 at a 3,300-cycle step. Prepared on the CPU, not timed; not the default."""
+  (`common.RESCALE_SLACK`); None: every step rescales."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -298,7 +286,6 @@ class MosaicDecodeConfig:
   pages_per_step: int | None = None
   ring_slots: int | None = None
   rescale_slack: float | None = RESCALE_SLACK
-  split_release: bool = False
 
   def __post_init__(self):
     if self.block_h != 64:
@@ -334,8 +321,6 @@ class MosaicDecodeConfig:
       raise ValueError(f"e4m3_promote_cols must be one of {E4M3_PROMOTE_COLS}, got "
                        f"{self.e4m3_promote_cols!r}")
     check_rescale_slack(self.rescale_slack)
-    if not isinstance(self.split_release, bool):
-      raise ValueError(f"split_release must be True or False, got {self.split_release!r}")
 
 
 # e4m3_scores' promotion chunks: multiples of the 64-byte-swizzled slot's 64-column tiles (128:
@@ -378,7 +363,7 @@ def default_fp8_pipeline(heads_in: str, wide_widening: bool) -> str:
 
 CONFIG = MosaicDecodeConfig()
 # The sweep space: the variants `benchmarks/bench_decode.py --mosaic-configs` times beside CONFIG.
-SWEEP = (CONFIG, MosaicDecodeConfig(rescale_slack=None), MosaicDecodeConfig(split_release=True),
+SWEEP = (CONFIG, MosaicDecodeConfig(rescale_slack=None),
          MosaicDecodeConfig(fp8_pipeline="half_pages"),
          MosaicDecodeConfig(fp8_pipeline="half_pages", rescale_slack=None),
          MosaicDecodeConfig(fp8_pipeline="serial"),
@@ -397,14 +382,12 @@ SWEEP = (CONFIG, MosaicDecodeConfig(rescale_slack=None), MosaicDecodeConfig(spli
 DTYPE_KNOBS = {"fp8_pipeline": jnp.dtype(F8), "wide_keys": jnp.dtype(F8),
                "wide_values": jnp.dtype(F8), "e4m3_scores": jnp.dtype(F8),
                "e4m3_promote_cols": jnp.dtype(F8), "wide_widening": jnp.dtype(F8),
-               "pages_per_step": jnp.dtype(F8), "ring_slots": jnp.dtype(F8),
-               "split_release": jnp.dtype(jnp.bfloat16)}
+               "pages_per_step": jnp.dtype(F8), "ring_slots": jnp.dtype(F8)}
 _TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
 # fp8 caches: 2 slots of e4m3 bytes (36 KB each) that the memory warpgroup widens into the bf16
 # slots the products read ("serial": one of 64 rows; "half_pages": two of 32 rows), so the shared
 # memory is the bf16 kernel's.
 _FP8_STAGES = 2
-_SPLIT_BANDS = 8  # split_release's copies a box: 8-row bands (a tile row of the slot)
 _HALF = HALF_ROWS  # rows per bf16 slot and consumer step with fp8_pipeline="half_pages"
 _VALUE_WGS = 2  # warpgroups sharing the value columns; warpgroup 0 also computes the scores
 # Value columns per P V product in the interpreter's form: each lands in a fresh 64 x 128 float32
@@ -525,7 +508,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
                    num_splits, split_steps, in_place, shared_widening, heads_n, register_a,
                    value_cols, wide_keys, wide_values, e4m3_scores, e4m3_promote_cols,
                    wide_widening, pages, lane_queries, lane_output, in_slot, rescale_slack,
-                   lazy_rescale, split_release):
+                   lazy_rescale):
   # GMEM: q_ref [T, Np, D] bf16 (Np = heads padded to 64, or fewer than 64 unpadded: the tile's
   # first Np rows, the others never stored); kv_ref [num_blocks, page, D] bf16 or
   # e4m3; bt_ref [T, max_blocks] int32; len_ref [T] int32; ks_ref [1] f32 (the cache's scale, 1
@@ -587,9 +570,6 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
     if not lane_queries:
       qb_smem, *staging = staging
   a_smem, staging = (staging[0] if staging else None, ()) if register_a else (None, staging)
-  if split_release:  # lo's barriers (`MosaicDecodeConfig.split_release`); ready, consumed: hi's
-    ready_lo, consumed_lo = staging
-    staging = ()
   fp8 = bool(staging)  # the widening pipelines (bf16 slots widened from an e4m3 stage)
   slots, step_rows = kv_smem.shape[:2]
   pieces = _STEP // step_rows  # consumer steps per 64-row bulk copy
@@ -600,8 +580,6 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   max_blocks = bt_ref.shape[1]
   steps_per_page = page // _STEP
   half = lora // _VALUE_WGS
-  # split_release's two boxes of a page's columns: lo warpgroup 0's values, hi the rest.
-  hi_cols, lo_cols = pl.ds(half, kv_smem.shape[-1] - half), pl.ds(0, half)
   tile_h = p_smem.shape[0]  # (q_smem holds two e4m3 parts with e4m3_scores)
   heads_axis = 1 if heads_n else 0
   # Value columns per P V product: all of a warpgroup's when it accumulates in place (wgmma's N is
@@ -932,86 +910,9 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
         plgpu.barrier_arrive(consumed.at[page_slots[0]])
       return m_new, l, acc
 
-    def values_left(acc, slot, o_refs):
-      """Issues acc + P V over this warpgroup's value columns (lo) of the slot's page, P from
-      p_smem, into o_refs (acc's parts; in place on the GPU, fresh in the interpreter)."""
-      for c, o_ref in enumerate(o_refs):
-        if in_place:
-          o_ref[...] = acc[c]
-        plgpu.wgmma(o_ref, p_smem, kv_smem.at[slot, :, pl.ds(c * width, width)])
-
-    def landed_values(acc, pv):
-      return pv if in_place else tuple(a + b for a, b in zip(acc, pv))
-
-    def split_step(i, carry, first):
-      """split_release's step i (`MosaicDecodeConfig`): S(i) over hi, then over lo once it has
-      landed; page i - 1's P V (its P in p_smem) issued behind it and run through softmax(i);
-      then acc holds the P V of pages before i at page i's maximum, and P(i) is handed over (its
-      P V is the next step's, or the last one's after the loop). first: step 0, no P V."""
-      m, l, acc = carry
-      slot, prev = lax.rem(i, slots), lax.rem(i + slots - 1, slots)
-      rows = piece_rows(i)
-      full = rows >= _STEP
-      plgpu.barrier_wait(ready.at[slot])
-
-      @pl.when(~full)  # a row's last page: both boxes, then its tail rows zeroed
-      def _():
-        plgpu.barrier_wait(ready_lo.at[slot])
-        zero_rows(slot, rows)
-
-      def products(s_ref, *o_refs):  # s_ref [64 heads, 64] f32; o_refs: acc's parts
-        q = step_variant(q_smem, i)
-        plgpu.wgmma(s_ref, q.at[:, hi_cols], kv_smem.at[slot, :, hi_cols].transpose((1, 0)))
-        pl.when(full)(functools.partial(plgpu.barrier_wait, ready_lo.at[slot]))
-        plgpu.wgmma(s_ref, q.at[:, lo_cols], kv_smem.at[slot, :, lo_cols].transpose((1, 0)))
-        values_left(acc, prev, o_refs)
-        # Waits for S only: page i - 1's P V runs on through the softmax.
-        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if first else 1)
-        plgpu.barrier_arrive(consumed.at[slot])  # S(i) is done with hi
-        plgpu.barrier_arrive(consumed_lo.at[slot])  # and with lo
-        s = lax.cond(full, lambda x, _: x, functools.partial(_mask_keys, keys_axis=1), s, rows)
-        m_new, alpha, p, l_new = softmax_step(s, m, l, 0, rescale_slack, scale=qk_scale)
-        # Warpgroup 1 done with P(i - 1). A branch: ptxas schedules within a basic block, and
-        # without one it hoists the P V's wait below into the softmax (session 22's SASS).
-        pl.when(i > 0)(functools.partial(plgpu.barrier_wait, p_free))
-        pv = tuple(o_ref[...] for o_ref in o_refs)  # waits for page i - 1's P V
-        if not first:
-          plgpu.barrier_arrive(consumed_lo.at[prev])  # its P V is done with lo
-        return m_new, alpha, p, l_new, pv
-
-      m_new, alpha, p, l, pv = pl.run_scoped(
-          products, plgpu.ACC((_TILE_H, _STEP), jnp.float32),
-          *(() if first else [plgpu.ACC(acc_shape, jnp.float32) for _ in acc]))
-      if not first:
-        acc = landed_values(acc, pv)
-      acc = rows_rescaled(acc, alpha, skip_ones=lazy_rescale)
-      # p_free was waited for above: both P Vs of page i - 1 are done reading p_smem.
-      hand_over_p(i, p, alpha, p_smem, row_smem, p_ready, p_free, wait=False)
-      return m_new, l, acc
-
-    def last_values(_, carry):
-      """The last page's P V (split_release), once the row has steps."""
-      m, l, acc = carry
-      last = lax.rem(consumer_steps() - 1, slots)
-
-      def product(*o_refs):
-        values_left(acc, last, o_refs)
-        return tuple(o_ref[...] for o_ref in o_refs)
-
-      pv = pl.run_scoped(product, *[plgpu.ACC(acc_shape, jnp.float32) for _ in acc])
-      plgpu.barrier_arrive(consumed_lo.at[last])
-      return m, l, landed_values(acc, pv)
-
-    def split_loop(steps, init):
-      first = jnp.minimum(steps, 1)
-      carry = lax.fori_loop(0, first, functools.partial(split_step, first=True), init)
-      carry = lax.fori_loop(first, steps, functools.partial(split_step, first=False), carry)
-      return lax.fori_loop(0, first, last_values, carry)
-
     run_scores(consumer_steps(), step, zero_acc(0), row_smem=row_smem, p_ready=p_ready,
                p_free=p_free, **out(0), lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out],
-               heads_axis=heads_axis, partial_sums=(step_rows, tile_h) if heads_n else None,
-               loop=split_loop if split_release else None)
+               heads_axis=heads_axis, partial_sums=(step_rows, tile_h) if heads_n else None)
 
   # Column tiles of the stage each widening warpgroup takes (shared_widening: warpgroup 1 its own
   # value columns, the memory warpgroup the rest; otherwise the memory warpgroup all).
@@ -1090,34 +991,6 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
       block, offset, _ = step_source(i)
       plgpu.copy_gmem_to_smem(kv_ref.at[block, pl.ds(offset, _STEP)], kv_smem.at[slot],
                               ready.at[slot])
-
-    if split_release:  # two boxes a page, each refilled once its own consumers are done
-      def fetch_box(i, slot, cols, barrier):
-        """A page's columns `cols` into its slot, a copy an 8-row band: the slot's tiles hold
-        an 8-row band's 64-column tiles side by side, so a band's columns are contiguous where a
-        box of all the rows is not (`_SPLIT_BANDS` arrivals on the barrier)."""
-        block, offset, _ = step_source(i)
-        for band in range(_SPLIT_BANDS):
-          rows = pl.ds(band * (_STEP // _SPLIT_BANDS), _STEP // _SPLIT_BANDS)
-          plgpu.copy_gmem_to_smem(kv_ref.at[block, pl.ds(offset + rows.start, rows.size), cols],
-                                  kv_smem.at[slot, rows, cols], barrier.at[slot])
-
-      boxes = ((hi_cols, ready, consumed), (lo_cols, ready_lo, consumed_lo))
-      for k in range(slots):
-        for cols, landed, _ in boxes:
-          pl.when(k < n)(functools.partial(fetch_box, k, k, cols, landed))
-
-      @pl.loop(slots, n)
-      def _(i):
-        for cols, landed, freed in boxes:  # hi frees first (S(i - 2) and warpgroup 1's P V)
-          plgpu.barrier_wait(freed.at[lax.rem(i, slots)])
-          fetch_box(i, lax.rem(i, slots), cols, landed)
-
-      @pl.loop(jnp.maximum(n - slots, 0), n)  # every phase waited for (as `feed_ring`)
-      def _(i):
-        for _, _, freed in boxes:
-          plgpu.barrier_wait(freed.at[lax.rem(i, slots)])
-      return
 
     def fetch_page(i, slot):
       """Page i of the consumer steps' pages; one past the split's last (an odd count's last
@@ -1453,7 +1326,7 @@ def _f16_queries(q):
                                              "wide_keys", "wide_values", "e4m3_scores",
                                              "e4m3_promote_cols", "wide_widening",
                                              "pages_per_step", "ring_slots", "rescale_slack",
-                                             "split_release", "interpret"))
+                                             "interpret"))
 def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
                   *, scale: float, kv_lora_rank: int = 512,
                   k_scale: jax.Array | float | None = None, num_kv_splits: int | None = None,
@@ -1466,7 +1339,6 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                   pages_per_step: int | None = CONFIG.pages_per_step,
                   ring_slots: int | None = CONFIG.ring_slots,
                   rescale_slack: float | None = CONFIG.rescale_slack,
-                  split_release: bool = CONFIG.split_release,
                   interpret: bool | plgpu.InterpretGPUParams = False
                   ) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
@@ -1498,8 +1370,6 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   with the other fp8 pipelines or where it does not fit, a bf16 cache ignores it).
   rescale_slack: the consumers' lazy rescale (`MosaicDecodeConfig`; by default
   `common.RESCALE_SLACK`, 8.0; None: every step rescales; heads in N ignore it).
-  split_release: FlashAttention-3's order with each page copied and released in two boxes
-  (`MosaicDecodeConfig`; bf16 caches with heads in M; fp8 caches and heads in N ignore it).
   interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
   o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
@@ -1509,14 +1379,13 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                      wide_values=wide_values, e4m3_scores=e4m3_scores,
                      e4m3_promote_cols=e4m3_promote_cols, wide_widening=wide_widening,
                      pages_per_step=pages_per_step, ring_slots=ring_slots,
-                     rescale_slack=rescale_slack, split_release=split_release)  # checks
+                     rescale_slack=rescale_slack)  # checks
   fp8 = kv_cache.dtype == F8
   if heads_in is None:
     heads_in = default_heads_in(q.shape[1], fp8, fp8_pipeline)
   if fp8_pipeline is None:
     fp8_pipeline = default_fp8_pipeline(heads_in, wide_widening)
   heads_n = heads_in == "n"
-  split_release = split_release and not fp8 and not heads_n  # bf16 heads in M only
   register_a = fp8 and fp8_pipeline == "register_a"
   if register_a and not heads_n:
     raise ValueError("fp8_pipeline=\"register_a\" takes heads_in=\"n\" (or None) only: the page "
@@ -1613,8 +1482,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                              lane_output=(wide_values and not interpret
                                           and out_dtype == jnp.bfloat16),
                              # The interpreter runs no lane-level code: the Pallas-level widening.
-                             wide_widening=wide_widening and not interpret,
-                             split_release=split_release)
+                             wide_widening=wide_widening and not interpret)
   # bf16 slots x rows (the consumers' step). wgmma's K must be a multiple of its operands' swizzle
   # width, and P V's K is the step: 32-row steps take 64-byte swizzles (32 bf16) for the query,
   # the slots and P alike (one wgmma takes one swizzle). Half pages: 72 + 2 x 36 (bf16 slots) +
@@ -1641,9 +1509,6 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                plgpu.Barrier(num_barriers=_FP8_STAGES))
     if shared_widening:  # stage_free: warpgroup 1 done reading a stage slot
       staging += (plgpu.Barrier(num_barriers=_FP8_STAGES),)
-  elif split_release:  # lo's ready (its box's bands landed) and consumed (S, warpgroup 0's P V)
-    staging = (plgpu.Barrier(num_arrivals=_SPLIT_BANDS, num_barriers=slots),
-               plgpu.Barrier(num_arrivals=2, num_barriers=slots))
   k_scale = jnp.ones((1,), jnp.float32) if k_scale is None else (
       jnp.asarray(k_scale, jnp.float32).reshape(1))
   # Heads in N with float32 partials: the output tiles O^T [64 columns, heads] are staged and
@@ -1678,8 +1543,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
           plgpu.Barrier(),  # q_bar (e4m3_scores: the interpreter's bf16 row only)
           # ready: the memory warpgroup's bulk copy or widening, and warpgroup 1's widening too
           # with shared_widening.
-          plgpu.Barrier(num_arrivals=_SPLIT_BANDS if split_release else 1 + shared_widening,
-                        num_barriers=slots),
+          plgpu.Barrier(num_arrivals=1 + shared_widening, num_barriers=slots),
           plgpu.Barrier(num_arrivals=_VALUE_WGS, num_barriers=slots),
           plgpu.Barrier(),
           plgpu.Barrier(),
@@ -1701,7 +1565,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
       interpret=interpret or None,
       kernel_name=(f"mosaic_latent_decode_{'fp8' if fp8 else 'bf16'}{'_half' if half_pages else ''}"
                    f"{'_shared' if shared_widening else ''}{'_register_a' if register_a else ''}"
-                   f"{'_in_slot' if in_slot else ''}{'_split_release' if split_release else ''}"
+                   f"{'_in_slot' if in_slot else ''}"
                    f"{'_lazy_rescale' if rescale_slack is not None and not heads_n else ''}"
                    f"{'_wide_widening' if wide_widening else ''}"
                    f"{'_wide_keys' if wide_keys else ''}{'_wide_values' if wide_values else ''}"

@@ -27,7 +27,14 @@ if _cpu_only_jax() and "xla_backend_optimization_level" not in os.environ.get("X
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_backend_optimization_level=0").strip()
 
-import jax  # noqa: E402  (after NPROC and XLA_FLAGS: the CPU client reads them when created)
+# jax preallocates 75% of a GPU's memory a process, so two pytest-xdist workers on one card
+# over-ask it: on an 80 GB H100 (2026-12-05) `-n 2` lost a worker at its first test and failed the
+# rest; with an equal share each, both GPU files passed. A share set by the caller stands.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / _workers:.2f}")
+
+import jax  # noqa: E402  (after NPROC, XLA_FLAGS and the memory share: read when clients start)
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests share oracles.py and the contract bases
 

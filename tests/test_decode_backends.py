@@ -249,11 +249,7 @@ class TestPallasMosaicDecode(DecodeContract):
       # One page a step, with rings of 4 and 5 (5 fits at 16 and 32 heads: 231,528 bytes at 32).
       *[(128, n, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a",
                                                  "pages_per_step": 1, "ring_slots": ring})
-        for n in (16, 32) for ring in (4, 5)],
-      # split_release (bf16 heads in M): each page's two boxes a copy an 8-row band (a box of
-      # all the rows is not contiguous in the slot), at the timed shape and with 4 splits.
-      *[(batch, 128, 8192, splits, jnp.bfloat16, {"split_release": True})
-        for batch, splits in ((128, None), (32, 4))]])
+        for n in (16, 32) for ring in (4, 5)]])
   def test_lowers_for_hopper(self, batch, n, seq, splits, cache_dtype, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # shapes and layouts, bulk-copy boxes, and that shared memory fits a Hopper block's 227 KB.
@@ -381,16 +377,6 @@ class _MosaicDecodeKnob(DecodeContract):
     # Without this the cases would also pass on the default config.
     dtype = mosaic_decode.DTYPE_KNOBS.get(self.knob, jnp.dtype(jnp.bfloat16))
     assert backend_passes(self.decode, monkeypatch, self.knob, dtype) == [self.value]
-
-
-class TestPallasMosaicDecodeSplitRelease(_MosaicDecodeKnob):
-  """split_release (FlashAttention-3's order in warpgroup 0, each page copied and released in two
-  boxes with their own barriers) through the backend's MOSAIC_DECODE_CONFIG: the contract's bf16
-  cases in the interpreter (ragged lengths, NaN pages, shuffled tables, splits; 16 heads run in
-  N, which ignores it; fp8 cases skip). Lowering: test_lowers_for_hopper; on the GPU,
-  test_decode_gpu.py."""
-  knob = "split_release"
-  value = True
 
 
 class TestPallasMosaicDecodeHalfPages(_MosaicDecodeKnob):
