@@ -106,8 +106,8 @@ def _kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, q_smem, q_rope_smem,
       plgpu.commit_smem()  # plain stores that wgmma (the async proxy) reads next
 
   # Operands go through `step_variant` (p: the pair): with static slots their wgmma descriptors
-  # are loop-invariant, and ptxas spilled them (ptxas 13.5: 1.4 KB of spills, 223 loads in the
-  # step loops; with it 32 bytes, 6).
+  # are loop-invariant, and ptxas spilled them (ptxas 13.5, B=128 N=128 S=8192: 1.4 KB of spills,
+  # 223 loads in the step loops; with it 48 bytes, 12).
   def scores(slot, q_rope, p, tiles, later, later_landed):
     """S = Q K^T over the slot's `tiles` (refilled first), then later_landed() (the wait for the
     others), then the `later` tiles: slot 0's lo tiles are refilled early in a pair (after P_A
@@ -124,7 +124,8 @@ def _kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, q_smem, q_rope_smem,
     return pl.run_scoped(product, plgpu.ACC((_T, _T), jnp.float32))
 
   def masked(s, rows):
-    """Keys from `rows` on to -inf; only a split's last page (or a bad entry's) has any."""
+    """Keys from `rows` on to -inf: only a row's last page, a bad entry's or an odd count's
+    missing page B has any."""
     keys = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
     return lax.cond(rows < _T, lambda x: jnp.where(keys < rows, x, -jnp.inf), lambda x: x, s)
 
