@@ -391,6 +391,18 @@ class TestPallasMosaicDecodeSeesaw(_MosaicDecodeKnob):
   ignores it; fp8 cases skip). Lowering: test_lowers_for_hopper; on the GPU, test_decode_gpu.py."""
   knob = "seesaw"
   value = True
+  invariant_heads = 128  # heads in M: the seesaw kernel's batch-invariant (fixed) splits
+
+  @pytest.mark.parametrize("seed,n,page,splits,req_lens", [
+      (60, 64, 64, None, [300, 130, 64, 0]),  # 5, 3 and 1 pages: a last pair without page B
+      (61, 128, 128, None, [256, 190]),  # two head tiles, two steps a page
+      (62, 80, 64, 3, [300, 130, 64, 0]),  # heads padded; a split's pairs end mid-row
+  ])
+  def test_page_pairs(self, seed, n, page, splits, req_lens):
+    self.check(*make_case(seed, n=n, page=page, req_lens=req_lens), num_kv_splits=splits)
+
+  def test_bad_table_entries_at_128_heads(self):
+    self.check_bad_table_entries(page=64, req_lens=[200, 150], n=128)
 
 
   @pytest.mark.parametrize("change,message", [
