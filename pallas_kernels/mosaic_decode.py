@@ -58,8 +58,8 @@ from jaxlib.mlir.dialects import arith, llvm, vector
 
 from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
                                    REDUCTION_BYTES_PER_8_HEADS, RESCALE_SLACK, check_decode_args,
-                                   check_rescale_slack, check_softmax_scale, check_split_args,
-                                   feed_ring, hand_over_p,
+                                   check_grid_tokens, check_rescale_slack, check_softmax_scale,
+                                   check_split_args, feed_ring, hand_over_p,
                                    heads_tile, leading_rows, length_splits, merge_splits,
                                    num_fixed_splits, one_wave_splits, padded_heads,
                                    partials_dtype, row_broadcast, run_scores, run_values,
@@ -405,7 +405,6 @@ _VALUE_WGS = 2  # warpgroups sharing the value columns; warpgroup 0 also compute
 _CHUNK = 128
 _MAX_WGMMA_N = 256
 PAGE_MULTIPLE = _STEP  # pages hold whole steps
-MAX_GRID_TOKENS = 65535  # tokens launch on the grid's z axis, at most 65535 programs
 # (consumer, memory) warpgroup registers a thread. 2 x consumer + memory must stay within
 # common.register_pool(3) (504, not 512: the inferred cause of the fp8 path's hang on the H200
 # with (224, 64), RESULTS.md). With an fp8 cache the memory warpgroup widens tiles.
@@ -1303,9 +1302,7 @@ def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_sp
   if page % PAGE_MULTIPLE:
     raise ValueError(f"page size must be a multiple of {PAGE_MULTIPLE} (the bulk copy and wgmma "
                      f"tile), got {page}")
-  if q.shape[0] > MAX_GRID_TOKENS:
-    raise ValueError(f"at most {MAX_GRID_TOKENS} tokens a call (the CUDA grid's z extent, where "
-                     f"tokens launch), got {q.shape[0]}")
+  check_grid_tokens(q.shape[0])
   if q.dtype != jnp.bfloat16 or kv_cache.dtype not in (jnp.bfloat16, F8):
     raise ValueError(f"q must be bfloat16 and the cache bfloat16 or float8_e4m3fn, got "
                      f"{q.dtype.name} and {kv_cache.dtype.name}")

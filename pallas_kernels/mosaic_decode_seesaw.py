@@ -37,17 +37,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import (LN2, LOG2E, M_INIT, check_decode_args, check_softmax_scale,
-                                   check_split_args, merge_splits, num_fixed_splits,
-                                   partials_dtype, split_range, step_variant, store_output,
-                                   swizzled)
+from pallas_kernels.common import (LOG2E, M_INIT, check_decode_args, check_grid_tokens,
+                                   check_softmax_scale, check_split_args, merge_splits,
+                                   num_fixed_splits, partials_dtype, rows_lse, split_range,
+                                   step_variant, store_output, swizzled)
 
 _T = 64  # heads a tile, rows a page step, columns a copy tile
 LORA, ROPE = 512, 64  # the columns it takes: 8 value tiles and one RoPE tile
 _LO = range(0, 4)  # warpgroup 0's value tiles (columns 0-255)
 _HI = range(4, 9)  # warpgroup 1's value tiles (256-511) and the RoPE tile
 _ROWS = plgpu.Layout.WGMMA.reduce(1)
-MAX_GRID_TOKENS = 65535  # tokens launch on the grid's z axis
 
 
 def _kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, q_smem, q_rope_smem, buffers, p0_smem,
@@ -162,8 +161,7 @@ def _kernel(q_ref, kv_ref, bt_ref, len_ref, o_ref, lse_ref, q_smem, q_rope_smem,
     cols = pl.ds(w * LORA // 2, LORA // 2)
     store_output(acc, l, o_smem.at[w], o_ref.at[t, split, heads, cols], 1.0)
     if w == 0:
-      seen = l > 0
-      row_smem[1] = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+      row_smem[1] = rows_lse(m, l)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(row_smem.at[1], lse_ref.at[t, split, heads])
     plgpu.wait_smem_to_gmem(0)
@@ -284,8 +282,6 @@ def check_args(q: jax.Array, kv_cache: jax.Array, kv_lora_rank: int) -> None:
                      f"value tiles and one RoPE tile), got {kv_lora_rank} and {q.shape[2]}")
   if kv_cache.shape[1] % _T:
     raise ValueError(f"page size must be a multiple of {_T}, got {kv_cache.shape[1]}")
-  if q.shape[0] > MAX_GRID_TOKENS:
-    raise ValueError(f"at most {MAX_GRID_TOKENS} tokens a call, got {q.shape[0]}")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "num_kv_splits",
@@ -301,6 +297,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   check_decode_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank)
   check_softmax_scale(scale)
   check_args(q, kv_cache, kv_lora_rank)
+  check_grid_tokens(q.shape[0])
   check_split_args(num_kv_splits, split_tokens, _T)
   t, n, d = q.shape
   max_len = block_tables.shape[1] * kv_cache.shape[1]
