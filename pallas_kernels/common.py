@@ -509,7 +509,7 @@ def rows_lse(m, l):
   return jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
-def store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis=0, store=None):
+def _store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis=0, store=None):
   """acc (column tiles [64, w] f32 of one warpgroup's output) * out_scale / l, rows that saw
   nothing 0, staged in o_smem [64, cols] and copied to o_gmem (its rows: the first 64 or fewer).
   store: store(tiles) writes the scaled tiles (a list, o_smem's dtype) into o_smem itself, in its
@@ -568,7 +568,7 @@ def run_scores(n, step, acc, *, row_smem, p_ready, p_free, lse_smem, lse_gmem, o
   plmgpu.commit_smem()
   plmgpu.barrier_arrive(p_ready)
   if acc:
-    store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis)
+    _store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis)
   lse_smem[...] = rows_lse(m, l)
   plmgpu.commit_smem()
   plmgpu.copy_smem_to_gmem(leading_rows(lse_smem, lse_gmem), lse_gmem)
@@ -592,7 +592,7 @@ def run_values(n, num_slots, accumulate, acc, *, ready, consumed, row_smem, p_re
   num_slots - 1 are widened before the loop, and step k + num_slots right after the P V of step k
   (once both value warpgroups are done with its slot), while warpgroup 0 computes the next
   step's scores and softmax from the other slot. heads_axis: `run_scores`'. store: what stages the
-  output in o_smem (`store_output`)."""
+  output in o_smem (`_store_output`)."""
   rows_layout = plmgpu.Layout.WGMMA.reduce(1 - heads_axis)
   if widen is not None:
     for k in range(num_slots):  # the first steps' slots, before any was used
@@ -628,7 +628,7 @@ def run_values(n, num_slots, accumulate, acc, *, ready, consumed, row_smem, p_re
   acc = lax.fori_loop(0, n, step if pages == 1 else pages_step, acc)
   plmgpu.barrier_wait(p_ready)
   l = plmgpu.load(row_smem, layout=rows_layout)
-  store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis, store)
+  _store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis, store)
   plmgpu.wait_smem_to_gmem(0)
   if widen is not None:
     # The phases of consumed the loop did not wait on (a warpgroup that waits on some phases of a

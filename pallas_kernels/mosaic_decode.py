@@ -70,7 +70,6 @@ from pallas_kernels.e4m3_operands import (E4M3_LO_SCALE, FP8_COLS, SWIZZLE_TILE_
                                           WIDE_VALUE_TILES_IN_FLIGHT,
                                           e4m3_queries, split_queries, store_wide_values,
                                           wide_value_order, wide_value_tiles)
-from pallas_kernels import mosaic_decode_seesaw
 from pallas_kernels.mosaic_lanes import (WIDE_MASK, WIDE_UNIT_FACTOR, placed_bf16x2,
                                          rows_rescaled, warpgroup_thread, wide_load, wide_store)
 
@@ -273,11 +272,7 @@ class MosaicDecodeConfig:
   softmax (P in bf16 has its relative precision at any scale), not the same bits as None. H200
   (session 29, B=128 N=128 S=8192, in turn, ms, None / 8.0): bf16 0.560 / 0.545 (1.03x), fp8
   half_pages 0.770 / 0.722 (1.07x), in_slot 0.655 / 0.636 (1.03x): 8.0 the default
-  (`common.RESCALE_SLACK`); None: every step rescales.
-  seesaw (bf16 caches with heads in M and 512 + 64 columns; fp8 caches and heads in N ignore it):
-  FlashMLA's dense schedule, `mosaic_decode_seesaw` (two warpgroups, each issuing its own copies,
-  taking turns between the softmax and the products over pages in pairs). Prepared on the CPU in
-  session 32, not timed; not the default. rescale_slack does not apply there."""
+  (`common.RESCALE_SLACK`); None: every step rescales."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -291,7 +286,6 @@ class MosaicDecodeConfig:
   pages_per_step: int | None = None
   ring_slots: int | None = None
   rescale_slack: float | None = RESCALE_SLACK
-  seesaw: bool = False
 
   def __post_init__(self):
     if self.block_h != 64:
@@ -327,8 +321,6 @@ class MosaicDecodeConfig:
       raise ValueError(f"e4m3_promote_cols must be one of {E4M3_PROMOTE_COLS}, got "
                        f"{self.e4m3_promote_cols!r}")
     check_rescale_slack(self.rescale_slack)
-    if not isinstance(self.seesaw, bool):
-      raise ValueError(f"seesaw must be True or False, got {self.seesaw!r}")
 
 
 # e4m3_scores' promotion chunks: multiples of the 64-byte-swizzled slot's 64-column tiles (128:
@@ -371,7 +363,7 @@ def default_fp8_pipeline(heads_in: str, wide_widening: bool) -> str:
 
 CONFIG = MosaicDecodeConfig()
 # The sweep space: the variants `benchmarks/bench_decode.py --mosaic-configs` times beside CONFIG.
-SWEEP = (CONFIG, MosaicDecodeConfig(rescale_slack=None), MosaicDecodeConfig(seesaw=True),
+SWEEP = (CONFIG, MosaicDecodeConfig(rescale_slack=None),
          MosaicDecodeConfig(fp8_pipeline="half_pages"),
          MosaicDecodeConfig(fp8_pipeline="half_pages", rescale_slack=None),
          MosaicDecodeConfig(fp8_pipeline="serial"),
@@ -390,8 +382,7 @@ SWEEP = (CONFIG, MosaicDecodeConfig(rescale_slack=None), MosaicDecodeConfig(sees
 DTYPE_KNOBS = {"fp8_pipeline": jnp.dtype(F8), "wide_keys": jnp.dtype(F8),
                "wide_values": jnp.dtype(F8), "e4m3_scores": jnp.dtype(F8),
                "e4m3_promote_cols": jnp.dtype(F8), "wide_widening": jnp.dtype(F8),
-               "pages_per_step": jnp.dtype(F8), "ring_slots": jnp.dtype(F8),
-               "seesaw": jnp.dtype(jnp.bfloat16)}
+               "pages_per_step": jnp.dtype(F8), "ring_slots": jnp.dtype(F8)}
 _TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
 # fp8 caches: 2 slots of e4m3 bytes (36 KB each) that the memory warpgroup widens into the bf16
 # slots the products read ("serial": one of 64 rows; "half_pages": two of 32 rows), so the shared
@@ -1332,7 +1323,7 @@ def _f16_queries(q):
                                              "wide_keys", "wide_values", "e4m3_scores",
                                              "e4m3_promote_cols", "wide_widening",
                                              "pages_per_step", "ring_slots", "rescale_slack",
-                                             "seesaw", "interpret"))
+                                             "interpret"))
 def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
                   *, scale: float, kv_lora_rank: int = 512,
                   k_scale: jax.Array | float | None = None, num_kv_splits: int | None = None,
@@ -1345,7 +1336,6 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                   pages_per_step: int | None = CONFIG.pages_per_step,
                   ring_slots: int | None = CONFIG.ring_slots,
                   rescale_slack: float | None = CONFIG.rescale_slack,
-                  seesaw: bool = CONFIG.seesaw,
                   interpret: bool | plgpu.InterpretGPUParams = False
                   ) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
@@ -1376,9 +1366,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   ring_slots: register_a's e4m3 slots (`MosaicDecodeConfig`; None: 4; a number is a ValueError
   with the other fp8 pipelines or where it does not fit, a bf16 cache ignores it).
   rescale_slack: the consumers' lazy rescale (`MosaicDecodeConfig`; by default
-  `common.RESCALE_SLACK`, 8.0; None: every step rescales; heads in N ignore it). seesaw:
-  FlashMLA's schedule (`MosaicDecodeConfig`; bf16 caches with heads in M and 512 + 64 columns
-  run `mosaic_decode_seesaw`, the others ignore it).
+  `common.RESCALE_SLACK`, 8.0; None: every step rescales; heads in N ignore it).
   interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
   o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
@@ -1388,21 +1376,13 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                      wide_values=wide_values, e4m3_scores=e4m3_scores,
                      e4m3_promote_cols=e4m3_promote_cols, wide_widening=wide_widening,
                      pages_per_step=pages_per_step, ring_slots=ring_slots,
-                     rescale_slack=rescale_slack, seesaw=seesaw)  # checks
+                     rescale_slack=rescale_slack)  # checks
   fp8 = kv_cache.dtype == F8
   if heads_in is None:
     heads_in = default_heads_in(q.shape[1], fp8, fp8_pipeline)
   if fp8_pipeline is None:
     fp8_pipeline = default_fp8_pipeline(heads_in, wide_widening)
   heads_n = heads_in == "n"
-  if (seesaw and not fp8 and not heads_n and kv_lora_rank == mosaic_decode_seesaw.LORA
-      and q.shape[2] == mosaic_decode_seesaw.LORA + mosaic_decode_seesaw.ROPE):
-    if not split_tokens and num_kv_splits is None:
-      num_kv_splits = num_kv_splits_for(q.shape[0], q.shape[1],
-                                        block_tables.shape[1] * kv_cache.shape[1])
-    return mosaic_decode_seesaw.latent_decode(
-        q, kv_cache, block_tables, seq_lens, scale=scale, kv_lora_rank=kv_lora_rank,
-        num_kv_splits=num_kv_splits, split_tokens=split_tokens, interpret=interpret)
   register_a = fp8 and fp8_pipeline == "register_a"
   if register_a and not heads_n:
     raise ValueError("fp8_pipeline=\"register_a\" takes heads_in=\"n\" (or None) only: the page "

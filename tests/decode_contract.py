@@ -89,7 +89,6 @@ def make_case(seed, *, n, page, req_lens, q_lens=None, q_dtype=jnp.bfloat16,
 
 class DecodeContract:
   backend = None
-  invariant_heads = 16  # test_batch_invariant's heads (a subclass may need its kernel's)
 
   def decode(self, q, kv_cache, *args, k_scale=None, **kwargs):
     """The backend's decode over `kv_cache` (an array) as a LatentCache (`k_scale`: fp8's)."""
@@ -149,8 +148,7 @@ class DecodeContract:
     span several splits (request 0: 4)."""
     monkeypatch.setattr(backends, "BATCH_INVARIANT_SPLIT_TOKENS", 128)
     lengths = [434, 100, 0, 129, 64]
-    q, cache, tables, lens = make_case(80, n=self.invariant_heads, page=64, req_lens=lengths,
-                                       extra_table=0)
+    q, cache, tables, lens = make_case(80, n=16, page=64, req_lens=lengths, extra_table=0)
     own = -(-lengths[0] // 64)
 
     def run(rows, width):
@@ -197,9 +195,9 @@ class DecodeContract:
   def test_bad_table_entries_inside_length_are_masked(self):
     self.check_bad_table_entries(page=16, req_lens=[80, 50])
 
-  def check_bad_table_entries(self, *, page, req_lens, cache_dtype=jnp.bfloat16, n=16):
+  def check_bad_table_entries(self, *, page, req_lens, cache_dtype=jnp.bfloat16):
     """A -1 and an out-of-range entry inside the length (rows 0 and 1, their 2nd and 3rd page)."""
-    q, cache, tables, lens = make_case(40, n=n, page=page, req_lens=req_lens, spare_blocks=0,
+    q, cache, tables, lens = make_case(40, n=16, page=page, req_lens=req_lens, spare_blocks=0,
                                        cache_dtype=cache_dtype)
     k_scale = FP8_SCALE if jnp.dtype(cache_dtype) == jnp.float8_e4m3fn else None
     num_blocks = cache.shape[0]

@@ -14,7 +14,7 @@ from decode_contract import (FP8_SCALE, L, SCALE, DecodeContract, assert_decode_
                              assert_e4m3_split_is_exact, make_case)
 from mla_jax import backends
 from oracles import latent_decode_np
-from pallas_kernels import e4m3_operands, mosaic_decode, mosaic_decode_seesaw, mosaic_lanes
+from pallas_kernels import e4m3_operands, mosaic_decode, mosaic_lanes
 from pallas_kernels.common import (HEADS_N_TILES, MAX_GRID_TOKENS, RESCALE_SLACK,
                                    default_num_kv_splits, register_pool, softmax_step)
 from pallas_kernels.latent_decode import latent_decode
@@ -249,10 +249,7 @@ class TestPallasMosaicDecode(DecodeContract):
       # One page a step, with rings of 4 and 5 (5 fits at 16 and 32 heads: 231,528 bytes at 32).
       *[(128, n, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a",
                                                  "pages_per_step": 1, "ring_slots": ring})
-        for n in (16, 32) for ring in (4, 5)],
-      # seesaw (bf16 heads in M): its own kernel, at the timed shape and with 4 splits.
-      *[(batch, 128, 8192, splits, jnp.bfloat16, {"seesaw": True})
-        for batch, splits in ((128, None), (32, 4))]])
+        for n in (16, 32) for ring in (4, 5)]])
   def test_lowers_for_hopper(self, batch, n, seq, splits, cache_dtype, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # shapes and layouts, bulk-copy boxes, and that shared memory fits a Hopper block's 227 KB.
@@ -265,7 +262,6 @@ class TestPallasMosaicDecode(DecodeContract):
                                                k_scale=k_scale, num_kv_splits=splits, **knobs)
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-    assert ("_seesaw_" in text) == bool(knobs.get("seesaw"))  # not ignored where it applies
 
   def test_default_splits_fill_one_wave(self):
     # As many splits as one wave of one program a SM holds (132 on the H200, what the CPU
@@ -382,50 +378,6 @@ class _MosaicDecodeKnob(DecodeContract):
     # Without this the cases would also pass on the default config.
     dtype = mosaic_decode.DTYPE_KNOBS.get(self.knob, jnp.dtype(jnp.bfloat16))
     assert backend_passes(self.decode, monkeypatch, self.knob, dtype) == [self.value]
-
-
-class TestPallasMosaicDecodeSeesaw(_MosaicDecodeKnob):
-  """seesaw (FlashMLA's schedule, `mosaic_decode_seesaw`) through the backend's
-  MOSAIC_DECODE_CONFIG: the contract's bf16 cases in the interpreter (ragged lengths, NaN pages,
-  shuffled tables, splits, an odd page count's missing last page; 16 heads run in N, which
-  ignores it; fp8 cases skip). Lowering: test_lowers_for_hopper; on the GPU, test_decode_gpu.py."""
-  knob = "seesaw"
-  value = True
-  invariant_heads = 128  # heads in M: the seesaw kernel's batch-invariant (fixed) splits
-
-  @pytest.mark.parametrize("seed,n,page,splits,req_lens", [
-      (60, 64, 64, None, [300, 130, 64, 0]),  # 5, 3 and 1 pages: a last pair without page B
-      (61, 128, 128, None, [256, 190]),  # two head tiles, two steps a page
-      (62, 80, 64, 3, [300, 130, 64, 0]),  # heads padded; a split's pairs end mid-row
-  ])
-  def test_page_pairs(self, seed, n, page, splits, req_lens):
-    self.check(*make_case(seed, n=n, page=page, req_lens=req_lens), num_kv_splits=splits)
-
-  def test_bad_table_entries_at_128_heads(self):
-    self.check_bad_table_entries(page=64, req_lens=[200, 150], n=128)
-
-
-  @pytest.mark.parametrize("change,message", [
-      (lambda a: {**a, "kv_cache": a["kv_cache"].astype(jnp.float8_e4m3fn)},
-       "bfloat16 q and cache"),
-      (lambda a: {**a, "q": a["q"][..., :512], "kv_cache": a["kv_cache"][..., :512],
-                  "kv_lora_rank": 256}, "kv_lora_rank 512 and 576 columns"),
-      (lambda a: {**a, "kv_cache": jnp.concatenate([a["kv_cache"]] * 2, axis=1)[:, :96]},
-       "multiple of 64"),
-      (lambda a: {**a, "num_kv_splits": 0}, "num_kv_splits"),
-      (lambda a: {**a, "split_tokens": 96}, "multiple of the kernel's step"),
-  ])
-  def test_bad_input_raises(self, change, message):
-    # The seesaw kernel's own entry refuses what it does not take before any launch.
-    q, cache, tables, lens = (jnp.asarray(a)
-                              for a in make_case(51, n=64, page=64, req_lens=[20, 5]))
-    args = dict(q=q, kv_cache=cache, block_tables=tables, seq_lens=lens, kv_lora_rank=512)
-    with pytest.raises(ValueError, match=message):
-      mosaic_decode_seesaw.latent_decode(**change(args), scale=0.1, interpret=True)
-
-  def test_bad_value(self):
-    with pytest.raises(ValueError, match="seesaw must be True or False"):
-      mosaic_decode.MosaicDecodeConfig(seesaw=1)
 
 
 class TestPallasMosaicDecodeHalfPages(_MosaicDecodeKnob):

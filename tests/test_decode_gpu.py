@@ -376,15 +376,3 @@ def test_rescale_slack_matches_reference(cache_dtype):
   q_scale = jnp.where(jnp.arange(128) % 3 == 0, 6.0, 1.0)
   check_serving_case(34, 128, 8192, 128, cache_dtype, functools.partial(
       mosaic_decode.latent_decode, rescale_slack=RESCALE_SLACK), q_scale=q_scale)
-
-
-@pytest.mark.parametrize("seed,batch,max_len,splits", [
-    (40, 128, 8192, None),  # the timed shape (one split)
-    (41, 32, 8192, 4),
-    (42, 16, 32768, 1),  # long rows: many refills of both slots' lo and hi tiles
-])
-def test_seesaw_matches_reference(seed, batch, max_len, splits):
-  # seesaw: FlashMLA's schedule (`mosaic_decode_seesaw`) at serving sizes; serving_case's ragged
-  # lengths end pages part-way and leave odd page counts (a last pair without its page B).
-  check_serving_case(seed, batch, max_len, 128, jnp.bfloat16, functools.partial(
-      mosaic_decode.latent_decode, num_kv_splits=splits, seesaw=True))
