@@ -298,9 +298,9 @@ def _mosaic_indexer_logits(q, weights, k_cache, block_tables, seq_lens, *,
 
 # The Mosaic decode kernel's launch config wherever a backend runs it (pallas_mosaic, and pallas on
 # Hopper), read at each call: its fp8_pipeline (one of its FP8_PIPELINES), heads_in, wide_keys,
-# wide_values, e4m3_scores, e4m3_promote_cols, wide_widening, pages_per_step, ring_slots and
-# rescale_slack (see `pallas_kernels.mosaic_decode.MosaicDecodeConfig`) are the knobs a backend
-# passes on.
+# wide_values, e4m3_scores, e4m3_promote_cols, wide_widening, pages_per_step, ring_slots,
+# rescale_slack and auto_barriers (see `pallas_kernels.mosaic_decode.MosaicDecodeConfig`) are the
+# knobs a backend passes on.
 MOSAIC_DECODE_CONFIG = pallas_mosaic_decode.CONFIG
 
 
@@ -316,6 +316,7 @@ def _mosaic_decode(q, kv_cache, block_tables, seq_lens, **kwargs):
                                             pages_per_step=MOSAIC_DECODE_CONFIG.pages_per_step,
                                             ring_slots=MOSAIC_DECODE_CONFIG.ring_slots,
                                             rescale_slack=MOSAIC_DECODE_CONFIG.rescale_slack,
+                                            auto_barriers=MOSAIC_DECODE_CONFIG.auto_barriers,
                                             **kwargs)
 
 

@@ -272,7 +272,15 @@ class MosaicDecodeConfig:
   softmax (P in bf16 has its relative precision at any scale), not the same bits as None. H200
   (session 29, B=128 N=128 S=8192, in turn, ms, None / 8.0): bf16 0.560 / 0.545 (1.03x), fp8
   half_pages 0.770 / 0.722 (1.07x), in_slot 0.655 / 0.636 (1.03x): 8.0 the default
-  (`common.RESCALE_SLACK`); None: every step rescales."""
+  (`common.RESCALE_SLACK`); None: every step rescales.
+  auto_barriers (bf16 caches; fp8 caches keep them, their widening stores and reloads tiles): False
+  compiles with `unsafe_no_auto_barriers`, so Pallas puts no warpgroup barrier around each
+  shared-memory store and before each bulk copy (mosaic_sparse's default). Warpgroup 0's P
+  hand-off then holds one barrier (commit_smem's) where it holds five (ptxas 13.5, bf16 N=128: two
+  around P's store, two around the rescale factors', one in commit_smem), on the chain that paces
+  the step at 128 heads (session 33). Its stores are each thread's own fragment (the tail zeroing
+  reloads only what the same thread stores) or read by another warpgroup after commit_smem and a
+  barrier, as in mosaic_sparse, which shares the hand-off. Prepared in session 33, not timed."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -286,6 +294,7 @@ class MosaicDecodeConfig:
   pages_per_step: int | None = None
   ring_slots: int | None = None
   rescale_slack: float | None = RESCALE_SLACK
+  auto_barriers: bool = True
 
   def __post_init__(self):
     if self.block_h != 64:
@@ -321,6 +330,8 @@ class MosaicDecodeConfig:
       raise ValueError(f"e4m3_promote_cols must be one of {E4M3_PROMOTE_COLS}, got "
                        f"{self.e4m3_promote_cols!r}")
     check_rescale_slack(self.rescale_slack)
+    if not isinstance(self.auto_barriers, bool):
+      raise ValueError(f"auto_barriers must be True or False, got {self.auto_barriers!r}")
 
 
 # e4m3_scores' promotion chunks: multiples of the 64-byte-swizzled slot's 64-column tiles (128:
@@ -363,7 +374,7 @@ def default_fp8_pipeline(heads_in: str, wide_widening: bool) -> str:
 
 CONFIG = MosaicDecodeConfig()
 # The sweep space: the variants `benchmarks/bench_decode.py --mosaic-configs` times beside CONFIG.
-SWEEP = (CONFIG, MosaicDecodeConfig(rescale_slack=None),
+SWEEP = (CONFIG, MosaicDecodeConfig(rescale_slack=None), MosaicDecodeConfig(auto_barriers=False),
          MosaicDecodeConfig(fp8_pipeline="half_pages"),
          MosaicDecodeConfig(fp8_pipeline="half_pages", rescale_slack=None),
          MosaicDecodeConfig(fp8_pipeline="serial"),
@@ -382,7 +393,8 @@ SWEEP = (CONFIG, MosaicDecodeConfig(rescale_slack=None),
 DTYPE_KNOBS = {"fp8_pipeline": jnp.dtype(F8), "wide_keys": jnp.dtype(F8),
                "wide_values": jnp.dtype(F8), "e4m3_scores": jnp.dtype(F8),
                "e4m3_promote_cols": jnp.dtype(F8), "wide_widening": jnp.dtype(F8),
-               "pages_per_step": jnp.dtype(F8), "ring_slots": jnp.dtype(F8)}
+               "pages_per_step": jnp.dtype(F8), "ring_slots": jnp.dtype(F8),
+               "auto_barriers": jnp.dtype(jnp.bfloat16)}
 _TILE_H, _STEP, _STAGES = CONFIG.block_h, CONFIG.block_n, CONFIG.num_stages
 # fp8 caches: 2 slots of e4m3 bytes (36 KB each) that the memory warpgroup widens into the bf16
 # slots the products read ("serial": one of 64 rows; "half_pages": two of 32 rows), so the shared
@@ -1323,7 +1335,7 @@ def _f16_queries(q):
                                              "wide_keys", "wide_values", "e4m3_scores",
                                              "e4m3_promote_cols", "wide_widening",
                                              "pages_per_step", "ring_slots", "rescale_slack",
-                                             "interpret"))
+                                             "auto_barriers", "interpret"))
 def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
                   *, scale: float, kv_lora_rank: int = 512,
                   k_scale: jax.Array | float | None = None, num_kv_splits: int | None = None,
@@ -1336,6 +1348,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                   pages_per_step: int | None = CONFIG.pages_per_step,
                   ring_slots: int | None = CONFIG.ring_slots,
                   rescale_slack: float | None = CONFIG.rescale_slack,
+                  auto_barriers: bool = CONFIG.auto_barriers,
                   interpret: bool | plgpu.InterpretGPUParams = False
                   ) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
@@ -1366,7 +1379,9 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   ring_slots: register_a's e4m3 slots (`MosaicDecodeConfig`; None: 4; a number is a ValueError
   with the other fp8 pipelines or where it does not fit, a bf16 cache ignores it).
   rescale_slack: the consumers' lazy rescale (`MosaicDecodeConfig`; by default
-  `common.RESCALE_SLACK`, 8.0; None: every step rescales; heads in N ignore it).
+  `common.RESCALE_SLACK`, 8.0; None: every step rescales; heads in N ignore it). auto_barriers:
+  False compiles a bf16 cache's kernel without Pallas's automatic warpgroup barriers
+  (`MosaicDecodeConfig`; fp8 caches keep them).
   interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
   o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
@@ -1376,7 +1391,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                      wide_values=wide_values, e4m3_scores=e4m3_scores,
                      e4m3_promote_cols=e4m3_promote_cols, wide_widening=wide_widening,
                      pages_per_step=pages_per_step, ring_slots=ring_slots,
-                     rescale_slack=rescale_slack)  # checks
+                     rescale_slack=rescale_slack, auto_barriers=auto_barriers)  # checks
   fp8 = kv_cache.dtype == F8
   if heads_in is None:
     heads_in = default_heads_in(q.shape[1], fp8, fp8_pipeline)
@@ -1558,12 +1573,14 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
       # heads in N reduce S^T over its rows, across the warpgroup's warps.
       compiler_params=plgpu.CompilerParams(
           approx_math=True,
-          reduction_scratch_bytes=REDUCTION_BYTES_PER_8_HEADS * tile_h // 8 if heads_n else 0),
+          reduction_scratch_bytes=REDUCTION_BYTES_PER_8_HEADS * tile_h // 8 if heads_n else 0,
+          unsafe_no_auto_barriers=not (fp8 or auto_barriers)),
       interpret=interpret or None,
       kernel_name=(f"mosaic_latent_decode_{'fp8' if fp8 else 'bf16'}{'_half' if half_pages else ''}"
                    f"{'_shared' if shared_widening else ''}{'_register_a' if register_a else ''}"
                    f"{'_in_slot' if in_slot else ''}"
                    f"{'_lazy_rescale' if rescale_slack is not None and not heads_n else ''}"
+                   f"{'_no_auto_barriers' if not (fp8 or auto_barriers) else ''}"
                    f"{'_wide_widening' if wide_widening else ''}"
                    f"{'_wide_keys' if wide_keys else ''}{'_wide_values' if wide_values else ''}"
                    f"{f'_e4m3_scores{e4m3_promote_cols}' if e4m3_scores else ''}"

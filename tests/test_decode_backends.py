@@ -155,6 +155,15 @@ class TestPallasMosaicDecode(DecodeContract):
   def test_bad_table_entries_page_64(self):
     self.check_bad_table_entries(page=64, req_lens=[200, 150])
 
+  def test_backend_passes_auto_barriers(self, monkeypatch):
+    # auto_barriers changes only the compiled form (the interpreter has no automatic barriers to
+    # drop): the lowering cases and test_decode_gpu.py check it; here, that the backend passes it.
+    config = mosaic_decode.MosaicDecodeConfig(auto_barriers=False)
+    assert backend_passes(self.decode, monkeypatch, "auto_barriers", jnp.dtype(jnp.bfloat16),
+                          config) == [False]
+    with pytest.raises(ValueError, match="auto_barriers must be True or False"):
+      mosaic_decode.MosaicDecodeConfig(auto_barriers=0)
+
   def test_splits_one_is_batch_independent(self):
     q, cache, tables, lens = make_case(61, n=16, page=64, req_lens=[90, 140, 7])
     run = lambda *a: mosaic_decode.latent_decode(*a, scale=0.1, num_kv_splits=1, interpret=True)
@@ -249,7 +258,13 @@ class TestPallasMosaicDecode(DecodeContract):
       # One page a step, with rings of 4 and 5 (5 fits at 16 and 32 heads: 231,528 bytes at 32).
       *[(128, n, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a",
                                                  "pages_per_step": 1, "ring_slots": ring})
-        for n in (16, 32) for ring in (4, 5)]])
+        for n in (16, 32) for ring in (4, 5)],
+      # auto_barriers=False (bf16: heads in M and in N, splits; fp8 keeps Pallas's barriers).
+      *[(batch, n, seq, splits, dtype, {"auto_barriers": False})
+        for batch, n, seq, splits, dtype in ((128, 128, 8192, None, jnp.bfloat16),
+                                             (32, 128, 8192, 4, jnp.bfloat16),
+                                             (128, 16, 32768, None, jnp.bfloat16),
+                                             (128, 128, 8192, None, jnp.float8_e4m3fn))]])
   def test_lowers_for_hopper(self, batch, n, seq, splits, cache_dtype, knobs):
     # Lowering for CUDA (it runs on this CPU) checks what the interpreter does not: wgmma operand
     # shapes and layouts, bulk-copy boxes, and that shared memory fits a Hopper block's 227 KB.
@@ -262,6 +277,8 @@ class TestPallasMosaicDecode(DecodeContract):
                                                k_scale=k_scale, num_kv_splits=splits, **knobs)
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+    assert ("_no_auto_barriers" in text) == (knobs.get("auto_barriers") is False
+                                             and cache_dtype == jnp.bfloat16)
 
   def test_default_splits_fill_one_wave(self):
     # As many splits as one wave of one program a SM holds (132 on the H200, what the CPU

@@ -376,3 +376,17 @@ def test_rescale_slack_matches_reference(cache_dtype):
   q_scale = jnp.where(jnp.arange(128) % 3 == 0, 6.0, 1.0)
   check_serving_case(34, 128, 8192, 128, cache_dtype, functools.partial(
       mosaic_decode.latent_decode, rescale_slack=RESCALE_SLACK), q_scale=q_scale)
+
+
+@pytest.mark.parametrize("seed,batch,max_len,n,splits", [
+    (44, 128, 8192, 128, None),  # the timed shape: heads in M
+    (45, 32, 8192, 128, 4),
+    (46, 128, 8192, 16, None),  # heads in N
+    (47, 16, 32768, 64, 1),  # long rows
+])
+def test_no_auto_barriers_matches_reference(seed, batch, max_len, n, splits):
+  # auto_barriers=False: no Pallas barrier around shared-memory stores (the P hand-off, the tail
+  # zeroing, the output staging over the page memory) or before bulk copies; serving_case's ragged
+  # lengths give partial last pages and empty rows.
+  check_serving_case(seed, batch, max_len, n, jnp.bfloat16, functools.partial(
+      mosaic_decode.latent_decode, num_kv_splits=splits, auto_barriers=False))
