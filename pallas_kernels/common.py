@@ -158,16 +158,6 @@ def one_wave_splits(num_programs: int, sm_count: int = H200_SMS) -> int:
 BATCH_INVARIANT_SPLIT_TOKENS = 2048
 
 
-MAX_GRID_TOKENS = 65535  # the Mosaic decode kernels launch tokens on the grid's z axis
-
-
-def check_grid_tokens(num_tokens: int) -> None:
-  """ValueError past the CUDA grid's z extent, where the Mosaic decode kernels launch tokens."""
-  if num_tokens > MAX_GRID_TOKENS:
-    raise ValueError(f"at most {MAX_GRID_TOKENS} tokens a call (the CUDA grid's z extent, where "
-                     f"tokens launch), got {num_tokens}")
-
-
 def check_split_args(num_kv_splits: int | None, split_tokens: int | None, step: int) -> None:
   """ValueError unless at most one of the two split arguments is given, each valid; `step` is the
   kernel's tokens per inner step, which a fixed split must hold whole."""
@@ -502,13 +492,6 @@ def step_variant(smem, i):
   return smem.at[pl.ds(pl.multiple_of(lax.shift_right_logical(i, 30) * rows, rows), rows)]
 
 
-def rows_lse(m, l):
-  """The rows' natural log-sum-exps from the base-2 running max m and sum l; -inf where nothing
-  was seen (l = 0)."""
-  seen = l > 0
-  return jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-
-
 def _store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis=0, store=None):
   """acc (column tiles [64, w] f32 of one warpgroup's output) * out_scale / l, rows that saw
   nothing 0, staged in o_smem [64, cols] and copied to o_gmem (its rows: the first 64 or fewer).
@@ -569,7 +552,8 @@ def run_scores(n, step, acc, *, row_smem, p_ready, p_free, lse_smem, lse_gmem, o
   plmgpu.barrier_arrive(p_ready)
   if acc:
     _store_output(acc, l, o_smem, o_gmem, out_scale, heads_axis)
-  lse_smem[...] = rows_lse(m, l)
+  seen = l > 0
+  lse_smem[...] = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
   plmgpu.commit_smem()
   plmgpu.copy_smem_to_gmem(leading_rows(lse_smem, lse_gmem), lse_gmem)
   plmgpu.wait_smem_to_gmem(0)

@@ -58,8 +58,8 @@ from jaxlib.mlir.dialects import arith, llvm, vector
 
 from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
                                    REDUCTION_BYTES_PER_8_HEADS, RESCALE_SLACK, check_decode_args,
-                                   check_grid_tokens, check_rescale_slack, check_softmax_scale,
-                                   check_split_args, feed_ring, hand_over_p,
+                                   check_rescale_slack, check_softmax_scale, check_split_args,
+                                   feed_ring, hand_over_p,
                                    heads_tile, leading_rows, length_splits, merge_splits,
                                    num_fixed_splits, one_wave_splits, padded_heads,
                                    partials_dtype, row_broadcast, run_scores, run_values,
@@ -408,6 +408,7 @@ _VALUE_WGS = 2  # warpgroups sharing the value columns; warpgroup 0 also compute
 _CHUNK = 128
 _MAX_WGMMA_N = 256
 PAGE_MULTIPLE = _STEP  # pages hold whole steps
+MAX_GRID_TOKENS = 65535  # tokens launch on the grid's z axis, at most 65535 programs
 # (consumer, memory) warpgroup registers a thread. 2 x consumer + memory must stay within
 # common.register_pool(3) (504, not 512: the inferred cause of the fp8 path's hang on the H200
 # with (224, 64), RESULTS.md). With an fp8 cache the memory warpgroup widens tiles.
@@ -1305,7 +1306,9 @@ def _check(q, kv_cache, block_tables, seq_lens, kv_lora_rank, k_scale, num_kv_sp
   if page % PAGE_MULTIPLE:
     raise ValueError(f"page size must be a multiple of {PAGE_MULTIPLE} (the bulk copy and wgmma "
                      f"tile), got {page}")
-  check_grid_tokens(q.shape[0])
+  if q.shape[0] > MAX_GRID_TOKENS:
+    raise ValueError(f"at most {MAX_GRID_TOKENS} tokens a call (the CUDA grid's z extent, where "
+                     f"tokens launch), got {q.shape[0]}")
   if q.dtype != jnp.bfloat16 or kv_cache.dtype not in (jnp.bfloat16, F8):
     raise ValueError(f"q must be bfloat16 and the cache bfloat16 or float8_e4m3fn, got "
                      f"{q.dtype.name} and {kv_cache.dtype.name}")
@@ -1470,6 +1473,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
     interpret = plgpu.InterpretGPUParams()
 
   shared_widening = fp8 and fp8_pipeline == "shared_widening"
+  no_auto_barriers = not (fp8 or auto_barriers)  # fp8's widening keeps Pallas's barriers
   in_slot = fp8 and fp8_pipeline == "in_slot"
   if in_slot and not wide_widening and not interpret:
     raise ValueError("fp8_pipeline=\"in_slot\" widens in place in lane-level code only "
@@ -1574,13 +1578,13 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
       compiler_params=plgpu.CompilerParams(
           approx_math=True,
           reduction_scratch_bytes=REDUCTION_BYTES_PER_8_HEADS * tile_h // 8 if heads_n else 0,
-          unsafe_no_auto_barriers=not (fp8 or auto_barriers)),
+          unsafe_no_auto_barriers=no_auto_barriers),
       interpret=interpret or None,
       kernel_name=(f"mosaic_latent_decode_{'fp8' if fp8 else 'bf16'}{'_half' if half_pages else ''}"
                    f"{'_shared' if shared_widening else ''}{'_register_a' if register_a else ''}"
                    f"{'_in_slot' if in_slot else ''}"
                    f"{'_lazy_rescale' if rescale_slack is not None and not heads_n else ''}"
-                   f"{'_no_auto_barriers' if not (fp8 or auto_barriers) else ''}"
+                   f"{'_no_auto_barriers' if no_auto_barriers else ''}"
                    f"{'_wide_widening' if wide_widening else ''}"
                    f"{'_wide_keys' if wide_keys else ''}{'_wide_values' if wide_values else ''}"
                    f"{f'_e4m3_scores{e4m3_promote_cols}' if e4m3_scores else ''}"

@@ -15,8 +15,8 @@ from decode_contract import (FP8_SCALE, L, SCALE, DecodeContract, assert_decode_
 from mla_jax import backends
 from oracles import latent_decode_np
 from pallas_kernels import e4m3_operands, mosaic_decode, mosaic_lanes
-from pallas_kernels.common import (HEADS_N_TILES, MAX_GRID_TOKENS, RESCALE_SLACK,
-                                   default_num_kv_splits, register_pool, softmax_step)
+from pallas_kernels.common import (HEADS_N_TILES, RESCALE_SLACK, default_num_kv_splits,
+                                   register_pool, softmax_step)
 from pallas_kernels.latent_decode import latent_decode
 
 
@@ -343,7 +343,7 @@ class TestPallasMosaicDecode(DecodeContract):
     # Shapes only (65536 rows of queries would be 1.2 GB): the check runs while tracing.
     q, cache, tables, lens = (jnp.asarray(a)
                               for a in make_case(51, n=16, page=64, req_lens=[20, 5]))
-    rows = lambda a: jax.ShapeDtypeStruct((MAX_GRID_TOKENS + 1,) + a.shape[1:],
+    rows = lambda a: jax.ShapeDtypeStruct((mosaic_decode.MAX_GRID_TOKENS + 1,) + a.shape[1:],
                                           a.dtype)
     decode = lambda q, tables, lens: mosaic_decode.latent_decode(
         q=q, kv_cache=cache, block_tables=tables, seq_lens=lens, kv_lora_rank=512, scale=0.1)
