@@ -129,7 +129,7 @@ def test_mosaic_configs_times_what_changes_the_program(dtype):
                           "wide_keys": False},
                          {"fp8_pipeline": "register_a", "heads_in": "n", "pages_per_step": 1}]
   else:  # rescale_slack is both caches' knob, auto_barriers bf16's only
-    assert named[1:] == [{"rescale_slack": None}, {"auto_barriers": False}, {"heads_in": "n"}]
+    assert named[1:] == [{"rescale_slack": None}, {"auto_barriers": True}, {"heads_in": "n"}]
 
 
 def test_time_interleaved_takes_the_repeats_in_turn():

@@ -158,9 +158,9 @@ class TestPallasMosaicDecode(DecodeContract):
   def test_backend_passes_auto_barriers(self, monkeypatch):
     # auto_barriers changes only the compiled form (the interpreter has no automatic barriers to
     # drop): the lowering cases and test_decode_gpu.py check it; here, that the backend passes it.
-    config = mosaic_decode.MosaicDecodeConfig(auto_barriers=False)
+    config = mosaic_decode.MosaicDecodeConfig(auto_barriers=True)
     assert backend_passes(self.decode, monkeypatch, "auto_barriers", jnp.dtype(jnp.bfloat16),
-                          config) == [False]
+                          config) == [True]
     with pytest.raises(ValueError, match="auto_barriers must be True or False"):
       mosaic_decode.MosaicDecodeConfig(auto_barriers=0)
 
@@ -259,8 +259,8 @@ class TestPallasMosaicDecode(DecodeContract):
       *[(128, n, 8192, None, jnp.float8_e4m3fn, {"fp8_pipeline": "register_a",
                                                  "pages_per_step": 1, "ring_slots": ring})
         for n in (16, 32) for ring in (4, 5)],
-      # auto_barriers=False (bf16: heads in M and in N, splits; fp8 keeps Pallas's barriers).
-      *[(batch, n, seq, splits, dtype, {"auto_barriers": False})
+      # auto_barriers=True, Pallas's barriers (the default False: bf16 only, fp8 keeps them).
+      *[(batch, n, seq, splits, dtype, {"auto_barriers": True})
         for batch, n, seq, splits, dtype in ((128, 128, 8192, None, jnp.bfloat16),
                                              (32, 128, 8192, 4, jnp.bfloat16),
                                              (128, 16, 32768, None, jnp.bfloat16),
@@ -277,7 +277,7 @@ class TestPallasMosaicDecode(DecodeContract):
                                                k_scale=k_scale, num_kv_splits=splits, **knobs)
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-    assert ("_no_auto_barriers" in text) == (knobs.get("auto_barriers") is False
+    assert ("_no_auto_barriers" in text) == (not knobs.get("auto_barriers", False)
                                              and cache_dtype == jnp.bfloat16)
 
   def test_default_splits_fill_one_wave(self):

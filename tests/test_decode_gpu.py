@@ -384,9 +384,9 @@ def test_rescale_slack_matches_reference(cache_dtype):
     (46, 128, 8192, 16, None),  # heads in N
     (47, 16, 32768, 64, 1),  # long rows
 ])
-def test_no_auto_barriers_matches_reference(seed, batch, max_len, n, splits):
-  # auto_barriers=False: no Pallas barrier around shared-memory stores (the P hand-off, the tail
-  # zeroing, the output staging over the page memory) or before bulk copies; serving_case's ragged
-  # lengths give partial last pages and empty rows.
+def test_auto_barriers_matches_reference(seed, batch, max_len, n, splits):
+  # auto_barriers=True, Pallas's barrier around every shared-memory store and before bulk copies
+  # (the default, False, runs without them in every other test); serving_case's ragged lengths
+  # give partial last pages and empty rows.
   check_serving_case(seed, batch, max_len, n, jnp.bfloat16, functools.partial(
-      mosaic_decode.latent_decode, num_kv_splits=splits, auto_barriers=False))
+      mosaic_decode.latent_decode, num_kv_splits=splits, auto_barriers=True))
