@@ -444,10 +444,11 @@ def softmax_step(s, m, l, heads_axis=0, slack=None, scale=None):
 
 def hand_over_p(i, p, alpha, p_smem, row_smem, p_ready, p_free):
   """Warpgroup 0's hand-off of step i's P and rescale factors (once warpgroup 1 is done with the
-  previous ones); returns P in p_smem's dtype."""
-  @pl.when(i > 0)
-  def _():
-    plmgpu.barrier_wait(p_free)
+  previous ones; p_free None: the caller has waited for that); returns P in p_smem's dtype."""
+  if p_free is not None:
+    @pl.when(i > 0)
+    def _():
+      plmgpu.barrier_wait(p_free)
 
   p16 = p.astype(p_smem.dtype)
   p_smem[...] = p16

@@ -819,6 +819,11 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
 
     if e4m3_scores:  # the heads' score scales (read, unused, when there is no step)
       head_scales = plgpu.load(qs_smem, layout=plgpu.Layout.WGMMA.reduce(0)) * qk_scale
+    # bf16, heads in M: the wait for P's buffer (warpgroup 1 done with the previous P) while S's
+    # products run, not on the chain from S to P V (H100, session 34: ~100 clocks of a ~3,350
+    # clock step, 1.012-1.013x in turn; the fp8 and heads-in-N paths, not timed, keep it in the
+    # hand-off).
+    free_early = not (fp8 or heads_n or register_a)
 
     def step(i, carry):
       m, l, acc = carry
@@ -880,6 +885,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
           plgpu.wgmma(acc_ref, kv_smem.at[slot], q_smem.transpose((1, 0)))
         else:
           plgpu.wgmma(acc_ref, step_variant(q_smem, i), kv_smem.at[slot].transpose((1, 0)))
+          if free_early:
+            pl.when(i > 0)(functools.partial(plgpu.barrier_wait, p_free))
         return acc_ref[...]
 
       s_shape = (step_rows, tile_h) if heads_n else (_TILE_H, step_rows)
@@ -913,7 +920,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
         m_new, alpha, p, l = softmax_step(s[0], m, l, heads_axis,
                                           None if heads_n else rescale_slack, scale=row_scale)
         p16 = hand_over_p(i, p, alpha, p_smem.transpose((1, 0)) if heads_n else p_smem,
-                          row_smem, p_ready, p_free)
+                          row_smem, p_ready, None if free_early else p_free)
       else:  # one cross-warp row max and one hand-off for all the pages (acc is empty here)
         m_new, alpha, p, l = _softmax_pages(s, m, l, row_scale)
         _hand_over_pages(i, p, alpha, p_smem, row_smem, p_ready, p_free)
