@@ -7,6 +7,7 @@ Pure arrays in and out; no dependency on the rest of the project.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -36,6 +37,35 @@ F8 = jnp.float8_e4m3fn
 MAX_FP8_ELEMENTS = 2 ** 31
 T = TypeVar("T")
 SWIZZLE = 128  # bytes: the widest swizzle; wgmma operands and bulk copies use the same layout
+
+# While `phase_profile` is active: the fields that make Mosaic GPU's on-device profiler record
+# each phase (`in_phase`) of the kernels built with `mosaic_compiler_params`.
+_PHASE_PROFILE: dict[str, object] = {}
+
+
+@contextlib.contextmanager
+def phase_profile(directory: str, space: int):
+  """Mosaic GPU kernels traced inside record the clock at each `in_phase` scope's entry and exit,
+  `space` scopes a warpgroup (in shared memory beside the kernel's; bounds-checked: a longer trace
+  is cut), dumped as Perfetto JSON under `directory` after each call (`benchmarks/phase_profile.py`
+  reads it). Only kernels traced inside are profiled: a jit cache keeps what it compiled."""
+  _PHASE_PROFILE.update(profile_space=space, profile_dir=directory, profile_bounds_check=True)
+  try:
+    yield
+  finally:
+    _PHASE_PROFILE.clear()
+
+
+def mosaic_compiler_params(**params) -> plmgpu.CompilerParams:
+  """A Mosaic GPU kernel's `CompilerParams(**params)`, profiled while `phase_profile` is."""
+  return plmgpu.CompilerParams(**params, **_PHASE_PROFILE)
+
+
+def in_phase(name: str, fn: Callable[..., T], *args, **kwargs) -> T:
+  """fn(*args, **kwargs) as the named phase of a warpgroup's step (a `jax.named_scope`: nothing
+  in the compiled kernel unless `phase_profile` is active)."""
+  with jax.named_scope(name):
+    return fn(*args, **kwargs)
 
 
 def register_pool(warpgroups: int) -> int:
@@ -598,8 +628,8 @@ def run_values(n, num_slots, accumulate, acc, *, ready, consumed, row_smem, p_re
     # p_ready already comes after warpgroup 0 saw the slot land; waiting on the slot's own barrier
     # as well is the documented way for its bytes to be visible to this warpgroup's wgmma.
     plmgpu.barrier_wait(ready.at[slot])
-    plmgpu.barrier_wait(p_ready)
-    acc = accumulate(acc, plmgpu.load(row_smem, layout=rows_layout), slot)
+    in_phase("wg1_p_wait", plmgpu.barrier_wait, p_ready)
+    acc = in_phase("wg1_values", accumulate, acc, plmgpu.load(row_smem, layout=rows_layout), slot)
     plmgpu.barrier_arrive(p_free)
     plmgpu.barrier_arrive(consumed.at[slot])
     if widen is not None:
@@ -633,8 +663,8 @@ def feed_ring(n, stages, consumed, fetch):
   @pl.loop(stages, n)
   def _(i):
     slot = lax.rem(i, stages)
-    plmgpu.barrier_wait(consumed.at[slot])
-    fetch(i, slot)
+    in_phase("memory_slot_wait", plmgpu.barrier_wait, consumed.at[slot])
+    in_phase("memory_copy", fetch, i, slot)
 
   # Sees the last uses of the slots out too: a warpgroup that waits on some phases of a barrier
   # waits on all of them (the interpreter checks this when the barriers are freed).

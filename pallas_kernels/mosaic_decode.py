@@ -60,8 +60,9 @@ from pallas_kernels.common import (F8, HALF_ROWS, HALF_ROWS_LAYOUT, LOG2E,
                                    REDUCTION_BYTES_PER_8_HEADS, RESCALE_SLACK, check_decode_args,
                                    check_rescale_slack, check_softmax_scale, check_split_args,
                                    feed_ring, hand_over_p,
-                                   heads_tile, leading_rows, length_splits, merge_splits,
-                                   num_fixed_splits, one_wave_splits, padded_heads,
+                                   heads_tile, in_phase, leading_rows, length_splits, merge_splits,
+                                   mosaic_compiler_params, num_fixed_splits, one_wave_splits,
+                                   padded_heads,
                                    partials_dtype, row_broadcast, run_scores, run_values,
                                    sm_count, softmax_step, split_range, step_variant, swizzled,
                                    SWIZZLE)
@@ -840,7 +841,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
         if not fp8:
           pl.when(rows[k] < _STEP)(functools.partial(zero_rows, page_slots[k], rows[k]))
 
-      landed(0)  # the step's later pages just before their first products (their copies' slack)
+      # the step's later pages just before their first products (their copies' slack)
+      in_phase("wg0_page_wait", landed, 0)
 
       def e4m3_scores_(chained, *acc_refs):
         """[64 tokens, 2 x heads] f32 a page of the step's pages `chained`: K hi^T, then K lo^T.
@@ -895,7 +897,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
                   else tuple((k,) for k in range(pages)))
         s = []
         for chained in chains:
-          both = pl.run_scoped(functools.partial(e4m3_scores_, chained), *[
+          both = in_phase("wg0_scores", pl.run_scoped, functools.partial(e4m3_scores_, chained), *[
               plgpu.ACC((_STEP, 2 * tile_h), jnp.float32)
               for _ in range(len(chained) * pl.cdiv(kv_smem.shape[-1], e4m3_promote_cols))])
           s += [x[:, :tile_h] + x[:, tile_h:] * E4M3_LO_SCALE for x in both]
@@ -904,8 +906,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
         for k, page_slot in enumerate(page_slots):
           if k:
             landed(k)
-          s.append(pl.run_scoped(functools.partial(scores, page_slot),
-                                 plgpu.ACC(s_shape, jnp.float32)))
+          s.append(in_phase("wg0_scores", pl.run_scoped, functools.partial(scores, page_slot),
+                            plgpu.ACC(s_shape, jnp.float32)))
       if pages > 1:  # warpgroup 0 reads no slot after S^T (warpgroup 1 releases them later)
         for page_slot in page_slots:
           plgpu.barrier_arrive(consumed.at[page_slot])
@@ -917,16 +919,17 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
       s = [lax.cond(page_rows_ < s_shape[1 - heads_axis], mask, lambda x, _: x, x, page_rows_)
            for x, page_rows_ in zip(s, rows)]
       if pages == 1:
-        m_new, alpha, p, l = softmax_step(s[0], m, l, heads_axis,
-                                          None if heads_n else rescale_slack, scale=row_scale)
-        p16 = hand_over_p(i, p, alpha, p_smem.transpose((1, 0)) if heads_n else p_smem,
-                          row_smem, p_ready, None if free_early else p_free)
+        m_new, alpha, p, l = in_phase("wg0_softmax", softmax_step, s[0], m, l, heads_axis,
+                                      None if heads_n else rescale_slack, scale=row_scale)
+        p16 = in_phase("wg0_hand_off", hand_over_p, i, p, alpha,
+                       p_smem.transpose((1, 0)) if heads_n else p_smem, row_smem, p_ready,
+                       None if free_early else p_free)
       else:  # one cross-warp row max and one hand-off for all the pages (acc is empty here)
         m_new, alpha, p, l = _softmax_pages(s, m, l, row_scale)
         _hand_over_pages(i, p, alpha, p_smem, row_smem, p_ready, p_free)
       if acc:
-        acc = accumulate_values(acc, alpha, page_slots, 0,
-                                p16 if in_place and not heads_n else None)
+        acc = in_phase("wg0_values", accumulate_values, acc, alpha, page_slots, 0,
+                       p16 if in_place and not heads_n else None)
       if pages == 1:
         plgpu.barrier_arrive(consumed.at[page_slots[0]])
       return m_new, l, acc
@@ -1584,7 +1587,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
       # Row reductions of the WGMMA layout stay within a warp (shuffles), so the cross-warp
       # reduction scratch (2 KB by default) is not needed, and with 64 heads it would not fit;
       # heads in N reduce S^T over its rows, across the warpgroup's warps.
-      compiler_params=plgpu.CompilerParams(
+      compiler_params=mosaic_compiler_params(
           approx_math=True,
           reduction_scratch_bytes=REDUCTION_BYTES_PER_8_HEADS * tile_h // 8 if heads_n else 0,
           unsafe_no_auto_barriers=no_auto_barriers),

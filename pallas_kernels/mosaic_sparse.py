@@ -65,12 +65,12 @@ from jaxlib.mlir.dialects import arith, llvm, memref, nvvm, scf
 from pallas_kernels import mosaic_sparse_register_a as register_a
 from pallas_kernels.common import (DS_MLA_TILE, F8, HALF_ROWS, HALF_ROWS_LAYOUT, HEADS_M_TILE,
                                    HEADS_N_TILES, HOPPER_SMEM_BYTES, LOG2E,
-                                   REDUCTION_BYTES_PER_8_HEADS, RESCALE_SLACK,
-                                   check_rescale_slack, check_softmax_scale, check_sparse_args,
-                                   default_num_kv_splits, hand_over_p,
-                                   heads_tile, leading_rows, merge_splits, one_wave_splits,
-                                   padded_heads, row_broadcast, run_scores, run_values, sm_count,
-                                   smem_bytes, softmax_step, step_variant, swizzled, SWIZZLE)
+                                   REDUCTION_BYTES_PER_8_HEADS, RESCALE_SLACK, check_rescale_slack,
+                                   check_softmax_scale, check_sparse_args, default_num_kv_splits,
+                                   hand_over_p, heads_tile, in_phase, leading_rows, merge_splits,
+                                   mosaic_compiler_params, one_wave_splits, padded_heads,
+                                   row_broadcast, run_scores, run_values, sm_count, smem_bytes,
+                                   softmax_step, step_variant, swizzled, SWIZZLE)
 from pallas_kernels.mosaic_lanes import (WARPGROUP_THREADS, WIDE_MAX_SCALE_BITS, cp_async_wait,
                                          lane_asm, placed_bf16x2, row_steps, rows_rescaled,
                                          warpgroup_thread,
@@ -541,7 +541,7 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
         wait_indices()
       else:  # once a step of 64 slots: a warpgroup waits on each phase once
         pl.when(lax.rem(i, pieces) == 0)(wait_indices)
-      plgpu.barrier_wait(ready.at[slot])
+      in_phase("wg0_rows_wait", plgpu.barrier_wait, ready.at[slot])
 
       def scores(acc_ref):  # acc_ref [64 heads, rows] f32 (heads in N: S^T [rows, heads])
         q = step_variant(q_smem, i)
@@ -554,7 +554,7 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
         return acc_ref[...]
 
       s_shape = (step_rows, tile_h) if heads_n else (_TILE_H, step_rows)
-      s = pl.run_scoped(scores, plgpu.ACC(s_shape, jnp.float32))
+      s = in_phase("wg0_scores", pl.run_scoped, scores, plgpu.ACC(s_shape, jnp.float32))
       piece = idx_smem.at[ring] if pieces == 1 else idx_smem.at[
           ring, pl.ds(lax.rem(i, pieces) * step_rows, step_rows)]
       idx = plgpu.load(piece, layout=slots_layout)
@@ -562,11 +562,12 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
       if prep_in_kernel:  # raw slots: -1 is invalid too (XLA's idx maps it to num_slots)
         valid = valid & (idx >= 0)
       valid = lax.broadcast_in_dim(valid, s.shape, [1 - heads_axis])
-      m_new, alpha, p, l = softmax_step(jnp.where(valid, s, -jnp.inf), m, l, heads_axis,
-                                        rescale_slack, scale=qk_scale)
-      p16 = hand_over_p(i, p, alpha, p_smem.transpose((1, 0)) if heads_n else p_smem, row_smem,
-                        p_ready, p_free)
-      acc = accumulate_values(acc, alpha, slot, 0, None if interpret or heads_n else p16)
+      m_new, alpha, p, l = in_phase("wg0_softmax", softmax_step, jnp.where(valid, s, -jnp.inf),
+                                    m, l, heads_axis, rescale_slack, scale=qk_scale)
+      p16 = in_phase("wg0_hand_off", hand_over_p, i, p, alpha,
+                     p_smem.transpose((1, 0)) if heads_n else p_smem, row_smem, p_ready, p_free)
+      acc = in_phase("wg0_values", accumulate_values, acc, alpha, slot, 0,
+                     None if interpret or heads_n else p16)
       plgpu.barrier_arrive(consumed.at[slot])
       return m_new, l, acc
 
@@ -689,10 +690,12 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
         slot = lax.rem(i, slots)
         if gather == "cp_async" and hand_over_first:  # before this step's slot is free
           hand_over_previous(i, 0)
-        pl.when(i >= slots)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+        in_phase("memory_slot_wait", pl.when(i >= slots),
+                 lambda: plgpu.barrier_wait(consumed.at[slot]))
         pl.when(i + 2 < n)(functools.partial(fetch_indices, i + 2))
-        gather_step(i, ((kv_ref, kv.at[slot], None if kv_raw is None else kv_raw.at[slot]),),
-                    ready.at[slot])
+        in_phase("memory_gather", gather_step, i,
+                 ((kv_ref, kv.at[slot], None if kv_raw is None else kv_raw.at[slot]),),
+                 ready.at[slot])
         if gather == "cp_async" and not hand_over_first:
           hand_over_previous(i, 1)  # this step's group issued, still in flight
 
@@ -754,10 +757,10 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
       @pl.loop(0, n)
       def _(i):
         slot = lax.rem(i, slots)
-        wait_staged(staged_barrier(slot))
+        in_phase("memory_staged_wait", wait_staged, staged_barrier(slot))
         if gather == "cp_async":
           rows_landed()  # this step's is the only group in flight
-        widen_in_place(slot)
+        in_phase("memory_widen", widen_in_place, slot)
         plgpu.commit_smem()
         plgpu.barrier_arrive(ready.at[slot])
 
@@ -765,9 +768,10 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
         # so with ring entry (i + 3) % 4, last read for step i - 1).
         @pl.when(i + 1 < n)
         def _():
-          pl.when(i > 0)(lambda: plgpu.barrier_wait(consumed.at[lax.rem(i + 1, slots)]))
+          in_phase("memory_slot_wait", pl.when(i > 0),
+                   lambda: plgpu.barrier_wait(consumed.at[lax.rem(i + 1, slots)]))
           pl.when(i + 3 < n)(functools.partial(fetch_indices, i + 3))
-          stage(i + 1)
+          in_phase("memory_gather", stage, i + 1)
           pl.when(i + 2 < n)(functools.partial(indices_landed, i + 2))
 
       @pl.loop(jnp.maximum(n - slots, 0), n)  # the last uses of the slots, as for bf16
@@ -1088,9 +1092,9 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
       # barrier wait between (the hand-offs above), and commit_smem() (a warpgroup barrier) comes
       # between a warpgroup's stores and the copy that reads them, and between the widening
       # warpgroup's reads of the staging buffer and the copies that refill it.
-      compiler_params=plgpu.CompilerParams(approx_math=True,
-                                           reduction_scratch_bytes=reduction_bytes,
-                                           unsafe_no_auto_barriers=not auto_barriers),
+      compiler_params=mosaic_compiler_params(approx_math=True,
+                                             reduction_scratch_bytes=reduction_bytes,
+                                             unsafe_no_auto_barriers=not auto_barriers),
       interpret=interpret or None,
       kernel_name=(f"mosaic_sparse_{'ds_mla' if fp8 else 'bf16'}"
                    f"{f'_half{fp8_stage_halves}' if half_rows else ''}"

@@ -2,6 +2,7 @@
 root, a help text for every option, and a clear exit on a machine without a GPU."""
 
 import argparse
+import functools
 import importlib
 import os
 import pathlib
@@ -9,6 +10,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -392,3 +394,50 @@ def test_sparse_direct_probe_lowers_one_mosaic_module():
   from benchmarks import ptxas_report, sparse_direct_probe
   modules = ptxas_report.mosaic_modules(sparse_direct_probe.traced(120))
   assert len(modules) == 1 and modules[0].startswith(b"ML\xefR")
+
+
+def test_phase_table_reads_a_profilers_trace():
+  # Two warpgroup traces (tids), clocks as Mosaic GPU dumps them (ts = clocks / 1e3); each trace's
+  # first `skip` occurrences of a phase are left out, and the step period is warpgroup 0's scores
+  # from one start to the next.
+  from benchmarks.phase_profile import phase_table
+  events = []
+  for tid, base in ((1, 0), (2, 7)):
+    for step, start in enumerate(range(base, base + 40, 10)):
+      dur = 5 if step else 50  # step 0: the pipeline filling
+      events += [{"name": "wg0_scores", "ph": "B", "ts": start / 1e3, "tid": tid},
+                 {"name": "wg0_scores", "ph": "E", "ts": (start + dur) / 1e3, "tid": tid}]
+  table, period = phase_table(events, skip=1)
+  assert list(table) == ["wg0_scores"]
+  n, median, p25, p75 = table["wg0_scores"]
+  assert n == 6 and np.allclose([median, p25, p75], 5)
+  assert period[0] == 4 and np.allclose(period[1:], 10)
+
+
+def test_phase_profile_takes_the_scopes_that_fit():
+  # The profiled decode kernel at 128 heads, lowered for CUDA here: 64 scopes a warpgroup do not
+  # fit beside its 224 KB (so the profile fields reach the kernel), the count found does, one
+  # more does not.
+  from benchmarks.phase_profile import fit_space
+  from pallas_kernels import mosaic_decode
+  fn = functools.partial(mosaic_decode.latent_decode, scale=0.1)
+  args = (jax.ShapeDtypeStruct((128, 128, 576), jax.numpy.bfloat16),
+          jax.ShapeDtypeStruct((128 * 128, 64, 576), jax.numpy.bfloat16),
+          jax.ShapeDtypeStruct((128, 128), jax.numpy.int32),
+          jax.ShapeDtypeStruct((128,), jax.numpy.int32))
+  space = fit_space(fn, args, 64, platform="cuda")
+  assert 0 < space < 64
+  assert fit_space(fn, args, space + 1, platform="cuda") == space
+
+
+def test_phase_profile_help_and_no_gpu(capsys):
+  from benchmarks import phase_profile
+  with pytest.raises(SystemExit) as exit_info:
+    phase_profile.main(["--help"])
+  assert exit_info.value.code == 0
+  assert phase_profile.__doc__.strip() in capsys.readouterr().out
+  if jax.default_backend() != "gpu":
+    with pytest.raises(SystemExit) as exit_info:
+      phase_profile.main(["decode"])
+    said = capsys.readouterr()
+    assert "needs a CUDA GPU" in said.out + said.err + str(exit_info.value.code)
