@@ -2,13 +2,15 @@
 
 Mosaic GPU's on-device profiler: while `pallas_kernels.common.phase_profile` is active, the kernels
 built with `mosaic_compiler_params` record `%clock` at the entry and exit of each `in_phase` scope
-(warpgroup 0: wg0_page_wait or wg0_rows_wait, wg0_scores, wg0_softmax, wg0_hand_off, wg0_values;
-warpgroup 1: wg1_p_wait, wg1_values; the memory warpgroup: memory_slot_wait, memory_copy or
-memory_gather, and fp8_ds_mla's memory_staged_wait, memory_widen) into shared memory beside the
-kernel's, and dump a Perfetto trace after the call. A kernel's shared memory leaves room for a few
-steps a program (the decode at 128 heads: ~40 scopes a warpgroup, its first ~6 steps; sparse
-attention: ~19): the tool lowers the kernel first and takes the most scopes that fit. The trace's
-clocks are the SM's (`%clock`): a phase's cycles, whatever the clock rate.
+(warpgroup 0: wg0_page_wait or wg0_rows_wait, wg0_scores, wg0_softmax, wg0_hand_off, wg0_values
+where it has value columns; warpgroup 1: wg1_p_wait, wg1_values; the memory warpgroup:
+memory_slot_wait, memory_copy or memory_gather, fp8_ds_mla's memory_staged_wait and memory_widen
+at 64 heads and more, memory_landing_wait at 16 and 32) into shared memory beside the kernel's,
+and dump a Perfetto trace after the call. A kernel's shared memory leaves room for a few steps a
+program (the decode at 128 heads: 41 scopes a warpgroup, its first ~6 steps; sparse attention at
+128 heads: 19; at 16 heads, fp8_ds_mla's register_a kernel: 64 and more): the tool lowers the
+kernel first and takes the most scopes that fit. The trace's clocks are the SM's (`%clock`): a
+phase's cycles, whatever the clock rate.
 
 Prints a phase a row: occurrences counted (a program's first --skip of each are left out: the
 pipeline filling), the median, 25th and 75th percentile clocks; then the step period (warpgroup

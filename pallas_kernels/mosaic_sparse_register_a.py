@@ -48,9 +48,9 @@ from jaxlib.mlir.dialects import arith, llvm, nvvm
 
 from pallas_kernels.common import (DS_MLA_TILE, F8, HEADS_N_TILES, HOPPER_SMEM_BYTES, LOG2E,
                                    REDUCTION_BYTES_PER_8_HEADS, check_softmax_scale,
-                                   check_sparse_args, hand_over_p,
-                                   row_broadcast, run_scores, run_values, smem_bytes,
-                                   softmax_step, swizzled, SWIZZLE)
+                                   check_sparse_args, hand_over_p, in_phase,
+                                   mosaic_compiler_params, row_broadcast, run_scores, run_values,
+                                   smem_bytes, softmax_step, swizzled, SWIZZLE)
 from pallas_kernels.e4m3_operands import (E4M3_LO_SCALE, FP8_COLS, STEP, WIDE_VALUE_COLS,
                                           WIDE_VALUE_GROUP, WIDE_VALUE_TILES_IN_FLIGHT,
                                           e4m3_queries, split_queries, store_wide_values,
@@ -226,7 +226,7 @@ def _kernel(q_ref, idx_ref, nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buff
       m, l, acc = carry
       slot, entry = lax.rem(i, ring), lax.rem(i, _INDEX_RING)
       plgpu.barrier_wait(idx_bar.at[entry])  # long landed: a warpgroup waits on every phase
-      plgpu.barrier_wait(ready.at[slot])
+      in_phase("wg0_rows_wait", plgpu.barrier_wait, ready.at[slot])
 
       def scores(*acc_refs):
         """S^T [64, heads]: the 4 NoPE tiles' fp8 products, each into its own accumulator
@@ -248,14 +248,15 @@ def _kernel(q_ref, idx_ref, nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buff
             total = x if total is None else total + x
         return total * head_broadcast(head_scales, total.shape) + rope_ref[...]
 
-      s = pl.run_scoped(scores, *[plgpu.ACC((STEP, 2 * tile_h), jnp.float32)] * tiles,
-                        plgpu.ACC((STEP, tile_h), jnp.float32))
+      s = in_phase("wg0_scores", pl.run_scoped, scores,
+                   *[plgpu.ACC((STEP, 2 * tile_h), jnp.float32)] * tiles,
+                   plgpu.ACC((STEP, tile_h), jnp.float32))
       idx = plgpu.load(idx_smem.at[entry], layout=slots_layout)
       valid = lax.broadcast_in_dim((idx >= 0) & (idx < num_slots), s.shape, [0])
       # A select, not a multiply: an invalid row's score never reaches P.
-      m_new, alpha, p, l = softmax_step(jnp.where(valid, s, -jnp.inf), m, l, heads_axis=1,
-                                        scale=scale * LOG2E)
-      hand_over_p(i, p, alpha, p_t, row_smem, p_ready, p_free)
+      m_new, alpha, p, l = in_phase("wg0_softmax", softmax_step, jnp.where(valid, s, -jnp.inf),
+                                    m, l, heads_axis=1, scale=scale * LOG2E)
+      in_phase("wg0_hand_off", hand_over_p, i, p, alpha, p_t, row_smem, p_ready, p_free)
       plgpu.barrier_arrive(consumed.at[slot])
       return m_new, l, acc
 
@@ -365,13 +366,14 @@ def _kernel(q_ref, idx_ref, nope_ref, rope_ref, scales_ref, o_ref, lse_ref, buff
       slot = lax.rem(i, ring)
       # The slot's last step is done, and so is its slot list's use by warpgroup 0 (entry
       # i + _INDICES_AHEAD held step i + _INDICES_AHEAD - _INDEX_RING, before it).
-      pl.when(i >= ring)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+      in_phase("memory_slot_wait", pl.when(i >= ring),
+               lambda: plgpu.barrier_wait(consumed.at[slot]))
       pl.when(i + _INDICES_AHEAD < n)(functools.partial(fetch_indices, i + _INDICES_AHEAD))
-      gather(i, slot)
+      in_phase("memory_gather", gather, i, slot)
       if not interpret:
         @pl.when(i >= _LANDING_LAG)
         def _():
-          cp_async_wait(_LANDING_LAG)
+          in_phase("memory_landing_wait", cp_async_wait, _LANDING_LAG)
           hand_over(i - _LANDING_LAG)
 
     if not interpret:
@@ -470,9 +472,9 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
       num_threads=_VALUE_WGS + 1,
       thread_name="wg",
       # No automatic barriers: the hand-offs above order every shared-memory read and write.
-      compiler_params=plgpu.CompilerParams(approx_math=True,
-                                           reduction_scratch_bytes=reduction_bytes,
-                                           unsafe_no_auto_barriers=True),
+      compiler_params=mosaic_compiler_params(approx_math=True,
+                                             reduction_scratch_bytes=reduction_bytes,
+                                             unsafe_no_auto_barriers=True),
       interpret=interpret or None,
       kernel_name=f"mosaic_sparse_ds_mla_register_a_heads_n{n}",
   )(q, slots, nope.reshape(num_slots, lora), rope.reshape(num_slots, d - lora),
