@@ -54,6 +54,8 @@ _CPU_LOWERING_ERROR = "is different from the lowering platform"
 def fit_space(fn, args, space, platform=None):
   """The most scopes a warpgroup, at most `space`, for which fn(*args)'s profiled kernel fits in
   shared memory (lowering only: for `platform`, e.g. "cuda" on a CPU, else the default)."""
+  if space < 1:
+    raise ValueError(f"space must be at least 1 scope a warpgroup, got {space}")
   while space > 0:
     with phase_profile(tempfile.gettempdir(), space):
       jax.clear_caches()
@@ -156,7 +158,7 @@ def main(argv=None):
   space = fit_space(fn, inputs, args.space)
   directory = args.dir or tempfile.mkdtemp(prefix="phase_profile_")
   table, period, diff = profile(fn, inputs, space, args.skip, directory)
-  print(f"{args.kernel} {vars(args)['set']} : {space} scopes a warpgroup, steps from "
+  print(f"{args.kernel} {args.set} : {space} scopes a warpgroup, steps from "
         f"{args.skip}, max |profiled - plain| {diff:.3g}, trace in {directory}")
   print("| phase | n | median clk | p25 | p75 |\n|---|---|---|---|---|")
   for name, (n, med, p25, p75) in {**table, "step period": period}.items():

@@ -428,6 +428,8 @@ def test_phase_profile_takes_the_scopes_that_fit():
   space = fit_space(fn, args, 64, platform="cuda")
   assert 0 < space < 64
   assert fit_space(fn, args, space + 1, platform="cuda") == space
+  with pytest.raises(ValueError, match="space must be at least 1"):
+    fit_space(fn, args, 0, platform="cuda")
 
 
 def test_phase_profile_help_and_no_gpu(capsys):
