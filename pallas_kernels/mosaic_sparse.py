@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -106,7 +107,7 @@ _SWIZZLE_ROWS = 8  # the 128-byte swizzle permutes 16-byte units by the row's pl
 _CHUNK_BYTES = 128  # a tile row: the swizzle width
 
 
-def _cp_async_rows(parts, idx, *, num_slots, scales=None):
+def _cp_async_rows(parts, idx, *, num_slots, scales=None, groups=1):
   """Warp-cooperative gather of a step's 64 rows (or a half step's 32), issued by every lane of
   the memory warpgroup (then one `cp.async` group committed).
 
@@ -123,6 +124,10 @@ def _cp_async_rows(parts, idx, *, num_slots, scales=None):
   f32, what the widening reads): rows x J 4-byte copies in the same group, J consecutive lanes
   reading one row's 4 J contiguous bytes (rows * J / 128 a lane; 0, zero-filled, for an invalid
   row).
+  groups (fp8_ds_mla "in_place", `_wide_widen_in_place`): the copies in this many committed groups
+  instead of one, so that the widening can start on the first while the others land: group g
+  holds the first part's chunks g C / groups to (g + 1) C / groups - 1 (and the scales, g = 0),
+  the last group the other parts too. One group keeps the row-by-row order.
   """
   rows = parts[0][1].shape[1]
   unit_per_row = _CHUNK_BYTES // _SEG
@@ -136,6 +141,8 @@ def _cp_async_rows(parts, idx, *, num_slots, scales=None):
                        f"and {dst.shape}")
     swizzle = (plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(_CHUNK_BYTES))
     arg_types += [plgpu.RefType(), plgpu.RefType(swizzle)]
+  if chunk_counts[0] % groups:
+    raise ValueError(f"groups must divide the first part's {chunk_counts[0]} chunks, got {groups}")
   if scales is not None:
     per_row = scales[0].shape[1]
     if scales[1].shape != (per_row, rows):
@@ -155,49 +162,68 @@ def _cp_async_rows(parts, idx, *, num_slots, scales=None):
     bases = [(llvm.addrspacecast(global_ptr, mgpu_utils.memref_ptr(src)),
               mgpu_utils.memref_ptr(dst), chunks)
              for src, dst, chunks in zip(refs[::2], refs[1::2], chunk_counts)]
-    for g in range(rows // 4 // rows_per_instr):
-      r = arith.addi(arith.muli(warp, c32(rows // 4)),
-                     arith.addi(c32(g * rows_per_instr), arith.divui(lane, c32(unit_per_row))))
-      row = memref.load(rows_ref, [arith.index_cast(ir.IndexType.get(), r)])
-      valid = arith.cmpi(arith.CmpIPredicate.ult, row, c32(num_slots))
-      row = arith.select(valid, row, c32(0))
-      size = arith.select(valid, c32(_SEG), c32(0))
-      unit_off = arith.extui(i64, arith.muli(unit, c32(_SEG)))
-      swz = arith.xori(unit, arith.remui(r, c32(_SWIZZLE_ROWS)))
-      dst_off = arith.addi(arith.muli(r, c32(_CHUNK_BYTES)), arith.muli(swz, c32(_SEG)))
-      for src_base, dst_base, chunks in bases:
-        src_off = arith.addi(
-            arith.muli(arith.extui(i64, row), arith.constant(i64, chunks * _CHUNK_BYTES)),
-            unit_off)
-        for c in range(chunks):
+    # The (part, chunk) copies of each group.
+    first_chunks = chunk_counts[0] // groups
+    plan = [[(0, c) for c in range(g * first_chunks, (g + 1) * first_chunks)]
+            for g in range(groups)]
+    plan[-1] += [(p, c) for p in range(1, len(bases)) for c in range(chunk_counts[p])]
+    row_terms = {}
+
+    def row_term(g):
+      """(row, copy size, destination offset) of this lane's row of row group g (computed at its
+      first copy: with one group, the order row after row)."""
+      if g not in row_terms:
+        r = arith.addi(arith.muli(warp, c32(rows // 4)),
+                       arith.addi(c32(g * rows_per_instr), arith.divui(lane, c32(unit_per_row))))
+        row = memref.load(rows_ref, [arith.index_cast(ir.IndexType.get(), r)])
+        valid = arith.cmpi(arith.CmpIPredicate.ult, row, c32(num_slots))
+        swz = arith.xori(unit, arith.remui(r, c32(_SWIZZLE_ROWS)))
+        row_terms[g] = (arith.select(valid, row, c32(0)), arith.select(valid, c32(_SEG), c32(0)),
+                        arith.addi(arith.muli(r, c32(_CHUNK_BYTES)), arith.muli(swz, c32(_SEG))))
+      return row_terms[g]
+
+    def issue_scales():
+      """The rows' tile scales (prep_in_kernel's fp8_ds_mla), in the first group."""
+      if scales is not None:
+        src_base = llvm.addrspacecast(global_ptr, mgpu_utils.memref_ptr(scale_src))
+        dst_base = mgpu_utils.memref_ptr(scale_dst)
+        total = rows * per_row
+        for g in range(-(-total // WARPGROUP_THREADS)):
+          e = arith.addi(tid, c32(g * WARPGROUP_THREADS))  # row e / J, tile e % J
+          # Lanes past the end repeat the last copy (same bytes).
+          if (g + 1) * WARPGROUP_THREADS > total:
+            e = arith.minui(e, c32(total - 1))
+          r, j = arith.divui(e, c32(per_row)), arith.remui(e, c32(per_row))
+          row = memref.load(rows_ref, [arith.index_cast(ir.IndexType.get(), r)])
+          valid = arith.cmpi(arith.CmpIPredicate.ult, row, c32(num_slots))
+          row = arith.select(valid, row, c32(0))
+          src_ptr = mgpu_utils.getelementptr(
+              src_base, [arith.extui(i64, arith.addi(arith.muli(row, c32(per_row)), j))],
+              ir.F32Type.get())
+          dst_ptr = mgpu_utils.getelementptr(
+              dst_base, [arith.addi(arith.muli(j, c32(rows)), r)], ir.F32Type.get())
+          # 4 bytes: cp.async's .cg takes 16 only (.ca: 4, 8 or 16).
+          nvvm.cp_async_shared_global(dst_ptr, src_ptr, 4, nvvm.LoadCacheModifierKind.CA,
+                                      cp_size=arith.select(valid, c32(4), c32(0)))
+
+    unit_off = arith.extui(i64, arith.muli(unit, c32(_SEG)))
+    for group_index, group in enumerate(plan):
+      for g in range(rows // 4 // rows_per_instr):
+        row, size, dst_off = row_term(g)
+        for p, c in group:
+          src_base, dst_base, chunks = bases[p]
+          src_off = arith.addi(
+              arith.muli(arith.extui(i64, row), arith.constant(i64, chunks * _CHUNK_BYTES)),
+              unit_off)
           src_ptr = mgpu_utils.getelementptr(
               src_base, [arith.addi(src_off, arith.constant(i64, c * _CHUNK_BYTES))], i8)
           dst_ptr = mgpu_utils.getelementptr(
               dst_base, [arith.addi(dst_off, c32(c * rows * _CHUNK_BYTES))], i8)
           nvvm.cp_async_shared_global(dst_ptr, src_ptr, _SEG, nvvm.LoadCacheModifierKind.CG,
                                       cp_size=size)
-    if scales is not None:
-      src_base = llvm.addrspacecast(global_ptr, mgpu_utils.memref_ptr(scale_src))
-      dst_base = mgpu_utils.memref_ptr(scale_dst)
-      total = rows * per_row
-      for g in range(-(-total // WARPGROUP_THREADS)):
-        e = arith.addi(tid, c32(g * WARPGROUP_THREADS))  # row e / J, tile e % J
-        # Lanes past the end repeat the last copy (same bytes).
-        if (g + 1) * WARPGROUP_THREADS > total:
-          e = arith.minui(e, c32(total - 1))
-        r, j = arith.divui(e, c32(per_row)), arith.remui(e, c32(per_row))
-        row = memref.load(rows_ref, [arith.index_cast(ir.IndexType.get(), r)])
-        valid = arith.cmpi(arith.CmpIPredicate.ult, row, c32(num_slots))
-        row = arith.select(valid, row, c32(0))
-        src_ptr = mgpu_utils.getelementptr(
-            src_base, [arith.extui(i64, arith.addi(arith.muli(row, c32(per_row)), j))],
-            ir.F32Type.get())
-        dst_ptr = mgpu_utils.getelementptr(
-            dst_base, [arith.addi(arith.muli(j, c32(rows)), r)], ir.F32Type.get())
-        # 4 bytes: cp.async's .cg takes 16 only (.ca: 4, 8 or 16).
-        nvvm.cp_async_shared_global(dst_ptr, src_ptr, 4, nvvm.LoadCacheModifierKind.CA,
-                                    cp_size=arith.select(valid, c32(4), c32(0)))
-    nvvm.cp_async_commit_group()
+      if group_index == 0:
+        issue_scales()
+      nvvm.cp_async_commit_group()
 
   issue(idx, *(ref for part in parts for ref in part), *(scales or ()))
 
@@ -307,7 +333,7 @@ def _wide_widen(nope, scales, dst):
   run(nope, scales, dst)
 
 
-def _wide_widen_in_place(nope, scales, dst):
+def _wide_widen_in_place(nope, scales, dst, groups):
   """wide_widening with fp8_pipeline="in_place": a step's e4m3 NoPE tiles, staged in its own row
   slot dst [C, 64, 64] bf16 (tiled (8, 64), 128-byte swizzled) as nope [J, 64, 128] e4m3 (tiled
   (8, 128), the same swizzle: its tile j is dst's tile J + j), with their scales [J, 64] f32 in
@@ -320,12 +346,19 @@ def _wide_widen_in_place(nope, scales, dst):
   (a row's two halves lie in one warp). So every lane loads its row's scales and its units of
   tile 0 before a warpgroup barrier, and a warp barrier precedes the stores of a tile that
   overwrite a tile loaded since the last barrier (J = 4: before tiles 2 and 3). A quarter warp
-  takes 8 rows of a swizzle period and one unit at a time: 8 distinct 16-byte bank groups."""
+  takes 8 rows of a swizzle period and one unit at a time: 8 distinct 16-byte bank groups.
+  The step's rows are still landing, in `groups` cp.async groups (`_cp_async_rows`: group g holds
+  tiles g J / groups to (g + 1) J / groups - 1, the first the scales, the last the RoPE rows):
+  before loading a group's first tile every lane waits for that group and then for the
+  warpgroup (a barrier: the other lanes' copies), so the widening of a group's tiles runs while
+  the later groups land. The tiles 2j and 2j + 1 that tile j's stores fill are free meanwhile (the
+  first J hold nothing, the rest staged tiles loaded before)."""
   tiles = nope.shape[0]
   if (nope.shape[1:] != (_STEP, DS_MLA_TILE) or scales.shape != (tiles, _STEP)
-      or dst.shape[1:] != (_STEP, _COLS) or dst.shape[0] < 2 * tiles):
-    raise ValueError(f"want nope [J, 64, 128], scales [J, 64], dst [C >= 2J, 64, 64]; "
-                     f"got {nope.shape}, {scales.shape}, {dst.shape}")
+      or dst.shape[1:] != (_STEP, _COLS) or dst.shape[0] < 2 * tiles or tiles % groups):
+    raise ValueError(f"want nope [J, 64, 128], scales [J, 64], dst [C >= 2J, 64, 64] and groups "
+                     f"dividing J; got {nope.shape}, {scales.shape}, {dst.shape}, {groups}")
+  per_group = tiles // groups
   swizzle = (plgpu.SwizzleTransform(_CHUNK_BYTES),)
   nope_t = (plgpu.TilingTransform((8, DS_MLA_TILE)), *swizzle)
   dst_t = (plgpu.TilingTransform((8, _COLS)), *swizzle)
@@ -349,16 +382,27 @@ def _wide_widen_in_place(nope, scales, dst):
     src = [arith.xori(src_base, c32(16 * k)) for k in range(4)]
     dst_unit = [arith.xori(dst_base, c32(16 * w)) for w in range(8)]
     index = lambda x: arith.index_cast(ir.IndexType.get(), x)
-    scale = [memref.load(scales, [index(c32(j)), index(row)]) for j in range(tiles)]
     load = lambda j, k: wide_load(nope, src[k], j * tile_bytes)
+
+    def landed(j):
+      """Group j / per_group's rows (and the earlier groups') in, for every lane."""
+      nvvm.cp_async_wait_group(groups - 1 - j // per_group)
+      mgpu_utils.warpgroup_barrier()
+
+    landed(0)
+    scale = [memref.load(scales, [index(c32(j)), index(row)]) for j in range(tiles)]
     words = [load(0, k) for k in range(4)]
     mgpu_utils.warpgroup_barrier()  # every warp's scales loaded: tile 0's stores overwrite them
     unguarded = set()  # tiles loaded since the last barrier
     for j in range(tiles):
+      if j and j % per_group == 0:  # a group's first tile, loaded once the group is in
+        landed(j)
+        words = [load(j, k) for k in range(4)]
+        unguarded = {j}
       if unguarded & {2 * j - tiles, 2 * j + 1 - tiles}:
         mgpu_utils.warp_barrier()
         unguarded = set()
-      ahead = j + 1 < tiles
+      ahead = j + 1 < tiles and (j + 1) % per_group != 0
 
       def units(convert, j=j, words=words, ahead=ahead):
         loaded = []
@@ -370,17 +414,15 @@ def _wide_widen_in_place(nope, scales, dst):
         return loaded
 
       words = _wide_paths(scale[j], units, [ir.VectorType.get((4,), i32)] * (4 * ahead))
-      unguarded.add(j + 1)
+      if ahead:
+        unguarded.add(j + 1)
 
   run(nope, scales, dst)
 
 
-
-
-
-
 def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_slots, gather,
-            heads_n, prep_in_kernel, wide_widening, hand_over_first, rescale_slack, interpret):
+            heads_n, prep_in_kernel, wide_widening, landing_groups, hand_over_first, rescale_slack,
+            interpret):
   # GMEM: q_ref [T, Np, D] bf16 (Np: heads padded to 64, or fewer unpadded, `padded_heads`: the
   # tile's first Np rows, the others never stored); idx_ref [T, Kp] int32 (slot, or num_slots
   # where invalid); steps_ref [T] int32 (steps of 64 slots up to the last valid one).
@@ -592,13 +634,14 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
     plgpu.copy_gmem_to_smem(idx_ref.at[t, pl.ds(step * _STEP, _STEP)], idx_smem.at[ring],
                             idx_bar.at[ring])
 
-  def gather_step(i, parts, barrier, half=None, scales=None):
+  def gather_step(i, parts, barrier, half=None, scales=None, groups=1):
     """Issues step i's 64 rows (or rows 32 * half to 32 * half + 31) once its indices have landed
     (waited for here, but not again for half 1: a warpgroup waits on each phase once). parts:
     (src [S, C, w], tiled dst [C, rows, w], its untiled alias or None) per part of a row; scales
     (prep_in_kernel's fp8_ds_mla): (src [S, J] f32, dst [J, rows] f32) the rows' tile scales.
     cp_async: one committed group of the warpgroup's copies (the caller waits for it); bulk:
-    every row chunk's copy (and every row's tile scale's) arrives on barrier."""
+    every row chunk's copy (and every row's tile scale's) arrives on barrier. groups: the
+    cp_async gather's groups (`_cp_async_rows`)."""
     ring = lax.rem(i, _IDX_RING)
     if half != 1 and not in_place:  # "in_place" waits for them a step earlier (indices_landed)
       plgpu.barrier_wait(idx_bar.at[ring])
@@ -606,7 +649,7 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
     if gather == "cp_async":
       _cp_async_rows(tuple((src, dst) for src, dst, _ in parts),
                      idx_smem.at[ring, pl.ds(first_row, rows)], num_slots=num_slots,
-                     scales=scales)
+                     scales=scales, groups=groups)
       return
 
     @pl.loop(0, rows)
@@ -721,17 +764,20 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
                             staged_barrier(slot))
         gather_step(i, ((nope_ref, slot_nope.at[slot, pl.ds(tiles, tiles)], None),
                         (rope_ref, kv.at[slot, pl.ds(2 * tiles, chunks - 2 * tiles)], None)),
-                    staged_barrier(slot), scales=scales)
+                    staged_barrier(slot), scales=scales,
+                    groups=landing_groups if wide_widening else 1)
 
       def widen_in_place(slot):
         """The slot's e4m3 NoPE tile j (staged in bf16 tile L/128 + j) times its tile scales
         becomes bf16 tiles 2j and 2j + 1. Those stores overwrite staged tiles up to j, and tile
         0's the scales: every lane loads all scales, and tile j's e4m3 rows, before the
         warpgroup barrier ahead of tile j's stores. wide_widening (on the GPU): lane-level
-        code instead (`_wide_widen_in_place`)."""
+        code instead (`_wide_widen_in_place`), which waits for the step's landing_groups
+        cp.async groups one by one."""
         if wide_widening:
           _wide_widen_in_place(slot_nope.at[slot, pl.ds(tiles, tiles)],
-                               slot_scales.at[slot, 0, pl.ds(0, tiles)], kv.at[slot])
+                               slot_scales.at[slot, 0, pl.ds(0, tiles)], kv.at[slot],
+                               landing_groups)
           return
         scale_layout = plgpu.Layout.WGMMA.reduce(1)
         tile_scales = [plgpu.load(slot_scales.at[slot, 0, j], layout=scale_layout)
@@ -758,8 +804,8 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
       def _(i):
         slot = lax.rem(i, slots)
         in_phase("memory_staged_wait", wait_staged, staged_barrier(slot))
-        if gather == "cp_async":
-          rows_landed()  # this step's is the only group in flight
+        if gather == "cp_async" and not wide_widening:
+          rows_landed()  # this step's is the only group in flight (else the widening waits)
         in_phase("memory_widen", widen_in_place, slot)
         plgpu.commit_smem()
         plgpu.barrier_arrive(ready.at[slot])
@@ -969,7 +1015,8 @@ def heads_n_splits(num_splits):
 
 def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_splits, auto_barriers,
                  gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in, prep_in_kernel,
-                 interpret, wide_widening=False, hand_over_first=False, rescale_slack=None):
+                 interpret, wide_widening=False, landing_groups=1, hand_over_first=False,
+                 rescale_slack=None):
   """Pads heads to tiles of heads_tile(N) and slots to 64-slot steps, runs the kernel, merges
   splits. prep_in_kernel: the kernel takes the padded slots as they are (`MosaicSparseConfig`)."""
   t, n, d = q.shape
@@ -1067,12 +1114,16 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                      f"block's {_SMEM_LIMIT}")
 
   hands_over_first = hand_over_first and not fp8 and gather == "cp_async"  # where it acts
+  grouped = in_place and wide_widening and not interpret  # where landing_groups acts
+  # Groups of whole NoPE tiles (DeepSeek's 512 columns: 4 tiles, every choice).
+  landing_groups = math.gcd(landing_groups, lora // DS_MLA_TILE)
+  landing_name = f"_landing{landing_groups}" if grouped else ""
   kernel = functools.partial(_kernel, scale=scale, lora=lora, num_splits=splits, fp8=fp8,
                              in_place=in_place, num_slots=num_slots, gather=gather,
                              heads_n=heads_n, prep_in_kernel=prep_in_kernel,
                              # The interpreter runs no lane-level code: the Pallas-level widening.
                              wide_widening=wide_widening and not interpret,
-                             hand_over_first=hand_over_first,
+                             landing_groups=landing_groups, hand_over_first=hand_over_first,
                              rescale_slack=None if heads_n else rescale_slack,
                              interpret=bool(interpret))
   o_parts, lse_parts = plgpu.kernel(
@@ -1104,7 +1155,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                    f"{'_wide' if wide_widening else ''}"
                    f"{'_hand_over_first' if hands_over_first else ''}"
                    f"{'_lazy_rescale' if rescale_slack is not None and not heads_n else ''}"
-                   f"_{gather}_s{splits}"),
+                   f"_{gather}_s{splits}{landing_name}"),
   )(q, *index_args, *cache_args)
   if splits == 1:
     o, lse = o_parts[:, 0], lse_parts[:, 0]
@@ -1120,6 +1171,7 @@ SPLIT_RULES = ("fill", "one_wave")
 FP8_PIPELINES = ("serial", "half_rows", "in_place", "register_a")
 HEADS_IN = ("m", "n")
 HEADS_N_FP8_PIPELINES = ("serial", "in_place")  # fp8_ds_mla pipelines heads_in="n" takes
+LANDING_GROUPS = (1, 2, 4)  # divisors of the 4 NoPE tiles of DeepSeek's 512-column rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1251,7 +1303,14 @@ class MosaicSparseConfig:
   skips its output's rescale (`mosaic_lanes.rows_rescaled`: 128 FMUL a thread, both consumers,
   between the softmax and P V). 0 is bit-identical to None. H200 (session 29, N=128, 8.0 against
   None, ms, not in turn): fp8_ds_mla T=128 0.215 / 0.219, T=4096 5.04 / 5.18; bf16 T=128 0.26 /
-  0.191 (slower: not understood), T=4096 5.32 / 5.20. None (the default) for both caches."""
+  0.191 (slower: not understood), T=4096 5.32 / 5.20. None (the default) for both caches.
+  landing_groups (1, 2 or 4; fp8_ds_mla "in_place" with wide_widening on the GPU, which alone
+  acts on it; rows of fewer NoPE tiles take the largest divisor of their tile count): the
+  cp.async groups a step's rows land in, the widening starting on the first
+  group's NoPE tiles while the others land (`_cp_async_rows`, `_wide_widen_in_place`). With one
+  group the memory warpgroup's step is a chain, gather issue -> landing -> widening (H200, T=128
+  N=128 over a 1M-token cache, ncu, session 36: ~2,100 + ~1,700 + ~2,600 of a ~6,400-clock
+  step), whose landing wait the later groups hide."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
   fp8_pipeline: str | None = None
@@ -1261,6 +1320,7 @@ class MosaicSparseConfig:
   wide_widening: bool = True
   hand_over_first: bool = True
   rescale_slack: float | None = None
+  landing_groups: int = 4
 
   def __post_init__(self):
     if self.gather not in GATHERS:
@@ -1284,6 +1344,9 @@ class MosaicSparseConfig:
     if not isinstance(self.hand_over_first, bool):
       raise ValueError(f"hand_over_first must be True or False, got {self.hand_over_first!r}")
     check_rescale_slack(self.rescale_slack)
+    if self.landing_groups not in LANDING_GROUPS:
+      raise ValueError(f"landing_groups must be one of {LANDING_GROUPS}, got "
+                       f"{self.landing_groups!r}")
 
 
 CONFIG = MosaicSparseConfig()
@@ -1302,7 +1365,9 @@ SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rul
          MosaicSparseConfig(fp8_pipeline="half_rows", wide_widening=False),
          MosaicSparseConfig(fp8_pipeline="in_place", wide_widening=False),
          MosaicSparseConfig(fp8_pipeline="register_a"), MosaicSparseConfig(hand_over_first=False),
-         MosaicSparseConfig(rescale_slack=RESCALE_SLACK))
+         MosaicSparseConfig(rescale_slack=RESCALE_SLACK),
+         MosaicSparseConfig(fp8_pipeline="in_place", landing_groups=1),
+         MosaicSparseConfig(fp8_pipeline="in_place", landing_groups=2))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank", "hand_over_first",
@@ -1358,7 +1423,8 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("fp8_pipeline", "fp8_stage_halves",
-                                                       "wide_widening", "rescale_slack"))
+                                                       "wide_widening", "rescale_slack",
+                                                       "landing_groups"))
 def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.Array,
                                 rope: jax.Array, slots: jax.Array, *, scale: float,
                                 num_splits: int | None = None, auto_barriers: bool = False,
@@ -1370,6 +1436,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                                 prep_in_kernel: bool | None = CONFIG.prep_in_kernel,
                                 wide_widening: bool = CONFIG.wide_widening,
                                 rescale_slack: float | None = CONFIG.rescale_slack,
+                                landing_groups: int = CONFIG.landing_groups,
                                 interpret: bool | plgpu.InterpretGPUParams = False
                                 ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over an fp8_ds_mla cache, widened to bf16 once per gathered row.
@@ -1380,8 +1447,8 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   "in_place", or None: `default_fp8_pipeline`'s pick for these shapes, num_splits, split_rule and
   gather) and fp8_stage_halves: `MosaicSparseConfig`'s; heads_in too ("n" with fp8_pipeline "serial"
   or "in_place" named; None: `default_heads_in`, "m") and prep_in_kernel too (None: True with the
-  cp_async gather up to FP8_PREP_MAX_ROWS rows, else False) and wide_widening and rescale_slack
-  too ("register_a", heads in N, ignores it). Returns o
+  cp_async gather up to FP8_PREP_MAX_ROWS rows, else False) and wide_widening, rescale_slack
+  ("register_a", heads in N, ignores it) and landing_groups too. Returns o
   [T, N, L] bf16 and lse [T, N] float32.
   """
   nb, page, lora = nope.shape
@@ -1393,8 +1460,8 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
       fp8_pipeline = "register_a"
   if fp8_pipeline == "register_a":
     MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in,
-                       prep_in_kernel, wide_widening,
-                       rescale_slack=rescale_slack)  # checks them
+                       prep_in_kernel, wide_widening, rescale_slack=rescale_slack,
+                       landing_groups=landing_groups)  # checks them
     if heads_in == "m" or gather != "cp_async" or prep_in_kernel is False:
       raise ValueError(f"fp8_pipeline \"register_a\" runs heads in N, the cp_async gather and "
                        f"the slot prep in the kernel; got heads_in={heads_in!r}, "
@@ -1411,7 +1478,8 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                      f"{nope.dtype.name}{nope.shape}, {tile_scales.dtype.name}{tile_scales.shape}, "
                      f"{rope.dtype.name}{rope.shape}, q {q.shape}")
   MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in,
-                     prep_in_kernel, wide_widening, rescale_slack=rescale_slack)  # checks them
+                     prep_in_kernel, wide_widening, rescale_slack=rescale_slack,
+                     landing_groups=landing_groups)  # checks them
   if prep_in_kernel is None:
     prep_in_kernel = gather == "cp_async" and q.shape[0] <= FP8_PREP_MAX_ROWS
   if prep_in_kernel and gather != "cp_async":
@@ -1438,4 +1506,5 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                       auto_barriers=auto_barriers, gather=gather, split_rule=split_rule,
                       fp8_pipeline=fp8_pipeline, fp8_stage_halves=fp8_stage_halves,
                       heads_in=heads_in, prep_in_kernel=prep_in_kernel, interpret=interpret,
-                      wide_widening=wide_widening, rescale_slack=rescale_slack)
+                      wide_widening=wide_widening, rescale_slack=rescale_slack,
+                      landing_groups=landing_groups)

@@ -1045,7 +1045,8 @@ def test_mosaic_sparse_rescale_slack_matches_oracle(kind, fp8_pipeline):
 def check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves, heads_in="m",
                             prep_in_kernel=False, k=2048,
                             wide_widening=mosaic_sparse.CONFIG.wide_widening,
-                            hand_over_first=False, rescale_slack=None):
+                            hand_over_first=False, rescale_slack=None,
+                            landing_groups=mosaic_sparse.CONFIG.landing_groups):
   """The Mosaic sparse kernel at T=128, k (2048) slots over 1M tokens, lowered for CUDA (it runs on
   this CPU), which checks what the interpreter does not: wgmma operand layouts and swizzles,
   bulk-copy boxes, the untiled aliases, the cp.async code, the register layouts of the widening
@@ -1066,7 +1067,8 @@ def check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves, h
         jax.ShapeDtypeStruct((tokens // 64, 64, 4), jnp.float32),
         jax.ShapeDtypeStruct((tokens // 64, 64, 64), jnp.bfloat16), slots, scale=0.1,
         gather=gather, fp8_pipeline=fp8_pipeline, fp8_stage_halves=halves, heads_in=heads_in,
-        prep_in_kernel=prep_in_kernel, wide_widening=wide_widening, rescale_slack=rescale_slack)
+        prep_in_kernel=prep_in_kernel, wide_widening=wide_widening, rescale_slack=rescale_slack,
+        landing_groups=landing_groups)
   else:
     traced = mosaic_sparse.sparse_attention.trace(
         q, jax.ShapeDtypeStruct((tokens // 64, 64, 576), jnp.bfloat16), slots, scale=0.1,
@@ -1084,6 +1086,15 @@ def assert_lowers_with_counted_smem(traced, counted, monkeypatch):
   monkeypatch.setattr(mosaic_gpu_core, "_SMEM_SIZE_BOUND", 0)
   with pytest.raises(ValueError, match=f"smem_bytes={counted} "):
     traced.lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("landing_groups,prep", [(1, True), (2, True), (4, True), (4, False)])
+def test_mosaic_sparse_landing_groups_lower_for_hopper(landing_groups, prep, monkeypatch):
+  # "in_place"'s step landing in 1, 2 or 4 cp.async groups, widened group by group (GPU only:
+  # the interpreter gathers in bulk and widens at the Pallas level; GPU: test_dsa_gpu.py), with
+  # the tile scales in the first group (prep in the kernel) or XLA's (a bulk copy).
+  check_lowers_for_hopper(monkeypatch, 128, True, "cp_async", "in_place", 2, prep_in_kernel=prep,
+                          landing_groups=landing_groups)
 
 
 # The Pallas-level widening (wide_widening=False, the GPU bit-for-bit test's oracle) over 32-row
@@ -1314,6 +1325,10 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
       mosaic_sparse.sparse_attention_fp8_ds_mla(
           q, nope, jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16),
           slots, scale=0.1, fp8_pipeline="half_rows", wide_widening=1, interpret=True)
+    with pytest.raises(ValueError, match="landing_groups must be one of"):
+      mosaic_sparse.sparse_attention_fp8_ds_mla(
+          q, nope, jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16),
+          slots, scale=0.1, fp8_pipeline="in_place", landing_groups=3, interpret=True)
     with pytest.raises(ValueError, match="hand_over_first must be True or False"):
       mosaic_sparse.sparse_attention(q, jnp.zeros((4, 16, L + R), jnp.bfloat16), slots,
                                      scale=0.1, kv_lora_rank=L, hand_over_first="yes",
@@ -1329,14 +1344,17 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     assert (mosaic_sparse.CONFIG.fp8_pipeline, mosaic_sparse.CONFIG.fp8_stage_halves,
             mosaic_sparse.CONFIG.heads_in, mosaic_sparse.CONFIG.prep_in_kernel,
             mosaic_sparse.CONFIG.wide_widening, mosaic_sparse.CONFIG.hand_over_first,
-            mosaic_sparse.CONFIG.rescale_slack) == (None, 2, None, None, True, True, None)
+            mosaic_sparse.CONFIG.rescale_slack, mosaic_sparse.CONFIG.landing_groups) == (
+                None, 2, None, None, True, True, None, 4)
     for other in (dict(fp8_pipeline="serial"), dict(fp8_pipeline="half_rows"),
                   dict(fp8_pipeline="half_rows", fp8_stage_halves=3),
                   dict(fp8_pipeline="in_place"), dict(heads_in="m"), dict(heads_in="n"),
                   dict(fp8_pipeline="in_place", heads_in="n"), dict(prep_in_kernel=False),
                   dict(fp8_pipeline="half_rows", wide_widening=False),
                   dict(fp8_pipeline="in_place", wide_widening=False),
-                  dict(hand_over_first=False), dict(rescale_slack=8.0)):
+                  dict(hand_over_first=False), dict(rescale_slack=8.0),
+                  dict(fp8_pipeline="in_place", landing_groups=1),
+                  dict(fp8_pipeline="in_place", landing_groups=2)):
       assert mosaic_sparse.MosaicSparseConfig(**other) in mosaic_sparse.SWEEP
 
 

@@ -195,6 +195,24 @@ def test_mosaic_sparse_wide_widening_equals_pallas_widening_bit_for_bit(n, fp8_p
     np.testing.assert_array_equal(g, w)
 
 
+# landing_groups: "in_place"'s step landing in 1, 2 or 4 (the default) cp.async groups, widened
+# group by group while the later ones land (`_wide_widen_in_place`'s waits and barriers): the same
+# values, bit for bit, with the scales in the first group (prep in the kernel, T <= 256) or XLA's.
+@pytest.mark.parametrize("n,t", [(128, 131), (16, 19), (128, 300)])
+@pytest.mark.parametrize("landing_groups", [1, 2])
+def test_mosaic_sparse_landing_groups_equal_the_default_bit_for_bit(n, t, landing_groups):
+  q, cache, slots = sparse_case(t + n, n, "fp8_ds_mla", t=t)
+  run = functools.partial(mosaic_sparse.sparse_attention_fp8_ds_mla, q, cache.nope,
+                          cache.tile_scales, cache.rope, slots, scale=SCALE,
+                          fp8_pipeline="in_place")
+  poison_allocator()
+  want = [np.asarray(a, np.float32) for a in run()]
+  poison_allocator()
+  got = [np.asarray(a, np.float32) for a in run(landing_groups=landing_groups)]
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+
+
 # heads_in="n" (RESULTS, sparse v12): N <= 32 heads in wgmma's N (S^T = K Q^T, P^T stored
 # transposed, O^T = V^T P^T stored transposed) against the reference at the timed shape: 2048 slots
 # a token over a 1M-token cache (NaN in every unselected row). bf16: 16 and 32 heads (the tiles),
