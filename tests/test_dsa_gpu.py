@@ -195,11 +195,11 @@ def test_mosaic_sparse_wide_widening_equals_pallas_widening_bit_for_bit(n, fp8_p
     np.testing.assert_array_equal(g, w)
 
 
-# landing_groups: "in_place"'s step landing in 1, 2 or 4 (the default) cp.async groups, widened
+# landing_groups: "in_place"'s step landing in 1, 2 (the default) or 4 cp.async groups, widened
 # group by group while the later ones land (`_wide_widen_in_place`'s waits and barriers): the same
 # values, bit for bit, with the scales in the first group (prep in the kernel, T <= 256) or XLA's.
 @pytest.mark.parametrize("n,t", [(128, 131), (16, 19), (128, 300)])
-@pytest.mark.parametrize("landing_groups", [1, 2])
+@pytest.mark.parametrize("landing_groups", [1, 4])
 def test_mosaic_sparse_landing_groups_equal_the_default_bit_for_bit(n, t, landing_groups):
   q, cache, slots = sparse_case(t + n, n, "fp8_ds_mla", t=t)
   run = functools.partial(mosaic_sparse.sparse_attention_fp8_ds_mla, q, cache.nope,
