@@ -6,8 +6,8 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            runs N < 64 heads in a 64-head tile, or bf16 at N <= 32 in wgmma's N, heads_in "n";
            FLOPs count the N asked for), and for the Mosaic kernel's other configs (its SWEEP;
            cache "<cache> <field>=<value>"; not with --no-sweep-rows; only those named with
-           --sweep-rows; fp8_pipeline, fp8_stage_halves, wide_widening and landing_groups only
-           with the fp8_ds_mla cache; heads_in=n only at N <= 32, and with the fp8_ds_mla cache
+           --sweep-rows; fp8_pipeline, fp8_stage_halves, wide_widening, landing_groups, gather_by
+           only with the fp8_ds_mla cache; heads_in=n only at N <= 32, and with the fp8_ds_mla cache
            only beside fp8_pipeline=serial or in_place).
            Decode rows (T <= 128) pick 2048 slots each, uniformly from a 1M-token cache (1.2 GB
            bf16), so gathers do not hit L2; a 4096-row prefill chunk picks from one 32K-token
@@ -79,7 +79,8 @@ ROW_BYTES = {"bf16": (L + R) * 2, "fp8_ds_mla": L + 4 * L // 128 + 2 * R}
 DECODE_CACHE_TOKENS = 1 << 20
 # Variants --sweep times, as keyword arguments of the kernels' jit entries.
 # MosaicSparseConfig fields that only the fp8_ds_mla entry takes (how its rows are widened).
-FP8_DS_MLA_FIELDS = ("fp8_pipeline", "fp8_stage_halves", "wide_widening", "landing_groups")
+FP8_DS_MLA_FIELDS = ("fp8_pipeline", "fp8_stage_halves", "wide_widening", "landing_groups",
+                     "gather_by")
 BF16_FIELDS = ("hand_over_first",)  # MosaicSparseConfig fields only the bf16 entry takes
 SWEEPS = {
     "sparse": [dataclasses.asdict(config) for config in pallas_sparse.SWEEP],

@@ -603,11 +603,12 @@ def run_values(n, num_slots, accumulate, acc, *, ready, consumed, row_smem, p_re
 
   widen (the fp8 half-row pipelines' "shared_widening", mosaic_decode and mosaic_sparse): widen(k)
   widens warpgroup 1's own value columns of consumer step k into slot k % num_slots and arrives on
-  its ready barrier (the memory warpgroup widens the other columns: ready takes both). Steps 0 to
-  num_slots - 1 are widened before the loop, and step k + num_slots right after the P V of step k
-  (once both value warpgroups are done with its slot), while warpgroup 0 computes the next
-  step's scores and softmax from the other slot. heads_axis: `run_scores`'. store: what stages the
-  output in o_smem (`_store_output`)."""
+  its ready barrier (the memory warpgroup widens the other columns: ready takes both); or any work
+  that refills slot k % num_slots for step k (mosaic_sparse's gather_by="values": its gather).
+  Steps 0 to num_slots - 1 are widened before the loop, and step k + num_slots right after the P V
+  of step k (once both value warpgroups are done with its slot), while warpgroup 0 computes the
+  next step's scores and softmax from the other slot. heads_axis: `run_scores`'. store: what
+  stages the output in o_smem (`_store_output`)."""
   rows_layout = plmgpu.Layout.WGMMA.reduce(1 - heads_axis)
   if widen is not None:
     for k in range(num_slots):  # the first steps' slots, before any was used

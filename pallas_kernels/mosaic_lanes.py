@@ -142,6 +142,61 @@ def cp_async_wait(pending):
   wait()
 
 
+# Lane-level mbarriers in a plain shared-memory buffer (8 bytes each), for what Pallas' barriers
+# cannot do: a Pallas barrier does not reach `plgpu.inline_mgpu` (its ref arguments must lower to
+# memrefs), and Pallas has no cp.async arrive. Callers keep them in a buffer's 8-byte-aligned
+# slack; every thread of the block runs `lane_barriers_init` once, before any use.
+LANE_BARRIER_WORDS = 2  # 32-bit words a lane barrier takes
+
+
+def _lane_barrier_ptr(ref, k):
+  i64 = ir.IntegerType.get_signless(64)
+  return mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [k], i64)
+
+
+def lane_barriers_init(ref, count):
+  """Initializes the ref.size / 2 lane barriers of ref (SMEM, 8-byte aligned) to `count`
+  arrivals a phase (one thread of the block), then syncs the whole block (bar.sync 0: every
+  thread of the block must run this, before the warpgroups part)."""
+  barriers = ref.size // LANE_BARRIER_WORDS
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+  def init(_, ref):
+    i32 = ir.IntegerType.get_signless(32)
+    first = mgpu_utils.single_thread_predicate(scope=mgpu_utils.ThreadSubset.BLOCK)
+    for k in range(barriers):
+      nvvm.mbarrier_init(_lane_barrier_ptr(ref, k), arith.constant(i32, count), predicate=first)
+    nvvm.barrier()
+
+  init(ref)
+
+
+def cp_async_arrive(ref):
+  """The lane barrier at the start of ref counts one arrival of this thread once all its cp.async
+  copies issued so far have landed (cp.async.mbarrier.arrive.noinc: the arrival is one of the
+  phase's count)."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+  def arrive(_, ref):
+    nvvm.cp_async_mbarrier_arrive(_lane_barrier_ptr(ref, 0), noinc=True)
+
+  arrive(ref)
+
+
+def lane_barrier_wait(ref, parity):
+  """Waits (every thread) until the lane barrier at the start of ref has completed its phase of
+  parity `parity` (an int32 scalar: phases alternate 0, 1, 0, ...); the copies it tracked are then
+  visible to this thread."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(())))
+  def wait(_, ref, parity):
+    i32 = ir.IntegerType.get_signless(32)
+    nvvm.mbarrier_try_wait_parity(_lane_barrier_ptr(ref, 0), parity.registers.item(),
+                                  arith.constant(i32, 10_000_000))
+
+  wait(ref, parity)
+
+
 def row_steps(row_ref, *, num_slots, step, interpret):
   """Steps of `step` slots up to the last valid slot of row_ref [Kp] int32 (GMEM, raw slots: -1 or
   >= num_slots invalid, anywhere in the row), as a scalar every thread of the warpgroup holds.

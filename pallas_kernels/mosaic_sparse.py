@@ -73,10 +73,11 @@ from pallas_kernels.common import (DS_MLA_TILE, F8, HALF_ROWS, HALF_ROWS_LAYOUT,
                                    mosaic_compiler_params, one_wave_splits, padded_heads,
                                    row_broadcast, run_scores, run_values, sm_count, smem_bytes,
                                    softmax_step, step_variant, swizzled, SWIZZLE)
-from pallas_kernels.mosaic_lanes import (WARPGROUP_THREADS, WIDE_MAX_SCALE_BITS, cp_async_wait,
-                                         lane_asm, placed_bf16x2, row_steps, rows_rescaled,
-                                         warpgroup_thread,
-                                         wide_load, wide_store)
+from pallas_kernels.mosaic_lanes import (LANE_BARRIER_WORDS, WARPGROUP_THREADS,
+                                         WIDE_MAX_SCALE_BITS, cp_async_arrive, cp_async_wait,
+                                         lane_asm, lane_barrier_wait, lane_barriers_init,
+                                         placed_bf16x2, row_steps, rows_rescaled,
+                                         warpgroup_thread, wide_load, wide_store)
 
 _TILE_H = HEADS_M_TILE  # heads per program: the M of every Hopper wgmma
 _STEP = 64  # slots per step: N of S = Q K^T, K of P V
@@ -422,8 +423,8 @@ def _wide_widen_in_place(nope, scales, dst, groups):
 
 
 def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_slots, gather,
-            heads_n, prep_in_kernel, wide_widening, landing_groups, hand_over_first, rescale_slack,
-            interpret):
+            heads_n, prep_in_kernel, wide_widening, landing_groups, values_gather, hand_over_first,
+            rescale_slack, interpret):
   # GMEM: q_ref [T, Np, D] bf16 (Np: heads padded to 64, or fewer unpadded, `padded_heads`: the
   # tile's first Np rows, the others never stored); idx_ref [T, Kp] int32 (slot, or num_slots
   # where invalid); steps_ref [T] int32 (steps of 64 slots up to the last valid one).
@@ -475,6 +476,12 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
   # Else the 64 heads are wgmma's M: S = Q K^T, O = P V.
   heads_axis = 1 if heads_n else 0
   tile_h = q_smem.shape[0]
+  if values_gather:
+    # The two slots' lane barriers (their rows landed) in row_smem's slack (8-byte aligned).
+    landed = row_smem.at[pl.ds(tile_h, 2 * LANE_BARRIER_WORDS)]
+    row_smem = row_smem.at[pl.ds(0, tile_h)]
+    lane_barriers_init(landed, WARPGROUP_THREADS)
+    landed_at = lambda slot: landed.at[pl.ds(slot * LANE_BARRIER_WORDS, LANE_BARRIER_WORDS)]
   head_broadcast = lambda x, shape: lax.broadcast_in_dim(x, shape, [heads_axis])
   if in_place:
     (_, slot_nope), (_, slot_scales) = raw
@@ -618,16 +625,6 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
                **out(0), lse_smem=lse_smem, lse_gmem=lse_ref.at[t, split, rows_out],
                heads_axis=heads_axis, partial_sums=(step_rows, tile_h) if heads_n else None)
 
-  @pl.when(wg == 1)
-  def _values():
-    plgpu.set_max_registers(consumer_regs, action="increase")
-    if prep_in_kernel:
-      own_steps()
-    run_values(consumer_steps, slots,
-               lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, 1),
-               zero_acc(), ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready,
-               p_free=p_free, **out(1), heads_axis=heads_axis)
-
   def fetch_indices(i, start=None):
     """Step i's slot indices (of the split starting at step `start`, else `first`) into the ring."""
     ring = lax.rem(i, _IDX_RING)
@@ -685,6 +682,36 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
     barrier; the rows' cp.async group carries the scales, which the caller waits for)."""
     if barrier is not None:
       plgpu.barrier_wait(barrier)
+
+  def stage_in_place(i, groups=1):
+    """fp8_pipeline="in_place": step i's tile scales, e4m3 NoPE rows and RoPE rows into its row
+    slot (free by now), in `groups` cp.async groups."""
+    tiles = lora // DS_MLA_TILE
+    slot = lax.rem(i, slots)
+    scales = scale_part(first + i, slot_scales.at[slot, 0, pl.ds(0, tiles)],
+                        staged_barrier(slot))
+    gather_step(i, ((nope_ref, slot_nope.at[slot, pl.ds(tiles, tiles)], None),
+                    (rope_ref, kv.at[slot, pl.ds(2 * tiles, chunks - 2 * tiles)], None)),
+                staged_barrier(slot), scales=scales, groups=groups)
+
+  def refill(k):
+    """values_gather (warpgroup 1): step k's rows into slot k % 2, once its indices are in (and,
+    from `run_values`, both consumers released the slot's step k - 2), each lane's copies tracked
+    by the slot's lane barrier, which the memory warpgroup waits on before widening."""
+    plgpu.barrier_wait(idx_bar.at[lax.rem(k, _IDX_RING)])
+    in_phase("wg1_gather", stage_in_place, k)
+    cp_async_arrive(landed_at(lax.rem(k, slots)))
+
+  @pl.when(wg == 1)
+  def _values():
+    plgpu.set_max_registers(consumer_regs, action="increase")
+    if prep_in_kernel:
+      own_steps()
+    run_values(consumer_steps, slots,
+               lambda acc, alpha, slot: accumulate_values(acc, alpha, slot, 1),
+               zero_acc(), ready=ready, consumed=consumed, row_smem=row_smem, p_ready=p_ready,
+               p_free=p_free, **out(1), heads_axis=heads_axis,
+               widen=refill if values_gather else None)
 
   @pl.when(wg == _VALUE_WGS)
   def _memory():
@@ -758,17 +785,9 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
     if in_place:
       tiles = lora // DS_MLA_TILE
 
-      def stage(i):
-        """Step i's tile scales, e4m3 NoPE rows and RoPE rows into its row slot (free by now)."""
-        slot = lax.rem(i, slots)
-        scales = scale_part(first + i, slot_scales.at[slot, 0, pl.ds(0, tiles)],
-                            staged_barrier(slot))
-        gather_step(i, ((nope_ref, slot_nope.at[slot, pl.ds(tiles, tiles)], None),
-                        (rope_ref, kv.at[slot, pl.ds(2 * tiles, chunks - 2 * tiles)], None)),
-                    staged_barrier(slot), scales=scales,
-                    groups=landing_groups if wide_widening else 1)
+      stage = functools.partial(stage_in_place, groups=landing_groups if wide_widening else 1)
 
-      def widen_in_place(slot):
+      def widen_in_place(slot, groups):
         """The slot's e4m3 NoPE tile j (staged in bf16 tile L/128 + j) times its tile scales
         becomes bf16 tiles 2j and 2j + 1. Those stores overwrite staged tiles up to j, and tile
         0's the scales: every lane loads all scales, and tile j's e4m3 rows, before the
@@ -777,8 +796,7 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
         cp.async groups one by one."""
         if wide_widening:
           _wide_widen_in_place(slot_nope.at[slot, pl.ds(tiles, tiles)],
-                               slot_scales.at[slot, 0, pl.ds(0, tiles)], kv.at[slot],
-                               landing_groups)
+                               slot_scales.at[slot, 0, pl.ds(0, tiles)], kv.at[slot], groups)
           return
         scale_layout = plgpu.Layout.WGMMA.reduce(1)
         tile_scales = [plgpu.load(slot_scales.at[slot, 0, j], layout=scale_layout)
@@ -797,6 +815,24 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
         the rows since removed), hence the indices fetched 3 steps ahead."""
         plgpu.barrier_wait(idx_bar.at[lax.rem(i, _IDX_RING)])
 
+      if values_gather:  # warpgroup 1 gathers (`refill`); this one widens
+        @pl.loop(0, n)
+        def _(i):
+          slot = lax.rem(i, slots)
+          in_phase("memory_staged_wait", wait_staged, staged_barrier(slot))
+          in_phase("memory_landing_wait", lane_barrier_wait, landed_at(slot),
+                   lax.rem(lax.div(i, slots), 2))
+          in_phase("memory_widen", widen_in_place, slot, 1)
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(ready.at[slot])
+          # Ring entry (i + 3) % 4 was last read for step i - 1: by its gather (landed) and its
+          # scores (released).
+          pl.when(i > 0)(lambda: plgpu.barrier_wait(consumed.at[lax.rem(i + 1, slots)]))
+          pl.when(i + 3 < n)(functools.partial(fetch_indices, i + 3))
+
+        pl.when(n > 0)(lambda: plgpu.barrier_wait(consumed.at[lax.rem(n - 1, slots)]))
+        return
+
       pl.when(n > 0)(functools.partial(indices_landed, 0))
       pl.when(n > 0)(functools.partial(stage, 0))
       pl.when(n > 1)(functools.partial(indices_landed, 1))
@@ -807,7 +843,7 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
         in_phase("memory_staged_wait", wait_staged, staged_barrier(slot))
         if gather == "cp_async" and not wide_widening:
           rows_landed()  # this step's is the only group in flight (else the widening waits)
-        in_phase("memory_widen", widen_in_place, slot)
+        in_phase("memory_widen", widen_in_place, slot, landing_groups)
         plgpu.commit_smem()
         plgpu.barrier_arrive(ready.at[slot])
 
@@ -1016,8 +1052,8 @@ def heads_n_splits(num_splits):
 
 def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_splits, auto_barriers,
                  gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in, prep_in_kernel,
-                 interpret, wide_widening=False, landing_groups=1, hand_over_first=False,
-                 rescale_slack=None):
+                 interpret, wide_widening=False, landing_groups=1, gather_by="memory",
+                 hand_over_first=False, rescale_slack=None):
   """Pads heads to tiles of heads_tile(N) and slots to 64-slot steps, runs the kernel, merges
   splits. prep_in_kernel: the kernel takes the padded slots as they are (`MosaicSparseConfig`)."""
   t, n, d = q.shape
@@ -1048,6 +1084,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
     gather = "bulk"  # the interpreter runs no inline Mosaic GPU code
   half_rows = fp8 and fp8_pipeline == "half_rows"
   in_place = fp8 and fp8_pipeline == "in_place"
+  values_gather = in_place and gather_by == "values" and not interpret  # (cp_async only)
   # Row slots x rows (the consumers' step): bf16 2 x 64 (the next step's rows land while this one
   # computes); fp8_ds_mla 1 x 64, or 2 x 32 with "half_rows" (the same bytes), or bf16's 2 x 64
   # with "in_place" (staged inside the slots). P V's K is the step, and wgmma's K must be a
@@ -1090,7 +1127,9 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
       staging.append(tuple(_raw(*shape) for shape in staged_shapes))
     scratch += [plgpu.RefUnion(*staging),
                 plgpu.SMEM((*halves, tiles[0], step_rows), jnp.float32)]
-  scratch += [swizzled((tile_h, step_rows), q.dtype, sw), plgpu.SMEM((tile_h,), jnp.float32),
+  # row_smem; with values_gather its slack holds the two slots' lane barriers.
+  row_words = tile_h + (2 * LANE_BARRIER_WORDS if values_gather else 0)
+  scratch += [swizzled((tile_h, step_rows), q.dtype, sw), plgpu.SMEM((row_words,), jnp.float32),
               plgpu.SMEM((_IDX_RING, _STEP), jnp.int32),
               plgpu.Barrier(),
               # bulk bf16: every row chunk's copy arrives; else the memory warpgroup once.
@@ -1124,7 +1163,8 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                              heads_n=heads_n, prep_in_kernel=prep_in_kernel,
                              # The interpreter runs no lane-level code: the Pallas-level widening.
                              wide_widening=wide_widening and not interpret,
-                             landing_groups=landing_groups, hand_over_first=hand_over_first,
+                             landing_groups=landing_groups, values_gather=values_gather,
+                             hand_over_first=hand_over_first,
                              rescale_slack=None if heads_n else rescale_slack,
                              interpret=bool(interpret))
   o_parts, lse_parts = plgpu.kernel(
@@ -1156,7 +1196,8 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                    f"{'_wide' if wide_widening else ''}"
                    f"{'_hand_over_first' if hands_over_first else ''}"
                    f"{'_lazy_rescale' if rescale_slack is not None and not heads_n else ''}"
-                   f"_{gather}_s{splits}{landing_name}"),
+                   f"_{gather}_s{splits}{landing_name}"
+                   f"{'_values_gather' if values_gather else ''}"),
   )(q, *index_args, *cache_args)
   if splits == 1:
     o, lse = o_parts[:, 0], lse_parts[:, 0]
@@ -1173,6 +1214,7 @@ FP8_PIPELINES = ("serial", "half_rows", "in_place", "register_a")
 HEADS_IN = ("m", "n")
 HEADS_N_FP8_PIPELINES = ("serial", "in_place")  # fp8_ds_mla pipelines heads_in="n" takes
 LANDING_GROUPS = (1, 2, 4)  # divisors of the 4 NoPE tiles of DeepSeek's 512-column rows
+GATHER_BY = ("memory", "values")  # the warpgroup that issues "in_place"'s gathers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1315,7 +1357,15 @@ class MosaicSparseConfig:
   longer than the whole issue, so the groups land close together) and each adds a warpgroup
   barrier. H100 (session 36, one run, in turn, ms, 1 / 2 / 4 groups): T=128 over 1M tokens N=128
   0.205 / 0.200 / 0.204, N=64 0.111 / 0.107 / 0.110; T=4096 over 32K N=128 5.11 / 5.04 / 5.14,
-  N=64 2.66 / 2.62 / 2.67: 2 (the default) 1.4-3.6% faster than 1."""
+  N=64 2.66 / 2.62 / 2.67: 2 (the default) 1.4-3.6% faster than 1.
+  gather_by ("memory", the default, or "values"; fp8_ds_mla "in_place" on the GPU, which alone
+  acts on it): the warpgroup that issues a step's gather. "values": warpgroup 1, which waits for P
+  most of a step, issues step k + 2's rows into slot k % 2 once both consumers released step k
+  (`common.run_values`' refill hook), each lane then arriving on the slot's lane barrier once its
+  copies land (cp.async.mbarrier.arrive, `mosaic_lanes.cp_async_arrive`: Pallas' barriers do not
+  reach lane code, so the two live in row_smem's slack), and the memory warpgroup only waits for
+  them and widens. Session 36's model of the memory warpgroup's chain (RESULTS, "Session 36")
+  predicts the two-slot bound: ~-23% at T=128 N=128, ~-11% at T=4096. Prepared, not timed."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
   fp8_pipeline: str | None = None
@@ -1326,6 +1376,7 @@ class MosaicSparseConfig:
   hand_over_first: bool = True
   rescale_slack: float | None = None
   landing_groups: int = 2
+  gather_by: str = "memory"
 
   def __post_init__(self):
     if self.gather not in GATHERS:
@@ -1352,6 +1403,12 @@ class MosaicSparseConfig:
     if self.landing_groups not in LANDING_GROUPS:
       raise ValueError(f"landing_groups must be one of {LANDING_GROUPS}, got "
                        f"{self.landing_groups!r}")
+    if self.gather_by not in GATHER_BY:
+      raise ValueError(f"gather_by must be one of {GATHER_BY}, got {self.gather_by!r}")
+    if self.gather_by == "values" and (self.fp8_pipeline not in (None, "in_place")
+                                       or self.gather != "cp_async"):
+      raise ValueError(f"gather_by \"values\" takes fp8_pipeline \"in_place\" (or None) and the "
+                       f"cp_async gather, got {self.fp8_pipeline!r} and {self.gather!r}")
 
 
 CONFIG = MosaicSparseConfig()
@@ -1372,7 +1429,8 @@ SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rul
          MosaicSparseConfig(fp8_pipeline="register_a"), MosaicSparseConfig(hand_over_first=False),
          MosaicSparseConfig(rescale_slack=RESCALE_SLACK),
          MosaicSparseConfig(fp8_pipeline="in_place", landing_groups=1),
-         MosaicSparseConfig(fp8_pipeline="in_place", landing_groups=4))
+         MosaicSparseConfig(fp8_pipeline="in_place", landing_groups=4),
+         MosaicSparseConfig(fp8_pipeline="in_place", gather_by="values"))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("kv_lora_rank", "hand_over_first",
@@ -1429,7 +1487,7 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, slots: jax.Array, *, sca
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("fp8_pipeline", "fp8_stage_halves",
                                                        "wide_widening", "rescale_slack",
-                                                       "landing_groups"))
+                                                       "landing_groups", "gather_by"))
 def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.Array,
                                 rope: jax.Array, slots: jax.Array, *, scale: float,
                                 num_splits: int | None = None, auto_barriers: bool = False,
@@ -1442,6 +1500,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                                 wide_widening: bool = CONFIG.wide_widening,
                                 rescale_slack: float | None = CONFIG.rescale_slack,
                                 landing_groups: int = CONFIG.landing_groups,
+                                gather_by: str = CONFIG.gather_by,
                                 interpret: bool | plgpu.InterpretGPUParams = False
                                 ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over an fp8_ds_mla cache, widened to bf16 once per gathered row.
@@ -1453,7 +1512,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   gather) and fp8_stage_halves: `MosaicSparseConfig`'s; heads_in too ("n" with fp8_pipeline "serial"
   or "in_place" named; None: `default_heads_in`, "m") and prep_in_kernel too (None: True with the
   cp_async gather up to FP8_PREP_MAX_ROWS rows, else False) and wide_widening, rescale_slack
-  ("register_a", heads in N, ignores it) and landing_groups too. Returns o
+  ("register_a", heads in N, ignores it), landing_groups and gather_by too. Returns o
   [T, N, L] bf16 and lse [T, N] float32.
   """
   nb, page, lora = nope.shape
@@ -1466,7 +1525,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
   if fp8_pipeline == "register_a":
     MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in,
                        prep_in_kernel, wide_widening, rescale_slack=rescale_slack,
-                       landing_groups=landing_groups)  # checks them
+                       landing_groups=landing_groups, gather_by=gather_by)  # checks them
     if heads_in == "m" or gather != "cp_async" or prep_in_kernel is False:
       raise ValueError(f"fp8_pipeline \"register_a\" runs heads in N, the cp_async gather and "
                        f"the slot prep in the kernel; got heads_in={heads_in!r}, "
@@ -1484,7 +1543,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                      f"{rope.dtype.name}{rope.shape}, q {q.shape}")
   MosaicSparseConfig(gather, split_rule, fp8_pipeline, fp8_stage_halves, heads_in,
                      prep_in_kernel, wide_widening, rescale_slack=rescale_slack,
-                     landing_groups=landing_groups)  # checks them
+                     landing_groups=landing_groups, gather_by=gather_by)  # checks them
   if prep_in_kernel is None:
     prep_in_kernel = gather == "cp_async" and q.shape[0] <= FP8_PREP_MAX_ROWS
   if prep_in_kernel and gather != "cp_async":
@@ -1512,4 +1571,4 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                       fp8_pipeline=fp8_pipeline, fp8_stage_halves=fp8_stage_halves,
                       heads_in=heads_in, prep_in_kernel=prep_in_kernel, interpret=interpret,
                       wide_widening=wide_widening, rescale_slack=rescale_slack,
-                      landing_groups=landing_groups)
+                      landing_groups=landing_groups, gather_by=gather_by)

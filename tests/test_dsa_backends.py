@@ -1046,7 +1046,8 @@ def check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves, h
                             prep_in_kernel=False, k=2048,
                             wide_widening=mosaic_sparse.CONFIG.wide_widening,
                             hand_over_first=False, rescale_slack=None,
-                            landing_groups=mosaic_sparse.CONFIG.landing_groups):
+                            landing_groups=mosaic_sparse.CONFIG.landing_groups,
+                            gather_by=mosaic_sparse.CONFIG.gather_by):
   """The Mosaic sparse kernel at T=128, k (2048) slots over 1M tokens, lowered for CUDA (it runs on
   this CPU), which checks what the interpreter does not: wgmma operand layouts and swizzles,
   bulk-copy boxes, the untiled aliases, the cp.async code, the register layouts of the widening
@@ -1068,7 +1069,7 @@ def check_lowers_for_hopper(monkeypatch, n, fp8, gather, fp8_pipeline, halves, h
         jax.ShapeDtypeStruct((tokens // 64, 64, 64), jnp.bfloat16), slots, scale=0.1,
         gather=gather, fp8_pipeline=fp8_pipeline, fp8_stage_halves=halves, heads_in=heads_in,
         prep_in_kernel=prep_in_kernel, wide_widening=wide_widening, rescale_slack=rescale_slack,
-        landing_groups=landing_groups)
+        landing_groups=landing_groups, gather_by=gather_by)
   else:
     traced = mosaic_sparse.sparse_attention.trace(
         q, jax.ShapeDtypeStruct((tokens // 64, 64, 576), jnp.bfloat16), slots, scale=0.1,
@@ -1095,6 +1096,16 @@ def test_mosaic_sparse_landing_groups_lower_for_hopper(landing_groups, prep, mon
   # the tile scales in the first group (prep in the kernel) or XLA's (a bulk copy).
   check_lowers_for_hopper(monkeypatch, 128, True, "cp_async", "in_place", 2, prep_in_kernel=prep,
                           landing_groups=landing_groups)
+
+
+@pytest.mark.parametrize("prep,wide", [(True, True), (False, True), (True, False)])
+def test_mosaic_sparse_values_gather_lowers_for_hopper(prep, wide, monkeypatch):
+  # gather_by="values": warpgroup 1 issues "in_place"'s gathers, each lane's copies tracked by a
+  # lane barrier in row_smem's slack (cp.async.mbarrier.arrive), which the memory warpgroup waits
+  # on; the scales in the rows' copies (prep) or XLA's block (a bulk copy from warpgroup 1), both
+  # widenings (GPU only: the interpreter gathers in bulk from the memory warpgroup).
+  check_lowers_for_hopper(monkeypatch, 128, True, "cp_async", "in_place", 2, prep_in_kernel=prep,
+                          wide_widening=wide, gather_by="values")
 
 
 # The Pallas-level widening (wide_widening=False, the GPU bit-for-bit test's oracle) over 32-row
@@ -1329,6 +1340,16 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
       mosaic_sparse.sparse_attention_fp8_ds_mla(
           q, nope, jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16),
           slots, scale=0.1, fp8_pipeline="in_place", landing_groups=3, interpret=True)
+    with pytest.raises(ValueError, match="gather_by must be one of"):
+      mosaic_sparse.sparse_attention_fp8_ds_mla(
+          q, nope, jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16),
+          slots, scale=0.1, gather_by="consumers", interpret=True)
+    for pipeline, gather in (("half_rows", "cp_async"), (None, "bulk")):
+      with pytest.raises(ValueError, match="takes fp8_pipeline \"in_place\""):
+        mosaic_sparse.sparse_attention_fp8_ds_mla(
+            q, nope, jnp.zeros((4, 16, L // 128), jnp.float32),
+            jnp.zeros((4, 16, R), jnp.bfloat16), slots, scale=0.1, fp8_pipeline=pipeline,
+            gather=gather, gather_by="values", interpret=True)
     with pytest.raises(ValueError, match="hand_over_first must be True or False"):
       mosaic_sparse.sparse_attention(q, jnp.zeros((4, 16, L + R), jnp.bfloat16), slots,
                                      scale=0.1, kv_lora_rank=L, hand_over_first="yes",
@@ -1344,8 +1365,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
     assert (mosaic_sparse.CONFIG.fp8_pipeline, mosaic_sparse.CONFIG.fp8_stage_halves,
             mosaic_sparse.CONFIG.heads_in, mosaic_sparse.CONFIG.prep_in_kernel,
             mosaic_sparse.CONFIG.wide_widening, mosaic_sparse.CONFIG.hand_over_first,
-            mosaic_sparse.CONFIG.rescale_slack, mosaic_sparse.CONFIG.landing_groups) == (
-                None, 2, None, None, True, True, None, 2)
+            mosaic_sparse.CONFIG.rescale_slack, mosaic_sparse.CONFIG.landing_groups,
+            mosaic_sparse.CONFIG.gather_by) == (None, 2, None, None, True, True, None, 2, "memory")
     for other in (dict(fp8_pipeline="serial"), dict(fp8_pipeline="half_rows"),
                   dict(fp8_pipeline="half_rows", fp8_stage_halves=3),
                   dict(fp8_pipeline="in_place"), dict(heads_in="m"), dict(heads_in="n"),
@@ -1354,7 +1375,8 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
                   dict(fp8_pipeline="in_place", wide_widening=False),
                   dict(hand_over_first=False), dict(rescale_slack=8.0),
                   dict(fp8_pipeline="in_place", landing_groups=1),
-                  dict(fp8_pipeline="in_place", landing_groups=4)):
+                  dict(fp8_pipeline="in_place", landing_groups=4),
+                  dict(fp8_pipeline="in_place", gather_by="values")):
       assert mosaic_sparse.MosaicSparseConfig(**other) in mosaic_sparse.SWEEP
 
 

@@ -196,11 +196,14 @@ def test_mosaic_sparse_wide_widening_equals_pallas_widening_bit_for_bit(n, fp8_p
 
 
 # landing_groups: "in_place"'s step landing in 1, 2 (the default) or 4 cp.async groups, widened
-# group by group while the later ones land (`_wide_widen_in_place`'s waits and barriers): the same
-# values, bit for bit, with the scales in the first group (prep in the kernel, T <= 256) or XLA's.
+# group by group while the later ones land (`_wide_widen_in_place`'s waits and barriers), and
+# gather_by="values" (warpgroup 1 gathers, the lane barriers): the same values, bit for bit, with
+# the scales in the rows' copies (prep in the kernel, T <= 256) or XLA's.
 @pytest.mark.parametrize("n,t", [(128, 131), (16, 19), (128, 300)])
-@pytest.mark.parametrize("landing_groups", [1, 4])
-def test_mosaic_sparse_landing_groups_equal_the_default_bit_for_bit(n, t, landing_groups):
+@pytest.mark.parametrize("knobs", [dict(landing_groups=1), dict(landing_groups=4),
+                                   dict(gather_by="values"),
+                                   dict(gather_by="values", wide_widening=False)])
+def test_mosaic_sparse_in_place_knobs_equal_the_default_bit_for_bit(n, t, knobs):
   q, cache, slots = sparse_case(t + n, n, "fp8_ds_mla", t=t)
   run = functools.partial(mosaic_sparse.sparse_attention_fp8_ds_mla, q, cache.nope,
                           cache.tile_scales, cache.rope, slots, scale=SCALE,
@@ -208,7 +211,7 @@ def test_mosaic_sparse_landing_groups_equal_the_default_bit_for_bit(n, t, landin
   poison_allocator()
   want = [np.asarray(a, np.float32) for a in run()]
   poison_allocator()
-  got = [np.asarray(a, np.float32) for a in run(landing_groups=landing_groups)]
+  got = [np.asarray(a, np.float32) for a in run(**knobs)]
   for g, w in zip(got, want):
     np.testing.assert_array_equal(g, w)
 
