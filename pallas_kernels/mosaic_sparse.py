@@ -1023,6 +1023,14 @@ def default_fp8_pipeline(num_tokens, num_heads, top_k, *, num_splits, split_rule
   return "in_place"
 
 
+def default_gather_by(num_tokens):
+  """The gather_by that gather_by=None runs (static shapes only): "values" up to
+  VALUES_GATHER_MAX_ROWS rows (decode rows, where the memory warpgroup's chain bounds the step),
+  "memory" past them (the consumers bound it). H100, session 37: T=128 -6.5% (N=128) and -7%
+  (N=64); T=4096 +0.4% and +3%; between, not timed. Timings in `MosaicSparseConfig`."""
+  return "values" if num_tokens <= VALUES_GATHER_MAX_ROWS else "memory"
+
+
 def default_heads_in(num_tokens, num_heads, top_k, *, fp8, num_splits, split_rule):
   """The heads_in that heads_in=None runs (static shapes only): "n" for bf16 caches at N <= 32
   (HEADS_N_TILES[-1]) where the kernel runs one split a token, else "m" (fp8_ds_mla at any N; any
@@ -1154,7 +1162,7 @@ def _sparse_call(q, slots, cache_args, *, scale, lora, num_slots, fp8, num_split
                      f"block's {_SMEM_LIMIT}")
 
   hands_over_first = hand_over_first and not fp8 and gather == "cp_async"  # where it acts
-  grouped = in_place and wide_widening and not interpret  # where landing_groups acts
+  grouped = in_place and wide_widening and not interpret and not values_gather  # landing_groups
   # Groups of whole NoPE tiles (DeepSeek's 512 columns: 4 tiles, every choice).
   landing_groups = math.gcd(landing_groups, lora // DS_MLA_TILE)
   landing_name = f"_landing{landing_groups}" if grouped else ""
@@ -1347,25 +1355,31 @@ class MosaicSparseConfig:
   between the softmax and P V). 0 is bit-identical to None. H200 (session 29, N=128, 8.0 against
   None, ms, not in turn): fp8_ds_mla T=128 0.215 / 0.219, T=4096 5.04 / 5.18; bf16 T=128 0.26 /
   0.191 (slower: not understood), T=4096 5.32 / 5.20. None (the default) for both caches.
-  landing_groups (1, 2 or 4; fp8_ds_mla "in_place" with wide_widening on the GPU, which alone
-  acts on it; rows of fewer NoPE tiles take the largest divisor of their tile count): the
-  cp.async groups a step's rows land in, the widening starting on the first
-  group's NoPE tiles while the others land (`_cp_async_rows`, `_wide_widen_in_place`). With one
-  group the memory warpgroup's step is a chain, gather issue -> landing -> widening (H200, T=128
-  N=128 over a 1M-token cache, ncu, session 36: ~2,100 + ~1,700 + ~2,600 of a ~6,400-clock
-  step); the groups hide only the spread of their issue (a copy's latency, ~3,000 clocks, is
-  longer than the whole issue, so the groups land close together) and each adds a warpgroup
-  barrier. H100 (session 36, one run, in turn, ms, 1 / 2 / 4 groups): T=128 over 1M tokens N=128
-  0.205 / 0.200 / 0.204, N=64 0.111 / 0.107 / 0.110; T=4096 over 32K N=128 5.11 / 5.04 / 5.14,
-  N=64 2.66 / 2.62 / 2.67: 2 (the default) 1.4-3.6% faster than 1.
-  gather_by ("memory", the default, or "values"; fp8_ds_mla "in_place" on the GPU, which alone
-  acts on it): the warpgroup that issues a step's gather. "values": warpgroup 1, which waits for P
-  most of a step, issues step k + 2's rows into slot k % 2 once both consumers released step k
-  (`common.run_values`' refill hook), each lane then arriving on the slot's lane barrier once its
-  copies land (cp.async.mbarrier.arrive, `mosaic_lanes.cp_async_arrive`: Pallas' barriers do not
+  landing_groups (1, 2 or 4; fp8_ds_mla "in_place" gathered by the memory warpgroup with
+  wide_widening on the GPU, which alone acts on it; rows of fewer NoPE tiles take the largest
+  divisor of their tile count): the cp.async groups a step's rows land in, the widening starting on
+  the first group's NoPE tiles while the others land (`_cp_async_rows`, `_wide_widen_in_place`).
+  With one group the memory warpgroup's step is a chain, gather issue -> landing -> widening (H200,
+  T=128 N=128 over a 1M-token cache, ncu, session 36: ~2,100 + ~1,700 + ~2,600 of a ~6,400-clock
+  step); the groups hide only the spread of their issue (a copy's latency, ~3,000 clocks, is longer
+  than the whole issue, so the groups land close together) and each adds a warpgroup barrier. H100
+  (session 36, one run, in turn, ms, 1 / 2 / 4 groups): T=128 over 1M tokens N=128 0.205 / 0.200 /
+  0.204, N=64 0.111 / 0.107 / 0.110; T=4096 over 32K N=128 5.11 / 5.04 / 5.14, N=64 2.66 / 2.62 /
+  2.67: 2 (the default) 1.4-3.6% faster than 1.
+  gather_by ("memory", "values", or None: `default_gather_by`; fp8_ds_mla "in_place" on the GPU,
+  which alone acts on it): the warpgroup that issues a step's gather. "values": warpgroup 1, which
+  waits for P most of a step, issues step k + 2's rows into slot k % 2 once both consumers released
+  step k (`common.run_values`' refill hook), each lane then arriving on the slot's lane barrier once
+  its copies land (cp.async.mbarrier.arrive, `mosaic_lanes.cp_async_arrive`: Pallas' barriers do not
   reach lane code, so the two live in row_smem's slack), and the memory warpgroup only waits for
   them and widens. Session 36's model of the memory warpgroup's chain (RESULTS, "Session 36")
-  predicts the two-slot bound: ~-23% at T=128 N=128, ~-11% at T=4096. Prepared, not timed."""
+  predicts the two-slot bound: ~-23% at T=128 N=128, ~-11% at T=4096. H100 (session 37, one run, in
+  turn, ms, "memory" / "values"): T=128 over 1M tokens N=128 0.200 / 0.187, N=64 0.107 / 0.0994;
+  T=4096 over 32K N=128 5.14 / 5.16, N=64 2.63 / 2.71. The chain is shorter (H100 profile, T=128: a
+  step period of ~4,700 clocks; H200's "memory" step, ncu: ~6,400) but the slot's round trip is now
+  the bound: release, issue (~700), landing (~2,400), widening (~1,900), the consumers' step
+  (~3,300), over 2 slots. Where the consumers bound the step (T=4096), warpgroup 1's issue lands on
+  their path."""
   gather: str = "cp_async"
   split_rule: str = "one_wave"
   fp8_pipeline: str | None = None
@@ -1376,7 +1390,7 @@ class MosaicSparseConfig:
   hand_over_first: bool = True
   rescale_slack: float | None = None
   landing_groups: int = 2
-  gather_by: str = "memory"
+  gather_by: str | None = None
 
   def __post_init__(self):
     if self.gather not in GATHERS:
@@ -1403,8 +1417,8 @@ class MosaicSparseConfig:
     if self.landing_groups not in LANDING_GROUPS:
       raise ValueError(f"landing_groups must be one of {LANDING_GROUPS}, got "
                        f"{self.landing_groups!r}")
-    if self.gather_by not in GATHER_BY:
-      raise ValueError(f"gather_by must be one of {GATHER_BY}, got {self.gather_by!r}")
+    if self.gather_by is not None and self.gather_by not in GATHER_BY:
+      raise ValueError(f"gather_by must be None or one of {GATHER_BY}, got {self.gather_by!r}")
     if self.gather_by == "values" and (self.fp8_pipeline not in (None, "in_place")
                                        or self.gather != "cp_async"):
       raise ValueError(f"gather_by \"values\" takes fp8_pipeline \"in_place\" (or None) and the "
@@ -1416,6 +1430,8 @@ CONFIG = MosaicSparseConfig()
 # T=128: equal or faster), XLA's prep past it (T=1024 and 4096 over 32K: 1.04-1.07x; between,
 # not timed). bf16 takes it at every T (1.03-1.09x at N=128). See `MosaicSparseConfig`.
 FP8_PREP_MAX_ROWS = 256
+# gather_by=None: "values" up to this many rows (`default_gather_by`).
+VALUES_GATHER_MAX_ROWS = 256
 # The sweep space: the variants `benchmarks/bench_sparse.py` times beside the chosen one.
 SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rule="fill"),
          MosaicSparseConfig(fp8_pipeline="serial"), MosaicSparseConfig(fp8_pipeline="half_rows"),
@@ -1430,6 +1446,7 @@ SWEEP = (CONFIG, MosaicSparseConfig(gather="bulk"), MosaicSparseConfig(split_rul
          MosaicSparseConfig(rescale_slack=RESCALE_SLACK),
          MosaicSparseConfig(fp8_pipeline="in_place", landing_groups=1),
          MosaicSparseConfig(fp8_pipeline="in_place", landing_groups=4),
+         MosaicSparseConfig(fp8_pipeline="in_place", gather_by="memory"),
          MosaicSparseConfig(fp8_pipeline="in_place", gather_by="values"))
 
 
@@ -1500,7 +1517,7 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
                                 wide_widening: bool = CONFIG.wide_widening,
                                 rescale_slack: float | None = CONFIG.rescale_slack,
                                 landing_groups: int = CONFIG.landing_groups,
-                                gather_by: str = CONFIG.gather_by,
+                                gather_by: str | None = CONFIG.gather_by,
                                 interpret: bool | plgpu.InterpretGPUParams = False
                                 ) -> tuple[jax.Array, jax.Array]:
   """Sparse MLA over an fp8_ds_mla cache, widened to bf16 once per gathered row.
@@ -1562,6 +1579,8 @@ def sparse_attention_fp8_ds_mla(q: jax.Array, nope: jax.Array, tile_scales: jax.
     fp8_pipeline = default_fp8_pipeline(q.shape[0], q.shape[1], slots.shape[1],
                                         num_splits=num_splits, split_rule=split_rule,
                                         gather=gather)
+  if gather_by is None:
+    gather_by = default_gather_by(q.shape[0])
   num_slots = nb * page
   # Rows as 128-byte chunks [S, C, w], what either gather copies.
   chunked = lambda x: x.reshape(num_slots, -1, _CHUNK_BYTES // x.dtype.itemsize)

@@ -1095,7 +1095,7 @@ def test_mosaic_sparse_landing_groups_lower_for_hopper(landing_groups, prep, mon
   # the interpreter gathers in bulk and widens at the Pallas level; GPU: test_dsa_gpu.py), with
   # the tile scales in the first group (prep in the kernel) or XLA's (a bulk copy).
   check_lowers_for_hopper(monkeypatch, 128, True, "cp_async", "in_place", 2, prep_in_kernel=prep,
-                          landing_groups=landing_groups)
+                          landing_groups=landing_groups, gather_by="memory")
 
 
 @pytest.mark.parametrize("prep,wide", [(True, True), (False, True), (True, False)])
@@ -1340,7 +1340,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
       mosaic_sparse.sparse_attention_fp8_ds_mla(
           q, nope, jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16),
           slots, scale=0.1, fp8_pipeline="in_place", landing_groups=3, interpret=True)
-    with pytest.raises(ValueError, match="gather_by must be one of"):
+    with pytest.raises(ValueError, match="gather_by must be None or one of"):
       mosaic_sparse.sparse_attention_fp8_ds_mla(
           q, nope, jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16),
           slots, scale=0.1, gather_by="consumers", interpret=True)
@@ -1366,7 +1366,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
             mosaic_sparse.CONFIG.heads_in, mosaic_sparse.CONFIG.prep_in_kernel,
             mosaic_sparse.CONFIG.wide_widening, mosaic_sparse.CONFIG.hand_over_first,
             mosaic_sparse.CONFIG.rescale_slack, mosaic_sparse.CONFIG.landing_groups,
-            mosaic_sparse.CONFIG.gather_by) == (None, 2, None, None, True, True, None, 2, "memory")
+            mosaic_sparse.CONFIG.gather_by) == (None, 2, None, None, True, True, None, 2, None)
     for other in (dict(fp8_pipeline="serial"), dict(fp8_pipeline="half_rows"),
                   dict(fp8_pipeline="half_rows", fp8_stage_halves=3),
                   dict(fp8_pipeline="in_place"), dict(heads_in="m"), dict(heads_in="n"),
@@ -1376,6 +1376,7 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
                   dict(hand_over_first=False), dict(rescale_slack=8.0),
                   dict(fp8_pipeline="in_place", landing_groups=1),
                   dict(fp8_pipeline="in_place", landing_groups=4),
+                  dict(fp8_pipeline="in_place", gather_by="memory"),
                   dict(fp8_pipeline="in_place", gather_by="values")):
       assert mosaic_sparse.MosaicSparseConfig(**other) in mosaic_sparse.SWEEP
 

@@ -197,21 +197,23 @@ def test_mosaic_sparse_wide_widening_equals_pallas_widening_bit_for_bit(n, fp8_p
 
 # landing_groups: "in_place"'s step landing in 1, 2 (the default) or 4 cp.async groups, widened
 # group by group while the later ones land (`_wide_widen_in_place`'s waits and barriers), and
-# gather_by="values" (warpgroup 1 gathers, the lane barriers): the same values, bit for bit, with
-# the scales in the rows' copies (prep in the kernel, T <= 256) or XLA's.
+# gather_by="values" (warpgroup 1 gathers, the lane barriers; the default up to 256 rows): the
+# same values as the memory warpgroup's gather in 2 groups, bit for bit, with the scales in the
+# rows' copies (prep in the kernel, T <= 256) or XLA's.
 @pytest.mark.parametrize("n,t", [(128, 131), (16, 19), (128, 300)])
 @pytest.mark.parametrize("knobs", [dict(landing_groups=1), dict(landing_groups=4),
                                    dict(gather_by="values"),
-                                   dict(gather_by="values", wide_widening=False)])
+                                   dict(gather_by="values", wide_widening=False)],
+                         ids=["landing1", "landing4", "values", "values_pallas_widening"])
 def test_mosaic_sparse_in_place_knobs_equal_the_default_bit_for_bit(n, t, knobs):
   q, cache, slots = sparse_case(t + n, n, "fp8_ds_mla", t=t)
   run = functools.partial(mosaic_sparse.sparse_attention_fp8_ds_mla, q, cache.nope,
                           cache.tile_scales, cache.rope, slots, scale=SCALE,
                           fp8_pipeline="in_place")
   poison_allocator()
-  want = [np.asarray(a, np.float32) for a in run()]
+  want = [np.asarray(a, np.float32) for a in run(gather_by="memory")]
   poison_allocator()
-  got = [np.asarray(a, np.float32) for a in run(**knobs)]
+  got = [np.asarray(a, np.float32) for a in run(**{"gather_by": "memory", **knobs})]
   for g, w in zip(got, want):
     np.testing.assert_array_equal(g, w)
 
