@@ -72,12 +72,8 @@ def require_gpu(module_name: str, min_devices: int = 1):
 
 
 def time_ms(fn, arg_sets, *, warmup=3, iters=20, repeats=5):
-  """Median milliseconds per call of `fn(*args)`.
+  """Median milliseconds per call of `fn(*args)`, as `time_interleaved` times one.
 
-  Calls are queued back to back and the device is drained once per repeat, so the figure is device
-  time plus launch gaps, and one host round trip a repeat: the first call's dispatch and the final
-  sync, spread over `iters` calls (H200 machine, the DSA decode step: ~0.2 ms a repeat, so ~10 us
-  a call at 20 calls; 0.403 ms at 20 calls, 0.386 at 200; benchmarks/RESULTS.md, sessions 20-21).
   `arg_sets` rotates among several input sets so that repeated calls do not find their inputs in
   the L2 cache.
   """
@@ -95,10 +91,26 @@ def jax_calls(fn, arg_sets):
   return launch, lambda: jax.block_until_ready(last)
 
 
+def _queued_seconds(run, n):
+  start = time.perf_counter()
+  run(n)
+  return time.perf_counter() - start
+
+
+def per_call_ms(run, iters):
+  """Milliseconds a call of `run(n)` (n calls queued back to back, then one sync), by the slope
+  between `iters` and 2 `iters` calls: device time plus launch gaps, without the fixed cost of a
+  timing (the first call's dispatch onto an idle device and the final sync: ~0.2-0.4 ms on the
+  H200 machine, so 0.403 ms for the DSA step at 20 calls against 0.386 at 200 before session 37;
+  benchmarks/RESULTS.md, sessions 20-21 and 37)."""
+  once = _queued_seconds(run, iters)
+  return (_queued_seconds(run, 2 * iters) - once) * 1e3 / iters
+
+
 def time_interleaved(calls, *, warmup=3, iters=20, repeats=5):
-  """Median milliseconds per call of each `name: (launch, sync)` in `calls`, timed as `time_ms`
-  times one (`iters` calls queued, one sync, host clock), the repeats taken in turn: repeat r of
-  every entry runs before repeat r + 1 of any, so the machine's drift between calls (the H200's
+  """Median milliseconds per call of each `name: (launch, sync)` in `calls` (`per_call_ms`: `iters`
+  then 2 `iters` calls queued, each run drained by one sync), the repeats taken in turn: repeat r
+  of every entry runs before repeat r + 1 of any, so the machine's drift between calls (the H200's
   clocks; SDPA's own time moved 0.75-0.90 ms between calls in session 23) falls on all alike.
   launch(i) queues the i-th call; sync() returns once the device has finished it (any framework).
   """
@@ -109,28 +121,27 @@ def time_interleaved(calls, *, warmup=3, iters=20, repeats=5):
   samples = {name: [] for name in calls}
   for _ in range(repeats):
     for name, (launch, sync) in calls.items():
-      start = time.perf_counter()
-      for i in range(iters):
-        launch(i)
-      sync()
-      samples[name].append((time.perf_counter() - start) * 1e3 / iters)
+      def run(n, launch=launch, sync=sync):
+        for i in range(n):
+          launch(i)
+        sync()
+      samples[name].append(per_call_ms(run, iters))
   return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def time_steps(step, x, cache, md, *, iters, repeats, warmup=3):
-  """Median ms per call of `step(x, cache, md) -> (out, cache)` with the cache donated: each call
-  takes the cache the previous one returned, calls queued back to back, drained once per repeat."""
-  for _ in range(warmup):
-    out, cache = step(x, cache, md)
-  jax.block_until_ready((out, cache))
-  samples = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    for _ in range(iters):
-      out, cache = step(x, cache, md)
-    jax.block_until_ready((out, cache))
-    samples.append((time.perf_counter() - start) * 1e3 / iters)
-  return statistics.median(samples)
+  """Median ms per call of `step(x, cache, md) -> (out, cache)` with the cache donated (each call
+  takes the cache the previous one returned, calls queued back to back), as `per_call_ms`."""
+  state = list(step(x, cache, md))
+  for _ in range(warmup - 1):
+    state[:] = step(x, state[1], md)
+  jax.block_until_ready(state)
+
+  def run(n):
+    for _ in range(n):
+      state[:] = step(x, state[1], md)
+    jax.block_until_ready(state)
+  return statistics.median(per_call_ms(run, iters) for _ in range(repeats))
 
 
 def rates(ms, *, bytes_moved=None, flops=None):

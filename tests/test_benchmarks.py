@@ -13,8 +13,22 @@ import jax
 import numpy as np
 import pytest
 
+from benchmarks import common as bench_common
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODULES = sorted(f"benchmarks.{p.stem}" for p in (ROOT / "benchmarks").glob("bench_*.py"))
+PER_CALL_MS = bench_common.per_call_ms
+
+
+@pytest.fixture(autouse=True)
+def one_ms_a_call(monkeypatch):
+  """The entry points' timings read 1 ms a call: both queued runs still run, but on the CPU the
+  slope between them (calls of microseconds) can come out at or below 0."""
+  def per_call_ms(run, iters):
+    run(iters)
+    run(2 * iters)
+    return 1.0
+  monkeypatch.setattr(bench_common, "per_call_ms", per_call_ms)
 
 
 def test_every_benchmark_is_listed():
@@ -134,17 +148,31 @@ def test_mosaic_configs_times_what_changes_the_program(dtype):
     assert named[1:] == [{"rescale_slack": None}, {"auto_barriers": True}, {"heads_in": "n"}]
 
 
-def test_time_interleaved_takes_the_repeats_in_turn():
-  # Repeat r of every entry before repeat r + 1 of any, each after its own warmup; one sync a
-  # repeat; the median of each entry's per-call times.
-  from benchmarks import common
-  log = []
-  calls = {name: (lambda i, name=name: log.append((name, i)),
-                  lambda name=name: log.append((name, "sync"))) for name in ("a", "b")}
-  ms = common.time_interleaved(calls, warmup=1, iters=2, repeats=2)
-  timed = [("a", 0), ("a", 1), ("a", "sync"), ("b", 0), ("b", 1), ("b", "sync")]
-  assert log == [("a", 0), ("a", "sync"), ("b", 0), ("b", "sync")] + timed + timed
-  assert set(ms) == {"a", "b"} and all(v >= 0 for v in ms.values())
+def test_time_interleaved_takes_the_repeats_in_turn(monkeypatch):
+  # Repeat r of every entry before repeat r + 1 of any, each after its own warmup; a repeat times
+  # `iters` then 2 `iters` queued calls, one sync each, and takes the slope: on a fake clock where
+  # a call costs a (3 s) or b (5 s) and a sync 100 s, the figures are 3000 and 5000 ms exactly
+  # (the old per-repeat mean would read 53000 and 55000).
+  import types
+  clock, log = [0.0], []
+  monkeypatch.setattr(bench_common, "per_call_ms", PER_CALL_MS)
+  monkeypatch.setattr(bench_common, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+  def call(name, cost):
+    def launch(i):
+      log.append((name, i))
+      clock[0] += cost
+
+    def sync():
+      log.append((name, "sync"))
+      clock[0] += 100.0
+    return launch, sync
+  calls = {"a": call("a", 3.0), "b": call("b", 5.0)}
+  ms = bench_common.time_interleaved(calls, warmup=1, iters=2, repeats=2)
+  timed = lambda name: ([(name, 0), (name, 1), (name, "sync")]
+                        + [(name, 0), (name, 1), (name, 2), (name, 3), (name, "sync")])
+  assert log == [("a", 0), ("a", "sync"), ("b", 0), ("b", "sync")] + 2 * (timed("a") + timed("b"))
+  assert ms == {"a": 3000.0, "b": 5000.0}
 
 
 def test_fp8_vs_bf16_times_both_caches_of_one_shape(monkeypatch):
@@ -219,8 +247,8 @@ def test_bench_sparse_times_a_cases_rows_in_turn(monkeypatch):
   assert all(r["ms"] > 0 and r["speedup"] > 0 and r["xla ms"] == rows[0]["xla ms"]
              for r in (rows[0], rows[2]))
   timed = [tag for tag, name in log if name == "pallas_triton"]
-  # Built and checked once each, warmed up (3 calls) in turn, then repeats of 2 calls in turn.
-  assert timed == ["a", "b"] + ["a"] * 3 + ["b"] * 3 + (["a"] * 2 + ["b"] * 2) * 2
+  # Built and checked once each, warmed up (3 calls) in turn, then repeats (2 and 4 calls) in turn.
+  assert timed == ["a", "b"] + ["a"] * 3 + ["b"] * 3 + (["a"] * 6 + ["b"] * 6) * 2
   assert {name for _, name in log} == {"pallas_triton", "reference"}
   log.clear()
   rows = bench_sparse.timed_rows(args, [({"case": "a"}, fn("a"), "pallas_triton")],
