@@ -12,7 +12,8 @@ PyTorch marker that separates the calls in the profile. Under ncu, started with 
         --no-ref --no-sweep-rows > ncu.log
     python3 -m benchmarks.kernel_times --table ncu.log
 
-the second command prints, per timed call in the benchmark's order, each kernel's microseconds
+the second command prints, per timed call in the benchmark's order (rows the benchmark times in
+turn, `time_interleaved`, each once, in their order), each kernel's microseconds
 and their sum (kernels serialized by ncu: launch gaps are not in it; the benchmark's own figures
 printed by the run are meaningless, its timer returns 1 ms). XLA's command buffers (CUDA graphs)
 are turned off for the run, so every kernel is launched, and profiled, on its own.
@@ -26,29 +27,41 @@ import io
 import os
 import sys
 
-from benchmarks.common import make_parser
+from benchmarks.common import jax_calls, make_parser
 
 MARKER = "elementwise"  # the PyTorch marker's kernel name contains it; no JAX kernel's does
 BENCHMARKS = ("decode", "prefill", "sparse")
 
 
-def profiled_once(fn, arg_sets, **_):
-  """time_ms's stand-in: 3 warm calls, then one call inside a profiler range, after a marker."""
-  import jax
+def _profile_one(launch, sync):
+  """3 warm calls, then launch(0) inside a profiler range, after a one-kernel PyTorch marker."""
   import torch
 
-  out = None
   for i in range(3):
-    out = fn(*arg_sets[i % len(arg_sets)])
-  jax.block_until_ready(out)
+    launch(i)
+  sync()
   marker = torch.zeros(1, device="cuda")
   torch.cuda.synchronize()
   torch.cuda.profiler.start()
   marker.add_(1)
   torch.cuda.synchronize()
-  jax.block_until_ready(fn(*arg_sets[0]))
+  launch(0)
+  sync()
   torch.cuda.profiler.stop()
+
+
+def profiled_once(fn, arg_sets, **_):
+  """time_ms's stand-in: one call of fn profiled (`_profile_one`)."""
+  _profile_one(*jax_calls(fn, arg_sets))
   return 1.0
+
+
+def profiled_in_turn(calls, **_):
+  """time_interleaved's stand-in (the benchmarks' rows timed in turn): each entry's call profiled
+  once (`_profile_one`), in the entries' order."""
+  for launch, sync in calls.values():
+    _profile_one(launch, sync)
+  return {name: 1.0 for name in calls}
 
 
 def calls(ncu_csv: str) -> list[list[tuple[str, float]]]:
@@ -99,6 +112,7 @@ def main(argv=None):
       [os.environ.get("XLA_FLAGS", ""), "--xla_gpu_enable_command_buffer="]).strip()
   module = __import__(f"benchmarks.bench_{args.benchmark}", fromlist=["main"])
   module.time_ms = profiled_once
+  module.time_interleaved = profiled_in_turn
   module.main(rest)
 
 

@@ -343,6 +343,27 @@ def test_kernel_times_splits_an_ncu_log_at_its_markers():
     kernel_times.calls("==PROF== Disconnected")
 
 
+def test_kernel_times_profiles_each_in_turn_entry_once(monkeypatch):
+  # The benchmarks time most rows in turn (`time_interleaved`): the stand-in profiles each entry's
+  # call once, after its warm calls and the marker, in the entries' order.
+  import types
+  from benchmarks import kernel_times
+  log = []
+  cuda = types.SimpleNamespace(
+      synchronize=lambda: None,
+      profiler=types.SimpleNamespace(start=lambda: log.append("start"),
+                                     stop=lambda: log.append("stop")))
+  marker = types.SimpleNamespace(add_=lambda x: log.append("marker"))
+  monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(
+      cuda=cuda, zeros=lambda *a, **k: marker))
+  calls = {name: (lambda i, name=name: log.append((name, i)),
+                  lambda name=name: log.append((name, "sync"))) for name in ("a", "b")}
+  assert kernel_times.profiled_in_turn(calls, iters=20, repeats=5) == {"a": 1.0, "b": 1.0}
+  one = lambda n: [(n, 0), (n, 1), (n, 2), (n, "sync"), "start", "marker", (n, 0), (n, "sync"),
+                   "stop"]
+  assert log == one("a") + one("b")
+
+
 def test_kernel_times_help_and_its_wrong_use(capsys):
   from benchmarks import kernel_times
   with pytest.raises(SystemExit) as exit_info:
