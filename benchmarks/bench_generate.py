@@ -17,9 +17,10 @@ tokens and `--new` new tokens (greedy, no stop token):
   gen exit tok/s  the same with a stop token no row emits: every dispatch runs the loop that may
                   end early (what a batch with a stop token gets), whose condition a GPU reads
                   back to the host every step.
-  step tok/s      the model's jitted decode step (`jitted_step`, no sampling) dispatched `--iters`
-                  times back to back on fixed metadata (every request at prompt + new/2 tokens),
-                  the cache donated and threaded through, the device drained once: B / step ms.
+  step tok/s      the model's jitted decode step (`jitted_step`, no sampling) dispatched back to
+                  back on fixed metadata (every request at prompt + new/2 tokens), the cache
+                  donated and threaded through, a step's ms the slope between `--iters` and 2
+                  `--iters` steps each drained once (`time_steps`): B / step ms.
   ratio           gen tok/s / step tok/s (issue 21's goal: >= 0.9 at B=64 and 256, >= 0.8 at 1, 8).
   step GB/s       weights (all but the embedding table) + the latent caches read, per step ms.
 Cases run V3 before V3.2 and the larger batches first; with `--time-budget`, cases not started
