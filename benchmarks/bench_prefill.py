@@ -8,8 +8,9 @@ kernel at its tuned configuration); rivals, each timed as a backend would call i
   cudnn  jax.nn.dot_product_attention(implementation='cudnn'), v zero-padded to 192 and o sliced
          back to 128 (cuDNN refuses Dv != Dk), requests as a [B, S] batch of equal lengths;
   sdpa   torch scaled_dot_product_attention (is_causal, bf16) on the same [T, N, D] memory layout,
-         timed as ours are (host clock around queued calls, one sync a repeat), its repeats taken
-         in turn with the Triton and Mosaic kernels' (`time_interleaved`).
+         timed as ours are (host clock around queued calls, the slope between iters and 2 iters
+         calls), its repeats taken in turn with the Triton and Mosaic kernels'
+         (`time_interleaved`).
 Mosaic columns: "mosaic ms", "mosaic TFLOP/s", "triton/mosaic" (> 1: Mosaic is faster), "mosaic x
 sdpa" and the largest difference of its output from the Triton kernel's; "grid ms" and
 "grid/persistent" time the same kernel with one program per (query slot, head, request) instead of
@@ -109,7 +110,7 @@ def cudnn_fn(batch, seq):
 
 def sdpa_calls(sets, batch, seq):
   """`(launch, sync)` of torch SDPA on the same device buffers (shared through DLPack, no copy),
-  for `time_interleaved`: timed as ours are, host clock around queued calls and one sync."""
+  for `time_interleaved`: timed as ours are (host clock around queued calls, `per_call_ms`)."""
   import torch  # only on machines that have it
   import torch.nn.functional as F
 
