@@ -1360,6 +1360,13 @@ class TestPallasMosaicSparseAttention(SparseAttentionContract):
             q, nope, jnp.zeros((4, 16, L // 128), jnp.float32), jnp.zeros((4, 16, R), jnp.bfloat16),
             slots, scale=0.1, fp8_pipeline=pipeline, fp8_stage_halves=halves, interpret=True)
 
+  def test_default_gather_by_takes_values_up_to_256_rows(self):
+    # gather_by=None: warpgroup 1 gathers decode rows (up to VALUES_GATHER_MAX_ROWS), the memory
+    # warpgroup past them (session 37's timings).
+    assert mosaic_sparse.VALUES_GATHER_MAX_ROWS == 256
+    assert [mosaic_sparse.default_gather_by(t) for t in (1, 128, 256, 257, 4096)] == [
+        "values", "values", "values", "memory", "memory"]
+
   def test_config_default_and_sweep(self):
     # The timed rules (`default_fp8_pipeline`, `default_heads_in`); both heads_in named beside.
     assert (mosaic_sparse.CONFIG.fp8_pipeline, mosaic_sparse.CONFIG.fp8_stage_halves,
