@@ -25,8 +25,8 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, scf, vector
 
 from pallas_kernels.common import DS_MLA_TILE, F8, SWIZZLE
-from pallas_kernels.mosaic_lanes import (WARPGROUP_THREADS, lane_asm, swizzled_unit_offset,
-                                         warpgroup_thread)
+from pallas_kernels.mosaic_lanes import (WARPGROUP_THREADS, lane_asm, read_only_ref,
+                                         swizzled_unit_offset, warpgroup_thread)
 
 STEP = 64  # tokens of an e4m3 slot: wgmma's M in S^T = K Q^T and its K in O^T = V^T P^T
 FP8_COLS = 64  # e4m3 columns per shared-memory tile: 64 bytes, the 64-byte swizzle
@@ -296,7 +296,7 @@ def split_queries(q_rows, q_smem, qs_smem):
   transforms = (plgpu.TilingTransform((SWIZZLE_TILE_ROWS, FP8_COLS)),
                 plgpu.SwizzleTransform(FP8_COLS))
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(transforms), plgpu.RefType()))
+  @plgpu.inline_mgpu(arg_types=(read_only_ref(), plgpu.RefType(transforms), plgpu.RefType()))
   def split(_, q_rows, q_smem, qs_smem):
     i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
     c32 = lambda v: arith.constant(i32, v)

@@ -8,6 +8,8 @@ it (the kernels keep a Pallas-level form for interpret=True).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -132,6 +134,19 @@ def wide_store(dst, words, convert, offsets):
                mgpu_utils.getelementptr(mgpu_utils.memref_ptr(dst), [off], i8), alignment=16)
 
 
+# jax >= 0.12.1 refuses a kernel that writes an input passed as an array, and counts an
+# `inline_mgpu` ref argument as written unless its RefType says `write=False`; 0.11.2's RefType has
+# no such field (and no such check).
+_REF_TYPE_HAS_WRITE = "write" in {f.name for f in dataclasses.fields(plgpu.RefType)}
+
+
+def read_only_ref(transforms=()):
+  """The `inline_mgpu` type of a ref argument the inline code only reads (a kernel's GMEM input)."""
+  if _REF_TYPE_HAS_WRITE:
+    return plgpu.RefType(transforms, write=False)
+  return plgpu.RefType(transforms)
+
+
 def cp_async_wait(pending):
   """Waits until at most `pending` of this thread's cp.async groups are in flight."""
 
@@ -213,7 +228,7 @@ def row_steps(row_ref, *, num_slots, step, interpret):
     extent = lax.fori_loop(0, kp, last_valid, jnp.int32(0))
     return lax.div(extent + (step - 1), step)
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+  @plgpu.inline_mgpu(arg_types=(read_only_ref(),),
                      return_type=plgpu.ShapeDtypeStruct((), jnp.int32,
                                                         layout=plgpu.Layout.WG_SPLAT(())))
   def count(_, row):

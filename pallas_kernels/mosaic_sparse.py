@@ -76,8 +76,8 @@ from pallas_kernels.common import (DS_MLA_TILE, F8, HALF_ROWS, HALF_ROWS_LAYOUT,
 from pallas_kernels.mosaic_lanes import (LANE_BARRIER_WORDS, WARPGROUP_THREADS,
                                          WIDE_MAX_SCALE_BITS, cp_async_arrive, cp_async_wait,
                                          lane_asm, lane_barrier_wait, lane_barriers_init,
-                                         placed_bf16x2, row_steps, rows_rescaled,
-                                         warpgroup_thread, wide_load, wide_store)
+                                         placed_bf16x2, read_only_ref, row_steps,
+                                         rows_rescaled, warpgroup_thread, wide_load, wide_store)
 
 _TILE_H = HEADS_M_TILE  # heads per program: the M of every Hopper wgmma
 _STEP = 64  # slots per step: N of S = Q K^T, K of P V
@@ -134,7 +134,7 @@ def _cp_async_rows(parts, idx, *, num_slots, scales=None, groups=1):
   rows = parts[0][1].shape[1]
   unit_per_row = _CHUNK_BYTES // _SEG
   rows_per_instr = 32 // unit_per_row
-  arg_types = [plgpu.RefType()]
+  arg_types = [read_only_ref()]
   chunk_counts = [dst.shape[0] for _, dst in parts]
   for src, dst in parts:
     width = _CHUNK_BYTES // jnp.dtype(dst.dtype).itemsize
@@ -142,7 +142,7 @@ def _cp_async_rows(parts, idx, *, num_slots, scales=None, groups=1):
       raise ValueError(f"want src [S, C, {width}] and dst [C, {rows}, {width}], got {src.shape} "
                        f"and {dst.shape}")
     swizzle = (plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(_CHUNK_BYTES))
-    arg_types += [plgpu.RefType(), plgpu.RefType(swizzle)]
+    arg_types += [read_only_ref(), plgpu.RefType(swizzle)]
   if chunk_counts[0] % groups:
     raise ValueError(f"groups must divide the first part's {chunk_counts[0]} chunks, got {groups}")
   if scales is not None:
@@ -150,7 +150,7 @@ def _cp_async_rows(parts, idx, *, num_slots, scales=None, groups=1):
     if scales[1].shape != (per_row, rows):
       raise ValueError(f"want scales src [S, J] and dst [J, {rows}], got {scales[0].shape} and "
                        f"{scales[1].shape}")
-    arg_types += [plgpu.RefType(), plgpu.RefType()]
+    arg_types += [read_only_ref(), plgpu.RefType()]
 
   @plgpu.inline_mgpu(arg_types=tuple(arg_types))
   def issue(_, rows_ref, *refs):

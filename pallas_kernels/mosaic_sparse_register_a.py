@@ -55,7 +55,7 @@ from pallas_kernels.e4m3_operands import (E4M3_LO_SCALE, FP8_COLS, STEP, WIDE_VA
                                           WIDE_VALUE_GROUP, WIDE_VALUE_TILES_IN_FLIGHT,
                                           e4m3_queries, split_queries, store_wide_values,
                                           wide_value_order, wide_value_tiles)
-from pallas_kernels.mosaic_lanes import (WARPGROUP_THREADS, cp_async_wait, row_steps,
+from pallas_kernels.mosaic_lanes import (WARPGROUP_THREADS, cp_async_wait, read_only_ref, row_steps,
                                          swizzled_unit_offset, warpgroup_thread)
 
 _RING = 4  # row slots: 41 KB each (32 KB e4m3 NoPE, 8 KB RoPE, 1 KB scales)
@@ -100,7 +100,7 @@ def _gather_rows(slots, nope, rope, scales, nope_dst, rope_dst, scales_dst, *, n
   nope_t = (plgpu.TilingTransform((8, FP8_COLS)), plgpu.SwizzleTransform(FP8_COLS))
   rope_t = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 4 + (
+  @plgpu.inline_mgpu(arg_types=(read_only_ref(),) * 4 + (
       plgpu.RefType(nope_t), plgpu.RefType(rope_t), plgpu.RefType()))
   def issue(_, slots, nope, rope, scales, nope_dst, rope_dst, scales_dst):
     i32, i64, i8 = (ir.IntegerType.get_signless(w) for w in (32, 64, 8))
