@@ -354,13 +354,15 @@ def _wide_widen_in_place(nope, scales, dst, groups):
   before loading a group's first tile every lane waits for that group and then for the
   warpgroup (a barrier: the other lanes' copies), so the widening of a group's tiles runs while
   the later groups land. The tiles 2j and 2j + 1 that tile j's stores fill are free meanwhile (the
-  first J hold nothing, the rest staged tiles loaded before)."""
+  first J hold nothing, the rest staged tiles loaded before). groups=0: the rows are in for
+  every lane already (gather_by="values": each lane waited on the slot's lane barrier), so no
+  cp.async wait and no barrier for them."""
   tiles = nope.shape[0]
   if (nope.shape[1:] != (_STEP, DS_MLA_TILE) or scales.shape != (tiles, _STEP)
-      or dst.shape[1:] != (_STEP, _COLS) or dst.shape[0] < 2 * tiles or tiles % groups):
+      or dst.shape[1:] != (_STEP, _COLS) or dst.shape[0] < 2 * tiles or tiles % max(groups, 1)):
     raise ValueError(f"want nope [J, 64, 128], scales [J, 64], dst [C >= 2J, 64, 64] and groups "
-                     f"dividing J; got {nope.shape}, {scales.shape}, {dst.shape}, {groups}")
-  per_group = tiles // groups
+                     f"0 or dividing J; got {nope.shape}, {scales.shape}, {dst.shape}, {groups}")
+  per_group = tiles // max(groups, 1)
   swizzle = (plgpu.SwizzleTransform(_CHUNK_BYTES),)
   nope_t = (plgpu.TilingTransform((8, DS_MLA_TILE)), *swizzle)
   dst_t = (plgpu.TilingTransform((8, _COLS)), *swizzle)
@@ -388,6 +390,8 @@ def _wide_widen_in_place(nope, scales, dst, groups):
 
     def landed(j):
       """Group j / per_group's rows (and the earlier groups') in, for every lane."""
+      if not groups:
+        return
       nvvm.cp_async_wait_group(groups - 1 - j // per_group)
       mgpu_utils.warpgroup_barrier()
 
@@ -793,7 +797,7 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
         0's the scales: every lane loads all scales, and tile j's e4m3 rows, before the
         warpgroup barrier ahead of tile j's stores. wide_widening (on the GPU): lane-level
         code instead (`_wide_widen_in_place`), which waits for the step's landing_groups
-        cp.async groups one by one."""
+        cp.async groups one by one (0: none, the values gather's rows are in)."""
         if wide_widening:
           _wide_widen_in_place(slot_nope.at[slot, pl.ds(tiles, tiles)],
                                slot_scales.at[slot, 0, pl.ds(0, tiles)], kv.at[slot], groups)
@@ -822,7 +826,7 @@ def _kernel(q_ref, idx_ref, *rest, scale, lora, num_splits, fp8, in_place, num_s
           in_phase("memory_staged_wait", wait_staged, staged_barrier(slot))
           in_phase("memory_landing_wait", lane_barrier_wait, landed_at(slot),
                    lax.rem(lax.div(i, slots), 2))
-          in_phase("memory_widen", widen_in_place, slot, 1)
+          in_phase("memory_widen", widen_in_place, slot, 0)
           plgpu.commit_smem()
           plgpu.barrier_arrive(ready.at[slot])
           # Ring entry (i + 3) % 4 was last read for step i - 1: by its gather (landed) and its
