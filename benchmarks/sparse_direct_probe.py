@@ -31,6 +31,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, vector
 
 from benchmarks import ptxas_report
+from pallas_kernels.mosaic_lanes import read_only_ref
 
 SLOTS = 1 << 20
 LOADS = 22  # 16-byte loads a thread a step: 2 rows x (8 NoPE + 1 scales + 2 RoPE)
@@ -50,7 +51,7 @@ def _thread():
 
 def fetch(idx_smem, nope, rope, scales):
   """The thread's 22 loads of a step: rows idx_smem[r] (0 and zeroed where invalid)."""
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 4,
+  @plgpu.inline_mgpu(arg_types=(read_only_ref(),) * 4,
                      return_type=plgpu.ShapeDtypeStruct((128 * LOADS * 4,), jnp.int32,
                                                         layout=RAW))
   def body(_, idx, nope, rope, scales):
