@@ -36,7 +36,9 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            warps), and at rows up to 32K v11 (`row_resident`: one kernel a row, its keys in
            registers, bisecting) and v11b (its search interpolating: the default there); v12
            (the four-kernel path's select interpolating, flipped: many rows' default);
-           --topk-rows keeps only some of them (named by their first word).
+           --topk-rows keeps only some of them (named by their first word). --against-rev REV
+           adds the top-k's default as REV had it ("topk at REV": that revision's
+           `pallas_kernels/topk.py`) and today's ("topk now"), timed in turn.
   step     one layer's DSA decode step: indexer logits + top-k + slots + sparse attention (N=128,
            fp8_ds_mla latent cache), 128 decode rows at 32K context each; pallas_triton's and the
            `pallas` default's, the slots written by the top-k (`topk_slots`, as the layer runs
@@ -263,7 +265,16 @@ def run_indexer(args, t, context):
                     sets, case_bytes, flops)
 
 
-def run_topk(args, t, s):
+def revision_rows(t, s, rev, old):
+  """--against-rev's top-k entries: the top-k's default as git revision `rev` had it (`old`: that
+  revision's `pallas_kernels.topk`) and today's, each called as (logits, lens, tables)."""
+  return [(case_row("topk", t, context=s, cache=f"topk {label}"),
+           lambda be, module=module: jax.jit(
+               lambda x, lens, _: module.topk_positions(x, lens, TOPK)), "pallas_triton")
+          for label, module in ((f"at {rev}", old), ("now", pallas_topk))]
+
+
+def run_topk(args, t, s, old=None):
   # Each row's block table (64-token pages of its own request, shuffled over a cache of t * s
   # tokens) for the forms that map the selection to slots too.
   num_blocks = t * s // PAGE
@@ -322,6 +333,8 @@ def run_topk(args, t, s):
     variant = lambda be, knobs=knobs: jax.jit(lambda x, lens, _: pallas_topk.topk_positions(
         x, lens, TOPK, interpret=jax.default_backend() != "gpu", **knobs))
     entries.append((case_row("topk", t, context=s, cache=name), variant, "pallas_triton"))
+  if old is not None:
+    entries += revision_rows(t, s, args.against_rev, old)
   return timed_rows(args, entries, sets, case_bytes, None)
 
 
@@ -493,8 +506,8 @@ def main(argv=None):
                       help="top-k cases: beside the default, only these variants' rows, named by "
                            "the version opening their cache column (e.g. v9 v10b)")
   parser.add_argument("--against-rev", metavar="REV",
-                      help="sparse cases: also the Mosaic kernel's default at git revision REV and "
-                           "today's, in the case's rows")
+                      help="sparse and top-k cases: also the Mosaic sparse kernel's (the top-k's) "
+                           "default at git revision REV and today's, in the case's rows")
   parser.add_argument("--iters", type=int, default=20, help="back-to-back calls per timing")
   parser.add_argument("--repeats", type=int, default=5, help="timings; the median is reported")
   parser.add_argument("--out", default="benchmarks/out", help="directory for the result tables")
@@ -502,8 +515,9 @@ def main(argv=None):
   if not all(1 <= v <= TOPK for v in args.sparse_valid):
     parser.error(f"--sparse-valid takes 1 to {TOPK} slots a row, got {args.sparse_valid}")
   require_gpu("benchmarks.bench_sparse")
-  old = (module_at_revision(pallas_mosaic_sparse.__name__, args.against_rev) if args.against_rev
-         else None)
+  old, old_topk = ((module_at_revision(m.__name__, args.against_rev)
+                    for m in (pallas_mosaic_sparse, pallas_topk)) if args.against_rev
+                   else (None, None))
   if args.sweep:
     print(write_results(run_sweep(args), "sparse_sweep", args.out))
     return
@@ -528,7 +542,7 @@ def main(argv=None):
       rows += run_indexer(args, t, ctx)
   if "topk" in args.parts:
     for t, s in topk_shapes:
-      rows += run_topk(args, t, s)
+      rows += run_topk(args, t, s, old_topk)
   if "step" in args.parts:
     rows += run_step(args)
   print(write_results(rows, "sparse", args.out))

@@ -326,6 +326,23 @@ def test_bench_sparse_mosaic_default_takes_either_layout():
                     {"scale": bench_sparse.SCALE})]
 
 
+def test_bench_sparse_topk_revision_rows_call_each_module(monkeypatch):
+  # bench_sparse --against-rev's top-k rows: that revision's module's default and today's, in
+  # that order, each called on (logits, lens) with k = 2048 (the tables unused).
+  import types
+  from benchmarks import bench_sparse
+  calls = []
+  fake = lambda tag: types.SimpleNamespace(
+      topk_positions=lambda x, lens, k: calls.append((tag, x.shape, k)) or x)
+  monkeypatch.setattr(bench_sparse, "pallas_topk", fake("now"))
+  entries = bench_sparse.revision_rows(2, 64, "abc123", fake("old"))
+  assert [row["cache"] for row, _, _ in entries] == ["topk at abc123", "topk now"]
+  for _, fn, backend in entries:
+    assert backend == "pallas_triton"
+    fn(None)(jax.numpy.zeros((2, 64)), jax.numpy.zeros((2,), jax.numpy.int32), None)
+  assert calls == [("old", (2, 64), bench_sparse.TOPK), ("now", (2, 64), bench_sparse.TOPK)]
+
+
 def test_kernel_times_splits_an_ncu_log_at_its_markers():
   from benchmarks import kernel_times
   log = "\n".join([
