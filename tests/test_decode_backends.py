@@ -1199,6 +1199,16 @@ def _stage1_splits(jaxpr):
   return [e.outvars[0].aval.shape[1] for e in _leaf_eqns(jaxpr) if e.primitive.name in _KERNELS]
 
 
+def test_read_only_ref_keeps_transforms_and_is_never_written():
+  # The lane code's GMEM inputs: jax >= 0.12.1 refuses a kernel that writes an input passed as an
+  # array unless the RefType says write=False (CI's second environment); 0.11.2's has no field.
+  transforms = (plgpu.SwizzleTransform(128),)
+  ref_type = mosaic_lanes.read_only_ref(transforms)
+  assert isinstance(ref_type, plgpu.RefType) and ref_type.transforms == transforms
+  assert getattr(ref_type, "write", False) is False
+  assert getattr(ref_type, "read", True) is True
+
+
 @pytest.mark.parametrize("kernel", [latent_decode, mosaic_decode.latent_decode])
 def test_fixed_split_count_ignores_the_batch(kernel):
   # split_tokens: the grid's split count is the static length bound over the split size (8192 /
