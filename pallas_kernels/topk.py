@@ -751,9 +751,10 @@ def _resident_kernel(logits_ref, len_ref, *refs, k, rows, lanes, fill, interpola
     return lax.cond(count(key == v) > need, lowest_ties, lambda m: m * 0, need)
 
   # The ties taken are those at positions up to `cut` (none when v is INT_MIN: those are the
-  # invalid keys).
+  # invalid keys). One compare: past `cut` a key must beat v (v + 1 cannot overflow: keys stop at
+  # +inf's bits).
   cut = jnp.where(v > _INT_MIN, s - 1 - lax.cond(n == k, lambda m: m * 0, ties, n), -1)
-  take = ((key > v) | ((key == v) & (pos <= cut))).astype(jnp.int32)
+  take = (key >= v + (pos > cut).astype(jnp.int32)).astype(jnp.int32)
   # Compacted in column order (any order will do): a column's running count in its thread, after
   # the earlier columns' totals (one cumsum across the lanes).
   totals = take.sum(axis=0)
