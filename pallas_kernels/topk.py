@@ -49,7 +49,10 @@ rows), bisecting where interpolation stalls: the default for rows of 16384 to 32
 same `TopkConfig.interpolate` on the four-kernel path): step 4's search for v interpolates too,
 from theta to the largest candidate (`_select_among`); many rows' default (H200, session 25: the
 select 179 -> 87 us at 4096 x 32768). Theta keeps its bisection of the top bits, which measured
-faster than an exact interpolated theta.
+faster than an exact interpolated theta. v16: the maxima kernels write the group and sector maxima
+as int16, their top 16 bits (`_high`), all theta (16 bits) and the sectors' test against it read:
+half the bytes written and read back (H100, session 39: 1.02-1.03x at 128 x 131072 and 1024 x
+65536).
 
 Not a radix select: a histogram of the keys' high bits needs scatter-adds into shared memory (or a
 warp's match). jax 0.11.2 offers none with an interpreter path: Pallas-Triton has no scratch
@@ -88,8 +91,10 @@ _INT_MIN = -2 ** 31
 _INT_MAX = 2 ** 31 - 1
 _CAP_PER_K = 4  # candidate slots per selected position
 # Theta keeps the sign, the exponent and 7 mantissa bits of the k-th largest maximum: at most 1/128
-# below it, so the extra candidates are the few maxima-sized values within that margin.
+# below it, so the extra candidates are the few maxima-sized values within that margin. So the
+# maxima kernels write those 16 bits only (`_high`, v16): all theta and the sectors' test read.
 _THETA_BITS = 16
+_INT16_MIN = -2 ** 15
 _THETA_WARPS = 8  # spread the 8K-16K register-resident maxima at 32-64 a thread
 _MAXIMA_TILE = 8192  # positions a maxima program reads: G rows of tile / G groups
 _HALVED_MIN = 512  # candidate lists from this size get a half-width select path too
@@ -203,6 +208,18 @@ def _row_keys(logits_ref, t, end, start, chunk):
   return _keys(x, inside), pos
 
 
+def _high(keys):
+  """int16: the keys' top `_THETA_BITS` bits, in their order (INT_MIN -> INT16_MIN, which no
+  valid key's bits give: those are NaN bit patterns)."""
+  return (keys >> (32 - _THETA_BITS)).astype(jnp.int16)
+
+
+def _widen(high):
+  """int32 keys from `_high`'s, the low bits 0: a maximum's lower bound which compares with a
+  theta (its low bits 0 too) as the maximum does."""
+  return high.astype(jnp.int32) << (32 - _THETA_BITS)
+
+
 def _leading_equal_bits(a, b):
   """How many leading bits int32 a and b share (32 when equal); may say one fewer (float32
   rounding up), which only costs a bisection step."""
@@ -295,8 +312,8 @@ def _map_to_slots(t, out_ref, table_ref, slot_ref, paging, fill, barrier):
 
 
 def _maxima_kernel(logits_ref, len_ref, max_ref, *, groups):
-  # logits_ref [T, S] f32; len_ref [T] int32; max_ref [w] int32 (row t's maxima of groups
-  # c*w ... c*w + w - 1; past the last group INT_MIN)
+  # logits_ref [T, S] f32; len_ref [T] int32; max_ref [w] int16 (row t's maxima of groups
+  # c*w ... c*w + w - 1, `_high`; past the last group INT16_MIN)
   t, c = pl.program_id(0), pl.program_id(1)
   s = logits_ref.shape[1]
   g, w = groups, max_ref.shape[0]
@@ -305,7 +322,7 @@ def _maxima_kernel(logits_ref, len_ref, max_ref, *, groups):
   pos = jnp.arange(g, dtype=jnp.int32)[:, None] * m + col[None, :]  # [G, w]
   inside = (pos < jnp.clip(len_ref[t], 0, s)) & (col < m)[None, :]
   x = plgpu.load(logits_ref.at[t, pos], mask=inside, other=-jnp.inf)
-  max_ref[...] = _keys(x, inside).max(axis=0)
+  max_ref[...] = _high(_keys(x, inside).max(axis=0))
 
 
 def _theta(maxima, k, bits):
@@ -317,9 +334,9 @@ def _theta(maxima, k, bits):
   return _kth_largest(lambda i: maxima, 1, k, lo, maxima.max(), bits)
 
 
-def _theta_kernel(max_ref, theta_ref, *, k, bits):
-  # max_ref [mp] int32 (this row's group maxima, INT_MIN padded); theta_ref [T] int32
-  theta_ref[pl.program_id(0)] = _theta(max_ref[...], k, bits)
+def _theta_kernel(max_ref, theta_ref, *, k):
+  # max_ref [mp] int16 (this row's group maxima, `_high`, INT16_MIN padded); theta_ref [T] int32
+  theta_ref[pl.program_id(0)] = _theta(_widen(max_ref[...]), k, _THETA_BITS)
 
 
 def _maxima_theta_kernel(logits_ref, len_ref, theta_ref, *, k, bits, groups, width):
@@ -425,9 +442,10 @@ def _lane_threshold_kernel(theta_ref, logits_ref, len_ref, slot_key_ref, slot_po
 def _sector_maxima_kernel(logits_ref, len_ref, max_ref, sec_ref, *, groups, m8, masked):
   # `_maxima_kernel` for v9 (`sectors`): the groups are {j, j + m8, j + 2 m8, ...} with m8 a
   # multiple of 8, so each of the tile's G rows of w positions is w / 8 whole sectors, whose
-  # maxima come from the same load. logits_ref [T, S] f32; len_ref [T] int32; max_ref [w / 8, 8]
-  # int32 (row t's maxima of groups c*w ... c*w + w - 1, INT_MIN past m8); sec_ref [G, w / 8]
-  # int32 (entry [g, j]: the maximum of positions g*m8 + c*w + 8j ... + 7). masked: a tile can
+  # maxima come from the same load. Both written as `_high`. logits_ref [T, S] f32; len_ref [T]
+  # int32; max_ref [w / 8, 8] int16 (row t's maxima of groups c*w ... c*w + w - 1, INT16_MIN past
+  # m8); sec_ref [G, w / 8] int16 (entry [g, j]: the maximum of positions g*m8 + c*w + 8j ...
+  # + 7). masked: a tile can
   # reach past the row's S positions or its m8 groups (else the load takes no mask, only static
   # offsets).
   t, c = pl.program_id(0), pl.program_id(1)
@@ -442,8 +460,8 @@ def _sector_maxima_kernel(logits_ref, len_ref, max_ref, sec_ref, *, groups, m8, 
   else:
     x = plgpu.load(logits_ref.at[t, pos])
   keys = _keys(x, pos < jnp.clip(len_ref[t], 0, s))
-  max_ref[...] = keys.max(axis=0)
-  sec_ref[...] = keys.max(axis=2)
+  max_ref[...] = _high(keys.max(axis=0))
+  sec_ref[...] = _high(keys.max(axis=2))
 
 
 def _sector_maxima_theta_kernel(logits_ref, len_ref, theta_ref, sec_ref, *, k, bits, groups, m8,
@@ -451,7 +469,8 @@ def _sector_maxima_theta_kernel(logits_ref, len_ref, theta_ref, sec_ref, *, k, b
   # `_maxima_theta_kernel` for v9 (`sectors` with `fused_theta`), groups as in
   # `_sector_maxima_kernel`: a step reads one member of every group, m8 contiguous positions, and
   # writes their sector maxima. logits_ref [T, S] f32; len_ref [T] int32; theta_ref [T] int32;
-  # sec_ref [G, w8] int32 (row t's sector maxima, INT_MIN past m8 / 8). masked: as there.
+  # sec_ref [G, w8] int16 (row t's sector maxima, `_high`, INT16_MIN past m8 / 8). masked: as
+  # there.
   t = pl.program_id(0)
   s = logits_ref.shape[1]
   sectors = sec_ref.shape[1]
@@ -466,7 +485,7 @@ def _sector_maxima_theta_kernel(logits_ref, len_ref, theta_ref, sec_ref, *, k, b
     else:
       x = plgpu.load(logits_ref.at[t, pos])
     keys = _keys(x, pos < length)
-    sec_ref[g, :] = keys.max(axis=1)
+    sec_ref[g, :] = _high(keys.max(axis=1))
     return jnp.maximum(maxima, keys)
 
   maxima = lax.fori_loop(0, groups, member, jnp.full((sectors, _SECTOR), _INT_MIN, jnp.int32))
@@ -478,8 +497,8 @@ def _sector_threshold_kernel(theta_ref, sec_ref, logits_ref, len_ref, ids_ref, c
                              interpret):
   # v9's threshold (`sectors`): a position can reach theta only inside a sector whose maximum
   # does, so program p of row t reads its span of the row's sector maxima, keeps the sectors that
-  # reach theta, and reads the logits of those only. theta_ref [T] int32; sec_ref [G * w8] int32
-  # (this row's sector maxima, w8 = row_sectors: sector f covers positions (f // w8) * m8 +
+  # reach theta, and reads the logits of those only. theta_ref [T] int32; sec_ref [G * w8] int16
+  # (this row's sector maxima, `_high`, w8 = row_sectors: sector f covers positions (f // w8) * m8 +
   # 8 (f % w8) ... + 7); logits_ref [T, S] f32; len_ref [T] int32; ids_ref [>= span] int32 (this
   # program's scratch: the first positions of its kept sectors); cand_key_ref, cand_pos_ref [cap]
   # int32 (its places in the row's candidate list, as `_threshold_kernel`'s); count_ref [T, P]
@@ -500,7 +519,7 @@ def _sector_threshold_kernel(theta_ref, sec_ref, logits_ref, len_ref, ids_ref, c
   # at 128 x 32768, none and 11 with the hint).
   def sector_max(i):
     f = pl.multiple_of(first + i * chunk + lane, 1)
-    return plgpu.load(sec_ref.at[f], mask=f < last, other=_INT_MIN), f
+    return _widen(plgpu.load(sec_ref.at[f], mask=f < last, other=_INT16_MIN)), f
 
   def keep_sectors(i, carry):
     (smax, f), n = carry
@@ -810,8 +829,9 @@ def _row(width: int) -> pl.BlockSpec:
 def group_maxima(logits: jax.Array, seq_lens: jax.Array, groups: int, width: int, *,
                  tile: int = _MAXIMA_TILE, num_warps: int = 4,
                  interpret: bool = False) -> jax.Array:
-  """Step 1: int32 [T, width] maxima of the `groups`-strided groups of each row's keys (INT_MIN
-  past the last group); width a power of two >= cdiv(S, groups). tile: positions a program reads."""
+  """Step 1: int16 [T, width] maxima of the `groups`-strided groups of each row's keys, their top
+  16 bits (`_high`; INT16_MIN past the last group); width a power of two >= cdiv(S, groups). tile:
+  positions a program reads."""
   t = logits.shape[0]
   tile = min(width, max(16, tile // groups))
   return pl.pallas_call(
@@ -819,7 +839,7 @@ def group_maxima(logits: jax.Array, seq_lens: jax.Array, groups: int, width: int
       grid=(t, width // tile),
       in_specs=[_whole(logits), _whole(seq_lens)],
       out_specs=pl.BlockSpec((None, tile), lambda i, c: (i, c)),
-      out_shape=jax.ShapeDtypeStruct((t, width), jnp.int32),
+      out_shape=jax.ShapeDtypeStruct((t, width), jnp.int16),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="topk_maxima",
@@ -827,11 +847,12 @@ def group_maxima(logits: jax.Array, seq_lens: jax.Array, groups: int, width: int
 
 
 def row_theta(maxima: jax.Array, topk: int, params: plgpu.CompilerParams, *,
-              bits: int = _THETA_BITS, interpret: bool = False) -> jax.Array:
-  """Step 2: int32 [T], each row's theta (its top `bits` bits)."""
+              interpret: bool = False) -> jax.Array:
+  """Step 2: int32 [T], each row's theta (its top `_THETA_BITS` bits) from int16 maxima [T, w]
+  (`group_maxima`'s, `sector_maxima`'s)."""
   t = maxima.shape[0]
   return pl.pallas_call(
-      functools.partial(_theta_kernel, k=topk, bits=bits),
+      functools.partial(_theta_kernel, k=topk),
       grid=(t,),
       in_specs=[_row(maxima.shape[1])],
       out_specs=pl.BlockSpec((t,), lambda i: (0,)),
@@ -863,10 +884,11 @@ def fused_row_theta(logits: jax.Array, seq_lens: jax.Array, topk: int, groups: i
 def sector_maxima(logits: jax.Array, seq_lens: jax.Array, groups: int, m8: int, width: int, *,
                   tile: int = _MAXIMA_TILE, num_warps: int = 4,
                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-  """v9's step 1: int32 [T, width], the maxima of the groups {j, j + m8, ...} of each row's keys
-  (INT_MIN past m8; m8 a multiple of 8, groups * m8 >= S, width a power of two >= m8), and int32
+  """v9's step 1: int16 [T, width], the maxima of the groups {j, j + m8, ...} of each row's keys
+  (INT16_MIN past m8; m8 a multiple of 8, groups * m8 >= S, width a power of two >= m8), and int16
   [T, groups * width / 8], the maxima of the groups' rows' 8-position sectors: sector f of a row
-  covers positions (f // (width / 8)) * m8 + 8 (f % (width / 8)) ... + 7 (INT_MIN past m8)."""
+  covers positions (f // (width / 8)) * m8 + 8 (f % (width / 8)) ... + 7 (INT16_MIN past m8).
+  Both as their top 16 bits (`_high`)."""
   t, s = logits.shape
   tile = min(width, max(16, tile // groups))
   maxima, sectors = pl.pallas_call(
@@ -876,8 +898,8 @@ def sector_maxima(logits: jax.Array, seq_lens: jax.Array, groups: int, m8: int, 
       in_specs=[_whole(logits), _whole(seq_lens)],
       out_specs=[pl.BlockSpec((None, tile // _SECTOR, _SECTOR), lambda i, c: (i, c, 0)),
                  pl.BlockSpec((None, groups, tile // _SECTOR), lambda i, c: (i, 0, c))],
-      out_shape=[jax.ShapeDtypeStruct((t, width // _SECTOR, _SECTOR), jnp.int32),
-                 jax.ShapeDtypeStruct((t, groups, width // _SECTOR), jnp.int32)],
+      out_shape=[jax.ShapeDtypeStruct((t, width // _SECTOR, _SECTOR), jnp.int16),
+                 jax.ShapeDtypeStruct((t, groups, width // _SECTOR), jnp.int16)],
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="topk_sector_maxima",
@@ -937,7 +959,7 @@ def fused_sector_theta(logits: jax.Array, seq_lens: jax.Array, topk: int, groups
                        params: plgpu.CompilerParams, *, bits: int = _THETA_BITS,
                        interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """`sector_maxima` and `row_theta` fused, a program per row: (int32 [T], each row's theta;
-  int32 [T, groups * next_pow2(m8) / 8], the sector maxima as `sector_maxima`'s)."""
+  int16 [T, groups * next_pow2(m8) / 8], the sector maxima as `sector_maxima`'s)."""
   t, s = logits.shape
   width = next_pow2(m8)
   theta, sectors = pl.pallas_call(
@@ -948,7 +970,7 @@ def fused_sector_theta(logits: jax.Array, seq_lens: jax.Array, topk: int, groups
       out_specs=[pl.BlockSpec((t,), lambda i: (0,)),
                  pl.BlockSpec((None, groups, width // _SECTOR), lambda i: (i, 0, 0))],
       out_shape=[jax.ShapeDtypeStruct((t,), jnp.int32),
-                 jax.ShapeDtypeStruct((t, groups, width // _SECTOR), jnp.int32)],
+                 jax.ShapeDtypeStruct((t, groups, width // _SECTOR), jnp.int16)],
       compiler_params=params,
       interpret=interpret,
       name="topk_sector_maxima_theta",
