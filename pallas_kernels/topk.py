@@ -98,6 +98,10 @@ _INT16_MIN = -2 ** 15
 _THETA_WARPS = 8  # spread the 8K-16K register-resident maxima at 32-64 a thread
 _MAXIMA_TILE = 8192  # positions a maxima program reads: G rows of tile / G groups
 _HALVED_MIN = 512  # candidate lists from this size get a half-width select path too
+# The sector threshold's first pass (its sector maxima) takes this many chunks a step: half the
+# steps, each a block-wide compaction (H100, session 39: 4096 x 65536 1.10x, 1024 x 65536 1.05x,
+# few rows within 1%; 4 and 8 slower).
+_SECTOR_STEPS = 2
 _SECTOR = 8  # positions a sector maximum covers (v9): 32 bytes of logits, one DRAM sector
 # v11: keys a thread holds; rows up to 16 warps of them (a 512-thread block may take 128 registers
 # a thread, half of them keys).
@@ -512,13 +516,17 @@ def _sector_threshold_kernel(theta_ref, sec_ref, logits_ref, len_ref, ids_ref, c
   last = jnp.minimum(first + span, sec_ref.shape[0])
   shift = row_sectors.bit_length() - 1
 
-  # 1. Its sectors that reach theta, chunk a step: their first positions, in order, to ids_ref.
+  # 1. Its sectors that reach theta, `_SECTOR_STEPS` chunks a step: their first positions, in
+  # order, to ids_ref.
   # The offsets are hinted to be multiples of 1 only, which is true and leaves the load nothing to
   # align to: where span is a multiple of 4 Triton would give the load a 4-wide layout and convert
   # it to the stores' (pip Triton 3.6, sm_90a: 7 conversions and 29 block barriers in the kernel
   # at 128 x 32768, none and 11 with the hint).
+  step = chunk * _SECTOR_STEPS
+  sector_lane = jnp.arange(step, dtype=jnp.int32)
+
   def sector_max(i):
-    f = pl.multiple_of(first + i * chunk + lane, 1)
+    f = pl.multiple_of(first + i * step + sector_lane, 1)
     return _widen(plgpu.load(sec_ref.at[f], mask=f < last, other=_INT16_MIN)), f
 
   def keep_sectors(i, carry):
@@ -529,7 +537,7 @@ def _sector_threshold_kernel(theta_ref, sec_ref, logits_ref, len_ref, ids_ref, c
     plgpu.store(ids_ref.at[dst], start, mask=dst < bound)
     return nxt, n + taken
 
-  _, n = lax.fori_loop(0, pl.cdiv(jnp.maximum(last - first, 0), chunk), keep_sectors,
+  _, n = lax.fori_loop(0, pl.cdiv(jnp.maximum(last - first, 0), step), keep_sectors,
                        (sector_max(0), jnp.int32(0)))
   # The kept sectors are read back by other threads than wrote them (as the per-lane slots).
   if not interpret:
