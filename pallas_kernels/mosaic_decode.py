@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -618,14 +617,14 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   steps_per_page = page // _STEP
   tile_h = p_smem.shape[0]  # (q_smem holds two e4m3 parts with e4m3_scores)
   heads_axis = 1 if heads_n else 0
-  # Value columns per P V product: the widest that divides both warpgroups' columns, up to all of a
-  # warpgroup's when it accumulates in place (wgmma's N is at most 256), else up to _CHUNK-wide
-  # fresh accumulators; with heads in N the columns are O^T's rows, wgmma's M: 64 a product.
-  if heads_n:
-    width = _TILE_H
-  else:
-    width = math.gcd(_MAX_WGMMA_N if in_place else _CHUNK, *value_cols)
-  acc_shape = (width, tile_h) if heads_n else (_TILE_H, width)
+  # Each warpgroup's P V products, their value columns: as wide as they go, the rest in one
+  # narrower (384: 256 + 128, so P is read twice, not three times), up to wgmma's N (256) when a
+  # product accumulates in place, else up to _CHUNK-wide fresh accumulators; with heads in N the
+  # columns are O^T's rows, wgmma's M: 64 a product.
+  most = _TILE_H if heads_n else _MAX_WGMMA_N if in_place else _CHUNK
+  widths = tuple((most,) * (cols // most) + ((cols % most,) if cols % most else ())
+                 for cols in value_cols)
+  acc_shape = lambda width: (width, tile_h) if heads_n else (_TILE_H, width)
   if register_a:
     value_tiles_in_flight = (WIDE_VALUE_TILES_IN_FLIGHT if wide_values
                              else _VALUE_TILES_IN_FLIGHT)[tile_h]
@@ -694,11 +693,11 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
     return a_operand(plgpu.layout_cast(x.astype(jnp.float16), plgpu.Layout.WGMMA), w)
 
   def zero_acc(w):
-    return tuple(plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
-                 for _ in range(value_cols[w] // width))
+    return tuple(plgpu.layout_cast(jnp.zeros(acc_shape(width), jnp.float32), plgpu.Layout.WGMMA)
+                 for width in widths[w])
 
   def accumulate_values(acc, alpha, slots, w, p=None, release=None):
-    """acc * alpha + P V over warpgroup w's value columns, `width` columns a product; P from
+    """acc * alpha + P V over warpgroup w's value columns, a product each of `widths[w]`; P from
     registers when given (warpgroup 0's own), else from p_smem. heads_n: O^T += V^T P^T, both
     operands from shared memory (P^T is the B operand). slots: the step's pages' kv_smem slots
     (with pages > 1 each page's products take P^T's matching columns as B, page by page), and
@@ -711,11 +710,12 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
     def tile_operands(c, k=0):
       """wgmma's A and B for the warpgroup's value tile c of the step's page k."""
       page_slot = slots[k]
-      values = kv_smem.at[page_slot, :, pl.ds(sum(value_cols[:w]) + c * width, width)]  # [64, w]
+      first, width = sum(value_cols[:w]) + sum(widths[w][:c]), widths[w][c]
+      values = kv_smem.at[page_slot, :, pl.ds(first, width)]  # [64, width]
       if wide_values:  # the interpreter form: the GPU's fragment, from the plain load
         values = plgpu.load(kv_smem.at[page_slot, :, pl.ds(0, lora)], layout=plgpu.Layout.WGMMA)
         tile = wide_value_order(values.astype(jnp.float16),
-                                WIDE_VALUE_GROUP[tile_h])[:, c * width:(c + 1) * width]
+                                WIDE_VALUE_GROUP[tile_h])[:, first:first + width]
         return a_operand(tile.T, w), p_operand(k)
       if register_a:
         return value_tile(values, w), p_operand(k)
@@ -758,7 +758,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
           plgpu.ACC.init(part * lax.broadcast_in_dim(alpha, part.shape, [heads_axis]))
           for part in acc)))
     if pages > 1:  # (the interpreter's form) page by page, each slot released after its page
-      def page_product(operands, acc_ref):  # acc_ref: acc_shape f32
+      def page_product(operands, acc_ref):  # acc_ref: the product's acc_shape f32
         plgpu.wgmma(acc_ref, *operands)
         return acc_ref[...]
 
@@ -766,7 +766,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
       for k in range(pages):
         for c in range(len(out)):  # tile c's operands after tile c - 1's product: a_smem holds one
           out[c] = out[c] + pl.run_scoped(functools.partial(page_product, tile_operands(c, k)),
-                                          plgpu.ACC(acc_shape, jnp.float32))
+                                          plgpu.ACC(out[c].shape, jnp.float32))
         release(k)
       return tuple(out)
     out = []
@@ -777,16 +777,16 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
       scaled = (rescaled[c] if rescaled is not None
                 else part * lax.broadcast_in_dim(alpha, part.shape, [heads_axis]))
       if in_place:
-        def product(acc_ref, operands=operands):  # acc_ref: acc_shape f32, the running sum
+        def product(acc_ref, operands=operands):  # acc_ref: part's shape f32, the running sum
           plgpu.wgmma(acc_ref, *operands)
 
         out.append(pl.run_state(product)(plgpu.ACC.init(scaled)))
       else:
-        def product(acc_ref, operands=operands):  # acc_ref: acc_shape f32
+        def product(acc_ref, operands=operands):  # acc_ref: part's shape f32
           plgpu.wgmma(acc_ref, *operands)
           return acc_ref[...]
 
-        out.append(scaled + pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32)))
+        out.append(scaled + pl.run_scoped(product, plgpu.ACC(part.shape, jnp.float32)))
     return tuple(out)
 
   def zero_rows(slot, rows):

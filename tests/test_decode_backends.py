@@ -454,10 +454,11 @@ class TestPallasMosaicDecodeSharedWidening(TestPallasMosaicDecodeHalfPages):
 
 class TestPallasMosaicDecodeScoresWgCols(_MosaicDecodeKnob):
   """scores_wg_cols=128 through the backend's MOSAIC_DECODE_CONFIG: warpgroup 0 keeps 128 value
-  columns, warpgroup 1 the other 384 (three products), at the contract's 128-head cases (bf16;
-  fp8, whose default there is "in_slot") and rows ending inside a page; 192 (every product 64
-  columns wide) on a bf16 case. The contract's cases at 16 to 32 heads run heads in N, which
-  ignore the knob: the default's programs."""
+  columns, warpgroup 1 the other 384, at the contract's 128-head cases (bf16; fp8, whose default
+  there is "in_slot") and rows ending inside a page; 192 (products of unequal widths: in the
+  interpreter 128 + 64 and 128 + 128 + 64, on the GPU 192 and 256 + 64) on a bf16 case. The
+  contract's cases at 16 to 32 heads run heads in N, which ignore the knob: the default's
+  programs."""
   knob, value = "scores_wg_cols", 128
   test_other_dtypes = test_multi_token_rows = test_batch_invariant = None
   test_bad_backend_input_raises = test_bad_table_entries_inside_length_are_masked = None
@@ -471,7 +472,7 @@ class TestPallasMosaicDecodeScoresWgCols(_MosaicDecodeKnob):
   def test_fp8_cache(self, seed, n, page, splits, k_scale):
     super().test_fp8_cache(seed, n, page, splits, k_scale)
 
-  def test_sixty_four_column_products(self, monkeypatch):
+  def test_products_of_unequal_widths(self, monkeypatch):
     monkeypatch.setattr(backends, "MOSAIC_DECODE_CONFIG",
                         mosaic_decode.MosaicDecodeConfig(scores_wg_cols=192))
     self.check(*make_case(7, n=128, page=64, req_lens=[100, 64]), num_kv_splits=1)

@@ -394,7 +394,7 @@ def test_auto_barriers_matches_reference(seed, batch, max_len, n, splits):
 
 @pytest.mark.parametrize("seed,batch,max_len,n,cache_dtype,splits,cols", [
     (50, 128, 8192, 128, jnp.bfloat16, None, 128),  # the timed shape
-    (51, 32, 8192, 128, jnp.bfloat16, 4, 192),  # 64-column products
+    (51, 32, 8192, 128, jnp.bfloat16, 4, 192),  # products of 192, 256 and 64 columns
     (52, 128, 8192, 128, jnp.float8_e4m3fn, None, 128),  # in_slot
     (53, 16, 32768, 64, jnp.bfloat16, 1, 128),  # long rows, one split: the bf16 output staged
 ])
