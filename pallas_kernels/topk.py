@@ -449,9 +449,8 @@ def _sector_maxima_kernel(logits_ref, len_ref, max_ref, sec_ref, *, groups, m8, 
   # maxima come from the same load. Both written as `_high`. logits_ref [T, S] f32; len_ref [T]
   # int32; max_ref [w / 8, 8] int16 (row t's maxima of groups c*w ... c*w + w - 1, INT16_MIN past
   # m8); sec_ref [G, w / 8] int16 (entry [g, j]: the maximum of positions g*m8 + c*w + 8j ...
-  # + 7). masked: a tile can
-  # reach past the row's S positions or its m8 groups (else the load takes no mask, only static
-  # offsets).
+  # + 7). masked: a tile can reach past the row's S positions or its m8 groups (else the load
+  # takes no mask, only static offsets).
   t, c = pl.program_id(0), pl.program_id(1)
   s = logits_ref.shape[1]
   sectors = max_ref.shape[0]
