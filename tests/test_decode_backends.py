@@ -477,7 +477,7 @@ class TestPallasMosaicDecodeScoresWgCols(_MosaicDecodeKnob):
                         mosaic_decode.MosaicDecodeConfig(scores_wg_cols=192))
     self.check(*make_case(7, n=128, page=64, req_lens=[100, 64]), num_kv_splits=1)
 
-  def test_warpgroup_one_holds_at_most_384_columns(self):
+  def test_warpgroup_one_takes_64_to_384_columns(self):
     # kv_lora_rank 256: 256 columns for warpgroup 0 would leave warpgroup 1 none.
     q = jnp.zeros((2, 128, 256 + R), jnp.bfloat16)
     args = (q, jnp.zeros((4, 64, 256 + R), jnp.bfloat16), jnp.zeros((2, 2), jnp.int32),
