@@ -299,8 +299,8 @@ def _mosaic_indexer_logits(q, weights, k_cache, block_tables, seq_lens, *,
 # The Mosaic decode kernel's launch config wherever a backend runs it (pallas_mosaic, and pallas on
 # Hopper), read at each call: its fp8_pipeline (one of its FP8_PIPELINES), heads_in, wide_keys,
 # wide_values, e4m3_scores, e4m3_promote_cols, wide_widening, pages_per_step, ring_slots,
-# rescale_slack, auto_barriers and scores_wg_cols (see
-# `pallas_kernels.mosaic_decode.MosaicDecodeConfig`) are the knobs a backend passes on.
+# rescale_slack and auto_barriers (see `pallas_kernels.mosaic_decode.MosaicDecodeConfig`) are the
+# knobs a backend passes on.
 MOSAIC_DECODE_CONFIG = pallas_mosaic_decode.CONFIG
 
 
@@ -317,7 +317,6 @@ def _mosaic_decode(q, kv_cache, block_tables, seq_lens, **kwargs):
                                             ring_slots=MOSAIC_DECODE_CONFIG.ring_slots,
                                             rescale_slack=MOSAIC_DECODE_CONFIG.rescale_slack,
                                             auto_barriers=MOSAIC_DECODE_CONFIG.auto_barriers,
-                                            scores_wg_cols=MOSAIC_DECODE_CONFIG.scores_wg_cols,
                                             **kwargs)
 
 

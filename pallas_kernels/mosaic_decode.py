@@ -283,14 +283,7 @@ class MosaicDecodeConfig:
   thread's own fragment (the tail zeroing reloads only what the same thread stores) or read by
   another warpgroup after commit_smem and a barrier, as in mosaic_sparse, which shares the
   hand-off. H100 (session 34, B=128 S=8192, in turn, ms, True / False): N=128 0.551 / 0.534
-  (1.03x), N=16 0.399 / 0.399; outputs bit for bit the same. True keeps Pallas's barriers.
-  scores_wg_cols (None or one of SCORES_WG_COLS; heads in M, either cache; heads in N ignore it):
-  the value columns warpgroup 0 keeps, warpgroup 1 taking the rest. None: half (256 at
-  kv_lora_rank 512).
-  Warpgroup 0's chain (its page wait, S, the softmax, the hand-off, its share of P V) paces the
-  step at 128 heads (session 36, H200: 2,805 of a 3,026-clock page, its P V 749 of them) while
-  warpgroup 1 waits ~1,800 a page for P; fewer columns move P V off that chain. Warpgroup 1's
-  accumulator takes 2 registers a thread per column beyond 256 (384: 192 of its 232)."""
+  (1.03x), N=16 0.399 / 0.399; outputs bit for bit the same. True keeps Pallas's barriers."""
   block_h: int = 64  # heads per program: the M of every Hopper wgmma
   block_n: int = 64  # cache rows per bulk copy and step: N of S = Q K^T, K of P V
   num_stages: int = 2  # page slots: a third 72 KB slot does not fit beside the query tile
@@ -305,7 +298,6 @@ class MosaicDecodeConfig:
   ring_slots: int | None = None
   rescale_slack: float | None = RESCALE_SLACK
   auto_barriers: bool = False
-  scores_wg_cols: int | None = None
 
   def __post_init__(self):
     if self.block_h != 64:
@@ -343,10 +335,6 @@ class MosaicDecodeConfig:
     check_rescale_slack(self.rescale_slack)
     if not isinstance(self.auto_barriers, bool):
       raise ValueError(f"auto_barriers must be True or False, got {self.auto_barriers!r}")
-    if self.scores_wg_cols is not None and (type(self.scores_wg_cols) is not int
-                                            or self.scores_wg_cols not in SCORES_WG_COLS):
-      raise ValueError(f"scores_wg_cols must be None or one of {SCORES_WG_COLS}, got "
-                       f"{self.scores_wg_cols!r}")
 
 
 # e4m3_scores' promotion chunks: multiples of the 64-byte-swizzled slot's 64-column tiles (128:
@@ -355,9 +343,6 @@ E4M3_PROMOTE_COLS = (64, 128, 192, 576)
 
 
 PAGES_PER_STEP = (1, 2)
-# Warpgroup 0's value columns (`MosaicDecodeConfig.scores_wg_cols`) at kv_lora_rank 512: warpgroup
-# 1's rest must fit its registers (at most 384 columns).
-SCORES_WG_COLS = (128, 192, 256)
 RING_SLOTS = (4, 5)  # register_a's e4m3 ring (`MosaicDecodeConfig`)
 
 
@@ -393,7 +378,6 @@ def default_fp8_pipeline(heads_in: str, wide_widening: bool) -> str:
 CONFIG = MosaicDecodeConfig()
 # The sweep space: the variants `benchmarks/bench_decode.py --mosaic-configs` times beside CONFIG.
 SWEEP = (CONFIG, MosaicDecodeConfig(rescale_slack=None), MosaicDecodeConfig(auto_barriers=True),
-         MosaicDecodeConfig(scores_wg_cols=128), MosaicDecodeConfig(scores_wg_cols=192),
          MosaicDecodeConfig(fp8_pipeline="half_pages"),
          MosaicDecodeConfig(fp8_pipeline="half_pages", rescale_slack=None),
          MosaicDecodeConfig(fp8_pipeline="serial"),
@@ -461,16 +445,12 @@ _CHAINED_PAGES_MAX_HEADS = 16
 _MAX_HEAD_DIM = 576  # 3 x 64 rows x D bf16 + P must fit in shared memory
 
 
-def _value_columns(lora: int, register_a: bool, scores_cols: int | None = None) -> tuple[int, int]:
-  """Value columns of warpgroups 0 and 1: `scores_cols` (None: half) and the rest, or with
-  register_a all in warpgroup 1 (O^T [512, 16 heads] is 64 registers a thread, 128 at 32), so that
-  warpgroup 0's step is the scores and softmax only and warpgroup 1 converts every value tile:
-  SASS instructions a thread a step, B=128 N=16, 650 and 658 (973 and 343 with the halves;
-  warpgroup 0's chain paced the kernel)."""
-  if register_a:
-    return (0, lora)
-  first = lora // _VALUE_WGS if scores_cols is None else scores_cols
-  return (first, lora - first)
+def _value_columns(lora: int, register_a: bool) -> tuple[int, int]:
+  """Value columns of warpgroups 0 and 1: half each, or with register_a all in warpgroup 1 (O^T
+  [512, 16 heads] is 64 registers a thread, 128 at 32), so that warpgroup 0's step is the scores
+  and softmax only and warpgroup 1 converts every value tile: SASS instructions a thread a step,
+  B=128 N=16, 650 and 658 (973 and 343 with the halves; warpgroup 0's chain paced the kernel)."""
+  return (0, lora) if register_a else (lora // _VALUE_WGS,) * _VALUE_WGS
 
 
 # wide_keys: a [64, 64] e4m3 key tile's row is WIDE_UNITS units of 16 bytes, each unit 8 column
@@ -551,9 +531,8 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # `_f16_queries`; [T, Np], per head, with e4m3_scores); o_ref [T, splits, Np, L]; lse_ref
   # [T, splits, Np] f32. SMEM: buffers = union of
   # (q_smem [64, D], kv_smem [slots, rows, D]) bf16 (2 x 64 rows; with an fp8 cache 1 x 64, or
-  # 2 x 32 with fp8_pipeline="half_pages"), live while the steps run, and (o_smems: [64, L/2] o
-  # dtype for each value warpgroup, [64, its columns] with scores_wg_cols; lse_smem [64] f32),
-  # live after; p_smem [64, rows] bf16 (this step's P); row_smem [64]
+  # 2 x 32 with fp8_pipeline="half_pages"), live while the steps run, and (o_smem [2, 64, L/2] o
+  # dtype, lse_smem [64] f32), live after; p_smem [64, rows] bf16 (this step's P); row_smem [64]
   # f32 (this step's rescale factors, then l). The consumers step `rows` tokens at a time.
   # Barriers: q_bar (query tile landed); ready [slots] (slot holds its step's bf16 rows);
   # consumed [slots] (both value warpgroups done with the slot); p_ready (P and row_smem
@@ -565,14 +544,14 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # row_smem and lse_smem [tile_h]) are wgmma's N: S^T = K Q^T [64 tokens, heads], its softmax over
   # axis 0 (l as [64, heads] partial sums), P^T stored transposed into p_smem, O^T = V^T P^T in
   # [64 columns, heads] value tiles (V^T an MN-major A operand); bf16 outputs stored transposed
-  # into o_smems [heads, L/2] each, float32 partials as they are into o_smems [L/2, heads] and
-  # o_ref [T, splits, L, Np].
+  # into o_smem [2, heads, L/2], float32 partials as they are into o_smem [2, L/2, heads] and o_ref
+  # [T, splits, L, Np].
   # register_a (fp8_pipeline="register_a", heads_n): kv_smem is a ring of e4m3 slots
   # [ring_slots, 64, D] (4 or 5, `MosaicDecodeConfig`; 64-byte swizzled) filled by bulk copies as
   # the bf16 slots are; q_smem and p_smem are f16; the consumers convert their e4m3 tiles in
-  # registers into wgmma's A operand; warpgroup 1 holds all the value columns (value_cols, one
-  # o_smems buffer [heads, L] or [L, heads]). No staging then, except in the interpreter form:
-  # a_smem [2, 64, 64] f16, warpgroup w's converted tile (`a_operand`).
+  # registers into wgmma's A operand; warpgroup 1 holds all the value columns (value_cols, o_smem
+  # [1, heads, L] or [1, L, heads]). No staging then, except in the interpreter form: a_smem [2,
+  # 64, 64] f16, warpgroup w's converted tile (`a_operand`).
   # wide_keys (register_a): q_smem's columns are in `wide_key_order`, and so are the key tiles'
   # fragments (16-byte loads on the GPU, `_wide_key_tile`; permuted after the load here).
   # wide_values (register_a): the O^T tiles' rows are the value columns in `wide_value_order` (V^T's
@@ -600,7 +579,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # (a pad the size of q_smem, slot_bytes [2, 128, D] e4m3 tiled (8, 64), 64-byte swizzled): each
   # slot's bytes again, where its page's 8-row bands land (`_IN_SLOT_BANDS`) to be widened in
   # place; staging = (staged [2] barriers: a slot's e4m3 page landed).
-  (q_smem, kv_smem), (*o_smems, lse_smem), *slot_alias = buffers
+  (q_smem, kv_smem), (o_smem, lse_smem), *slot_alias = buffers
   if e4m3_scores:
     qs_smem, *staging = staging
     if not lane_queries:
@@ -615,16 +594,17 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   num_blocks, page, _ = kv_ref.shape
   max_blocks = bt_ref.shape[1]
   steps_per_page = page // _STEP
+  half = lora // _VALUE_WGS
   tile_h = p_smem.shape[0]  # (q_smem holds two e4m3 parts with e4m3_scores)
   heads_axis = 1 if heads_n else 0
-  # Each warpgroup's P V products, their value columns: as wide as they go, the rest in one
-  # narrower (384: 256 + 128, so P is read twice, not three times), up to wgmma's N (256) when a
-  # product accumulates in place, else up to _CHUNK-wide fresh accumulators; with heads in N the
-  # columns are O^T's rows, wgmma's M: 64 a product.
-  most = _TILE_H if heads_n else _MAX_WGMMA_N if in_place else _CHUNK
-  widths = tuple((most,) * (cols // most) + ((cols % most,) if cols % most else ())
-                 for cols in value_cols)
-  acc_shape = lambda width: (width, tile_h) if heads_n else (_TILE_H, width)
+  # Value columns per P V product: all of a warpgroup's when it accumulates in place (wgmma's N is
+  # at most 256), else _CHUNK-wide fresh accumulators; with heads in N the columns are O^T's rows,
+  # wgmma's M: 64 a product.
+  if heads_n:
+    width = _TILE_H
+  else:
+    width = half if in_place and half <= _MAX_WGMMA_N else _CHUNK
+  acc_shape = (width, tile_h) if heads_n else (_TILE_H, width)
   if register_a:
     value_tiles_in_flight = (WIDE_VALUE_TILES_IN_FLIGHT if wide_values
                              else _VALUE_TILES_IN_FLIGHT)[tile_h]
@@ -693,11 +673,11 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
     return a_operand(plgpu.layout_cast(x.astype(jnp.float16), plgpu.Layout.WGMMA), w)
 
   def zero_acc(w):
-    return tuple(plgpu.layout_cast(jnp.zeros(acc_shape(width), jnp.float32), plgpu.Layout.WGMMA)
-                 for width in widths[w])
+    return tuple(plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
+                 for _ in range(value_cols[w] // width))
 
   def accumulate_values(acc, alpha, slots, w, p=None, release=None):
-    """acc * alpha + P V over warpgroup w's value columns, a product each of `widths[w]`; P from
+    """acc * alpha + P V over warpgroup w's value columns, `width` columns a product; P from
     registers when given (warpgroup 0's own), else from p_smem. heads_n: O^T += V^T P^T, both
     operands from shared memory (P^T is the B operand). slots: the step's pages' kv_smem slots
     (with pages > 1 each page's products take P^T's matching columns as B, page by page), and
@@ -710,12 +690,11 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
     def tile_operands(c, k=0):
       """wgmma's A and B for the warpgroup's value tile c of the step's page k."""
       page_slot = slots[k]
-      first, width = sum(value_cols[:w]) + sum(widths[w][:c]), widths[w][c]
-      values = kv_smem.at[page_slot, :, pl.ds(first, width)]  # [64, width]
+      values = kv_smem.at[page_slot, :, pl.ds(sum(value_cols[:w]) + c * width, width)]  # [64, w]
       if wide_values:  # the interpreter form: the GPU's fragment, from the plain load
         values = plgpu.load(kv_smem.at[page_slot, :, pl.ds(0, lora)], layout=plgpu.Layout.WGMMA)
         tile = wide_value_order(values.astype(jnp.float16),
-                                WIDE_VALUE_GROUP[tile_h])[:, first:first + width]
+                                WIDE_VALUE_GROUP[tile_h])[:, c * width:(c + 1) * width]
         return a_operand(tile.T, w), p_operand(k)
       if register_a:
         return value_tile(values, w), p_operand(k)
@@ -758,7 +737,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
           plgpu.ACC.init(part * lax.broadcast_in_dim(alpha, part.shape, [heads_axis]))
           for part in acc)))
     if pages > 1:  # (the interpreter's form) page by page, each slot released after its page
-      def page_product(operands, acc_ref):  # acc_ref: the product's acc_shape f32
+      def page_product(operands, acc_ref):  # acc_ref: acc_shape f32
         plgpu.wgmma(acc_ref, *operands)
         return acc_ref[...]
 
@@ -766,7 +745,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
       for k in range(pages):
         for c in range(len(out)):  # tile c's operands after tile c - 1's product: a_smem holds one
           out[c] = out[c] + pl.run_scoped(functools.partial(page_product, tile_operands(c, k)),
-                                          plgpu.ACC(out[c].shape, jnp.float32))
+                                          plgpu.ACC(acc_shape, jnp.float32))
         release(k)
       return tuple(out)
     out = []
@@ -777,16 +756,16 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
       scaled = (rescaled[c] if rescaled is not None
                 else part * lax.broadcast_in_dim(alpha, part.shape, [heads_axis]))
       if in_place:
-        def product(acc_ref, operands=operands):  # acc_ref: part's shape f32, the running sum
+        def product(acc_ref, operands=operands):  # acc_ref: acc_shape f32, the running sum
           plgpu.wgmma(acc_ref, *operands)
 
         out.append(pl.run_state(product)(plgpu.ACC.init(scaled)))
       else:
-        def product(acc_ref, operands=operands):  # acc_ref: part's shape f32
+        def product(acc_ref, operands=operands):  # acc_ref: acc_shape f32
           plgpu.wgmma(acc_ref, *operands)
           return acc_ref[...]
 
-        out.append(scaled + pl.run_scoped(product, plgpu.ACC(part.shape, jnp.float32)))
+        out.append(scaled + pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32)))
     return tuple(out)
 
   def zero_rows(slot, rows):
@@ -812,13 +791,13 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   cols_first = heads_n and o_ref.dtype == jnp.float32  # o_ref [T, splits, L, Np]
 
   def out(w):
-    """Warpgroup w's output columns (none: no keywords) and their staging (o_smems: one buffer
-    a warpgroup that has columns, its columns wide); k_scale (the fp8 cache's, else 1) scales them
-    once at the end."""
+    """Warpgroup w's output columns (none: no keywords) and their staging (o_smem holds one
+    buffer a warpgroup that has columns); k_scale (the fp8 cache's, else 1) scales them once at
+    the end."""
     if not value_cols[w]:
       return {}
     cols = pl.ds(sum(value_cols[:w]), value_cols[w])
-    return dict(o_smem=o_smems[sum(map(bool, value_cols[:w]))], out_scale=k_scale,
+    return dict(o_smem=o_smem.at[sum(map(bool, value_cols[:w]))], out_scale=k_scale,
                 o_gmem=o_ref.at[t, split, cols, rows_out] if cols_first
                 else o_ref.at[t, split, rows_out, cols])
 
@@ -962,8 +941,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
   # Column tiles of the stage each widening warpgroup takes (shared_widening: warpgroup 1 its own
   # value columns, the memory warpgroup the rest; otherwise the memory warpgroup all).
   all_tiles = range(kv_smem.shape[-1] // FP8_COLS)
-  value_tiles = (range(value_cols[0] // FP8_COLS, lora // FP8_COLS) if shared_widening
-                 else range(0))
+  value_tiles = range(half // FP8_COLS, lora // FP8_COLS) if shared_widening else range(0)
   memory_tiles = [c for c in all_tiles if c not in value_tiles]
 
   @pl.when(wg == 1)
@@ -1006,7 +984,7 @@ def _decode_kernel(q_ref, kv_ref, bt_ref, len_ref, ks_ref, qs_ref, o_ref, lse_re
     # run_values' slot: with pages > 1 the step's slots, and their consumed arrivals (release).
     accumulate = lambda acc, alpha, slot, release=None: accumulate_values(
         acc, alpha, (slot,) if pages == 1 else slot, 1, release=release)
-    store = (functools.partial(store_wide_values, o_rows=o_smems[0])
+    store = (functools.partial(store_wide_values, o_rows=o_smem.at[0])
              if lane_output else None)
     run_values(consumer_steps(), slots, accumulate, zero_acc(1), ready=ready, consumed=consumed,
                row_smem=row_smem, p_ready=p_ready, p_free=p_free, **out(1), widen=widen_own,
@@ -1372,7 +1350,7 @@ def _f16_queries(q):
                                              "wide_keys", "wide_values", "e4m3_scores",
                                              "e4m3_promote_cols", "wide_widening",
                                              "pages_per_step", "ring_slots", "rescale_slack",
-                                             "auto_barriers", "scores_wg_cols", "interpret"))
+                                             "auto_barriers", "interpret"))
 def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
                   *, scale: float, kv_lora_rank: int = 512,
                   k_scale: jax.Array | float | None = None, num_kv_splits: int | None = None,
@@ -1386,7 +1364,6 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                   ring_slots: int | None = CONFIG.ring_slots,
                   rescale_slack: float | None = CONFIG.rescale_slack,
                   auto_barriers: bool = CONFIG.auto_barriers,
-                  scores_wg_cols: int | None = CONFIG.scores_wg_cols,
                   interpret: bool | plgpu.InterpretGPUParams = False
                   ) -> tuple[jax.Array, jax.Array]:
   """Absorbed MQA decode over a paged latent cache (semantics of `mla_jax.reference.latent_decode`).
@@ -1419,9 +1396,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   rescale_slack: the consumers' lazy rescale (`MosaicDecodeConfig`; by default
   `common.RESCALE_SLACK`, 8.0; None: every step rescales; heads in N ignore it). auto_barriers:
   False (the default) compiles a bf16 cache's kernel without Pallas's automatic warpgroup barriers
-  (`MosaicDecodeConfig`; fp8 caches keep them), True with them. scores_wg_cols: warpgroup 0's
-  value columns (`MosaicDecodeConfig`; None: half; heads in N ignore it; warpgroup 1 takes 64
-  to 384, else a ValueError).
+  (`MosaicDecodeConfig`; fp8 caches keep them), True with them.
   interpret: True or a `plgpu.InterpretGPUParams` runs Mosaic GPU's CPU interpreter. Returns
   o [T, N, L] bf16 and lse [T, N] float32 (natural log).
   """
@@ -1431,8 +1406,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                      wide_values=wide_values, e4m3_scores=e4m3_scores,
                      e4m3_promote_cols=e4m3_promote_cols, wide_widening=wide_widening,
                      pages_per_step=pages_per_step, ring_slots=ring_slots,
-                     rescale_slack=rescale_slack, auto_barriers=auto_barriers,
-                     scores_wg_cols=scores_wg_cols)  # checks
+                     rescale_slack=rescale_slack, auto_barriers=auto_barriers)  # checks
   fp8 = kv_cache.dtype == F8
   if heads_in is None:
     heads_in = default_heads_in(q.shape[1], fp8, fp8_pipeline)
@@ -1440,11 +1414,6 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
     fp8_pipeline = default_fp8_pipeline(heads_in, wide_widening)
   heads_n = heads_in == "n"
   register_a = fp8 and fp8_pipeline == "register_a"
-  if heads_n:  # O^T's rows: split in half, or all warpgroup 1's with register_a
-    scores_wg_cols = None
-  if scores_wg_cols is not None and not 64 <= kv_lora_rank - scores_wg_cols <= 384:
-    raise ValueError(f"scores_wg_cols={scores_wg_cols} leaves warpgroup 1 {kv_lora_rank} - "
-                     f"{scores_wg_cols} value columns; it holds 64 to 384 (its registers)")
   if register_a and not heads_n:
     raise ValueError("fp8_pipeline=\"register_a\" takes heads_in=\"n\" (or None) only: the page "
                      f"is wgmma's A operand only with heads in N; got heads_in={heads_in!r}")
@@ -1523,7 +1492,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                      "(wide_widening=True; the interpreter runs its own form)")
   # Heads in N step 64 tokens: "shared_widening" without half pages.
   half_pages = fp8 and fp8_pipeline in ("half_pages", "shared_widening") and not heads_n
-  value_cols = _value_columns(kv_lora_rank, register_a, scores_wg_cols)
+  value_cols = _value_columns(kv_lora_rank, register_a)
   # Mosaic GPU's interpreter runs no in-place accumulation (see accumulate_values).
   kernel = functools.partial(_decode_kernel, scale=scale, lora=kv_lora_rank, num_splits=splits,
                              split_steps=split_tokens and split_tokens // _STEP,
@@ -1573,14 +1542,14 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
   # Heads in N with float32 partials: the output tiles O^T [64 columns, heads] are staged and
   # written as they are (a transposed float32 store does not lower), o [T, splits, L, Np].
   cols_first = heads_n and out_dtype == jnp.float32
-  # One staging buffer a warpgroup with value columns, as wide as its columns (a bulk copy reads
-  # a whole buffer: a column slice of a swizzled one is not contiguous).
+  # One staging buffer a warpgroup with value columns.
+  stores, cols = sum(map(bool, value_cols)), max(value_cols)
   if cols_first:
     o_shape = (t, splits, kv_lora_rank, np_)
-    o_staging = tuple(swizzled((c, tile_h), out_dtype, tile_h * 4) for c in value_cols if c)
+    o_staging = swizzled((stores, cols, tile_h), out_dtype, tile_h * 4)
   else:
     o_shape = (t, splits, np_, kv_lora_rank)
-    o_staging = tuple(swizzled((tile_h, c), out_dtype) for c in value_cols if c)
+    o_staging = swizzled((stores, tile_h, cols), out_dtype)
   o_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct(o_shape, out_dtype),
@@ -1589,7 +1558,7 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
           plgpu.RefUnion(
               (swizzled((2 * tile_h, d), F8, FP8_COLS) if e4m3_scores
                else swizzled((tile_h, d), q.dtype, sw), slot_type),
-              (*o_staging, plgpu.SMEM((tile_h,), jnp.float32)),
+              (o_staging, plgpu.SMEM((tile_h,), jnp.float32)),
               # in_slot: the slots' bytes as e4m3 row bands, past a pad the size of the query
               # tile (both 1024-byte multiples: each starts where q_smem and kv_smem do)
               *([(plgpu.SMEM((tile_h, d), q.dtype),
@@ -1628,7 +1597,6 @@ def latent_decode(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, se
                    f"{'_in_slot' if in_slot else ''}"
                    f"{'_lazy_rescale' if rescale_slack is not None and not heads_n else ''}"
                    f"{'_no_auto_barriers' if no_auto_barriers else ''}"
-                   f"{f'_wg0cols{value_cols[0]}' if scores_wg_cols is not None else ''}"
                    f"{'_wide_widening' if wide_widening else ''}"
                    f"{'_wide_keys' if wide_keys else ''}{'_wide_values' if wide_values else ''}"
                    f"{f'_e4m3_scores{e4m3_promote_cols}' if e4m3_scores else ''}"

@@ -131,8 +131,7 @@ def test_mosaic_configs_times_what_changes_the_program(dtype):
   assert sum(k.endswith(" ms") for k in row) == len(named)
   assert named[0] == {}
   if dtype == "float8_e4m3fn":
-    assert named[1:] == [{"rescale_slack": None}, {"scores_wg_cols": 128},
-                         {"scores_wg_cols": 192}, {"fp8_pipeline": "half_pages"},
+    assert named[1:] == [{"rescale_slack": None}, {"fp8_pipeline": "half_pages"},
                          {"fp8_pipeline": "half_pages", "rescale_slack": None},
                          {"fp8_pipeline": "serial"},
                          {"fp8_pipeline": "shared_widening"},
@@ -145,9 +144,8 @@ def test_mosaic_configs_times_what_changes_the_program(dtype):
                          {"fp8_pipeline": "register_a", "heads_in": "n", "e4m3_scores": False,
                           "wide_keys": False},
                          {"fp8_pipeline": "register_a", "heads_in": "n", "pages_per_step": 1}]
-  else:  # rescale_slack and scores_wg_cols are both caches' knobs, auto_barriers bf16's only
-    assert named[1:] == [{"rescale_slack": None}, {"auto_barriers": True},
-                         {"scores_wg_cols": 128}, {"scores_wg_cols": 192}, {"heads_in": "n"}]
+  else:  # rescale_slack is both caches' knob, auto_barriers bf16's only
+    assert named[1:] == [{"rescale_slack": None}, {"auto_barriers": True}, {"heads_in": "n"}]
 
 
 def test_time_interleaved_takes_the_repeats_in_turn(monkeypatch):

@@ -10,7 +10,7 @@ import jax.extend
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from decode_contract import (FP8_SCALE, L, R, SCALE, DecodeContract, assert_decode_close,
+from decode_contract import (FP8_SCALE, L, SCALE, DecodeContract, assert_decode_close,
                              assert_e4m3_split_is_exact, make_case)
 from mla_jax import backends
 from oracles import latent_decode_np
@@ -323,7 +323,6 @@ class TestPallasMosaicDecode(DecodeContract):
       (lambda a: {**a, "num_kv_splits": 2, "split_tokens": 64}, "not both"),
       (lambda a: {**a, "split_tokens": 96}, "multiple of the kernel's step"),
       (lambda a: {**a, "fp8_pipeline": "quarter_pages"}, "fp8_pipeline must be None or one of"),
-      (lambda a: {**a, "scores_wg_cols": 100}, "scores_wg_cols must be None or one of"),
   ])
   def test_bad_input_raises(self, change, message):
     q, cache, tables, lens = (jnp.asarray(a)
@@ -450,41 +449,6 @@ class TestPallasMosaicDecodeSharedWidening(TestPallasMosaicDecodeHalfPages):
   @pytest.mark.parametrize("seed,n,splits", [(111, 128, None)])
   def test_fp8_half_page_edges(self, seed, n, splits):
     super().test_fp8_half_page_edges(seed, n, splits)
-
-
-class TestPallasMosaicDecodeScoresWgCols(_MosaicDecodeKnob):
-  """scores_wg_cols=128 through the backend's MOSAIC_DECODE_CONFIG: warpgroup 0 keeps 128 value
-  columns, warpgroup 1 the other 384, at the contract's 128-head cases (bf16; fp8, whose default
-  there is "in_slot") and rows ending inside a page; 192 (products of unequal widths: in the
-  interpreter 128 + 64 and 128 + 128 + 64, on the GPU 192 and 256 + 64) on a bf16 case. The
-  contract's cases at 16 to 32 heads run heads in N, which ignore the knob: the default's
-  programs."""
-  knob, value = "scores_wg_cols", 128
-  test_other_dtypes = test_multi_token_rows = test_batch_invariant = None
-  test_bad_backend_input_raises = test_bad_table_entries_inside_length_are_masked = None
-
-  @pytest.mark.parametrize("seed,n,page,splits,req_lens", [(4, 128, 64, 2, [150, 0]),
-                                                          (6, 128, 64, None, [64, 191, 1])])
-  def test_bf16(self, seed, n, page, splits, req_lens):
-    super().test_bf16(seed, n, page, splits, req_lens)
-
-  @pytest.mark.parametrize("seed,n,page,splits,k_scale", [(12, 128, 64, 2, FP8_SCALE)])
-  def test_fp8_cache(self, seed, n, page, splits, k_scale):
-    super().test_fp8_cache(seed, n, page, splits, k_scale)
-
-  def test_products_of_unequal_widths(self, monkeypatch):
-    monkeypatch.setattr(backends, "MOSAIC_DECODE_CONFIG",
-                        mosaic_decode.MosaicDecodeConfig(scores_wg_cols=192))
-    self.check(*make_case(7, n=128, page=64, req_lens=[100, 64]), num_kv_splits=1)
-
-  def test_warpgroup_one_takes_64_to_384_columns(self):
-    # kv_lora_rank 256: 256 columns for warpgroup 0 would leave warpgroup 1 none.
-    q = jnp.zeros((2, 128, 256 + R), jnp.bfloat16)
-    args = (q, jnp.zeros((4, 64, 256 + R), jnp.bfloat16), jnp.zeros((2, 2), jnp.int32),
-            jnp.ones((2,), jnp.int32))
-    with pytest.raises(ValueError, match="leaves warpgroup 1 256 - 256 value columns"):
-      mosaic_decode.latent_decode(*args, scale=0.1, kv_lora_rank=256, scores_wg_cols=256,
-                                  interpret=True)
 
 
 class TestPallasMosaicDecodeInSlot(TestPallasMosaicDecodeHalfPages):

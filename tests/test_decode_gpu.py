@@ -390,16 +390,3 @@ def test_auto_barriers_matches_reference(seed, batch, max_len, n, splits):
   # give partial last pages and empty rows.
   check_serving_case(seed, batch, max_len, n, jnp.bfloat16, functools.partial(
       mosaic_decode.latent_decode, num_kv_splits=splits, auto_barriers=True))
-
-
-@pytest.mark.parametrize("seed,batch,max_len,n,cache_dtype,splits,cols", [
-    (50, 128, 8192, 128, jnp.bfloat16, None, 128),  # the timed shape
-    (51, 32, 8192, 128, jnp.bfloat16, 4, 192),  # products of 192, 256 and 64 columns
-    (52, 128, 8192, 128, jnp.float8_e4m3fn, None, 128),  # in_slot
-    (53, 16, 32768, 64, jnp.bfloat16, 1, 128),  # long rows, one split: the bf16 output staged
-])
-def test_scores_wg_cols_matches_reference(seed, batch, max_len, n, cache_dtype, splits, cols):
-  # Warpgroup 0 keeps `cols` value columns, warpgroup 1 the rest (its own staging buffer, as wide
-  # as its columns); serving_case's ragged lengths give partial last pages and empty rows.
-  check_serving_case(seed, batch, max_len, n, cache_dtype, functools.partial(
-      mosaic_decode.latent_decode, num_kv_splits=splits, scores_wg_cols=cols))
