@@ -144,8 +144,9 @@ class TopkConfig:
   # random rows (RESULTS.md, top-k v11b). v12: so does the four-kernel path's select (its
   # theta keeps the bisection of the top `_THETA_BITS` bits: interpolated, it measured slower).
   interpolate: bool = False
-  # v18: with sectors, theta taken by each row's last maxima tile program
-  # (`sector_maxima_tail_theta`) instead of a theta kernel after the maxima kernel.
+  # v18: with sectors and theta apart (not fused_theta), theta taken by each row's last maxima
+  # tile program (`sector_maxima_tail_theta`) instead of a theta kernel after the maxima kernel;
+  # the other forms ignore it.
   tail_theta: bool = False
 
   def __post_init__(self):
@@ -157,8 +158,6 @@ class TopkConfig:
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.sectors and self.per_lane:
       raise ValueError("sectors is a threshold kernel of its own: it takes no per_lane")
-    if self.tail_theta and (not self.sectors or self.fused_theta):
-      raise ValueError("tail_theta is the sector maxima kernel's (sectors=True, fused_theta=False)")
 
 
 # The chosen configs, from H200 sweeps of each kernel alone (benchmarks/RESULTS.md, "DSA
@@ -1200,7 +1199,7 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *,
   if config.sectors and config.fused_theta:
     theta, sector_max = fused_sector_theta(logits, seq_lens, topk, g, m8, params(_THETA_WARPS),
                                            interpret=interpret)
-  elif config.tail_theta:
+  elif config.sectors and config.tail_theta:
     theta, sector_max = sector_maxima_tail_theta(logits, seq_lens, topk, g, m8, next_pow2(m8),
                                                  interpret=interpret)
   elif config.sectors:
@@ -1211,7 +1210,7 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *,
                             interpret=interpret)
   else:
     maxima = group_maxima(logits, seq_lens, g, width, interpret=interpret)
-  if not (config.fused_theta or config.tail_theta):
+  if not (config.fused_theta or (config.sectors and config.tail_theta)):
     theta = row_theta(maxima, topk, params(_THETA_WARPS), interpret=interpret)
   if config.sectors:
     cand_keys, cand_pos, counts = sector_candidates(theta, sector_max, logits, seq_lens, m8, cap,

@@ -526,9 +526,11 @@ class TestPallasTritonIndexer(IndexerContract):
 
   def test_per_lane_lowers_for_hopper(self, monkeypatch):
     # v3's per-lane threshold (no shape's default: kept selectable) at 128 x 131072
-    # (`lowered_topk_modules`): four kernels, each module verified.
+    # (`lowered_topk_modules`): four kernels, each module verified; v18's tail_theta, a sector
+    # maxima form, is ignored without sectors (theta apart).
     text, modules = self.lowered_topk_modules(monkeypatch, 128, 131072,
-                                              {"per_lane": True, "sectors": False})
+                                              {"per_lane": True, "sectors": False,
+                                               "tail_theta": True})
     names = ["topk_maxima", "topk_theta", "topk_threshold_lanes", "topk_select"]
     assert text.count("__gpu$xla.gpu.triton") == len(names) and sorted(modules) == sorted(names)
     assert all(ok for ok, _ in modules.values()), modules
