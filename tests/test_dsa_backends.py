@@ -627,6 +627,7 @@ class TestPallasTritonIndexer(IndexerContract):
       (lambda a: {**a, "lean_select": 1}, "lean_select must be a bool"),
       (lambda a: {**a, "row_resident": 1}, "row_resident must be a bool"),
       (lambda a: {**a, "interpolate": 1}, "interpolate must be a bool"),
+      (lambda a: {**a, "tail_theta": 1}, "tail_theta must be a bool"),
       (lambda a: {**a, "logits": jnp.zeros((2, 32769), jnp.float32), "row_resident": True},
        "row_resident takes rows of at most 32768"),
   ])
