@@ -52,10 +52,7 @@ select 179 -> 87 us at 4096 x 32768). Theta keeps its bisection of the top bits,
 faster than an exact interpolated theta. v16: the maxima kernels write the group and sector maxima
 as int16, their top 16 bits (`_high`), all theta (16 bits) and the sectors' test against it read:
 half the bytes written and read back (H100, session 39: 1.02-1.03x at 128 x 131072 and 1024 x
-65536). v18 (`TopkConfig.tail_theta`): steps 1 and 2 in one launch where rows are few: the sector
-maxima kernel's programs count their tiles done per row (an atomic after a block barrier), and
-each row's last one reads the row's maxima back and writes theta, so no theta kernel runs after
-the maxima kernel and its launch gap goes.
+65536).
 
 Not a radix select: a histogram of the keys' high bits needs scatter-adds into shared memory (or a
 warp's match). jax 0.11.2 offers none with an interpreter path: Pallas-Triton has no scratch
@@ -144,16 +141,12 @@ class TopkConfig:
   # random rows (RESULTS.md, top-k v11b). v12: so does the four-kernel path's select (its
   # theta keeps the bisection of the top `_THETA_BITS` bits: interpolated, it measured slower).
   interpolate: bool = False
-  # v18: with sectors and theta apart (not fused_theta), theta taken by each row's last maxima
-  # tile program (`sector_maxima_tail_theta`) instead of a theta kernel after the maxima kernel;
-  # the other forms ignore it.
-  tail_theta: bool = False
 
   def __post_init__(self):
     check_triton_config(self, ("chunk",))
     check_pow2("select_warps", self.select_warps)
     for name in ("per_lane", "fused_theta", "sectors", "lean_select", "row_resident",
-                 "interpolate", "tail_theta"):
+                 "interpolate"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.sectors and self.per_lane:
@@ -450,7 +443,7 @@ def _lane_threshold_kernel(theta_ref, logits_ref, len_ref, slot_key_ref, slot_po
                               filled.sum())
 
 
-def _sector_maxima_kernel(logits_ref, len_ref, *refs, groups, m8, masked, k, barrier):
+def _sector_maxima_kernel(logits_ref, len_ref, max_ref, sec_ref, *, groups, m8, masked):
   # `_maxima_kernel` for v9 (`sectors`): the groups are {j, j + m8, j + 2 m8, ...} with m8 a
   # multiple of 8, so each of the tile's G rows of w positions is w / 8 whole sectors, whose
   # maxima come from the same load. Both written as `_high`. logits_ref [T, S] f32; len_ref [T]
@@ -458,21 +451,9 @@ def _sector_maxima_kernel(logits_ref, len_ref, *refs, groups, m8, masked, k, bar
   # m8); sec_ref [G, w / 8] int16 (entry [g, j]: the maximum of positions g*m8 + c*w + 8j ...
   # + 7). masked: a tile can reach past the row's S positions or its m8 groups (else the load
   # takes no mask, only static offsets).
-  # v18 (k, `TopkConfig.tail_theta`): the grid is (tiles, T), so a row's tiles launch together
-  # and rows finish one after another, their thetas under later rows' reads; refs (done_in_ref
-  # [T] int32 zeros, max_ref [T, W / 8, 8] int16 (whole), sec_ref, theta_ref [T] int32, done_ref
-  # [T] int32: done_in_ref's buffer). A program counts its tile on done_ref after a block barrier
-  # (every thread's maxima stored; the atomic is acq_rel at GPU scope, the release CUTLASS's
-  # split-K semaphore makes after one), and the row's last program reads the row's maxima back
-  # (volatile: not from L1) and writes theta. barrier: False in interpret mode (no block barrier).
-  if k is None:
-    max_ref, sec_ref = refs
-    t, c = pl.program_id(0), pl.program_id(1)
-  else:
-    _, max_ref, sec_ref, theta_ref, done_ref = refs
-    c, t = pl.program_id(0), pl.program_id(1)
+  t, c = pl.program_id(0), pl.program_id(1)
   s = logits_ref.shape[1]
-  sectors = sec_ref.shape[1]
+  sectors = max_ref.shape[0]
   g = jnp.arange(groups, dtype=jnp.int32)[:, None, None]
   j = jnp.arange(sectors, dtype=jnp.int32)[None, :, None]
   col = c * (sectors * _SECTOR) + j * _SECTOR + jnp.arange(_SECTOR, dtype=jnp.int32)
@@ -482,19 +463,8 @@ def _sector_maxima_kernel(logits_ref, len_ref, *refs, groups, m8, masked, k, bar
   else:
     x = plgpu.load(logits_ref.at[t, pos])
   keys = _keys(x, pos < jnp.clip(len_ref[t], 0, s))
+  max_ref[...] = _high(keys.max(axis=0))
   sec_ref[...] = _high(keys.max(axis=2))
-  if k is None:
-    max_ref[...] = _high(keys.max(axis=0))
-    return
-  max_ref[t, pl.ds(c * sectors, sectors), :] = _high(keys.max(axis=0))
-  if barrier:
-    plgpu.debug_barrier()
-  done = plgpu.atomic_add(done_ref, t, jnp.ones((), jnp.int32))
-
-  @pl.when(done == pl.num_programs(0) - 1)
-  def _():
-    maxima = plgpu.load(max_ref.at[t], volatile=True)  # not through L1: other SMs wrote them
-    theta_ref[t] = _theta(_widen(maxima), k, _THETA_BITS)
 
 
 def _sector_maxima_theta_kernel(logits_ref, len_ref, theta_ref, sec_ref, *, k, bits, groups, m8,
@@ -930,7 +900,7 @@ def sector_maxima(logits: jax.Array, seq_lens: jax.Array, groups: int, m8: int, 
   tile = min(width, max(16, tile // groups))
   maxima, sectors = pl.pallas_call(
       functools.partial(_sector_maxima_kernel, groups=groups, m8=m8,
-                        masked=groups * m8 != s or m8 != width, k=None, barrier=False),
+                        masked=groups * m8 != s or m8 != width),
       grid=(t, width // tile),
       in_specs=[_whole(logits), _whole(seq_lens)],
       out_specs=[pl.BlockSpec((None, tile // _SECTOR, _SECTOR), lambda i, c: (i, c, 0)),
@@ -942,34 +912,6 @@ def sector_maxima(logits: jax.Array, seq_lens: jax.Array, groups: int, m8: int, 
       name="topk_sector_maxima",
   )(logits, seq_lens)
   return maxima.reshape(t, width), sectors.reshape(t, groups * width // _SECTOR)
-
-
-def sector_maxima_tail_theta(logits: jax.Array, seq_lens: jax.Array, topk: int, groups: int,
-                             m8: int, width: int, *, tile: int = _MAXIMA_TILE,
-                             num_warps: int = 4,
-                             interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-  """v18 (`TopkConfig.tail_theta`): `sector_maxima` and `row_theta` in one launch, each row's
-  last tile program taking theta from the row's maxima: (int32 [T], theta as `row_theta`'s;
-  int16 [T, groups * width / 8], the sector maxima as `sector_maxima`'s)."""
-  t, s = logits.shape
-  tile = min(width, max(16, tile // groups))
-  _, sectors, theta, _ = pl.pallas_call(
-      functools.partial(_sector_maxima_kernel, groups=groups, m8=m8,
-                        masked=groups * m8 != s or m8 != width, k=topk, barrier=not interpret),
-      grid=(width // tile, t),
-      in_specs=[_whole(logits), _whole(seq_lens), pl.BlockSpec((t,), lambda *_: (0,))],
-      out_specs=[pl.BlockSpec((t, width // _SECTOR, _SECTOR), lambda *_: (0, 0, 0)),
-                 pl.BlockSpec((None, groups, tile // _SECTOR), lambda c, i: (i, 0, c)),
-                 pl.BlockSpec((t,), lambda *_: (0,)), pl.BlockSpec((t,), lambda *_: (0,))],
-      out_shape=[jax.ShapeDtypeStruct((t, width // _SECTOR, _SECTOR), jnp.int16),
-                 jax.ShapeDtypeStruct((t, groups, width // _SECTOR), jnp.int16),
-                 jax.ShapeDtypeStruct((t,), jnp.int32), jax.ShapeDtypeStruct((t,), jnp.int32)],
-      input_output_aliases={2: 3},
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-      interpret=interpret,
-      name="topk_sector_maxima_tail_theta",
-  )(logits, seq_lens, jnp.zeros((t,), jnp.int32))
-  return theta, sectors.reshape(t, groups * width // _SECTOR)
 
 
 def threshold_segments(num_rows: int, num_positions: int, chunk: int) -> tuple[int, int]:
@@ -1149,8 +1091,7 @@ def resident_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *,
 @functools.partial(jax.jit, static_argnames=("topk", "block_size", "num_blocks", "chunk",
                                              "num_warps", "num_stages", "select_warps",
                                              "per_lane", "fused_theta", "sectors", "lean_select",
-                                             "row_resident", "interpolate", "tail_theta",
-                                             "interpret"))
+                                             "row_resident", "interpolate", "interpret"))
 def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *,
                    block_tables: jax.Array | None = None, block_size: int | None = None,
                    num_blocks: int | None = None, chunk: int | None = None,
@@ -1158,13 +1099,12 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *,
                    select_warps: int | None = None, per_lane: bool | None = None,
                    fused_theta: bool | None = None, sectors: bool | None = None,
                    lean_select: bool | None = None, row_resident: bool | None = None,
-                   interpolate: bool | None = None, tail_theta: bool | None = None,
-                   interpret: bool = False):
+                   interpolate: bool | None = None, interpret: bool = False):
   """Top-`topk` positions of each row within its window (semantics of
   `mla_jax.reference.topk_positions`): logits [T, S] float32, seq_lens [T] int32 (row t sees
   s < seq_lens[t]) -> int32 [T, topk], -1 padded, in no particular order; of positions tied at the
   k-th largest value, the lowest. chunk, num_warps, num_stages, select_warps, per_lane,
-  fused_theta, sectors, lean_select, row_resident, interpolate, tail_theta: `TopkConfig`'s (None:
+  fused_theta, sectors, lean_select, row_resident, interpolate: `TopkConfig`'s (None:
   `default_config`'s).
 
   With block_tables [T, MB] int32 (row t's request's blocks), block_size and num_blocks (the
@@ -1177,8 +1117,7 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *,
   config = with_overrides(default_config(*logits.shape), chunk=chunk, num_warps=num_warps,
                           num_stages=num_stages, select_warps=select_warps, per_lane=per_lane,
                           fused_theta=fused_theta, sectors=sectors, lean_select=lean_select,
-                          row_resident=row_resident, interpolate=interpolate,
-                          tail_theta=tail_theta)
+                          row_resident=row_resident, interpolate=interpolate)
   t, s = logits.shape
   if config.row_resident and s > RESIDENT_MAX:
     raise ValueError(f"row_resident takes rows of at most {RESIDENT_MAX} positions (their keys "
@@ -1199,9 +1138,6 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *,
   if config.sectors and config.fused_theta:
     theta, sector_max = fused_sector_theta(logits, seq_lens, topk, g, m8, params(_THETA_WARPS),
                                            interpret=interpret)
-  elif config.sectors and config.tail_theta:
-    theta, sector_max = sector_maxima_tail_theta(logits, seq_lens, topk, g, m8, next_pow2(m8),
-                                                 interpret=interpret)
   elif config.sectors:
     maxima, sector_max = sector_maxima(logits, seq_lens, g, m8, next_pow2(m8),
                                        interpret=interpret)
@@ -1210,7 +1146,7 @@ def topk_positions(logits: jax.Array, seq_lens: jax.Array, topk: int, *,
                             interpret=interpret)
   else:
     maxima = group_maxima(logits, seq_lens, g, width, interpret=interpret)
-  if not (config.fused_theta or (config.sectors and config.tail_theta)):
+  if not config.fused_theta:
     theta = row_theta(maxima, topk, params(_THETA_WARPS), interpret=interpret)
   if config.sectors:
     cand_keys, cand_pos, counts = sector_candidates(theta, sector_max, logits, seq_lens, m8, cap,

@@ -93,7 +93,6 @@ class TestPallasTritonSparseAttention(SparseAttentionContract):
 # maxima and theta kernels, and with theta fused (many rows).
 SECTORS = {"sectors": True, "per_lane": False, "fused_theta": False}
 SECTORS_FUSED = {**SECTORS, "fused_theta": True}
-TAIL_THETA = {**SECTORS, "tail_theta": True}
 # Many rows' default form: theta fused with the sector maxima, v10b's lean select.
 SECTORS_FUSED_LEAN = {**SECTORS_FUSED, "lean_select": True}
 # v11: a program a row, the row's keys in registers (rows up to 32768 positions); v11b: its search
@@ -188,11 +187,10 @@ class TestPallasTritonIndexer(IndexerContract):
       pallas_indexer.indexer_logits(**change(args), interpret=True)
 
   @pytest.mark.parametrize("variant", [
-      {}, {"per_lane": True}, {"fused_theta": True}, SECTORS, SECTORS_FUSED, TAIL_THETA,
+      {}, {"per_lane": True}, {"fused_theta": True}, SECTORS, SECTORS_FUSED,
       {"lean_select": True}, RESIDENT, RESIDENT_INTERPOLATED, INTERPOLATED,
       {**INTERPOLATED, "lean_select": True}, SECTORS_FUSED_LEAN_INTERPOLATED],
-      ids=["default", "per_lane", "fused_theta", "sectors", "sectors_fused", "tail_theta",
-           "lean_select",
+      ids=["default", "per_lane", "fused_theta", "sectors", "sectors_fused", "lean_select",
            "row_resident", "interpolate", "four_kernel_interpolate", "lean_interpolate",
            "sectors_fused_lean_interpolate"])
   def test_topk_segments_ties_and_overflow_match_reference(self, variant):
@@ -336,10 +334,6 @@ class TestPallasTritonIndexer(IndexerContract):
     fused = pallas_topk.fused_sector_theta(x, lens_j, k, g, m8, params, interpret=True)
     np.testing.assert_array_equal(fused[0], theta)
     np.testing.assert_array_equal(fused[1], sectors)
-    # v18: theta by each row's last maxima tile program (few long rows' form): the same.
-    tail = pallas_topk.sector_maxima_tail_theta(x, lens_j, k, g, m8, width, interpret=True)
-    np.testing.assert_array_equal(tail[0], theta)
-    np.testing.assert_array_equal(tail[1], sectors)
     cap = pallas_topk.next_pow2(min(4 * k, s))
     cand_keys, cand_pos, counts = (np.asarray(a) for a in pallas_topk.sector_candidates(
         jnp.asarray(theta), sectors, x, lens_j, m8, cap, chunk, params, interpret=True))
@@ -526,11 +520,9 @@ class TestPallasTritonIndexer(IndexerContract):
 
   def test_per_lane_lowers_for_hopper(self, monkeypatch):
     # v3's per-lane threshold (no shape's default: kept selectable) at 128 x 131072
-    # (`lowered_topk_modules`): four kernels, each module verified; v18's tail_theta, a sector
-    # maxima form, is ignored without sectors (theta apart).
+    # (`lowered_topk_modules`): four kernels, each module verified.
     text, modules = self.lowered_topk_modules(monkeypatch, 128, 131072,
-                                              {"per_lane": True, "sectors": False,
-                                               "tail_theta": True})
+                                              {"per_lane": True, "sectors": False})
     names = ["topk_maxima", "topk_theta", "topk_threshold_lanes", "topk_select"]
     assert text.count("__gpu$xla.gpu.triton") == len(names) and sorted(modules) == sorted(names)
     assert all(ok for ok, _ in modules.values()), modules
@@ -581,20 +573,17 @@ class TestPallasTritonIndexer(IndexerContract):
     assert pallas_topk.DEFAULT_MANY_ROWS.interpolate
     assert not (pallas_topk.DEFAULT_LONG_ROWS.interpolate or pallas_topk.DEFAULT.interpolate)
 
-  @pytest.mark.parametrize("theta", ["apart", "fused", "tail"])
+  @pytest.mark.parametrize("fused", [False, True], ids=["sectors", "sectors_fused"])
   @pytest.mark.parametrize("t,s", [(128, 131072), (128, 32768), (4096, 32768), (6, 5000)])
-  def test_sectors_lowers_for_hopper(self, monkeypatch, t, s, theta):
-    # The v9 top-k (`sectors`, theta apart, fused, or v18's in the maxima kernel's last tile) at
-    # the benchmark's shapes and at 5000 positions (G = 1: one group row of m8 = 5000 in 8192):
-    # four kernels (three with theta fused or in the tail), each module verified; the sector
-    # maxima's logits load takes a mask only where a tile can reach past S or m8; the threshold's
-    # sector maxima load carries the hint that keeps it in the stores' layout; v18 counts its
-    # tiles with one atomic after a barrier, and reads the maxima back past L1.
-    knobs = {"apart": SECTORS, "fused": SECTORS_FUSED, "tail": TAIL_THETA}[theta]
-    text, modules = self.lowered_topk_modules(monkeypatch, t, s, knobs)
-    first = {"apart": ["topk_sector_maxima", "topk_theta"],
-             "fused": ["topk_sector_maxima_theta"],
-             "tail": ["topk_sector_maxima_tail_theta"]}[theta]
+  def test_sectors_lowers_for_hopper(self, monkeypatch, t, s, fused):
+    # The v9 top-k (`sectors`, theta apart or fused) at the benchmark's shapes and at 5000
+    # positions (G = 1: one group row of m8 = 5000 in 8192): four kernels (three fused), each
+    # module verified; the sector maxima's logits load takes a mask only where a tile can reach
+    # past S or m8; the threshold's sector maxima load carries the hint that keeps it in the
+    # stores' layout.
+    text, modules = self.lowered_topk_modules(monkeypatch, t, s,
+                                              SECTORS_FUSED if fused else SECTORS)
+    first = ["topk_sector_maxima_theta"] if fused else ["topk_sector_maxima", "topk_theta"]
     names = first + ["topk_sector_threshold", "topk_select"]
     assert text.count("__gpu$xla.gpu.triton") == len(names) and sorted(modules) == sorted(names)
     assert all(ok for ok, _ in modules.values()), modules
@@ -602,11 +591,6 @@ class TestPallasTritonIndexer(IndexerContract):
              if "tt.load" in line and "x!tt.ptr<f32>" in line]
     assert len(loads) == 1 and ("," in loads[0].split(":")[0]) == (s == 5000), loads
     assert "tt.divisibility = dense<1>" in modules["topk_sector_threshold"][1]
-    if theta == "tail":
-      body = modules[first[0]][1]
-      assert body.count("tt.atomic_rmw") == 1 and "gpu.barrier" in body
-      assert body.index("gpu.barrier") < body.index("tt.atomic_rmw")
-      assert "isVolatile = true" in body, body
 
   def test_group_size(self):
     # At least 4k strided groups, G a power of two; V3.2 at 128K and 32K context.
@@ -627,7 +611,6 @@ class TestPallasTritonIndexer(IndexerContract):
       (lambda a: {**a, "lean_select": 1}, "lean_select must be a bool"),
       (lambda a: {**a, "row_resident": 1}, "row_resident must be a bool"),
       (lambda a: {**a, "interpolate": 1}, "interpolate must be a bool"),
-      (lambda a: {**a, "tail_theta": 1}, "tail_theta must be a bool"),
       (lambda a: {**a, "logits": jnp.zeros((2, 32769), jnp.float32), "row_resident": True},
        "row_resident takes rows of at most 32768"),
   ])

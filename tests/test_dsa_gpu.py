@@ -459,14 +459,12 @@ def test_mosaic_indexer_compute_wgs_match_reference(compute_wgs):
     {}, {"per_lane": True, "sectors": False}, {"fused_theta": True, "sectors": False},
     {"fused_theta": True}, {"sectors": True, "per_lane": False, "fused_theta": False,
                             "s": 131072},
-    {"sectors": True, "per_lane": False, "fused_theta": False, "tail_theta": True, "s": 131072},
     {"lean_select": True}, {"lean_select": True, "select_warps": 4},
     {"row_resident": True}, {"row_resident": True, "s": 16384},
     {"row_resident": True, "interpolate": True},
     {"row_resident": False, "interpolate": True, "s": 131072},
     {"row_resident": False, "interpolate": True, "fused_theta": True, "lean_select": True}],
-    ids=["default", "per_lane", "fused_theta", "sectors_fused", "sectors", "tail_theta",
-         "lean_select",
+    ids=["default", "per_lane", "fused_theta", "sectors_fused", "sectors", "lean_select",
          "lean_select_w4", "row_resident", "row_resident_16k", "row_resident_interpolate",
          "interpolate_131072", "interpolate_sectors_fused"])
 @pytest.mark.parametrize("kind", ["normal", "ties", "few_ties"])
@@ -474,8 +472,7 @@ def test_topk_sets_match_lax_top_k(kind, variant):
   # variant: {} through the backend (this shape's default, v9's sector maxima and threshold with
   # separate theta); else merged into that default: v3's per-lane threshold, v3's theta fused with
   # the maxima (both without sectors, which take no per-lane threshold), the sector form with theta
-  # fused (many rows' default), or the sector form at 131072 positions (what it is for), there
-  # with v18's theta in the maxima kernel's last tile (its atomic and barrier on the GPU); v10b's
+  # fused (many rows' default), or the sector form at 131072 positions (what it is for); v10b's
   # lean select at 8 and 4 warps ("ties" rows overflow half the list: its streamed path); v11's
   # one kernel a row at 32768 (16 warps) and 16384 positions (8 warps), and with v11b's
   # interpolating search; v12's interpolating select on the four-kernel path, at 131072 (few long
