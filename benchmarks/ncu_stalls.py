@@ -7,7 +7,8 @@ Profile one kernel with source counters, then export its SASS page as CSV:
     ncu --import prof.ncu-rep --page source --csv --print-source sass > prof_src.csv
     python3 -m benchmarks.ncu_stalls prof_src.csv --top 30 --windows 1000:2100:40
 
-It prints the stall reasons summed over the kernel, the executed warp instructions and sampled
+A report of several launches (`--launch-count 2`) is summed launch by launch. It prints the stall
+reasons summed over the kernel, the executed warp instructions and sampled
 share of each opcode, the instructions that hold the most samples (with their top three reasons),
 and optionally windows of consecutive instructions (a loop's body shows as windows whose executed
 count per iteration is steady). A barrier wait shows as the branch after its try-wait, stalled on
@@ -28,15 +29,26 @@ SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
 
 
-def rows(text: str) -> list[dict[str, str]]:
-  """ncu's source-page CSV (a kernel-name line, then the header) -> one dict per instruction."""
+def launches(text: str) -> list[tuple[str, list[dict[str, str]]]]:
+  """ncu's source-page CSV -> (kernel name, one dict per instruction) for each profiled launch:
+  a report of several (`--launch-count 2`) repeats a kernel-name line and the header for each."""
   table = [r for r in csv.reader(io.StringIO(text)) if r]
-  start = next((i for i, r in enumerate(table) if SAMPLES in r and "Source" in r), None)
-  if start is None:
+  starts = [i for i, r in enumerate(table) if SAMPLES in r and "Source" in r]
+  if not starts:
     raise ValueError(f"no {SAMPLES!r} column: export with ncu --import REPORT --page source --csv "
                      "--print-source sass (profiled with --set full --import-source yes)")
-  header = table[start]
-  return [dict(zip(header, r)) for r in table[start + 1:] if len(r) == len(header)]
+  found = []
+  for start, stop in zip(starts, starts[1:] + [len(table)]):
+    header, above = table[start], table[start - 1] if start else []
+    name = above[1] if len(above) > 1 and above[0] == "Kernel Name" else "?"
+    found.append((name, [dict(zip(header, r)) for r in table[start + 1:stop]
+                         if len(r) == len(header)]))
+  return found
+
+
+def rows(text: str) -> list[dict[str, str]]:
+  """The first profiled launch's instructions (`launches`)."""
+  return launches(text)[0][1]
 
 
 def _num(text: str) -> float:
@@ -106,7 +118,11 @@ def main(argv=None):
                       help="also sum instructions FIRST..STOP in windows of WIDTH")
   args = parser.parse_args(argv)
   with open(args.csv) as f:
-    print(summary(rows(f.read()), args.top, args.windows))
+    found = launches(f.read())
+  for i, (name, instrs) in enumerate(found):
+    if len(found) > 1:
+      print(f"== launch {i}: {name}")
+    print(summary(instrs, args.top, args.windows))
 
 
 if __name__ == "__main__":

@@ -415,6 +415,16 @@ def test_ncu_stalls_sums_an_ncu_source_page(tmp_path, capsys):
   assert "@!P1  BRA 0x40" in capsys.readouterr().out
   with pytest.raises(SystemExit):
     ncu_stalls.main([str(tmp_path / "src.csv"), "--windows", "5:1:2"])
+  # Two launches in one export (--launch-count 2): each summed on its own, under its name.
+  second = page.replace("mosaic_latent_decode_bf16_p64_s1_mosaic_gpu_kernel", "topk_theta")
+  (tmp_path / "two.csv").write_text(page + "\n" + second.replace('"60","1,024","0","60"',
+                                                                   '"6","1,024","0","6"'))
+  assert [name for name, _ in ncu_stalls.launches(page + "\n" + second)] == [
+      "mosaic_latent_decode_bf16_p64_s1_mosaic_gpu_kernel", "topk_theta"]
+  ncu_stalls.main([str(tmp_path / "two.csv"), "--top", "1"])
+  out = capsys.readouterr().out
+  assert "== launch 1: topk_theta" in out and out.count("100 samples") == 1, out
+  assert out.split("== launch 1")[1].splitlines()[1] == "46 samples", out
 
 
 def test_ptxas_report_reads_ptxas_and_finds_the_step_loops_spills():
