@@ -7,9 +7,9 @@ Profile one kernel with source counters, then export its SASS page as CSV:
     ncu --import prof.ncu-rep --page source --csv --print-source sass > prof_src.csv
     python3 -m benchmarks.ncu_stalls prof_src.csv --top 30 --windows 1000:2100:40
 
-A report of several launches (`--launch-count 2`) is summed launch by launch. It prints the stall
-reasons summed over the kernel, the executed warp instructions and sampled
-share of each opcode, the instructions that hold the most samples (with their top three reasons),
+A report of several launches (`--launch-count 2`) is summed launch by launch. For each it prints
+the stall reasons summed over the kernel, the executed warp instructions and sampled share of
+each opcode, the instructions that hold the most samples (with their top three reasons),
 and optionally windows of consecutive instructions (a loop's body shows as windows whose executed
 count per iteration is steady). A barrier wait shows as the branch after its try-wait, stalled on
 long_sb; a wgmma wait as `WARPGROUP.DEPBAR`. Every sampled warp counts, so a warpgroup that waits
@@ -44,11 +44,6 @@ def launches(text: str) -> list[tuple[str, list[dict[str, str]]]]:
     found.append((name, [dict(zip(header, r)) for r in table[start + 1:stop]
                          if len(r) == len(header)]))
   return found
-
-
-def rows(text: str) -> list[dict[str, str]]:
-  """The first profiled launch's instructions (`launches`)."""
-  return launches(text)[0][1]
 
 
 def _num(text: str) -> float:

@@ -402,14 +402,14 @@ def test_ncu_stalls_sums_an_ncu_source_page(tmp_path, capsys):
       '"0x10","HGMMA.64x64x16.F32.BF16 R152, gdesc[UR28], R152","10","1,024","0","10","0"',
       '"0x20","WARPGROUP.DEPBAR.LE gsb0, 0x0","30","1,024","30","0","0"',
       '"0x30","@!P1  BRA 0x40","60","1,024","0","60","0"'])
-  got = ncu_stalls.summary(ncu_stalls.rows(page), top=2, windows=(0, 3, 2))
+  got = ncu_stalls.summary(ncu_stalls.launches(page)[0][1], top=2, windows=(0, 3, 2))
   assert got.splitlines()[:3] == ["100 samples", "  long_sb                     70  70.0%",
                                   "  barrier                     30  30.0%"]
   assert "  BRA                    1024  60.0%" in got  # the guard is not the opcode
   assert "HGMMA" not in got.split("most samples")[1].split("windows")[0]  # only the top 2
   assert "      0  40.0%         2048" in got and "      2  60.0%         1024" in got
   with pytest.raises(ValueError, match="no 'Warp Stall Sampling"):
-    ncu_stalls.rows('"Kernel Name","k",\n"Address","Source"')
+    ncu_stalls.launches('"Kernel Name","k",\n"Address","Source"')
   (tmp_path / "src.csv").write_text(page)
   ncu_stalls.main([str(tmp_path / "src.csv"), "--top", "1"])
   assert "@!P1  BRA 0x40" in capsys.readouterr().out
