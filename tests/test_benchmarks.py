@@ -463,6 +463,35 @@ def test_ptxas_report_takes_the_mosaic_module_from_the_cuda_lowering():
     assert len(modules) == 1 and modules[0].startswith(b"ML\xefR")  # MLIR bytecode
 
 
+def test_triton_sass_counts_each_loop():
+  # nvdisasm -c text: a loop of 3 instructions (a predicated branch back to its label) holding an
+  # inner loop of 1, then a forward branch (no loop); predicates and modifiers drop from opcodes.
+  from benchmarks import triton_sass
+  sass = "\n".join([
+      "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+      ".L_x_0:",
+      "        /*0010*/                   ISETP.GE.AND P0, PT, R2, R3, PT ;",
+      ".L_x_1:",
+      "        /*0020*/              @!P0 SEL R4, RZ, 0x1, !P0 ;",
+      "        /*0030*/              @P1  BRA `(.L_x_1) ;",
+      "        /*0040*/              @P0  BRA `(.L_x_0) ;",
+      "        /*0050*/                   BRA `(.L_x_2) ;",
+      ".L_x_2:",
+      "        /*0060*/                   EXIT ;"])
+  assert triton_sass.loops(sass) == [
+      (2, {"SEL": 1, "BRA": 1}), (4, {"ISETP": 1, "SEL": 1, "BRA": 2})]
+
+
+def test_triton_sass_lowers_each_topk_kernel_with_its_warps():
+  # The four-kernel top-k at [128, 131072] with sectors: each kernel's Triton IR for sm_90 and
+  # the warps its pallas_call gives it, by name, as triton_sass compiles them.
+  from benchmarks import triton_sass
+  kernels = triton_sass.lower_topk(128, 131072, 2048, {"sectors": True, "row_resident": False})
+  assert {name: opts["num_warps"] for name, (_, opts) in kernels.items()} == {
+      "topk_sector_maxima": 4, "topk_theta": 8, "topk_sector_threshold": 4, "topk_select": 8}
+  assert all(text.startswith("module") and "tt.func" in text for text, _ in kernels.values())
+
+
 def test_sparse_direct_probe_lowers_one_mosaic_module():
   # The probe's stand-in kernel (v16's memory warpgroup: lane-level loads, widening, swizzled
   # stores) lowers for CUDA on the CPU, as ptxas_report compiles it; a Mosaic GPU or MLIR API
