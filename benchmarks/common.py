@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import re
 import statistics
@@ -40,6 +41,18 @@ def module_at_revision(module: str, rev: str, root: Path = ROOT) -> types.Module
   sys.modules[name] = old  # dataclasses look their module up while the file runs
   exec(compile(shown.stdout, old.__file__, "exec"), old.__dict__)  # noqa: S102
   return old
+
+
+def field_value(text: str) -> tuple[str, object]:
+  """argparse type of "FIELD=VALUE" (VALUE a Python literal, or a bare word taken as a string) ->
+  (FIELD, VALUE): a kernel's keyword argument on the command line."""
+  field, _, value = text.partition("=")
+  if not field or not value:
+    raise argparse.ArgumentTypeError(f"want FIELD=VALUE, got {text!r}")
+  try:
+    return field, ast.literal_eval(value)
+  except (ValueError, SyntaxError):
+    return field, value
 
 
 def make_parser(module_name: str, doc: str) -> argparse.ArgumentParser:

@@ -38,7 +38,6 @@ once per key block; the rest run once per program or per work item).
 from __future__ import annotations
 
 import argparse
-import ast
 import os
 import pathlib
 import re
@@ -48,6 +47,8 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+
+from benchmarks.common import field_value
 
 SITE = pathlib.Path("/tmp/mla_ptxas/site")
 FAKE_CUDA = pathlib.Path("/tmp/mla_ptxas/fakecuda")
@@ -68,17 +69,6 @@ CUresult cuGetErrorName(CUresult e, const char **s) { *s = "CUDA_ERROR_STAND_IN"
 """
 DK, DV, LATENT, ROPE = 192, 128, 512, 64  # prefill head sizes; the latent cache's L and R
 PAGE = 64
-
-
-def _literal(text):
-  """"FIELD=VALUE" (VALUE a Python literal, or a bare word taken as a string) -> (FIELD, VALUE)."""
-  field, _, value = text.partition("=")
-  if not field or not value:
-    raise argparse.ArgumentTypeError(f"want FIELD=VALUE, got {text!r}")
-  try:
-    return field, ast.literal_eval(value)
-  except (ValueError, SyntaxError):
-    return field, value
 
 
 def traced_prefill(tokens, requests, heads, causal, knobs):
@@ -299,7 +289,7 @@ def main(argv=None):
   parser.add_argument("--cache", choices=["bf16", "fp8_ds_mla"], default="bf16", help="sparse")
   parser.add_argument("--slots", type=int, default=2048, help="sparse: slots a row")
   parser.add_argument("--cache-tokens", type=int, default=1 << 20, help="sparse: cache size")
-  parser.add_argument("--set", type=_literal, nargs="+", default=[], metavar="FIELD=VALUE",
+  parser.add_argument("--set", type=field_value, nargs="+", default=[], metavar="FIELD=VALUE",
                       help="keywords of the kernel's jit entry (config fields)")
   parser.add_argument("--sass", action="store_true", help="also count STL / LDL (nvdisasm)")
   parser.add_argument("--dump", help="directory for each module's ptxas log (and SASS)")

@@ -24,7 +24,6 @@ and SASS.
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
 import json
 import pathlib
@@ -35,6 +34,8 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+
+from benchmarks.common import field_value
 
 TRITON_PYTHON = "/tmp/mla_triton/bin/python"
 # Run by TRITON_PYTHON in DIR: every NAME.ttir with NAME.json's num_warps -> NAME.ptx, .ttgir,
@@ -57,14 +58,6 @@ for ttir in sorted(pathlib.Path(sys.argv[1]).glob("*.ttir")):
                         check=True)
   ttir.with_suffix(".sass").write_text(sass.stdout)
 """
-
-
-def _literal(text):
-  """"FIELD=VALUE" (VALUE a Python literal) -> (FIELD, VALUE)."""
-  field, _, value = text.partition("=")
-  if not field or not value:
-    raise argparse.ArgumentTypeError(f"want FIELD=VALUE, got {text!r}")
-  return field, ast.literal_eval(value)
 
 
 def lower_topk(rows: int, positions: int, topk: int, knobs: dict) -> dict[str, tuple[str, dict]]:
@@ -150,7 +143,7 @@ def main():
   parser.add_argument("--rows", type=int, default=128)
   parser.add_argument("--positions", type=int, default=131072)
   parser.add_argument("--topk", type=int, default=2048)
-  parser.add_argument("--set", type=_literal, action="append", default=[], metavar="FIELD=VALUE",
+  parser.add_argument("--set", type=field_value, action="append", default=[], metavar="FIELD=VALUE",
                       help="a topk_positions keyword (TopkConfig's fields)")
   parser.add_argument("--triton", default=TRITON_PYTHON, help="a Python with pip Triton")
   parser.add_argument("--dump", help="keep the TTIR, TTGIR, PTX and SASS here")
