@@ -38,7 +38,8 @@ Parts (V3.2 shapes: L=512, R=64, 64-token pages, top-k 2048, indexer 64 heads x 
            (the four-kernel path's select interpolating, flipped: many rows' default);
            --topk-rows keeps only some of them (named by their first word). --against-rev REV
            adds the top-k's default as REV had it ("topk at REV": that revision's
-           `pallas_kernels/topk.py`) and today's ("topk now"), timed in turn.
+           `pallas_kernels/topk.py`) and today's ("topk now"), timed in turn. --topk-shapes
+           names other cases (128x8192: rows short of v11b's one kernel).
   step     one layer's DSA decode step: indexer logits + top-k + slots + sparse attention (N=128,
            fp8_ds_mla latent cache), 128 decode rows at 32K context each; pallas_triton's and the
            `pallas` default's, the slots written by the top-k (`topk_slots`, as the layer runs
@@ -54,6 +55,7 @@ T=128 over 128K too), top-k at 128 x 131072; `--sweep-kernels` narrows it to som
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import itertools
@@ -476,6 +478,14 @@ def timed_rows(args, entries, sets, case_bytes, flops, reference=True):
   return [row for row, _, _ in entries]
 
 
+def _rows_by_positions(text):
+  """argparse type of "TxS" -> (T, S): a top-k case of T rows of S logits."""
+  rows, _, positions = text.partition("x")
+  if not (rows.isdigit() and positions.isdigit() and int(rows) > 0 and int(positions) > 0):
+    raise argparse.ArgumentTypeError(f"want ROWSxPOSITIONS, e.g. 128x131072, got {text!r}")
+  return int(rows), int(positions)
+
+
 def main(argv=None):
   parser = make_parser("benchmarks.bench_sparse", __doc__)
   parser.add_argument("--parts", nargs="+", default=["sparse", "indexer", "topk", "step"],
@@ -502,6 +512,8 @@ def main(argv=None):
   parser.add_argument("--sweep-rows", nargs="+", metavar="FIELD=VALUE",
                       help="sparse cases: only these of the Mosaic kernel's SWEEP configs, named "
                            "as in the cache column (e.g. fp8_pipeline=half_rows)")
+  parser.add_argument("--topk-shapes", nargs="+", type=_rows_by_positions, metavar="TxS",
+                      help="top-k cases instead of 128x32768, 128x131072 and 4096x32768")
   parser.add_argument("--topk-rows", nargs="+", metavar="VERSION",
                       help="top-k cases: beside the default, only these variants' rows, named by "
                            "the version opening their cache column (e.g. v9 v10b)")
@@ -523,7 +535,8 @@ def main(argv=None):
     return
   sparse_t = args.sparse_t or ([128] if args.quick else [64, 128, 4096])
   indexer_t = [128] if args.quick else [128, 2048]
-  topk_shapes = [(128, 32768), (128, 131072)] + ([] if args.quick else [(4096, 32768)])
+  topk_shapes = args.topk_shapes or (
+      [(128, 32768), (128, 131072)] + ([] if args.quick else [(4096, 32768)]))
   rows = []
   if "sparse" in args.parts:
     for kind in args.sparse_caches:

@@ -343,6 +343,15 @@ def test_bench_sparse_topk_revision_rows_call_each_module(monkeypatch):
   assert calls == [("old", (2, 64), bench_sparse.TOPK), ("now", (2, 64), bench_sparse.TOPK)]
 
 
+def test_bench_sparse_topk_shapes_parse_rows_by_positions():
+  import argparse
+  from benchmarks import bench_sparse
+  assert bench_sparse._rows_by_positions("128x8192") == (128, 8192)
+  for bad in ("128", "128x", "0x8192", "x8192", "128x-1", "128*8192"):
+    with pytest.raises(argparse.ArgumentTypeError, match="ROWSxPOSITIONS"):
+      bench_sparse._rows_by_positions(bad)
+
+
 def test_kernel_times_splits_an_ncu_log_at_its_markers():
   from benchmarks import kernel_times
   log = "\n".join([
