@@ -472,9 +472,20 @@ def test_ptxas_report_takes_the_mosaic_module_from_the_cuda_lowering():
     assert len(modules) == 1 and modules[0].startswith(b"ML\xefR")  # MLIR bytecode
 
 
+def test_field_value_reads_a_keyword_argument():
+  # --set FIELD=VALUE of ptxas_report and triton_sass: a Python literal, else the bare word.
+  assert bench_common.field_value("sectors=True") == ("sectors", True)
+  assert bench_common.field_value("chunk=1024") == ("chunk", 1024)
+  assert bench_common.field_value("fp8_pipeline=half_rows") == ("fp8_pipeline", "half_rows")
+  for bad in ("sectors", "=True", "sectors="):
+    with pytest.raises(argparse.ArgumentTypeError, match="FIELD=VALUE"):
+      bench_common.field_value(bad)
+
+
 def test_triton_sass_counts_each_loop():
-  # nvdisasm -c text: a loop of 3 instructions (a predicated branch back to its label) holding an
-  # inner loop of 1, then a forward branch (no loop); predicates and modifiers drop from opcodes.
+  # nvdisasm -c text: a loop of 4 instructions (a predicated branch back to its label, counted)
+  # holding an inner loop of 2, then a forward branch (no loop); predicates and modifiers drop
+  # from opcodes.
   from benchmarks import triton_sass
   sass = "\n".join([
       "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
