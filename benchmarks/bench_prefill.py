@@ -44,7 +44,6 @@ FLOPs: attention 2*N*(NEW^2/2 + NEW*CTX)*(192 + 128) per request; up-projection
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import functools
 import itertools
@@ -53,8 +52,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.common import (jax_calls, make_parser, rates, require_gpu, time_interleaved,
-                               time_ms, write_results)
+from benchmarks.common import (field_value, jax_calls, make_parser, rates, require_gpu,
+                               time_interleaved, time_ms, write_results)
 from mla_jax import reference
 from mla_jax.attention import MLAAttention, merge_rows
 from mla_jax.backends import get_backend
@@ -324,12 +323,12 @@ def context_case(args, requests, new, context, heads):
 
 
 def config_field(text):
-  """"FIELD=VALUE" (VALUE a Python literal) -> (FIELD, VALUE), a MosaicPrefillConfig field."""
-  field, _, value = text.partition("=")
+  """`field_value`, FIELD a MosaicPrefillConfig field."""
+  field, value = field_value(text)
   names = {f.name for f in dataclasses.fields(mosaic_kernel.MosaicPrefillConfig)}
-  if field not in names or not value:
+  if field not in names:
     raise argparse.ArgumentTypeError(f"want FIELD=VALUE, FIELD one of {sorted(names)}; got {text}")
-  return field, ast.literal_eval(value)
+  return field, value
 
 
 def main(argv=None):

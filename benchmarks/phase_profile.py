@@ -24,7 +24,6 @@ Usage (on a GPU; the kernel's keywords with --set FIELD=VALUE, Python literals):
 
 from __future__ import annotations
 
-import ast
 import collections
 import functools
 import glob
@@ -38,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import make_parser, require_gpu
+from benchmarks.common import field_value, make_parser, require_gpu
 from pallas_kernels.common import phase_profile
 
 # Shared memory a unit of profile_space takes: a scope is 2 events of 2 int32 entries, a trace a
@@ -146,14 +145,15 @@ def main(argv=None):
   parser.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16", help="decode cache")
   parser.add_argument("--t", type=int, default=4096, help="sparse: query rows")
   parser.add_argument("--cache", choices=["bf16", "fp8_ds_mla"], default="bf16", help="sparse")
-  parser.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
+  parser.add_argument("--set", type=field_value, nargs="+", action="extend", default=[],
+                      metavar="FIELD=VALUE",
                       help="the kernel's keywords (config fields)")
   parser.add_argument("--space", type=int, default=64, help="most scopes a warpgroup")
   parser.add_argument("--skip", type=int, default=2, help="a program's first steps left out")
   parser.add_argument("--dir", default=None, help="where the traces go (default: a temp dir)")
   args = parser.parse_args(argv)
   require_gpu("benchmarks.phase_profile")
-  args.knobs = {k: ast.literal_eval(v) for k, v in (x.split("=", 1) for x in args.set)}
+  args.knobs = dict(args.set)
   fn, inputs = (decode_case if args.kernel == "decode" else sparse_case)(args)
   space = fit_space(fn, inputs, args.space)
   directory = args.dir or tempfile.mkdtemp(prefix="phase_profile_")

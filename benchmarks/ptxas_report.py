@@ -289,7 +289,8 @@ def main(argv=None):
   parser.add_argument("--cache", choices=["bf16", "fp8_ds_mla"], default="bf16", help="sparse")
   parser.add_argument("--slots", type=int, default=2048, help="sparse: slots a row")
   parser.add_argument("--cache-tokens", type=int, default=1 << 20, help="sparse: cache size")
-  parser.add_argument("--set", type=field_value, nargs="+", default=[], metavar="FIELD=VALUE",
+  parser.add_argument("--set", type=field_value, nargs="+", action="extend", default=[],
+                      metavar="FIELD=VALUE",
                       help="keywords of the kernel's jit entry (config fields)")
   parser.add_argument("--sass", action="store_true", help="also count STL / LDL (nvdisasm)")
   parser.add_argument("--dump", help="directory for each module's ptxas log (and SASS)")

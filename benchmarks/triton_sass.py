@@ -143,7 +143,8 @@ def main():
   parser.add_argument("--rows", type=int, default=128)
   parser.add_argument("--positions", type=int, default=131072)
   parser.add_argument("--topk", type=int, default=2048)
-  parser.add_argument("--set", type=field_value, action="append", default=[], metavar="FIELD=VALUE",
+  parser.add_argument("--set", type=field_value, nargs="+", action="extend", default=[],
+                      metavar="FIELD=VALUE",
                       help="a topk_positions keyword (TopkConfig's fields)")
   parser.add_argument("--triton", default=TRITON_PYTHON, help="a Python with pip Triton")
   parser.add_argument("--dump", help="keep the TTIR, TTGIR, PTX and SASS here")

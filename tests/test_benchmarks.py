@@ -344,7 +344,6 @@ def test_bench_sparse_topk_revision_rows_call_each_module(monkeypatch):
 
 
 def test_bench_sparse_topk_shapes_parse_rows_by_positions():
-  import argparse
   from benchmarks import bench_sparse
   assert bench_sparse._rows_by_positions("128x8192") == (128, 8192)
   for bad in ("128", "128x", "0x8192", "x8192", "128x-1", "128*8192"):
@@ -480,6 +479,17 @@ def test_field_value_reads_a_keyword_argument():
   for bad in ("sectors", "=True", "sectors="):
     with pytest.raises(argparse.ArgumentTypeError, match="FIELD=VALUE"):
       bench_common.field_value(bad)
+
+
+def test_bench_prefill_config_field_takes_only_config_fields():
+  # --mosaic-variant FIELD=VALUE: `field_value`'s parse, the field checked against
+  # MosaicPrefillConfig's.
+  from benchmarks import bench_prefill
+  assert bench_prefill.config_field("block_k=64") == ("block_k", 64)
+  assert bench_prefill.config_field("ping_pong=True") == ("ping_pong", True)
+  for bad in ("blockk=64", "block_k", "block_k="):
+    with pytest.raises(argparse.ArgumentTypeError, match="FIELD=VALUE"):
+      bench_prefill.config_field(bad)
 
 
 def test_triton_sass_counts_each_loop():
