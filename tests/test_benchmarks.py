@@ -578,3 +578,53 @@ def test_phase_profile_help_and_no_gpu(capsys):
       phase_profile.main(["decode"])
     said = capsys.readouterr()
     assert "needs a CUDA GPU" in said.out + said.err + str(exit_info.value.code)
+
+
+def test_power_summarizes_nvidia_smi_samples():
+  from benchmarks import power
+  samples = "\n".join(["1980, 118.10, 0x0000000000000000", "1455, 699.50, 0x0000000000000004",
+                       "1440, 701.20, 0x0000000000000004", "[N/A], 650, 0x0", "garbage",
+                       "1500, 690.00, 0x0000000000000005"])
+  got = power.clock_summary(samples)
+  assert got["MHz"] == 1477.5
+  assert got["sampled W"] == pytest.approx(694.75)
+  assert got["power capped"] == 0.75
+  with pytest.raises(ValueError, match="no clock samples"):
+    power.clock_summary("[N/A], [N/A], [N/A]\n")
+
+
+def test_power_under_load_runs_the_calls_between_two_counter_reads(monkeypatch):
+  # A fake clock (1 ms a launch) and energy counter: n = seconds / (ms a call) calls run between
+  # the two reads, and mJ and W come from the counter's difference.
+  import types
+  from benchmarks import power
+  now, launched, reads = [0.0], [], iter([5_000.0, 5_000.0 + 500 * 700.0])
+  monkeypatch.setattr(power.time, "perf_counter", lambda: now[0])
+  monkeypatch.setattr(power.time, "sleep", lambda s: None)
+  monkeypatch.setattr(power, "energy_mj", lambda: next(reads))
+  samples = "1455, 699.5, 0x4\n1470, 700.1, 0x4\n"
+  sampler = types.SimpleNamespace(terminate=lambda: None, communicate=lambda: (samples, None))
+  monkeypatch.setattr(power.subprocess, "Popen", lambda *a, **k: sampler)
+
+  def launch(i):
+    launched.append(i)
+    now[0] += 1e-3
+  got = power.under_load(launch, lambda: None, seconds=0.5)
+  assert len(launched) == 3 + 10 + 500  # warm-up, calibration, the load
+  assert got["ms"] == pytest.approx(1.0)
+  assert got["mJ"] == pytest.approx(700.0)
+  assert got["W"] == pytest.approx(700.0)
+  assert got["power capped"] == 1.0
+  assert power.format_line("x", got).startswith("x: 1.0000 ms, 700.0 mJ a call, 700 W")
+
+
+def test_power_help_and_its_wrong_use(capsys):
+  from benchmarks import power
+  with pytest.raises(SystemExit) as exit_info:
+    power.main(["--help"])
+  assert exit_info.value.code == 0
+  assert power.__doc__.strip() in capsys.readouterr().out
+  for bad in ([], ["generate"], ["decode", "--seconds", "0"]):
+    with pytest.raises(SystemExit) as exit_info:
+      power.main(bad)
+    assert exit_info.value.code == 2

@@ -1,0 +1,118 @@
+"""What a benchmark's calls draw from the GPU: energy a call, mean power, the SM clock under load.
+
+A kernel that keeps the tensor cores and HBM busy can reach the board's power limit (700 W on the
+H100 and H200 SXM), and then the driver lowers the SM clock until it holds (nvidia-smi's clock
+event reason 0x4, "SW power cap"): its time is then its energy over the limit, and a change that
+saves cycles but not energy gains nothing (benchmarks/RESULTS.md, session 46: the bf16 decode at
+128 heads runs at ~1.45-1.65 GHz of the H100's 1.98 on the cap). This runs one of the benchmark
+modules with its timer replaced: each timed entry is called back to back for `--seconds` of load
+while nvidia-smi samples the clock, the power and the clock event reasons, and the board's energy
+counter is read before and after. It prints a line per entry and returns the entry's ms a call
+to the benchmark (so its table holds these timings, from one long run each):
+
+    python3 -m benchmarks.power decode --batch 128 --heads 128 --seq 8192 --dtype bf16 \\
+        --no-triton --no-ref
+
+ms a call, mJ a call, mean W, the median SM MHz of the samples and the share of them on the power
+cap. Read them together: on the cap, ms ~ mJ / the limit, and only less energy makes a call faster.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+
+from benchmarks.common import jax_calls, make_parser
+
+BENCHMARKS = ("decode", "prefill", "sparse")  # the ones timed through time_ms / time_interleaved
+POWER_CAP = 0x4  # clocks_event_reasons: SW power cap
+_SAMPLE_QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
+
+
+def energy_mj() -> float:
+  """The GPU's energy counter (mJ since the driver loaded), GPU 0."""
+  out = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=total_energy_consumption",
+                        "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                       check=True).stdout
+  return float(out.split()[0])
+
+
+def clock_summary(samples: str) -> dict:
+  """nvidia-smi's `clocks.sm, power.draw, clocks_event_reasons.active` lines (csv, noheader,
+  nounits) -> the median SM MHz, the median W and the share of samples on the power cap."""
+  rows = []
+  for line in samples.splitlines():
+    parts = [p.strip() for p in line.split(",")]
+    if len(parts) != 3:
+      continue
+    try:
+      rows.append((float(parts[0]), float(parts[1]), int(parts[2], 16)))
+    except ValueError:
+      continue
+  if not rows:
+    raise ValueError("no clock samples: nvidia-smi printed no 'MHz, W, 0xREASONS' line")
+  return {"MHz": statistics.median(r[0] for r in rows),
+          "sampled W": statistics.median(r[1] for r in rows),
+          "power capped": sum(bool(r[2] & POWER_CAP) for r in rows) / len(rows)}
+
+
+def under_load(launch, sync, seconds: float) -> dict:
+  """Calls launch(i) back to back for about `seconds` (after a warm-up and a short calibration),
+  nvidia-smi sampling the clocks every 20 ms meanwhile: ms and mJ a call, mean W, clocks."""
+  for i in range(3):
+    launch(i)
+  sync()
+  start = time.perf_counter()
+  for i in range(10):
+    launch(i)
+  sync()
+  n = max(20, round(seconds / ((time.perf_counter() - start) / 10)))
+  sampler = subprocess.Popen(["nvidia-smi", "-i", "0", f"--query-gpu={_SAMPLE_QUERY}",
+                              "--format=csv,noheader,nounits", "-lms", "20"],
+                             stdout=subprocess.PIPE, text=True)
+  time.sleep(0.2)  # its first samples are the idle before the load: skipped by waiting
+  before = energy_mj()
+  start = time.perf_counter()
+  for i in range(n):
+    launch(i)
+  sync()
+  seconds_taken = time.perf_counter() - start
+  used = energy_mj() - before  # also the two counter reads' idle (~0.1 s of tens of W)
+  sampler.terminate()
+  samples = sampler.communicate()[0]
+  return {"ms": seconds_taken * 1e3 / n, "mJ": used / n, "W": used / seconds_taken / 1e3,
+          **clock_summary(samples)}
+
+
+def format_line(name: str, m: dict) -> str:
+  return (f"{name or 'call'}: {m['ms']:.4f} ms, {m['mJ']:.1f} mJ a call, {m['W']:.0f} W, "
+          f"SM {m['MHz']:.0f} MHz (median), {100 * m['power capped']:.0f}% of samples power capped")
+
+
+def main(argv=None):
+  parser = make_parser("benchmarks.power", __doc__)
+  parser.add_argument("benchmark", choices=BENCHMARKS, help="the benchmark module to run")
+  parser.add_argument("--seconds", type=float, default=2.0,
+                      help="seconds of back-to-back calls per timed entry (default 2)")
+  args, rest = parser.parse_known_args(argv)
+  if args.seconds <= 0:
+    parser.error(f"--seconds must be positive, got {args.seconds}")
+
+  def loaded_in_turn(calls, **_):
+    out = {}
+    for name, (launch, sync) in calls.items():
+      m = under_load(launch, sync, args.seconds)
+      print(format_line(name, m), flush=True)
+      out[name] = m["ms"]
+    return out
+
+  module = __import__(f"benchmarks.bench_{args.benchmark}", fromlist=["main"])
+  module.time_ms = lambda fn, arg_sets, **_: loaded_in_turn({"": jax_calls(fn, arg_sets)})[""]
+  module.time_interleaved = loaded_in_turn
+  module.main(rest)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
