@@ -15,6 +15,8 @@ to the benchmark (so its table holds these timings, from one long run each):
 
 ms a call, mJ a call, mean W, the median SM MHz of the samples and the share of them on the power
 cap. Read them together: on the cap, ms ~ mJ / the limit, and only less energy makes a call faster.
+`python3 -m benchmarks.power matmul --size 8192` runs XLA's bf16 matmul (cuBLAS) of that square
+size the same way and prints its TFLOP/s: what the tensor cores sustain on this board's power.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 from benchmarks.common import jax_calls, make_parser
 
 BENCHMARKS = ("decode", "prefill", "sparse")  # the ones timed through time_ms / time_interleaved
+MATMUL = "matmul"
 POWER_CAP = 0x4  # clocks_event_reasons: SW power cap
 _SAMPLE_QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
 
@@ -86,6 +89,19 @@ def under_load(launch, sync, seconds: float) -> dict:
           **clock_summary(samples)}
 
 
+def matmul_under_load(size: int, seconds: float) -> dict:
+  """`under_load` of XLA's bf16 [size, size] x [size, size] product (two operand pairs in turn),
+  with its TFLOP/s."""
+  import jax
+  import jax.numpy as jnp
+
+  keys = jax.random.split(jax.random.key(0), 4)
+  operands = [jax.random.normal(k, (size, size), jnp.bfloat16) for k in keys]
+  pairs = [operands[:2], operands[2:]]
+  m = under_load(*jax_calls(jax.jit(jnp.matmul), pairs), seconds)
+  return {**m, "TFLOP/s": 2 * size**3 / (m["ms"] * 1e9)}
+
+
 def format_line(name: str, m: dict) -> str:
   return (f"{name or 'call'}: {m['ms']:.4f} ms, {m['mJ']:.1f} mJ a call, {m['W']:.0f} W, "
           f"SM {m['MHz']:.0f} MHz (median), {100 * m['power capped']:.0f}% of samples power capped")
@@ -93,12 +109,21 @@ def format_line(name: str, m: dict) -> str:
 
 def main(argv=None):
   parser = make_parser("benchmarks.power", __doc__)
-  parser.add_argument("benchmark", choices=BENCHMARKS, help="the benchmark module to run")
+  parser.add_argument("benchmark", choices=(*BENCHMARKS, MATMUL),
+                      help="the benchmark module to run, or matmul: XLA's bf16 matmul")
   parser.add_argument("--seconds", type=float, default=2.0,
-                      help="seconds of back-to-back calls per timed entry (default 2)")
+                      help="seconds of back-to-back calls per timed entry")
+  parser.add_argument("--size", type=int, default=8192,
+                      help="matmul only: M = N = K of the bf16 product")
   args, rest = parser.parse_known_args(argv)
   if args.seconds <= 0:
     parser.error(f"--seconds must be positive, got {args.seconds}")
+  if args.benchmark == MATMUL:
+    if rest or args.size < 1:
+      parser.error(f"matmul takes --size (positive) and --seconds only, got {rest or args.size}")
+    m = matmul_under_load(args.size, args.seconds)
+    print(format_line(f"bf16 matmul {args.size}^3", m) + f", {m['TFLOP/s']:.0f} TFLOP/s")
+    return
 
   def loaded_in_turn(calls, **_):
     out = {}

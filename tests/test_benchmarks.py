@@ -624,7 +624,24 @@ def test_power_help_and_its_wrong_use(capsys):
     power.main(["--help"])
   assert exit_info.value.code == 0
   assert power.__doc__.strip() in capsys.readouterr().out
-  for bad in ([], ["generate"], ["decode", "--seconds", "0"]):
+  for bad in ([], ["generate"], ["decode", "--seconds", "0"], ["matmul", "--batch", "8"],
+              ["matmul", "--size", "0"]):
     with pytest.raises(SystemExit) as exit_info:
       power.main(bad)
     assert exit_info.value.code == 2
+
+
+def test_power_matmul_counts_its_flops(monkeypatch):
+  from benchmarks import power
+  seen = []
+
+  def fake_under_load(launch, sync, seconds):
+    launch(0)
+    launch(1)
+    sync()
+    seen.append(seconds)
+    return {"ms": 2.0}
+  monkeypatch.setattr(power, "under_load", fake_under_load)
+  got = power.matmul_under_load(16, 0.5)
+  assert seen == [0.5]
+  assert got["TFLOP/s"] == pytest.approx(2 * 16**3 / 2e9)
