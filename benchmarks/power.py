@@ -16,7 +16,9 @@ to the benchmark (so its table holds these timings, from one long run each):
 ms a call, mJ a call, mean W, the median SM MHz of the samples and the share of them on the power
 cap. Read them together: on the cap, ms ~ mJ / the limit, and only less energy makes a call faster.
 `python3 -m benchmarks.power matmul --size 8192` runs XLA's bf16 matmul (cuBLAS) of that square
-size the same way and prints its TFLOP/s: what the tensor cores sustain on this board's power.
+size the same way and prints its TFLOP/s: what the tensor cores sustain on this board's power;
+`python3 -m benchmarks.power read --gb 1.2` a float32 sum over that many GB of bf16 (one read of
+HBM) and its GB/s: with the matmul, the energy a kernel's FLOPs and bytes cost at the least.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import time
 from benchmarks.common import jax_calls, make_parser
 
 BENCHMARKS = ("decode", "prefill", "sparse")  # the ones timed through time_ms / time_interleaved
-MATMUL = "matmul"
+MATMUL, READ = "matmul", "read"
 POWER_CAP = 0x4  # clocks_event_reasons: SW power cap
 _SAMPLE_QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
 
@@ -102,6 +104,19 @@ def matmul_under_load(size: int, seconds: float) -> dict:
   return {**m, "TFLOP/s": 2 * size**3 / (m["ms"] * 1e9)}
 
 
+def read_under_load(gb: float, seconds: float) -> dict:
+  """`under_load` of XLA's float32 sum over `gb` GB of bf16 (two arrays in turn: neither is in the
+  L2 when it is read), with its GB/s."""
+  import jax
+  import jax.numpy as jnp
+
+  rows = max(1, round(gb * 1e9 / (2 * 8192)))
+  arrays = [[jnp.ones((rows, 8192), jnp.bfloat16) * (i + 1)] for i in range(2)]
+  total = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+  m = under_load(*jax_calls(total, arrays), seconds)
+  return {**m, "GB/s": rows * 8192 * 2 / (m["ms"] * 1e6)}
+
+
 def format_line(name: str, m: dict) -> str:
   return (f"{name or 'call'}: {m['ms']:.4f} ms, {m['mJ']:.1f} mJ a call, {m['W']:.0f} W, "
           f"SM {m['MHz']:.0f} MHz (median), {100 * m['power capped']:.0f}% of samples power capped")
@@ -109,12 +124,14 @@ def format_line(name: str, m: dict) -> str:
 
 def main(argv=None):
   parser = make_parser("benchmarks.power", __doc__)
-  parser.add_argument("benchmark", choices=(*BENCHMARKS, MATMUL),
-                      help="the benchmark module to run, or matmul: XLA's bf16 matmul")
+  parser.add_argument("benchmark", choices=(*BENCHMARKS, MATMUL, READ),
+                      help="the benchmark module to run, or matmul (XLA's bf16 matmul) or read "
+                           "(XLA's sum over bf16)")
   parser.add_argument("--seconds", type=float, default=2.0,
                       help="seconds of back-to-back calls per timed entry")
   parser.add_argument("--size", type=int, default=8192,
                       help="matmul only: M = N = K of the bf16 product")
+  parser.add_argument("--gb", type=float, default=1.2, help="read only: GB of bf16 summed")
   args, rest = parser.parse_known_args(argv)
   if args.seconds <= 0:
     parser.error(f"--seconds must be positive, got {args.seconds}")
@@ -123,6 +140,12 @@ def main(argv=None):
       parser.error(f"matmul takes --size (positive) and --seconds only, got {rest or args.size}")
     m = matmul_under_load(args.size, args.seconds)
     print(format_line(f"bf16 matmul {args.size}^3", m) + f", {m['TFLOP/s']:.0f} TFLOP/s")
+    return
+  if args.benchmark == READ:
+    if rest or args.gb <= 0:
+      parser.error(f"read takes --gb (positive) and --seconds only, got {rest or args.gb}")
+    m = read_under_load(args.gb, args.seconds)
+    print(format_line(f"sum over {args.gb:g} GB of bf16", m) + f", {m['GB/s']:.0f} GB/s")
     return
 
   def loaded_in_turn(calls, **_):

@@ -625,13 +625,13 @@ def test_power_help_and_its_wrong_use(capsys):
   assert exit_info.value.code == 0
   assert power.__doc__.strip() in capsys.readouterr().out
   for bad in ([], ["generate"], ["decode", "--seconds", "0"], ["matmul", "--batch", "8"],
-              ["matmul", "--size", "0"]):
+              ["matmul", "--size", "0"], ["read", "--gb", "-1"], ["read", "--batch", "8"]):
     with pytest.raises(SystemExit) as exit_info:
       power.main(bad)
     assert exit_info.value.code == 2
 
 
-def test_power_matmul_counts_its_flops(monkeypatch):
+def test_power_matmul_and_read_count_their_work(monkeypatch):
   from benchmarks import power
   seen = []
 
@@ -645,3 +645,6 @@ def test_power_matmul_counts_its_flops(monkeypatch):
   got = power.matmul_under_load(16, 0.5)
   assert seen == [0.5]
   assert got["TFLOP/s"] == pytest.approx(2 * 16**3 / 2e9)
+  got = power.read_under_load(2 * 8192 * 3 / 1e9, 0.25)  # 3 rows of 8192 bf16
+  assert seen == [0.5, 0.25]
+  assert got["GB/s"] == pytest.approx(3 * 8192 * 2 / 2e6)
