@@ -2,9 +2,9 @@
 
 A kernel that keeps the tensor cores and HBM busy can reach the board's power limit (700 W on the
 H100 and H200 SXM), and then the driver lowers the SM clock until it holds (nvidia-smi's clock
-event reason 0x4, "SW power cap"): its time is then its energy over the limit, and a change that
-saves cycles but not energy gains nothing (benchmarks/RESULTS.md, session 46: the bf16 decode at
-128 heads runs at ~1.45-1.65 GHz of the H100's 1.98 on the cap). This runs one of the benchmark
+event reason 0x4, "SW power cap"): its time is then about its energy over the limit, and a change
+that saves cycles but not energy gains little (benchmarks/RESULTS.md, session 46: the bf16 decode
+at 128 heads runs at ~1.4-1.6 GHz of the H100's 1.98 on the cap). This runs one of the benchmark
 modules with its timer replaced: each timed entry is called back to back for `--seconds` of load
 while nvidia-smi samples the clock, the power and the clock event reasons, and the board's energy
 counter is read before and after. It prints a line per entry and returns the entry's ms a call
