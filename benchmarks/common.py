@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib
 import json
 import re
 import statistics
@@ -140,6 +141,22 @@ def time_interleaved(calls, *, warmup=3, iters=20, repeats=5):
         sync()
       samples[name].append(per_call_ms(run, iters))
   return {name: statistics.median(s) for name, s in samples.items()}
+
+
+# The benchmark modules that time through `time_ms` and `time_interleaved` (by module-level name),
+# which `run_with_timers` can replace.
+TIMED_BENCHMARKS = ("decode", "prefill", "sparse")
+
+
+def run_with_timers(benchmark: str, argv, *, time_ms, time_interleaved):
+  """Runs `benchmarks.bench_<benchmark>`'s main(argv) with its two timers replaced (kernel_times:
+  one profiled call each; power: long runs under an energy counter)."""
+  if benchmark not in TIMED_BENCHMARKS:
+    raise ValueError(f"benchmark must be one of {TIMED_BENCHMARKS}, got {benchmark!r}")
+  module = importlib.import_module(f"benchmarks.bench_{benchmark}")
+  module.time_ms = time_ms
+  module.time_interleaved = time_interleaved
+  return module.main(argv)
 
 
 def time_steps(step, x, cache, md, *, iters, repeats, warmup=3):

@@ -27,10 +27,9 @@ import io
 import os
 import sys
 
-from benchmarks.common import jax_calls, make_parser
+from benchmarks.common import TIMED_BENCHMARKS, jax_calls, make_parser, run_with_timers
 
 MARKER = "elementwise"  # the PyTorch marker's kernel name contains it; no JAX kernel's does
-BENCHMARKS = ("decode", "prefill", "sparse")
 
 
 def _profile_one(launch, sync):
@@ -94,7 +93,7 @@ def format_calls(profiled: list[list[tuple[str, float]]]) -> str:
 
 def main(argv=None):
   parser = make_parser("benchmarks.kernel_times", __doc__)
-  parser.add_argument("benchmark", nargs="?", choices=BENCHMARKS,
+  parser.add_argument("benchmark", nargs="?", choices=TIMED_BENCHMARKS,
                       help="the benchmark module to run with one profiled call per timing")
   parser.add_argument("--table", metavar="NCU_LOG",
                       help="print the per-call kernel table of an ncu log instead of running")
@@ -110,10 +109,7 @@ def main(argv=None):
   # the backend starts, i.e. after this.
   os.environ["XLA_FLAGS"] = " ".join(
       [os.environ.get("XLA_FLAGS", ""), "--xla_gpu_enable_command_buffer="]).strip()
-  module = __import__(f"benchmarks.bench_{args.benchmark}", fromlist=["main"])
-  module.time_ms = profiled_once
-  module.time_interleaved = profiled_in_turn
-  module.main(rest)
+  run_with_timers(args.benchmark, rest, time_ms=profiled_once, time_interleaved=profiled_in_turn)
 
 
 if __name__ == "__main__":

@@ -28,9 +28,8 @@ import subprocess
 import sys
 import time
 
-from benchmarks.common import jax_calls, make_parser
+from benchmarks.common import TIMED_BENCHMARKS, jax_calls, make_parser, run_with_timers
 
-BENCHMARKS = ("decode", "prefill", "sparse")  # the ones timed through time_ms / time_interleaved
 MATMUL, READ = "matmul", "read"
 POWER_CAP = 0x4  # clocks_event_reasons: SW power cap
 _SAMPLE_QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
@@ -124,24 +123,30 @@ def format_line(name: str, m: dict) -> str:
 
 def main(argv=None):
   parser = make_parser("benchmarks.power", __doc__)
-  parser.add_argument("benchmark", choices=(*BENCHMARKS, MATMUL, READ),
+  parser.add_argument("benchmark", choices=(*TIMED_BENCHMARKS, MATMUL, READ),
                       help="the benchmark module to run, or matmul (XLA's bf16 matmul) or read "
                            "(XLA's sum over bf16)")
   parser.add_argument("--seconds", type=float, default=2.0,
                       help="seconds of back-to-back calls per timed entry")
-  parser.add_argument("--size", type=int, default=8192,
-                      help="matmul only: M = N = K of the bf16 product")
-  parser.add_argument("--gb", type=float, default=1.2, help="read only: GB of bf16 summed")
+  parser.add_argument("--size", type=int, help="matmul only: M = N = K of the bf16 product "
+                      "(default 8192)")
+  parser.add_argument("--gb", type=float, help="read only: GB of bf16 summed (default 1.2)")
   args, rest = parser.parse_known_args(argv)
   if args.seconds <= 0:
     parser.error(f"--seconds must be positive, got {args.seconds}")
+  if args.size is not None and args.benchmark != MATMUL:
+    parser.error(f"--size is matmul's, not {args.benchmark}'s")
+  if args.gb is not None and args.benchmark != READ:
+    parser.error(f"--gb is read's, not {args.benchmark}'s")
   if args.benchmark == MATMUL:
+    args.size = 8192 if args.size is None else args.size
     if rest or args.size < 1:
       parser.error(f"matmul takes --size (positive) and --seconds only, got {rest or args.size}")
     m = matmul_under_load(args.size, args.seconds)
     print(format_line(f"bf16 matmul {args.size}^3", m) + f", {m['TFLOP/s']:.0f} TFLOP/s")
     return
   if args.benchmark == READ:
+    args.gb = 1.2 if args.gb is None else args.gb
     if rest or args.gb <= 0:
       parser.error(f"read takes --gb (positive) and --seconds only, got {rest or args.gb}")
     m = read_under_load(args.gb, args.seconds)
@@ -156,10 +161,9 @@ def main(argv=None):
       out[name] = m["ms"]
     return out
 
-  module = __import__(f"benchmarks.bench_{args.benchmark}", fromlist=["main"])
-  module.time_ms = lambda fn, arg_sets, **_: loaded_in_turn({"": jax_calls(fn, arg_sets)})[""]
-  module.time_interleaved = loaded_in_turn
-  module.main(rest)
+  run_with_timers(
+      args.benchmark, rest, time_interleaved=loaded_in_turn,
+      time_ms=lambda fn, arg_sets, **_: loaded_in_turn({"": jax_calls(fn, arg_sets)})[""])
 
 
 if __name__ == "__main__":

@@ -625,7 +625,8 @@ def test_power_help_and_its_wrong_use(capsys):
   assert exit_info.value.code == 0
   assert power.__doc__.strip() in capsys.readouterr().out
   for bad in ([], ["generate"], ["decode", "--seconds", "0"], ["matmul", "--batch", "8"],
-              ["matmul", "--size", "0"], ["read", "--gb", "-1"], ["read", "--batch", "8"]):
+              ["matmul", "--size", "0"], ["read", "--gb", "-1"], ["read", "--batch", "8"],
+              ["decode", "--size", "64"], ["matmul", "--gb", "1"], ["read", "--size", "64"]):
     with pytest.raises(SystemExit) as exit_info:
       power.main(bad)
     assert exit_info.value.code == 2
@@ -648,3 +649,21 @@ def test_power_matmul_and_read_count_their_work(monkeypatch):
   got = power.read_under_load(2 * 8192 * 3 / 1e9, 0.25)  # 3 rows of 8192 bf16
   assert seen == [0.5, 0.25]
   assert got["GB/s"] == pytest.approx(3 * 8192 * 2 / 2e6)
+
+
+def test_run_with_timers_replaces_both_timers_of_a_timed_benchmark(monkeypatch):
+  # kernel_times and power run a benchmark module through it: its main sees the given timers
+  # under the names it calls, and a module that does not time through them is refused.
+  from benchmarks import bench_decode, common as bench_common
+  seen = []
+
+  def fake_main(argv):
+    seen.append((argv, bench_decode.time_ms, bench_decode.time_interleaved))
+  monkeypatch.setattr(bench_decode, "main", fake_main)
+  monkeypatch.setattr(bench_decode, "time_ms", bench_decode.time_ms)  # restored after the test
+  monkeypatch.setattr(bench_decode, "time_interleaved", bench_decode.time_interleaved)
+  one, turn = object(), object()
+  bench_common.run_with_timers("decode", ["--quick"], time_ms=one, time_interleaved=turn)
+  assert seen == [(["--quick"], one, turn)]
+  with pytest.raises(ValueError, match="one of"):
+    bench_common.run_with_timers("generate", [], time_ms=one, time_interleaved=turn)
