@@ -6,8 +6,8 @@ event reason 0x4, "SW power cap"): its time is then about its energy over the li
 that saves cycles but not energy gains little (benchmarks/RESULTS.md, session 46: the bf16 decode
 at 128 heads runs at ~1.4-1.6 GHz of the H100's 1.98 on the cap). This runs one of the benchmark
 modules with its timer replaced: each timed entry is called back to back for `--seconds` of load
-while nvidia-smi samples the clock, the power and the clock event reasons, and the board's energy
-counter is read before and after. It prints a line per entry and returns the entry's ms a call
+while nvidia-smi samples the clock, the power and the clock event reasons every 20 ms; the energy
+is the mean sampled power times the time. It prints a line per entry and returns the entry's ms a call
 to the benchmark (so its table holds these timings, from one long run each):
 
     python3 -m benchmarks.power decode --batch 128 --heads 128 --seq 8192 --dtype bf16 \\
@@ -23,6 +23,7 @@ HBM) and its GB/s: with the matmul, the energy a kernel's FLOPs and bytes cost a
 
 from __future__ import annotations
 
+import datetime
 import statistics
 import subprocess
 import sys
@@ -32,39 +33,39 @@ from benchmarks.common import TIMED_BENCHMARKS, jax_calls, make_parser, run_with
 
 MATMUL, READ = "matmul", "read"
 POWER_CAP = 0x4  # clocks_event_reasons: SW power cap
-_SAMPLE_QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
+_SAMPLE_QUERY = "timestamp,clocks.sm,power.draw.instant,clocks_event_reasons.active"
 
 
-def energy_mj() -> float:
-  """The GPU's energy counter (mJ since the driver loaded), GPU 0."""
-  out = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=total_energy_consumption",
-                        "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                       check=True).stdout
-  return float(out.split()[0])
-
-
-def clock_summary(samples: str) -> dict:
-  """nvidia-smi's `clocks.sm, power.draw, clocks_event_reasons.active` lines (csv, noheader,
-  nounits) -> the median SM MHz, the median W and the share of samples on the power cap."""
+def sample_summary(samples: str, start: float, end: float) -> dict:
+  """nvidia-smi's `timestamp, clocks.sm, power.draw.instant, clocks_event_reasons.active` lines
+  (csv, noheader, nounits) -> over the samples taken between start and end (epoch seconds): the
+  median SM MHz, the mean W, the share of samples on the power cap and their count."""
   rows = []
   for line in samples.splitlines():
     parts = [p.strip() for p in line.split(",")]
-    if len(parts) != 3:
+    if len(parts) != 4:
       continue
     try:
-      rows.append((float(parts[0]), float(parts[1]), int(parts[2], 16)))
+      when = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+      row = (float(parts[1]), float(parts[2]), int(parts[3], 16))
     except ValueError:
       continue
+    if start <= when <= end:
+      rows.append(row)
   if not rows:
-    raise ValueError("no clock samples: nvidia-smi printed no 'MHz, W, 0xREASONS' line")
+    raise ValueError("no power samples within the load: nvidia-smi printed no "
+                     "'TIME, MHz, W, 0xREASONS' line between its start and end")
   return {"MHz": statistics.median(r[0] for r in rows),
-          "sampled W": statistics.median(r[1] for r in rows),
-          "power capped": sum(bool(r[2] & POWER_CAP) for r in rows) / len(rows)}
+          "W": statistics.fmean(r[1] for r in rows),
+          "power capped": sum(bool(r[2] & POWER_CAP) for r in rows) / len(rows),
+          "samples": len(rows)}
 
 
 def under_load(launch, sync, seconds: float) -> dict:
   """Calls launch(i) back to back for about `seconds` (after a warm-up and a short calibration),
-  nvidia-smi sampling the clocks every 20 ms meanwhile: ms and mJ a call, mean W, clocks."""
+  nvidia-smi sampling every 20 ms meanwhile: ms a call, and from the samples taken during the
+  load, mean W, mJ a call (mean W x ms) and the clocks. The energy is sampled, not read from the
+  board's counter: nvidia-smi 580 (the H100 and H200 machines) has no total_energy_consumption."""
   for i in range(3):
     launch(i)
   sync()
@@ -76,18 +77,16 @@ def under_load(launch, sync, seconds: float) -> dict:
   sampler = subprocess.Popen(["nvidia-smi", "-i", "0", f"--query-gpu={_SAMPLE_QUERY}",
                               "--format=csv,noheader,nounits", "-lms", "20"],
                              stdout=subprocess.PIPE, text=True)
-  time.sleep(0.2)  # its first samples are the idle before the load: skipped by waiting
-  before = energy_mj()
-  start = time.perf_counter()
+  time.sleep(0.2)  # nvidia-smi's start-up, before the load
+  wall_start, start = time.time(), time.perf_counter()
   for i in range(n):
     launch(i)
   sync()
-  seconds_taken = time.perf_counter() - start
-  used = energy_mj() - before  # also the two counter reads' idle (~0.1 s of tens of W)
+  seconds_taken, wall_end = time.perf_counter() - start, time.time()
   sampler.terminate()
-  samples = sampler.communicate()[0]
-  return {"ms": seconds_taken * 1e3 / n, "mJ": used / n, "W": used / seconds_taken / 1e3,
-          **clock_summary(samples)}
+  m = sample_summary(sampler.communicate()[0], wall_start, wall_end)
+  ms = seconds_taken * 1e3 / n
+  return {"ms": ms, "mJ": m["W"] * ms, **m}
 
 
 def matmul_under_load(size: int, seconds: float) -> dict:

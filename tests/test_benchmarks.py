@@ -580,29 +580,40 @@ def test_phase_profile_help_and_no_gpu(capsys):
     assert "needs a CUDA GPU" in said.out + said.err + str(exit_info.value.code)
 
 
-def test_power_summarizes_nvidia_smi_samples():
+def _smi_time(seconds):
+  import datetime
+  return datetime.datetime.fromtimestamp(seconds).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+
+
+def test_power_summarizes_the_samples_within_the_load():
   from benchmarks import power
-  samples = "\n".join(["1980, 118.10, 0x0000000000000000", "1455, 699.50, 0x0000000000000004",
-                       "1440, 701.20, 0x0000000000000004", "[N/A], 650, 0x0", "garbage",
-                       "1500, 690.00, 0x0000000000000005"])
-  got = power.clock_summary(samples)
-  assert got["MHz"] == 1477.5
-  assert got["sampled W"] == pytest.approx(694.75)
-  assert got["power capped"] == 0.75
-  with pytest.raises(ValueError, match="no clock samples"):
-    power.clock_summary("[N/A], [N/A], [N/A]\n")
+  t0 = 1_800_000_000.0
+  samples = "\n".join([f"{_smi_time(t0 - 0.1)}, 1980, 118.10, 0x0000000000000000",  # before
+                        f"{_smi_time(t0 + 0.02)}, 1455, 699.50, 0x0000000000000004",
+                        f"{_smi_time(t0 + 0.04)}, 1440, 701.20, 0x0000000000000004",
+                        f"{_smi_time(t0 + 0.06)}, [N/A], 650, 0x0", "garbage",
+                        f"{_smi_time(t0 + 0.08)}, 1500, 690.00, 0x0000000000000001",
+                        f"{_smi_time(t0 + 0.50)}, 1980, 90.00, 0x0"])  # after
+  got = power.sample_summary(samples, t0, t0 + 0.1)
+  assert got["MHz"] == 1455
+  assert got["W"] == pytest.approx((699.5 + 701.2 + 690.0) / 3)
+  assert got["power capped"] == pytest.approx(2 / 3)
+  assert got["samples"] == 3
+  with pytest.raises(ValueError, match="no power samples"):
+    power.sample_summary(samples, t0 + 1, t0 + 2)
 
 
-def test_power_under_load_runs_the_calls_between_two_counter_reads(monkeypatch):
-  # A fake clock (1 ms a launch) and energy counter: n = seconds / (ms a call) calls run between
-  # the two reads, and mJ and W come from the counter's difference.
+def test_power_under_load_runs_the_calls_within_the_samples(monkeypatch):
+  # A fake clock (1 ms a launch): n = seconds / (ms a call) calls run while nvidia-smi samples;
+  # W is the samples' mean and mJ a call W x ms.
   import types
   from benchmarks import power
-  now, launched, reads = [0.0], [], iter([5_000.0, 5_000.0 + 500 * 700.0])
+  epoch, now, launched = 1_800_000_000.0, [0.0], []
   monkeypatch.setattr(power.time, "perf_counter", lambda: now[0])
+  monkeypatch.setattr(power.time, "time", lambda: epoch + now[0])
   monkeypatch.setattr(power.time, "sleep", lambda s: None)
-  monkeypatch.setattr(power, "energy_mj", lambda: next(reads))
-  samples = "1455, 699.5, 0x4\n1470, 700.1, 0x4\n"
+  t0 = epoch + 0.013  # after the warm-up and calibration
+  samples = f"{_smi_time(t0 + 0.1)}, 1455, 690.0, 0x4\n{_smi_time(t0 + 0.3)}, 1470, 710.0, 0x4\n"
   sampler = types.SimpleNamespace(terminate=lambda: None, communicate=lambda: (samples, None))
   monkeypatch.setattr(power.subprocess, "Popen", lambda *a, **k: sampler)
 
@@ -612,8 +623,8 @@ def test_power_under_load_runs_the_calls_between_two_counter_reads(monkeypatch):
   got = power.under_load(launch, lambda: None, seconds=0.5)
   assert len(launched) == 3 + 10 + 500  # warm-up, calibration, the load
   assert got["ms"] == pytest.approx(1.0)
-  assert got["mJ"] == pytest.approx(700.0)
   assert got["W"] == pytest.approx(700.0)
+  assert got["mJ"] == pytest.approx(700.0)
   assert got["power capped"] == 1.0
   assert power.format_line("x", got).startswith("x: 1.0000 ms, 700.0 mJ a call, 700 W")
 
