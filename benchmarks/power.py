@@ -7,8 +7,8 @@ that saves cycles but not energy gains little (benchmarks/RESULTS.md, session 46
 at 128 heads runs at ~1.4-1.6 GHz of the H100's 1.98 on the cap). This runs one of the benchmark
 modules with its timer replaced: each timed entry is called back to back for `--seconds` of load
 while nvidia-smi samples the clock, the power and the clock event reasons every 20 ms; the energy
-is the mean sampled power times the time. It prints a line per entry and returns the entry's ms a call
-to the benchmark (so its table holds these timings, from one long run each):
+is the mean sampled power times the time. It prints a line per entry and returns the entry's ms a
+call to the benchmark (so its table holds these timings, from one long run each):
 
     python3 -m benchmarks.power decode --batch 128 --heads 128 --seq 8192 --dtype bf16 \\
         --no-triton --no-ref
