@@ -678,3 +678,55 @@ def test_run_with_timers_replaces_both_timers_of_a_timed_benchmark(monkeypatch):
   assert seen == [(["--quick"], one, turn)]
   with pytest.raises(ValueError, match="one of"):
     bench_common.run_with_timers("generate", [], time_ms=one, time_interleaved=turn)
+
+
+def test_flushed_splits_the_trace_into_calls_at_the_flushes():
+  from benchmarks import flushed
+  f = flushed.FLUSH_MODULE
+  events = [(0, 90, f), (100, 130, "jit_step"), (135, 400, ""), (420, 500, f),  # call 0: 300 ns
+            (510, 530, "jit_step"), (600, 700, f)]  # call 1: 20 ns; call 2: none
+  assert flushed.call_spans(events[::-1]) == pytest.approx([300e-6, 20e-6])
+  assert flushed.call_spans([(0, 5, "jit_step")]) == []  # before any flush: not a timed call
+
+
+def test_flushed_reads_a_trace_and_times_the_last_calls(monkeypatch, tmp_path):
+  import jax
+  import jax.numpy as jnp
+  from benchmarks import common as bench_common, flushed
+  # device_kernels on a real (CPU) trace: the host's XLA thunks carry their modules.
+  step = jax.jit(lambda x: jnp.sin(x) @ x)
+  x = jnp.ones((64, 64))
+  with jax.profiler.trace(str(tmp_path)):
+    step(x).block_until_ready()
+  (xspace,) = tmp_path.glob("**/*.xplane.pb")
+  got = flushed.device_kernels(str(xspace), device="/host:CPU", line_prefix="tf_XLA")
+  assert any(module == "jit__lambda" and end >= start for start, end, module in got)
+  with pytest.raises(RuntimeError, match="no /device:GPU:0 plane"):
+    flushed.device_kernels(str(xspace))
+  # flushed_ms: each queued call after a flush; the trace's spans (here given) timed, the last
+  # `calls` of them if a warm-up call's leaked in; too few is an error.
+  f = flushed.FLUSH_MODULE
+  ms = 10**6  # ns
+  trace = [(0, 1, f), (2, 9 * ms + 2, "w"),
+           (10 * ms, 10 * ms + 1, f), (10 * ms + 2, 11 * ms + 2, "a"),
+           (20 * ms, 20 * ms + 1, f), (20 * ms + 2, 23 * ms + 2, "a")]
+  monkeypatch.setattr(flushed, "L2_FLUSH_BYTES", 1024)
+  monkeypatch.setattr(flushed, "device_kernels", lambda path, **_: trace)
+  launched = []
+  got = flushed.flushed_ms(*bench_common.jax_calls(lambda v: launched.append(v) or v, [[x]]), 2)
+  assert len(launched) == 3 + 2  # warm-up, then the flushed calls
+  assert got == {"ms": pytest.approx(2.0), "min": pytest.approx(1.0), "max": pytest.approx(3.0)}
+  with pytest.raises(RuntimeError, match="holds 3 calls after a flush, 4 were queued"):
+    flushed.flushed_ms(*bench_common.jax_calls(lambda v: v, [[x]]), 4)
+
+
+def test_flushed_help_and_its_wrong_use(capsys):
+  from benchmarks import flushed
+  with pytest.raises(SystemExit) as exit_info:
+    flushed.main(["--help"])
+  assert exit_info.value.code == 0
+  assert flushed.__doc__.strip() in capsys.readouterr().out
+  for bad in ([], ["matmul"], ["decode", "--calls", "0"]):
+    with pytest.raises(SystemExit) as exit_info:
+      flushed.main(bad)
+    assert exit_info.value.code == 2
