@@ -159,6 +159,23 @@ def run_with_timers(benchmark: str, argv, *, time_ms, time_interleaved):
   return module.main(argv)
 
 
+def run_measuring_each_entry(benchmark: str, argv, measure, describe):
+  """`run_with_timers` with each timed entry measured by `measure(launch, sync) -> dict` (its "ms"
+  goes back to the benchmark), printing `describe(name, result)` for each, in the entries' order
+  (power: long loaded runs; flushed: calls after an L2 flush)."""
+  def measured_in_turn(calls, **_):
+    out = {}
+    for name, (launch, sync) in calls.items():
+      m = measure(launch, sync)
+      print(describe(name, m), flush=True)
+      out[name] = m["ms"]
+    return out
+
+  return run_with_timers(
+      benchmark, argv, time_interleaved=measured_in_turn,
+      time_ms=lambda fn, arg_sets, **_: measured_in_turn({"": jax_calls(fn, arg_sets)})[""])
+
+
 def time_steps(step, x, cache, md, *, iters, repeats, warmup=3):
   """Median ms per call of `step(x, cache, md) -> (out, cache)` with the cache donated (each call
   takes the cache the previous one returned, calls queued back to back), as `per_call_ms`."""

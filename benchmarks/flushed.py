@@ -30,7 +30,7 @@ import statistics
 import sys
 import tempfile
 
-from benchmarks.common import TIMED_BENCHMARKS, jax_calls, make_parser, run_with_timers
+from benchmarks.common import TIMED_BENCHMARKS, make_parser, run_measuring_each_entry
 
 L2_FLUSH_BYTES = 256 * 10**6  # do_bench's and DeepGEMM's flush buffer, 5x the H200's 50 MB L2
 FLUSH_MODULE = "jit_l2_flush"  # the XLA module of `l2_flush` below, jitted
@@ -118,17 +118,9 @@ def main(argv=None):
   os.environ["XLA_FLAGS"] = " ".join(
       [os.environ.get("XLA_FLAGS", ""), "--xla_gpu_enable_command_buffer="]).strip()
 
-  def flushed_in_turn(calls, **_):
-    out = {}
-    for name, (launch, sync) in calls.items():
-      m = flushed_ms(launch, sync, args.calls)
-      print(format_line(name, m), flush=True)
-      out[name] = m["ms"]
-    return out
-
-  run_with_timers(
-      args.benchmark, rest, time_interleaved=flushed_in_turn,
-      time_ms=lambda fn, arg_sets, **_: flushed_in_turn({"": jax_calls(fn, arg_sets)})[""])
+  run_measuring_each_entry(args.benchmark, rest,
+                           lambda launch, sync: flushed_ms(launch, sync, args.calls),
+                           format_line)
 
 
 if __name__ == "__main__":

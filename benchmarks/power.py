@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.common import TIMED_BENCHMARKS, jax_calls, make_parser, run_with_timers
+from benchmarks.common import TIMED_BENCHMARKS, jax_calls, make_parser, run_measuring_each_entry
 
 MATMUL, READ = "matmul", "read"
 POWER_CAP = 0x4  # clocks_event_reasons: SW power cap
@@ -152,17 +152,9 @@ def main(argv=None):
     print(format_line(f"sum over {args.gb:g} GB of bf16", m) + f", {m['GB/s']:.0f} GB/s")
     return
 
-  def loaded_in_turn(calls, **_):
-    out = {}
-    for name, (launch, sync) in calls.items():
-      m = under_load(launch, sync, args.seconds)
-      print(format_line(name, m), flush=True)
-      out[name] = m["ms"]
-    return out
-
-  run_with_timers(
-      args.benchmark, rest, time_interleaved=loaded_in_turn,
-      time_ms=lambda fn, arg_sets, **_: loaded_in_turn({"": jax_calls(fn, arg_sets)})[""])
+  run_measuring_each_entry(args.benchmark, rest,
+                           lambda launch, sync: under_load(launch, sync, args.seconds),
+                           format_line)
 
 
 if __name__ == "__main__":

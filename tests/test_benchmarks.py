@@ -680,6 +680,29 @@ def test_run_with_timers_replaces_both_timers_of_a_timed_benchmark(monkeypatch):
     bench_common.run_with_timers("generate", [], time_ms=one, time_interleaved=turn)
 
 
+def test_run_measuring_each_entry_measures_every_entry_in_turn(monkeypatch, capsys):
+  # power and flushed: both timers of the module become `measure` per entry, its "ms" returned.
+  from benchmarks import bench_decode, common as bench_common
+  got = {}
+
+  def fake_main(argv):
+    got["one"] = bench_decode.time_ms(lambda v: v, [[1], [2]], iters=5)
+    got["turn"] = bench_decode.time_interleaved({"a": ("la", "sa"), "b": ("lb", "sb")})
+  monkeypatch.setattr(bench_decode, "main", fake_main)
+  monkeypatch.setattr(bench_decode, "time_ms", bench_decode.time_ms)
+  monkeypatch.setattr(bench_decode, "time_interleaved", bench_decode.time_interleaved)
+  measured = []
+
+  def measure(launch, sync):
+    measured.append(launch)
+    return {"ms": float(len(measured))}
+  bench_common.run_measuring_each_entry("decode", [], measure, lambda name, m: f"<{name} {m}>")
+  assert got == {"one": 1.0, "turn": {"a": 2.0, "b": 3.0}}
+  assert measured[1:] == ["la", "lb"]
+  assert capsys.readouterr().out.splitlines() == ["< {'ms': 1.0}>", "<a {'ms': 2.0}>",
+                                                  "<b {'ms': 3.0}>"]
+
+
 def test_flushed_splits_the_trace_into_calls_at_the_flushes():
   from benchmarks import flushed
   f = flushed.FLUSH_MODULE
