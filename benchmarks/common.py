@@ -6,6 +6,7 @@ import argparse
 import ast
 import importlib
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -148,9 +149,19 @@ def time_interleaved(calls, *, warmup=3, iters=20, repeats=5):
 TIMED_BENCHMARKS = ("decode", "prefill", "sparse")
 
 
+def launch_kernels_one_by_one():
+  """Turns XLA's command buffers (CUDA graphs) off, so that every kernel of a call is launched,
+  and seen by a profiler, on its own (kernel_times, flushed: a graph's kernels were missing from
+  the profile of the DSA step in session 14). XLA reads the flag when the backend starts: call
+  this before the first JAX computation."""
+  os.environ["XLA_FLAGS"] = " ".join(
+      [os.environ.get("XLA_FLAGS", ""), "--xla_gpu_enable_command_buffer="]).strip()
+
+
 def run_with_timers(benchmark: str, argv, *, time_ms, time_interleaved):
   """Runs `benchmarks.bench_<benchmark>`'s main(argv) with its two timers replaced (kernel_times:
-  one profiled call each; power: long runs under an energy counter)."""
+  one profiled call each; power: long runs under nvidia-smi's samples; flushed: calls after an
+  L2 flush)."""
   if benchmark not in TIMED_BENCHMARKS:
     raise ValueError(f"benchmark must be one of {TIMED_BENCHMARKS}, got {benchmark!r}")
   module = importlib.import_module(f"benchmarks.bench_{benchmark}")

@@ -30,7 +30,8 @@ import statistics
 import sys
 import tempfile
 
-from benchmarks.common import TIMED_BENCHMARKS, make_parser, run_measuring_each_entry
+from benchmarks.common import (TIMED_BENCHMARKS, launch_kernels_one_by_one, make_parser,
+                               run_measuring_each_entry)
 
 L2_FLUSH_BYTES = 256 * 10**6  # do_bench's and DeepGEMM's flush buffer, 5x the H200's 50 MB L2
 FLUSH_MODULE = "jit_l2_flush"  # the XLA module of `l2_flush` below, jitted
@@ -114,9 +115,7 @@ def main(argv=None):
   args, rest = parser.parse_known_args(argv)
   if args.calls < 1:
     parser.error(f"--calls must be positive, got {args.calls}")
-  # Read when the backend starts, i.e. after this (kernel_times: CUDA graphs hide their kernels).
-  os.environ["XLA_FLAGS"] = " ".join(
-      [os.environ.get("XLA_FLAGS", ""), "--xla_gpu_enable_command_buffer="]).strip()
+  launch_kernels_one_by_one()
 
   run_measuring_each_entry(args.benchmark, rest,
                            lambda launch, sync: flushed_ms(launch, sync, args.calls),

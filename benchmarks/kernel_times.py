@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import csv
 import io
-import os
 import sys
 
-from benchmarks.common import TIMED_BENCHMARKS, jax_calls, make_parser, run_with_timers
+from benchmarks.common import (TIMED_BENCHMARKS, jax_calls, launch_kernels_one_by_one, make_parser,
+                               run_with_timers)
 
 MARKER = "elementwise"  # the PyTorch marker's kernel name contains it; no JAX kernel's does
 
@@ -104,11 +104,7 @@ def main(argv=None):
     return
   if args.benchmark is None:
     parser.error("name a benchmark, or give --table")
-  # XLA runs some jitted calls as CUDA graphs (command buffers), whose kernels the profiler range
-  # does not capture (the DSA step's in session 14): launched one by one, each is seen. Read when
-  # the backend starts, i.e. after this.
-  os.environ["XLA_FLAGS"] = " ".join(
-      [os.environ.get("XLA_FLAGS", ""), "--xla_gpu_enable_command_buffer="]).strip()
+  launch_kernels_one_by_one()
   run_with_timers(args.benchmark, rest, time_ms=profiled_once, time_interleaved=profiled_in_turn)
 
 

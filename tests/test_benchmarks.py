@@ -753,3 +753,14 @@ def test_flushed_help_and_its_wrong_use(capsys):
     with pytest.raises(SystemExit) as exit_info:
       flushed.main(bad)
     assert exit_info.value.code == 2
+
+
+def test_launch_kernels_one_by_one_turns_command_buffers_off_and_keeps_other_flags(monkeypatch):
+  from benchmarks import common as bench_common
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+  bench_common.launch_kernels_one_by_one()
+  assert os.environ["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=2",
+                                             "--xla_gpu_enable_command_buffer="]
+  monkeypatch.delenv("XLA_FLAGS")
+  bench_common.launch_kernels_one_by_one()
+  assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer="
